@@ -1,0 +1,3 @@
+from merge_engine.cli import main
+
+raise SystemExit(main())

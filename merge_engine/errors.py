@@ -1,0 +1,74 @@
+"""The errors a user of stepmerge can cause, each naming the path at fault.
+
+Every error here is *permanent*: retrying the same call gives the same error. The CLI maps
+them to one line on stderr and a non-zero exit code; the Prefect tasks map them to a failed,
+not retried, task. Transient storage faults are not wrapped: they surface as the storage
+library's own exceptions (see `merge_engine.storage.is_transient`).
+"""
+
+from __future__ import annotations
+
+
+class StepmergeError(Exception):
+    """Base class. `path` is the file or folder at fault (a URL or a local path)."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        self.message = message
+        self.path = path
+        super().__init__(f"{message} [{path}]" if path else message)
+
+
+class IncompleteCheckpoint(StepmergeError):
+    """A file the layout requires is missing, empty, or still being written."""
+
+    exit_code = 3
+
+
+class WorldSizeMismatch(IncompleteCheckpoint):
+    """The rank files disagree with each other or with the recorded world / parallel sizes."""
+
+
+class CorruptShard(StepmergeError):
+    """A file exists but cannot be read: truncated, not a zip, bad header, inconsistent shards."""
+
+    exit_code = 4
+
+
+class UnsafePickle(CorruptShard):
+    """A pickle asks for a callable outside the allow-list; it was not run."""
+
+
+class UnsupportedLayout(StepmergeError):
+    """No layout recognises the folder, or a layout feature is not supported."""
+
+
+class UnknownArchitecture(StepmergeError):
+    """The model family has no name table; the message lists the supported families."""
+
+
+class MappingError(StepmergeError):
+    """A name table left a tensor unmapped, mapped one twice, or produced an unexpected shape."""
+
+
+class InvalidConfig(StepmergeError):
+    """config.json (or another metadata file) is missing, unparsable, or contradicts the weights."""
+
+
+class TargetExists(StepmergeError):
+    """The target already holds a different model and `overwrite` was not given."""
+
+
+class AdapterError(StepmergeError):
+    """A LoRA adapter is inconsistent with its base, its metadata, or the requested combination."""
+
+
+class ValidationFailed(StepmergeError):
+    """A merged model failed validation; nothing was published."""
+
+    exit_code = 5
+
+
+class InvalidOption(StepmergeError):
+    """A command-line option or parameter is invalid or contradicts the checkpoint."""

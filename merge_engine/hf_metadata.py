@@ -1,0 +1,61 @@
+"""The non-weight files of a Hugging Face model folder: config, generation config, tokenizer.
+
+`read_config` parses ``config.json`` (a `InvalidConfig` naming the file if it cannot);
+`copy_metadata` copies every metadata file of a folder (tokenizer files, chat templates,
+generation config, custom code...) to a target, writing ``config.json`` with the merge's updates.
+Weight files are never copied from here: the writer produces those.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from merge_engine import storage
+from merge_engine.errors import InvalidConfig
+
+CONFIG_FILE = "config.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
+WEIGHT_INDEXES = (".safetensors.index.json", ".bin.index.json")
+
+
+def is_weight_file(name: str) -> bool:
+    return name.endswith(WEIGHT_SUFFIXES) or name.endswith(WEIGHT_INDEXES)
+
+
+def read_config(hf_dir: str | None, *, what: str = "checkpoint") -> dict[str, Any]:
+    """``config.json`` of ``hf_dir`` as a dict; `InvalidConfig` if missing, unparsable or not an object."""
+    if hf_dir is None:
+        raise InvalidConfig(f"the {what} has no huggingface/ folder with config.json; pass --hf-model-path")
+    url = storage.join(hf_dir, CONFIG_FILE)
+    try:
+        text = storage.read_text(url)
+    except FileNotFoundError:
+        raise InvalidConfig("config.json missing", url) from None
+    try:
+        config = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidConfig(f"config.json is not valid JSON ({exc})", url) from None
+    if not isinstance(config, dict) or not config.get("model_type") and not config.get("architectures"):
+        raise InvalidConfig("config.json names neither model_type nor architectures", url)
+    return config
+
+
+def copy_metadata(hf_dir: str, target_url: str, config: Mapping[str, Any],
+                  updates: Mapping[str, Any] | None = None) -> list[tuple[str, int]]:
+    """Copy metadata files (top level of ``hf_dir``) and write the updated config; returns (name, size)."""
+    written = []
+    for entry in storage.list_files(hf_dir, recursive=False):
+        if entry.path == CONFIG_FILE or is_weight_file(entry.path):
+            continue
+        storage.copy_file(storage.join(hf_dir, entry.path), storage.join(target_url, entry.path))
+        written.append((entry.path, entry.size))
+    merged = dict(config)
+    merged.update(updates or {})
+    if "torch_dtype" in merged and "dtype" in (updates or {}):
+        merged["torch_dtype"] = merged["dtype"]
+    data = (json.dumps(merged, indent=2, sort_keys=True) + "\n").encode()
+    storage.write_bytes(storage.join(target_url, CONFIG_FILE), data)
+    written.append((CONFIG_FILE, len(data)))
+    return written

@@ -1,0 +1,192 @@
+"""One merge, end to end: checkpoint URL -> Hugging Face folder at a target URL.
+
+    check (listing + headers) -> config -> open (lazy) -> plan (metadata only) -> write -> metadata
+
+Contract:
+- Every check that can fail on metadata runs before the first output byte is written.
+- The target receives a complete model or nothing: a local target is written to a sibling temp
+  folder and renamed into place; a remote target is cleaned if the write fails.
+- ``stepmerge.json`` (provenance: source, fingerprint, options, engine version) is written last.
+  A target whose provenance matches is left as it is (``skipped``); a target holding anything
+  else raises `TargetExists` unless ``overwrite``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from merge_engine import __version__, storage
+from merge_engine.errors import CorruptShard, TargetExists, UnsupportedLayout
+from merge_engine.hf_metadata import copy_metadata, read_config
+from merge_engine.layouts import Checkpoint, check_checkpoint, layout_module, open_checkpoint
+from merge_engine.plan import DEFAULT_MAX_SHARD_SIZE, EMBED_NAMES, LM_HEAD, MergePlan, parse_dtype, plan_hf_merge
+from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
+from merge_engine.writer import write_plan
+
+PROVENANCE_FILE = "stepmerge.json"
+
+
+@dataclass(frozen=True)
+class MergeOptions:
+    """Options that shape the output (all part of the cache key) plus how to treat the target."""
+
+    backend: str | None = None  # layout name; detected when None
+    dtype: str | None = None  # output dtype; each tensor's stored dtype when None
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    hf_model_path: str | None = None  # config/tokenizer folder overriding the checkpoint's own
+    tie_word_embedding: bool | None = None  # verl's flag: may only confirm config.json
+    overwrite: bool = False
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    def output_options(self) -> dict[str, object]:
+        """The options that change the bytes written (for fingerprints and provenance)."""
+        return {"dtype": self.dtype, "max_shard_size": self.max_shard_size, "hf_model_path": self.hf_model_path}
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    source_url: str
+    target_url: str
+    layout: str
+    fingerprint: str
+    tensors: int
+    tensor_bytes: int
+    files: tuple[tuple[str, int], ...]
+    seconds: float
+    skipped: bool = False
+    notes: tuple[str, ...] = field(default=())
+
+
+def merge_fingerprint(checkpoint: Checkpoint, options: MergeOptions) -> str:
+    """The cache key of a merge: the checkpoint's listing digest + output options + engine version."""
+    return storage.fingerprint(checkpoint.files, **options.output_options(), engine=__version__)
+
+
+def plan_merge(checkpoint: Checkpoint, source: TensorSource, config: dict, options: MergeOptions) -> MergePlan:
+    """The layout's own planner if it has one (Megatron), else the Hugging Face-names planner."""
+    module = layout_module(checkpoint.layout)
+    dtype = parse_dtype(options.dtype)
+    if hasattr(module, "plan"):
+        return module.plan(source, config, dtype=dtype, max_shard_size=options.max_shard_size,
+                           tie_flag=options.tie_word_embedding)
+    metas = source.metas()
+    if any(".lora_A." in name for name in metas):
+        raise UnsupportedLayout("this checkpoint holds LoRA adapters; use `stepmerge extract-lora` "
+                                "(adapter + base) or `stepmerge merge-lora`", checkpoint.url)
+    return plan_hf_merge(metas, config, dtype=dtype, max_shard_size=options.max_shard_size,
+                         tie_flag=options.tie_word_embedding, config_url=checkpoint.hf_dir)
+
+
+def check_tied_copy(source: TensorSource, plan: MergePlan, chunk_bytes: int) -> None:
+    """A dropped tied ``lm_head`` must equal the embedding: else the config lies and we would lose weights."""
+    planned = plan.by_name()
+    metas = source.metas()
+    embed = next((n for n in EMBED_NAMES if n in metas), None)
+    if LM_HEAD not in metas or LM_HEAD in planned or embed is None:
+        return
+    if metas[LM_HEAD].shape != metas[embed].shape:
+        raise CorruptShard(f"config ties embeddings but lm_head {metas[LM_HEAD].shape} != embedding "
+                           f"{metas[embed].shape}", source.url)
+    for a, b in zip(source.iter_chunks(LM_HEAD, chunk_bytes), source.iter_chunks(embed, chunk_bytes)):
+        if not torch.equal(a, b.to(a.dtype)):
+            raise CorruptShard("config says tie_word_embeddings=true but lm_head.weight differs from the "
+                               "embedding; fix config.json (or pass a correct --hf-model-path)", source.url)
+
+
+def read_provenance(target_url: str) -> dict | None:
+    try:
+        return json.loads(storage.read_text(storage.join(target_url, PROVENANCE_FILE)))
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _target_state(target_url: str, fingerprint: str) -> str:
+    """"empty", "same" (already holds this merge) or "other"."""
+    if not storage.list_files(target_url):
+        return "empty"
+    provenance = read_provenance(target_url)
+    if provenance and provenance.get("fingerprint") == fingerprint:
+        return "same"
+    return "other"
+
+
+def merge_checkpoint(source_url: str, target_url: str, options: MergeOptions = MergeOptions(), *,
+                     on_bytes: Callable[[int], None] | None = None,
+                     on_plan: Callable[[MergePlan], None] | None = None) -> MergeResult:
+    """Merge the checkpoint at ``source_url`` into a Hugging Face folder at ``target_url``."""
+    started = time.perf_counter()
+    checkpoint = check_checkpoint(source_url, options.backend)
+    hf_dir = options.hf_model_path or checkpoint.hf_dir
+    config = read_config(hf_dir)
+    fingerprint = merge_fingerprint(checkpoint, options)
+    state = _target_state(target_url, fingerprint)
+    if state == "same":
+        provenance = read_provenance(target_url) or {}
+        return MergeResult(source_url, target_url, checkpoint.layout, fingerprint,
+                           int(provenance.get("tensors", 0)), int(provenance.get("tensor_bytes", 0)),
+                           tuple((e.path, e.size) for e in storage.list_files(target_url)),
+                           time.perf_counter() - started, skipped=True)
+    if state == "other" and not options.overwrite:
+        raise TargetExists("target already holds files of a different model; pass --overwrite to replace it",
+                           target_url)
+    source = open_checkpoint(checkpoint)
+    try:
+        plan = plan_merge(checkpoint, source, config, options)
+        if on_plan:
+            on_plan(plan)
+        check_tied_copy(source, plan, options.chunk_bytes)
+        written = _write_atomically(target_url, replace=(state == "other"), write=lambda url: _write_all(
+            url, plan, source, hf_dir, config, options, on_bytes,
+            provenance={"source": source_url, "layout": checkpoint.layout, "fingerprint": fingerprint,
+                        "engine_version": __version__, "options": options.output_options(),
+                        "parallel": checkpoint.parallel, "tensors": len(plan.tensors),
+                        "tensor_bytes": plan.total_size}))
+    finally:
+        source.close()
+    return MergeResult(source_url, target_url, checkpoint.layout, fingerprint, len(plan.tensors), plan.total_size,
+                       tuple(written), time.perf_counter() - started, notes=plan.notes)
+
+
+def _write_all(url: str, plan: MergePlan, source: TensorSource, hf_dir: str, config: dict,
+               options: MergeOptions, on_bytes, provenance: dict) -> list[tuple[str, int]]:
+    files = list(write_plan(plan, source, url, chunk_bytes=options.chunk_bytes, on_bytes=on_bytes).files)
+    files += copy_metadata(hf_dir, url, config, plan.config_updates)
+    data = (json.dumps(provenance, indent=2, sort_keys=True, default=str) + "\n").encode()
+    storage.write_bytes(storage.join(url, PROVENANCE_FILE), data)
+    files.append((PROVENANCE_FILE, len(data)))
+    return files
+
+
+def _write_atomically(target_url: str, replace: bool, write: Callable[[str], list]) -> list:
+    """Local: write a sibling temp folder, then rename it into place. Remote: write, clean on failure."""
+    if storage.is_local(target_url):
+        target = storage.local_path(target_url)
+        parent = os.path.dirname(target.rstrip(os.sep)) or "."
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{os.path.basename(target.rstrip(os.sep))}.stepmerge-{uuid.uuid4().hex[:8]}")
+        try:
+            files = write(tmp)
+            if os.path.exists(target):
+                if replace or not os.listdir(target):
+                    storage.remove(target, recursive=True)
+            os.replace(tmp, target)
+        finally:
+            storage.remove(tmp, recursive=True)
+        return files
+    try:
+        if replace:
+            storage.remove(target_url, recursive=True)
+        return write(target_url)
+    except BaseException:
+        storage.remove(target_url, recursive=True)
+        raise
+
+
+__all__ = ["MergeOptions", "MergeResult", "merge_checkpoint", "merge_fingerprint", "plan_merge", "asdict"]

@@ -1,0 +1,192 @@
+"""The lazy view every layout gives of a checkpoint: full tensors by name, bytes on demand.
+
+`TensorSource` is the contract between layouts (which know a format's files) and the planner and
+writer (which know nothing of formats). Names, shapes and dtypes are known without reading any
+weight; `iter_chunks` streams a full (unsharded) tensor in row-major order in pieces of bounded
+size, so a tensor of any size is written with bounded memory.
+
+`ConcatTensor` and `ReplicatedTensor` are the two assemblies every sharded format reduces to: a
+tensor cut along one dimension into stored pieces, or a tensor stored whole on several ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from merge_engine.errors import CorruptShard
+from merge_engine.torch_archive import StoredTensor
+
+DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Name, shape and dtype of a full tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class TensorSource(Protocol):
+    """A checkpoint's full tensors, read lazily.
+
+    - `metas()` is computed from metadata alone (headers, pickles, listings) and is ordered.
+    - `iter_chunks(name, max_bytes)` yields 1-D tensors of the stored dtype, each at most
+      ``max_bytes`` (unless a single row of a sharded dimension is larger), whose concatenation
+      is ``read(name).reshape(-1)``. Values are exactly those stored: no cast, no copy of the model.
+    - Errors: `CorruptShard` / `IncompleteCheckpoint` naming the file at fault.
+    """
+
+    url: str
+
+    def metas(self) -> Mapping[str, TensorMeta]: ...
+
+    def iter_chunks(self, name: str, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]: ...
+
+    def read(self, name: str) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+def read_full(source: TensorSource, name: str) -> torch.Tensor:
+    """Materialise one tensor from its chunks (for sources that only stream)."""
+    meta = source.metas()[name]
+    out = torch.empty(meta.numel, dtype=meta.dtype)
+    at = 0
+    for chunk in source.iter_chunks(name):
+        out[at:at + chunk.numel()] = chunk
+        at += chunk.numel()
+    return out.reshape(meta.shape)
+
+
+@dataclass(frozen=True)
+class ConcatTensor:
+    """A full tensor = its stored pieces concatenated along ``dim`` (pieces may be empty)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    dim: int
+    pieces: tuple[StoredTensor, ...]
+
+    def __post_init__(self) -> None:
+        where = self.pieces[0].archive.url if self.pieces else None
+        total = 0
+        for piece in self.pieces:
+            if piece.dtype != self.dtype:
+                raise CorruptShard(f"shard dtype {piece.dtype} differs from {self.dtype}", piece.archive.url)
+            if len(piece.shape) != len(self.shape) or any(
+                a != b for i, (a, b) in enumerate(zip(piece.shape, self.shape)) if i != self.dim
+            ):
+                raise CorruptShard(f"shard shape {piece.shape} does not fit {self.shape} cut on dim {self.dim}",
+                                   piece.archive.url)
+            total += piece.shape[self.dim]
+        if self.shape and total != self.shape[self.dim]:
+            raise CorruptShard(f"shards cover {total} of {self.shape[self.dim]} along dim {self.dim}", where)
+
+    def iter_chunks(self, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        max_elems = max(1, max_bytes // self.dtype.itemsize)
+        if self.dim == 0 or len(self.pieces) == 1:
+            for piece in self.pieces:
+                n = piece.numel
+                for start in range(0, n, max_elems):
+                    yield piece.read_flat(start, min(max_elems, n - start))
+            return
+        outer = math.prod(self.shape[: self.dim])
+        inners = [math.prod(p.shape[self.dim:]) for p in self.pieces]
+        row = sum(inners)
+        rows_per_chunk = max(1, max_elems // max(row, 1))
+        for a in range(0, outer, rows_per_chunk):
+            b = min(outer, a + rows_per_chunk)
+            block = torch.empty((b - a, row), dtype=self.dtype)
+            col = 0
+            for piece, inner in zip(self.pieces, inners):
+                if inner:
+                    part = piece.read_flat(a * inner, (b - a) * inner).view(b - a, inner)
+                    block[:, col:col + inner] = part
+                col += inner
+            yield block.reshape(-1)
+
+    def read(self) -> torch.Tensor:
+        if not self.pieces:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.cat([p.read() for p in self.pieces], dim=self.dim) if len(self.pieces) > 1 else \
+            self.pieces[0].read()
+
+
+@dataclass(frozen=True)
+class ReplicatedTensor:
+    """A full tensor stored whole on several ranks; the copies are checked to be identical."""
+
+    copies: tuple[StoredTensor, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.copies[0].shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.copies[0].dtype
+
+    def __post_init__(self) -> None:
+        first = self.copies[0]
+        for other in self.copies[1:]:
+            if other.shape != first.shape or other.dtype != first.dtype:
+                raise CorruptShard(f"replicated tensor is {other.shape} {other.dtype} here but "
+                                   f"{first.shape} {first.dtype} on another rank", other.archive.url)
+
+    def iter_chunks(self, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        max_elems = max(1, max_bytes // self.dtype.itemsize)
+        first = self.copies[0]
+        n = first.numel
+        for start in range(0, n, max_elems):
+            count = min(max_elems, n - start)
+            chunk = first.read_flat(start, count)
+            for other in self.copies[1:]:
+                if not torch.equal(other.read_flat(start, count), chunk):
+                    raise CorruptShard("replicated tensor differs between ranks (expected identical copies)",
+                                       other.archive.url)
+            yield chunk
+
+    def read(self) -> torch.Tensor:
+        return torch.cat(list(self.iter_chunks())).reshape(self.shape) if self.copies[0].numel else \
+            torch.empty(self.shape, dtype=self.dtype)
+
+
+Assembly = ConcatTensor | ReplicatedTensor
+
+
+class AssembledSource:
+    """A `TensorSource` over a name -> assembly table (what sharded layouts build)."""
+
+    def __init__(self, url: str, tensors: Mapping[str, Assembly], archives: Sequence[object] = ()) -> None:
+        self.url = url
+        self._tensors = dict(tensors)
+        self._metas = {n: TensorMeta(n, tuple(t.shape), t.dtype) for n, t in self._tensors.items()}
+        self._archives = archives
+
+    def metas(self) -> Mapping[str, TensorMeta]:
+        return self._metas
+
+    def iter_chunks(self, name: str, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        return self._tensors[name].iter_chunks(max_bytes)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._tensors[name].read()
+
+    def close(self) -> None:
+        for archive in self._archives:
+            archive.close()

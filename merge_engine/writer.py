@@ -1,0 +1,146 @@
+"""Stream a `MergePlan` into safetensors shards (+ ``model.safetensors.index.json``) at any URL.
+
+A shard's header is computed from the plan before its first byte is written, then each tensor's
+chunks are cast and appended in order: the writer holds a few chunks, never a tensor or a shard.
+A reader thread produces the chunks (reads and casts release the GIL) while the caller's thread
+writes, so reading and writing overlap. The file format is safetensors' own: an 8-byte header
+length, a JSON header padded to 8 bytes, then the tensors back to back.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from merge_engine import storage
+from merge_engine.errors import CorruptShard
+from merge_engine.plan import INDEX_FILE, MergePlan, PlannedTensor, ShardFile
+from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+PREFETCH_CHUNKS = 3
+
+
+@dataclass(frozen=True)
+class WrittenModel:
+    """What the writer produced: file names (relative to the target) with their sizes."""
+
+    files: tuple[tuple[str, int], ...]
+    tensor_bytes: int
+
+
+def shard_header(plan: MergePlan, shard: ShardFile, metadata: dict[str, str] | None = None) -> bytes:
+    by_name = plan.by_name()
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for name in shard.tensors:
+        tensor = by_name[name]
+        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + tensor.nbytes]}
+        offset += tensor.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def tensor_chunks(tensor: PlannedTensor, source: TensorSource, max_bytes: int) -> Iterator[torch.Tensor]:
+    """Flat chunks of one planned tensor in its output dtype; checks the byte count at the end."""
+    chunks = tensor.build.chunks(source, max_bytes) if tensor.build is not None else \
+        source.iter_chunks(tensor.source_name, max_bytes)
+    written = 0
+    for chunk in chunks:
+        chunk = chunk.reshape(-1)
+        if chunk.dtype != tensor.dtype:
+            chunk = chunk.to(tensor.dtype)
+        written += chunk.numel() * chunk.element_size()
+        yield chunk
+    if written != tensor.nbytes:
+        raise CorruptShard(f"{tensor.name}: produced {written} bytes, planned {tensor.nbytes}", source.url)
+
+
+def _prefetched(items: Iterator[torch.Tensor], depth: int) -> Iterator[torch.Tensor]:
+    """Run ``items`` in a thread, ``depth`` chunks ahead; re-raise its error in the caller."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(done)
+        except BaseException as exc:  # handed to the consumer
+            q.put(exc)
+
+    thread = threading.Thread(target=produce, name="stepmerge-reader", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
+def write_plan(plan: MergePlan, source: TensorSource, target_url: str, *,
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_bytes: Callable[[int], None] | None = None,
+               metadata: dict[str, str] | None = None) -> WrittenModel:
+    """Write every shard of ``plan`` under ``target_url``, then the index if there are several.
+
+    ``on_bytes`` is called with each chunk's byte count (progress). Errors from the source
+    propagate; the caller owns cleaning a partial target.
+    """
+    by_name = plan.by_name()
+
+    def all_chunks() -> Iterator[torch.Tensor]:
+        for shard in plan.shards:
+            for name in shard.tensors:
+                yield from tensor_chunks(by_name[name], source, chunk_bytes)
+
+    chunks = _prefetched(all_chunks(), PREFETCH_CHUNKS)
+    files = []
+    for shard in plan.shards:
+        header = shard_header(plan, shard, metadata)
+        remaining = shard.size
+        with storage.open_write(storage.join(target_url, shard.filename)) as out:
+            out.write(header)
+            while remaining > 0:
+                chunk = next(chunks)
+                data = chunk.view(torch.uint8).numpy() if chunk.numel() else b""
+                out.write(memoryview(data))
+                remaining -= len(data)
+                if on_bytes:
+                    on_bytes(len(data))
+            if remaining != 0:
+                raise CorruptShard(f"{shard.filename}: tensor data overran the planned size", source.url)
+        files.append((shard.filename, len(header) + shard.size))
+    if len(plan.shards) > 1:
+        index = {"metadata": {"total_size": plan.total_size},
+                 "weight_map": {name: shard.filename for shard in plan.shards for name in shard.tensors}}
+        data = (json.dumps(index, indent=2) + "\n").encode()
+        storage.write_bytes(storage.join(target_url, INDEX_FILE), data)
+        files.append((INDEX_FILE, len(data)))
+    return WrittenModel(tuple(files), plan.total_size)

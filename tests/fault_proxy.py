@@ -1,0 +1,233 @@
+"""A loopback TCP proxy that injects network faults, for testing retries against real servers.
+
+Contract:
+- ``FaultProxy(upstream_port).start()`` listens on 127.0.0.1 (a free port) and forwards every
+  connection to ``127.0.0.1:upstream_port``, both directions, from an asyncio loop in a daemon thread.
+  ``stop()`` closes the listener and every open connection. It is a context manager.
+- ``set_fault(Fault...)`` applies a fault to the next ``connections`` TCP connections accepted
+  (counted from that call); later connections pass through untouched. ``set_fault(None)`` clears it.
+  Faults (all counted per connection):
+    * ``Fault.reset(after_bytes)``: forward ``after_bytes`` bytes, then send a TCP RST to the client;
+    * ``Fault.stall(seconds, after_bytes)``: forward ``after_bytes`` bytes, then nothing for
+      ``seconds``, then carry on;
+    * ``Fault.refuse()``: accept and reset at once, before any byte (a listener cannot refuse
+      selectively; the client sees a reset connection, as with a server restarting);
+    * ``Fault.respond(raw)``: read the request head, answer ``raw`` (e.g. an HTTP 503), close.
+  Bytes are counted in the server-to-client direction (``direction="down"``, for downloads) or
+  client-to-server (``"up"``, for uploads).
+- ``accepted`` and ``faulted`` count connections, so a test can assert that a fault really fired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Fault", "FaultProxy", "http_response"]
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What the proxy does to the first ``connections`` connections after `FaultProxy.set_fault`."""
+
+    kind: Literal["reset", "stall", "refuse", "respond"]
+    after_bytes: int = 0
+    seconds: float = 0.0
+    connections: int = 1
+    response: bytes = b""
+    direction: Literal["down", "up"] = "down"
+
+    @classmethod
+    def reset(cls, after_bytes: int = 0, connections: int = 1, direction: str = "down") -> Fault:
+        return cls("reset", after_bytes=after_bytes, connections=connections, direction=direction)  # type: ignore[arg-type]
+
+    @classmethod
+    def stall(cls, seconds: float, after_bytes: int = 0, connections: int = 1, direction: str = "down") -> Fault:
+        return cls("stall", after_bytes=after_bytes, seconds=seconds, connections=connections, direction=direction)  # type: ignore[arg-type]
+
+    @classmethod
+    def refuse(cls, connections: int = 1) -> Fault:
+        return cls("refuse", connections=connections)
+
+    @classmethod
+    def respond(cls, response: bytes, connections: int = 1) -> Fault:
+        return cls("respond", response=response, connections=connections)
+
+
+def http_response(status: int, reason: str, body: bytes = b"", content_type: str = "text/plain") -> bytes:
+    """A complete raw HTTP/1.1 response that closes the connection."""
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\n"
+        f"Content-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close with SO_LINGER 0: the peer gets a TCP RST, not a clean FIN."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    writer.transport.abort()
+
+
+class FaultProxy:
+    """See the module docstring."""
+
+    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1") -> None:
+        self.upstream = (upstream_host, upstream_port)
+        self.port = 0
+        self.accepted = 0
+        self.faulted = 0
+        self._fault: Fault | None = None
+        self._fault_left = 0
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def set_fault(self, fault: Fault | None) -> None:
+        with self._lock:
+            self._fault = fault
+            self._fault_left = fault.connections if fault else 0
+
+    def _take_fault(self) -> Fault | None:
+        with self._lock:
+            self.accepted += 1
+            if self._fault is None or self._fault_left <= 0:
+                return None
+            self._fault_left -= 1
+            self.faulted += 1
+            return self._fault
+
+    # -- life cycle ------------------------------------------------------------------------
+    def start(self) -> FaultProxy:
+        if self._thread is not None:
+            raise RuntimeError("proxy already started")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(self._listen(), self._loop)
+        future.result(timeout=10)
+        return self
+
+    async def _listen(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+
+        async def shutdown() -> None:
+            if self._server is not None:
+                self._server.close()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+        self._loop = self._thread = self._server = None
+
+    def __enter__(self) -> FaultProxy:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- one connection --------------------------------------------------------------------
+    async def _handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            await self._serve(client_reader, client_writer, self._take_fault())
+        except (asyncio.CancelledError, ConnectionError, OSError):
+            _reset(client_writer)
+        finally:
+            self._tasks.discard(task)
+
+    async def _serve(self, client_reader, client_writer, fault: Fault | None) -> None:
+        if fault is not None and fault.kind == "refuse":
+            _reset(client_writer)
+            return
+        if fault is not None and fault.kind == "respond":
+            try:
+                await client_reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+                pass
+            client_writer.write(fault.response)
+            await client_writer.drain()
+            client_writer.close()
+            return
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            _reset(client_writer)
+            return
+        down_fault = fault if fault is not None and fault.direction == "down" else None
+        up_fault = fault if fault is not None and fault.direction == "up" else None
+        down = asyncio.ensure_future(self._pipe(upstream_reader, client_writer, down_fault, client_writer))
+        up = asyncio.ensure_future(self._pipe(client_reader, upstream_writer, up_fault, client_writer))
+        try:
+            done, _ = await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
+            # the server closing its side ends the exchange; a client's half-close lets the server finish
+            if up in done and not up.cancelled() and up.exception() is None:
+                await down
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            for pending in (down, up):
+                pending.cancel()
+            await asyncio.gather(down, up, return_exceptions=True)
+            upstream_writer.transport.abort()
+            if not client_writer.is_closing():
+                client_writer.close()
+
+    @staticmethod
+    async def _pipe(
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        fault: Fault | None,
+        client_writer: asyncio.StreamWriter,
+    ) -> None:
+        passed = 0
+        armed = fault is not None and fault.kind in ("reset", "stall")
+        while True:
+            data = await reader.read(1 << 16)
+            if not data:
+                if writer.can_write_eof():
+                    writer.write_eof()
+                return
+            if armed and passed + len(data) >= fault.after_bytes:
+                head, data = data[: fault.after_bytes - passed], data[fault.after_bytes - passed :]
+                if head:
+                    writer.write(head)
+                    await writer.drain()
+                    passed += len(head)
+                if fault.kind == "reset":
+                    _reset(client_writer)
+                    raise ConnectionResetError("fault proxy: injected reset")
+                armed = False
+                await asyncio.sleep(fault.seconds)
+            if data:
+                writer.write(data)
+                await writer.drain()
+                passed += len(data)
