@@ -128,10 +128,139 @@ def _add_test(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=cmd_test)
 
 
+def _floats(text: str | None, flag: str) -> tuple[float, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise InvalidOption(f"{flag} takes comma-separated numbers, got {text!r}") from None
+
+
+def _print_lora_result(result, verb: str) -> None:
+    if result.skipped:
+        print(f"{result.target_url} already holds this output (fingerprint {result.fingerprint[:12]}); nothing to do")
+        return
+    for report in result.modules:
+        print(f"  {report.module}: rank {report.rank}, relative error {report.relative_error:.3e}")
+    if result.modules:
+        errors = [r.relative_error for r in result.modules]
+        print(f"  {len(errors)} modules: relative error max {max(errors):.3e}, mean {sum(errors) / len(errors):.3e}")
+    for note in result.notes:
+        print(f"  note: {note}")
+    print(f"{verb} -> {result.target_url} ({result.kind}): {result.tensors} tensors, "
+          f"{result.tensor_bytes / 1e6:.1f} MB in {result.seconds:.2f} s")
+
+
+def cmd_extract_lora(args: argparse.Namespace) -> int:
+    from merge_engine.lora.extract import ExtractOptions, SvdExtractOptions, extract_lora, extract_lora_svd
+    from merge_engine.plan import DEFAULT_MAX_SHARD_SIZE, parse_size
+
+    if (args.local_dir is None) == (args.finetuned is None):
+        raise InvalidOption("give either --local_dir (a LoRA training checkpoint) or --finetuned with --base-model "
+                            "(SVD of a full fine-tune)")
+    if args.finetuned is not None:
+        if args.base_model is None:
+            raise InvalidOption("--finetuned needs --base-model (the model it was fine-tuned from)")
+        if args.lora_alpha is not None or args.adapter_only or args.backend:
+            raise InvalidOption("--lora-alpha / --adapter-only / --backend apply to --local_dir checkpoints")
+        targets = tuple(t for t in args.target_modules.split(",") if t) if args.target_modules else None
+        options = SvdExtractOptions(rank=args.rank, energy=args.energy, target_modules=targets, dtype=args.dtype,
+                                    device=args.device, overwrite=args.overwrite)
+        result = extract_lora_svd(args.base_model, args.finetuned, args.target_dir, options)
+        _print_lora_result(result, f"SVD-extracted {args.finetuned} - {args.base_model}")
+        return 0
+    if args.rank is not None or args.energy is not None or args.target_modules or args.device:
+        raise InvalidOption("--rank / --energy / --target-modules / --device apply to --finetuned (SVD extraction)")
+    options = ExtractOptions(backend=args.backend, lora_alpha=args.lora_alpha, base_model=args.base_model,
+                             write_base=not args.adapter_only, hf_model_path=args.hf_model_path, dtype=args.dtype,
+                             max_shard_size=parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE),
+                             overwrite=args.overwrite)
+    result = extract_lora(args.local_dir, args.target_dir, options)
+    _print_lora_result(result, f"extracted LoRA from {args.local_dir}")
+    return 0
+
+
+def _add_extract_lora(parser: argparse.ArgumentParser) -> None:
+    _flag(parser, "local_dir", default=None, help="LoRA training checkpoint URL (PEFT-wrapped model)")
+    _flag(parser, "backend", default=None, help="checkpoint layout (fsdp, ...); detected when omitted")
+    _flag(parser, "target_dir", required=True,
+          help="output URL: the PEFT adapter folder (the clean base goes to <target>/base/)")
+    _flag(parser, "lora-alpha", type=float, default=None,
+          help="lora_alpha when the run recorded none (never guessed; must agree with the run's metadata)")
+    _flag(parser, "base-model", default=None,
+          help="base model URL: checks a LoRA-only checkpoint's adapter; with --finetuned, the SVD's base")
+    _flag(parser, "adapter-only", action="store_true", help="do not write the clean base model")
+    _flag(parser, "hf_model_path", default=None, help="folder with config.json + tokenizer overriding huggingface/")
+    _flag(parser, "finetuned", default=None, help="full fine-tune URL: extract (finetuned - base) by SVD")
+    _flag(parser, "rank", type=int, default=None, help="SVD: rank of each module's adapter")
+    _flag(parser, "energy", type=float, default=None,
+          help="SVD: keep this fraction of each update's squared singular values (capped by --rank)")
+    _flag(parser, "target-modules", default=None, help="SVD: modules to factor, e.g. q_proj,v_proj (default: all "
+          "linear weights but embeddings and heads)")
+    _flag(parser, "device", default=None, help="SVD: torch device (default: cuda when available, else cpu)")
+    _flag(parser, "dtype", default=None, help="output dtype (default: as stored; float32 for SVD factors)")
+    _flag(parser, "max-shard-size", default=None, help="largest safetensors file of the base, e.g. 5GB")
+    _flag(parser, "overwrite", action="store_true", help="replace a target that holds something else")
+    parser.set_defaults(run=cmd_extract_lora)
+
+
+def cmd_merge_lora(args: argparse.Namespace) -> int:
+    from merge_engine.lora.combine import MergeLoraOptions, merge_lora
+    from merge_engine.plan import DEFAULT_MAX_SHARD_SIZE, parse_size
+
+    adapters = [u for u in args.lora_adapter.split(",") if u]
+    options = MergeLoraOptions(method=args.merge_method, weights=_floats(args.adapter_weights, "--adapter-weights"),
+                               output=args.output, rank=args.rank, energy=args.energy,
+                               lora_alpha=_floats(args.lora_alpha, "--lora-alpha"), dtype=args.dtype,
+                               max_shard_size=parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE),
+                               device=args.device, overwrite=args.overwrite)
+    bar = None
+
+    def on_plan(plan) -> None:
+        nonlocal bar
+        print(f"planned {len(plan.tensors)} tensors, {plan.total_size / 1e6:.1f} MB in {len(plan.shards)} file(s)",
+              file=sys.stderr)
+        bar = _progress(plan.total_size, "merge-lora")
+
+    try:
+        result = merge_lora(args.base_model, adapters, args.target_dir, options,
+                            on_bytes=lambda n: bar.update(n) if bar else None, on_plan=on_plan)
+    finally:
+        if bar is not None:
+            bar.close()
+    _print_lora_result(result, f"{options.method} of {len(adapters)} adapter(s)")
+    return 0
+
+
+def _add_merge_lora(parser: argparse.ArgumentParser) -> None:
+    _flag(parser, "base-model", default=None, help="base model URL (Hugging Face folder); required for --output model")
+    _flag(parser, "lora-adapter", required=True, help="PEFT adapter folder URL(s), comma-separated")
+    _flag(parser, "target_dir", required=True, help="output URL")
+    _flag(parser, "merge-method", default="concat", choices=("concat", "weighted", "average"),
+          help="concat: sum of all updates; weighted: with --adapter-weights; average: equal weights")
+    _flag(parser, "adapter-weights", default=None, help="weighted: one weight per adapter, comma-separated")
+    _flag(parser, "output", default="model", choices=("model", "adapter"),
+          help="model: the fused model; adapter: one adapter (exact rank stacking, or SVD with --rank/--energy)")
+    _flag(parser, "rank", type=int, default=None, help="adapter output: re-factor each module to this rank by SVD")
+    _flag(parser, "energy", type=float, default=None,
+          help="adapter output: keep this fraction of each update's squared singular values (capped by --rank)")
+    _flag(parser, "lora-alpha", default=None,
+          help="one lora_alpha per adapter, comma-separated: replaces a lost (0) alpha in adapter_config.json")
+    _flag(parser, "dtype", default=None, help="output dtype (default: as stored)")
+    _flag(parser, "device", default=None, help="SVD device (default: cuda when available, else cpu)")
+    _flag(parser, "max-shard-size", default=None, help="largest safetensors file, e.g. 5GB (default)")
+    _flag(parser, "overwrite", action="store_true", help="replace a target that holds something else")
+    parser.set_defaults(run=cmd_merge_lora)
+
+
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "merge": ("merge a checkpoint into a Hugging Face folder", _add_merge),
     "test": ("compare a checkpoint with a reference Hugging Face folder (verl's test)", _add_test),
     "check": ("check that a checkpoint is complete (exit 0) or not (non-zero)", _add_check),
+    "extract-lora": ("extract a PEFT adapter (+ clean base) from a LoRA checkpoint, or by SVD from a fine-tune",
+                     _add_extract_lora),
+    "merge-lora": ("fuse LoRA adapters into a base model, or combine them into one adapter", _add_merge_lora),
 }
 
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from merge_engine import __version__, storage
-from merge_engine.errors import CorruptShard, TargetExists, UnsupportedLayout
+from merge_engine.errors import CorruptShard, TargetExists
 from merge_engine.hf_metadata import copy_metadata, read_config
 from merge_engine.layouts import Checkpoint, check_checkpoint, layout_module, open_checkpoint
 from merge_engine.plan import DEFAULT_MAX_SHARD_SIZE, EMBED_NAMES, LM_HEAD, MergePlan, parse_dtype, plan_hf_merge
@@ -77,9 +77,12 @@ def plan_merge(checkpoint: Checkpoint, source: TensorSource, config: dict, optio
         return module.plan(source, config, dtype=dtype, max_shard_size=options.max_shard_size,
                            tie_flag=options.tie_word_embedding)
     metas = source.metas()
-    if any(".lora_A." in name for name in metas):
-        raise UnsupportedLayout("this checkpoint holds LoRA adapters; use `stepmerge extract-lora` "
-                                "(adapter + base) or `stepmerge merge-lora`", checkpoint.url)
+    from merge_engine.lora.extract import is_lora_checkpoint, plan_trained_model  # lora imports this module
+
+    if is_lora_checkpoint(metas):  # the TRAINED model: every LoRA fused into its base, never the base alone
+        return plan_trained_model(checkpoint, source, config, dtype=dtype, max_shard_size=options.max_shard_size,
+                                  tie_flag=options.tie_word_embedding, lora_alpha=getattr(options, "lora_alpha", None),
+                                  chunk_bytes=options.chunk_bytes)
     return plan_hf_merge(metas, config, dtype=dtype, max_shard_size=options.max_shard_size,
                          tie_flag=options.tie_word_embedding, config_url=checkpoint.hf_dir)
 
@@ -91,6 +94,9 @@ def check_tied_copy(source: TensorSource, plan: MergePlan, chunk_bytes: int) -> 
     embed = next((n for n in EMBED_NAMES if n in metas), None)
     if LM_HEAD not in metas or LM_HEAD in planned or embed is None:
         return
+    same_storage = getattr(source, "same_storage", None)
+    if same_storage is not None and same_storage(LM_HEAD, embed):
+        return  # saved once, referenced twice: equal by construction
     if metas[LM_HEAD].shape != metas[embed].shape:
         raise CorruptShard(f"config ties embeddings but lm_head {metas[LM_HEAD].shape} != embedding "
                            f"{metas[embed].shape}", source.url)

@@ -21,7 +21,7 @@ import torch
 from merge_engine.errors import CorruptShard
 from merge_engine.torch_archive import StoredTensor
 
-DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024  # under glibc's mmap threshold cap: buffers get reused, not re-faulted
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class ConcatTensor:
             ):
                 raise CorruptShard(f"shard shape {piece.shape} does not fit {self.shape} cut on dim {self.dim}",
                                    piece.archive.url)
-            total += piece.shape[self.dim]
+            total += piece.shape[self.dim] if piece.shape else 1
         if self.shape and total != self.shape[self.dim]:
             raise CorruptShard(f"shards cover {total} of {self.shape[self.dim]} along dim {self.dim}", where)
 
@@ -186,6 +186,15 @@ class AssembledSource:
 
     def read(self, name: str) -> torch.Tensor:
         return self._tensors[name].read()
+
+    def same_storage(self, a: str, b: str) -> bool:
+        """True when two names are views of the very same stored bytes (tied weights saved once)."""
+        ta, tb = self._tensors[a], self._tensors[b]
+        parts_a = ta.pieces if isinstance(ta, ConcatTensor) else ta.copies
+        parts_b = tb.pieces if isinstance(tb, ConcatTensor) else tb.copies
+        return len(parts_a) == len(parts_b) and all(
+            x.archive is y.archive and x.storage == y.storage and x.offset == y.offset and x.shape == y.shape
+            and x.stride == y.stride for x, y in zip(parts_a, parts_b))
 
     def close(self) -> None:
         for archive in self._archives:

@@ -72,9 +72,13 @@ class StorageRef:
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """A tensor as stored: a strided view on a storage record of a file. Holds no data."""
+    """A tensor as stored: a strided view on a storage record of a file. Holds no data.
 
-    archive: TorchArchive
+    ``archive`` is the file object that owns the bytes: anything with ``url`` and
+    ``read_storage_into(storage, element_offset, out)`` (`TorchArchive`, `SafetensorsFile`).
+    """
+
+    archive: Any
     storage: StorageRef
     offset: int  # in elements, into the storage
     shape: tuple[int, ...]

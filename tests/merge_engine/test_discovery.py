@@ -7,6 +7,8 @@ File contents are placeholders: discovery must decide from names and sizes alone
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from merge_engine import discovery, storage
@@ -22,7 +24,9 @@ from merge_engine.discovery import (
 from merge_engine.errors import IncompleteCheckpoint, WorldSizeMismatch
 from merge_engine.storage import FileEntry
 
-BACKENDS = ["local"]  # add "s3", "gcs" here once tests/fixtures_storage.py provides the buckets
+# "memory" is fsspec's in-process filesystem (object-store-like listings, no server). Add "s3",
+# "gcs" once tests/fixtures_storage.py is a plugin in conftest (the fixture asks for *_bucket_url).
+BACKENDS = ["local", "memory"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -30,6 +34,8 @@ def root_url(request, tmp_path) -> str:
     """A fresh, empty root URL on one storage backend."""
     if request.param == "local":
         return str(tmp_path)
+    if request.param == "memory":
+        return f"memory:///{uuid.uuid4().hex}"
     return request.getfixturevalue(f"{request.param}_bucket_url")
 
 

@@ -1,0 +1,204 @@
+"""PEFT adapter folders: read one into an `Adapter` (metadata + lazy tensors), check it against a
+base model, and plan the writing of a new one.
+
+A folder is ``adapter_config.json`` + ``adapter_model.safetensors`` (a pickled ``adapter_model.bin``
+is refused: stepmerge never unpickles what it cannot read safely). Reading parses the header only;
+tensor bytes are read when a plan streams them. Every inconsistency a user can bring raises
+`AdapterError` naming the folder: factors of different ranks, a rank that contradicts the config,
+``lora_alpha`` 0 (what verl's merger wrote for months: the real value is lost), modules the config
+does not target, modules or shapes the base model does not have.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from merge_engine import storage
+from merge_engine.errors import AdapterError
+from merge_engine.lora.config import LoraSettings, targets
+from merge_engine.lora.keys import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE, LORA_A, LORA_B, TRAINED_COPY, parse_key
+from merge_engine.plan import MergePlan, PlannedTensor, ShardFile
+from merge_engine.safetensors_file import SafetensorsFile
+from merge_engine.tensor_source import AssembledSource, ConcatTensor, TensorMeta, TensorSource
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One module's LoRA: factor names (in some source), shapes and PEFT's scaling.
+
+    The update of the module's weight is ``scale * B @ A`` (out, in), laid on a weight stored
+    (in, out) as its transpose when ``transposed`` (``fan_in_fan_out`` or an embedding).
+    """
+
+    module: str
+    a: str
+    b: str
+    rank: int
+    in_features: int
+    out_features: int
+    scale: float
+    embedding: bool = False
+    fan_in_fan_out: bool = False
+
+    @property
+    def transposed(self) -> bool:
+        return self.embedding or self.fan_in_fan_out
+
+    @property
+    def weight_name(self) -> str:
+        return f"{self.module}.weight"
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        return (self.in_features, self.out_features) if self.transposed else (self.out_features, self.in_features)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """An adapter's settings, its LoRA modules, and the whole tensors it replaces (modules to save,
+    saved embedding base layers): Hugging Face tensor name -> name in the adapter's source."""
+
+    url: str
+    settings: LoraSettings
+    modules: Mapping[str, LoraModule]
+    overrides: Mapping[str, str]
+    metas: Mapping[str, TensorMeta]
+
+
+def lora_modules(factors: Mapping[str, Mapping[str, tuple[str, bool]]], metas: Mapping[str, TensorMeta],
+                 settings: LoraSettings, where: str | None, *, config_ranks: bool) -> dict[str, LoraModule]:
+    """Build and check `LoraModule`s from ``module -> {"lora_A": (key, embedding), "lora_B": ...}``.
+
+    ``config_ranks``: the factors' rank must equal the config's r for the module (rank_pattern
+    included), as PEFT requires to load them.
+    """
+    modules = {}
+    for module in sorted(factors):
+        parts = factors[module]
+        missing = [f for f in (LORA_A, LORA_B) if f not in parts]
+        if missing:
+            raise AdapterError(f"{module} has {sorted(parts)} but no {missing[0]}", where)
+        (a, embedding), (b, _) = parts[LORA_A], parts[LORA_B]
+        a_shape, b_shape = metas[a].shape, metas[b].shape
+        if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
+            raise AdapterError(f"{module}: lora_A {a_shape} and lora_B {b_shape} are not (r, in) and (out, r)", where)
+        rank = a_shape[0]
+        if rank == 0:
+            raise AdapterError(f"{module}: LoRA factors of rank 0 (unsaved FSDP shards?)", where)
+        if config_ranks and rank != settings.rank_of(module):
+            raise AdapterError(f"{module}: the config gives r={settings.rank_of(module)} but its factors have rank "
+                               f"{rank}", where)
+        modules[module] = LoraModule(module, a, b, rank, a_shape[1], b_shape[0], settings.scale_of(module, rank),
+                                     embedding, settings.fan_in_fan_out and not embedding)
+    return modules
+
+
+def open_safetensors(url: str) -> TensorSource:
+    """A lazy `TensorSource` over one safetensors file."""
+    handle = SafetensorsFile(url)
+    tensors = {name: ConcatTensor(t.shape, t.dtype, 0, (t,)) for name, t in handle.tensors().items()}
+    return AssembledSource(url, tensors, [handle])
+
+
+def read_adapter_config(url: str) -> dict[str, Any]:
+    config_url = storage.join(url, ADAPTER_CONFIG)
+    try:
+        config = json.loads(storage.read_text(config_url))
+    except FileNotFoundError:
+        raise AdapterError(f"no {ADAPTER_CONFIG}: not a PEFT adapter folder", url) from None
+    except ValueError as exc:
+        raise AdapterError(f"{ADAPTER_CONFIG} is not valid JSON ({exc})", config_url) from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{ADAPTER_CONFIG} is not a JSON object", config_url)
+    return config
+
+
+def read_adapter(url: str, *, lora_alpha: float | None = None) -> tuple[Adapter, TensorSource]:
+    """Open the adapter folder at ``url``; ``lora_alpha`` replaces the config's (a lost alpha)."""
+    config = read_adapter_config(url)
+    if lora_alpha is not None:
+        config = {**config, "lora_alpha": lora_alpha}
+    elif not config.get("lora_alpha"):
+        raise AdapterError("lora_alpha is 0 or missing in adapter_config.json, so the adapter would do nothing "
+                           "(verl's merger wrote 0 for months; the real value is lost): pass --lora-alpha", url)
+    settings = LoraSettings.from_config(config, url)
+    names = {e.path for e in storage.list_files(url, recursive=False)}
+    if ADAPTER_WEIGHTS not in names:
+        hint = " (adapter_model.bin is a pickle, which stepmerge does not load; save with safetensors)" \
+            if "adapter_model.bin" in names else ""
+        raise AdapterError(f"no {ADAPTER_WEIGHTS}{hint}", url)
+    source = open_safetensors(storage.join(url, ADAPTER_WEIGHTS))
+    try:
+        adapter = describe_adapter(url, settings, source.metas())
+    except Exception:
+        source.close()
+        raise
+    return adapter, source
+
+
+def describe_adapter(url: str, settings: LoraSettings, metas: Mapping[str, TensorMeta]) -> Adapter:
+    factors: dict[str, dict[str, tuple[str, bool]]] = {}
+    overrides = {}
+    for key in metas:
+        role = parse_key(key, url)
+        if role.kind in (LORA_A, LORA_B):
+            factors.setdefault(role.name, {})[role.kind] = (key, role.embedding)
+        elif role.kind in (BASE, TRAINED_COPY):
+            overrides[role.name] = key
+    if not factors:
+        raise AdapterError("adapter_model.safetensors holds no lora_A/lora_B tensors", url)
+    modules = lora_modules(factors, metas, settings, url, config_ranks=True)
+    if settings.target_modules is not None:
+        stray = [m for m in modules if not targets(settings.target_modules, m)]
+        if stray:
+            raise AdapterError(f"the adapter holds weights for {stray[0]}, which its target_modules "
+                               f"{settings.target_modules!r} do not select (PEFT would ignore them)", url)
+    return Adapter(url, settings, modules, overrides, dict(metas))
+
+
+def base_modules(base_metas: Mapping[str, TensorMeta]) -> set[str]:
+    return {name[: -len(".weight")] for name in base_metas if name.endswith(".weight")}
+
+
+def check_fits_base(adapter: Adapter, base_metas: Mapping[str, TensorMeta], base_url: str | None = None) -> None:
+    """Every LoRA module and replaced tensor exists in the base with the adapter's shape, and every
+    ``target_modules`` entry selects some module of the base; else `AdapterError`."""
+    for module in adapter.modules.values():
+        meta = base_metas.get(module.weight_name)
+        if meta is None:
+            raise AdapterError(f"target module {module.module} does not exist in the base model {base_url}",
+                               adapter.url)
+        if tuple(meta.shape) != module.weight_shape:
+            raise AdapterError(f"{module.module}: the adapter updates a {module.weight_shape} weight but the base's "
+                               f"is {tuple(meta.shape)} (an adapter for another model, or fan_in_fan_out wrong?)",
+                               adapter.url)
+    for name, key in adapter.overrides.items():
+        meta = base_metas.get(name)
+        if meta is None:
+            raise AdapterError(f"the adapter replaces {name}, which the base model {base_url} does not have",
+                               adapter.url)
+        if tuple(meta.shape) != tuple(adapter.metas[key].shape):
+            raise AdapterError(f"{name}: the adapter's copy is {tuple(adapter.metas[key].shape)}, the base's "
+                               f"{tuple(meta.shape)}", adapter.url)
+    target = adapter.settings.target_modules
+    candidates = base_modules(base_metas)
+    entries = [target] if isinstance(target, str) else list(target or ())
+    for entry in entries:
+        if not any(targets(entry if isinstance(target, str) else [entry], m) for m in candidates):
+            raise AdapterError(f"target module {entry!r} matches no module of the base model {base_url}",
+                               adapter.url)
+
+
+def adapter_plan(tensors: list[PlannedTensor]) -> MergePlan:
+    """A plan writing ``tensors`` into the single file adapter_model.safetensors."""
+    shard = ShardFile(ADAPTER_WEIGHTS, tuple(t.name for t in tensors), sum(t.nbytes for t in tensors))
+    return MergePlan(tuple(tensors), (shard,))
+
+
+def write_adapter_config(target_url: str, config: Mapping[str, Any]) -> tuple[str, int]:
+    data = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+    storage.write_bytes(storage.join(target_url, ADAPTER_CONFIG), data)
+    return ADAPTER_CONFIG, len(data)

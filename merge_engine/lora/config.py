@@ -1,0 +1,169 @@
+"""``adapter_config.json``: PEFT's LoRA settings, their exact semantics, and writing a new one.
+
+Semantics follow peft's source (``tuners/lora/layer.py``, ``utils/other.py::get_pattern_key``,
+``tuners_utils.py::check_target_module_exists``):
+- scaling = lora_alpha / r, or lora_alpha / sqrt(r) with ``use_rslora``;
+- a module's r and alpha come from the FIRST key of ``rank_pattern`` / ``alpha_pattern`` matching
+  ``(.*\\.)?(<key>)$`` against the module name (``model.layers.0.self_attn.q_proj``), else r / lora_alpha;
+- ``target_modules``: a string is a regex that must match the whole module name; a list matches a
+  module equal to an entry or ending in ``.<entry>``;
+- ``fan_in_fan_out``: the base weight is stored (in, out) and the update is (B @ A).T.
+
+`LoraSettings.from_config` refuses the variants whose update is not ``scale * B @ A`` (DoRA, LoRA
+bias, target_parameters, ...) with an `AdapterError`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from merge_engine.errors import AdapterError
+
+# settings that change what the update is; any truthy value means "not plain LoRA"
+UNSUPPORTED_SETTINGS = {
+    "use_dora": "DoRA", "lora_bias": "LoRA bias", "target_parameters": "LoRA on nn.Parameter (target_parameters)",
+    "layer_replication": "layer replication", "trainable_token_indices": "trainable tokens",
+    "alora_invocation_tokens": "activated LoRA (aLoRA)", "use_qalora": "QA-LoRA", "use_bdlora": "BD-LoRA",
+    "arrow_config": "Arrow routing",
+}
+
+
+def pattern_key(patterns: Iterable[str], module: str) -> str | None:
+    """The first pattern key that PEFT would match against ``module`` (None: no match)."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key
+    return None
+
+
+def targets(target_modules: str | Iterable[str] | None, module: str) -> bool:
+    """Does PEFT's ``target_modules`` select ``module``?"""
+    if target_modules is None:
+        return False
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, module) is not None
+    return any(module == t or module.endswith(f".{t}") for t in target_modules)
+
+
+def scaling(alpha: float, r: int, use_rslora: bool) -> float:
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The fields of an adapter config that decide each module's update."""
+
+    r: int
+    lora_alpha: float
+    target_modules: str | tuple[str, ...] | None = None
+    rank_pattern: Mapping[str, int] = field(default_factory=dict)
+    alpha_pattern: Mapping[str, float] = field(default_factory=dict)
+    use_rslora: bool = False
+    fan_in_fan_out: bool = False
+    modules_to_save: tuple[str, ...] = ()
+    bias: str = "none"
+    task_type: str | None = None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], where: str | None = None) -> LoraSettings:
+        """Parse an adapter_config.json dict; `AdapterError` for a non-LoRA or unsupported config."""
+        peft_type = str(config.get("peft_type", "LORA")).upper()
+        if peft_type != "LORA":
+            raise AdapterError(f"peft_type is {peft_type}; only LORA adapters are supported", where)
+        for key, what in UNSUPPORTED_SETTINGS.items():
+            if config.get(key):
+                raise AdapterError(f"{what} ({key}={config[key]!r}) is not supported: its update is not "
+                                   "scale * B @ A", where)
+        try:
+            r = int(config["r"])
+            alpha = float(config["lora_alpha"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise AdapterError(f"adapter config lacks a valid r / lora_alpha ({exc})", where) from None
+        target = config.get("target_modules")
+        if target is not None and not isinstance(target, str):
+            target = tuple(target)
+        return cls(r=r, lora_alpha=alpha, target_modules=target,
+                   rank_pattern={str(k): int(v) for k, v in (config.get("rank_pattern") or {}).items()},
+                   alpha_pattern={str(k): float(v) for k, v in (config.get("alpha_pattern") or {}).items()},
+                   use_rslora=bool(config.get("use_rslora", False)),
+                   fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
+                   modules_to_save=tuple(config.get("modules_to_save") or ()),
+                   bias=str(config.get("bias") or "none"), task_type=config.get("task_type"))
+
+    def rank_of(self, module: str) -> int:
+        key = pattern_key(self.rank_pattern, module)
+        return self.rank_pattern[key] if key is not None else self.r
+
+    def alpha_of(self, module: str) -> float:
+        key = pattern_key(self.alpha_pattern, module)
+        return self.alpha_pattern[key] if key is not None else self.lora_alpha
+
+    def scale_of(self, module: str, rank: int) -> float:
+        """PEFT's ``scaling`` of ``module`` whose factors have ``rank`` rows."""
+        return scaling(self.alpha_of(module), rank, self.use_rslora)
+
+
+def rank_layout(ranks: Mapping[str, int]) -> tuple[int, dict[str, int]]:
+    """(r, rank_pattern) that give every module its rank under PEFT's matching: r is the most
+    common rank (the larger on a tie), the others are listed by their full module name."""
+    if not ranks:
+        raise AdapterError("no LoRA modules")
+    counts = Counter(ranks.values())
+    r = max(counts, key=lambda k: (counts[k], k))
+    pattern = {module: rank for module, rank in ranks.items() if rank != r}
+    for module, rank in ranks.items():  # a full name could match a longer one: verify, never assume
+        key = pattern_key(pattern, module)
+        if (pattern[key] if key is not None else r) != rank:
+            raise AdapterError(f"cannot express the rank of {module} ({rank}) as a PEFT rank_pattern")
+    return r, pattern
+
+
+def infer_target_modules(modules: Iterable[str], candidates: Iterable[str] | None = None) -> list[str]:
+    """``target_modules`` selecting exactly ``modules``: their last name parts when those select no
+    other module among ``candidates`` (the base's modules), else the full module names."""
+    modules = sorted(set(modules))
+    short = sorted({m.rsplit(".", 1)[-1] for m in modules})
+    if candidates is not None:
+        chosen = {c for c in candidates if targets(short, c)}
+        if chosen != set(modules):
+            return modules
+    return short
+
+
+def number(value: float) -> int | float:
+    """JSON-friendly: 16.0 -> 16."""
+    return int(value) if float(value).is_integer() else float(value)
+
+
+def adapter_config(*, r: int, lora_alpha: float, target_modules: list[str] | str,
+                   rank_pattern: Mapping[str, int] | None = None, alpha_pattern: Mapping[str, float] | None = None,
+                   use_rslora: bool = False, fan_in_fan_out: bool = False, modules_to_save: list[str] | None = None,
+                   bias: str = "none", task_type: str | None = "CAUSAL_LM", base_model_name_or_path: str | None = None,
+                   lora_dropout: float = 0.0) -> dict[str, Any]:
+    """An adapter_config.json dict that ``PeftModel.from_pretrained`` reads as a plain LoRA."""
+    return {
+        "peft_type": "LORA",
+        "task_type": task_type,
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": int(r),
+        "lora_alpha": number(lora_alpha),
+        "target_modules": target_modules,
+        "rank_pattern": dict(rank_pattern or {}),
+        "alpha_pattern": {k: number(v) for k, v in (alpha_pattern or {}).items()},
+        "use_rslora": bool(use_rslora),
+        "fan_in_fan_out": bool(fan_in_fan_out),
+        "bias": bias,
+        "modules_to_save": list(modules_to_save) if modules_to_save else None,
+        "lora_dropout": lora_dropout,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_dora": False,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "revision": None,
+    }

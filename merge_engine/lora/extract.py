@@ -1,0 +1,528 @@
+"""Adapters out of training runs: from a PEFT-wrapped checkpoint, and by SVD from a full fine-tune.
+
+From a checkpoint (`extract_lora`): a checkpoint of a PEFT-wrapped model (verl FSDP rank files:
+``base_layer``, ``lora_A.default``, ``lora_B.default``, ``modules_to_save`` keys) becomes
+- at the target: a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``
+  with PEFT's names), r and target_modules inferred from the tensors (per-module ranks ->
+  ``rank_pattern``);
+- at ``<target>/base/``: the clean base model (a Hugging Face folder), unless the checkpoint is
+  LoRA-only (then ``base_model`` names the base the adapter is checked against) or not asked for.
+
+``lora_alpha`` is never guessed. It comes from the run: ``lora_train_meta.json`` (verl), an
+``adapter_config.json`` saved with the run (older verl: ``lora_adapter/adapter_config.json``), or the
+caller (``--lora-alpha``); two sources that disagree, or none, raise `AdapterError`.
+
+`plan_trained_model` is what a plain ``stepmerge merge`` of such a checkpoint writes: the TRAINED
+model, every LoRA fused into its base weight and every trained copy in place of its original.
+
+By SVD (`extract_lora_svd`): each target module's ``W_finetuned - W_base`` is factored to a rank (or
+an energy threshold), on the GPU when there is one; the relative error of each module is reported,
+and so is every other tensor the fine-tune changed (an adapter does not carry them).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from merge_engine import __version__, storage
+from merge_engine.errors import AdapterError, CorruptShard, InvalidOption
+from merge_engine.hf_metadata import copy_metadata, read_config
+from merge_engine.layouts import Checkpoint, check_checkpoint, open_checkpoint
+from merge_engine.lora.adapter_io import (
+    Adapter,
+    adapter_plan,
+    base_modules,
+    check_fits_base,
+    lora_modules,
+    write_adapter_config,
+)
+from merge_engine.lora.combine import TableFactor
+from merge_engine.lora.config import LoraSettings, adapter_config, infer_target_modules, rank_layout, targets
+from merge_engine.lora.fuse import CheckedCopy, WeightedAdapter, aligned, finite_or_raise, plan_fused_model
+from merge_engine.lora.keys import LORA_A, LORA_B, PEFT_PREFIX, TRAINED_COPY, adapter_file_key, parse_key
+from merge_engine.lora.sources import RenamedSource
+from merge_engine.lora.svd import Factors, ModuleReport, check_targets, factor_dense, svd_device
+from merge_engine.lora.target import (
+    LoraResult,
+    inputs_fingerprint,
+    module_reports_json,
+    skipped_result,
+    target_state,
+    write_target,
+)
+from merge_engine.merge import check_tied_copy
+from merge_engine.plan import (
+    DEFAULT_MAX_SHARD_SIZE,
+    MergePlan,
+    PlannedTensor,
+    parse_dtype,
+    plan_hf_merge,
+)
+from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
+from merge_engine.writer import write_plan
+
+LORA_TRAIN_META = "lora_train_meta.json"
+RUN_ADAPTER_CONFIGS = ("adapter_config.json", "lora_adapter/adapter_config.json")
+BASE_DIR = "base"
+TASK_TYPES = {"ForCausalLM": "CAUSAL_LM", "ForTokenClassification": "TOKEN_CLS",
+              "ForSequenceClassification": "SEQ_CLS", "ForQuestionAnswering": "QUESTION_ANS"}
+
+
+# ------------------------------------------------------------------------------------------------
+# What a PEFT-wrapped checkpoint holds
+# ------------------------------------------------------------------------------------------------
+
+
+def is_lora_checkpoint(metas: Mapping[str, TensorMeta]) -> bool:
+    return any(".lora_A." in key or ".lora_embedding_A." in key for key in metas)
+
+
+@dataclass(frozen=True)
+class LoraCheckpointKeys:
+    """A PEFT-wrapped state dict split by role (Hugging Face name -> checkpoint key)."""
+
+    base: Mapping[str, str]
+    factors: Mapping[str, Mapping[str, tuple[str, bool]]]  # module -> {"lora_A": (key, embedding), ...}
+    trained_copies: Mapping[str, str]
+    adapter_name: str | None
+
+
+def split_checkpoint(metas: Mapping[str, TensorMeta], where: str | None) -> LoraCheckpointKeys:
+    base: dict[str, str] = {}
+    factors: dict[str, dict[str, tuple[str, bool]]] = {}
+    copies: dict[str, str] = {}
+    adapters = set()
+    for key in metas:
+        role = parse_key(key, where)
+        if role.adapter is not None:
+            adapters.add(role.adapter)
+        if role.kind in (LORA_A, LORA_B):
+            factors.setdefault(role.name, {})[role.kind] = (key, role.embedding)
+            continue
+        table = copies if role.kind == TRAINED_COPY else base
+        if role.name in table:
+            raise CorruptShard(f"{key!r} and {table[role.name]!r} both stand for {role.name}", where)
+        table[role.name] = key
+    if len(adapters) > 1:
+        raise AdapterError(f"the checkpoint holds several adapters ({', '.join(sorted(adapters))}); "
+                           "extract them one at a time is not supported", where)
+    return LoraCheckpointKeys(base, factors, copies, adapters.pop() if adapters else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# lora_alpha and the other settings, from the run (never guessed)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunLoraMetadata:
+    """What the run recorded about its LoRA: alpha (None: unknown), r, task type, its adapter config."""
+
+    lora_alpha: float | None
+    r: int | None
+    task_type: str | None
+    config: Mapping[str, Any] | None
+    alpha_from: str | None
+
+
+def _read_json(url: str) -> dict | None:
+    try:
+        data = json.loads(storage.read_text(url))
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise AdapterError(f"not valid JSON ({exc})", url) from None
+    if not isinstance(data, dict):
+        raise AdapterError("not a JSON object", url)
+    return data
+
+
+def read_run_metadata(checkpoint_url: str) -> RunLoraMetadata:
+    meta_url = storage.join(checkpoint_url, LORA_TRAIN_META)
+    meta = _read_json(meta_url) or {}
+    config_url, config = None, None
+    for name in RUN_ADAPTER_CONFIGS:
+        config = _read_json(storage.join(checkpoint_url, name))
+        if config is not None:
+            config_url = storage.join(checkpoint_url, name)
+            break
+    alphas = [(float(d["lora_alpha"]), url) for d, url in ((meta, meta_url), (config or {}, config_url))
+              if d.get("lora_alpha")]
+    if len({a for a, _ in alphas}) > 1:
+        raise AdapterError(f"{alphas[0][1]} says lora_alpha={alphas[0][0]:g} but {alphas[1][1]} says "
+                           f"{alphas[1][0]:g}", checkpoint_url)
+    r = meta.get("r") or (config or {}).get("r")
+    return RunLoraMetadata(alphas[0][0] if alphas else None, int(r) if r else None,
+                           meta.get("task_type") or (config or {}).get("task_type"), config,
+                           alphas[0][1] if alphas else None)
+
+
+def resolve_alpha(run: RunLoraMetadata, flag: float | None, where: str | None) -> tuple[float, str]:
+    """(lora_alpha, where it came from); `AdapterError` when unknown or contradicted."""
+    if flag is not None:
+        if flag <= 0:
+            raise InvalidOption(f"--lora-alpha must be positive, got {flag:g}")
+        if run.lora_alpha is not None and run.lora_alpha != flag:
+            raise AdapterError(f"--lora-alpha {flag:g} contradicts {run.alpha_from} (lora_alpha="
+                               f"{run.lora_alpha:g})", where)
+        return flag, run.alpha_from or "--lora-alpha"
+    if run.lora_alpha is None:
+        raise AdapterError(f"lora_alpha is unknown: the checkpoint has no {LORA_TRAIN_META} and no adapter_config.json "
+                           "(or lora_adapter/adapter_config.json) with a non-zero lora_alpha; stepmerge never "
+                           "guesses it: pass --lora-alpha", where)
+    return run.lora_alpha, run.alpha_from
+
+
+def checkpoint_settings(run: RunLoraMetadata, alpha: float, ranks: Mapping[str, int], where: str | None
+                        ) -> tuple[LoraSettings, bool]:
+    """The run's settings with ``alpha``; and whether the run's config fixes each module's rank."""
+    config = dict(run.config or {})
+    config["lora_alpha"] = alpha
+    config["r"] = run.r or config.get("r") or max(ranks.values())
+    settings = LoraSettings.from_config(config, where)
+    exact = bool(config.get("rank_pattern"))
+    if not exact and settings.r not in set(ranks.values()):
+        raise AdapterError(f"the run says r={settings.r} but the LoRA factors have ranks "
+                           f"{sorted(set(ranks.values()))}: wrong metadata for this checkpoint?", where)
+    return settings, exact
+
+
+def task_type_of(config: Mapping[str, Any], run_task: str | None = None) -> str | None:
+    if run_task:
+        return str(run_task)
+    for architecture in config.get("architectures") or ():
+        for suffix, task in TASK_TYPES.items():
+            if architecture.endswith(suffix):
+                return task
+    return None
+
+
+@dataclass(frozen=True)
+class CheckpointLora:
+    """The LoRA of a checkpoint, resolved: an `Adapter` over the checkpoint's own keys."""
+
+    keys: LoraCheckpointKeys
+    adapter: Adapter
+    run: RunLoraMetadata
+    alpha_from: str
+
+
+def resolve_checkpoint_lora(url: str, metas: Mapping[str, TensorMeta], lora_alpha: float | None) -> CheckpointLora:
+    keys = split_checkpoint(metas, url)
+    if not keys.factors:
+        raise AdapterError("no LoRA tensors in this checkpoint: nothing to extract", url)
+    run = read_run_metadata(url)
+    alpha, alpha_from = resolve_alpha(run, lora_alpha, url)
+    ranks = {module: (metas[parts[LORA_A][0]].shape[0] if LORA_A in parts else metas[parts[LORA_B][0]].shape[-1])
+             for module, parts in keys.factors.items()}
+    settings, exact = checkpoint_settings(run, alpha, ranks, url)
+    modules = lora_modules(keys.factors, metas, settings, url, config_ranks=exact)
+    adapter = Adapter(url, settings, modules, dict(keys.trained_copies), dict(metas))
+    return CheckpointLora(keys, adapter, run, alpha_from)
+
+
+# ------------------------------------------------------------------------------------------------
+# Plain merge of a LoRA checkpoint: the trained model
+# ------------------------------------------------------------------------------------------------
+
+
+def plan_trained_model(checkpoint: Checkpoint, source: TensorSource, config: Mapping[str, Any], *,
+                       dtype: torch.dtype | None, max_shard_size: int, tie_flag: bool | None = None,
+                       lora_alpha: float | None = None, config_url: str | None = None,
+                       chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> MergePlan:
+    """The trained model's plan: LoRA fused (W + scale * B @ A), trained copies in place.
+
+    Source names are the checkpoint's own keys. Reads only when the config ties embeddings and
+    both copies are stored: the dropped lm_head must equal the embedding (`check_tied_copy`).
+    """
+    lora = resolve_checkpoint_lora(checkpoint.url, source.metas(), lora_alpha)
+    if not lora.keys.base:
+        raise AdapterError("this checkpoint holds only LoRA adapter weights, no base model: run `stepmerge "
+                           "extract-lora --local_dir CKPT --base-model BASE --target-dir ADAPTER`, then `stepmerge "
+                           "merge-lora --base-model BASE --lora-adapter ADAPTER --target-dir OUT`", checkpoint.url)
+    base = RenamedSource(source, lora.keys.base)
+    plan = plan_fused_model(base.metas(), config, [WeightedAdapter(None, lora.adapter)], dtype=dtype,
+                            max_shard_size=max_shard_size, base_url=config_url or checkpoint.hf_dir,
+                            base_names=lora.keys.base, tie_flag=tie_flag)
+    check_tied_copy(base, plan, chunk_bytes)
+    note = (f"LoRA fused into the base (lora_alpha={lora.adapter.settings.lora_alpha:g} from {lora.alpha_from}; "
+            f"{len(lora.adapter.modules)} modules, {len(lora.keys.trained_copies)} trained copies)")
+    return MergePlan(plan.tensors, plan.shards, plan.config_updates, plan.notes + (note,))
+
+
+# ------------------------------------------------------------------------------------------------
+# extract-lora from a checkpoint
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExtractOptions:
+    """Options of `extract_lora` (all but ``overwrite``/``chunk_bytes`` shape the output)."""
+
+    backend: str | None = None
+    lora_alpha: float | None = None
+    base_model: str | None = None  # required for LoRA-only checkpoints: the base the adapter is for
+    write_base: bool = True  # also write the clean base model under <target>/base/
+    hf_model_path: str | None = None
+    dtype: str | None = None
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    overwrite: bool = False
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    def output_options(self) -> dict:
+        options = asdict(self)
+        options.pop("overwrite")
+        options.pop("chunk_bytes")
+        return options
+
+
+def extracted_adapter_config(lora: CheckpointLora, candidates: set[str], task_type: str | None,
+                             base_url: str | None) -> dict:
+    modules = lora.adapter.modules
+    r, pattern = rank_layout({m.module: m.rank for m in modules.values()})
+    run_targets = (lora.run.config or {}).get("target_modules")
+    if run_targets and {c for c in candidates if targets(run_targets, c)} == set(modules):
+        target = run_targets
+    else:
+        target = infer_target_modules(modules, candidates)
+    saved = list((lora.run.config or {}).get("modules_to_save") or ()) or sorted(
+        {name.rsplit(".", 2)[-2] for name in lora.keys.trained_copies})
+    settings = lora.adapter.settings
+    return adapter_config(r=r, lora_alpha=settings.lora_alpha, target_modules=target, rank_pattern=pattern,
+                          alpha_pattern=dict(settings.alpha_pattern), use_rslora=settings.use_rslora,
+                          fan_in_fan_out=settings.fan_in_fan_out, modules_to_save=saved or None,
+                          bias=settings.bias, task_type=task_type, base_model_name_or_path=base_url,
+                          lora_dropout=float((lora.run.config or {}).get("lora_dropout") or 0.0))
+
+
+def adapter_tensors(lora: CheckpointLora, dtype: torch.dtype | None) -> list[PlannedTensor]:
+    metas = lora.adapter.metas
+    tensors = []
+    for module in lora.adapter.modules.values():
+        for factor, key in ((LORA_A, module.a), (LORA_B, module.b)):
+            tensors.append(PlannedTensor(adapter_file_key(module.module, factor, module.embedding), metas[key].shape,
+                                         dtype or metas[key].dtype, key, CheckedCopy(key)))
+    for name, key in sorted(lora.keys.trained_copies.items()):
+        tensors.append(PlannedTensor(f"{PEFT_PREFIX}{name}", metas[key].shape, dtype or metas[key].dtype, key,
+                                     CheckedCopy(key)))
+    return tensors
+
+
+def extract_lora(checkpoint_url: str, target_url: str, options: ExtractOptions = ExtractOptions(), *,
+                 on_bytes=None, on_plan=None) -> LoraResult:
+    """Write the checkpoint's adapter at ``target_url`` (and its clean base under ``base/``)."""
+    started = time.perf_counter()
+    checkpoint = check_checkpoint(checkpoint_url, options.backend)
+    parse_dtype(options.dtype)
+    extra = {"base_model": inputs_fingerprint({"base": options.base_model})} if options.base_model else {}
+    fingerprint = storage.fingerprint(checkpoint.files, engine=__version__, **options.output_options(), **extra)
+    kind = "adapter"
+    state = target_state(target_url, fingerprint, options.overwrite)
+    if state == "same":
+        return skipped_result(target_url, kind, fingerprint, started)
+    source = open_checkpoint(checkpoint)
+    opened: list[TensorSource] = [source]
+    try:
+        lora = resolve_checkpoint_lora(checkpoint.url, source.metas(), options.lora_alpha)
+        hf_dir = options.hf_model_path or checkpoint.hf_dir
+        config = read_config(hf_dir)
+        base_view = RenamedSource(source, lora.keys.base) if lora.keys.base else None
+        if options.base_model is not None:
+            given = open_checkpoint(check_checkpoint(options.base_model, "hf"))
+            opened.append(given)
+            check_base_metas, check_url = given.metas(), options.base_model
+        elif base_view is not None:
+            check_base_metas, check_url = base_view.metas(), checkpoint.url
+        else:
+            raise AdapterError("this checkpoint holds only LoRA weights: pass --base-model URL (the model it was "
+                               "trained from) to check the adapter against", checkpoint.url)
+        check_fits_base(lora.adapter, check_base_metas, check_url)
+        dtype = parse_dtype(options.dtype)
+        write_base = options.write_base and base_view is not None
+        base_out = storage.join(target_url, BASE_DIR) if write_base else options.base_model
+        plan = adapter_plan(adapter_tensors(lora, dtype))
+        adapter_json = extracted_adapter_config(lora, base_modules(check_base_metas),
+                                                task_type_of(config, lora.run.task_type), base_out)
+        base_plan = None
+        if write_base:
+            kind = "adapter+base"
+            base_plan = plan_hf_merge(base_view.metas(), config, dtype=dtype, max_shard_size=options.max_shard_size,
+                                      config_url=hf_dir)
+            check_tied_copy(base_view, base_plan, options.chunk_bytes)
+        if on_plan:
+            on_plan(plan if base_plan is None else MergePlan(plan.tensors + base_plan.tensors,
+                                                             plan.shards + base_plan.shards))
+
+        def write(url: str) -> list[tuple[str, int]]:
+            files = list(write_plan(plan, source, url, chunk_bytes=options.chunk_bytes, on_bytes=on_bytes).files)
+            files.append(write_adapter_config(url, adapter_json))
+            if base_plan is not None:
+                base_url = storage.join(url, BASE_DIR)
+                written = write_plan(base_plan, base_view, base_url, chunk_bytes=options.chunk_bytes,
+                                     on_bytes=on_bytes).files
+                written += tuple(copy_metadata(hf_dir, base_url, config, base_plan.config_updates))
+                files += [(f"{BASE_DIR}/{name}", size) for name, size in written]
+            return files
+
+        total = plan.total_size + (base_plan.total_size if base_plan else 0)
+        count = len(plan.tensors) + (len(base_plan.tensors) if base_plan else 0)
+        provenance = {"command": "extract-lora", "source": checkpoint_url, "layout": checkpoint.layout,
+                      "fingerprint": fingerprint, "engine_version": __version__,
+                      "options": options.output_options(), "lora_alpha_from": lora.alpha_from,
+                      "tensors": count, "tensor_bytes": total}
+        files = write_target(target_url, state, write, provenance)
+    finally:
+        for handle in opened:
+            handle.close()
+    notes = (f"lora_alpha={lora.adapter.settings.lora_alpha:g} from {lora.alpha_from}",
+             f"{len(lora.adapter.modules)} LoRA modules, ranks {sorted({m.rank for m in lora.adapter.modules.values()})}")
+    return LoraResult(target_url, kind, fingerprint, count, total, tuple(files), time.perf_counter() - started,
+                      notes=notes)
+
+
+# ------------------------------------------------------------------------------------------------
+# extract-lora by SVD from a full fine-tune
+# ------------------------------------------------------------------------------------------------
+
+NOT_LINEAR_LAST_PARTS = ("lm_head", "score", "classifier", "wte", "wpe")
+
+
+def default_target(module: str) -> bool:
+    """PEFT's "all-linear" spirit: every 2-D weight but embeddings and output heads."""
+    last = module.rsplit(".", 1)[-1]
+    return "embed" not in last and last not in NOT_LINEAR_LAST_PARTS
+
+
+@dataclass(frozen=True)
+class SvdExtractOptions:
+    rank: int | None = None
+    energy: float | None = None
+    target_modules: tuple[str, ...] | None = None
+    dtype: str | None = None  # of the adapter; float32 when None
+    device: str | None = None  # where to factor; the GPU when there is one
+    overwrite: bool = False
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    def output_options(self) -> dict:
+        options = asdict(self)
+        for key in ("overwrite", "chunk_bytes", "device"):
+            options.pop(key)
+        return options
+
+
+def select_modules(candidates: Sequence[str], target_modules: Sequence[str] | None, where: str | None) -> list[str]:
+    if target_modules is None:
+        return [m for m in candidates if default_target(m)]
+    for entry in target_modules:
+        if not any(targets([entry], m) for m in candidates):
+            raise AdapterError(f"target module {entry!r} matches no 2-D weight present in both models", where)
+    return [m for m in candidates if targets(list(target_modules), m)]
+
+
+def changed_tensors(base: TensorSource, tuned: TensorSource, names: Sequence[str], chunk_bytes: int
+                    ) -> list[tuple[str, float]]:
+    """(name, max |difference|) of every tensor in ``names`` that differs, streamed chunk by chunk."""
+    changed = []
+    for name in names:
+        worst = 0.0
+        for a, b in aligned([base.iter_chunks(name, chunk_bytes), tuned.iter_chunks(name, chunk_bytes)]):
+            if a.numel():
+                worst = max(worst, float((a.to(torch.float64) - b.to(torch.float64)).abs().max()))
+        if worst > 0:
+            changed.append((name, worst))
+    return changed
+
+
+def extract_lora_svd(base_url: str, finetuned_url: str, target_url: str,
+                     options: SvdExtractOptions = SvdExtractOptions(), *, on_module=None) -> LoraResult:
+    """Factor each target module's (finetuned - base) into a PEFT adapter at ``target_url``."""
+    started = time.perf_counter()
+    check_targets(options.rank, options.energy)
+    dtype = parse_dtype(options.dtype) or torch.float32
+    fingerprint = inputs_fingerprint({"base": base_url, "finetuned": finetuned_url}, **options.output_options())
+    state = target_state(target_url, fingerprint, options.overwrite)
+    if state == "same":
+        return skipped_result(target_url, "adapter", fingerprint, started)
+    base = open_checkpoint(check_checkpoint(base_url, "hf"))
+    try:
+        tuned = open_checkpoint(check_checkpoint(finetuned_url, "hf"))
+    except Exception:
+        base.close()
+        raise
+    try:
+        config = read_config(finetuned_url, what="fine-tuned model")
+        bm, tm = base.metas(), tuned.metas()
+        reshaped = [n for n in bm if n in tm and tuple(bm[n].shape) != tuple(tm[n].shape)]
+        candidates = [n[: -len(".weight")] for n in bm if n.endswith(".weight") and n in tm
+                      and len(bm[n].shape) == 2 and n not in reshaped]
+        modules = select_modules(candidates, options.target_modules, finetuned_url)
+        bad = [n for n in reshaped if n[: -len(".weight")] in set(modules)]
+        if bad:
+            raise AdapterError(f"{bad[0]} is {tuple(bm[bad[0]].shape)} in the base, {tuple(tm[bad[0]].shape)} in "
+                               "the fine-tune", finetuned_url)
+        device = svd_device(options.device)
+        table: dict[str, Factors] = {}
+        reports, unchanged = [], []
+        for module in modules:
+            name = f"{module}.weight"
+            delta = tuned.read(name).to(torch.float32) - base.read(name).to(torch.float32)
+            finite_or_raise(delta, name, finetuned_url)
+            if not bool(delta.any()):
+                unchanged.append(module)
+                continue
+            table[module] = factor_dense(delta, rank=options.rank, energy=options.energy, device=device)
+            del delta
+            reports.append(ModuleReport(module, table[module].rank, table[module].relative_error))
+            if on_module:
+                on_module(reports[-1])
+        if not table:
+            raise AdapterError("the fine-tuned model equals the base on every target module: nothing to extract",
+                               finetuned_url)
+        others = [n for n in bm if n in tm and n not in reshaped and n[: -len(".weight")] not in set(modules)]
+        changed = changed_tensors(base, tuned, others, options.chunk_bytes)
+        tensors = []
+        for module, factors in table.items():
+            out_features, in_features = factors.b.shape[0], factors.a.shape[1]
+            tensors.append(PlannedTensor(adapter_file_key(module, LORA_A, False), (factors.rank, in_features), dtype,
+                                         "", TableFactor(table, module, "a")))
+            tensors.append(PlannedTensor(adapter_file_key(module, LORA_B, False), (out_features, factors.rank), dtype,
+                                         "", TableFactor(table, module, "b")))
+        plan = adapter_plan(tensors)
+        r, pattern = rank_layout({m: f.rank for m, f in table.items()})
+        adapter_json = adapter_config(r=r, lora_alpha=r, rank_pattern=pattern,
+                                      alpha_pattern={k: float(v) for k, v in pattern.items()},
+                                      target_modules=infer_target_modules(table, set(candidates)),
+                                      task_type=task_type_of(config), base_model_name_or_path=base_url)
+        notes = [f"{len(unchanged)} target modules unchanged (left out)"] if unchanged else []
+        notes += [f"{len(reshaped)} tensors change shape (not in the adapter): {', '.join(reshaped[:5])}"] \
+            if reshaped else []
+        if changed:
+            listed = ", ".join(f"{n} (max |diff| {d:.3g})" for n, d in changed[:5])
+            notes.append(f"{len(changed)} other tensors changed but are not LoRA targets (the adapter does not "
+                         f"carry them): {listed}{' ...' if len(changed) > 5 else ''}")
+
+        def write(url: str) -> list[tuple[str, int]]:
+            files = list(write_plan(plan, tuned, url, chunk_bytes=options.chunk_bytes).files)
+            files.append(write_adapter_config(url, adapter_json))
+            return files
+
+        provenance = {"command": "extract-lora --finetuned", "base": base_url, "finetuned": finetuned_url,
+                      "fingerprint": fingerprint, "engine_version": __version__,
+                      "options": options.output_options(), "device": str(device), "tensors": len(plan.tensors),
+                      "tensor_bytes": plan.total_size, "svd": module_reports_json(reports), "notes": notes}
+        files = write_target(target_url, state, write, provenance)
+    finally:
+        base.close()
+        tuned.close()
+    return LoraResult(target_url, "adapter", fingerprint, len(plan.tensors), plan.total_size, tuple(files),
+                      time.perf_counter() - started, modules=tuple(reports), notes=tuple(notes))
+
+
+__all__ = ["ExtractOptions", "SvdExtractOptions", "extract_lora", "extract_lora_svd", "is_lora_checkpoint",
+           "plan_trained_model"]

@@ -1,0 +1,397 @@
+"""Staging folder -> release prefix, with a manifest of checksums and a commit marker written last.
+
+Contract:
+- `publish` copies every staged file to the release prefix (sha256 computed while copying: each
+  byte is read once), writes ``manifest.json`` (files with size and sha256, source step URL and
+  fingerprint, engine version, options, validation, created time), then ``_COMPLETE`` LAST. The
+  marker holds the manifest's sha256, so a marker never vouches for another publisher's manifest.
+- Readers trust a release only when `is_released`: the marker is there, parses, and matches the
+  manifest. `verify_release` re-hashes every file against the manifest.
+- Idempotent: a released folder whose manifest has the same fingerprint -> nothing is copied and
+  the existing release is returned (``already_published=True``). A released folder with another
+  fingerprint -> `TargetExists` unless ``overwrite``. A folder without a valid marker is junk from
+  a crash: it is cleared and published again.
+- A failed validation publishes nothing, removes the staging folder and raises `ValidationFailed`.
+  On success (or when already published) the staging folder is removed too (``remove_staging``).
+
+Concurrency (lock-free; the Prefect layer adds a lock on top, this holds without it):
+two publishers of one release must not both write. Each attempt writes its own claim file
+``_PUBLISHING/<attempt>.json`` (a unique name: writers never collide), then lists ``_PUBLISHING/``.
+If it sees any other live claim it deletes its own and waits; otherwise it owns the release.
+Why at most one proceeds: if A proceeded, A's listing showed no other claim, so any B wrote its
+claim after A's listing, i.e. after A's claim was written; B's own listing then shows A's claim
+and B backs off. This needs only read-after-write and list-after-write consistency, which local
+disks, S3 and GCS give. Both may back off at once: each retries after a random, growing delay,
+and while waiting checks the marker, so the loser of a race for the same fingerprint returns
+the winner's release without copying anything. Claims carry a heartbeat refreshed while copying;
+a claim older than ``claim_ttl_s`` is a crashed publisher's and is ignored and deleted. Waiting
+longer than ``wait_s`` raises `ReleaseBusy` (a transient error: retry later).
+We chose claims over "last marker wins" because the latter lets two publishers interleave file
+writes and one clear the other's files while it copies; a claim keeps every write single-owner.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import random
+import socket
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from merge_engine import storage
+from merge_engine.errors import CorruptShard, InvalidConfig, InvalidOption, TargetExists, ValidationFailed
+from merge_engine.storage import FileEntry
+from merge_engine.validate import Check, ValidationReport
+
+MARKER = "_COMPLETE"
+MANIFEST = "manifest.json"
+CLAIMS = "_PUBLISHING"
+RESERVED = (MARKER, MANIFEST, CLAIMS)
+MANIFEST_FORMAT = "stepmerge.release/1"
+COPY_CHUNK = 8 * 1024 * 1024
+CLAIM_TTL_S = 600.0
+
+
+class ReleaseBusy(TimeoutError):
+    """Another publisher holds the release for longer than we were willing to wait (transient)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Records
+
+
+@dataclass(frozen=True)
+class ManifestFile:
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What ``manifest.json`` says about a release."""
+
+    source: str
+    fingerprint: str
+    engine_version: str
+    options: Mapping[str, Any]
+    validation: Mapping[str, Any] | None
+    created: str
+    attempt: str
+    files: tuple[ManifestFile, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": MANIFEST_FORMAT,
+            "source": {"url": self.source, "fingerprint": self.fingerprint},
+            "engine_version": self.engine_version,
+            "options": dict(self.options),
+            "validation": None if self.validation is None else dict(self.validation),
+            "created": self.created,
+            "attempt": self.attempt,
+            "total_bytes": self.total_bytes,
+            "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
+        if data.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"unknown manifest format {data.get('format')!r}")
+        return cls(
+            source=data["source"]["url"],
+            fingerprint=data["source"]["fingerprint"],
+            engine_version=data["engine_version"],
+            options=data.get("options") or {},
+            validation=data.get("validation"),
+            created=data["created"],
+            attempt=data["attempt"],
+            files=tuple(ManifestFile(f["path"], int(f["size"]), f["sha256"]) for f in data["files"]),
+        )
+
+
+@dataclass(frozen=True)
+class Release:
+    """A published release: where, from what, how big; `already_published` when this call copied nothing."""
+
+    url: str
+    source: str
+    fingerprint: str
+    engine_version: str
+    files: int
+    total_bytes: int
+    created: str
+    attempt: str
+    already_published: bool = False
+    validation_ok: bool | None = field(default=None)
+
+    @classmethod
+    def from_manifest(cls, url: str, manifest: Manifest, already_published: bool) -> Release:
+        ok = None if manifest.validation is None else bool(manifest.validation.get("ok"))
+        return cls(url, manifest.source, manifest.fingerprint, manifest.engine_version, len(manifest.files),
+                   manifest.total_bytes, manifest.created, manifest.attempt, already_published, ok)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading a release
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_manifest(release_url: str) -> Manifest:
+    """The release's manifest. Raises `InvalidConfig` when it is missing or unparsable."""
+    url = storage.join(release_url, MANIFEST)
+    try:
+        return Manifest.from_dict(json.loads(storage.read_bytes(url)))
+    except FileNotFoundError as exc:
+        raise InvalidConfig("no manifest.json", url) from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InvalidConfig(f"manifest.json unparsable: {exc}", url) from exc
+
+
+def _released_manifest(release_url: str) -> Manifest | None:
+    """The manifest when the marker is present, parses and names this manifest's sha256; else None."""
+    try:
+        marker = json.loads(storage.read_bytes(storage.join(release_url, MARKER)))
+        manifest_bytes = storage.read_bytes(storage.join(release_url, MANIFEST))
+        if marker.get("manifest_sha256") != _sha256(manifest_bytes):
+            return None
+        return Manifest.from_dict(json.loads(manifest_bytes))
+    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def is_released(release_url: str) -> bool:
+    """True when readers may trust the folder: marker present and matching a parsable manifest."""
+    return _released_manifest(release_url) is not None
+
+
+def _hash_file(url: str, size: int) -> str:
+    digest = hashlib.sha256()
+    with storage.RangeReader(url, size) as reader:
+        buffer = bytearray(min(COPY_CHUNK, reader.size) or 1)
+        offset = 0
+        while offset < reader.size:
+            view = memoryview(buffer)[: min(len(buffer), reader.size - offset)]
+            reader.read_into(offset, view)
+            digest.update(view)
+            offset += len(view)
+    return digest.hexdigest()
+
+
+def verify_release(release_url: str) -> ValidationReport:
+    """Re-hash every file against the manifest. Checks: marker, files, no_unlisted_files."""
+    manifest = _released_manifest(release_url)
+    if manifest is None:
+        return ValidationReport(release_url, (Check("marker", False, "no valid _COMPLETE marker"),))
+    checks = [Check("marker", True, f"attempt {manifest.attempt}, {manifest.created}")]
+    listing = {e.path: e for e in storage.list_files(release_url)}
+    bad = []
+    for f in manifest.files:
+        entry = listing.get(f.path)
+        if entry is None:
+            bad.append(f"{f.path}: missing")
+        elif entry.size != f.size:
+            bad.append(f"{f.path}: {entry.size} bytes, manifest says {f.size}")
+        elif _hash_file(storage.join(release_url, f.path), f.size) != f.sha256:
+            bad.append(f"{f.path}: sha256 differs")
+    summary = f"{len(manifest.files)} files, {manifest.total_bytes} bytes"
+    checks.append(Check("files", not bad, "; ".join(bad) or summary))
+    known = {f.path for f in manifest.files} | {MARKER, MANIFEST}
+    extra = sorted(p for p in listing if p not in known and p.split("/")[0] != CLAIMS)
+    checks.append(Check("no_unlisted_files", not extra, f"unlisted: {extra[:5]}" if extra else ""))
+    return ValidationReport(release_url, tuple(checks))
+
+
+# --------------------------------------------------------------------------------------------------
+# Claims
+
+
+def _claim_url(release_url: str, attempt: str) -> str:
+    return storage.join(release_url, CLAIMS, f"{attempt}.json")
+
+
+def _write_claim(release_url: str, attempt: str, fingerprint: str) -> None:
+    body = {"attempt": attempt, "fingerprint": fingerprint, "heartbeat": time.time(),
+            "host": socket.gethostname()}
+    storage.write_bytes(_claim_url(release_url, attempt), json.dumps(body).encode())
+
+
+def _remove_claim(release_url: str, attempt: str) -> None:
+    storage.remove(_claim_url(release_url, attempt))
+
+
+def _live_claims(release_url: str, ttl_s: float) -> list[str]:
+    """Attempts holding a claim with a fresh heartbeat; stale claims are deleted on the way."""
+    live = []
+    for entry in storage.list_files(storage.join(release_url, CLAIMS)):
+        if "/" in entry.path or not entry.path.endswith(".json"):
+            continue  # a claim exists from the moment its .json name does (local temp names don't count)
+        url = storage.join(release_url, CLAIMS, entry.path)
+        try:
+            body = json.loads(storage.read_bytes(url))
+            heartbeat = float(body["heartbeat"])
+        except FileNotFoundError:
+            continue  # released between the listing and the read
+        except (ValueError, KeyError, TypeError):
+            heartbeat = float("-inf")  # claims are written whole: an unreadable one is debris
+        if time.time() - heartbeat > ttl_s:
+            storage.remove(url)
+            continue
+        live.append(entry.path.removesuffix(".json"))
+    return live
+
+
+def _try_claim(release_url: str, attempt: str, fingerprint: str, ttl_s: float) -> bool:
+    """Write our claim, then look: own the release only if no other live claim is there."""
+    _write_claim(release_url, attempt, fingerprint)
+    if any(other != attempt for other in _live_claims(release_url, ttl_s)):
+        _remove_claim(release_url, attempt)
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+
+
+def _copy_with_sha256(src_url: str, dst_url: str, size: int) -> str:
+    """Stream one file from staging to the release; returns the sha256 of the bytes written."""
+    digest = hashlib.sha256()
+    with storage.RangeReader(src_url, size) as reader:
+        if reader.size != size:
+            raise CorruptShard(f"staging file changed: listed {size} bytes, now {reader.size}", src_url)
+        buffer = bytearray(min(COPY_CHUNK, size) or 1)
+        with storage.open_write(dst_url) as out:
+            offset = 0
+            while offset < size:
+                view = memoryview(buffer)[: min(len(buffer), size - offset)]
+                reader.read_into(offset, view)
+                digest.update(view)
+                out.write(view)
+                offset += len(view)
+    return digest.hexdigest()
+
+
+def _copy_all(staging_url: str, release_url: str, files: Sequence[FileEntry], max_workers: int,
+              heartbeat: Callable[[], None], heartbeat_every_s: float) -> tuple[ManifestFile, ...]:
+    done: list[ManifestFile] = []
+    last_beat = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
+        futures = {
+            pool.submit(_copy_with_sha256, storage.join(staging_url, f.path), storage.join(release_url, f.path),
+                        f.size): f
+            for f in files
+        }
+        for future in concurrent.futures.as_completed(futures):
+            entry = futures[future]
+            done.append(ManifestFile(entry.path, entry.size, future.result()))
+            if time.monotonic() - last_beat > heartbeat_every_s:
+                heartbeat()
+                last_beat = time.monotonic()
+    return tuple(sorted(done, key=lambda f: f.path))
+
+
+def _clear(release_url: str) -> None:
+    """Delete everything under the release prefix except the claims (the marker first)."""
+    storage.remove(storage.join(release_url, MARKER))
+    for entry in storage.list_files(release_url):
+        if entry.path.split("/")[0] != CLAIMS:
+            storage.remove(storage.join(release_url, entry.path))
+
+
+def _drop_staging(staging_url: str, remove_staging: bool) -> None:
+    if remove_staging:
+        storage.remove(staging_url, recursive=True)
+
+
+def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str, options: Mapping[str, Any],
+            validation: ValidationReport | None, engine_version: str, overwrite: bool = False,
+            remove_staging: bool = True, wait_s: float = 600.0, claim_ttl_s: float = CLAIM_TTL_S,
+            max_workers: int = 4) -> Release:
+    """Publish `staging_url` at `release_url` (see the module docstring for every rule).
+
+    `validation` None publishes without a validation record (the manifest says ``null``).
+    Raises `ValidationFailed` (validation not ok; staging removed, nothing published),
+    `TargetExists` (released with another fingerprint and not ``overwrite``; staging kept), `InvalidOption`
+    (empty staging, staged names that collide with ``manifest.json``/``_COMPLETE``/``_PUBLISHING``, or
+    staging and release nested in each other),
+    `ReleaseBusy` (another publisher held the release longer than ``wait_s``).
+    """
+    inner, outer = sorted((staging_url.rstrip("/") + "/", release_url.rstrip("/") + "/"), key=len, reverse=True)
+    if inner.startswith(outer):
+        raise InvalidOption(f"staging and release must not contain each other: {staging_url}, {release_url}")
+    if validation is not None and not validation.ok:
+        storage.remove(staging_url, recursive=True)
+        first = validation.failures[0] if validation.failures else Check("checks", False, "no check ran")
+        raise ValidationFailed(f"not published: {first.name}: {first.detail}", staging_url)
+    files = storage.list_files(staging_url)
+    if not files:
+        raise InvalidOption("staging folder is empty", staging_url)
+    clashing = [f.path for f in files if f.path.split("/")[0] in RESERVED]
+    if clashing:
+        raise InvalidOption(f"staged files use reserved names {clashing}", staging_url)
+    options = json.loads(json.dumps(dict(options), sort_keys=True, default=str))
+
+    attempt = uuid.uuid4().hex
+    deadline = time.monotonic() + wait_s
+    delay = 0.05
+    while True:
+        current = _released_manifest(release_url)
+        if current is not None:
+            if current.fingerprint == fingerprint:
+                _drop_staging(staging_url, remove_staging)
+                return Release.from_manifest(release_url, current, already_published=True)
+            if not overwrite:
+                raise TargetExists(f"released from another checkpoint (fingerprint {current.fingerprint[:12]}…); "
+                                   "pass overwrite to replace it", release_url)
+        if _try_claim(release_url, attempt, fingerprint, claim_ttl_s):
+            break
+        if time.monotonic() > deadline:
+            raise ReleaseBusy(f"another publisher holds {release_url} (waited {wait_s:.0f}s)")
+        time.sleep(delay * random.uniform(0.5, 1.5))
+        delay = min(delay * 2, 2.0)
+
+    try:
+        # Someone may have finished between our look and our claim: they released before we listed.
+        current = _released_manifest(release_url)
+        if current is not None and current.fingerprint == fingerprint:
+            _drop_staging(staging_url, remove_staging)
+            return Release.from_manifest(release_url, current, already_published=True)
+        if current is not None and not overwrite:
+            raise TargetExists("released from another checkpoint meanwhile", release_url)
+        _clear(release_url)
+        copied = _copy_all(staging_url, release_url, files, max_workers,
+                           heartbeat=lambda: _write_claim(release_url, attempt, fingerprint),
+                           heartbeat_every_s=claim_ttl_s / 4)
+        manifest = Manifest(
+            source=source, fingerprint=fingerprint, engine_version=engine_version, options=options,
+            validation=None if validation is None else {**validation.to_dict(), "summary": validation.summary()},
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"), attempt=attempt, files=copied,
+        )
+        manifest_bytes = json.dumps(manifest.to_dict(), indent=2, sort_keys=True).encode()
+        storage.write_bytes(storage.join(release_url, MANIFEST), manifest_bytes)
+        marker = {"attempt": attempt, "fingerprint": fingerprint, "manifest_sha256": _sha256(manifest_bytes),
+                  "created": manifest.created}
+        storage.write_bytes(storage.join(release_url, MARKER), json.dumps(marker, sort_keys=True).encode())
+    finally:
+        _remove_claim(release_url, attempt)
+    _drop_staging(staging_url, remove_staging)
+    return Release.from_manifest(release_url, manifest, already_published=False)
+
+
+__all__ = [
+    "publish", "is_released", "read_manifest", "verify_release", "Release", "Manifest", "ManifestFile",
+    "ReleaseBusy", "MARKER", "MANIFEST", "CLAIMS",
+]
