@@ -895,3 +895,15 @@ def stage_in(url: str, files: Iterable[FileEntry], cache_dir: str, max_workers: 
     finally:
         with lock:
             write_bytes(os.path.join(cache_dir, STAGE_MANIFEST), json.dumps(staged, sort_keys=True).encode())
+
+
+def copy_tree(src: str, dst: str, max_workers: int = 8) -> list[FileEntry]:
+    """Copy every file under ``src`` to the same relative path under ``dst`` (any two URLs)."""
+    entries = list_files(src)
+
+    def copy(entry: FileEntry) -> None:
+        copy_file(join(src, entry.path), join(dst, entry.path))
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as pool:
+        list(pool.map(copy, entries))
+    return entries

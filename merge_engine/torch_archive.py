@@ -203,10 +203,24 @@ def _rebuild_from_type_v2(func, new_type, args, state):
     value = func(*args)
     if isinstance(value, WrapperTensor):
         parts = state if isinstance(state, tuple) else (state,)
-        for part in parts:  # ``__dict__`` state, or ``(dict_state, slots_state)``
-            if isinstance(part, dict):
-                value.state.update(part)
+        if all(isinstance(part, (dict, type(None))) for part in parts):
+            for part in parts:  # ``__dict__`` state, or ``(dict_state, slots_state)``
+                value.state.update(part or {})
+        else:  # a class with its own __getstate__ (ShardedTensor): kept as pickled
+            value.state["__state__"] = state
     return value
+
+
+def _record_getattr(owner, name):
+    """Only ``getattr(<record class>, "Nested")``: protocol 2 pickles nested classes this way
+    (``ShardedTensor.ProcessGroupState``). Anything else is refused."""
+    if isinstance(owner, type) and issubclass(owner, Record) and isinstance(name, str) and name.isidentifier():
+        return record_class(owner.module, f"{owner.qualname}.{name}")
+    raise UnsafePickle(f"pickle calls getattr({owner!r}, {name!r}); only nested record classes are allowed")
+
+
+class TensorClassMarker:
+    """``torch.Tensor`` as a ``_rebuild_from_type_v2`` target: plain tensors need no class."""
 
 
 def _torch_size(values=()):
@@ -233,6 +247,10 @@ _FUNCTIONS: dict[tuple[str, str], Any] = {
     ("builtins", "frozenset"): frozenset,
     ("builtins", "slice"): slice,
     ("_codecs", "encode"): _codecs_encode,
+    ("builtins", "getattr"): _record_getattr,
+    ("__builtin__", "getattr"): _record_getattr,
+    ("torch", "Tensor"): TensorClassMarker,
+    ("torch.nn.parameter", "Parameter"): TensorClassMarker,
     ("torch", "Size"): _torch_size,
     ("torch", "device"): _torch_device,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
@@ -261,8 +279,6 @@ class _SafeUnpickler(pickle.Unpickler):
             return StorageMarker(STORAGE_DTYPES[name])
         if module == "torch" and name in TORCH_DTYPES:
             return TORCH_DTYPES[name]
-        if module == "torch.nn.parameter" and name == "Parameter":
-            return _rebuild_parameter
         if module.startswith(_RECORD_MODULES) or module == "torch.distributed":
             return record_class(module, name)
         raise UnsafePickle(f"pickle asks for {module}.{name}, which is not on the allow-list; nothing was run",

@@ -137,20 +137,21 @@ def synthetic_value(name: str, shape: tuple[int, ...] | torch.Size, seed: int, d
     values = torch.randn(shape, generator=generator, dtype=torch.float32)
     parts = name.split(".")
     owner = parts[-2] if len(parts) > 1 else ""
+    # In place: a 150k-vocabulary embedding is half a gigabyte in float32.
     if name.endswith(EXTRA_BUFFER_NAME):
-        values = 1.0 + 0.5 * values
+        values.mul_(0.5).add_(1.0)
     elif "norm" in owner and parts[-1] == "weight":
-        values = 1.0 + 0.1 * values
+        values.mul_(0.1).add_(1.0)
     elif name.endswith(".bias"):
-        values = 0.02 * values
+        values.mul_(0.02)
     elif "lora_B" in name:
-        values = 0.05 * values
+        values.mul_(0.05)
     elif "embed_tokens" in name:
-        values = 0.5 * values
+        values.mul_(0.5)
     elif len(shape) == 2:
-        values = values / (shape[1] ** 0.5)
+        values.div_(shape[1] ** 0.5)
     else:
-        values = 0.1 * values
+        values.mul_(0.1)
     return values.to(dtype)
 
 

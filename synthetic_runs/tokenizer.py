@@ -1,9 +1,12 @@
 """A small, real tokenizer built locally, for synthetic checkpoints.
 
 Contract:
-- `build_tokenizer(max_vocab_size)` trains a BPE model with the `tokenizers` library on a fixed
+- `build_tokenizer(max_vocab_size)` trains a byte-level BPE with the `tokenizers` library on a fixed
   corpus (nothing is downloaded) and wraps it as a `transformers.PreTrainedTokenizerFast` with a
   ChatML chat template. The same call always gives the same vocabulary and merges.
+- It is built exactly like Qwen2's tokenizer (NFC, Qwen's split regex, byte-level, no unk token):
+  `transformers` 5 rebuilds a `Qwen2Tokenizer` from vocab and merges whenever config.json says
+  qwen2, and that rebuild must tokenize the same way. Byte-level also means any text round-trips.
 - Its vocabulary never exceeds `max_vocab_size` (the model's `vocab_size`): a `ValueError` says so
   when the requested size cannot hold the alphabet and special tokens.
 - `save_tokenizer(directory, max_vocab_size)` writes it with `save_pretrained` (tokenizer.json,
@@ -16,17 +19,21 @@ import copy
 import functools
 import os
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-UNK_TOKEN = "<unk>"
-SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, IM_START, IM_END, UNK_TOKEN)
+SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, IM_START, IM_END)
 
-# Largest vocabulary trained: enough merges to look like a tokenizer, small enough to stay fast.
-_TRAINED_VOCAB_CAP = 320
+# Largest vocabulary trained: 256 bytes, the special tokens and ~140 merges; small and fast.
+_TRAINED_VOCAB_CAP = 400
+
+# Qwen2's pre-tokenization regex (transformers' Qwen2Tokenizer.PRETOKENIZE_REGEX).
+_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 # ChatML, the format of Qwen2 instruct models; `add_generation_prompt` opens the assistant turn.
 CHAT_TEMPLATE = (
@@ -54,12 +61,19 @@ _CORPUS: tuple[str, ...] = (
 
 @functools.lru_cache(maxsize=8)
 def _trained_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    backend = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace()
-    backend.decoder = decoders.Metaspace()
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     backend.train_from_iterator(list(_CORPUS), trainer=trainer)
@@ -67,7 +81,6 @@ def _trained_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         tokenizer_object=backend,
         pad_token=PAD_TOKEN,
         eos_token=IM_END,
-        unk_token=UNK_TOKEN,
         additional_special_tokens=[IM_START],
         chat_template=CHAT_TEMPLATE,
         model_max_length=2048,

@@ -25,7 +25,7 @@ from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedL
 from merge_engine.layouts import Checkpoint
 from merge_engine.storage import FileEntry
 from merge_engine.tensor_source import AssembledSource, ConcatTensor, ReplicatedTensor, TensorSource
-from merge_engine.torch_archive import Record, StoredTensor, TorchArchive, WrapperTensor
+from merge_engine.torch_archive import StoredTensor, TorchArchive, WrapperTensor
 
 NAME = "fsdp"
 MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -169,7 +169,7 @@ def _kind(value: Any) -> str:
         return "tensor"
     if isinstance(value, WrapperTensor) and value.cls.qualname == "DTensor":
         return "dtensor"
-    if isinstance(value, Record) and value.qualname == "ShardedTensor":
+    if isinstance(value, WrapperTensor) and value.cls.qualname == "ShardedTensor":
         return "sharded_tensor"
     return type(value).__name__
 
@@ -230,11 +230,14 @@ def _assemble_dtensor(key: str, values: list[WrapperTensor], archives: list[Torc
     return ConcatTensor(shape, dtype, shard_dim, tuple(pieces[i] for i in order))
 
 
-def _assemble_sharded_tensor(key: str, values: list[Record], archives: list[TorchArchive]):
+def _assemble_sharded_tensor(key: str, values: list[WrapperTensor], archives: list[TorchArchive]):
     pieces: list[tuple[list[int], StoredTensor]] = []
     shape = dtype = None
     for value, archive in zip(values, archives):
-        local_shards, metadata = value.state[0], value.state[1]
+        state = value.state.get("__state__")
+        if not isinstance(state, tuple) or len(state) < 2:
+            raise CorruptShard(f"ShardedTensor {key!r} without its pickled shards", archive.url)
+        local_shards, metadata = state[0], state[1]
         meta = metadata.fields
         size = tuple(int(s) for s in meta["size"])
         props = meta["tensor_properties"].fields

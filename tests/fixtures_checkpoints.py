@@ -1,0 +1,27 @@
+"""Session fixtures: real checkpoints written once per test session by real torch.distributed code.
+
+`fsdp_runs`: every variant of `synthetic_runs.fixture_matrix()` (FSDP1 with and without a mesh,
+FSDP2, HSDP, one rank, tied/untied, Qwen2/Llama, fp32/bf16, buffers, critic, SFT, LoRA) as a verl
+run root with one step, plus the exact reference weights each was sharded from.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import synthetic_runs
+
+
+@pytest.fixture(scope="session")
+def fsdp_runs(tmp_path_factory) -> dict[str, synthetic_runs.RunFiles]:
+    root = tmp_path_factory.mktemp("synthetic_fsdp")
+    return synthetic_runs.write_fixture_matrix(root / "runs", reference_root=root / "references", steps=(1,))
+
+
+@pytest.fixture(scope="session")
+def megatron_runs(tmp_path_factory):
+    """Every variant of `synthetic_runs.megatron.megatron_fixture_matrix()` written once by real
+    megatron-core on CPU: name -> job (``step_dir``, ``spec``, ``reference_dir``)."""
+    from synthetic_runs.megatron import write_fixture_matrix
+
+    return write_fixture_matrix(tmp_path_factory.mktemp("megatron_fixtures"))

@@ -1,0 +1,160 @@
+"""The command line: verl's flags, exit codes, one-line errors, and nothing written on bad input.
+
+Specification (issue 2, points 6 and 8): each damaged checkpoint gives a named error that
+names the file at fault, a non-zero exit code, and no target folder at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from merge_engine.cli import main
+
+VARIANT = "fsdp2_qwen2"
+
+
+@pytest.fixture()
+def checkpoint(fsdp_runs, tmp_path):
+    """A private copy of a good 4-rank checkpoint, free to damage."""
+    copy = tmp_path / "actor"
+    shutil.copytree(fsdp_runs[VARIANT].latest.checkpoint_dir, copy)
+    return copy
+
+
+def _rank(checkpoint, rank=2):
+    return checkpoint / f"model_world_size_4_rank_{rank}.pt"
+
+
+def _merge(checkpoint, target, *extra):
+    return main(["merge", "--backend", "fsdp", "--local_dir", str(checkpoint), "--target_dir", str(target), *extra])
+
+
+class _Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _truncate(checkpoint):
+    data = _rank(checkpoint).read_bytes()
+    _rank(checkpoint).write_bytes(data[: len(data) * 2 // 3])
+    return _rank(checkpoint), "CorruptShard"
+
+
+def _missing(checkpoint):
+    _rank(checkpoint, 3).unlink()
+    return _rank(checkpoint, 3), "IncompleteCheckpoint"
+
+
+def _zero_bytes(checkpoint):
+    _rank(checkpoint).write_bytes(b"")
+    return _rank(checkpoint), "IncompleteCheckpoint"
+
+
+def _world_size_contradiction(checkpoint):
+    (checkpoint / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 8}))
+    return checkpoint / "fsdp_config.json", "WorldSizeMismatch"
+
+
+def _mixed_world_sizes(checkpoint):
+    shutil.copy(_rank(checkpoint, 0), checkpoint / "model_world_size_2_rank_0.pt")
+    return checkpoint, "WorldSizeMismatch"
+
+
+def _code_in_pickle(checkpoint):
+    marker = checkpoint.parent / "pwned"
+    with zipfile.ZipFile(_rank(checkpoint), "w") as z:
+        z.writestr("archive/data.pkl", pickle.dumps({"w": _Exploit(marker)}, protocol=2))
+        z.writestr("archive/version", "3\n")
+    return _rank(checkpoint), "UnsafePickle"
+
+
+def _broken_config(checkpoint):
+    (checkpoint / "huggingface" / "config.json").write_text("{ not json")
+    return checkpoint / "huggingface" / "config.json", "InvalidConfig"
+
+
+def _config_lies_about_tying(checkpoint):
+    path = checkpoint / "huggingface" / "config.json"
+    config = json.loads(path.read_text())
+    config["tie_word_embeddings"] = True
+    path.write_text(json.dumps(config))
+    return checkpoint, "CorruptShard"
+
+
+DAMAGE = [_truncate, _missing, _zero_bytes, _world_size_contradiction, _mixed_world_sizes, _code_in_pickle,
+          _broken_config, _config_lies_about_tying]
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=lambda f: f.__name__.strip("_"))
+def test_bad_input_named_error_nonzero_exit_nothing_written(damage, checkpoint, tmp_path, capsys):
+    at_fault, kind = damage(checkpoint)
+    target = tmp_path / "target"
+    code = _merge(checkpoint, target)
+    err = capsys.readouterr().err
+    assert code != 0
+    assert f"error: {kind}" in err
+    assert str(at_fault) in err
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1
+    assert not target.exists()
+    assert not [p for p in tmp_path.iterdir() if "stepmerge" in p.name]  # no temp folder left behind
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_check_exit_codes(checkpoint, capsys):
+    assert main(["check", "--local_dir", str(checkpoint)]) == 0
+    assert "complete fsdp checkpoint" in capsys.readouterr().out
+    _rank(checkpoint, 1).unlink()
+    assert main(["check", "--local-dir", str(checkpoint)]) == 3
+
+
+def test_existing_target_refused_unless_overwrite(fsdp_runs, checkpoint, tmp_path, capsys):
+    target = tmp_path / "target"
+    assert _merge(checkpoint, target) == 0
+    other = fsdp_runs["fsdp2_llama_buffer_mqa"].latest.checkpoint_dir
+    assert _merge(other, target) != 0
+    assert "TargetExists" in capsys.readouterr().err
+    assert _merge(other, target, "--overwrite") == 0
+
+
+def test_verl_flag_spellings_and_test_command(fsdp_runs, checkpoint, tmp_path, capsys):
+    target = tmp_path / "merged"
+    code = main(["merge", "--backend", "fsdp", "--local-dir", str(checkpoint), "--target-dir", str(target),
+                 "--use_cpu_initialization", "--trust-remote-code"])
+    assert code == 0 and (target / "model.safetensors").exists()
+    reference = fsdp_runs[VARIANT].latest.reference_hf_dir
+    assert main(["test", "--backend", "fsdp", "--local_dir", str(checkpoint), "--test_hf_dir", reference]) == 0
+    assert "PASSED" in capsys.readouterr().out
+    other = tmp_path / "perturbed"  # the reference with one value moved by 1e-4
+    shutil.copytree(reference, other)
+    weights = load_file(str(other / "model.safetensors"))
+    weights["model.norm.weight"][3] += 1e-4
+    save_file(weights, str(other / "model.safetensors"))
+    assert main(["test", "--local_dir", str(checkpoint), "--test_hf_dir", str(other)]) == 5
+    assert "first mismatch in model.norm.weight" in capsys.readouterr().out
+
+
+def test_tie_flag_must_agree_with_config(checkpoint, tmp_path, capsys):
+    assert _merge(checkpoint, tmp_path / "t", "--tie-word-embedding") != 0
+    assert "InvalidOption" in capsys.readouterr().err
+
+
+def test_console_entry_point_exit_code(checkpoint, tmp_path):
+    """The real process: `python -m merge_engine` exits non-zero with one line on stderr."""
+    _missing(checkpoint)
+    proc = subprocess.run([sys.executable, "-m", "merge_engine", "merge", "--local_dir", str(checkpoint),
+                           "--target_dir", str(tmp_path / "t")], capture_output=True, text=True)
+    assert proc.returncode == 3
+    assert proc.stderr.strip().startswith("stepmerge: error: IncompleteCheckpoint")
+    assert "Traceback" not in proc.stderr
