@@ -35,6 +35,8 @@ def _source_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "use_cpu_initialization", action="store_true", help="verl compatibility: no effect (always CPU)")
     _flag(parser, "trust-remote-code", action="store_true", help="allow custom model code when validating")
     _flag(parser, "dtype", default=None, help="output dtype (bfloat16, float16, float32); default: as stored")
+    _flag(parser, "custom-mapping", default=None,
+          help="Megatron: JSON file extending the model family's name table (see merge_engine/architectures/custom.py)")
 
 
 def _options(args: argparse.Namespace):
@@ -44,6 +46,7 @@ def _options(args: argparse.Namespace):
     return MergeOptions(backend=args.backend, dtype=args.dtype,
                         max_shard_size=parse_size(getattr(args, "max_shard_size", None) or DEFAULT_MAX_SHARD_SIZE),
                         hf_model_path=args.hf_model_path, tie_word_embedding=args.tie_word_embedding,
+                        custom_mapping=args.custom_mapping, lora_alpha=getattr(args, "lora_alpha", None),
                         overwrite=getattr(args, "overwrite", False))
 
 
@@ -90,6 +93,8 @@ def _add_merge(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "target_dir", required=True, help="output folder URL")
     _flag(parser, "max-shard-size", default=None, help="largest safetensors file, e.g. 5GB (default), 500MiB")
     _flag(parser, "overwrite", action="store_true", help="replace a target that holds a different model")
+    _flag(parser, "lora-alpha", type=float, default=None,
+          help="LoRA checkpoints only: lora_alpha when the run recorded none (never guessed)")
     _flag(parser, "hf_upload_path", default=None, help=argparse.SUPPRESS)
     _flag(parser, "private", action="store_true", help=argparse.SUPPRESS)
     parser.set_defaults(run=cmd_merge)
@@ -162,10 +167,10 @@ def cmd_extract_lora(args: argparse.Namespace) -> int:
     if args.finetuned is not None:
         if args.base_model is None:
             raise InvalidOption("--finetuned needs --base-model (the model it was fine-tuned from)")
-        if args.lora_alpha is not None or args.adapter_only or args.backend:
-            raise InvalidOption("--lora-alpha / --adapter-only / --backend apply to --local_dir checkpoints")
+        if args.lora_alpha is not None or args.adapter_only:
+            raise InvalidOption("--lora-alpha / --adapter-only apply to --local_dir checkpoints")
         targets = tuple(t for t in args.target_modules.split(",") if t) if args.target_modules else None
-        options = SvdExtractOptions(rank=args.rank, energy=args.energy, target_modules=targets, dtype=args.dtype,
+        options = SvdExtractOptions(backend=args.backend, rank=args.rank, energy=args.energy, target_modules=targets, dtype=args.dtype,
                                     device=args.device, overwrite=args.overwrite)
         result = extract_lora_svd(args.base_model, args.finetuned, args.target_dir, options)
         _print_lora_result(result, f"SVD-extracted {args.finetuned} - {args.base_model}")
@@ -183,7 +188,7 @@ def cmd_extract_lora(args: argparse.Namespace) -> int:
 
 def _add_extract_lora(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "local_dir", default=None, help="LoRA training checkpoint URL (PEFT-wrapped model)")
-    _flag(parser, "backend", default=None, help="checkpoint layout (fsdp, ...); detected when omitted")
+    _flag(parser, "backend", default=None, help="layout of --local_dir / --finetuned (fsdp, hf); detected when omitted")
     _flag(parser, "target_dir", required=True,
           help="output URL: the PEFT adapter folder (the clean base goes to <target>/base/)")
     _flag(parser, "lora-alpha", type=float, default=None,
@@ -192,7 +197,8 @@ def _add_extract_lora(parser: argparse.ArgumentParser) -> None:
           help="base model URL: checks a LoRA-only checkpoint's adapter; with --finetuned, the SVD's base")
     _flag(parser, "adapter-only", action="store_true", help="do not write the clean base model")
     _flag(parser, "hf_model_path", default=None, help="folder with config.json + tokenizer overriding huggingface/")
-    _flag(parser, "finetuned", default=None, help="full fine-tune URL: extract (finetuned - base) by SVD")
+    _flag(parser, "finetuned", default=None,
+          help="full fine-tune URL (Hugging Face folder or FSDP checkpoint): extract (finetuned - base) by SVD")
     _flag(parser, "rank", type=int, default=None, help="SVD: rank of each module's adapter")
     _flag(parser, "energy", type=float, default=None,
           help="SVD: keep this fraction of each update's squared singular values (capped by --rank)")
@@ -254,6 +260,64 @@ def _add_merge_lora(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=cmd_merge_lora)
 
 
+def cmd_notify(args: argparse.Namespace) -> int:
+    """Emit ``stepmerge.checkpoint.saved`` to the Prefect server (imports Prefect only here)."""
+    if args.step < 0:
+        raise InvalidOption(f"--step must be >= 0, got {args.step}")
+    from flows.events import CHECKPOINT_SAVED, emit_checkpoint_saved
+
+    try:
+        event_id = emit_checkpoint_saved(args.run_root, args.step, args.role)
+    except RuntimeError as exc:
+        raise InvalidOption(str(exc)) from None
+    print(f"emitted {CHECKPOINT_SAVED} for {args.run_root.rstrip('/')} step {args.step} "
+          f"(role {args.role or 'sft'}); event {event_id}")
+    return 0
+
+
+def _add_notify(parser: argparse.ArgumentParser) -> None:
+    _flag(parser, "run-root", required=True, help="the run root URL the training job writes global_step_N/ to")
+    _flag(parser, "step", type=int, required=True, help="the global step just saved")
+    _flag(parser, "role", default="actor", choices=("actor", "critic", ""), help="actor (default), critic, or '' (SFT)")
+    parser.set_defaults(run=cmd_notify)
+
+
+def cmd_split(args: argparse.Namespace) -> int:
+    from merge_engine.split import SplitOptions, split_hf_to_megatron
+
+    options = SplitOptions(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, fmt=args.format,
+                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, dtype=args.dtype,
+                           custom_mapping=args.custom_mapping, overwrite=args.overwrite)
+    result = split_hf_to_megatron(args.hf_dir, args.target_dir, options)
+    if result.skipped:
+        print(f"{result.target_url} already holds this split; nothing to do")
+        return 0
+    sizes = f"TP={args.tp} PP={args.pp}" + (f" VPP={args.vpp}" if args.vpp else "") + (f" EP={args.ep}" if args.ep > 1
+                                                                                      else "")
+    total = sum(size for _, size in result.files)
+    print(f"split {result.source_url} -> {result.target_url} ({result.fmt}, {sizes}): {result.tensors} Megatron "
+          f"tensors, {len(result.files)} files, {total / 1e6:.1f} MB in {result.seconds:.2f} s")
+    return 0
+
+
+def _add_split(parser: argparse.ArgumentParser) -> None:
+    _flag(parser, "to", default="megatron", choices=("megatron",), help="target framework (megatron)")
+    _flag(parser, "hf-dir", required=True, help="Hugging Face model folder URL")
+    _flag(parser, "target_dir", required=True, help="output folder URL")
+    _flag(parser, "tp", type=int, default=1, help="tensor-parallel size")
+    _flag(parser, "pp", type=int, default=1, help="pipeline-parallel size")
+    _flag(parser, "vpp", type=int, default=None, help="virtual pipeline (interleaved) chunks per stage")
+    _flag(parser, "ep", type=int, default=1, help="expert-parallel size (MoE)")
+    _flag(parser, "format", default="legacy", choices=("legacy", "dist"),
+          help="legacy: model/mp_rank_*/model.pt; dist: torch_dist dist_ckpt/")
+    _flag(parser, "make-vocab-size-divisible-by", type=int, default=128,
+          help="Megatron pads the vocabulary to a multiple of this times TP (default 128)")
+    _flag(parser, "dtype", default=None, help="dtype of the shards (default: as stored)")
+    _flag(parser, "custom-mapping", default=None, help="JSON file extending the model family's name table")
+    _flag(parser, "overwrite", action="store_true", help="replace a target that holds something else")
+    parser.set_defaults(run=cmd_split)
+
+
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "merge": ("merge a checkpoint into a Hugging Face folder", _add_merge),
     "test": ("compare a checkpoint with a reference Hugging Face folder (verl's test)", _add_test),
@@ -261,6 +325,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = 
     "extract-lora": ("extract a PEFT adapter (+ clean base) from a LoRA checkpoint, or by SVD from a fine-tune",
                      _add_extract_lora),
     "merge-lora": ("fuse LoRA adapters into a base model, or combine them into one adapter", _add_merge_lora),
+    "split": ("write a Hugging Face model as Megatron TP/PP/EP shards (the reverse of merge)", _add_split),
+    "notify": ("tell the Prefect server a checkpoint was saved (event stepmerge.checkpoint.saved)", _add_notify),
 }
 
 

@@ -13,24 +13,22 @@ Contract:
 
 from __future__ import annotations
 
-import json
-import os
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
 from merge_engine import __version__, storage
-from merge_engine.errors import CorruptShard, TargetExists
+from merge_engine.errors import CorruptShard, InvalidOption
 from merge_engine.hf_metadata import copy_metadata, read_config
 from merge_engine.layouts import Checkpoint, check_checkpoint, layout_module, open_checkpoint
 from merge_engine.plan import DEFAULT_MAX_SHARD_SIZE, EMBED_NAMES, LM_HEAD, MergePlan, parse_dtype, plan_hf_merge
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
+from merge_engine.output_target import PROVENANCE_FILE, read_provenance, target_state, write_target
 from merge_engine.writer import write_plan
 
-PROVENANCE_FILE = "stepmerge.json"
+__all__ = ["PROVENANCE_FILE", "MergeOptions", "MergeResult", "merge_checkpoint", "merge_fingerprint", "plan_merge"]
 
 
 @dataclass(frozen=True)
@@ -42,12 +40,17 @@ class MergeOptions:
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     hf_model_path: str | None = None  # config/tokenizer folder overriding the checkpoint's own
     tie_word_embedding: bool | None = None  # verl's flag: may only confirm config.json
+    lora_alpha: float | None = None  # for LoRA checkpoints whose run recorded no alpha (never guessed)
+    custom_mapping: str | None = None  # Megatron: a JSON file extending the family's name table
     overwrite: bool = False
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     def output_options(self) -> dict[str, object]:
         """The options that change the bytes written (for fingerprints and provenance)."""
-        return {"dtype": self.dtype, "max_shard_size": self.max_shard_size, "hf_model_path": self.hf_model_path}
+        options = {"dtype": self.dtype, "max_shard_size": self.max_shard_size, "hf_model_path": self.hf_model_path}
+        if self.custom_mapping is not None:  # only when set: fingerprints of other merges stay as they were
+            options["custom_mapping"] = self.custom_mapping
+        return options
 
 
 @dataclass(frozen=True)
@@ -74,14 +77,18 @@ def plan_merge(checkpoint: Checkpoint, source: TensorSource, config: dict, optio
     module = layout_module(checkpoint.layout)
     dtype = parse_dtype(options.dtype)
     if hasattr(module, "plan"):
+        extra = {"custom_mapping": options.custom_mapping} if options.custom_mapping is not None else {}
         return module.plan(source, config, dtype=dtype, max_shard_size=options.max_shard_size,
-                           tie_flag=options.tie_word_embedding)
+                           tie_flag=options.tie_word_embedding, **extra)
+    if options.custom_mapping is not None:
+        raise InvalidOption(f"--custom-mapping applies to Megatron checkpoints, not to a {checkpoint.layout} one",
+                            options.custom_mapping)
     metas = source.metas()
     from merge_engine.lora.extract import is_lora_checkpoint, plan_trained_model  # lora imports this module
 
     if is_lora_checkpoint(metas):  # the TRAINED model: every LoRA fused into its base, never the base alone
         return plan_trained_model(checkpoint, source, config, dtype=dtype, max_shard_size=options.max_shard_size,
-                                  tie_flag=options.tie_word_embedding, lora_alpha=getattr(options, "lora_alpha", None),
+                                  tie_flag=options.tie_word_embedding, lora_alpha=options.lora_alpha,
                                   chunk_bytes=options.chunk_bytes)
     return plan_hf_merge(metas, config, dtype=dtype, max_shard_size=options.max_shard_size,
                          tie_flag=options.tie_word_embedding, config_url=checkpoint.hf_dir)
@@ -106,23 +113,6 @@ def check_tied_copy(source: TensorSource, plan: MergePlan, chunk_bytes: int) -> 
                                "embedding; fix config.json (or pass a correct --hf-model-path)", source.url)
 
 
-def read_provenance(target_url: str) -> dict | None:
-    try:
-        return json.loads(storage.read_text(storage.join(target_url, PROVENANCE_FILE)))
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _target_state(target_url: str, fingerprint: str) -> str:
-    """"empty", "same" (already holds this merge) or "other"."""
-    if not storage.list_files(target_url):
-        return "empty"
-    provenance = read_provenance(target_url)
-    if provenance and provenance.get("fingerprint") == fingerprint:
-        return "same"
-    return "other"
-
-
 def merge_checkpoint(source_url: str, target_url: str, options: MergeOptions = MergeOptions(), *,
                      on_bytes: Callable[[int], None] | None = None,
                      on_plan: Callable[[MergePlan], None] | None = None) -> MergeResult:
@@ -132,67 +122,29 @@ def merge_checkpoint(source_url: str, target_url: str, options: MergeOptions = M
     hf_dir = options.hf_model_path or checkpoint.hf_dir
     config = read_config(hf_dir)
     fingerprint = merge_fingerprint(checkpoint, options)
-    state = _target_state(target_url, fingerprint)
+    state = target_state(target_url, fingerprint, options.overwrite)
     if state == "same":
         provenance = read_provenance(target_url) or {}
         return MergeResult(source_url, target_url, checkpoint.layout, fingerprint,
                            int(provenance.get("tensors", 0)), int(provenance.get("tensor_bytes", 0)),
                            tuple((e.path, e.size) for e in storage.list_files(target_url)),
                            time.perf_counter() - started, skipped=True)
-    if state == "other" and not options.overwrite:
-        raise TargetExists("target already holds files of a different model; pass --overwrite to replace it",
-                           target_url)
     source = open_checkpoint(checkpoint)
     try:
         plan = plan_merge(checkpoint, source, config, options)
         if on_plan:
             on_plan(plan)
         check_tied_copy(source, plan, options.chunk_bytes)
-        written = _write_atomically(target_url, replace=(state == "other"), write=lambda url: _write_all(
-            url, plan, source, hf_dir, config, options, on_bytes,
-            provenance={"source": source_url, "layout": checkpoint.layout, "fingerprint": fingerprint,
-                        "engine_version": __version__, "options": options.output_options(),
-                        "parallel": checkpoint.parallel, "tensors": len(plan.tensors),
-                        "tensor_bytes": plan.total_size}))
+
+        def write(url: str) -> list[tuple[str, int]]:
+            files = write_plan(plan, source, url, chunk_bytes=options.chunk_bytes, on_bytes=on_bytes).files
+            return list(files) + copy_metadata(hf_dir, url, config, plan.config_updates)
+
+        written = write_target(target_url, state, write, {
+            "source": source_url, "layout": checkpoint.layout, "fingerprint": fingerprint,
+            "engine_version": __version__, "options": options.output_options(), "parallel": checkpoint.parallel,
+            "tensors": len(plan.tensors), "tensor_bytes": plan.total_size})
     finally:
         source.close()
     return MergeResult(source_url, target_url, checkpoint.layout, fingerprint, len(plan.tensors), plan.total_size,
                        tuple(written), time.perf_counter() - started, notes=plan.notes)
-
-
-def _write_all(url: str, plan: MergePlan, source: TensorSource, hf_dir: str, config: dict,
-               options: MergeOptions, on_bytes, provenance: dict) -> list[tuple[str, int]]:
-    files = list(write_plan(plan, source, url, chunk_bytes=options.chunk_bytes, on_bytes=on_bytes).files)
-    files += copy_metadata(hf_dir, url, config, plan.config_updates)
-    data = (json.dumps(provenance, indent=2, sort_keys=True, default=str) + "\n").encode()
-    storage.write_bytes(storage.join(url, PROVENANCE_FILE), data)
-    files.append((PROVENANCE_FILE, len(data)))
-    return files
-
-
-def _write_atomically(target_url: str, replace: bool, write: Callable[[str], list]) -> list:
-    """Local: write a sibling temp folder, then rename it into place. Remote: write, clean on failure."""
-    if storage.is_local(target_url):
-        target = storage.local_path(target_url)
-        parent = os.path.dirname(target.rstrip(os.sep)) or "."
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{os.path.basename(target.rstrip(os.sep))}.stepmerge-{uuid.uuid4().hex[:8]}")
-        try:
-            files = write(tmp)
-            if os.path.exists(target):
-                if replace or not os.listdir(target):
-                    storage.remove(target, recursive=True)
-            os.replace(tmp, target)
-        finally:
-            storage.remove(tmp, recursive=True)
-        return files
-    try:
-        if replace:
-            storage.remove(target_url, recursive=True)
-        return write(target_url)
-    except BaseException:
-        storage.remove(target_url, recursive=True)
-        raise
-
-
-__all__ = ["MergeOptions", "MergeResult", "merge_checkpoint", "merge_fingerprint", "plan_merge", "asdict"]

@@ -45,14 +45,8 @@ from merge_engine.lora.fuse import (
 from merge_engine.lora.keys import PEFT_PREFIX, adapter_file_key, module_of
 from merge_engine.lora.sources import NamespacedSource, qualified
 from merge_engine.lora.svd import Factors, ModuleReport, check_targets, factor_product, svd_device
-from merge_engine.lora.target import (
-    LoraResult,
-    inputs_fingerprint,
-    module_reports_json,
-    skipped_result,
-    target_state,
-    write_target,
-)
+from merge_engine.lora.target import LoraResult, inputs_fingerprint, module_reports_json, skipped_result
+from merge_engine.output_target import target_state, write_target
 from merge_engine.plan import DEFAULT_MAX_SHARD_SIZE, MergePlan, PlannedTensor, parse_dtype
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
 from merge_engine.writer import write_plan

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ import torch
 from merge_engine import __version__, storage
 from merge_engine.errors import AdapterError, CorruptShard, InvalidOption
 from merge_engine.hf_metadata import copy_metadata, read_config
-from merge_engine.layouts import Checkpoint, check_checkpoint, open_checkpoint
+from merge_engine.layouts import Checkpoint, check_checkpoint, layout_module, open_checkpoint
 from merge_engine.lora.adapter_io import (
     Adapter,
     adapter_plan,
@@ -48,15 +48,9 @@ from merge_engine.lora.fuse import CheckedCopy, WeightedAdapter, aligned, finite
 from merge_engine.lora.keys import LORA_A, LORA_B, PEFT_PREFIX, TRAINED_COPY, adapter_file_key, parse_key
 from merge_engine.lora.sources import RenamedSource
 from merge_engine.lora.svd import Factors, ModuleReport, check_targets, factor_dense, svd_device
-from merge_engine.lora.target import (
-    LoraResult,
-    inputs_fingerprint,
-    module_reports_json,
-    skipped_result,
-    target_state,
-    write_target,
-)
+from merge_engine.lora.target import LoraResult, inputs_fingerprint, module_reports_json, skipped_result
 from merge_engine.merge import check_tied_copy
+from merge_engine.output_target import target_state, write_target
 from merge_engine.plan import (
     DEFAULT_MAX_SHARD_SIZE,
     MergePlan,
@@ -284,6 +278,8 @@ class ExtractOptions:
 
 def extracted_adapter_config(lora: CheckpointLora, candidates: set[str], task_type: str | None,
                              base_url: str | None) -> dict:
+    """adapter_config.json of an extracted adapter: ranks from the tensors, alpha and the rest from
+    the run; the run's own target_modules when they select exactly the adapted modules."""
     modules = lora.adapter.modules
     r, pattern = rank_layout({m.module: m.rank for m in modules.values()})
     run_targets = (lora.run.config or {}).get("target_modules")
@@ -302,6 +298,7 @@ def extracted_adapter_config(lora: CheckpointLora, candidates: set[str], task_ty
 
 
 def adapter_tensors(lora: CheckpointLora, dtype: torch.dtype | None) -> list[PlannedTensor]:
+    """adapter_model.safetensors under PEFT's names: every factor, then every trained copy."""
     metas = lora.adapter.metas
     tensors = []
     for module in lora.adapter.modules.values():
@@ -315,13 +312,16 @@ def adapter_tensors(lora: CheckpointLora, dtype: torch.dtype | None) -> list[Pla
 
 
 def extract_lora(checkpoint_url: str, target_url: str, options: ExtractOptions = ExtractOptions(), *,
-                 on_bytes=None, on_plan=None) -> LoraResult:
+                 on_bytes: Callable[[int], None] | None = None,
+                 on_plan: Callable[[MergePlan], None] | None = None) -> LoraResult:
     """Write the checkpoint's adapter at ``target_url`` (and its clean base under ``base/``)."""
     started = time.perf_counter()
     checkpoint = check_checkpoint(checkpoint_url, options.backend)
     parse_dtype(options.dtype)
-    extra = {"base_model": inputs_fingerprint({"base": options.base_model})} if options.base_model else {}
-    fingerprint = storage.fingerprint(checkpoint.files, engine=__version__, **options.output_options(), **extra)
+    extra = {"base_listing": inputs_fingerprint({"base": options.base_model})} if options.base_model else {}
+    run = read_run_metadata(checkpoint.url)  # lora_adapter/ is outside the layout's listing: key on its content
+    fingerprint = storage.fingerprint(checkpoint.files, engine=__version__, **options.output_options(), **extra,
+                                      run_lora={"alpha": run.lora_alpha, "r": run.r, "config": run.config})
     kind = "adapter"
     state = target_state(target_url, fingerprint, options.overwrite)
     if state == "same":
@@ -401,6 +401,9 @@ def default_target(module: str) -> bool:
 
 @dataclass(frozen=True)
 class SvdExtractOptions:
+    """Options of `extract_lora_svd` (``overwrite``/``chunk_bytes``/``device`` do not change the output)."""
+
+    backend: str | None = None  # layout of the fine-tune (hf, fsdp); detected when None
     rank: int | None = None
     energy: float | None = None
     target_modules: tuple[str, ...] | None = None
@@ -440,8 +443,14 @@ def changed_tensors(base: TensorSource, tuned: TensorSource, names: Sequence[str
 
 
 def extract_lora_svd(base_url: str, finetuned_url: str, target_url: str,
-                     options: SvdExtractOptions = SvdExtractOptions(), *, on_module=None) -> LoraResult:
-    """Factor each target module's (finetuned - base) into a PEFT adapter at ``target_url``."""
+                     options: SvdExtractOptions = SvdExtractOptions(), *,
+                     on_module: Callable[[ModuleReport], None] | None = None) -> LoraResult:
+    """Factor each target module's (finetuned - base) into a PEFT adapter at ``target_url``.
+
+    ``base_url``: a Hugging Face folder. ``finetuned_url``: a Hugging Face folder or any checkpoint
+    whose tensors carry Hugging Face names (a verl FSDP checkpoint: no merge needed first). One
+    module's two weights and its update are in memory at a time, plus the factors found so far.
+    """
     started = time.perf_counter()
     check_targets(options.rank, options.energy)
     dtype = parse_dtype(options.dtype) or torch.float32
@@ -449,14 +458,18 @@ def extract_lora_svd(base_url: str, finetuned_url: str, target_url: str,
     state = target_state(target_url, fingerprint, options.overwrite)
     if state == "same":
         return skipped_result(target_url, "adapter", fingerprint, started)
+    tuned_checkpoint = check_checkpoint(finetuned_url, options.backend)
+    if hasattr(layout_module(tuned_checkpoint.layout), "plan"):
+        raise AdapterError(f"a {tuned_checkpoint.layout} checkpoint's tensors are not Hugging Face tensors: merge it "
+                           "first (`stepmerge merge`), then extract from the merged folder", finetuned_url)
     base = open_checkpoint(check_checkpoint(base_url, "hf"))
     try:
-        tuned = open_checkpoint(check_checkpoint(finetuned_url, "hf"))
+        tuned = open_checkpoint(tuned_checkpoint)
     except Exception:
         base.close()
         raise
     try:
-        config = read_config(finetuned_url, what="fine-tuned model")
+        config = read_config(tuned_checkpoint.hf_dir, what="fine-tuned model")
         bm, tm = base.metas(), tuned.metas()
         reshaped = [n for n in bm if n in tm and tuple(bm[n].shape) != tuple(tm[n].shape)]
         candidates = [n[: -len(".weight")] for n in bm if n.endswith(".weight") and n in tm

@@ -1,0 +1,105 @@
+"""Sequential file writes that bypass the page cache (``O_DIRECT``), for multi-GB weight files.
+
+Why: a merge writes as many bytes as the model holds. Through the page cache those writes
+stall on reclaim and end in a long ``fsync``; measured here (ext4 on a 2-core VM) buffered
+writes ran 0.4-4 GB/s plus 0.5 s of fsync per GB, ``O_DIRECT`` a steady ~1.9 GB/s with a free
+fsync — and it leaves the reader's cache to the reader. `DirectFile` hides the rules
+``O_DIRECT`` imposes (aligned buffer, block-multiple sizes): bytes are staged in one aligned
+buffer, written in full blocks, and the tail is padded then truncated away. Where the
+filesystem refuses ``O_DIRECT`` (tmpfs, some network filesystems), the same object falls back
+to ordinary buffered writes before its first byte reaches the disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+
+BLOCK = 4096
+STAGING_BYTES = 16 * 1024 * 1024  # a multiple of BLOCK
+
+
+class DirectFile:
+    """A write-only file at ``path`` (created or truncated); ``write`` / ``fileno`` / ``close``."""
+
+    def __init__(self, path: str, mode: int = 0o644) -> None:
+        self.path = path
+        self._mode = mode
+        self._direct = hasattr(os, "O_DIRECT")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        try:
+            self._fd = os.open(path, flags | (os.O_DIRECT if self._direct else 0), mode)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._direct = False
+            self._fd = os.open(path, flags, mode)
+        self._buffer = mmap.mmap(-1, STAGING_BYTES)  # page-aligned
+        self._view = memoryview(self._buffer)
+        self._fill = 0
+        self._flushed = 0
+        self.closed = False
+
+    @property
+    def direct(self) -> bool:
+        """Whether writes bypass the page cache (False after a fallback)."""
+        return self._direct
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        total = len(view)
+        while view:
+            n = min(len(view), STAGING_BYTES - self._fill)
+            self._view[self._fill:self._fill + n] = view[:n]
+            self._fill += n
+            view = view[n:]
+            if self._fill == STAGING_BYTES:
+                self._write_out(STAGING_BYTES)
+                self._fill = 0
+        return total
+
+    def flush(self) -> None:
+        """Nothing to do: staged bytes are written by `close` (O_DIRECT writes whole blocks only)."""
+
+    def _write_out(self, length: int) -> None:
+        done = 0
+        while done < length:
+            try:
+                n = os.write(self._fd, self._view[done:length])
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and self._direct and self._flushed == 0 and done == 0:
+                    self._fall_back()
+                    continue
+                raise
+            if n <= 0:
+                raise OSError(errno.EIO, f"short write to {self.path}")
+            done += n
+        self._flushed += length
+
+    def _fall_back(self) -> None:
+        """The filesystem took the open flag but refuses direct writes: reopen buffered."""
+        os.close(self._fd)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self._mode)
+        self._direct = False
+
+    def close(self) -> None:
+        """Write the tail (padded to a block, then truncated to the true size) and fsync."""
+        if self.closed:
+            return
+        try:
+            size = self._flushed + self._fill
+            if self._fill:
+                padded = -(-self._fill // BLOCK) * BLOCK if self._direct else self._fill
+                self._view[self._fill:padded] = bytes(padded - self._fill)
+                self._write_out(padded)
+            os.ftruncate(self._fd, size)
+            os.fsync(self._fd)
+        finally:
+            self.closed = True
+            os.close(self._fd)
+            self._view.release()
+            self._buffer.close()

@@ -1,0 +1,165 @@
+"""LoRA training checkpoints (verl FSDP1/FSDP2, PEFT-wrapped before sharding) -> adapter + base,
+and a plain `stepmerge merge` of one -> the TRAINED model (LoRA fused), never the base alone.
+
+The trained model is synthetic_runs' reference (`build_reference_model`: the PEFT model the rank
+files shard); its logits are the truth. With r=2 over 4 ranks, ranks 2 and 3 hold EMPTY lora_A shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from merge_engine.cli import main
+from merge_engine.errors import AdapterError, InvalidOption
+from merge_engine.lora.extract import ExtractOptions, extract_lora
+from merge_engine.merge import MergeOptions, merge_checkpoint
+from tests.merge_engine.lora.conftest import LORA_RUNS, copy_checkpoint, load_causal_lm, logits, peft_logits
+from tests.merge_engine.lora.test_fuse import ATOL, RTOL
+
+
+@pytest.mark.parametrize("name", LORA_RUNS)
+def test_extracted_adapter_reproduces_the_trained_model(tmp_path, fsdp_lora_runs, name):
+    """PeftModel.from_pretrained(clean base, adapter) gives the trained model's logits; the clean base
+    is exactly the base model; r, alpha and target_modules are the run's."""
+    run = fsdp_lora_runs[name]
+    result = extract_lora(run.checkpoint_dir, str(tmp_path / "out"))
+    assert result.kind == "adapter+base"
+    trained = logits(run.trained_model())
+    torch.testing.assert_close(peft_logits(str(tmp_path / "out" / "base"), str(tmp_path / "out")), trained,
+                               atol=ATOL, rtol=RTOL)
+    base = load_file(str(tmp_path / "out" / "base" / "model.safetensors"))
+    expected = run.base_model().state_dict()
+    assert sorted(base) == sorted(expected)
+    assert all(torch.equal(base[k], expected[k]) for k in base)
+    config = json.load(open(tmp_path / "out" / "adapter_config.json"))
+    assert (config["r"], config["lora_alpha"]) == (run.spec.lora.r, run.spec.lora.alpha)
+    assert config["target_modules"] == sorted(run.spec.lora.target_modules)
+    assert config["base_model_name_or_path"] == str(tmp_path / "out" / "base")
+    adapter_keys = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
+    assert all(k.startswith("base_model.model.") and ".default." not in k for k in adapter_keys)
+
+
+@pytest.mark.parametrize("name", LORA_RUNS)
+def test_plain_merge_writes_the_trained_model(tmp_path, fsdp_lora_runs, name):
+    """`stepmerge merge` of a LoRA checkpoint fuses the LoRA: trained logits, not the base's."""
+    run = fsdp_lora_runs[name]
+    result = merge_checkpoint(run.checkpoint_dir, str(tmp_path / "merged"))
+    assert any("LoRA fused" in note for note in result.notes)
+    merged = logits(load_causal_lm(str(tmp_path / "merged")))
+    torch.testing.assert_close(merged, logits(run.trained_model()), atol=ATOL, rtol=RTOL)
+    assert float((merged - logits(run.base_model())).abs().max()) > 0.05
+    assert not any("lora" in k or "base_layer" in k for k in load_file(str(tmp_path / "merged" / "model.safetensors")))
+
+
+def test_plain_merge_in_bf16(tmp_path, fsdp_lora_runs):
+    run = fsdp_lora_runs["lora_fsdp2_qwen2_r2"]
+    merge_checkpoint(run.checkpoint_dir, str(tmp_path / "merged"), MergeOptions(dtype="bfloat16"))
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert {t.dtype for t in merged.values()} == {torch.bfloat16}
+
+
+def test_lora_only_checkpoint_needs_the_base(tmp_path, fsdp_lora_runs, lora_only_checkpoint):
+    """Only adapter keys saved: the adapter is extracted and checked against --base-model; a plain
+    merge explains what to run instead; nothing is written on failure."""
+    run = fsdp_lora_runs["lora_fsdp2_qwen2_r2"]
+    base_dir = str(tmp_path / "base")
+    run.base_model().save_pretrained(base_dir)
+    with pytest.raises(AdapterError, match="--base-model"):
+        extract_lora(lora_only_checkpoint.checkpoint_dir, str(tmp_path / "no_base"))
+    assert not os.path.exists(tmp_path / "no_base")
+    with pytest.raises(AdapterError, match="merge-lora"):
+        merge_checkpoint(lora_only_checkpoint.checkpoint_dir, str(tmp_path / "merged"))
+    assert not os.path.exists(tmp_path / "merged")
+    result = extract_lora(lora_only_checkpoint.checkpoint_dir, str(tmp_path / "adapter"),
+                          ExtractOptions(base_model=base_dir))
+    assert result.kind == "adapter" and not os.path.exists(tmp_path / "adapter" / "base")
+    assert json.load(open(tmp_path / "adapter" / "adapter_config.json"))["base_model_name_or_path"] == base_dir
+    torch.testing.assert_close(peft_logits(base_dir, str(tmp_path / "adapter")), logits(run.trained_model()),
+                               atol=ATOL, rtol=RTOL)
+
+
+def test_alpha_is_never_guessed(tmp_path, fsdp_lora_runs):
+    """No lora_train_meta.json: a named error that says how to give alpha, nothing written; with
+    --lora-alpha it works; a flag contradicting the metadata is refused."""
+    run = fsdp_lora_runs["lora_fsdp1_mesh_qwen2"]
+    bare = copy_checkpoint(run.checkpoint_dir, str(tmp_path / "bare"), drop=("lora_train_meta.json",))
+    for attempt in (lambda: extract_lora(bare, str(tmp_path / "out")),
+                    lambda: merge_checkpoint(bare, str(tmp_path / "out"))):
+        with pytest.raises(AdapterError, match="--lora-alpha"):
+            attempt()
+        assert not os.path.exists(tmp_path / "out")
+    extract_lora(bare, str(tmp_path / "out"), ExtractOptions(lora_alpha=run.spec.lora.alpha))
+    torch.testing.assert_close(peft_logits(str(tmp_path / "out" / "base"), str(tmp_path / "out")),
+                               logits(run.trained_model()), atol=ATOL, rtol=RTOL)
+    with pytest.raises(AdapterError, match="contradicts"):
+        extract_lora(run.checkpoint_dir, str(tmp_path / "other"), ExtractOptions(lora_alpha=run.spec.lora.alpha + 1))
+    with pytest.raises(InvalidOption):
+        extract_lora(bare, str(tmp_path / "zero"), ExtractOptions(lora_alpha=0))
+
+
+def test_alpha_from_an_adapter_config_saved_with_the_run(tmp_path, fsdp_lora_runs):
+    """Older verl saved lora_adapter/adapter_config.json (asdict of the LoraConfig) instead."""
+    run = fsdp_lora_runs["lora_fsdp2_qwen2_r2"]
+    older = copy_checkpoint(run.checkpoint_dir, str(tmp_path / "older"), drop=("lora_train_meta.json",))
+    os.makedirs(os.path.join(older, "lora_adapter"))
+    saved = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": run.spec.lora.r, "lora_alpha": run.spec.lora.alpha,
+             "target_modules": list(run.spec.lora.target_modules), "use_rslora": False, "bias": "none",
+             "lora_dropout": 0.05, "rank_pattern": {}, "alpha_pattern": {}, "fan_in_fan_out": False}
+    with open(os.path.join(older, "lora_adapter", "adapter_config.json"), "w") as handle:
+        json.dump(saved, handle)
+    result = extract_lora(older, str(tmp_path / "out"))
+    assert any("lora_adapter/adapter_config.json" in note for note in result.notes)
+    config = json.load(open(tmp_path / "out" / "adapter_config.json"))
+    assert config["lora_alpha"] == run.spec.lora.alpha and config["lora_dropout"] == 0.05
+    torch.testing.assert_close(peft_logits(str(tmp_path / "out" / "base"), str(tmp_path / "out")),
+                               logits(run.trained_model()), atol=ATOL, rtol=RTOL)
+
+
+def test_metadata_for_another_rank_is_refused(tmp_path, fsdp_lora_runs):
+    run = fsdp_lora_runs["lora_fsdp2_qwen2_r2"]
+    wrong = copy_checkpoint(run.checkpoint_dir, str(tmp_path / "wrong"), drop=("lora_train_meta.json",))
+    with open(os.path.join(wrong, "lora_train_meta.json"), "w") as handle:
+        json.dump({"r": 8, "lora_alpha": 16, "task_type": "CAUSAL_LM"}, handle)
+    with pytest.raises(AdapterError, match="r=8"):
+        extract_lora(wrong, str(tmp_path / "out"))
+
+
+def test_embedding_lora_and_modules_to_save(tmp_path, single_rank_lora_checkpoint):
+    """A trained lm_head copy (modules_to_save) and an embedding LoRA: extracted with PEFT's names
+    they give the trained logits; merged, the trained copy replaces the original."""
+    checkpoint, trained, base_dir = single_rank_lora_checkpoint
+    want = logits(trained)
+    extract_lora(checkpoint, str(tmp_path / "out"))
+    config = json.load(open(tmp_path / "out" / "adapter_config.json"))
+    assert config["modules_to_save"] == ["lm_head"] and config["target_modules"] == ["embed_tokens", "o_proj"]
+    keys = set(load_file(str(tmp_path / "out" / "adapter_model.safetensors")))
+    assert {"base_model.model.lm_head.weight", "base_model.model.model.embed_tokens.lora_embedding_A"} <= keys
+    torch.testing.assert_close(peft_logits(str(tmp_path / "out" / "base"), str(tmp_path / "out")), want,
+                               atol=ATOL, rtol=RTOL)
+    base = load_file(str(tmp_path / "out" / "base" / "model.safetensors"))
+    original = load_file(os.path.join(base_dir, "model.safetensors"))
+    assert all(torch.equal(base[k], original[k]) for k in original)
+    merge_checkpoint(checkpoint, str(tmp_path / "merged"))
+    torch.testing.assert_close(logits(load_causal_lm(str(tmp_path / "merged"))), want, atol=ATOL, rtol=RTOL)
+
+
+def test_cli_extract_then_merge_lora(tmp_path, fsdp_lora_runs, capsys):
+    """The two commands end to end: extract-lora, then merge-lora of the result == plain merge."""
+    run = fsdp_lora_runs["lora_fsdp1_mesh_qwen2"]
+    out = str(tmp_path / "out")
+    assert main(["extract-lora", "--backend", "fsdp", "--local_dir", run.checkpoint_dir, "--target-dir", out]) == 0
+    assert main(["merge-lora", "--base-model", os.path.join(out, "base"), "--lora-adapter", out,
+                 "--target-dir", str(tmp_path / "fused")]) == 0
+    assert main(["merge", "--backend", "fsdp", "--local_dir", run.checkpoint_dir,
+                 "--target_dir", str(tmp_path / "merged")]) == 0
+    fused, merged = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("fused", "merged"))
+    assert sorted(fused) == sorted(merged) and all(torch.equal(fused[k], merged[k]) for k in fused)
+    bare = copy_checkpoint(run.checkpoint_dir, str(tmp_path / "bare"), drop=("lora_train_meta.json",))
+    capsys.readouterr()
+    assert main(["extract-lora", "--local_dir", bare, "--target-dir", str(tmp_path / "x")]) == 2
+    assert "AdapterError" in capsys.readouterr().err and not os.path.exists(tmp_path / "x")
