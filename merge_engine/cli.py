@@ -318,7 +318,25 @@ def _add_split(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=cmd_split)
 
 
+def cmd_discover(args: argparse.Namespace) -> int:
+    from merge_engine.discovery import discover
+
+    found = discover(args.run_root)
+    hint = f"; tracker file says {found.tracker_hint}" if found.tracker_hint is not None else ""
+    print(f"{len(found.steps)} checkpoint(s) under {found.run_root}{hint}")
+    for step in found.steps:
+        reason = f" ({step.reason})" if step.reason else ""
+        print(f"  step {step.step:>6}  {step.role or '(sft)':7s} {step.layout:16s} {step.status}{reason}  {step.url}")
+    return 0
+
+
+def _add_discover(parser: argparse.ArgumentParser) -> None:
+    _flag(parser, "run-root", required=True, help="training run folder URL holding global_step_N/ (or iter_N/)")
+    parser.set_defaults(run=cmd_discover)
+
+
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "discover": ("list the checkpoints of a training run and whether each is complete", _add_discover),
     "merge": ("merge a checkpoint into a Hugging Face folder", _add_merge),
     "test": ("compare a checkpoint with a reference Hugging Face folder (verl's test)", _add_test),
     "check": ("check that a checkpoint is complete (exit 0) or not (non-zero)", _add_check),
@@ -331,7 +349,9 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stepmerge", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="stepmerge", description="Turn distributed training checkpoints (verl FSDP, Megatron) into exact, "
+                                      "validated Hugging Face models and adapters, from any storage URL.")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add) in SUBCOMMANDS.items():
         add(commands.add_parser(name, help=help_text, description=help_text))

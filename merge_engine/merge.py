@@ -13,6 +13,7 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,9 +48,17 @@ class MergeOptions:
 
     def output_options(self) -> dict[str, object]:
         """The options that change the bytes written (for fingerprints and provenance)."""
-        options = {"dtype": self.dtype, "max_shard_size": self.max_shard_size, "hf_model_path": self.hf_model_path}
-        if self.custom_mapping is not None:  # only when set: fingerprints of other merges stay as they were
-            options["custom_mapping"] = self.custom_mapping
+        options: dict[str, object] = {"dtype": self.dtype, "max_shard_size": self.max_shard_size,
+                                      "hf_model_path": self.hf_model_path}
+        # only when set, so that the fingerprints of other merges stay as they were
+        if self.lora_alpha is not None:
+            options["lora_alpha"] = self.lora_alpha
+        if self.custom_mapping is not None:  # its content, not just its name, decides the output
+            try:
+                content = storage.read_bytes(self.custom_mapping)
+            except FileNotFoundError:
+                raise InvalidOption("custom mapping file not found", self.custom_mapping) from None
+            options["custom_mapping"] = {"url": self.custom_mapping, "sha256": hashlib.sha256(content).hexdigest()}
         return options
 
 

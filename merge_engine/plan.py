@@ -155,7 +155,7 @@ def plan_hf_merge(metas: Mapping[str, TensorMeta], config: Mapping[str, Any], *,
     updates: dict[str, Any] = {}
     embed = next((n for n in EMBED_NAMES if n in metas), None)
     if CRITIC_HEAD in metas and LM_HEAD not in metas:
-        updates.update(_critic_config(config, metas[CRITIC_HEAD]))
+        updates.update(critic_config(config, metas[CRITIC_HEAD]))
         notes.append("critic head score.weight -> token classification model")
     elif tied:
         if LM_HEAD in metas:
@@ -174,7 +174,7 @@ def plan_hf_merge(metas: Mapping[str, TensorMeta], config: Mapping[str, Any], *,
     return MergePlan(tuple(tensors), assign_shards(tensors, max_shard_size), updates, tuple(notes))
 
 
-def _critic_config(config: Mapping[str, Any], head: TensorMeta) -> dict[str, Any]:
+def critic_config(config: Mapping[str, Any], head: TensorMeta) -> dict[str, Any]:
     architectures = list(config.get("architectures") or [])
     if not architectures:
         raise InvalidConfig("critic checkpoint but config.json names no architecture")

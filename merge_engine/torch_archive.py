@@ -263,15 +263,31 @@ _FUNCTIONS: dict[tuple[str, str], Any] = {
 
 # Modules whose classes may appear as inert records (their code is never run).
 _RECORD_MODULES = ("torch.distributed.",)
+# Single globals that may appear as inert records: Megatron-LM pickles its ``args`` (an
+# argparse.Namespace) and numpy RNG state (arrays rebuilt by ``_reconstruct``) beside the weights.
+# A record only stores the arguments and state it is given; no argparse or numpy code runs.
+_RECORD_GLOBALS = frozenset({
+    ("argparse", "Namespace"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "_reconstruct"),
+})
+_RECORD_GLOBAL_MODULES = ("numpy.dtypes",)  # numpy 2 pickles dtypes as numpy.dtypes.UInt32DType etc.
 
 
 class _SafeUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, archive: TorchArchive) -> None:
+    """The allow-list unpickler. ``archive`` is None for a bare pickle (no storages allowed)."""
+
+    def __init__(self, data: bytes, archive: TorchArchive | None, url: str | None = None) -> None:
         super().__init__(io.BytesIO(data), encoding="utf-8")
         self._archive = archive
+        self._url = archive.url if archive is not None else url
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            if self._archive is None:
+                raise UnsafePickle("a bare pickle rebuilds a tensor; only torch.save archives hold tensors", self._url)
             return _tensor_rebuilder(self._archive)
         if (module, name) in _FUNCTIONS:
             return _FUNCTIONS[(module, name)]
@@ -281,17 +297,33 @@ class _SafeUnpickler(pickle.Unpickler):
             return TORCH_DTYPES[name]
         if module.startswith(_RECORD_MODULES) or module == "torch.distributed":
             return record_class(module, name)
+        if (module, name) in _RECORD_GLOBALS or (module in _RECORD_GLOBAL_MODULES and name.endswith("DType")):
+            return record_class(module, name)
         raise UnsafePickle(f"pickle asks for {module}.{name}, which is not on the allow-list; nothing was run",
-                           self._archive.url)
+                           self._url)
 
     def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise UnsafePickle(f"unknown persistent id {pid!r}", self._archive.url)
+        if self._archive is None or not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise UnsafePickle(f"unknown persistent id {pid!r}", self._url)
         _, marker, key, _location, numel = pid
         dtype = marker.dtype if isinstance(marker, StorageMarker) else None
         if dtype is None:
-            raise UnsafePickle(f"storage of unknown type {marker!r}", self._archive.url)
+            raise UnsafePickle(f"storage of unknown type {marker!r}", self._url)
         return StorageRef(str(key), dtype, int(numel))
+
+
+def safe_unpickle(data: bytes, url: str) -> Any:
+    """A bare pickle (no tensor storages) read with the same allow-list, e.g. a DCP ``.metadata``.
+
+    Allow-listed classes come back as inert `Record`s; raises `UnsafePickle` for anything else
+    and `CorruptShard` for a malformed stream, naming ``url``.
+    """
+    try:
+        return _SafeUnpickler(data, None, url).load()
+    except (UnsafePickle, CorruptShard):
+        raise
+    except Exception as exc:  # malformed pickle stream
+        raise CorruptShard(f"pickle unreadable ({type(exc).__name__}: {exc})", url) from exc
 
 
 class _ReaderFile(io.RawIOBase):

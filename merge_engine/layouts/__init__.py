@@ -23,7 +23,15 @@ from merge_engine.tensor_source import TensorSource
 # backend name (as on the command line) -> module, in detection order
 LAYOUT_MODULES: dict[str, str] = {
     "fsdp": "merge_engine.layouts.fsdp",
+    "megatron_legacy": "merge_engine.layouts.megatron_legacy",
+    "megatron_bridge": "merge_engine.layouts.megatron_bridge",  # before megatron_dist: HF weights win
+    "megatron_dist": "merge_engine.layouts.megatron_dist",
     "hf": "merge_engine.layouts.hf",
+}
+# backend names that stand for several layouts (verl's ``--backend megatron``), tried in this order
+LAYOUT_ALIASES: dict[str, tuple[str, ...]] = {
+    "megatron": ("megatron_legacy", "megatron_bridge", "megatron_dist"),
+    "megatron_lm": ("megatron_legacy", "megatron_dist"),
 }
 
 
@@ -46,7 +54,8 @@ class Checkpoint:
 
 def layout_module(name: str) -> ModuleType:
     if name not in LAYOUT_MODULES:
-        raise UnsupportedLayout(f"unknown backend {name!r}; known: {', '.join(LAYOUT_MODULES)}")
+        known = ", ".join([*LAYOUT_MODULES, *LAYOUT_ALIASES])
+        raise UnsupportedLayout(f"unknown backend {name!r}; known: {known}")
     return importlib.import_module(LAYOUT_MODULES[name])
 
 
@@ -63,10 +72,15 @@ def find_layout(url: str, files: list[FileEntry]) -> ModuleType:
 
 
 def check_checkpoint(url: str, backend: str | None = None) -> Checkpoint:
-    """List ``url`` once, pick the layout (or use ``backend``), and check completeness."""
+    """List ``url`` once, pick the layout (or use ``backend``, a layout or an alias), check completeness."""
     files = storage.list_files(url)
-    module = layout_module(backend) if backend else find_layout(url, files)
-    if backend and not module.detect(files):
+    if not backend:
+        return find_layout(url, files).check_complete(url, files)
+    names = LAYOUT_ALIASES.get(backend, (backend,))
+    if backend not in LAYOUT_ALIASES:
+        layout_module(backend)  # an unknown name is refused before the listing is judged
+    module = next((layout_module(n) for n in names if layout_module(n).detect(files)), None)
+    if module is None:
         if not files:
             raise IncompleteCheckpoint("no files found (missing or empty folder)", url)
         raise UnsupportedLayout(f"this folder is not a {backend} checkpoint", url)

@@ -158,3 +158,15 @@ def test_console_entry_point_exit_code(checkpoint, tmp_path):
     assert proc.returncode == 3
     assert proc.stderr.strip().startswith("stepmerge: error: IncompleteCheckpoint")
     assert "Traceback" not in proc.stderr
+
+
+def test_discover_lists_steps_with_status(fsdp_runs, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(fsdp_runs[VARIANT].root, run)
+    (run / "global_step_1" / "actor" / "model_world_size_4_rank_3.pt").unlink()
+    shutil.copytree(fsdp_runs[VARIANT].root + "/global_step_1", run / "global_step_2")
+    assert main(["discover", "--run-root", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("2 checkpoint(s)")
+    assert "incomplete" in next(line for line in lines if "step      1" in line)
+    assert " complete " in next(line for line in lines if "step      2" in line)

@@ -1,0 +1,92 @@
+"""Megatron <-> Hugging Face name tables, one declarative module per model family.
+
+`table_for_config(config, custom_mapping)` picks the family from ``config.json`` (``model_type``,
+then ``architectures``), extended by a ``--custom-mapping`` JSON file when one is given;
+`model_dims(config, table)` reads the sizes the mappings need. An unknown family raises
+`UnknownArchitecture` listing the supported ones and how to add another.
+
+Adding a family: write ``merge_engine/architectures/<family>.py`` with a ``TABLE`` (copy
+``qwen2.py``: a dict of 1:1 names plus the special mappings), add its module name to
+`FAMILY_MODULES`, and a test class in ``tests/merge_engine/architectures/``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from merge_engine.architectures.mappings import FamilyTable, ModelDims
+from merge_engine.errors import InvalidConfig, UnknownArchitecture
+
+FAMILY_MODULES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+
+HOW_TO_ADD = ("to add one, write merge_engine/architectures/<family>.py with a TABLE (a dict of 1:1 names plus "
+              "special mappings; see qwen2.py) and list it in FAMILY_MODULES, or pass --custom-mapping FILE.json "
+              "({\"extends\": \"llama\", \"model_types\": [\"<model_type>\"], \"direct\": {...}})")
+
+
+def family_tables() -> dict[str, FamilyTable]:
+    """Every built-in table by family name, in `FAMILY_MODULES` order."""
+    tables = {}
+    for name in FAMILY_MODULES:
+        table = importlib.import_module(f"merge_engine.architectures.{name}").TABLE
+        tables[table.name] = table
+    return tables
+
+
+def find_table(config: Mapping[str, Any], tables: Mapping[str, FamilyTable]) -> FamilyTable | None:
+    """The table serving ``config``: by ``model_type``, else by the first of ``architectures``."""
+    model_type = config.get("model_type")
+    for table in tables.values():
+        if model_type in table.model_types:
+            return table
+    for architecture in config.get("architectures") or ():
+        for table in tables.values():
+            if architecture in table.architectures:
+                return table
+    return None
+
+
+def table_for_config(config: Mapping[str, Any], custom_mapping: str | None = None) -> FamilyTable:
+    """The family table for ``config`` (see module docstring); raises `UnknownArchitecture`."""
+    tables = family_tables()
+    if custom_mapping is not None:
+        from merge_engine.architectures.custom import load_custom_mapping
+
+        custom = load_custom_mapping(custom_mapping, tables, config)
+        tables = {custom.name: custom, **{k: v for k, v in tables.items() if k != custom.name}}
+    table = find_table(config, tables)
+    if table is None:
+        described = config.get("model_type") or "?"
+        if config.get("architectures"):
+            described += f" ({', '.join(config['architectures'])})"
+        raise UnknownArchitecture(f"no Megatron name table for model_type {described}; supported families: "
+                                  f"{', '.join(family_tables())}; {HOW_TO_ADD}")
+    return table
+
+
+def model_dims(config: Mapping[str, Any], table: FamilyTable, *, tied: bool | None = None,
+               padded_vocab_size: int | None = None) -> ModelDims:
+    """Sizes from ``config.json`` (text config of a multimodal config); `InvalidConfig` if one is missing."""
+    from merge_engine.plan import tie_word_embeddings
+
+    scope = config.get("text_config") or config
+    try:
+        hidden = int(scope["hidden_size"])
+        heads = int(scope["num_attention_heads"])
+        kv_heads = int(scope.get("num_key_value_heads") or heads)
+        head_dim = int(scope.get("head_dim") or hidden // heads)
+        vocab = int(scope["vocab_size"])
+        layers = int(scope["num_hidden_layers"])
+        experts = next((int(scope[k]) for k in table.experts_keys if scope.get(k)), 0)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidConfig(f"config.json lacks a size the {table.name} table needs ({exc})") from None
+    return ModelDims(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
+                     num_layers=layers, tied=tie_word_embeddings(config) if tied is None else tied,
+                     num_experts=experts, moe_layers=table.moe_layers(scope) if experts else frozenset(),
+                     padded_vocab_size=padded_vocab_size)
+
+
+__all__ = ["FAMILY_MODULES", "FamilyTable", "ModelDims", "family_tables", "find_table", "model_dims",
+           "table_for_config"]

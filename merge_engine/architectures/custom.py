@@ -1,0 +1,97 @@
+"""``--custom-mapping FILE.json``: extend a family table (or teach stepmerge a new model_type).
+
+The file is JSON::
+
+    {
+      "extends": "llama",                     # base table; default: the family config.json resolves to
+      "name": "my_llama",                     # optional name of the result
+      "model_types": ["my_llama"],            # config model_type values it serves (added)
+      "architectures": ["MyLlamaForCausalLM"],
+      "direct": {"megatron.pattern.*": "hf.pattern.*"},           # 1:1 names, added or replacing
+      "qkv": [{"megatron": "...", "q": "...", "k": "...", "v": "...", "requires": "attention_bias"}],
+      "gated_mlp": [{"megatron": "...", "gate": "...", "up": "..."}],
+      "vocab": [{"megatron": "...", "hf": "...", "head": false}],
+      "experts_keys": ["num_experts"]
+    }
+
+An entry whose Megatron pattern is already in the base table replaces the base entry. Every
+pattern must use the same number of ``*`` on both sides. Errors: `InvalidOption` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from merge_engine import storage
+from merge_engine.architectures.mappings import (
+    DirectMapping,
+    FamilyTable,
+    GatedMLPMapping,
+    ParamMapping,
+    QKVMapping,
+    VocabMapping,
+)
+from merge_engine.errors import InvalidOption
+
+KEYS = {"extends", "name", "model_types", "architectures", "direct", "qkv", "gated_mlp", "vocab", "experts_keys"}
+
+
+def load_custom_mapping(url: str, tables: Mapping[str, FamilyTable], config: Mapping[str, Any]) -> FamilyTable:
+    """The table of ``tables`` the file extends, with the file's entries applied."""
+    try:
+        spec = json.loads(storage.read_text(url))
+    except FileNotFoundError:
+        raise InvalidOption("custom mapping file not found", url) from None
+    except ValueError as exc:
+        raise InvalidOption(f"custom mapping is not valid JSON ({exc})", url) from None
+    if not isinstance(spec, dict):
+        raise InvalidOption("custom mapping must be a JSON object", url)
+    unknown = sorted(set(spec) - KEYS)
+    if unknown:
+        raise InvalidOption(f"unknown keys {unknown} in custom mapping; known: {sorted(KEYS)}", url)
+    base = _base_table(spec, tables, config, url)
+    try:
+        added: list[ParamMapping] = [DirectMapping(m, hf_name=h) for m, h in dict(spec.get("direct") or {}).items()]
+        added += [QKVMapping(e["megatron"], q=e["q"], k=e["k"], v=e["v"], requires=e.get("requires"))
+                  for e in spec.get("qkv") or ()]
+        added += [GatedMLPMapping(e["megatron"], gate=e["gate"], up=e["up"], requires=e.get("requires"))
+                  for e in spec.get("gated_mlp") or ()]
+        added += [VocabMapping(e["megatron"], hf_name=e["hf"], head=bool(e.get("head", False)))
+                  for e in spec.get("vocab") or ()]
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise InvalidOption(f"custom mapping entry lacks a field ({exc})", url) from None
+    for mapping in added:
+        stars = mapping.megatron.count("*")
+        bad = [h for h in mapping.hf if not isinstance(h, str) or h.count("*") != stars]
+        if not isinstance(mapping.megatron, str) or bad:
+            raise InvalidOption(f"custom mapping {mapping.megatron!r}: every name needs the same number of '*' "
+                                f"({stars}) on both sides; check {bad}", url)
+    replaced = {m.megatron for m in added}
+    kept = [m for m in base.mappings() if m.megatron not in replaced]
+    merged = kept + added
+    direct = {m.megatron: m.hf_name for m in merged if type(m) is DirectMapping}
+    special = tuple(m for m in merged if type(m) is not DirectMapping)
+    return base.extended(
+        name=str(spec.get("name") or base.name),
+        model_types=tuple(base.model_types) + tuple(spec.get("model_types") or ()),
+        architectures=tuple(base.architectures) + tuple(spec.get("architectures") or ()),
+        direct=direct, special=special,
+        experts_keys=tuple(spec.get("experts_keys") or base.experts_keys))
+
+
+def _base_table(spec: Mapping[str, Any], tables: Mapping[str, FamilyTable], config: Mapping[str, Any],
+                url: str) -> FamilyTable:
+    from merge_engine.architectures import find_table
+
+    name = spec.get("extends")
+    if name is not None:
+        if name not in tables:
+            raise InvalidOption(f"custom mapping extends {name!r}; known families: {', '.join(tables)}", url)
+        return tables[name]
+    table = find_table(config, tables)
+    if table is None:
+        raise InvalidOption("custom mapping names no \"extends\" family and config.json's model_type has no "
+                            f"table; add \"extends\": one of {', '.join(tables)}", url)
+    return table

@@ -1,0 +1,70 @@
+"""Canonical Megatron names: what every Megatron layout reduces its tensors to.
+
+Canonical = the ``state_dict()`` names of a megatron-core GPTModel built with the *local* layer
+spec at TP = PP = EP = 1: global layer numbers, global expert numbers, full (padded) tensors:
+
+    embedding.word_embeddings.weight
+    decoder.layers.{L}.input_layernorm.weight           (TE: self_attention.linear_qkv.layer_norm_weight)
+    decoder.layers.{L}.self_attention.linear_qkv.weight
+    decoder.layers.{L}.pre_mlp_layernorm.weight         (TE: mlp.linear_fc1.layer_norm_weight)
+    decoder.layers.{L}.mlp.experts.local_experts.{E}.linear_fc1.weight   (TE grouped: mlp.experts.linear_fc1.weight{E})
+    decoder.final_layernorm.weight
+    output_layer.weight
+
+`canonical_layer_name` maps a layer-relative name from either spec (and the torch_dist keys, which
+use TE names) to the local-spec name; `order_key` sorts canonical names in model order.
+"""
+
+from __future__ import annotations
+
+import re
+
+LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+EXPERT_NAME = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+EXTRA_STATE = "._extra_state"
+
+# TransformerEngine fuses the layer norms into the next linear layer; the local spec keeps modules.
+_TE_RENAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+
+
+def canonical_layer_name(name: str) -> str:
+    """A name relative to its layer (``self_attention.linear_qkv.layer_norm_weight``) -> local-spec name."""
+    if name in _TE_RENAMES:
+        return _TE_RENAMES[name]
+    grouped = TE_GROUPED_EXPERT.match(name)
+    if grouped:
+        return f"mlp.experts.local_experts.{grouped.group(3)}.{grouped.group(1)}.{grouped.group(2)}"
+    return name
+
+
+def is_extra_state(name: str) -> bool:
+    """``*._extra_state``: module state that is not a weight (FP8 metadata, or None)."""
+    return name.endswith(EXTRA_STATE) or f"{EXTRA_STATE}/" in name
+
+
+def layer_name(layer: int, name: str) -> str:
+    return f"decoder.layers.{layer}.{name}"
+
+
+def expert_name(expert: int, name: str) -> str:
+    return f"mlp.experts.local_experts.{expert}.{name}"
+
+
+def order_key(name: str) -> tuple:
+    """Model order: embedding, layers by number (experts by number inside), final norm, output layer."""
+    match = LAYER_NAME.match(name)
+    if match:
+        rest = match.group(2)
+        expert = EXPERT_NAME.match(rest)
+        return (1, int(match.group(1)), 1 if expert else 0, int(expert.group(1)) if expert else 0)
+    if name.startswith("embedding."):
+        return (0,)
+    if name.startswith("output_layer."):
+        return (3,)
+    return (2,)

@@ -1,0 +1,247 @@
+"""Plan a Megatron -> Hugging Face merge from metadata: names, shapes and how each output is built.
+
+`plan_megatron_to_hf(source, config, table=...)` binds the source's canonical Megatron names to
+the family table (strictly: see `binding`), then emits one `PlannedTensor` per Hugging Face
+tensor, in model order. Builders:
+
+- a 1:1 mapping copies its source (streamed; ``build=None``);
+- the embedding / output layer stream their first ``vocab_size`` rows (`LeadingRows`): the padding
+  is never read. With tied embeddings a stored ``output_layer`` copy (PP > 1) is compared with the
+  embedding row for row while streaming, and not written;
+- a one-row ``output_layer`` is verl's critic value head: it becomes ``score.weight`` of a
+  token-classification model (as FSDP critics do);
+- fused tensors (QKV, gate/up) read one layer's fused tensor once (`FusedPart` with a one-entry
+  cache shared by the parts), split it, and hand each part to its output.
+Memory: one layer's fused tensor, or a few streamed chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from merge_engine.architectures.binding import bind_megatron, check_coverage, expected_bindings, is_tied_head
+from merge_engine.architectures.mappings import (
+    DirectMapping,
+    FamilyTable,
+    ModelDims,
+    ParamMapping,
+    VocabMapping,
+)
+from merge_engine.errors import CorruptShard, InvalidOption, MappingError
+from merge_engine.plan import (
+    CRITIC_HEAD,
+    DEFAULT_MAX_SHARD_SIZE,
+    MergePlan,
+    PlannedTensor,
+    critic_config,
+    assign_shards,
+)
+from merge_engine.tensor_source import TensorSource
+
+OUTPUT_LAYER = "output_layer.weight"
+
+
+class FusedCache:
+    """One fused tensor, read and split once, shared by the builders of its parts.
+
+    The parts are dropped as soon as each has been handed out once (`done`), so a plan holds
+    no tensor: memory is one layer's fused tensor while its parts are written.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[int, str] | None = None
+        self._parts: tuple[torch.Tensor, ...] = ()
+        self._taken: set[int] = set()
+
+    def parts(self, source: TensorSource, name: str, split) -> tuple[torch.Tensor, ...]:
+        key = (id(source), name)
+        if key != self._key:
+            self._key, self._parts, self._taken = None, (), set()
+            self._parts = tuple(split(source.read(name)))
+            self._key = key
+        return self._parts
+
+    def done(self, part: int) -> None:
+        self._taken.add(part)
+        if len(self._taken) >= len(self._parts):
+            self._key, self._parts, self._taken = None, (), set()
+
+
+def _flat_slices(tensor: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
+    flat = tensor.reshape(-1)
+    step = max(1, max_bytes // max(flat.element_size(), 1))
+    for start in range(0, flat.numel(), step):
+        yield flat[start:start + step]
+
+
+@dataclass(frozen=True)
+class FusedPart:
+    """Part ``part`` of a fused Megatron tensor split by ``mapping.to_hf``."""
+
+    source_name: str
+    mapping: ParamMapping
+    dims: ModelDims
+    part: int
+    cache: FusedCache = field(compare=False, repr=False)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return (self.source_name,)
+
+    def chunks(self, source: TensorSource, max_bytes: int) -> Iterator[torch.Tensor]:
+        parts = self.cache.parts(source, self.source_name, lambda t: self.mapping.to_hf(t, self.dims))
+        part = parts[self.part]
+        del parts
+        self.cache.done(self.part)
+        yield from _flat_slices(part, max_bytes)
+
+
+@dataclass(frozen=True)
+class LeadingRows:
+    """The first ``rows`` rows of a (vocabulary) tensor, streamed; ``same_as``: a tensor whose first
+    ``rows`` rows must be equal (tied copy), compared while streaming (`CorruptShard` if not)."""
+
+    source_name: str
+    rows: int
+    row_numel: int
+    same_as: str | None = None
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return (self.source_name,) + ((self.same_as,) if self.same_as else ())
+
+    def chunks(self, source: TensorSource, max_bytes: int) -> Iterator[torch.Tensor]:
+        remaining = self.rows * self.row_numel
+        other = _Recut(source.iter_chunks(self.same_as, max_bytes)) if self.same_as else None
+        if remaining <= 0:
+            return
+        for chunk in source.iter_chunks(self.source_name, max_bytes):
+            chunk = chunk[:remaining]
+            remaining -= chunk.numel()
+            if other is not None and not torch.equal(other.take(chunk.numel()), chunk):
+                raise CorruptShard(f"config ties the embeddings, but {self.same_as} differs from {self.source_name}; "
+                                   "fix tie_word_embeddings in config.json (or pass --hf-model-path)", source.url)
+            yield chunk
+            if remaining <= 0:
+                return  # the padding rows after vocab_size are never read
+
+
+class _Recut:
+    """Re-cuts a flat chunk stream: `take(n)` returns its next ``n`` elements (fewer at its end)."""
+
+    def __init__(self, chunks: Iterator[torch.Tensor]) -> None:
+        self._chunks = iter(chunks)
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, n: int) -> torch.Tensor:
+        parts, have = [], 0
+        while have < n:
+            if self._buffer is None or not self._buffer.numel():
+                self._buffer = next(self._chunks, None)
+                if self._buffer is None:
+                    break
+            piece, self._buffer = self._buffer[:n - have], self._buffer[n - have:]
+            parts.append(piece)
+            have += piece.numel()
+        if not parts:
+            return torch.empty(0)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def plan_megatron_to_hf(source: TensorSource, config: Mapping[str, Any], *, table: FamilyTable, dims: ModelDims,
+                        dtype: torch.dtype | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+                        tie_flag: bool | None = None, config_url: str | None = None) -> MergePlan:
+    """The merge plan of a canonical Megatron source (see module docstring); metadata only.
+
+    Raises `MappingError` (strictness), `InvalidOption` (``tie_flag`` contradicts the config).
+    """
+    if tie_flag is not None and tie_flag != dims.tied:
+        raise InvalidOption(f"--tie-word-embedding={tie_flag} contradicts config.json "
+                            f"(tie_word_embeddings={dims.tied})", config_url)
+    metas = source.metas()
+    updates: dict[str, Any] = {}
+    head = metas.get(OUTPUT_LAYER)
+    if head is not None and head.shape[0] == 1 and dims.vocab_size > 1:
+        # verl's Megatron critic: a one-row value head, not a vocabulary projection
+        table = table.extended(special=tuple(
+            DirectMapping(m.megatron, hf_name=CRITIC_HEAD) if isinstance(m, VocabMapping) and m.head else m
+            for m in table.special))
+        dims = replace(dims, tied=False)
+        updates.update(critic_config(config, head), tie_word_embeddings=False)
+    bindings = bind_megatron(metas, table, config)
+    tied_copy = next((b.megatron for b in bindings if is_tied_head(b.mapping, dims)), None)
+    produced = [b for b in bindings if not is_tied_head(b.mapping, dims)]
+    check_coverage(produced, expected_bindings(table, config, dims), "megatron_to_hf")
+    tensors: list[PlannedTensor] = []
+    notes: list[str] = []
+    for binding in produced:
+        meta = metas[binding.megatron]
+        mapping = binding.mapping
+        try:
+            shapes = mapping.hf_shapes(meta.shape, dims)
+        except ValueError as exc:
+            raise MappingError(f"{binding.megatron} {meta.shape}: {exc}") from None
+        out_dtype = dtype or meta.dtype
+        if isinstance(mapping, DirectMapping):
+            tensors.append(PlannedTensor(binding.hf[0], shapes[0], out_dtype, binding.megatron))
+        elif isinstance(mapping, VocabMapping):
+            same_as = tied_copy if not mapping.head else None
+            rows = shapes[0][0]
+            build = LeadingRows(binding.megatron, rows, int(torch.Size(shapes[0][1:]).numel()), same_as)
+            tensors.append(PlannedTensor(binding.hf[0], shapes[0], out_dtype, binding.megatron, build))
+            if meta.shape[0] != rows:
+                notes.append(f"{binding.megatron}: {meta.shape[0] - rows} padding rows dropped "
+                             f"({meta.shape[0]} -> vocab_size {rows})")
+        else:
+            cache = FusedCache()
+            for part, (name, shape) in enumerate(zip(binding.hf, shapes)):
+                tensors.append(PlannedTensor(name, shape, out_dtype, binding.megatron,
+                                             FusedPart(binding.megatron, mapping, dims, part, cache)))
+    if tied_copy is not None:
+        notes.append(f"tied embeddings: {tied_copy} checked equal to the embedding, not written")
+    if CRITIC_HEAD in {t.name for t in tensors}:
+        notes.append(f"critic: {OUTPUT_LAYER} (one row) -> {CRITIC_HEAD}, a token-classification model")
+    if dtype is not None:
+        updates["dtype"] = str(dtype).removeprefix("torch.")
+    else:
+        stored = {t.dtype for t in tensors if t.dtype.is_floating_point}
+        if len(stored) == 1:
+            updates["dtype"] = str(stored.pop()).removeprefix("torch.")
+    return MergePlan(tuple(tensors), assign_shards(tensors, max_shard_size), updates, tuple(notes))
+
+
+def plan_megatron_merge(source: TensorSource, config: Mapping[str, Any], *, dtype: torch.dtype | None = None,
+                        max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, tie_flag: bool | None = None,
+                        custom_mapping: str | None = None, config_url: str | None = None) -> MergePlan:
+    """The layouts' ``plan`` hook: family table from the config (+ custom mapping), then the plan.
+
+    A source that records its parallel sizes (``source.parallel``) is first checked against the
+    config: a tensor-parallel piece count that cannot give the config's shapes is a
+    `WorldSizeMismatch` (a TP rank folder missing), not a shape puzzle later.
+    """
+    from merge_engine.architectures import model_dims, table_for_config
+
+    table = table_for_config(config, custom_mapping)
+    dims = model_dims(config, table)
+    _check_tensor_parallel(source, dims)
+    return plan_megatron_to_hf(source, config, table=table, dims=dims, dtype=dtype, max_shard_size=max_shard_size,
+                               tie_flag=tie_flag, config_url=config_url)
+
+
+def _check_tensor_parallel(source: TensorSource, dims: ModelDims) -> None:
+    from merge_engine.errors import WorldSizeMismatch
+
+    parallel = getattr(source, "parallel", None) or {}
+    meta = source.metas().get("decoder.layers.0.self_attention.linear_qkv.weight")
+    if "tp" not in parallel or meta is None:
+        return
+    expected = (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim
+    rows = meta.shape[0]
+    if rows != expected and rows and expected % rows == 0:
+        raise WorldSizeMismatch(f"linear_qkv holds {rows} of the {expected} rows config.json implies: the rank "
+                                f"folders give TP={parallel['tp']}, the weights need TP={parallel['tp'] * expected // rows}"
+                                " (tensor-parallel rank folders missing?)", source.url)

@@ -1,0 +1,99 @@
+"""How Megatron cuts each tensor across tensor-parallel (TP) ranks: one rule per module, both directions.
+
+The rules key on Megatron module names, which are the same in every model family:
+
+============================  =============  =========================================
+module                        kind           full tensor from the TP pieces
+============================  =============  =========================================
+word_embeddings, output_layer  column         concatenate rows (vocabulary)
+linear_qkv (weight, bias)      column         concatenate rows (whole query groups)
+linear_fc1 (gated MLP)         gated column   each rank holds [its gate rows; its up rows]:
+                                              all gates, then all ups
+linear_fc1 (plain MLP)         column         concatenate rows
+linear_proj, linear_fc2        row            concatenate columns (dim 1)
+anything else                  replicated     identical on every rank (norms, router, biases
+                                              of row-parallel layers, shared-expert gate)
+============================  =============  =========================================
+
+`split_tp` and `gather_tp` are the pure pair (HF -> Megatron split, tests); readers of per-rank
+files build the same gather lazily from the same `tp_kind`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class TPKind(enum.Enum):
+    COLUMN = "column"
+    ROW = "row"
+    GATED_COLUMN = "gated_column"
+    REPLICATED = "replicated"
+
+
+# (name suffix, kind); ``linear_fc1`` is resolved to gated or plain by `tp_kind`.
+TP_RULES: tuple[tuple[str, TPKind], ...] = (
+    ("word_embeddings.weight", TPKind.COLUMN),
+    ("output_layer.weight", TPKind.COLUMN),
+    ("linear_qkv.weight", TPKind.COLUMN),
+    ("linear_qkv.bias", TPKind.COLUMN),
+    ("linear_fc1.weight", TPKind.GATED_COLUMN),
+    ("linear_fc1.bias", TPKind.GATED_COLUMN),
+    ("linear_proj.weight", TPKind.ROW),
+    ("linear_fc2.weight", TPKind.ROW),
+)
+
+
+def tp_kind(name: str, gated: bool = True) -> TPKind:
+    """The TP rule of a Megatron tensor name; ``gated`` says whether ``linear_fc1`` is a gated (SwiGLU) MLP."""
+    for suffix, kind in TP_RULES:
+        if name.endswith(suffix):
+            if kind is TPKind.GATED_COLUMN and not gated:
+                return TPKind.COLUMN
+            return kind
+    return TPKind.REPLICATED
+
+
+def is_gated_fc1(fc1_rows: int, fc2_cols: int) -> bool:
+    """A gated MLP's ``linear_fc1`` has twice the rows of ``linear_fc2``'s columns (per rank or global)."""
+    if fc1_rows == 2 * fc2_cols:
+        return True
+    if fc1_rows == fc2_cols:
+        return False
+    raise ValueError(f"linear_fc1 with {fc1_rows} rows fits neither a gated nor a plain MLP with linear_fc2 "
+                     f"of {fc2_cols} columns")
+
+
+def split_tp(tensor: torch.Tensor, kind: TPKind, tp: int) -> list[torch.Tensor]:
+    """The ``tp`` pieces rank r holds of a full tensor (replicated: ``tp`` references to it)."""
+    if tp == 1 or kind is TPKind.REPLICATED:
+        return [tensor] * tp
+    if kind is TPKind.ROW:
+        return _even_chunks(tensor, tp, 1)
+    if kind is TPKind.COLUMN:
+        return _even_chunks(tensor, tp, 0)
+    gate, up = _even_chunks(tensor, 2, 0)
+    return [torch.cat([g, u], dim=0) for g, u in zip(_even_chunks(gate, tp, 0), _even_chunks(up, tp, 0))]
+
+
+def gather_tp(pieces: list[torch.Tensor], kind: TPKind) -> torch.Tensor:
+    """Inverse of `split_tp`: the full tensor from rank 0..tp-1's pieces (replicated: checked identical)."""
+    if kind is TPKind.REPLICATED or len(pieces) == 1:
+        for other in pieces[1:]:
+            if not torch.equal(other, pieces[0]):
+                raise ValueError("replicated tensor differs between TP ranks")
+        return pieces[0]
+    if kind is TPKind.ROW:
+        return torch.cat(pieces, dim=1)
+    if kind is TPKind.COLUMN:
+        return torch.cat(pieces, dim=0)
+    halves = [_even_chunks(p, 2, 0) for p in pieces]
+    return torch.cat([g for g, _ in halves] + [u for _, u in halves], dim=0)
+
+
+def _even_chunks(tensor: torch.Tensor, parts: int, dim: int) -> list[torch.Tensor]:
+    if tensor.shape[dim] % parts:
+        raise ValueError(f"dimension {dim} of size {tensor.shape[dim]} does not split into {parts} equal parts")
+    return [c.contiguous() for c in torch.chunk(tensor, parts, dim=dim)]

@@ -1,0 +1,95 @@
+"""Megatron runs saved through a bridge (verl's default since late 2025): the weights are already a
+Hugging Face model in ``model/huggingface/`` (verl 0.9) or ``huggingface/`` (older), next to
+Megatron state (``extra/dist_ckpt/``, ``dist_ckpt/``, ``transformer_config.json``, ...).
+
+Completeness: the verl v2 marker ``ckpt_contents.json`` when the layout is v2; the Hugging Face
+folder complete by `merge_engine.layouts.hf`'s rules (index valid, every file it names present,
+every header parsed); and every tensor the config implies present, by the family table
+(`merge_engine.architectures`): a bridge export missing a layer is refused, not passed through.
+`open` passes the Hugging Face tensors through unchanged (the Hugging Face planner merges them).
+"""
+
+from __future__ import annotations
+
+from merge_engine import storage
+from merge_engine.errors import IncompleteCheckpoint, UnknownArchitecture
+from merge_engine.hf_metadata import read_config
+from merge_engine.layouts import Checkpoint, hf
+from merge_engine.storage import FileEntry
+from merge_engine.tensor_source import TensorSource
+
+NAME = "megatron_bridge"
+HF_FOLDERS = ("model/huggingface/", "huggingface/")
+V2_MARKER = "ckpt_contents.json"
+# files only a Megatron run leaves beside its Hugging Face export (an FSDP step has its own layout)
+MEGATRON_MARKERS = ("transformer_config.json", V2_MARKER)
+MEGATRON_FOLDERS = ("dist_ckpt/", "model/dist_ckpt/", "extra/dist_ckpt/", "optimizer/dist_ckpt/")
+
+
+def _hf_folder(files: list[FileEntry]) -> str | None:
+    for folder in HF_FOLDERS:
+        if any(f.path.startswith(folder) and f.path.endswith(".safetensors") and "/" not in f.path[len(folder):]
+               for f in files):
+            return folder
+    return None
+
+
+def detect(files: list[FileEntry]) -> bool:
+    if _hf_folder(files) is None:
+        return False
+    return any(f.path in MEGATRON_MARKERS or f.path.startswith(MEGATRON_FOLDERS) for f in files)
+
+
+def _sub_files(files: list[FileEntry], folder: str) -> list[FileEntry]:
+    return [FileEntry(f.path[len(folder):], f.size, f.version) for f in files
+            if f.path.startswith(folder) and "/" not in f.path[len(folder):]]
+
+
+def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
+    """The export complete and holding every tensor its config implies (see module docstring)."""
+    folder = _hf_folder(files)
+    if folder is None:
+        raise IncompleteCheckpoint("no safetensors weights in huggingface/ or model/huggingface/", url)
+    if folder == "model/huggingface/" and not any(f.path == V2_MARKER for f in files):
+        raise IncompleteCheckpoint(f"{V2_MARKER} (written last by verl) not present yet", storage.join(url, V2_MARKER))
+    hf_url = storage.join(url, folder.rstrip("/"))
+    inner = hf.check_complete(hf_url, _sub_files(files, folder))
+    notes = _check_tensor_set(inner)
+    entries = tuple(sorted([f for f in files if f.path.startswith(folder) and "/" not in f.path[len(folder):]]
+                           + [f for f in files if f.path in MEGATRON_MARKERS], key=lambda f: f.path))
+    from merge_engine.layouts.megatron_dist import parallel_sizes
+
+    return Checkpoint(url=url, layout=NAME, files=entries, parallel=parallel_sizes(url, files), hf_dir=hf_url,
+                      fingerprint=storage.fingerprint(entries), notes=("bridge export", *notes))
+
+
+def _check_tensor_set(inner: Checkpoint) -> tuple[str, ...]:
+    """Every Hugging Face tensor the family table expects for this config is in the export."""
+    from merge_engine.architectures import model_dims, table_for_config
+    from merge_engine.architectures.binding import expected_bindings
+
+    config = read_config(inner.hf_dir)
+    try:
+        table = table_for_config(config)
+    except UnknownArchitecture:
+        return ("the config's model family has no table: the tensor set was not checked against it",)
+    dims = model_dims(config, table)
+    source = hf.open(inner)
+    try:
+        present = set(source.metas())
+    finally:
+        source.close()
+    expected = [name for b in expected_bindings(table, config, dims) for name in b.hf]
+    missing = [name for name in expected if name not in present]
+    if missing:
+        raise IncompleteCheckpoint(f"the export lacks {len(missing)} tensor(s) config.json implies, e.g. "
+                                   f"{missing[0]!r}", inner.url)
+    return ()
+
+
+def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb
+    assert checkpoint.hf_dir is not None
+    folder = next(f for f in HF_FOLDERS if storage.join(checkpoint.url, f.rstrip("/")) == checkpoint.hf_dir)
+    inner = Checkpoint(url=checkpoint.hf_dir, layout=hf.NAME, files=tuple(_sub_files(list(checkpoint.files), folder)),
+                       hf_dir=checkpoint.hf_dir)
+    return hf.open(inner)

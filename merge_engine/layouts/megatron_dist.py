@@ -1,0 +1,243 @@
+"""Megatron ``torch_dist`` checkpoints (dist_checkpointing over torch.distributed.checkpoint),
+read without megatron-core, a GPU or a process group.
+
+Where the shards are, relative to the folder given:
+
+- verl v2 (0.9):  ``model/dist_ckpt/`` (+ ``model/huggingface/`` config, ``extra/dist_ckpt/`` RNG,
+                  ``optimizer/dist_ckpt/``); ``ckpt_contents.json`` is written LAST and is the
+                  completeness marker;
+- verl v1:        ``dist_ckpt/`` (model, RNG and optimizer state together) + ``huggingface/``;
+- Megatron-LM:    the ``iter_NNNNNNN/`` folder itself (``--ckpt-format torch_dist``), or a run root
+                  with ``latest_checkpointed_iteration.txt``; any folder holding ``.metadata``.
+
+Keys are global, without a ``model.`` prefix, with TransformerEngine-style names, and per-layer
+tensors stacked on a leading dimension (``decoder.layers.self_attention.linear_qkv.weight`` is
+``[layers, rows, hidden]``; experts ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is
+``[layers, experts, rows, hidden]``). `open` gives the canonical Megatron tensors (one per layer
+and expert, see `merge_engine.architectures.megatron_names`), each a lazy box of its stacked
+tensor: a layer's bytes are read only when that layer is written.
+
+Completeness: ``.metadata`` and ``metadata.json`` (torch_dist backend) present, every data file the
+metadata names present and long enough, model tensors present (a folder holding only optimizer or
+RNG state gets an error saying so), the v2 marker present.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from merge_engine import storage
+from merge_engine.architectures.megatron_names import (
+    canonical_layer_name,
+    expert_name,
+    is_extra_state,
+    layer_name,
+    order_key,
+)
+from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout
+from merge_engine.layouts import Checkpoint
+from merge_engine.storage import FileEntry
+from merge_engine.tensor_source import AssembledSource, TensorSource
+from merge_engine.torch_dcp import METADATA_FILE, DcpFiles, DcpIndex, DcpTensor, read_index
+
+NAME = "megatron_dist"
+V2_MARKER = "ckpt_contents.json"
+MEGATRON_METADATA = "metadata.json"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+TRANSFORMER_CONFIG = "transformer_config.json"
+MODEL_FOLDERS = ("model/dist_ckpt/", "dist_ckpt/", "")  # detection order
+STATE_ONLY_FOLDERS = ("extra/dist_ckpt/", "optimizer/dist_ckpt/")
+HF_FOLDERS = {"model/dist_ckpt/": "model/huggingface", "dist_ckpt/": "huggingface", "": None}
+ITER_METADATA = re.compile(r"^(iter_\d+)/\.metadata$")
+# keys of a dist_ckpt that are not model weights
+NON_MODEL_PREFIXES = ("optimizer", "rng_state", "lr_scheduler", "opt_param_scheduler", "num_floating_point_operations")
+STACKED = "decoder.layers."
+STACKED_EXPERTS = "mlp.experts.experts."
+
+
+def _in_folder(path: str, folder: str) -> bool:
+    return path.startswith(folder) and (folder or "/" not in path)
+
+
+def _has_shards(files: list[FileEntry], folder: str) -> bool:
+    return any(_in_folder(f.path, folder) and (f.path.endswith(".distcp") or f.path.endswith(METADATA_FILE))
+               for f in files)
+
+
+def detect(files: list[FileEntry]) -> bool:
+    return (any(_has_shards(files, folder) for folder in MODEL_FOLDERS + STATE_ONLY_FOLDERS)
+            or any(ITER_METADATA.match(f.path) for f in files))
+
+
+def _rebase(files: list[FileEntry], prefix: str) -> list[FileEntry]:
+    return [FileEntry(f.path[len(prefix):], f.size, f.version) for f in files if f.path.startswith(prefix)]
+
+
+def _choose_root(url: str, files: list[FileEntry]) -> tuple[str, list[FileEntry]]:
+    """A Megatron-LM run root -> its iteration folder (tracker, or the only one)."""
+    if any(_has_shards(files, folder) for folder in MODEL_FOLDERS + STATE_ONLY_FOLDERS):
+        return url, files
+    iterations = sorted({m.group(1) for f in files if (m := ITER_METADATA.match(f.path))})
+    chosen = iterations[0] if len(iterations) == 1 else None
+    if any(f.path == TRACKER_FILE for f in files):
+        text = storage.read_text(storage.join(url, TRACKER_FILE)).strip()
+        if text.isdigit():
+            chosen = f"iter_{int(text):07d}"
+            if chosen not in iterations:
+                raise IncompleteCheckpoint(f"{TRACKER_FILE} names iteration {text}, which has no {METADATA_FILE}",
+                                           storage.join(url, chosen))
+    if chosen is None:
+        raise UnsupportedLayout(f"{len(iterations)} iterations here and no {TRACKER_FILE}; point at one iter_* folder",
+                                url)
+    return storage.join(url, chosen), _rebase(files, chosen + "/")
+
+
+def _model_folder(url: str, files: list[FileEntry]) -> str:
+    for folder in MODEL_FOLDERS:
+        if _has_shards(files, folder):
+            return folder
+    held = [f.rstrip("/") for f in STATE_ONLY_FOLDERS if _has_shards(files, f)]
+    raise IncompleteCheckpoint(
+        f"no model weights here: only {' and '.join(held)} (optimizer / RNG state). verl saves the weights of a "
+        "bridge run as safetensors in model/huggingface/ (save_contents must include 'model'); this step has none",
+        url)
+
+
+def is_model_key(key: str) -> bool:
+    return not key.startswith(NON_MODEL_PREFIXES) and not is_extra_state(key)
+
+
+def _read_json(url: str) -> Any:
+    try:
+        return json.loads(storage.read_text(url))
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise CorruptShard(f"not valid JSON ({exc})", url) from None
+
+
+def _check_files(index: DcpIndex, folder_url: str, files: dict[str, FileEntry]) -> None:
+    ends: dict[str, int] = {}
+    for info in index.tensors.values():
+        for chunk in info.chunks:
+            loc = chunk.location
+            ends[loc.file] = max(ends.get(loc.file, 0), loc.offset + loc.length)
+    for loc in index.objects.values():
+        ends[loc.file] = max(ends.get(loc.file, 0), loc.offset + loc.length)
+    for name, end in sorted(ends.items()):
+        if "/" in name or name.startswith("."):
+            raise CorruptShard(f"metadata names an unsafe data file {name!r}", folder_url)
+        entry = files.get(name)
+        if entry is None:
+            raise IncompleteCheckpoint("data file named by .metadata is missing", storage.join(folder_url, name))
+        if entry.size < end:
+            raise IncompleteCheckpoint(f"data file holds {entry.size} bytes, .metadata needs {end}: truncated",
+                                       storage.join(folder_url, name))
+
+
+def parallel_sizes(url: str, files: list[FileEntry]) -> dict[str, int]:
+    """TP/PP/EP/VPP sizes recorded in verl's ``transformer_config.json`` ({} when absent)."""
+    if not any(f.path == TRANSFORMER_CONFIG for f in files):
+        return {}
+    config = _read_json(storage.join(url, TRANSFORMER_CONFIG)) or {}
+    keys = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+            "ep": "expert_model_parallel_size", "vpp": "virtual_pipeline_model_parallel_size"}
+    return {k: int(config[v]) for k, v in keys.items() if isinstance(config.get(v), int)}
+
+
+def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
+    """See the module docstring; reads ``.metadata`` and the small JSON files, no weights."""
+    root, files = _choose_root(url, files)
+    folder = _model_folder(root, files)
+    paths = {f.path: f for f in files}
+    if folder == "model/dist_ckpt/":
+        if V2_MARKER not in paths:
+            raise IncompleteCheckpoint(f"{V2_MARKER} (written last by verl) not present yet",
+                                       storage.join(root, V2_MARKER))
+        contents = _read_json(storage.join(root, V2_MARKER)) or {}
+        model = (contents.get("contents") or {}).get("model") or {}
+        if model.get("format") not in (None, "megatron_dist_checkpoint"):
+            raise UnsupportedLayout(f"{V2_MARKER} says the model is saved as {model.get('format')!r} in "
+                                    f"{model.get('path')!r}, not as a dist checkpoint", storage.join(root, V2_MARKER))
+    folder_url = storage.join(root, folder.rstrip("/")) if folder else root
+    for required in (METADATA_FILE, MEGATRON_METADATA):
+        if folder + required not in paths:
+            raise IncompleteCheckpoint(f"{required} missing (written at the end of the save)",
+                                       storage.join(folder_url, required))
+    backend = (_read_json(storage.join(folder_url, MEGATRON_METADATA)) or {}).get("sharded_backend")
+    if backend != "torch_dist":
+        raise UnsupportedLayout(f"sharded_backend {backend!r}: only torch_dist checkpoints are read; re-save with "
+                                "--ckpt-format torch_dist", storage.join(folder_url, MEGATRON_METADATA))
+    index = read_index(folder_url)
+    _check_files(index, folder_url, {f.path[len(folder):]: f for f in files if _in_folder(f.path, folder)})
+    if not any(is_model_key(k) for k in index.tensors):
+        kinds = sorted({k.split("/")[0].split(".")[0] for k in list(index.tensors) + list(index.objects)})
+        raise IncompleteCheckpoint(f"this dist checkpoint holds no model weights, only {', '.join(kinds) or 'nothing'} "
+                                   "(optimizer / RNG state); point at the folder with the model, or at the "
+                                   "step's huggingface/ weights", folder_url)
+    hf = HF_FOLDERS[folder]
+    hf_dir = storage.join(root, hf) if hf and f"{hf}/config.json" in paths else None
+    keep = [f for f in files if _in_folder(f.path, folder) or f.path in (V2_MARKER, TRANSFORMER_CONFIG)
+            or (hf and f.path.startswith(hf + "/") and "/" not in f.path[len(hf) + 1:])]
+    entries = tuple(sorted(keep, key=lambda f: f.path))
+    notes = ({"model/dist_ckpt/": "verl v2 dist_ckpt", "dist_ckpt/": "verl v1 dist_ckpt",
+              "": "Megatron-LM torch_dist"}[folder],)
+    return Checkpoint(url=root, layout=NAME, files=entries, parallel=parallel_sizes(root, files), hf_dir=hf_dir,
+                      fingerprint=storage.fingerprint(entries), notes=notes)
+
+
+def canonical_tensors(index: DcpIndex, files: DcpFiles) -> dict[str, DcpTensor]:
+    """Canonical Megatron name -> lazy box of its global tensor, in model order."""
+    out: dict[str, DcpTensor] = {}
+
+    def add(name: str, tensor: DcpTensor) -> None:
+        if name in out:
+            raise CorruptShard(f"two keys give {name} ({out[name].key} and {tensor.key})", index.url)
+        out[name] = tensor
+
+    for key, info in index.tensors.items():
+        if not is_model_key(key):
+            continue
+        rest = key[len(STACKED):] if key.startswith(STACKED) else None
+        if rest is None or rest.split(".", 1)[0].isdigit():  # not stacked: a global or a per-layer key
+            add(key if rest is None else _unstacked(rest), DcpTensor(key, info, files))
+        elif rest.startswith(STACKED_EXPERTS):
+            part = rest[len(STACKED_EXPERTS):]
+            if len(info.shape) < 2:
+                raise CorruptShard(f"{key!r} {info.shape}: experts need [layers, experts, ...]", index.url)
+            for layer in range(info.shape[0]):
+                for expert in range(info.shape[1]):
+                    add(layer_name(layer, expert_name(expert, part)), DcpTensor(key, info, files, (layer, expert)))
+        else:
+            local = canonical_layer_name(rest)
+            for layer in range(info.shape[0]):
+                add(layer_name(layer, local), DcpTensor(key, info, files, (layer,)))
+    return dict(sorted(out.items(), key=lambda item: order_key(item[0])))
+
+
+def _unstacked(rest: str) -> str:
+    number, name = rest.split(".", 1)
+    return layer_name(int(number), canonical_layer_name(name))
+
+
+def _folder_url(checkpoint: Checkpoint) -> tuple[str, str]:
+    folder = _model_folder(checkpoint.url, list(checkpoint.files))
+    return folder, storage.join(checkpoint.url, folder.rstrip("/")) if folder else checkpoint.url
+
+
+def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb
+    """The canonical Megatron tensors, lazily (``.metadata`` read; chunk headers on first use)."""
+    folder, folder_url = _folder_url(checkpoint)
+    index = read_index(folder_url)
+    sizes = {f.path[len(folder):]: f.size for f in checkpoint.files if _in_folder(f.path, folder)}
+    files = DcpFiles(folder_url, sizes)
+    return AssembledSource(checkpoint.url, canonical_tensors(index, files), [files])
+
+
+def plan(source: TensorSource, config: dict, **options: Any):
+    """The Megatron -> Hugging Face plan (`merge_engine.architectures.megatron_to_hf`)."""
+    from merge_engine.architectures.megatron_to_hf import plan_megatron_merge
+
+    return plan_megatron_merge(source, config, **options)

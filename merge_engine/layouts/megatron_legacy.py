@@ -1,0 +1,400 @@
+"""Megatron per-rank checkpoints: verl's legacy ``model/mp_rank_*/model.pt`` and Megatron-LM's
+``iter_N/mp_rank_*/model_optim_rng.pt``.
+
+Files (``TT`` tensor-parallel rank, ``PPP`` pipeline stage when PP > 1, ``EEE`` expert-parallel
+rank when EP > 1 — Megatron adds a suffix only for a size above 1):
+
+- verl:        ``<actor>/model/mp_rank_TT[_PPP][_EEE]/model.pt`` = a list of state dicts, one per
+               virtual-pipeline (VPP) chunk; config + tokenizer in ``hf_config_and_tokenizer/``
+               (or ``huggingface/``) beside ``model/``.
+- Megatron-LM: ``iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` = {``args``, ``model`` or
+               ``model0``, ``model1``, ... under VPP, ...}; a run root is accepted too (the iteration
+               comes from ``latest_checkpointed_iteration.txt``). No config: pass ``--hf-model-path``.
+
+Layer numbers restart at 0 in every chunk; chunk v of stage p holds the layers after those of the
+chunks before it in (v, p) order. Expert numbers restart in every EP rank. Names may be local-spec
+or TransformerEngine-style. `open` gives the *canonical* Megatron tensors (see
+`merge_engine.architectures.megatron_names`), each gathered lazily from its TP pieces by the rules
+of `merge_engine.architectures.parallel` — nothing is read until the writer asks. Tensors repeated
+on every EP rank (everything but the experts) are read from EP rank 0; TP copies of replicated
+tensors are checked identical while read.
+
+Completeness: one kind of rank file; every (tp, pp, ep) cell the names span present, non-empty and
+a readable archive; the same number of VPP chunks everywhere; the same keys on every TP rank of a
+stage; a stage holding the final norm; Megatron-LM ``args`` agreeing with the folders.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from merge_engine import storage
+from merge_engine.architectures.megatron_names import (
+    EXPERT_NAME,
+    LAYER_NAME,
+    canonical_layer_name,
+    expert_name,
+    is_extra_state,
+    layer_name,
+    order_key,
+)
+from merge_engine.architectures.parallel import TPKind, is_gated_fc1, tp_kind
+from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout, WorldSizeMismatch
+from merge_engine.layouts import Checkpoint
+from merge_engine.storage import FileEntry
+from merge_engine.tensor_source import AssembledSource, ConcatTensor, ReplicatedTensor, TensorSource
+from merge_engine.torch_archive import Record, StoredTensor, TorchArchive
+
+NAME = "megatron_legacy"
+RANK_FILE = re.compile(r"^(?P<prefix>(?:model/|iter_\d+/)?)mp_rank_(?P<tp>\d{2})(?P<rest>(?:_\d{3}){0,2})/"
+                       r"(?P<file>model\.pt|model_optim_rng\.pt)$")
+VERL_FILE, MEGATRON_LM_FILE = "model.pt", "model_optim_rng.pt"
+HF_DIRS = ("hf_config_and_tokenizer", "huggingface")
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+FINAL_NORM = "decoder.final_layernorm.weight"
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """The parallel sizes and where each (tp, pp, ep) rank file is (paths relative to the root)."""
+
+    tp: int
+    pp: int
+    ep: int
+    vpp: int
+    files: dict[tuple[int, int, int], FileEntry]
+    kind: str  # VERL_FILE or MEGATRON_LM_FILE
+
+
+def detect(files: list[FileEntry]) -> bool:
+    return any(RANK_FILE.match(f.path) for f in files)
+
+
+def _rebase(files: list[FileEntry], prefix: str) -> list[FileEntry]:
+    return [FileEntry(f.path[len(prefix):], f.size, f.version) for f in files if f.path.startswith(prefix)]
+
+
+def _choose_root(url: str, files: list[FileEntry]) -> tuple[str, list[FileEntry]]:
+    """A Megatron-LM run root -> its iteration folder (from the tracker, or the only one)."""
+    prefixes = {m.group("prefix") for f in files if (m := RANK_FILE.match(f.path))}
+    iterations = sorted(p for p in prefixes if p.startswith("iter_"))
+    if not iterations:
+        return url, files
+    if len(prefixes) > len(iterations):
+        raise UnsupportedLayout("rank folders both at the top and inside iter_* folders", url)
+    chosen = iterations[0] if len(iterations) == 1 else None
+    if any(f.path == TRACKER_FILE for f in files):
+        text = storage.read_text(storage.join(url, TRACKER_FILE)).strip()
+        if text.isdigit():
+            wanted = f"iter_{int(text):07d}/"
+            if wanted not in iterations:
+                raise IncompleteCheckpoint(f"{TRACKER_FILE} names iteration {text}, which has no rank files",
+                                           storage.join(url, wanted))
+            chosen = wanted
+    if chosen is None:
+        raise UnsupportedLayout(f"{len(iterations)} iterations here ({', '.join(i.rstrip('/') for i in iterations)}) "
+                                f"and no {TRACKER_FILE}; point at one iter_* folder", url)
+    return storage.join(url, chosen.rstrip("/")), _rebase(files, chosen)
+
+
+def _open_archive(url: str, entry: FileEntry) -> TorchArchive:
+    file_url = storage.join(url, entry.path)
+    if entry.size == 0:
+        raise IncompleteCheckpoint("rank file is empty (0 bytes)", file_url)
+    return TorchArchive(file_url, storage.RangeReader(file_url, entry.size))
+
+
+def chunk_states(tree: Any, archive: TorchArchive) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A rank file's object tree -> (one state dict per VPP chunk, Megatron-LM ``args`` fields or {})."""
+    if isinstance(tree, list):
+        states = tree
+        args = {}
+    elif isinstance(tree, dict) and ("model" in tree or "model0" in tree):
+        if "model" in tree:
+            states = [tree["model"]]
+        else:
+            states = []
+            while f"model{len(states)}" in tree:
+                states.append(tree[f"model{len(states)}"])
+        args = tree["args"].fields if isinstance(tree.get("args"), Record) else {}
+    elif isinstance(tree, dict) and all(isinstance(k, str) for k in tree):
+        states, args = [tree], {}
+    else:
+        raise CorruptShard(f"rank file holds a {type(tree).__name__}, not Megatron state dicts", archive.url)
+    if not states or not all(isinstance(s, dict) for s in states):
+        raise CorruptShard("rank file holds no model state dict", archive.url)
+    return states, args
+
+
+def _grid(url: str, files: list[FileEntry]) -> RankGrid:
+    """Parallel sizes from the folder names (+ Megatron-LM args), every cell checked present."""
+    cells: dict[tuple[int, ...], FileEntry] = {}
+    kinds, prefixes = set(), set()
+    for entry in files:
+        match = RANK_FILE.match(entry.path)
+        if match:
+            coords = (int(match.group("tp")),) + tuple(int(x) for x in match.group("rest").split("_") if x)
+            kinds.add(match.group("file"))
+            prefixes.add(match.group("prefix"))
+            cells[coords] = entry
+    if not cells:
+        raise IncompleteCheckpoint("no mp_rank_*/model.pt or model_optim_rng.pt file here", url)
+    if len(kinds) > 1 or len(prefixes) > 1:
+        raise UnsupportedLayout(f"mixed rank files here ({', '.join(sorted(kinds))}); one checkpoint per folder", url)
+    (kind,) = kinds
+    dims = {len(c) for c in cells}
+    if len(dims) > 1:
+        raise WorldSizeMismatch("mp_rank_* folder names mix parallel dimensions "
+                                f"(e.g. {min(cells)} and {max(cells)})", url)
+    ndim = dims.pop()
+    spans = [max(c[i] for c in cells) + 1 for i in range(ndim)]
+    prefix = prefixes.pop()
+    first = _open_archive(url, cells[(0,) * ndim]) if (0,) * ndim in cells else None
+    if first is None:
+        raise IncompleteCheckpoint("rank folder of TP rank 0 missing", storage.join(url, prefix + _folder((0,) * ndim)))
+    try:
+        states, args = chunk_states(first.load(), first)
+        tp, rest = spans[0], spans[1:]
+        if ndim == 1:
+            pp, ep = 1, 1
+        elif ndim == 3:
+            pp, ep = rest
+        else:
+            if rest[0] == 1:
+                raise IncompleteCheckpoint(f"only {_folder((0, 0))}-style folders: the suffix says PP or EP > 1, "
+                                           "but no second stage or expert rank is here", url)
+            if args:
+                stage_axis = int(args.get("pipeline_model_parallel_size") or 1) > 1
+            else:
+                stage_axis = not _holds_embedding(url, cells.get((0, 1)))
+            pp, ep = (rest[0], 1) if stage_axis else (1, rest[0])
+    finally:
+        first.close()
+    vpp = len(states)
+    if args:
+        recorded = {"tp": args.get("tensor_model_parallel_size"), "pp": args.get("pipeline_model_parallel_size"),
+                    "ep": args.get("expert_model_parallel_size"), "vpp": args.get("virtual_pipeline_model_parallel_size")}
+        found = {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp}
+        for key, value in recorded.items():
+            if value is not None and int(value or 1) != found[key]:
+                raise WorldSizeMismatch(f"the checkpoint's args say {key}={value}, the rank folders give {key}="
+                                        f"{found[key]}", storage.join(url, prefix + _folder((0,) * ndim)))
+    grid: dict[tuple[int, int, int], FileEntry] = {}
+    for t in range(tp):
+        for p in range(pp):
+            for e in range(ep):
+                coords = (t,) + ((p, e) if ndim == 3 else (p,) if pp > 1 else (e,) if ndim == 2 else ())
+                entry = cells.get(coords)
+                if entry is None:
+                    raise IncompleteCheckpoint(f"rank folder missing (TP={tp}, PP={pp}, EP={ep})",
+                                               storage.join(url, prefix + _folder(coords)))
+                if entry.size == 0:
+                    raise IncompleteCheckpoint("rank file is empty (0 bytes)", storage.join(url, entry.path))
+                grid[(t, p, e)] = entry
+    return RankGrid(tp, pp, ep, vpp, grid, kind)
+
+
+def _folder(coords: tuple[int, ...]) -> str:
+    return f"mp_rank_{coords[0]:02d}" + "".join(f"_{c:03d}" for c in coords[1:])
+
+
+def _holds_embedding(url: str, entry: FileEntry | None) -> bool:
+    if entry is None:
+        return False
+    archive = _open_archive(url, entry)
+    try:
+        states, _ = chunk_states(archive.load(), archive)
+        return any(k.endswith(EMBEDDING) for k in states[0])
+    finally:
+        archive.close()
+
+
+def _hf_dir(url: str, files: list[FileEntry], prefix: str) -> str | None:
+    if prefix.startswith("iter_"):
+        return None
+    for folder in HF_DIRS:
+        if any(f.path == f"{folder}/config.json" for f in files):
+            return storage.join(url, folder)
+    return None
+
+
+def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
+    """Every rank file present, non-empty and readable; sizes consistent (see module docstring)."""
+    root, files = _choose_root(url, files)
+    grid = _grid(root, files)
+    archives = _open_all(root, grid)
+    try:
+        _states_by_rank(grid, archives)
+    finally:
+        for archive in archives.values():
+            archive.close()
+    prefix = RANK_FILE.match(next(iter(grid.files.values())).path).group("prefix")
+    hf_dir = _hf_dir(root, files, prefix)
+    hf_folder = hf_dir.rstrip("/").rsplit("/", 1)[-1] + "/" if hf_dir else None
+    entries = tuple(sorted([*grid.files.values(), *(f for f in files if hf_folder and f.path.startswith(hf_folder)
+                                                    and "/" not in f.path[len(hf_folder):])], key=lambda f: f.path))
+    notes = ("Megatron-LM model_optim_rng.pt" if grid.kind == MEGATRON_LM_FILE else "verl legacy model.pt",)
+    return Checkpoint(url=root, layout=NAME, files=entries,
+                      parallel={"tp": grid.tp, "pp": grid.pp, "ep": grid.ep, "vpp": grid.vpp},
+                      hf_dir=hf_dir, fingerprint=storage.fingerprint(entries), notes=notes)
+
+
+def _open_all(url: str, grid: RankGrid) -> dict[tuple[int, int, int], TorchArchive]:
+    archives: dict[tuple[int, int, int], TorchArchive] = {}
+    try:
+        for coords, entry in grid.files.items():
+            archives[coords] = _open_archive(url, entry)
+            archives[coords].load()
+    except Exception:
+        for archive in archives.values():
+            archive.close()
+        raise
+    return archives
+
+
+def _states_by_rank(grid: RankGrid, archives: dict[tuple[int, int, int], TorchArchive]
+                    ) -> dict[tuple[int, int, int], list[dict[str, Any]]]:
+    """Chunk state dicts per rank; checks VPP counts, key sets across TP and the last stage."""
+    states = {}
+    for coords, archive in archives.items():
+        chunks, _ = chunk_states(archive.load(), archive)
+        if len(chunks) != grid.vpp:
+            raise CorruptShard(f"{len(chunks)} model chunks here, {grid.vpp} in TP rank 0's file (VPP mismatch)",
+                               archive.url)
+        states[coords] = chunks
+    for (t, p, e), chunks in states.items():
+        reference = states[(0, p, e)]
+        for v, (mine, theirs) in enumerate(zip(chunks, reference)):
+            if set(mine) != set(theirs):
+                diff = sorted(set(mine) ^ set(theirs))[:3]
+                raise CorruptShard(f"chunk {v} holds different tensors than TP rank 0 of the same stage "
+                                   f"(e.g. {diff})", archives[(t, p, e)].url)
+    last = states[(0, grid.pp - 1, 0)][grid.vpp - 1]
+    if not any(k.endswith(FINAL_NORM) for k in last):
+        raise IncompleteCheckpoint(f"the last pipeline stage found (PP={grid.pp}) holds no {FINAL_NORM}: "
+                                   "later stages are missing", archives[(0, grid.pp - 1, 0)].url)
+    return states
+
+
+def _row_slice(piece: StoredTensor, start: int, stop: int) -> StoredTensor:
+    return StoredTensor(piece.archive, piece.storage, piece.offset + start * piece.stride[0],
+                        (stop - start, *piece.shape[1:]), piece.stride)
+
+
+def gather(pieces: list[StoredTensor], kind: TPKind, name: str):
+    """The lazy full tensor from TP rank 0..n-1's pieces (see `merge_engine.architectures.parallel`)."""
+    if any(not isinstance(p, StoredTensor) for p in pieces):
+        bad = next(p for p in pieces if not isinstance(p, StoredTensor))
+        raise UnsupportedLayout(f"{name!r} holds a {type(bad).__name__}, not a tensor", None)
+    first = pieces[0]
+    if kind is TPKind.REPLICATED or len(pieces) == 1:
+        return ReplicatedTensor(tuple(pieces))
+    if kind is TPKind.ROW:
+        shape = (first.shape[0], sum(p.shape[1] for p in pieces), *first.shape[2:])
+        return ConcatTensor(shape, first.dtype, 1, tuple(pieces))
+    shape = (sum(p.shape[0] for p in pieces), *first.shape[1:])
+    if kind is TPKind.COLUMN:
+        return ConcatTensor(shape, first.dtype, 0, tuple(pieces))
+    halves = []
+    for piece in pieces:
+        if piece.shape[0] % 2:
+            raise CorruptShard(f"{name}: gated linear_fc1 piece with an odd row count {piece.shape[0]}",
+                               piece.archive.url)
+        half = piece.shape[0] // 2
+        halves.append((_row_slice(piece, 0, half), _row_slice(piece, half, piece.shape[0])))
+    return ConcatTensor(shape, first.dtype, 0, tuple(g for g, _ in halves) + tuple(u for _, u in halves))
+
+
+def _fc1_gated(state: dict[str, Any], key: str) -> bool:
+    fc2 = state.get(key.replace("linear_fc1", "linear_fc2").replace(".bias", ".weight"))
+    fc1 = state.get(key.replace(".bias", ".weight"))
+    if not isinstance(fc2, StoredTensor) or not isinstance(fc1, StoredTensor):
+        return True
+    try:
+        return is_gated_fc1(fc1.shape[0], fc2.shape[1])
+    except ValueError as exc:
+        raise CorruptShard(f"{key}: {exc}", fc1.archive.url) from None
+
+
+def _layer_counts(states: dict[tuple[int, int, int], list[dict[str, Any]]], grid: RankGrid) -> dict[tuple[int, int], int]:
+    """(pp, vpp) -> the global number of the chunk's first layer, in (v, p) order."""
+    offsets, at = {}, 0
+    for v in range(grid.vpp):
+        for p in range(grid.pp):
+            offsets[(p, v)] = at
+            local = {int(m.group(1)) for k in states[(0, p, 0)][v] if (m := LAYER_NAME.match(k))}
+            if local and sorted(local) != list(range(len(local))):
+                raise CorruptShard(f"chunk {v} of stage {p} has layers {sorted(local)}, not 0..{len(local) - 1}", None)
+            at += len(local)
+    return offsets
+
+
+def canonical_tensors(grid: RankGrid, archives: dict[tuple[int, int, int], TorchArchive]) -> dict[str, Any]:
+    """Canonical Megatron name -> lazy full tensor, in model order (see module docstring)."""
+    states = _states_by_rank(grid, archives)
+    offsets = _layer_counts(states, grid)
+    tensors: dict[str, Any] = {}
+    for v in range(grid.vpp):
+        for p in range(grid.pp):
+            for e in range(grid.ep):
+                state0 = states[(0, p, e)][v]
+                experts = _local_expert_count(state0)
+                for key, value in state0.items():
+                    if is_extra_state(key) or value is None:
+                        continue
+                    name, is_expert = _canonical(key, offsets[(p, v)], e, experts)
+                    if name is None or (e > 0 and not is_expert):
+                        continue  # everything but the experts is repeated on every EP rank: read EP rank 0's
+                    gated = _fc1_gated(state0, key) if "linear_fc1" in key else True
+                    pieces = [states[(t, p, e)][v][key] for t in range(grid.tp)]
+                    if name in tensors:
+                        raise CorruptShard(f"{name} is stored twice (stage {p}, chunk {v})", archives[(0, p, e)].url)
+                    tensors[name] = gather(pieces, tp_kind(name, gated), name)
+    return dict(sorted(tensors.items(), key=lambda item: order_key(item[0])))
+
+
+def _local_expert_count(state: dict[str, Any]) -> int:
+    found = set()
+    for key in state:
+        match = LAYER_NAME.match(key)
+        if match:
+            expert = EXPERT_NAME.match(canonical_layer_name(match.group(2)))
+            if expert:
+                found.add(int(expert.group(1)))
+    return len(found)
+
+
+def _canonical(key: str, first_layer: int, ep_rank: int, local_experts: int) -> tuple[str | None, bool]:
+    match = LAYER_NAME.match(key)
+    if not match:
+        return key, False
+    rest = canonical_layer_name(match.group(2))
+    expert = EXPERT_NAME.match(rest)
+    if expert:
+        rest = expert_name(ep_rank * local_experts + int(expert.group(1)), expert.group(2))
+    return layer_name(first_layer + int(match.group(1)), rest), bool(expert)
+
+
+def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb
+    """The canonical Megatron tensors of the checkpoint, lazily (headers read, no weights)."""
+    grid = _grid(checkpoint.url, list(checkpoint.files))
+    archives = _open_all(checkpoint.url, grid)
+    try:
+        tensors = canonical_tensors(grid, archives)
+    except Exception:
+        for archive in archives.values():
+            archive.close()
+        raise
+    source = AssembledSource(checkpoint.url, tensors, list(archives.values()))
+    source.parallel = dict(checkpoint.parallel)
+    return source
+
+
+def plan(source: TensorSource, config: dict, **options: Any):
+    """The Megatron -> Hugging Face plan (`merge_engine.architectures.megatron_to_hf`)."""
+    from merge_engine.architectures.megatron_to_hf import plan_megatron_merge
+
+    return plan_megatron_merge(source, config, **options)

@@ -1,0 +1,97 @@
+"""torch.distributed.checkpoint folders read and written without a process group.
+
+Specification:
+- `DcpWriter` output is a DCP folder torch's own reader loads (N-d chunks at any offsets, bytes entries);
+- `DcpTensor` reads any box of a global tensor (fixed leading indices, row ranges, boxes crossing
+  chunk borders, chunks cut on inner dims) exactly as slicing the full tensor, and streams it in
+  bounded row-major pieces;
+- ``.metadata`` is parsed by the allow-list unpickler: a pickle asking for anything else raises
+  `UnsafePickle` before it runs; missing ``.metadata`` is `IncompleteCheckpoint`; chunks that do not
+  tile the tensor are `CorruptShard`.
+"""
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from merge_engine import storage
+from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsafePickle
+from merge_engine.torch_dcp import DcpFiles, DcpTensor, DcpWriter, read_index
+
+FULL = torch.arange(4 * 6 * 10, dtype=torch.float32).reshape(4, 6, 10)
+# chunks cut on dims 0 and 1 and 2, unevenly, in a scrambled order
+CUTS = [((0, 0, 0), (2, 6, 4)), ((2, 0, 0), (2, 3, 4)), ((2, 3, 0), (2, 3, 4)), ((0, 0, 4), (4, 6, 6))]
+
+
+def _write(folder, chunks=CUTS):
+    writer = DcpWriter(str(folder))
+    for offsets, sizes in reversed(chunks):
+        box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+        writer.add_chunk("stack.weight", FULL.shape, offsets, FULL[box])
+    writer.add_object("extra/shard_0_1", b"opaque bytes")
+    writer.close()
+    return str(folder)
+
+
+def _tensor(url, lead=()):
+    index = read_index(url)
+    files = DcpFiles(url, {e.path: e.size for e in storage.list_files(url)})
+    return DcpTensor("stack.weight", index.tensors["stack.weight"], files, lead), index, files
+
+
+def test_torch_reads_what_the_writer_wrote(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    url = _write(tmp_path / "ckpt")
+    state = {"stack.weight": torch.empty_like(FULL)}
+    dcp.load(state, storage_reader=FileSystemReader(url), no_dist=True)
+    assert torch.equal(state["stack.weight"], FULL)
+
+
+def test_boxes_read_exactly(tmp_path):
+    url = _write(tmp_path / "ckpt")
+    whole, index, files = _tensor(url)
+    assert whole.shape == (4, 6, 10) and whole.dtype == torch.float32
+    assert torch.equal(whole.read(), FULL)
+    for layer in range(4):
+        tensor, _, _ = _tensor(url, (layer,))
+        assert torch.equal(tensor.read(), FULL[layer])
+        assert torch.equal(tensor.read_box((1, 2), (4, 7)), FULL[layer, 1:5, 2:9])
+        for row in range(6):
+            assert torch.equal(_tensor(url, (layer, row))[0].read(), FULL[layer, row])
+    assert torch.equal(whole.read_box((1, 2, 3), (3, 3, 5)), FULL[1:4, 2:5, 3:8])
+    assert files.read_object(index.objects["extra/shard_0_1"]) == b"opaque bytes"
+
+
+@pytest.mark.parametrize("max_bytes", [1, 40, 240, 10_000])
+def test_streaming_is_row_major_and_bounded(tmp_path, max_bytes):
+    url = _write(tmp_path / "ckpt")
+    tensor, _, _ = _tensor(url, (2,))
+    chunks = list(tensor.iter_chunks(max_bytes))
+    assert torch.equal(torch.cat(chunks), FULL[2].reshape(-1))
+    assert all(c.numel() * 4 <= max(max_bytes, 40) for c in chunks)  # one row (10 floats) at least
+
+
+def test_metadata_pickle_runs_nothing(tmp_path):
+    folder = tmp_path / "evil"
+    folder.mkdir()
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    (folder / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(UnsafePickle, match="os|posix|system"):
+        read_index(str(folder))
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_missing_metadata_and_gaps(tmp_path):
+    with pytest.raises(IncompleteCheckpoint, match=r"\.metadata missing"):
+        read_index(str(tmp_path))
+    url = _write(tmp_path / "gap", CUTS[:-1])  # the last chunk never written: the tensor is not covered
+    with pytest.raises(CorruptShard, match="do not cover"):
+        read_index(url)
