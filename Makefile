@@ -21,7 +21,11 @@ $(VENV)/.test: $(VENV)/.runtime
 install: $(VENV)/.runtime
 
 demo: $(VENV)/.runtime
-	$(PY) -m synthetic_runs.demo
+	$(PY) -m flows.demo
+
+.PHONY: demo-s3
+demo-s3: $(VENV)/.test
+	$(PY) -m flows.demo --s3
 
 test: $(VENV)/.test
 	$(PY) -m pytest $(PYTEST_ARGS)

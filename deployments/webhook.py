@@ -1,0 +1,190 @@
+"""An HTTP receiver for training jobs that can only POST a webhook (Prefect OSS has no webhooks).
+
+    uvicorn --factory deployments.webhook:create_app --host 0.0.0.0 --port 8088
+
+``POST /hooks/checkpoint-saved`` with JSON ``{"run_root": "s3://bucket/run", "step": 120, "role": "actor"}``
+creates a run of the merge deployment (``merge-step/gpu``) for that step and answers ``202`` with
+``{"flow_run_id", "idempotency_key", ...}``. The run is created with the idempotency key
+``{run_root}:{role}:{step}``: a webhook delivered twice (retries, at-least-once queues) gives back
+the same flow run, never a second merge.
+
+Authentication (either; configure at least one, or the app refuses to start):
+- ``Authorization: Bearer <STEPMERGE_WEBHOOK_TOKEN>`` (constant-time comparison);
+- HMAC-SHA256: ``X-Stepmerge-Timestamp: <unix seconds>`` and ``X-Stepmerge-Signature: sha256=<hex>``
+  of ``b"<timestamp>." + raw body`` with ``STEPMERGE_WEBHOOK_HMAC_SECRET``; timestamps more than
+  ``max_skew_s`` (300 s) away are refused (replays).
+Validation (422): a JSON object with exactly these fields; ``step`` an integer >= 0; ``role`` one of
+actor, critic, "" (SFT); ``run_root`` (and ``release_root``) a URL whose scheme is on the allow-list
+(``STEPMERGE_WEBHOOK_SCHEMES``, default ``s3,gs``), without ``..`` components (encoded or not),
+backslashes or control characters, and under one of ``STEPMERGE_WEBHOOK_RUN_ROOTS`` (comma-separated
+prefixes) when that is set. 401 for a missing or wrong credential, 503 when the Prefect API or the
+deployment cannot be reached. ``GET /healthz`` answers ``{"ok": true}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import time
+from typing import Literal, Optional
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictInt, ValidationError
+
+from flows.url_checks import checked_url
+
+CHECKPOINT_SAVED_PATH = "/hooks/checkpoint-saved"
+SIGNATURE_HEADER = "X-Stepmerge-Signature"
+TIMESTAMP_HEADER = "X-Stepmerge-Timestamp"
+MAX_BODY_BYTES = 64 * 1024
+
+
+class WebhookSettings(BaseModel):
+    """How the receiver authenticates, what it accepts, and which deployment it starts."""
+
+    model_config = ConfigDict(frozen=True)
+
+    deployment: str = "merge-step/gpu"
+    token: Optional[SecretStr] = None
+    hmac_secret: Optional[SecretStr] = None
+    allowed_schemes: tuple[str, ...] = ("s3", "gs")
+    allowed_run_roots: tuple[str, ...] = ()
+    max_skew_s: float = 300.0
+    prefect_api_url: Optional[str] = None
+
+    @classmethod
+    def from_env(cls) -> WebhookSettings:
+        def listed(name: str, default: str = "") -> tuple[str, ...]:
+            return tuple(p.strip() for p in os.environ.get(name, default).split(",") if p.strip())
+
+        return cls(deployment=os.environ.get("STEPMERGE_WEBHOOK_DEPLOYMENT", "merge-step/gpu"),
+                   token=os.environ.get("STEPMERGE_WEBHOOK_TOKEN") or None,
+                   hmac_secret=os.environ.get("STEPMERGE_WEBHOOK_HMAC_SECRET") or None,
+                   allowed_schemes=listed("STEPMERGE_WEBHOOK_SCHEMES", "s3,gs"),
+                   allowed_run_roots=listed("STEPMERGE_WEBHOOK_RUN_ROOTS"))
+
+
+class CheckpointSaved(BaseModel):
+    """The webhook's body: which checkpoint was saved."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_root: str = Field(..., max_length=1024)
+    step: StrictInt = Field(..., ge=0)
+    role: Literal["actor", "critic", ""] = "actor"
+    release_root: Optional[str] = Field(None, max_length=1024)
+
+    @property
+    def key(self) -> str:
+        return f"{self.run_root}:{self.role}:{self.step}"
+
+
+def sign(secret: str, timestamp: str, body: bytes) -> str:
+    """The ``X-Stepmerge-Signature`` value for ``body`` sent at ``timestamp`` (for senders and tests)."""
+    digest = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
+    return f"sha256={digest}"
+
+
+def authenticated(settings: WebhookSettings, headers, body: bytes, now: Optional[float] = None) -> bool:
+    """True when the request carries the bearer token or a fresh, valid HMAC signature."""
+    authorization = headers.get("authorization", "")
+    if settings.token is not None and authorization.lower().startswith("bearer "):
+        given = authorization[7:].strip().encode()
+        if hmac.compare_digest(given, settings.token.get_secret_value().encode()):
+            return True
+    signature, timestamp = headers.get(SIGNATURE_HEADER.lower()), headers.get(TIMESTAMP_HEADER.lower())
+    if settings.hmac_secret is not None and signature and timestamp:
+        try:
+            sent = float(timestamp)
+        except ValueError:
+            return False
+        if abs((time.time() if now is None else now) - sent) > settings.max_skew_s:
+            return False
+        expected = sign(settings.hmac_secret.get_secret_value(), timestamp, body)
+        return hmac.compare_digest(signature.encode(), expected.encode())
+    return False
+
+
+def checked_payload(settings: WebhookSettings, body: bytes) -> CheckpointSaved:
+    """Parse and check the body; ValueError / ValidationError name what is wrong."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"body is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("body must be a JSON object")
+    payload = CheckpointSaved.model_validate(data)
+    for name in ("run_root", "release_root"):
+        value = getattr(payload, name)
+        if value is not None:
+            checked_url(value, schemes=settings.allowed_schemes, allow_local_paths=False)
+    if settings.allowed_run_roots and not any(
+        payload.run_root == root.rstrip("/") or payload.run_root.startswith(root.rstrip("/") + "/")
+        for root in settings.allowed_run_roots
+    ):
+        raise ValueError("run_root is not under an allowed run root")
+    return payload
+
+
+def flow_parameters(payload: CheckpointSaved) -> dict:
+    params = {"run_root": payload.run_root.rstrip("/"), "step": payload.step, "role": payload.role}
+    if payload.release_root:
+        params["release_root"] = payload.release_root.rstrip("/")
+    return {"params": params}
+
+
+def create_app(settings: Optional[WebhookSettings] = None) -> FastAPI:
+    """The receiver (see the module docstring). Settings default to `WebhookSettings.from_env`."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    settings = settings or WebhookSettings.from_env()
+    if settings.token is None and settings.hmac_secret is None:
+        raise ValueError("set STEPMERGE_WEBHOOK_TOKEN or STEPMERGE_WEBHOOK_HMAC_SECRET: the receiver does not "
+                         "accept unauthenticated requests")
+    api_url = settings.prefect_api_url or PREFECT_API_URL.value()
+    if not api_url:
+        raise ValueError("set PREFECT_API_URL: the receiver creates runs on a Prefect server")
+    app = FastAPI(title="stepmerge webhook", version="1")
+    deployment_ids: dict[str, object] = {}
+
+    async def create_run(payload: CheckpointSaved) -> dict:
+        from prefect.client.orchestration import get_client
+
+        with temporary_settings(updates={PREFECT_API_URL: api_url}):
+            async with get_client() as client:
+                if settings.deployment not in deployment_ids:
+                    deployment_ids[settings.deployment] = (await client.read_deployment_by_name(settings.deployment)).id
+                run = await client.create_flow_run_from_deployment(
+                    deployment_ids[settings.deployment], parameters=flow_parameters(payload),
+                    idempotency_key=payload.key)
+        return {"flow_run_id": str(run.id), "flow_run_name": run.name, "idempotency_key": payload.key,
+                "deployment": settings.deployment, "state": run.state.name if run.state else None}
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"ok": True}
+
+    @app.post(CHECKPOINT_SAVED_PATH, status_code=202)
+    async def checkpoint_saved(request: Request):
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise HTTPException(413, "body too large")
+        if not authenticated(settings, request.headers, body):
+            raise HTTPException(401, "missing or invalid credentials", headers={"WWW-Authenticate": "Bearer"})
+        try:
+            payload = checked_payload(settings, body)
+        except ValidationError as exc:
+            return JSONResponse({"detail": json.loads(exc.json(include_url=False, include_input=False))},
+                                status_code=422)
+        except ValueError as exc:
+            return JSONResponse({"detail": str(exc)}, status_code=422)
+        try:
+            return await create_run(payload)
+        except Exception as exc:  # noqa: BLE001 - the sender should retry later; say why
+            deployment_ids.clear()
+            raise HTTPException(503, f"could not create the flow run: {type(exc).__name__}: {exc}") from None
+
+    return app

@@ -1,0 +1,111 @@
+"""Flow ``merge-step``: one step of a run -> a validated, published Hugging Face release (+ adapter).
+
+    discover-steps  (one listing)  -> is the step there and complete? If not: "not ready", nothing done
+    check-checkpoint               -> deep completeness check, cached on the listing fingerprint
+    model:   merge   -> validate         -> publish            (tasks, see flows.stages)
+    adapter: extract -> validate-adapter -> publish-adapter    (LoRA checkpoints only)
+
+The merged model of a LoRA checkpoint is the trained model (adapters fused, as the engine defines
+it); with ``release_adapter`` its PEFT adapter is released beside it, validated against that model.
+Whatever layout the step has (FSDP, Megatron, Hugging Face weights), the tasks are the same.
+
+A re-run of a published step is a cache hit: one listing, a few marker/manifest reads, no weight
+byte. A markdown artifact summarises the run (tensors, bytes, time, validation); the merge task
+moves a progress artifact while it writes. Named errors (corrupt shard, failed validation) fail
+the run without retries and publish nothing.
+"""
+
+import time
+from typing import Optional
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
+
+from flows.params import MergeStepParams
+from flows.stages import ReleaseOutcome, StageTimer, StepOutcome, release_output
+from flows.summaries import step_summary
+from tasks.check import check_step
+from tasks.discover import discover_steps
+from tasks.progress import artifact_key
+from tasks.releases import ADAPTER, MODEL, release_url
+
+
+def _run_name() -> str:
+    params = flow_run.parameters.get("params") or {}
+    get = params.get if isinstance(params, dict) else lambda k, d=None: getattr(params, k, d)
+    role = get("role", "actor") or "sft"
+    return f"{role}-step-{get('step', '?')}"
+
+
+def summary_key(params: MergeStepParams) -> str:
+    import hashlib
+
+    digest = hashlib.sha256(params.run_root.encode()).hexdigest()[:8]
+    return artifact_key("merge", params.role or "sft", "step", params.step, digest)
+
+
+def run_stages(params: MergeStepParams, timer: StageTimer) -> StepOutcome:
+    """The body of merge_step (see the module docstring); raises the failing stage's error."""
+    started = time.perf_counter()
+    outcome = StepOutcome(run_root=params.run_root, step=params.step, role=params.role, status="not_ready")
+    discovery = timer.run("discover", discover_steps, params.run_root)
+    step = discovery.find(params.step, params.role)
+    if step is None or step.status == "incomplete":  # "not yet", never an error; "invalid" fails in check
+        outcome.reason = "no checkpoint files for this step and role yet" if step is None else step.reason
+        outcome.stages = timer.stages
+        outcome.seconds = time.perf_counter() - started
+        return outcome
+    merge = params.merge_settings()
+    checkpoint = timer.run("check", check_step, step, merge.backend)
+    common = dict(validation=params.validation_settings(), staging_root=params.staging_root,
+                  options=params.recorded_options(), overwrite=params.overwrite)
+    root = params.release_root_url
+    model = release_output(timer, MODEL, step, checkpoint, release_url(root, params.role, params.step, MODEL),
+                           merge=merge, **common)
+    releases = [model]
+    if checkpoint.lora and params.release_adapter:
+        adapter_release = release_url(root, params.role, params.step, ADAPTER)
+        adapter = release_output(timer, ADAPTER, step, checkpoint, adapter_release,
+                                 adapter=params.adapter_settings(), fused_model_url=model.url, **common)
+        releases.append(adapter)
+    outcome.releases = releases
+    outcome.status = "already_published" if all(r.already_published for r in releases) else "published"
+    outcome.stages = timer.stages
+    outcome.seconds = time.perf_counter() - started
+    return outcome
+
+
+@flow(name="merge-step", flow_run_name=_run_name, log_prints=True, persist_result=True)
+def merge_step(params: MergeStepParams) -> StepOutcome:
+    """Merge, validate and publish one step of a training run (see the module docstring)."""
+    logger = get_run_logger()
+    timer = StageTimer()
+    try:
+        outcome = run_stages(params, timer)
+    except Exception as exc:
+        failed = StepOutcome(run_root=params.run_root, step=params.step, role=params.role, status="failed",
+                             stages=timer.stages)
+        create_markdown_artifact(step_summary(failed, error=f"{type(exc).__name__}: {exc}"),
+                                 key=summary_key(params), description=f"merge of step {params.step} failed")
+        raise
+    create_markdown_artifact(step_summary(outcome), key=summary_key(params),
+                             description=f"merge of step {params.step}: {outcome.status}")
+    for release in outcome.releases:
+        logger.info("%s release %s (%s; validation %s)", release.kind, release.url,
+                    "cache hit" if release.cached else ("already published" if release.already_published
+                                                        else "published"),
+                    {True: "passed", False: "FAILED", None: "not run"}[release.validation_ok])
+    if outcome.status == "not_ready":
+        logger.info("step %s (%s) is not ready: %s", params.step, params.role or "sft", outcome.reason)
+    return outcome
+
+
+def release_of(outcome: StepOutcome, kind: str) -> Optional[ReleaseOutcome]:
+    return next((r for r in outcome.releases if r.kind == kind), None)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(merge_step(MergeStepParams(run_root=sys.argv[1], step=int(sys.argv[2]))))

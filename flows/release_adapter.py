@@ -1,0 +1,56 @@
+"""Flow ``release-adapter``: extract a step's LoRA adapter to PEFT, validate it, publish it.
+
+    discover-steps -> check-checkpoint -> extract-adapter -> validate-adapter -> publish-adapter
+
+The adapter release (``<release_root>/<role>-adapter/global_step_<N>``) holds
+``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's names; r, target_modules and
+rank_pattern from the tensors, lora_alpha from the run's metadata, never guessed) and, with
+``include_base``, the clean base model under ``base/``. Validation loads base + adapter with PEFT;
+when the step's merged model is already released (merge_step), the logits must equal it. LoRA-only
+checkpoints need ``base_model``. `merge_step` runs the same stages for LoRA checkpoints; this flow
+is for adapters alone (e.g. from the UI, or for a LoRA-only run).
+"""
+
+import time
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from flows.params import AdapterParams
+from flows.stages import StageTimer, StepOutcome, release_output
+from flows.summaries import step_summary
+from merge_engine.errors import AdapterError
+from tasks.check import check_step
+from tasks.discover import discover_steps
+from tasks.progress import release_artifact_key
+from tasks.releases import ADAPTER, MODEL, release_state, release_url
+
+
+@flow(name="release-adapter", log_prints=True, persist_result=True)
+def release_adapter(params: AdapterParams) -> StepOutcome:
+    """Extract, validate and publish the LoRA adapter of one step (see the module docstring)."""
+    started = time.perf_counter()
+    timer = StageTimer()
+    outcome = StepOutcome(run_root=params.run_root, step=params.step, role=params.role, status="not_ready")
+    step = timer.run("discover", discover_steps, params.run_root).find(params.step, params.role)
+    if step is None or step.status == "incomplete":
+        outcome.reason = "no checkpoint files for this step and role yet" if step is None else step.reason
+        outcome.stages, outcome.seconds = timer.stages, time.perf_counter() - started
+        return outcome
+    checkpoint = timer.run("check", check_step, step, None)
+    if not checkpoint.lora:
+        raise AdapterError("this checkpoint holds no LoRA factors (lora_A/lora_B): nothing to extract", step.url)
+    root = params.release_root_url
+    release = release_url(root, params.role, params.step, ADAPTER)
+    fused = release_url(root, params.role, params.step, MODEL)
+    fused_url = fused if params.compare_with_model_release and release_state(fused).intact else None
+    adapter = release_output(timer, ADAPTER, step, checkpoint, release, adapter=params.adapter_settings(),
+                             validation=params.validation_settings(), staging_root=params.staging_root,
+                             options=params.recorded_options(), overwrite=params.overwrite,
+                             fused_model_url=fused_url)
+    outcome.releases = [adapter]
+    outcome.status = "already_published" if adapter.already_published else "published"
+    outcome.stages, outcome.seconds = timer.stages, time.perf_counter() - started
+    create_markdown_artifact(step_summary(outcome), key=release_artifact_key("adapter", release),
+                             description=f"adapter of step {params.step}: {outcome.status}")
+    return outcome

@@ -1,0 +1,61 @@
+"""Markdown for the Prefect UI: one artifact per merged step, one per watcher run.
+
+Pure functions from outcome records to markdown strings (the flows create the artifacts), so
+what the UI shows is testable without a server.
+"""
+
+from typing import Iterable, List, Optional
+
+from flows.stages import StageRun, StepOutcome
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def stage_table(stages: Iterable[StageRun]) -> List[str]:
+    lines = ["| stage | state | seconds |", "|---|---|---:|"]
+    lines += [f"| {s.name} | {s.state} | {s.seconds:.2f} |" for s in stages]
+    return lines
+
+
+def step_summary(outcome: StepOutcome, error: Optional[str] = None) -> str:
+    """The markdown artifact of one merge_step run."""
+    role = outcome.role or "(no role: SFT)"
+    lines = [f"# Step {outcome.step} of `{outcome.run_root}` — {role}", ""]
+    if error is not None:
+        lines += [f"**Failed**: {error}", "", "Nothing was published for the failed stage.", ""]
+    elif outcome.status == "not_ready":
+        lines += [f"**Not ready yet**: {outcome.reason}", "", "Nothing was merged; the watcher will try again.", ""]
+    else:
+        verdict = "cache hit: nothing was read or written" if outcome.cached else outcome.status.replace("_", " ")
+        lines += [f"**{verdict}** in {outcome.seconds:.1f} s", ""]
+    if outcome.releases:
+        lines += ["| output | release | tensors | bytes | validation | new |", "|---|---|---:|---:|---|---|"]
+        for r in outcome.releases:
+            ok = {True: "passed", False: "**FAILED**", None: "not run"}[r.validation_ok]
+            lines.append(f"| {r.kind} | `{r.url}` | {r.tensors} | {_size(r.tensor_bytes or r.total_bytes)} | {ok} | "
+                         f"{'no' if r.already_published else 'yes'} |")
+        lines.append("")
+    if outcome.stages:
+        lines += ["## Stages", ""] + stage_table(outcome.stages) + [""]
+    for r in outcome.releases:
+        if r.validation_summary:
+            lines += [f"## Validation of the {r.kind}", "", r.validation_summary, ""]
+    return "\n".join(lines)
+
+
+def watch_summary(run_root: str, rows: List[dict], waiting: List[str], seconds: float) -> str:
+    """The markdown artifact of one merge_new_steps run (``rows``: step, role, action, detail)."""
+    lines = [f"# New steps of `{run_root}`", "", f"{len(rows)} step(s) handled in {seconds:.1f} s.", ""]
+    if rows:
+        lines += ["| step | role | action | detail |", "|---:|---|---|---|"]
+        lines += [f"| {r['step']} | {r['role'] or '-'} | {r['action']} | {r['detail']} |" for r in rows]
+        lines.append("")
+    if waiting:
+        lines += ["Not ready yet (still being written, or incomplete): " + ", ".join(waiting), ""]
+    return "\n".join(lines)

@@ -1,0 +1,110 @@
+"""The adapter tasks: a LoRA checkpoint -> a PEFT adapter folder in staging, and its validation.
+
+- `extract_adapter` wraps `merge_engine.lora.extract.extract_lora` the way `tasks.merge` wraps
+  the merge: cached on the step's and checkpoint's listing fingerprints + options + release +
+  engine version; an adapter already released with that fingerprint (`expected_adapter_fingerprint`)
+  is not extracted again (``released=True``).
+- `validate_adapter` runs `tasks.adapter_checks.check_adapter` (PEFT loads it on its base, logits
+  equal the released fused model's) and returns a `ValidationRecord`; a released adapter returns
+  the validation its manifest recorded, reading nothing.
+Retries: transient storage faults only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Optional
+
+from prefect import task
+
+import merge_engine
+from merge_engine import storage
+from merge_engine.lora.keys import ADAPTER_CONFIG
+from tasks.adapter_checks import BASE_DIR, check_adapter
+from tasks.cache import stage_cache_policy
+from tasks.merge import output_available, released_output
+from tasks.progress import ProgressArtifact, release_artifact_key
+from tasks.records import (
+    AdapterSettings,
+    CheckpointRecord,
+    OutputRecord,
+    StepRecord,
+    ValidationRecord,
+    ValidationSettings,
+)
+from tasks.releases import ADAPTER, staging_url
+from tasks.retry import RETRY_OPTIONS
+from tasks.validate import already_released, recorded_validation
+
+
+def expected_adapter_fingerprint(step: StepRecord, checkpoint: CheckpointRecord, settings: AdapterSettings) -> str:
+    """The fingerprint an adapter release of this step is published under.
+
+    The pipeline's own digest (the engine's, in the release's ``stepmerge.json``, is not exported and
+    reads the run's metadata): the checkpoint's listing, the step folder's whole listing (which
+    covers ``lora_train_meta.json`` and ``lora_adapter/``, where lora_alpha comes from), the
+    options (and a ``base_model``'s listing) and the engine version. Computed from listings alone.
+    """
+    base = {"base_listing": storage.fingerprint(storage.list_files(settings.base_model))} if settings.base_model else {}
+    return storage.fingerprint(checkpoint.to_checkpoint().files, kind=ADAPTER, step_listing=step.fingerprint,
+                               engine=merge_engine.__version__, **settings.model_dump(mode="json"), **base)
+
+
+def point_adapter_at_base(adapter_url: str, base_url: str) -> None:
+    """Make ``base_model_name_or_path`` name the base where it will be released, not in staging.
+
+    (`extract_lora` writes its own target's ``base/``; staged elsewhere, that path dies with the
+    staging folder. The config is metadata: it is not part of any fingerprint.)
+    """
+    url = storage.join(adapter_url, ADAPTER_CONFIG)
+    config = json.loads(storage.read_text(url))
+    if config.get("base_model_name_or_path") != base_url:
+        config["base_model_name_or_path"] = base_url
+        storage.write_bytes(url, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+
+
+@task(name="extract-adapter",
+      cache_policy=stage_cache_policy("extract", ("step.fingerprint", "checkpoint", "settings", "release"),
+                                      still_valid=output_available),
+      persist_result=True, **RETRY_OPTIONS)
+def extract_adapter(step: StepRecord, checkpoint: CheckpointRecord, settings: AdapterSettings, release: str,
+                    staging_root: Optional[str] = None) -> OutputRecord:
+    """Extract the PEFT adapter of ``checkpoint`` into staging for ``release`` (or find it released)."""
+    from merge_engine.lora.extract import extract_lora
+
+    fingerprint = expected_adapter_fingerprint(step, checkpoint, settings)
+    found = released_output(ADAPTER, checkpoint.url, release, fingerprint)
+    if found is not None:
+        return found
+    target = staging_url(staging_root, release, fingerprint)
+    progress = ProgressArtifact(release_artifact_key("progress", release),
+                                f"Extracting the adapter of {checkpoint.url}")
+    result = extract_lora(checkpoint.url, target, settings.to_options(overwrite=True),
+                          on_bytes=progress.on_bytes, on_plan=progress.on_plan)
+    progress.finish()
+    if settings.include_base:
+        point_adapter_at_base(target, storage.join(release, BASE_DIR))
+    return OutputRecord(kind=ADAPTER, source_url=checkpoint.url, url=target, fingerprint=fingerprint,
+                        release=release, attempt=uuid.uuid4().hex, layout=checkpoint.layout,
+                        tensors=result.tensors, tensor_bytes=result.tensor_bytes,
+                        files=len(result.files), total_bytes=sum(size for _, size in result.files),
+                        seconds=result.seconds,
+                        notes=tuple(result.notes) + (f"engine fingerprint {result.fingerprint}",))
+
+
+@task(name="validate-adapter",
+      cache_policy=stage_cache_policy("validate-adapter", ("output.fingerprint", "output.url", "output.attempt",
+                                                           "settings", "fused_model_url")),
+      persist_result=True, **RETRY_OPTIONS)
+def validate_adapter(output: OutputRecord, settings: ValidationSettings, fused_model_url: Optional[str] = None,
+                     release: Optional[str] = None) -> ValidationRecord:
+    """Check the adapter: config, fits its base, finite, PEFT loads it; logits equal ``fused_model_url``'s."""
+    released = already_released(output, release)
+    if released is not None:
+        return recorded_validation(released)
+    started = time.perf_counter()
+    report = check_adapter(output.url, fused_model_url=fused_model_url, forward=settings.forward,
+                           device=settings.device)
+    return ValidationRecord.from_report(report, seconds=time.perf_counter() - started)

@@ -1,0 +1,128 @@
+"""Cache keys of the stage tasks: what a stage's output depends on, and whether that output still exists.
+
+Contract:
+- A key is ``stepmerge-<stage>-<sha256>`` of: the stage name, `PIPELINE_VERSION`, the engine
+  version (`merge_engine.__version__`) and the stage's inputs as the task receives them. The
+  inputs are records that carry the source's fingerprint from a listing (names, sizes,
+  ETags/generations/mtimes) and the options, so a re-run of an unchanged step computes the same
+  key from a listing alone, and any change to a file, an option or the engine gives a new key.
+- Only the inputs named in ``fields`` count (``"output.fingerprint"`` names an attribute of an
+  input), so timings, progress hooks and the like never change a key. Values are hashed as
+  canonical JSON, so keys are stable across processes and machines (no pickles, no object ids).
+- A cached result whose OUTPUT no longer exists is not trusted (``still_valid``: e.g. the release it
+  describes was deleted). The key then moves on to the next GENERATION, ``<key>-g1``, ``-g2``...:
+  the first generation that is free, or whose result is still valid, is the key. Every run walks
+  the same chain, so two runs racing to rebuild a deleted release agree on the key and the
+  isolation below makes one wait for the other, instead of both recomputing (which
+  ``refresh_cache`` would do: it skips the cache lookup made under the lock).
+- SERIALIZABLE isolation with `CrashSafeFileLockManager`: two runs of the same stage with the same
+  key do not both compute; the second waits for the first's lock and reads its result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from prefect.cache_policies import CacheKeyFnPolicy
+from pydantic import BaseModel
+
+import merge_engine
+from tasks.locking import CrashSafeFileLockManager
+
+logger = logging.getLogger(__name__)
+
+PIPELINE_VERSION = "1"  # bump when a task's output changes for the same inputs
+MAX_GENERATIONS = 1000
+
+LOCKS = CrashSafeFileLockManager()
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    return value
+
+
+def _field(inputs: dict[str, Any], name: str) -> Any:
+    """``inputs["a"]``, or for ``"a.b"`` the attribute (or item) ``b`` of it."""
+    head, *rest = name.split(".")
+    value = inputs.get(head)
+    for part in rest:
+        value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+    return value
+
+
+def stage_key(stage: str, inputs: dict[str, Any], fields: Sequence[str]) -> str:
+    """The (generation 0) cache key of ``stage`` for these task inputs (only ``fields`` count)."""
+    payload = {
+        "stage": stage,
+        "pipeline": PIPELINE_VERSION,
+        "engine": merge_engine.__version__,
+        "inputs": {name: _canonical(_field(inputs, name)) for name in fields},
+    }
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+    return f"stepmerge-{stage}-{digest[:48]}"
+
+
+def generation_key(key: str, generation: int) -> str:
+    return key if generation == 0 else f"{key}-g{generation}"
+
+
+def live_generation(store: Any, key: str, still_valid: Callable[[Any], bool]) -> str:
+    """The first generation of ``key`` with no record in ``store``, or with a still-valid result."""
+    for generation in range(MAX_GENERATIONS):
+        candidate = generation_key(key, generation)
+        if not store.exists(candidate):
+            return candidate
+        try:
+            value = store.read(candidate).result
+        except Exception as exc:  # noqa: BLE001 - an unreadable record is no cache: move on
+            logger.warning("cached result %s unreadable (%s); not used", candidate, exc)
+            continue
+        try:
+            if still_valid(value):
+                return candidate
+        except Exception as exc:  # noqa: BLE001 - cannot tell: do not trust it
+            logger.warning("could not check the output of cached result %s (%s); not used", candidate, exc)
+            continue
+        logger.info("cached result %s describes an output that is gone; using the next generation", candidate)
+    raise RuntimeError(f"{MAX_GENERATIONS} generations of {key} are all stale")
+
+
+@dataclass
+class StageCachePolicy(CacheKeyFnPolicy):
+    """`CacheKeyFnPolicy` + output validation by generations (see the module docstring)."""
+
+    still_valid: Optional[Callable[[Any], bool]] = None
+
+    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
+                    **kwargs: Any) -> Optional[str]:
+        key = super().compute_key(task_ctx, inputs, flow_parameters, **kwargs)
+        store = getattr(task_ctx, "result_store", None)
+        if key is None or self.still_valid is None or store is None:
+            return key
+        return live_generation(store, key, self.still_valid)
+
+
+def _key_fn(stage: str, fields: Sequence[str]) -> Callable[[Any, dict[str, Any]], str]:
+    def cache_key(context: Any, inputs: dict[str, Any]) -> str:
+        return stage_key(stage, inputs, fields)
+
+    cache_key.__name__ = f"{stage}_cache_key"
+    return cache_key
+
+
+def stage_cache_policy(stage: str, fields: Sequence[str],
+                       still_valid: Optional[Callable[[Any], bool]] = None) -> StageCachePolicy:
+    """The policy of one stage task: key from ``fields``, generations by ``still_valid``, serialised per key."""
+    return StageCachePolicy(cache_key_fn=_key_fn(stage, tuple(fields)), still_valid=still_valid,
+                            isolation_level="SERIALIZABLE", lock_manager=LOCKS)

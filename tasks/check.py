@@ -1,0 +1,42 @@
+"""The check task: a step the listing calls complete, confirmed by its layout's deep check.
+
+Cached on the step's listing fingerprint (+ backend, engine version): the deep check reads the
+rank files' headers once per version of the files; a re-run reads nothing. An incomplete step is
+refused with `IncompleteCheckpoint`, a broken one with `CorruptShard` / `WorldSizeMismatch`:
+named errors, so the task fails at once and is not retried. The layout is whatever the engine
+detects (FSDP, Megatron, Hugging Face): the task does not care.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from prefect import task
+
+from merge_engine.errors import IncompleteCheckpoint, WorldSizeMismatch
+from merge_engine.layouts import check_checkpoint, open_checkpoint
+from tasks.cache import stage_cache_policy
+from tasks.records import CheckpointRecord, StepRecord
+from tasks.retry import RETRY_OPTIONS
+
+
+def _holds_lora(checkpoint) -> bool:
+    from merge_engine.lora.extract import is_lora_checkpoint
+
+    source = open_checkpoint(checkpoint)
+    try:
+        return is_lora_checkpoint(source.metas())
+    finally:
+        source.close()
+
+
+@task(name="check-checkpoint", cache_policy=stage_cache_policy("check", ("step", "backend")),
+      persist_result=True, **RETRY_OPTIONS)
+def check_step(step: StepRecord, backend: Optional[str] = None) -> CheckpointRecord:
+    """The checkpoint of ``step`` after the deep completeness check (headers only, no weights)."""
+    if step.status == "invalid":
+        raise WorldSizeMismatch(step.reason, step.url)
+    if not step.complete:
+        raise IncompleteCheckpoint(step.reason or "not complete yet", step.url)
+    checkpoint = check_checkpoint(step.url, backend)
+    return CheckpointRecord.from_checkpoint(checkpoint, lora=_holds_lora(checkpoint))

@@ -1,0 +1,51 @@
+"""Listing tasks: what checkpoints a run root holds, and what is already released.
+
+These are never cached: a listing is the cheap, always-fresh input every cache key is computed
+from. They read no weight (the tracker file and release markers/manifests are a few bytes) and are
+retried on transient storage faults like every stage.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from merge_engine.discovery import discover
+from tasks.records import DiscoveryRecord, Record, StepRecord
+from tasks.releases import published_releases
+from tasks.retry import RETRY_OPTIONS
+
+
+class PublishedRelease(Record):
+    """A release readers trust: where, and the step listing it was built from (when recorded)."""
+
+    name: str  # release folder name: role or "model", "-adapter" for adapters
+    step: int
+    url: str
+    fingerprint: str
+    source: str
+    source_listing: Optional[str] = None
+
+
+@task(name="discover-steps", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def discover_steps(run_root: str) -> DiscoveryRecord:
+    """Every (step, role) under ``run_root`` with its status, from one recursive listing."""
+    found = discover(run_root)
+    return DiscoveryRecord(run_root=run_root, steps=tuple(StepRecord.from_step(s) for s in found.steps),
+                           tracker_hint=found.tracker_hint)
+
+
+@task(name="find-published", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def find_published(release_root: str) -> tuple[PublishedRelease, ...]:
+    """Every trusted release under ``release_root`` (one listing + marker and manifest of each)."""
+    from merge_engine.publish import read_manifest
+
+    out = []
+    for (name, step), url in sorted(published_releases(release_root).items()):
+        manifest = read_manifest(url)
+        listing = manifest.options.get("source_listing") if isinstance(manifest.options, dict) else None
+        out.append(PublishedRelease(name=name, step=step, url=url, fingerprint=manifest.fingerprint,
+                                    source=manifest.source, source_listing=listing))
+    return tuple(out)

@@ -1,0 +1,179 @@
+"""A file lock manager for Prefect's SERIALIZABLE cache isolation that survives crashed holders.
+
+Why not Prefect's own `FileSystemLockManager`: a transaction acquires its lock with no hold
+timeout, so a merge process killed by the OOM killer leaves its lock file forever and every later
+run of that step waits forever; and its lock file is created empty, then written, so a reader can
+see an empty file. Here:
+- a lock is a file ``<dir>/<key>.lock`` holding JSON {holder, host, pid, expires}, created whole
+  and atomically (written under a temp name, then hard-linked into place: the link fails if the
+  lock exists, so exactly one of two racing acquirers wins);
+- a lock is stale, and is broken by the next acquirer, when its holder's process is gone (same
+  host, pid not alive) or it expired (``hold_timeout``, default `DEFAULT_HOLD_S`: longer than any
+  merge). A live holder on another host is waited for;
+- ``directory`` defaults to ``$STEPMERGE_LOCK_DIR``, else ``.locks`` inside Prefect's local
+  result storage path, resolved at each call (so it follows test and profile settings).
+It serialises runs that share the directory (one machine, or a shared filesystem). Across machines
+without one, the engine's publish claims still keep a release single-writer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import anyio
+from prefect.locking.protocol import LockManager
+
+DEFAULT_HOLD_S = 24 * 3600.0
+POLL_S = 0.1
+
+
+def default_lock_directory() -> Path:
+    configured = os.environ.get("STEPMERGE_LOCK_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH
+
+    return Path(PREFECT_RESULTS_LOCAL_STORAGE_PATH.value()).expanduser() / ".locks"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class CrashSafeFileLockManager(LockManager):
+    """See the module docstring. Thread- and process-safe on one filesystem."""
+
+    def __init__(self, directory: Optional[Path] = None, hold_timeout_s: float = DEFAULT_HOLD_S) -> None:
+        self._directory = directory
+        self.hold_timeout_s = hold_timeout_s
+
+    @property
+    def directory(self) -> Path:
+        return self._directory if self._directory is not None else default_lock_directory()
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}.lock"
+
+    def _read(self, key: str) -> Optional[tuple[dict, int]]:
+        """(lock info, inode) or None when there is no lock."""
+        try:
+            with open(self._path(key), "rb") as handle:
+                inode = os.fstat(handle.fileno()).st_ino
+                return json.loads(handle.read()), inode
+        except FileNotFoundError:
+            return None
+        except ValueError:  # never written partially; treat debris as an expired lock
+            return {"holder": "", "host": "", "pid": -1, "expires": 0.0}, -1
+
+    @staticmethod
+    def _stale(info: dict) -> bool:
+        if float(info.get("expires") or 0.0) < time.time():
+            return True
+        return info.get("host") == socket.gethostname() and not _process_alive(int(info.get("pid", -1)))
+
+    def _create(self, key: str, holder: str, hold_timeout: Optional[float]) -> bool:
+        directory = self.directory
+        directory.mkdir(parents=True, exist_ok=True)
+        hold = self.hold_timeout_s if hold_timeout is None else hold_timeout
+        body = {"holder": holder, "host": socket.gethostname(), "pid": os.getpid(), "expires": time.time() + hold}
+        temp = directory / f".{key}.{uuid.uuid4().hex}.tmp"
+        temp.write_bytes(json.dumps(body).encode())
+        try:
+            os.link(temp, self._path(key))
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            temp.unlink(missing_ok=True)
+
+    def _break_if_stale(self, key: str) -> bool:
+        """Remove the lock if it is stale; True when the caller should try to acquire again."""
+        found = self._read(key)
+        if found is None:
+            return True
+        info, inode = found
+        if not self._stale(info):
+            return False
+        try:
+            if inode == -1 or os.stat(self._path(key)).st_ino == inode:  # the stale lock, not a new one
+                self._path(key).unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
+        return True
+
+    def _try_acquire(self, key: str, holder: str, hold_timeout: Optional[float]) -> Optional[bool]:
+        """True: acquired (or already ours); False: held by a live holder; None: try again now."""
+        if self._create(key, holder, hold_timeout):
+            return True
+        found = self._read(key)
+        if found is not None and found[0].get("holder") == holder:
+            return True
+        return None if self._break_if_stale(key) else False
+
+    def acquire_lock(self, key: str, holder: str, acquire_timeout: Optional[float] = None,
+                     hold_timeout: Optional[float] = None) -> bool:
+        deadline = None if acquire_timeout is None else time.monotonic() + acquire_timeout
+        while True:
+            got = self._try_acquire(key, holder, hold_timeout)
+            if got:
+                return True
+            if got is None:
+                continue
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_S)
+
+    async def aacquire_lock(self, key: str, holder: str, acquire_timeout: Optional[float] = None,
+                            hold_timeout: Optional[float] = None) -> bool:
+        deadline = None if acquire_timeout is None else time.monotonic() + acquire_timeout
+        while True:
+            got = self._try_acquire(key, holder, hold_timeout)
+            if got:
+                return True
+            if got is None:
+                continue
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            await anyio.sleep(POLL_S)
+
+    def release_lock(self, key: str, holder: str) -> None:
+        found = self._read(key)
+        if found is None or found[0].get("holder") != holder:
+            raise ValueError(f"No lock held by {holder} for transaction with key {key}")
+        self._path(key).unlink(missing_ok=True)
+
+    def is_locked(self, key: str) -> bool:
+        found = self._read(key)
+        return found is not None and not self._stale(found[0])
+
+    def is_lock_holder(self, key: str, holder: str) -> bool:
+        found = self._read(key)
+        return found is not None and found[0].get("holder") == holder and not self._stale(found[0])
+
+    def wait_for_lock(self, key: str, timeout: Optional[float] = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.is_locked(key):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
+
+    async def await_for_lock(self, key: str, timeout: Optional[float] = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.is_locked(key):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            await anyio.sleep(POLL_S)
+        return True

@@ -1,0 +1,78 @@
+"""The merge task: a checked checkpoint -> a Hugging Face folder in (local) staging.
+
+- Cache key: the checkpoint's listing fingerprint, the output options, the release it is for, the
+  engine version (`tasks.cache`). Same key -> Prefect returns the record, nothing is read; unless
+  the output it describes is gone (`output_available`: neither in staging nor released), then the
+  next cache generation is used and the merge runs again.
+- Not in the cache but already released: when the release already holds this exact merge
+  (`merge_engine.merge.merge_fingerprint`), nothing is merged; the record points at the release
+  (``released=True``). The release is the truth, the cache an accelerator.
+- Otherwise `merge_engine.merge.merge_checkpoint` writes the staging folder (atomically; a finished
+  staging folder of the same merge is reused), with a progress artifact moving as bytes are written.
+  A LoRA checkpoint gives the TRAINED model (adapters fused), as the engine defines it.
+- Retries: transient storage faults only; named errors (corrupt shard, ...) fail at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Optional
+
+from prefect import task
+
+from merge_engine import storage
+from merge_engine.merge import merge_checkpoint, merge_fingerprint, read_provenance
+from tasks.cache import stage_cache_policy
+from tasks.progress import ProgressArtifact, release_artifact_key
+from tasks.records import CheckpointRecord, MergeSettings, OutputRecord
+from tasks.releases import MODEL, release_state, staging_url
+from tasks.retry import RETRY_OPTIONS
+
+
+def expected_model_fingerprint(checkpoint: CheckpointRecord, settings: MergeSettings) -> str:
+    """The fingerprint a model merged from ``checkpoint`` with ``settings`` is published under."""
+    return merge_fingerprint(checkpoint.to_checkpoint(), settings.to_options())
+
+
+def output_available(output: OutputRecord) -> bool:
+    """Is a cached output still somewhere: its staging folder, or its release (holding its fingerprint)?"""
+    if not output.released and storage.list_files(output.url):
+        return True
+    release = output.url if output.released else output.release
+    return bool(release) and release_state(release).holds(output.fingerprint)
+
+
+def released_output(kind: str, source_url: str, release: str, fingerprint: str) -> Optional[OutputRecord]:
+    """The record of an output already released at ``release`` from ``fingerprint``; else None."""
+    state = release_state(release)
+    if not state.holds(fingerprint) or state.manifest is None:
+        return None
+    provenance = read_provenance(release) or {}
+    return OutputRecord(kind=kind, source_url=source_url, url=release, fingerprint=fingerprint, release=release,
+                        attempt=uuid.uuid4().hex, layout=str(provenance.get("layout", "")),
+                        tensors=int(provenance.get("tensors", 0)),
+                        tensor_bytes=int(provenance.get("tensor_bytes", 0)), files=len(state.manifest.files),
+                        total_bytes=state.manifest.total_bytes, released=True)
+
+
+@task(name="merge-model",
+      cache_policy=stage_cache_policy("merge", ("checkpoint", "settings", "release"), still_valid=output_available),
+      persist_result=True, **RETRY_OPTIONS)
+def merge_model(checkpoint: CheckpointRecord, settings: MergeSettings, release: str,
+                staging_root: Optional[str] = None) -> OutputRecord:
+    """Merge ``checkpoint`` into a staging folder for ``release`` (or find it already released)."""
+    fingerprint = expected_model_fingerprint(checkpoint, settings)
+    found = released_output(MODEL, checkpoint.url, release, fingerprint)
+    if found is not None:
+        return found
+    target = staging_url(staging_root, release, fingerprint)
+    progress = ProgressArtifact(release_artifact_key("progress", release), f"Merging {checkpoint.url} -> {release}")
+    options = dataclasses.replace(settings.to_options(), overwrite=True)  # staging is ours to replace
+    result = merge_checkpoint(checkpoint.url, target, options, on_bytes=progress.on_bytes, on_plan=progress.on_plan)
+    progress.finish()
+    return OutputRecord(kind=MODEL, source_url=checkpoint.url, url=target, fingerprint=result.fingerprint,
+                        release=release, attempt=uuid.uuid4().hex, layout=result.layout, tensors=result.tensors,
+                        tensor_bytes=result.tensor_bytes,
+                        files=len(result.files), total_bytes=sum(size for _, size in result.files),
+                        seconds=result.seconds, notes=tuple(result.notes))

@@ -1,0 +1,206 @@
+"""The records that cross a task boundary: small, typed, frozen, never a tensor.
+
+Each is a pydantic model (Prefect caches it, pickles it and shows it in the UI). They carry URLs,
+fingerprints, counts, timings and reports; the bytes stay in storage. `from_*` constructors turn
+the engine's dataclasses into records, `to_*` turn them back where an engine call needs one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from merge_engine.discovery import Step
+from merge_engine.layouts import Checkpoint
+from merge_engine.merge import MergeOptions
+from merge_engine.plan import DEFAULT_MAX_SHARD_SIZE
+from merge_engine.publish import Release
+from merge_engine.storage import FileEntry
+from merge_engine.validate import ValidationReport
+
+LORA_METADATA = ("lora_train_meta.json", "adapter_config.json")
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class StepRecord(Record):
+    """One (step, role) of a run as discovery saw it in a listing (`merge_engine.discovery.Step`)."""
+
+    run_root: str
+    step: int
+    role: str
+    url: str
+    status: str  # "complete" | "incomplete" | "invalid"
+    layout: str
+    fingerprint: str  # digest of the step folder's listing: names, sizes, ETags/generations/mtimes
+    reason: str = ""
+    lora_hint: bool = False  # the listing has verl's LoRA metadata (lora_train_meta.json, lora_adapter/)
+
+    @property
+    def key(self) -> str:
+        """``{run_root}:{role}:{step}``: one merge per key (the deployment runs' idempotency key)."""
+        return f"{self.run_root}:{self.role}:{self.step}"
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "complete"
+
+    @classmethod
+    def from_step(cls, step: Step) -> StepRecord:
+        lora = any(f.path in LORA_METADATA or f.path.startswith("lora_adapter/") for f in step.files)
+        return cls(run_root=step.run_root, step=step.step, role=step.role, url=step.url, status=step.status,
+                   layout=step.layout, fingerprint=step.fingerprint, reason=step.reason, lora_hint=lora)
+
+
+class DiscoveryRecord(Record):
+    """Every checkpoint under a run root (one listing) and the tracker file's number (a hint only)."""
+
+    run_root: str
+    steps: tuple[StepRecord, ...]
+    tracker_hint: Optional[int] = None
+
+    def find(self, step: int, role: str) -> Optional[StepRecord]:
+        return next((s for s in self.steps if s.step == step and s.role == role), None)
+
+
+class CheckpointRecord(Record):
+    """A checkpoint found complete by its layout's deep check (`merge_engine.layouts.Checkpoint`).
+
+    ``files`` is the listing the check used, as (path, size, version): the merge fingerprint is
+    computed from it without listing again. ``lora`` says the weights hold LoRA factors.
+    """
+
+    url: str
+    layout: str
+    fingerprint: str
+    files: tuple[tuple[str, int, str], ...]
+    parallel: dict[str, int] = Field(default_factory=dict)
+    hf_dir: Optional[str] = None
+    lora: bool = False
+    total_bytes: int = 0
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint, lora: bool) -> CheckpointRecord:
+        return cls(url=checkpoint.url, layout=checkpoint.layout, fingerprint=checkpoint.fingerprint,
+                   files=tuple((f.path, f.size, f.version) for f in checkpoint.files),
+                   parallel=dict(checkpoint.parallel), hf_dir=checkpoint.hf_dir, lora=lora,
+                   total_bytes=sum(f.size for f in checkpoint.files))
+
+    def to_checkpoint(self) -> Checkpoint:
+        return Checkpoint(url=self.url, layout=self.layout, files=tuple(FileEntry(*f) for f in self.files),
+                          parallel=dict(self.parallel), hf_dir=self.hf_dir, fingerprint=self.fingerprint)
+
+
+class MergeSettings(Record):
+    """The merge options a flow exposes (`merge_engine.merge.MergeOptions` minus target handling)."""
+
+    dtype: Optional[str] = None
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    hf_model_path: Optional[str] = None
+    backend: Optional[str] = None
+
+    def to_options(self, overwrite: bool = False) -> MergeOptions:
+        return MergeOptions(backend=self.backend, dtype=self.dtype, max_shard_size=self.max_shard_size,
+                            hf_model_path=self.hf_model_path, overwrite=overwrite)
+
+
+class AdapterSettings(Record):
+    """The adapter-extraction options a flow exposes (`merge_engine.lora.extract.ExtractOptions`).
+
+    ``include_base`` also writes the clean base model under ``base/`` of the adapter release, so
+    ``PeftModel.from_pretrained(<release>/base, <release>)`` needs nothing else (and validation
+    can load it); ``base_model`` names the base of a LoRA-only checkpoint.
+    """
+
+    include_base: bool = True
+    lora_alpha: Optional[float] = None
+    base_model: Optional[str] = None
+    dtype: Optional[str] = None
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    hf_model_path: Optional[str] = None
+    backend: Optional[str] = None
+
+    def to_options(self, overwrite: bool = False):
+        from merge_engine.lora.extract import ExtractOptions
+
+        return ExtractOptions(backend=self.backend, lora_alpha=self.lora_alpha, base_model=self.base_model,
+                              write_base=self.include_base, hf_model_path=self.hf_model_path, dtype=self.dtype,
+                              max_shard_size=self.max_shard_size, overwrite=overwrite)
+
+
+class ValidationSettings(Record):
+    """What to validate: the forward pass (GPU when present), and a reference to compare with."""
+
+    forward: bool = True
+    reference_url: Optional[str] = None
+    device: Optional[str] = None
+
+
+class OutputRecord(Record):
+    """A model or adapter folder a stage wrote, or found already released.
+
+    ``url`` is where its bytes are now: the staging folder, or the release when this output was
+    already published (``released``: no merge ran, nothing was read). ``fingerprint`` is the
+    digest of inputs + options + engine version that the release manifest records.
+    """
+
+    kind: str  # "model" | "adapter"
+    source_url: str
+    url: str
+    fingerprint: str
+    release: str = ""  # where this output is (to be) published
+    attempt: str = ""  # unique per execution of the stage that produced it (a rebuild gets a new one)
+    layout: str = ""
+    tensors: int = 0
+    tensor_bytes: int = 0
+    files: int = 0
+    total_bytes: int = 0
+    seconds: float = 0.0
+    released: bool = False
+    notes: tuple[str, ...] = ()
+
+
+class ValidationRecord(Record):
+    """A `ValidationReport`, as data: ``ok``, the markdown summary and every check."""
+
+    model_url: str
+    ok: bool
+    summary: str
+    checks: tuple[dict[str, Any], ...] = ()
+    reference_url: Optional[str] = None
+    seconds: float = 0.0
+
+    @classmethod
+    def from_report(cls, report: ValidationReport, seconds: float = 0.0) -> ValidationRecord:
+        data = report.to_dict()
+        return cls(model_url=report.model_url, ok=report.ok, summary=report.summary(),
+                   checks=tuple(data["checks"]), reference_url=report.reference_url, seconds=seconds)
+
+    def to_report(self) -> ValidationReport:
+        return ValidationReport.from_dict({"model_url": self.model_url, "reference_url": self.reference_url,
+                                           "checks": list(self.checks)})
+
+
+class ReleaseRecord(Record):
+    """A published release (`merge_engine.publish.Release`)."""
+
+    url: str
+    source: str
+    fingerprint: str
+    engine_version: str
+    files: int
+    total_bytes: int
+    created: str
+    attempt: str
+    already_published: bool = False
+    validation_ok: Optional[bool] = None
+
+    @classmethod
+    def from_release(cls, release: Release) -> ReleaseRecord:
+        return cls(url=release.url, source=release.source, fingerprint=release.fingerprint,
+                   engine_version=release.engine_version, files=release.files, total_bytes=release.total_bytes,
+                   created=release.created, attempt=release.attempt, already_published=release.already_published,
+                   validation_ok=release.validation_ok)

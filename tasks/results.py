@@ -1,0 +1,67 @@
+"""Where Prefect keeps the stage tasks' results (the cache): local by default, S3/GCS when configured.
+
+- ``STEPMERGE_RESULT_STORAGE`` unset: Prefect's own default (the block named by
+  ``PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK`` if set, else the local folder
+  ``PREFECT_RESULTS_LOCAL_STORAGE_PATH``, by default ``~/.prefect/storage``).
+- ``STEPMERGE_RESULT_STORAGE=s3://bucket/prefix`` or ``gs://bucket/prefix``: a Prefect
+  `RemoteFileSystem` block at that URL, talking to the same endpoint as the engine
+  (``STEPMERGE_S3_ENDPOINT`` / ``AWS_ENDPOINT_URL``, ``STORAGE_EMULATOR_HOST``), so workers on
+  several machines share one cache. Prefect only accepts result storage saved on the server, so
+  `configured_result_storage` saves the block (``remote-file-system/stepmerge-results-<hash>``) the
+  first time a flow run asks for it; the flows apply it to every stage task (`flows.stages`).
+- ``STEPMERGE_RESULT_STORAGE=<block-type>/<block-name>``: that saved block, as it is.
+Records are small (URLs, fingerprints, reports): a stage costs a few KB of result storage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any, Optional, Union
+
+from prefect.filesystems import RemoteFileSystem
+
+REMOTE_SCHEMES = ("s3", "gs", "gcs")
+_SAVED: dict[tuple[str, str], RemoteFileSystem] = {}
+
+
+def remote_result_storage(url: str) -> RemoteFileSystem:
+    """An (unsaved) `RemoteFileSystem` block at an ``s3://`` or ``gs://`` URL."""
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme not in REMOTE_SCHEMES:
+        raise ValueError(f"result storage must be an s3:// or gs:// URL, got {url!r}")
+    settings: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
+    if scheme == "s3":
+        endpoint = os.environ.get("STEPMERGE_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            settings["endpoint_url"] = endpoint
+    else:
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+        if emulator and emulator != "default":
+            settings.update(token="anon", endpoint_url=emulator if "://" in emulator else f"http://{emulator}")
+    return RemoteFileSystem(basepath=url.rstrip("/") + "/", settings=settings)
+
+
+def saved_result_storage(url: str) -> RemoteFileSystem:
+    """`remote_result_storage(url)` saved on the Prefect server (once per process, API and URL)."""
+    from prefect.settings import PREFECT_API_URL
+
+    key = (url, str(PREFECT_API_URL.value()))
+    if key not in _SAVED:
+        block = remote_result_storage(url)
+        block.save(f"stepmerge-results-{hashlib.sha256(url.encode()).hexdigest()[:12]}", overwrite=True)
+        _SAVED[key] = block
+    return _SAVED[key]
+
+
+def configured_result_storage() -> Optional[Union[RemoteFileSystem, str]]:
+    """The result storage ``STEPMERGE_RESULT_STORAGE`` names (saved), or None: Prefect's default.
+
+    Call it inside a flow run (it may save a block on the server).
+    """
+    value = os.environ.get("STEPMERGE_RESULT_STORAGE", "").strip()
+    if not value:
+        return None
+    if "://" in value:
+        return saved_result_storage(value)
+    return value  # a saved block's slug, e.g. "s3-bucket/results"

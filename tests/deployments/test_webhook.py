@@ -1,0 +1,132 @@
+"""The webhook receiver (deployments/webhook.py) against the real deployment merge-step/gpu.
+
+Unauthenticated, wrongly signed, stale and malformed calls are refused (401 / 422 / 413) and
+create nothing; a valid call answers 202 with the flow run id; the same webhook delivered twice
+gives the same flow run (idempotency key ``{run_root}:{role}:{step}``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+from deployments.webhook import (
+    CHECKPOINT_SAVED_PATH,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    WebhookSettings,
+    create_app,
+    sign,
+)
+
+TOKEN = "test-token-0123456789"
+SECRET = "test-hmac-secret"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def client(deployed, prefect_api):
+    settings = WebhookSettings(token=TOKEN, hmac_secret=SECRET, prefect_api_url=prefect_api.url,
+                               allowed_run_roots=("s3://hooks-bucket/", "gs://hooks-bucket/"))
+    with TestClient(create_app(settings)) as test_client:
+        yield test_client
+
+
+def _runs(deployed) -> list:
+    with get_client(sync_client=True) as prefect:
+        return prefect.read_flow_runs(deployment_filter=DeploymentFilter(
+            id=DeploymentFilterId(any_=[deployed["merge-step/gpu"].id])))
+
+
+def _post(client, payload, headers=BEARER, raw: bytes | None = None):
+    body = raw if raw is not None else json.dumps(payload).encode()
+    return client.post(CHECKPOINT_SAVED_PATH, content=body, headers={"Content-Type": "application/json", **headers})
+
+
+def test_a_valid_call_creates_one_run_per_step_even_if_delivered_twice(client, deployed):
+    payload = {"run_root": "s3://hooks-bucket/run", "step": 30}
+    first = _post(client, payload)
+    assert first.status_code == 202, first.text
+    again = _post(client, payload)  # the sender's retry, a queue's redelivery
+    assert again.status_code == 202 and again.json()["flow_run_id"] == first.json()["flow_run_id"]
+    assert first.json()["idempotency_key"] == "s3://hooks-bucket/run:actor:30"
+    other = _post(client, {**payload, "step": 31})
+    assert other.json()["flow_run_id"] != first.json()["flow_run_id"]
+
+    runs = {str(r.id): r for r in _runs(deployed)}
+    run = runs[first.json()["flow_run_id"]]
+    assert run.parameters == {"params": {"run_root": "s3://hooks-bucket/run", "step": 30, "role": "actor"}}
+    assert run.idempotency_key == "s3://hooks-bucket/run:actor:30"
+    assert sum(1 for r in runs.values() if r.parameters["params"].get("step") == 30
+               and r.parameters["params"]["run_root"] == "s3://hooks-bucket/run") == 1
+
+
+def test_hmac_signed_calls_are_accepted_and_bad_or_stale_signatures_refused(client):
+    body = json.dumps({"run_root": "gs://hooks-bucket/run", "step": 4, "role": "critic"}).encode()
+    now = str(int(time.time()))
+    good = {TIMESTAMP_HEADER: now, SIGNATURE_HEADER: sign(SECRET, now, body)}
+    assert _post(client, None, good, raw=body).status_code == 202
+    tampered = body.replace(b'"step": 4', b'"step": 5')
+    assert _post(client, None, good, raw=tampered).status_code == 401
+    wrong_key = {TIMESTAMP_HEADER: now, SIGNATURE_HEADER: sign("another-secret", now, body)}
+    assert _post(client, None, wrong_key, raw=body).status_code == 401
+    old = str(int(time.time()) - 3600)
+    stale = {TIMESTAMP_HEADER: old, SIGNATURE_HEADER: sign(SECRET, old, body)}
+    assert _post(client, None, stale, raw=body).status_code == 401
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
+                                     {"Authorization": f"Basic {TOKEN}"}],
+                         ids=["none", "wrong-token", "no-scheme", "basic"])
+def test_unauthenticated_calls_are_refused_and_create_nothing(client, deployed, headers):
+    before = len(_runs(deployed))
+    response = _post(client, {"run_root": "s3://hooks-bucket/run", "step": 99}, headers)
+    assert response.status_code == 401
+    assert response.headers["WWW-Authenticate"] == "Bearer"
+    assert len(_runs(deployed)) == before
+
+
+MALFORMED = {
+    "negative step": {"run_root": "s3://hooks-bucket/run", "step": -1},
+    "step as text": {"run_root": "s3://hooks-bucket/run", "step": "3"},
+    "fractional step": {"run_root": "s3://hooks-bucket/run", "step": 1.5},
+    "boolean step": {"run_root": "s3://hooks-bucket/run", "step": True},
+    "missing step": {"run_root": "s3://hooks-bucket/run"},
+    "missing run_root": {"step": 3},
+    "local path": {"run_root": "/etc/passwd", "step": 3},
+    "file scheme": {"run_root": "file:///data/run", "step": 3},
+    "http scheme": {"run_root": "http://hooks-bucket/run", "step": 3},
+    "path traversal": {"run_root": "s3://hooks-bucket/run/../../other-bucket", "step": 3},
+    "encoded traversal": {"run_root": "s3://hooks-bucket/run/%2e%2e/x", "step": 3},
+    "traversal in release_root": {"run_root": "s3://hooks-bucket/run", "step": 3, "release_root": "s3://hooks-bucket/../x"},
+    "not an allowed run root": {"run_root": "s3://someone-else/run", "step": 3},
+    "control character": {"run_root": "s3://hooks-bucket/run\n", "step": 3},
+    "unknown role": {"run_root": "s3://hooks-bucket/run", "step": 3, "role": "admin"},
+    "unknown field": {"run_root": "s3://hooks-bucket/run", "step": 3, "command": "rm -rf /"},
+}
+
+
+@pytest.mark.parametrize("name", MALFORMED)
+def test_malformed_payloads_are_refused(client, deployed, name):
+    before = len(_runs(deployed))
+    response = _post(client, MALFORMED[name])
+    assert response.status_code == 422, response.text
+    assert len(_runs(deployed)) == before
+
+
+def test_not_json_or_too_large_bodies_are_refused(client):
+    assert _post(client, None, raw=b"step=3&run_root=s3://hooks-bucket/run").status_code == 422
+    assert _post(client, None, raw=b'["s3://hooks-bucket/run", 3]').status_code == 422
+    assert _post(client, None, raw=b"x" * (65 * 1024)).status_code == 413
+
+
+def test_the_receiver_refuses_to_start_without_authentication(prefect_api):
+    with pytest.raises(ValueError, match="STEPMERGE_WEBHOOK_TOKEN"):
+        create_app(WebhookSettings(prefect_api_url=prefect_api.url))
+    assert TestClient(create_app(WebhookSettings(token=TOKEN, prefect_api_url=prefect_api.url))).get(
+        "/healthz").json() == {"ok": True}

@@ -1,0 +1,154 @@
+"""Pytest plugin for the pipeline tests (tests/tasks, tests/flows, tests/deployments).
+
+Fixtures:
+- ``prefect_api`` (session): ONE real Prefect API for the whole session (`prefect_test_harness`,
+  10-14 s to start), with task results in a session temp dir. Started on first use only.
+- ``prefect`` (function): the API plus a FRESH result storage (and so a fresh cache and lock
+  directory) for this test: no cached result leaks from one test into another.
+- ``template_run`` (session): a real verl FSDP run written once with torch.distributed (2 ranks,
+  FSDP2, a tiny Qwen2): ``global_step_1..3`` full fine-tuning, ``global_step_4`` with LoRA.
+  Tests copy the steps they need (`copy_steps`) to a local folder or a bucket and change them there.
+- ``weight_reads`` (function): every ranged read made through `merge_engine.storage.RangeReader`
+  (all checkpoint and model bytes go through it), as (url, bytes).
+Helpers: `copy_steps`, `task_runs` (the task runs of a flow run, from the API), `flow_run_id`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+# Task retry delays are read when `tasks` is imported: short ones for tests (production: 10 s base).
+os.environ.setdefault("STEPMERGE_RETRY_BASE_DELAY_S", "0.2")
+
+FULL_STEPS = (1, 2, 3)
+LORA_STEP = 4
+ROLE = "actor"
+
+
+@dataclass(frozen=True)
+class PrefectApi:
+    url: str
+    results: Path
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectApi]:
+    from prefect.settings import PREFECT_API_URL, PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    results = tmp_path_factory.mktemp("prefect-results")
+    with prefect_test_harness(server_startup_timeout=90), \
+            temporary_settings(updates={PREFECT_RESULTS_LOCAL_STORAGE_PATH: results}):
+        yield PrefectApi(url=PREFECT_API_URL.value(), results=results)
+
+
+@pytest.fixture
+def prefect(prefect_api: PrefectApi, tmp_path: Path) -> Iterator[PrefectApi]:
+    from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
+
+    results = tmp_path / "prefect-results"
+    results.mkdir()
+    with temporary_settings(updates={PREFECT_RESULTS_LOCAL_STORAGE_PATH: results}):
+        yield PrefectApi(url=prefect_api.url, results=results)
+
+
+@dataclass(frozen=True)
+class TemplateRun:
+    """A run root on local disk that tests copy from (never modify it)."""
+
+    root: Path
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"global_step_{step}"
+
+    def files(self, step: int) -> list[Path]:
+        return sorted(p for p in self.step_dir(step).rglob("*") if p.is_file())
+
+
+@pytest.fixture(scope="session")
+def template_run(tmp_path_factory: pytest.TempPathFactory) -> TemplateRun:
+    from synthetic_runs.fsdp import FsdpSpec, LoraSpec, StepJob, write_fsdp_steps
+
+    root = tmp_path_factory.mktemp("template-run") / "run"
+    full = FsdpSpec(world_size=2, strategy="fsdp2")
+    lora = FsdpSpec(world_size=2, strategy="fsdp2", lora=LoraSpec(r=4, alpha=8))
+    jobs = [StepJob(str(root / f"global_step_{s}"), full, s) for s in FULL_STEPS]
+    jobs.append(StepJob(str(root / f"global_step_{LORA_STEP}"), lora, LORA_STEP))
+    write_fsdp_steps(jobs)
+    return TemplateRun(root)
+
+
+def copy_steps(template: TemplateRun, run_root: str, steps: Sequence[int], omit: Sequence[str] = ()) -> list[str]:
+    """Copy ``steps`` of the template to ``run_root`` (any storage URL); files whose path relative
+    to the run root is in ``omit`` are left out. Returns the copied relative paths."""
+    from merge_engine import storage
+
+    copied = []
+    for step in steps:
+        for path in template.files(step):
+            rel = path.relative_to(template.root).as_posix()
+            if rel in omit:
+                continue
+            if storage.is_local(run_root):
+                target = Path(storage.local_path(run_root)) / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, target)
+            else:
+                storage.copy_file(str(path), storage.join(run_root, rel))
+            copied.append(rel)
+    return copied
+
+
+def rank_file(step: int, rank: int, kind: str = "model", world_size: int = 2) -> str:
+    """A rank file's path relative to the run root."""
+    return f"global_step_{step}/{ROLE}/{kind}_world_size_{world_size}_rank_{rank}.pt"
+
+
+@dataclass
+class ReadLog:
+    reads: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for _, n in self.reads)
+
+    def urls(self) -> set[str]:
+        return {url for url, _ in self.reads}
+
+
+@pytest.fixture
+def weight_reads(monkeypatch: pytest.MonkeyPatch) -> ReadLog:
+    from merge_engine import storage
+
+    log = ReadLog()
+    original = storage.RangeReader.read_into
+
+    def read_into(self, offset, buffer):
+        log.reads.append((self.url, memoryview(buffer).nbytes))
+        return original(self, offset, buffer)
+
+    monkeypatch.setattr(storage.RangeReader, "read_into", read_into)
+    return log
+
+
+def flow_run_id(state) -> str:
+    return str(state.state_details.flow_run_id)
+
+
+def task_runs(flow_run: str) -> dict[str, list]:
+    """Task runs of a flow run (not its subflows') by task name, each with ``state.name`` and ``run_count``."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run])))
+    by_name: dict[str, list] = {}
+    for run in runs:
+        by_name.setdefault(run.name.rsplit("-", 1)[0], []).append(run)  # "merge-model-3fa" -> "merge-model"
+    return by_name

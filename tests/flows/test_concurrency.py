@@ -1,0 +1,77 @@
+"""Two concurrent runs of one step (two worker processes, one Prefect API, one result store) publish once.
+
+Both processes start merge_step for the same step at the same moment (a file barrier); the merge
+is slowed down so that the second run arrives while the first is merging. With SERIALIZABLE cache
+isolation the second waits for the first's lock and then takes its result: exactly one merge and
+one publish run, the other run's stages are Cached, and the release is whole with one manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from merge_engine.publish import read_manifest, verify_release
+from tasks.releases import release_url
+from tests.fixtures_pipeline import copy_steps
+
+WORKER = r"""
+import json, sys, time
+from pathlib import Path
+
+import tasks.merge
+
+merge = tasks.merge.merge_checkpoint
+merged = []
+
+def slow_merge(*args, **kwargs):  # widen the race: the other run arrives while this one merges
+    merged.append(args[0])
+    time.sleep(2.0)
+    return merge(*args, **kwargs)
+
+tasks.merge.merge_checkpoint = slow_merge
+
+from flows.merge_step import merge_step
+from flows.params import MergeStepParams
+
+run_root, staging, barrier, me = sys.argv[1:5]
+Path(barrier, f"ready-{me}").touch()
+while len(list(Path(barrier).glob("ready-*"))) < 2:
+    time.sleep(0.01)
+outcome = merge_step(MergeStepParams(run_root=run_root, step=1, staging_root=staging))
+print("RESULT " + json.dumps({"stages": {s.name: s.state for s in outcome.stages}, "merged": len(merged),
+                               "release": outcome.releases[0].url, "status": outcome.status}))
+"""
+
+
+def test_two_concurrent_runs_of_one_step_publish_once(prefect, template_run, tmp_path):
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [1])
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PREFECT_API_URL=prefect.url, PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(prefect.results),
+               PYTHONPATH=str(repo), PREFECT_LOGGING_LEVEL="WARNING")
+    command = [sys.executable, "-c", WORKER, run_root, str(tmp_path / "staging"), str(barrier)]
+    workers = [subprocess.Popen(command + [str(i)],
+                                env=env, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for i in range(2)]
+    results = []
+    for worker in workers:
+        out, err = worker.communicate(timeout=300)
+        assert worker.returncode == 0, err[-3000:]
+        results.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
+
+    merge_states = sorted(r["stages"]["merge"] for r in results)
+    publish_states = sorted(r["stages"]["publish"] for r in results)
+    assert merge_states == ["Cached", "Completed"]  # one merged; the other waited for it and took its result
+    assert publish_states == ["Cached", "Completed"]
+    assert sum(r["merged"] for r in results) == 1
+    release = release_url(str(tmp_path / "run" / "releases"), "actor", 1)
+    assert {r["release"] for r in results} == {release}
+    assert verify_release(release).ok
+    assert not list((tmp_path / "run" / "releases" / "actor" / "global_step_1" / "_PUBLISHING").glob("*.json"))
+    assert read_manifest(release).attempt

@@ -1,0 +1,82 @@
+"""merge_new_steps (the watcher): complete steps minus published steps, every run, one merge per step.
+
+- a step still being written (a rank file missing) is skipped as "not ready", then merged once it
+  is complete — on a gs:// run root (fake-gcs-server);
+- no high-water mark: a lower step that appears after a higher one was released is merged;
+- a published step is not merged again (no merge_step run for it);
+- a LoRA step gives the trained model and a PEFT adapter whose logits equal it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from flows.merge_new_steps import merge_new_steps
+from flows.params import WatchParams
+from merge_engine import storage
+from merge_engine.publish import is_released, read_manifest, verify_release
+from tasks.releases import release_url
+from tests.fixtures_pipeline import copy_steps, rank_file
+
+
+def _watch(run_root: str, tmp_path) -> WatchParams:
+    return WatchParams(run_root=run_root, staging_root=str(tmp_path / "staging"))
+
+
+def test_an_incomplete_step_is_skipped_then_merged_once_complete(prefect, template_run, gcs_bucket_url, tmp_path):
+    run_root = f"{gcs_bucket_url}/run"
+    missing = rank_file(2, 1)
+    copy_steps(template_run, run_root, [1, 2], omit=[missing])
+
+    first = merge_new_steps(_watch(run_root, tmp_path))
+    assert first.steps_with("merged") == [1]
+    assert len(first.waiting) == 1 and first.waiting[0].startswith("2 ")
+    releases = f"{run_root}/releases"
+    assert is_released(release_url(releases, "actor", 1)) and not is_released(release_url(releases, "actor", 2))
+
+    storage.copy_file(str(template_run.root / missing), storage.join(run_root, missing))  # the last rank lands
+    second = merge_new_steps(_watch(run_root, tmp_path))
+    assert [(a.step, a.action) for a in second.actions] == [(2, "merged")]  # step 1: no merge_step run at all
+    assert second.waiting == [] and second.published_before == 1
+    assert verify_release(release_url(releases, "actor", 2)).ok
+
+    third = merge_new_steps(_watch(run_root, tmp_path))
+    assert third.actions == [] and third.published_before == 2
+
+
+def test_a_late_lower_step_is_merged(prefect, template_run, tmp_path):
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [3])
+    assert merge_new_steps(_watch(run_root, tmp_path)).steps_with("merged") == [3]
+    copy_steps(template_run, run_root, [1])  # written after step 3 was released (e.g. an async save)
+    late = merge_new_steps(_watch(run_root, tmp_path))
+    assert late.steps_with("merged") == [1]
+    assert is_released(release_url(str(tmp_path / "run" / "releases"), "actor", 1))
+
+
+def test_a_lora_step_releases_the_trained_model_and_its_adapter(prefect, template_run, tmp_path):
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [4])
+    watch = merge_new_steps(_watch(run_root, tmp_path))
+    (outcome,) = watch.outcomes
+    kinds = {r.kind: r for r in outcome.releases}
+    assert set(kinds) == {"model", "adapter"}
+    adapter_release = kinds["adapter"].url
+    assert adapter_release.endswith("actor-adapter/global_step_4") and verify_release(adapter_release).ok
+    checks = {c["name"]: c for c in read_manifest(adapter_release).validation["checks"]}
+    assert checks["peft_load"]["ok"] and checks["peft_logits"]["ok"]  # PEFT(base + adapter) == fused model
+    config = json.loads(storage.read_text(storage.join(adapter_release, "adapter_config.json")))
+    assert config["lora_alpha"] == 8 and config["r"] == 4
+    assert config["base_model_name_or_path"] == storage.join(adapter_release, "base")
+    assert storage.exists(storage.join(adapter_release, "base", "model.safetensors"))
+
+    from flows.merge_step import merge_step
+
+    again = merge_step(watch_step_params(run_root, tmp_path))
+    assert again.cached  # the adapter's expected fingerprint is the one extract_lora wrote
+
+
+def watch_step_params(run_root, tmp_path):
+    from flows.params import MergeStepParams
+
+    return MergeStepParams(run_root=run_root, step=4, staging_root=str(tmp_path / "staging"))

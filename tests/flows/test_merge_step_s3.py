@@ -1,0 +1,111 @@
+"""merge_step from an s3:// run root to s3:// releases, on a real SeaweedFS server and a real Prefect API.
+
+- end to end: a 2-rank FSDP step in a bucket becomes a release in the bucket whose every file
+  matches its manifest's sha256, with the validation report, a markdown artifact and a progress
+  artifact that reached 100 %;
+- a re-run is a cache hit: every stage task is Cached and no byte of the checkpoint or the
+  release is read (every ranged read is counted; the only reads are small metadata files);
+- deleting the release makes the next run rebuild it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from prefect.client.orchestration import get_client
+
+from flows.merge_step import merge_step, summary_key
+from flows.params import MergeStepParams
+from merge_engine import storage
+from merge_engine.publish import MARKER, is_released, read_manifest, verify_release
+from tasks.releases import release_url
+from tests.fixtures_pipeline import copy_steps, flow_run_id, task_runs
+
+STAGE_TASKS = ("check-checkpoint", "merge-model", "validate-model", "publish-release")
+
+
+def _params(bucket: str, tmp_path, step: int = 1) -> MergeStepParams:
+    return MergeStepParams(run_root=f"{bucket}/run", step=step, staging_root=str(tmp_path / "staging"))
+
+
+def _small_reads(monkeypatch) -> list[str]:
+    """URLs read whole with storage.read_bytes (markers, manifests, configs: never weights)."""
+    urls: list[str] = []
+    original = storage.read_bytes
+
+    def read_bytes(url: str) -> bytes:
+        urls.append(url)
+        return original(url)
+
+    monkeypatch.setattr(storage, "read_bytes", read_bytes)
+    return urls
+
+
+def test_an_s3_step_is_merged_validated_and_published_to_s3(prefect, template_run, s3_bucket_url, tmp_path):
+    copy_steps(template_run, f"{s3_bucket_url}/run", [1])
+    state = merge_step(_params(s3_bucket_url, tmp_path), return_state=True)
+    outcome = state.result()
+
+    release = release_url(f"{s3_bucket_url}/run/releases", "actor", 1)
+    assert outcome.status == "published" and [r.url for r in outcome.releases] == [release]
+    assert release.startswith("s3://")
+    assert verify_release(release).ok  # every file re-hashed against the manifest
+    manifest = read_manifest(release)
+    assert manifest.source == f"{s3_bucket_url}/run/global_step_1/actor"
+    assert manifest.validation["ok"] and "forward" in {c["name"] for c in manifest.validation["checks"]}
+    assert manifest.options["source_listing"] and manifest.options["kind"] == "model"
+    names = {e.path for e in storage.list_files(release)}
+    assert {"config.json", "model.safetensors", "manifest.json", MARKER, "tokenizer.json"} <= names
+    assert {s.name for s in outcome.stages} >= {"discover", "check", "merge", "validate", "publish"}
+
+    runs = task_runs(flow_run_id(state))
+    assert all(runs[name][0].state.name == "Completed" for name in STAGE_TASKS)
+    with get_client(sync_client=True) as client:
+        summary = client.read_latest_artifacts()
+        by_key = {a.key: a for a in summary if a.key}
+    markdown = by_key[summary_key(_params(s3_bucket_url, tmp_path))]
+    assert release in markdown.data and "Validation PASSED" in markdown.data and "| merge |" in markdown.data
+    progress = [a for a in summary
+                if a.type == "progress" and a.key and a.key.startswith("progress-actor-global-step-1")]
+    assert progress and float(progress[0].data) == 100.0
+
+
+def test_a_rerun_is_a_cache_hit_that_reads_no_weight_byte(prefect, template_run, s3_bucket_url, tmp_path,
+                                                          weight_reads, monkeypatch):
+    copy_steps(template_run, f"{s3_bucket_url}/run", [2])
+    first = merge_step(_params(s3_bucket_url, tmp_path, 2))
+    weight_reads.reads.clear()
+    small = _small_reads(monkeypatch)
+
+    state = merge_step(_params(s3_bucket_url, tmp_path, 2), return_state=True)
+    outcome = state.result()
+    assert outcome.cached and outcome.status == "already_published"
+    assert outcome.releases[0].url == first.releases[0].url
+    runs = task_runs(flow_run_id(state))
+    assert {name: runs[name][0].state.name for name in STAGE_TASKS} == dict.fromkeys(STAGE_TASKS, "Cached")
+    assert weight_reads.reads == []  # not one ranged read: no checkpoint or model byte
+    metadata = (MARKER, "manifest.json", "latest_checkpointed_iteration.txt")
+    assert small and all(url.rsplit("/", 1)[-1] in metadata for url in small)
+
+
+def test_deleting_the_release_makes_the_next_run_rebuild_it(prefect, template_run, s3_bucket_url, tmp_path):
+    copy_steps(template_run, f"{s3_bucket_url}/run", [3])
+    first = merge_step(_params(s3_bucket_url, tmp_path, 3))
+    release = first.releases[0].url
+    attempt = read_manifest(release).attempt
+    storage.remove(release, recursive=True)
+    assert not is_released(release)
+
+    state = merge_step(_params(s3_bucket_url, tmp_path, 3), return_state=True)
+    outcome = state.result()
+    assert outcome.status == "published" and not outcome.cached
+    runs = task_runs(flow_run_id(state))
+    assert runs["check-checkpoint"][0].state.name == "Cached"  # same listing: no need to re-check headers
+    assert {runs[n][0].state.name for n in ("merge-model", "validate-model", "publish-release")} == {"Completed"}
+    assert verify_release(release).ok and read_manifest(release).attempt != attempt
+
+    # a damaged release (a file gone, marker still there) is rebuilt too
+    storage.remove(storage.join(release, "tokenizer.json"))
+    again = merge_step(_params(s3_bucket_url, tmp_path, 3))
+    assert again.status == "published" and verify_release(release).ok
+    assert json.loads(storage.read_text(storage.join(release, MARKER)))["attempt"] == read_manifest(release).attempt

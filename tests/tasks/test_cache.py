@@ -1,0 +1,59 @@
+"""Cache keys: made of what the output depends on (listing fingerprint, options, engine version), nothing else.
+
+A key is computed from the records a task receives, as canonical JSON: equal records give equal
+keys in any process; a change of a file's version, an option or the engine version gives a new key;
+fields a stage does not depend on (timings) do not count.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import merge_engine
+from tasks.cache import stage_key
+from tasks.records import CheckpointRecord, MergeSettings, OutputRecord
+
+CHECKPOINT = CheckpointRecord(url="s3://b/run/global_step_3/actor", layout="fsdp", fingerprint="f" * 64,
+                              files=(("model_world_size_2_rank_0.pt", 100, "etag-a"),
+                                     ("model_world_size_2_rank_1.pt", 100, "etag-b")))
+FIELDS = ("checkpoint", "settings", "release")
+RELEASE = "s3://b/run/releases/actor/global_step_3"
+
+
+def merge_key(checkpoint=CHECKPOINT, settings=MergeSettings(), release=RELEASE) -> str:
+    return stage_key("merge", {"checkpoint": checkpoint, "settings": settings, "release": release,
+                               "staging_root": "/tmp/whatever"}, FIELDS)
+
+
+def test_equal_inputs_give_equal_keys_even_in_another_process():
+    key = merge_key()
+    assert key == merge_key(CheckpointRecord(**CHECKPOINT.model_dump()), MergeSettings())
+    assert key.startswith("stepmerge-merge-")
+    code = ("from tests.tasks.test_cache import merge_key; print(merge_key())")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert other == key
+
+
+def test_a_changed_file_version_option_or_engine_gives_a_new_key(monkeypatch):
+    key = merge_key()
+    rewritten = CHECKPOINT.model_copy(update={"files": (("model_world_size_2_rank_0.pt", 100, "etag-NEW"),
+                                                         CHECKPOINT.files[1])})
+    assert merge_key(rewritten) != key
+    assert merge_key(settings=MergeSettings(dtype="bfloat16")) != key
+    assert merge_key(release=RELEASE + "-other") != key
+    monkeypatch.setattr(merge_engine, "__version__", "9.9.9")
+    assert merge_key() != key
+
+
+def test_only_the_named_fields_count():
+    assert merge_key() == stage_key("merge", {"checkpoint": CHECKPOINT, "settings": MergeSettings(),
+                                              "release": RELEASE, "staging_root": "/elsewhere"}, FIELDS)
+    output = OutputRecord(kind="model", source_url="x", url="/stage/a", fingerprint="abc", seconds=1.0)
+    fields = ("output.fingerprint", "output.url")
+    same_but_slower = output.model_copy(update={"seconds": 99.0})
+    key = stage_key("validate", {"output": output}, fields)
+    assert key == stage_key("validate", {"output": same_but_slower}, fields)
+    assert stage_key("validate", {"output": output}, fields) != stage_key(
+        "validate", {"output": output.model_copy(update={"fingerprint": "abd"})}, fields)
+    assert stage_key("validate", {"output": output}, fields) != stage_key("publish", {"output": output}, fields)

@@ -1,0 +1,113 @@
+"""The stage tasks on a real checkpoint: small records in and out, cached by key, releases as the truth.
+
+A tiny flow chains discover -> check -> merge -> validate -> publish on a copy of a real 2-rank
+FSDP step. Checked: the records (and the result files Prefect writes for them) are small and hold
+no tensor; the release is verified byte for byte; a second run is all cache hits and reads no
+checkpoint byte; with the cache lost but the release in place, nothing is merged again; results
+can live in S3.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+from prefect import flow, task
+from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
+
+from flows.stages import StageTimer
+from merge_engine import storage
+from merge_engine.publish import read_manifest, verify_release
+from tasks import check_step, discover_steps, merge_model, publish_release, validate_output
+from tasks.cache import stage_cache_policy
+from tasks.records import MergeSettings, ValidationSettings
+from tasks.releases import release_url
+from tests.fixtures_pipeline import copy_steps
+
+STAGES = ("check", "merge", "validate", "publish")
+
+
+@flow
+def chain(run_root: str, step: int, release_root: str, staging_root: str) -> dict:
+    found = discover_steps(run_root).find(step, "actor")
+    release = release_url(release_root, "actor", step)
+    states = {"check": check_step(found, None, return_state=True)}
+    checkpoint = states["check"].result()
+    states["merge"] = merge_model(checkpoint, MergeSettings(), release, staging_root, return_state=True)
+    output = states["merge"].result()
+    states["validate"] = validate_output(output, ValidationSettings(), return_state=True)
+    states["publish"] = publish_release(output, states["validate"].result(), release, {"dtype": None},
+                                        return_state=True)
+    return {name: (state.name, state.result()) for name, state in states.items()}
+
+
+def test_records_are_small_and_the_release_is_whole(prefect, template_run, tmp_path, weight_reads):
+    run_root, releases = str(tmp_path / "run"), str(tmp_path / "releases")
+    copy_steps(template_run, run_root, [1])
+    out = chain(run_root, 1, releases, str(tmp_path / "staging"))
+    assert {name: state for name, (state, _) in out.items()} == dict.fromkeys(STAGES, "Completed")
+    for name, (_, record) in out.items():
+        assert len(pickle.dumps(record)) < 8_000, name
+        assert "Tensor" not in repr(record)
+    result_files = [p for p in Path(prefect.results).rglob("*") if p.is_file() and ".locks" not in p.parts]
+    assert result_files and max(p.stat().st_size for p in result_files) < 20_000
+    assert weight_reads.bytes > 0  # the merge really read the checkpoint
+
+    release = out["publish"][1]
+    assert release.url == release_url(releases, "actor", 1) and not release.already_published
+    assert verify_release(release.url).ok
+    manifest = read_manifest(release.url)
+    assert manifest.fingerprint == out["merge"][1].fingerprint
+    assert manifest.source == str(tmp_path / "run" / "global_step_1" / "actor")
+    assert manifest.validation["ok"]
+    assert {c["name"] for c in manifest.validation["checks"]} >= {"expected_keys", "forward"}
+    assert not storage.exists(out["merge"][1].url)  # staging removed once published
+
+
+def test_a_second_run_is_all_cache_hits_and_reads_nothing(prefect, template_run, tmp_path, weight_reads):
+    run_root, releases, staging = str(tmp_path / "run"), str(tmp_path / "releases"), str(tmp_path / "staging")
+    copy_steps(template_run, run_root, [2])
+    first = chain(run_root, 2, releases, staging)
+    weight_reads.reads.clear()
+    second = chain(run_root, 2, releases, staging)
+    assert {name: state for name, (state, _) in second.items()} == dict.fromkeys(STAGES, "Cached")
+    assert second["publish"][1] == first["publish"][1]
+    assert weight_reads.reads == []
+
+
+def test_with_the_cache_lost_an_existing_release_is_not_rebuilt(prefect, template_run, tmp_path, weight_reads):
+    run_root, releases, staging = str(tmp_path / "run"), str(tmp_path / "releases"), str(tmp_path / "staging")
+    copy_steps(template_run, run_root, [3])
+    first = chain(run_root, 3, releases, staging)
+    created = read_manifest(first["publish"][1].url).created
+    with temporary_settings(updates={PREFECT_RESULTS_LOCAL_STORAGE_PATH: tmp_path / "fresh-cache"}):
+        weight_reads.reads.clear()
+        again = chain(run_root, 3, releases, staging)
+    assert again["merge"][0] == "Completed" and again["merge"][1].released
+    assert again["publish"][1].already_published
+    assert read_manifest(first["publish"][1].url).created == created
+    # only the deep check read rank-file headers (its cache was lost too); no model byte was read
+    assert all(url.endswith(".pt") for url in weight_reads.urls())
+    assert not any(url.startswith(releases) for url in weight_reads.urls())
+
+
+def test_results_can_be_kept_in_s3(prefect, s3_bucket_url, monkeypatch):
+    """STEPMERGE_RESULT_STORAGE=s3://...: the flows save a RemoteFileSystem block and every stage uses it."""
+    calls = []
+
+    @task(cache_policy=stage_cache_policy("probe", ("x",)), persist_result=True)
+    def probe(x: int) -> dict:
+        calls.append(x)
+        return {"x": x}
+
+    @flow
+    def run(x: int):
+        state = StageTimer().run("probe", probe, x)
+        return state
+
+    monkeypatch.setenv("STEPMERGE_RESULT_STORAGE", f"{s3_bucket_url}/prefect-results")
+    assert run(7) == {"x": 7} and run(7) == {"x": 7}
+    assert calls == [7]  # the second run read the cached result back from S3
+    stored = storage.list_files(f"{s3_bucket_url}/prefect-results")
+    assert [e.path for e in stored if e.path.startswith("stepmerge-probe-")]
+    assert not any(p.name.startswith("stepmerge-probe-") for p in Path(prefect.results).iterdir())
