@@ -6,8 +6,8 @@
 What it does:
 1. Writes (once, reused from ./.bench/fsdp/<size>/) a real verl-layout FSDP2 checkpoint, 4 ranks, fp32,
    untied embeddings, with `synthetic_runs` (real torch.distributed on CPU).
-2. Sets up verl 0.9.1 in its own venv (./.bench/verl-venv; the exact commands are in `VERL_SETUP`
-   and printed) with the same pinned torch.
+2. Sets up verl 0.9.1 in its own venv (./.bench/verl-venv; the exact commands are
+   `benchmarks.harness.VERL_SETUP`, printed as they run) with the same pinned torch.
 3. Measures the I/O floor (cat and cp of the rank files, warm cache), then runs stepmerge and verl's
    merger alternately, both writing bfloat16, each in a child process whose wall time and peak RSS
    (ru_maxrss from wait4) are recorded; prints medians and ratios against verl.
@@ -19,34 +19,17 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / ".bench"
-VERL_VENV = BENCH / "verl-venv"
-VERL_SETUP = [
-    [sys.executable, "-m", "venv", str(VERL_VENV)],
-    [str(VERL_VENV / "bin/pip"), "install", "-q", "-c", str(ROOT / "constraints.txt"), "torch==2.13.0",
-     "transformers>=5.5.3,<5.11", "accelerate", "safetensors", "numpy", "tqdm", "ray", "tensordict", "omegaconf"],
-    [str(VERL_VENV / "bin/pip"), "install", "-q", "--no-deps", "verl==0.9.1"],
-]
+from benchmarks.harness import BENCH, Run, ensure_verl, load_folder, measure, median, same_tensors
 
 QWEN2_05B = dict(family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
                  num_heads=14, num_kv_heads=2, tie_word_embeddings=False)
 SIZES = {"0.5b": QWEN2_05B, "1.2b": {**QWEN2_05B, "num_layers": 66}}  # 66 layers: twice the parameters
-
-
-@dataclass(frozen=True)
-class Run:
-    tool: str
-    wall_s: float
-    peak_rss_mb: float
 
 
 def ensure_checkpoint(size: str) -> Path:
@@ -62,38 +45,12 @@ def ensure_checkpoint(size: str) -> Path:
     return actor
 
 
-def ensure_verl() -> Path | None:
-    python = VERL_VENV / "bin/python"
-    probe = [str(python), "-c", "import verl.model_merger.fsdp_model_merger"]
-    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
-        return python
-    print("setting up verl 0.9.1 in its own venv:")
-    for command in VERL_SETUP:
-        print("  $ " + " ".join(command), flush=True)
-        if subprocess.run(command).returncode != 0:
-            return None
-    return python if subprocess.run(probe, capture_output=True).returncode == 0 else None
-
-
 def write_checkpoint(size: str) -> None:
     """In a child process, so that the parent stays small (see `measure`)."""
     from synthetic_runs import FsdpSpec, ModelSpec, write_fsdp_step
 
     spec = FsdpSpec(model=ModelSpec(**SIZES[size]), world_size=4, strategy="fsdp2", save_contents=("model", "extra"))
     write_fsdp_step(str(BENCH / "fsdp" / size / "global_step_1"), spec, seed=0)
-
-
-def measure(tool: str, command: list[str], env: dict[str, str] | None = None) -> Run:
-    """Wall time and peak RSS of one child. The parent never imports torch: a forked child's
-    ru_maxrss starts from the parent's resident size, so a large parent would inflate it."""
-    started = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - started
-    stderr = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{tool} failed:\n{stderr[-3000:]}")
-    return Run(tool, wall, usage.ru_maxrss / 1024)
 
 
 def io_floor(actor: Path) -> tuple[float, float]:
@@ -108,25 +65,14 @@ def io_floor(actor: Path) -> tuple[float, float]:
     return cat, cp
 
 
-def same_tensors(a: Path, b: Path) -> bool:
+def outputs_identical(a: Path, b: Path) -> bool:
     """Run in a child process (`--compare A B`): the parent stays small."""
     proc = subprocess.run([sys.executable, "-m", "benchmarks.fsdp_merge", "--compare", str(a), str(b)])
     return proc.returncode == 0
 
 
 def compare_folders(a: Path, b: Path) -> bool:
-    import torch
-    from safetensors import safe_open
-
-    def load(folder: Path) -> dict:
-        out = {}
-        for path in sorted(folder.glob("*.safetensors")):
-            with safe_open(str(path), "pt") as f:
-                out.update({k: f.get_tensor(k) for k in f.keys()})
-        return out
-
-    x, y = load(a), load(b)
-    return set(x) == set(y) and all(x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in x)
+    return same_tensors(load_folder(a), load_folder(b))
 
 
 def bench_size(size: str, repeats: int, verl_python: Path | None) -> dict[str, list[Run]]:
@@ -148,16 +94,12 @@ def bench_size(size: str, repeats: int, verl_python: Path | None) -> dict[str, l
                 str(verl_python), "-m", "verl.model_merger", "merge", "--backend", "fsdp",
                 "--local_dir", str(actor), "--target_dir", str(out / "verl")], env))
     if verl_python:
-        print(f"  outputs identical tensor for tensor: {same_tensors(out / 'stepmerge', out / 'verl')}")
+        print(f"  outputs identical tensor for tensor: {outputs_identical(out / 'stepmerge', out / 'verl')}")
     for tool, measured in runs.items():
         for run in measured:
             print(f"  {tool:9s} wall {run.wall_s:6.2f} s   peak RSS {run.peak_rss_mb:7.0f} MB")
     shutil.rmtree(out, ignore_errors=True)
     return runs
-
-
-def median(runs: list[Run], field: str) -> float:
-    return statistics.median(getattr(r, field) for r in runs)
 
 
 def main() -> None:

@@ -28,51 +28,30 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / ".bench" / "megatron"
+from benchmarks import harness
+from benchmarks.harness import ROOT, VERL_VENV, Run, load_folder, measure, median, same_tensors
+
+BENCH = harness.BENCH / "megatron"
 FORMATS = {"dist": "dist_v2", "legacy": "legacy"}  # command-line name -> MegatronSpec.fmt
 VERL_READS = {"dist"}  # verl 0.9.1's merger reads verl 0.9's torch_dist layout only
 MODEL = dict(family="qwen2", vocab_size=151936, hidden_size=896, ffn_hidden_size=4864, num_layers=8, num_heads=14,
              num_kv_heads=2, tie_word_embeddings=False, tp=2, pp=2)
-VERL_VENV = ROOT / ".bench" / "verl-venv"
-VERL_SETUP = [  # the FSDP benchmark's venv (benchmarks.fsdp_merge.VERL_SETUP) plus what the Megatron merger imports
+VERL_SETUP = [  # added to harness.VERL_SETUP: what verl's Megatron merger imports
     [str(VERL_VENV / "bin/pip"), "install", "-q", "--no-deps", "-c", str(ROOT / "constraints.txt"),
      "megatron-core==0.16.1"],
     [str(VERL_VENV / "bin/pip"), "install", "-q", "-c", str(ROOT / "constraints.txt"), "codetiming", "orjson"],
 ]
 
 
-@dataclass(frozen=True)
-class Run:
-    tool: str
-    wall_s: float
-    peak_rss_mb: float
-
-
 def ensure_verl() -> Path | None:
     """verl's venv with what its Megatron merger imports; None when it cannot be set up."""
-    from benchmarks.fsdp_merge import ensure_verl as ensure_fsdp_verl
-
-    python = VERL_VENV / "bin/python"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    probe = [str(python), "-c", "import benchmarks.verl_megatron_cpu as b; b.install()"]
-    if python.exists() and subprocess.run(probe, capture_output=True, env=env).returncode == 0:
-        return python
-    if ensure_fsdp_verl() is None:
-        return None
-    print("adding what verl's Megatron merger imports:")
-    for command in VERL_SETUP:
-        print("  $ " + " ".join(command), flush=True)
-        if subprocess.run(command).returncode != 0:
-            return None
-    return python if subprocess.run(probe, capture_output=True, env=env).returncode == 0 else None
+    return harness.ensure_verl(VERL_SETUP, probe="import benchmarks.verl_megatron_cpu as b; b.install()",
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def checkpoint_dir(fmt: str) -> Path:
@@ -101,16 +80,6 @@ def write_checkpoint(fmt: str) -> None:
     write_megatron_step(BENCH / fmt / "run" / "global_step_1", spec, seed=0)
 
 
-def load_folder(folder: Path) -> dict:
-    from safetensors import safe_open
-
-    out = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
-
-
 def compare(folder: Path, other: str) -> None:
     """Exit 0 when ``folder`` equals ``other``: a folder, or ``reference:<format>`` (the reference
     weights converted independently and cast to bf16), tensor for tensor."""
@@ -123,10 +92,7 @@ def compare(folder: Path, other: str) -> None:
         expected = {k: v.to(torch.bfloat16) for k, v in reference_to_hf(spec, reference_state_dict(spec, 0)).items()}
     else:
         expected = load_folder(Path(other))
-    found = load_folder(folder)
-    same = set(found) == set(expected) and all(
-        found[k].dtype == v.dtype and torch.equal(found[k], v) for k, v in expected.items())
-    raise SystemExit(0 if same else 1)
+    raise SystemExit(0 if same_tensors(load_folder(folder), expected) else 1)
 
 
 def same(folder: Path, other: str) -> bool:
@@ -138,17 +104,6 @@ def same(folder: Path, other: str) -> bool:
 def shard_files(actor: Path) -> list[str]:
     return sorted(str(p) for p in actor.rglob("*") if p.is_file() and (p.suffix in (".pt", ".distcp")
                                                                        or p.name == ".metadata"))
-
-
-def measure(tool: str, command: list[str], env: dict[str, str]) -> Run:
-    started = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - started
-    stderr = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{tool} failed:\n{stderr[-3000:]}")
-    return Run(tool, wall, usage.ru_maxrss / 1024)
 
 
 def bench(fmt: str, repeats: int, verl_python: Path | None) -> dict[str, list[Run]]:
@@ -182,10 +137,6 @@ def bench(fmt: str, repeats: int, verl_python: Path | None) -> dict[str, list[Ru
             print(f"  {tool:9s} wall {run.wall_s:6.2f} s   peak RSS {run.peak_rss_mb:7.0f} MB")
     shutil.rmtree(out, ignore_errors=True)
     return runs
-
-
-def median(runs: list[Run], field: str) -> float:
-    return statistics.median(getattr(r, field) for r in runs)
 
 
 def main() -> None:

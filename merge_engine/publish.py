@@ -35,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
+import os
 import random
 import socket
 import time
@@ -230,6 +231,11 @@ def _write_claim(release_url: str, attempt: str, fingerprint: str) -> None:
 
 def _remove_claim(release_url: str, attempt: str) -> None:
     storage.remove(_claim_url(release_url, attempt))
+    if storage.is_local(release_url):  # object stores have no empty folders; a local one would linger
+        try:
+            os.rmdir(storage.local_path(storage.join(release_url, CLAIMS)))
+        except OSError:
+            pass  # another publisher's claim is still there, or the folder is already gone
 
 
 def _live_claims(release_url: str, ttl_s: float) -> list[str]:

@@ -4,7 +4,7 @@
   the merge: cached on the step's and checkpoint's listing fingerprints + options + release +
   engine version; an adapter already released with that fingerprint (`expected_adapter_fingerprint`)
   is not extracted again (``released=True``).
-- `validate_adapter` runs `tasks.adapter_checks.check_adapter` (PEFT loads it on its base, logits
+- `validate_adapter` runs `merge_engine.lora.validate.validate_adapter` (PEFT loads it on its base, logits
   equal the released fused model's) and returns a `ValidationRecord`; a released adapter returns
   the validation its manifest recorded, reading nothing.
 Retries: transient storage faults only.
@@ -21,8 +21,9 @@ from prefect import task
 
 import merge_engine
 from merge_engine import storage
+from merge_engine.lora import validate as adapter_validation
 from merge_engine.lora.keys import ADAPTER_CONFIG
-from tasks.adapter_checks import BASE_DIR, check_adapter
+from merge_engine.lora.validate import BASE_DIR
 from tasks.cache import stage_cache_policy
 from tasks.merge import output_available, released_output
 from tasks.progress import ProgressArtifact, release_artifact_key
@@ -105,6 +106,6 @@ def validate_adapter(output: OutputRecord, settings: ValidationSettings, fused_m
     if released is not None:
         return recorded_validation(released)
     started = time.perf_counter()
-    report = check_adapter(output.url, fused_model_url=fused_model_url, forward=settings.forward,
+    report = adapter_validation.validate_adapter(output.url, fused_model_url=fused_model_url, forward=settings.forward,
                            device=settings.device)
     return ValidationRecord.from_report(report, seconds=time.perf_counter() - started)

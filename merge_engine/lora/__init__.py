@@ -9,5 +9,6 @@ Modules, one job each:
 - `combine`     concat / weighted / average, fused or as one adapter (exact or SVD); `merge_lora`
 - `svd`         low-rank factoring with per-module relative error, GPU when present
 - `extract`     checkpoint -> adapter + clean base; trained-model plan for `merge`; SVD extraction
-- `target`      atomic output with provenance, shared by the commands
+- `target`      the commands' result records and input fingerprints (outputs: `output_target`)
+- `validate`    an adapter folder: loads with PEFT on its base, logits equal the fused model's
 """

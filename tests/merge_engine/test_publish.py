@@ -261,3 +261,14 @@ class TestConcurrency:
         assert not do_publish(stage(root_url), release_url, wait_s=1).already_published
         assert paths(storage.join(release_url, CLAIMS)) == set()
         assert verify_release(release_url).ok
+
+
+def test_a_local_release_keeps_no_claims_folder(tmp_path):
+    """The claims folder is bookkeeping: a finished local release holds only the model, manifest and marker."""
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (staging / "model.safetensors").write_bytes(b"x" * 10)
+    release = tmp_path / "release"
+    publish(str(staging), str(release), source="s", fingerprint="f", options={}, validation=None,
+            engine_version="0")
+    assert sorted(p.name for p in release.iterdir()) == ["_COMPLETE", "manifest.json", "model.safetensors"]

@@ -1,8 +1,4 @@
-"""Checks of an extracted PEFT adapter folder -> a `ValidationReport` the publish task stores.
-
-STOPGAP: adapter validation belongs in the engine (ARCHITECTURE: "validate (loads with peft, output
-equals the fused model)"); `merge_engine.lora` has no such function yet. This module composes the
-engine's public parts and PEFT, and should move to ``merge_engine.lora`` as ``validate_adapter``.
+"""Validation of a PEFT adapter folder -> a `ValidationReport` (what the publish step stores).
 
 Checks, each a named `Check`:
 - ``adapter_config``: ``adapter_config.json`` + ``adapter_model.safetensors`` read by the engine
@@ -26,7 +22,13 @@ from typing import Any, Optional
 
 from merge_engine import storage
 from merge_engine.errors import StepmergeError
-from merge_engine.validate import Check, ValidationReport, default_device, fixed_token_ids, validate_structure
+from merge_engine.validate import (
+    Check,
+    ValidationReport,
+    default_device,
+    fixed_token_ids,
+    validate_structure,
+)
 
 BASE_DIR = "base"
 
@@ -72,7 +74,7 @@ def _finite(source: Any) -> Check:
     return Check("adapter_finite", not bad, f"NaN/inf in {bad[:3]}" if bad else f"{len(source.metas())} tensors")
 
 
-def check_adapter(adapter_url: str, *, fused_model_url: Optional[str] = None, forward: bool = True,
+def validate_adapter(adapter_url: str, *, fused_model_url: Optional[str] = None, forward: bool = True,
                   device: Optional[str] = None, atol: float = 1e-4, rtol: float = 1e-4) -> ValidationReport:
     """Validate the adapter folder at ``adapter_url`` (see the module docstring)."""
     from merge_engine.layouts import check_checkpoint, open_checkpoint
