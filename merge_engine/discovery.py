@@ -14,8 +14,10 @@ Contract:
 - ``latest_checkpointed_iteration.txt`` is a hint only (verl writes it in place, non-atomically, and not
   at all under async save): it is returned beside the steps and never decides which steps exist.
 
-The FSDP rule (`fsdp_listing_verdict`) is shared: `merge_engine.layouts.fsdp` calls it with the world
-size it read from ``fsdp_config.json`` before its own deep checks (zip readable, pickles allowed).
+The watcher's FSDP rule (`fsdp_listing_verdict`) is stricter than a hand merge's
+(`merge_engine.layouts.fsdp`): it also waits for ``fsdp_config.json`` and for every rank's optimizer and
+extra-state files, the last things verl writes, so that a step is merged once, when it is whole. The
+layout's own check (every rank file present and a readable archive) still runs before any merge.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from merge_engine import storage
-from merge_engine.errors import IncompleteCheckpoint, WorldSizeMismatch
 from merge_engine.storage import FileEntry
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -51,13 +52,6 @@ class Verdict:
     @property
     def complete(self) -> bool:
         return self.status == COMPLETE
-
-    def raise_for_status(self, path: str) -> None:
-        """Raise `WorldSizeMismatch` for invalid, `IncompleteCheckpoint` for incomplete; else nothing."""
-        if self.status == INVALID:
-            raise WorldSizeMismatch(self.reason, path)
-        if self.status == INCOMPLETE:
-            raise IncompleteCheckpoint(self.reason, path)
 
 
 _DONE = Verdict(COMPLETE)

@@ -77,8 +77,12 @@ class MergeResult:
 
 
 def merge_fingerprint(checkpoint: Checkpoint, options: MergeOptions) -> str:
-    """The cache key of a merge: the checkpoint's listing digest + output options + engine version."""
-    return storage.fingerprint(checkpoint.files, **options.output_options(), engine=__version__)
+    """The cache key of a merge: the checkpoint's listing digest + output options + engine version, and the
+    listing of ``hf_model_path`` when one replaces the checkpoint's config (its content decides the output)."""
+    extra = {}
+    if options.hf_model_path is not None:
+        extra["hf_model_listing"] = storage.fingerprint(storage.list_files(options.hf_model_path, recursive=False))
+    return storage.fingerprint(checkpoint.files, **options.output_options(), **extra, engine=__version__)
 
 
 def plan_merge(checkpoint: Checkpoint, source: TensorSource, config: dict, options: MergeOptions) -> MergePlan:

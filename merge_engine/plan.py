@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from merge_engine.errors import InvalidConfig, InvalidOption
+from merge_engine.errors import InvalidConfig, InvalidOption, UnsupportedLayout
 from merge_engine.tensor_source import TensorMeta, TensorSource
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3  # save_pretrained's historical default ("5GB")
@@ -37,6 +37,12 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
         return DTYPES[name.lower()]
     except KeyError:
         raise InvalidOption(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+def output_dtype(stored: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
+    """``--dtype`` casts floating-point tensors only (as save_pretrained does): integer and bool
+    buffers keep their dtype, or a cast would change their values."""
+    return requested if requested is not None and stored.is_floating_point else stored
 
 
 def parse_size(text: str | int) -> int:
@@ -101,7 +107,17 @@ class MergePlan:
 
 
 def assign_shards(tensors: Sequence[PlannedTensor], max_shard_size: int) -> tuple[ShardFile, ...]:
-    """Greedy, in order: a shard closes when the next tensor would push it past the limit."""
+    """Greedy, in order: a shard closes when the next tensor would push it past the limit.
+
+    Every planner ends here, before any byte is written: a dtype safetensors cannot store (complex,
+    quantized) is refused now with `UnsupportedLayout` naming the tensor, not halfway through a write.
+    """
+    from merge_engine.safetensors_file import CODES
+
+    for tensor in tensors:
+        if tensor.dtype not in CODES:
+            raise UnsupportedLayout(f"{tensor.name}: dtype {tensor.dtype} cannot be stored in safetensors "
+                                    "(cast it with --dtype if it is floating point, or drop it)")
     groups: list[list[PlannedTensor]] = []
     size = 0
     for tensor in tensors:
@@ -140,7 +156,7 @@ def plan_hf_merge(metas: Mapping[str, TensorMeta], config: Mapping[str, Any], *,
                   config_url: str | None = None) -> MergePlan:
     """Plan a merge whose source names already are Hugging Face names (FSDP, HF folders).
 
-    - Output dtype: ``dtype`` if given, else each tensor's stored dtype.
+    - Output dtype: ``dtype`` for floating-point tensors if given, else each tensor's stored dtype.
     - Tied embeddings come from the config; ``lm_head.weight`` is dropped when tied (the caller
       checks the copy equals the embedding). ``tie_flag`` (verl's ``--tie-word-embedding``) may
       only confirm the config; a contradiction raises `InvalidOption`.
@@ -164,7 +180,7 @@ def plan_hf_merge(metas: Mapping[str, TensorMeta], config: Mapping[str, Any], *,
     elif embed is not None and LM_HEAD not in metas:
         raise InvalidConfig("config says tie_word_embeddings=false but the checkpoint has no lm_head.weight",
                             config_url)
-    tensors = [PlannedTensor(n, metas[n].shape, dtype or metas[n].dtype, n) for n in names]
+    tensors = [PlannedTensor(n, metas[n].shape, output_dtype(metas[n].dtype, dtype), n) for n in names]
     if dtype is not None:
         updates["dtype"] = str(dtype).removeprefix("torch.")
     else:

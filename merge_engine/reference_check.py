@@ -63,9 +63,10 @@ def compare_plan_to_reference(plan: MergePlan, source: TensorSource, reference: 
         for ours, theirs in pairs:
             ours, theirs = ours.to(torch.float64), theirs.to(torch.float64)
             diff = (ours - theirs).abs()
-            bad = diff > atol + rtol * theirs.abs()
+            close = (ours == theirs) | (diff <= atol + rtol * theirs.abs())  # NaN is never close
+            bad = ~close
             if diff.numel():
-                top = float(diff.max())
+                top = float(diff.nan_to_num(nan=float("inf")).max())
                 if top > worst:
                     worst, worst_name = top, name
             if bool(bad.any()) and first_bad is None:

@@ -12,7 +12,7 @@ tensor cut along one dimension into stored pieces, or a tensor stored whole on s
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,15 +62,20 @@ class TensorSource(Protocol):
     def close(self) -> None: ...
 
 
-def read_full(source: TensorSource, name: str) -> torch.Tensor:
-    """Materialise one tensor from its chunks (for sources that only stream)."""
-    meta = source.metas()[name]
-    out = torch.empty(meta.numel, dtype=meta.dtype)
-    at = 0
-    for chunk in source.iter_chunks(name):
-        out[at:at + chunk.numel()] = chunk
-        at += chunk.numel()
-    return out.reshape(meta.shape)
+def flat_reader(piece: StoredTensor) -> Callable[[int, int], torch.Tensor]:
+    """``read(start, count)`` over a stored tensor's row-major flattening. A contiguous tensor is read
+    range by range; a non-contiguous one (a transposed view) is materialised once, at the first read —
+    the size of that one stored piece — instead of once per chunk."""
+    if piece.is_contiguous():
+        return piece.read_flat
+    flat: list[torch.Tensor] = []
+
+    def read(start: int, count: int) -> torch.Tensor:
+        if not flat:
+            flat.append(piece.read().reshape(-1))
+        return flat[0][start:start + count]
+
+    return read
 
 
 @dataclass(frozen=True)
@@ -102,20 +107,22 @@ class ConcatTensor:
         if self.dim == 0 or len(self.pieces) == 1:
             for piece in self.pieces:
                 n = piece.numel
+                read = flat_reader(piece)
                 for start in range(0, n, max_elems):
-                    yield piece.read_flat(start, min(max_elems, n - start))
+                    yield read(start, min(max_elems, n - start))
             return
         outer = math.prod(self.shape[: self.dim])
         inners = [math.prod(p.shape[self.dim:]) for p in self.pieces]
         row = sum(inners)
         rows_per_chunk = max(1, max_elems // max(row, 1))
+        readers = [flat_reader(p) for p in self.pieces]
         for a in range(0, outer, rows_per_chunk):
             b = min(outer, a + rows_per_chunk)
             block = torch.empty((b - a, row), dtype=self.dtype)
             col = 0
-            for piece, inner in zip(self.pieces, inners):
+            for read, inner in zip(readers, inners):
                 if inner:
-                    part = piece.read_flat(a * inner, (b - a) * inner).view(b - a, inner)
+                    part = read(a * inner, (b - a) * inner).view(b - a, inner)
                     block[:, col:col + inner] = part
                 col += inner
             yield block.reshape(-1)
@@ -152,11 +159,12 @@ class ReplicatedTensor:
         max_elems = max(1, max_bytes // self.dtype.itemsize)
         first = self.copies[0]
         n = first.numel
+        readers = [flat_reader(copy) for copy in self.copies]
         for start in range(0, n, max_elems):
             count = min(max_elems, n - start)
-            chunk = first.read_flat(start, count)
-            for other in self.copies[1:]:
-                if not torch.equal(other.read_flat(start, count), chunk):
+            chunk = readers[0](start, count)
+            for other, read in zip(self.copies[1:], readers[1:]):
+                if not torch.equal(read(start, count), chunk):
                     raise CorruptShard("replicated tensor differs between ranks (expected identical copies)",
                                        other.archive.url)
             yield chunk

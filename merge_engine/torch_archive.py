@@ -51,6 +51,7 @@ def _collect_storage_dtypes(table: dict[str, torch.dtype]) -> dict[str, torch.dt
 
 
 STORAGE_DTYPES = _storage_dtypes()
+MAX_PICKLE_BYTES = 1 << 30  # a state dict's structure; tensors live in separate records
 TORCH_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 
 
@@ -63,7 +64,7 @@ class StorageMarker:
 
 @dataclass(frozen=True)
 class StorageRef:
-    """A storage record in the archive: key, dtype, element count, and where its bytes start."""
+    """A storage record in the archive: key, dtype and element count (its bytes are found by key)."""
 
     key: str
     dtype: torch.dtype
@@ -125,7 +126,18 @@ class StoredTensor:
         return torch.as_strided(raw, self.shape, self.stride).contiguous()
 
 
-class Record:
+class _FrozenClass(type):
+    """Record classes are shared by every load: a pickle may not set attributes on them (BUILD
+    with slot state calls setattr on whatever object it is given)."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise UnsafePickle(f"pickle tries to set {name!r} on the allow-listed class {cls.__name__}")
+
+    def __delattr__(cls, name: str) -> None:
+        raise UnsafePickle(f"pickle tries to delete {name!r} from the allow-listed class {cls.__name__}")
+
+
+class Record(metaclass=_FrozenClass):
     """An inert stand-in for an allow-listed class: keeps constructor args and pickled state."""
 
     module = ""
@@ -166,8 +178,27 @@ _record_classes: dict[tuple[str, str], type[Record]] = {}
 def record_class(module: str, qualname: str) -> type[Record]:
     key = (module, qualname)
     if key not in _record_classes:
-        _record_classes[key] = type(qualname, (Record,), {"module": module, "qualname": qualname})
+        _record_classes[key] = _FrozenClass(qualname, (Record,), {"module": module, "qualname": qualname})
     return _record_classes[key]
+
+
+class _Allowed:
+    """A fresh, immutable wrapper around an allow-listed callable for each use in a pickle, so that
+    no pickle can alter a function or class the next load will use (BUILD on it raises)."""
+
+    __slots__ = ("_target",)
+
+    def __init__(self, target: Any) -> None:
+        object.__setattr__(self, "_target", target)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._target(*args, **kwargs)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise UnsafePickle(f"pickle tries to set {name!r} on an allow-listed callable")
+
+    def __setstate__(self, state: Any) -> None:
+        raise UnsafePickle("pickle tries to modify an allow-listed callable")
 
 
 @dataclass
@@ -288,9 +319,9 @@ class _SafeUnpickler(pickle.Unpickler):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             if self._archive is None:
                 raise UnsafePickle("a bare pickle rebuilds a tensor; only torch.save archives hold tensors", self._url)
-            return _tensor_rebuilder(self._archive)
+            return _Allowed(_tensor_rebuilder(self._archive))
         if (module, name) in _FUNCTIONS:
-            return _FUNCTIONS[(module, name)]
+            return _Allowed(_FUNCTIONS[(module, name)])
         if module == "torch" and name in STORAGE_DTYPES:
             return StorageMarker(STORAGE_DTYPES[name])
         if module == "torch" and name in TORCH_DTYPES:
@@ -372,7 +403,7 @@ class TorchArchive:
             self._zip = zipfile.ZipFile(_ReaderFile(self.reader))
             names = self._zip.namelist()
         except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-            raise CorruptShard(f"not a readable torch zip archive ({exc}); truncated or foreign file", url) from exc
+            raise CorruptShard(f"not a readable torch zip archive ({exc}); truncated, still being written, or not a torch file", url) from exc
         pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
         if len(pkl) != 1:
             raise CorruptShard("zip archive without a single data.pkl: not a torch.save file", url)
@@ -384,6 +415,10 @@ class TorchArchive:
     def load(self) -> Any:
         """The object tree with `StoredTensor` leaves (parsed once, then cached)."""
         if self._loaded is None:
+            info = self._infos[self._prefix + "data.pkl"]
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size > MAX_PICKLE_BYTES:
+                raise CorruptShard(f"data.pkl is compressed or {info.file_size} bytes: not what torch.save writes",
+                                   self.url)
             try:
                 data = self._zip.read(self._prefix + "data.pkl")
             except (zipfile.BadZipFile, OSError, EOFError) as exc:

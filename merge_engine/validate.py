@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import struct
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -38,7 +37,6 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CHUNK_BYTES = 16 * 1024 * 1024  # bytes of one tensor read at a time
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # a safetensors header larger than this is corrupt
 FORWARD_SEQ_LEN = 16
 
 
@@ -115,15 +113,6 @@ class ValidationReport:
 # --------------------------------------------------------------------------------------------------
 # safetensors headers and byte ranges (no safetensors/torch import needed to read a header)
 
-# safetensors dtype -> (torch dtype name, bytes per element)
-_DTYPES: dict[str, tuple[str, int]] = {
-    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
-    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
-    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
-    "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1), "BOOL": ("bool", 1),
-}
-
-
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor of a safetensors file: dtype (safetensors spelling), shape, absolute byte range."""
@@ -158,52 +147,28 @@ class HeaderError(ValueError):
 
 
 def read_safetensors_header(url: str, size: int | None = None) -> SafetensorsHeader:
-    """Parse a safetensors header with two ranged reads; check every range against the file size.
+    """Parse and check a safetensors header (`merge_engine.safetensors_file.read_header`: dtypes,
+    ranges that match dtype and shape, no overlap, nothing missing or left over at the end).
 
-    Raises `HeaderError` for a short file, a bad header, an unknown dtype, a range that does not
-    match its dtype and shape, overlapping ranges or bytes past the last tensor.
+    Raises `HeaderError` with the parser's reason.
     """
-    with storage.RangeReader(url, size) as reader:
-        if reader.size < 8:
-            raise HeaderError(f"{reader.size} bytes: too short for a safetensors file")
-        (length,) = struct.unpack("<Q", reader.read(0, 8))
-        if length > min(MAX_HEADER_BYTES, reader.size - 8):
-            raise HeaderError(f"header length {length} does not fit in {reader.size} bytes")
-        try:
-            raw = json.loads(reader.read(8, length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise HeaderError(f"header is not JSON: {exc}") from exc
-        file_size = reader.size
-    if not isinstance(raw, dict):
-        raise HeaderError("header is not a JSON object")
-    base = 8 + length
-    metadata = raw.pop("__metadata__", None) or {}
-    tensors: dict[str, TensorInfo] = {}
-    for name, spec in raw.items():
-        try:
-            dtype, shape, (start, end) = spec["dtype"], tuple(int(d) for d in spec["shape"]), spec["data_offsets"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise HeaderError(f"bad header entry for {name!r}") from exc
-        if dtype not in _DTYPES:
-            raise HeaderError(f"{name}: unknown dtype {dtype}")
-        info = TensorInfo(dtype, shape, base + int(start), base + int(end))
-        if info.nbytes != info.numel * _DTYPES[dtype][1]:
-            raise HeaderError(f"{name}: {info.nbytes} bytes for {dtype} {list(shape)}")
-        tensors[name] = info
-    cursor = base
-    for name, info in sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)):
-        if info.start < cursor:
-            raise HeaderError(f"{name}: byte range overlaps the previous tensor")
-        cursor = info.end
-    if cursor != file_size:
-        raise HeaderError(f"tensors end at byte {cursor} but the file has {file_size} bytes (truncated?)")
-    return SafetensorsHeader(url, file_size, tensors, dict(metadata))
+    from merge_engine.errors import StepmergeError
+    from merge_engine.safetensors_file import CODES, read_header
+
+    try:
+        with storage.RangeReader(url, size) as reader:
+            header = read_header(reader)
+            file_size = reader.size
+    except StepmergeError as exc:
+        raise HeaderError(exc.message) from exc
+    tensors = {name: TensorInfo(CODES[e.dtype], e.shape, e.start, e.end) for name, e in header.entries.items()}
+    return SafetensorsHeader(url, file_size, tensors, dict(header.metadata))
 
 
 def _torch_dtype(st_dtype: str) -> torch.dtype:
-    import torch
+    from merge_engine.safetensors_file import DTYPES
 
-    return getattr(torch, _DTYPES[st_dtype][0])
+    return DTYPES[st_dtype]
 
 
 def iter_tensor_chunks(reader: storage.RangeReader, info: TensorInfo, chunk_bytes: int = CHUNK_BYTES
@@ -211,10 +176,10 @@ def iter_tensor_chunks(reader: storage.RangeReader, info: TensorInfo, chunk_byte
     """The tensor's elements, flat, `chunk_bytes` at a time. Each chunk is only valid until the next."""
     import torch
 
-    itemsize = _DTYPES[info.dtype][1]
+    dtype = _torch_dtype(info.dtype)
+    itemsize = dtype.itemsize
     step = max(itemsize, chunk_bytes // itemsize * itemsize)
     buffer = bytearray(min(step, info.nbytes) or itemsize)
-    dtype = _torch_dtype(info.dtype)
     offset = info.start
     while offset < info.end:
         n = min(step, info.end - offset)

@@ -22,14 +22,9 @@ import torch
 from merge_engine import storage
 from merge_engine.errors import CorruptShard
 from merge_engine.plan import INDEX_FILE, MergePlan, PlannedTensor, ShardFile
+from merge_engine.safetensors_file import CODES as SAFETENSORS_DTYPES
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
 
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-}
 PREFETCH_CHUNKS = 3
 
 
@@ -70,40 +65,51 @@ def tensor_chunks(tensor: PlannedTensor, source: TensorSource, max_bytes: int) -
         raise CorruptShard(f"{tensor.name}: produced {written} bytes, planned {tensor.nbytes}", source.url)
 
 
-def _prefetched(items: Iterator[torch.Tensor], depth: int) -> Iterator[torch.Tensor]:
-    """Run ``items`` in a thread, ``depth`` chunks ahead; re-raise its error in the caller."""
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    done = object()
-    stop = threading.Event()
+class _Prefetcher:
+    """Runs ``items`` in a reader thread, ``depth`` items ahead; its error is re-raised in the caller.
 
-    def produce() -> None:
+    `close()` stops the thread and waits for it (idempotent). Every hand-over waits with a timeout
+    and gives up once closed, so a consumer that stops early (an error while writing) never leaves
+    the reader blocked on a full queue, and never blocks on it itself.
+    """
+
+    _DONE = object()
+
+    def __init__(self, items: Iterator[torch.Tensor], depth: int) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(items,), name="stepmerge-reader", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: object) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _produce(self, items: Iterator[torch.Tensor]) -> None:
         try:
             for item in items:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not self._put(item):
                     return
-            q.put(done)
+            self._put(self._DONE)
         except BaseException as exc:  # handed to the consumer
-            q.put(exc)
+            self._put(exc)
 
-    thread = threading.Thread(target=produce, name="stepmerge-reader", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = q.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join()
+    def __next__(self) -> torch.Tensor:
+        item = self._queue.get()
+        if item is self._DONE:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def write_plan(plan: MergePlan, source: TensorSource, target_url: str, *,
@@ -139,23 +145,12 @@ def _write_shards(plan: MergePlan, source: TensorSource, target_url: str, chunk_
             for name in shard.tensors:
                 yield from tensor_chunks(by_name[name], source, chunk_bytes)
 
-    chunks = _prefetched(all_chunks(), PREFETCH_CHUNKS)
-    files = []
-    for shard in plan.shards:
-        header = shard_header(plan, shard, metadata)
-        remaining = shard.size
-        with storage.open_write(storage.join(target_url, shard.filename), size_hint=len(header) + shard.size) as out:
-            out.write(header)
-            while remaining > 0:
-                chunk = next(chunks)
-                data = chunk.view(torch.uint8).numpy() if chunk.numel() else b""
-                out.write(memoryview(data))
-                remaining -= len(data)
-                if on_bytes:
-                    on_bytes(len(data))
-            if remaining != 0:
-                raise CorruptShard(f"{shard.filename}: tensor data overran the planned size", source.url)
-        files.append((shard.filename, len(header) + shard.size))
+    chunks = _Prefetcher(all_chunks(), PREFETCH_CHUNKS)
+    try:
+        files = [_write_shard(plan, shard, chunks, target_url, on_bytes, metadata, source.url)
+                 for shard in plan.shards]
+    finally:
+        chunks.close()
     if len(plan.shards) > 1:
         index = {"metadata": {"total_size": plan.total_size},
                  "weight_map": {name: shard.filename for shard in plan.shards for name in shard.tensors}}
@@ -163,3 +158,22 @@ def _write_shards(plan: MergePlan, source: TensorSource, target_url: str, chunk_
         storage.write_bytes(storage.join(target_url, INDEX_FILE), data)
         files.append((INDEX_FILE, len(data)))
     return WrittenModel(tuple(files), plan.total_size)
+
+
+def _write_shard(plan: MergePlan, shard: ShardFile, chunks: _Prefetcher, target_url: str,
+                 on_bytes: Callable[[int], None] | None, metadata: dict[str, str] | None,
+                 source_url: str) -> tuple[str, int]:
+    header = shard_header(plan, shard, metadata)
+    remaining = shard.size
+    with storage.open_write(storage.join(target_url, shard.filename), size_hint=len(header) + shard.size) as out:
+        out.write(header)
+        while remaining > 0:
+            chunk = next(chunks)
+            data = chunk.view(torch.uint8).numpy() if chunk.numel() else b""
+            out.write(memoryview(data))
+            remaining -= len(data)
+            if on_bytes:
+                on_bytes(len(data))
+        if remaining != 0:
+            raise CorruptShard(f"{shard.filename}: tensor data overran the planned size", source_url)
+    return shard.filename, len(header) + shard.size

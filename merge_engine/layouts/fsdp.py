@@ -1,10 +1,10 @@
 """verl FSDP checkpoints: ``model_world_size_{W}_rank_{R}.pt`` per rank, plus ``fsdp_config.json``.
 
 Each rank file is a ``torch.save`` of that rank's state dict. A value is one of:
-- a DTensor (FSDP2, or FSDP1 with a device mesh): placements over a mesh whose dims are named
-  ``fsdp``/``dp_shard`` (sharded) or ``ddp``/``dp``/``dp_replicate`` (replicated, HSDP). ``Shard(d)``
-  pieces are concatenated on ``d`` in mesh-coordinate order (uneven and empty pieces included),
-  ``Replicate`` dims are read from coordinate 0 only;
+- a DTensor (FSDP2, or FSDP1 with a device mesh): its placements decide, whatever the mesh dims
+  are called (``fsdp``, ``dp_shard``, ``ddp``, ``dp``...): ``Shard(d)`` pieces are concatenated on
+  ``d`` in mesh-coordinate order (uneven and empty pieces included), ``Replicate`` mesh dims (HSDP)
+  are read at coordinate 0 only; ``Partial`` and strided shards are refused;
 - a ShardedTensor (FSDP1 without a mesh): local shards with offsets into the global tensor;
 - a plain tensor (buffers, world size 1): identical on every rank, checked, taken once.
 
@@ -31,8 +31,7 @@ NAME = "fsdp"
 MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 CONFIG_FILE = "fsdp_config.json"
 HF_DIR = "huggingface"
-SHARDED_MESH_DIMS = ("fsdp", "dp_shard", "shard")
-REPLICATED_MESH_DIMS = ("ddp", "dp", "dp_replicate", "replicate")
+LORA_ADAPTER_DIR = "lora_adapter"  # older verl LoRA runs: adapter_config.json (lora_alpha) lives here
 # wrapper prefixes FSDP / activation checkpointing / torch.compile may leave in key names
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -94,7 +93,8 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     finally:
         for archive in archives:
             archive.close()
-    entries = tuple(e for e in files if "/" not in e.path or e.path.startswith(HF_DIR + "/"))
+    # everything the merge reads decides its fingerprint: rank files, configs, huggingface/, lora_adapter/
+    entries = tuple(e for e in files if "/" not in e.path or e.path.split("/")[0] in (HF_DIR, LORA_ADAPTER_DIR))
     hf_dir = storage.join(url, HF_DIR) if any(e.path.startswith(HF_DIR + "/") for e in files) else None
     version = None
     if any(e.path == CONFIG_FILE for e in files):

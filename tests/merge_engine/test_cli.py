@@ -143,6 +143,10 @@ def test_verl_flag_spellings_and_test_command(fsdp_runs, checkpoint, tmp_path, c
     save_file(weights, str(other / "model.safetensors"))
     assert main(["test", "--local_dir", str(checkpoint), "--test_hf_dir", str(other)]) == 5
     assert "first mismatch in model.norm.weight" in capsys.readouterr().out
+    weights["model.norm.weight"][3] = float("nan")  # NaN is never "within tolerance"
+    save_file(weights, str(other / "model.safetensors"))
+    assert main(["test", "--local_dir", str(checkpoint), "--test_hf_dir", str(other)]) == 5
+    assert "first mismatch in model.norm.weight" in capsys.readouterr().out
 
 
 def test_tie_flag_must_agree_with_config(checkpoint, tmp_path, capsys):
@@ -170,3 +174,14 @@ def test_discover_lists_steps_with_status(fsdp_runs, tmp_path, capsys):
     assert lines[0].startswith("2 checkpoint(s)")
     assert "incomplete" in next(line for line in lines if "step      1" in line)
     assert " complete " in next(line for line in lines if "step      2" in line)
+
+
+def test_an_os_error_is_one_line_too(checkpoint, tmp_path, capsys):
+    """A target path under a regular file: the OS refuses; the user gets one line, not a traceback."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    assert _merge(checkpoint, blocker / "out") == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("stepmerge: error: FileExistsError") and str(blocker) in errors[0]

@@ -162,3 +162,96 @@ def test_remote_source_and_target_give_the_same_bytes(backend, fsdp_runs, merged
         open(os.path.join(expected, "model.safetensors"), "rb").read()
     again = merge_checkpoint(remote_source, remote_target)
     assert again.skipped
+
+
+def test_a_changed_hf_model_path_config_is_merged_again(fsdp_runs, tmp_path):
+    """--hf_model_path's content is part of the cache key: editing its config.json re-merges."""
+    import shutil
+
+    step = fsdp_runs["fsdp2_qwen2"].latest
+    config_dir = tmp_path / "config"
+    shutil.copytree(os.path.join(step.checkpoint_dir, "huggingface"), config_dir)
+    target = str(tmp_path / "out")
+    options = MergeOptions(hf_model_path=str(config_dir))
+    merge_checkpoint(step.checkpoint_dir, target, options)
+    config = json.loads((config_dir / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-5
+    (config_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TargetExists):  # another output now: never "already holds this merge"
+        merge_checkpoint(step.checkpoint_dir, target, options)
+    again = merge_checkpoint(step.checkpoint_dir, target, MergeOptions(hf_model_path=str(config_dir), overwrite=True))
+    assert not again.skipped
+    assert json.load(open(os.path.join(target, "config.json")))["rms_norm_eps"] == 1e-5
+
+
+def test_a_damaged_output_is_rebuilt_not_skipped(fsdp_runs, tmp_path):
+    """A target whose provenance matches but whose weights were deleted or truncated is rebuilt."""
+    step = fsdp_runs["fsdp2_qwen2"].latest
+    target = tmp_path / "out"
+    merge_checkpoint(step.checkpoint_dir, str(target))
+    weights = (target / "model.safetensors").read_bytes()
+    (target / "model.safetensors").write_bytes(weights[:1000])
+    rebuilt = merge_checkpoint(step.checkpoint_dir, str(target))
+    assert not rebuilt.skipped
+    assert (target / "model.safetensors").read_bytes() == weights
+    (target / "model.safetensors").unlink()
+    assert not merge_checkpoint(step.checkpoint_dir, str(target)).skipped
+    assert merge_checkpoint(step.checkpoint_dir, str(target)).skipped
+
+
+def test_lora_alpha_from_lora_adapter_folder_is_part_of_the_key(fsdp_runs, tmp_path):
+    """Older verl runs keep lora_alpha in lora_adapter/adapter_config.json: changing it re-merges."""
+    import shutil
+
+    run = tmp_path / "actor"
+    shutil.copytree(fsdp_runs["lora_fsdp1_mesh_qwen2"].latest.checkpoint_dir, run)
+    meta = json.loads((run / "lora_train_meta.json").read_text())
+    (run / "lora_train_meta.json").unlink()
+    (run / "lora_adapter").mkdir()
+    adapter_config = {"peft_type": "LORA", "r": meta["r"], "lora_alpha": meta["lora_alpha"],
+                      "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM"}
+    (run / "lora_adapter" / "adapter_config.json").write_text(json.dumps(adapter_config))
+    target = str(tmp_path / "out")
+    first = merge_checkpoint(str(run), target)
+    before = load_file(os.path.join(target, "model.safetensors"))
+    adapter_config["lora_alpha"] = meta["lora_alpha"] * 2
+    (run / "lora_adapter" / "adapter_config.json").write_text(json.dumps(adapter_config))
+    second = merge_checkpoint(str(run), target, MergeOptions(overwrite=True))
+    assert not second.skipped and second.fingerprint != first.fingerprint
+    after = load_file(os.path.join(target, "model.safetensors"))
+    assert not torch.equal(before["model.layers.0.self_attn.q_proj.weight"],
+                           after["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_debris_of_killed_runs_never_blocks_a_retry(fsdp_runs, tmp_path, s3_bucket_url):
+    """Local: temp folders of dead processes are swept, empty folders at the target are fine.
+    Remote: a run killed mid-write leaves a partial marker; the retry rebuilds instead of refusing."""
+    import subprocess
+    import sys
+
+    from merge_engine.layouts import check_checkpoint
+    from merge_engine.merge import merge_fingerprint
+    from merge_engine.output_target import PARTIAL_FILE
+
+    source = fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".out.stepmerge-{dead.stdout.strip()}-deadbeef"
+    live = tmp_path / f".out.stepmerge-{os.getppid()}-cafecafe"
+    for folder in (stale, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+    (tmp_path / "out" / "empty_subfolder").mkdir(parents=True)
+    merge_checkpoint(source, str(tmp_path / "out"))
+    assert not stale.exists() and live.exists()
+    assert (tmp_path / "out" / "model.safetensors").exists()
+
+    target = storage.join(s3_bucket_url, "merged")
+    fingerprint = merge_fingerprint(check_checkpoint(source), MergeOptions())
+    storage.write_bytes(storage.join(target, PARTIAL_FILE), json.dumps({"fingerprint": fingerprint}).encode())
+    storage.write_bytes(storage.join(target, "model.safetensors"), b"half a shard")
+    rebuilt = merge_checkpoint(source, target)
+    assert not rebuilt.skipped
+    assert PARTIAL_FILE not in {e.path for e in storage.list_files(target)}
+    storage.write_bytes(storage.join(target + "2", PARTIAL_FILE), json.dumps({"fingerprint": "another"}).encode())
+    with pytest.raises(TargetExists):  # someone else's debris is not ours to delete
+        merge_checkpoint(source, target + "2")

@@ -131,3 +131,33 @@ def test_storage_record_shorter_than_pickle_claims(tmp_path):
             dst.writestr(info.filename, data)
     with pytest.raises(CorruptShard, match="holds 40 bytes"):
         TorchArchive(str(bad)).load()["w"].read()
+
+
+def test_a_pickle_cannot_alter_the_allow_listed_objects(tmp_path):
+    """BUILD on an allow-listed function or class (to poison later loads) is refused, and later loads are clean."""
+
+    def stream(module: str, name: str) -> bytes:
+        # GLOBAL module name; EMPTY_DICT; MARK; 'x'; 1; DICT... -> BUILD with slot state {"x": 1}
+        return (b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"N}X\x01\x00\x00\x00xK\x01s\x86b.")
+
+    for module, name in [("torch._utils", "_rebuild_parameter"), ("torch", "Tensor"),
+                         ("torch.distributed.tensor", "DTensor")]:
+        path = _zip_with_pickle(tmp_path / f"{name}.pt", stream(module, name))
+        with pytest.raises((UnsafePickle, CorruptShard)):
+            TorchArchive(path).load()
+    tree = TorchArchive(_save(tmp_path / "clean.pt", {"w": torch.nn.Parameter(torch.ones(2))})).load()
+    assert torch.equal(tree["w"].read(), torch.ones(2))
+    from merge_engine.torch_archive import record_class
+
+    assert not hasattr(record_class("torch.distributed.tensor", "DTensor"), "x")
+
+
+def test_a_compressed_pickle_is_refused(tmp_path):
+    good = _save(tmp_path / "good.pt", {"w": torch.ones(2)})
+    bad = tmp_path / "deflated.pt"
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(bad, "w") as dst:
+        for info in src.infolist():
+            kind = zipfile.ZIP_DEFLATED if info.filename.endswith("data.pkl") else zipfile.ZIP_STORED
+            dst.writestr(info.filename, src.read(info.filename), compress_type=kind)
+    with pytest.raises(CorruptShard, match="compressed"):
+        TorchArchive(str(bad)).load()

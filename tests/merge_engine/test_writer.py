@@ -105,3 +105,27 @@ def test_builder_producing_wrong_size_is_an_error(tmp_path, source):
     plan = MergePlan(tensors, assign_shards(tensors, 10**9))
     with pytest.raises(CorruptShard):
         write_plan(plan, source, str(tmp_path / "out"))
+
+
+def test_a_failed_write_raises_at_once_and_stops_the_reader(tmp_path, source):
+    """A write error mid-plan (here: shard 2's name is taken by a folder) propagates; no reader thread is left."""
+    import threading
+
+    plan = _plan(max_shard=3000)
+    assert len(plan.shards) >= 3
+    out = tmp_path / "out"
+    (out / plan.shards[1].filename).mkdir(parents=True)
+    done = threading.Event()
+    errors = []
+
+    def run():
+        try:
+            write_plan(plan, source, str(out), chunk_bytes=16)
+        except OSError as exc:
+            errors.append(exc)
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert done.wait(20), "write_plan hung after a write error"
+    assert errors and plan.shards[1].filename in str(errors[0])
+    assert not [t for t in threading.enumerate() if t.name == "stepmerge-reader"]
