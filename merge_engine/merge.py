@@ -22,9 +22,17 @@ import torch
 
 from merge_engine import __version__, storage
 from merge_engine.errors import CorruptShard, InvalidOption
+from merge_engine.chunks import aligned_chunks
 from merge_engine.hf_metadata import copy_metadata, read_config
 from merge_engine.layouts import Checkpoint, check_checkpoint, layout_module, open_checkpoint
-from merge_engine.plan import DEFAULT_MAX_SHARD_SIZE, EMBED_NAMES, LM_HEAD, MergePlan, parse_dtype, plan_hf_merge
+from merge_engine.plan import (
+    DEFAULT_MAX_SHARD_SIZE,
+    LM_HEAD,
+    MergePlan,
+    input_embedding,
+    parse_dtype,
+    plan_hf_merge,
+)
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
 from merge_engine.output_target import PROVENANCE_FILE, read_provenance, target_state, write_target
 from merge_engine.writer import write_plan
@@ -109,29 +117,36 @@ def plan_merge(checkpoint: Checkpoint, source: TensorSource, config: dict, optio
 
 def check_tied_copy(source: TensorSource, plan: MergePlan, chunk_bytes: int) -> None:
     """A dropped tied ``lm_head`` must equal the embedding: else the config lies and we would lose weights."""
-    planned = plan.by_name()
     metas = source.metas()
-    embed = next((n for n in EMBED_NAMES if n in metas), None)
-    if LM_HEAD not in metas or LM_HEAD in planned or embed is None:
+    if LM_HEAD not in metas or LM_HEAD in plan.by_name():
         return
+    embed = input_embedding(metas)  # the planner refuses to drop lm_head without one
     same_storage = getattr(source, "same_storage", None)
     if same_storage is not None and same_storage(LM_HEAD, embed):
         return  # saved once, referenced twice: equal by construction
-    if metas[LM_HEAD].shape != metas[embed].shape:
-        raise CorruptShard(f"config ties embeddings but lm_head {metas[LM_HEAD].shape} != embedding "
-                           f"{metas[embed].shape}", source.url)
-    for a, b in zip(source.iter_chunks(LM_HEAD, chunk_bytes), source.iter_chunks(embed, chunk_bytes)):
-        if not torch.equal(a, b.to(a.dtype)):
-            raise CorruptShard("config says tie_word_embeddings=true but lm_head.weight differs from the "
-                               "embedding; fix config.json (or pass a correct --hf-model-path)", source.url)
+    if (metas[LM_HEAD].shape, metas[LM_HEAD].dtype) != (metas[embed].shape, metas[embed].dtype):
+        raise CorruptShard(f"config ties embeddings but lm_head {metas[LM_HEAD].shape} {metas[LM_HEAD].dtype} "
+                           f"differs from {embed} {metas[embed].shape} {metas[embed].dtype}", source.url)
+    pairs = aligned_chunks(source.iter_chunks(LM_HEAD, chunk_bytes), source.iter_chunks(embed, chunk_bytes))
+    if not all(torch.equal(a, b) for a, b in pairs):
+        raise CorruptShard("config says tie_word_embeddings=true but lm_head.weight differs from the "
+                           "embedding; fix config.json (or pass a correct --hf-model-path)", source.url)
 
 
 def merge_checkpoint(source_url: str, target_url: str, options: MergeOptions = MergeOptions(), *,
                      on_bytes: Callable[[int], None] | None = None,
-                     on_plan: Callable[[MergePlan], None] | None = None) -> MergeResult:
-    """Merge the checkpoint at ``source_url`` into a Hugging Face folder at ``target_url``."""
+                     on_plan: Callable[[MergePlan], None] | None = None,
+                     checkpoint: Checkpoint | None = None) -> MergeResult:
+    """Merge the checkpoint at ``source_url`` into a Hugging Face folder at ``target_url``.
+
+    ``checkpoint``: the result of `check_checkpoint` for ``source_url``, when the caller already ran
+    the completeness check (the Prefect check task); it is used as it is, not checked again.
+    """
     started = time.perf_counter()
-    checkpoint = check_checkpoint(source_url, options.backend)
+    if checkpoint is None:
+        checkpoint = check_checkpoint(source_url, options.backend)
+    elif checkpoint.url.rstrip("/") != source_url.rstrip("/"):
+        raise InvalidOption(f"the checked checkpoint is {checkpoint.url}, not the source", source_url)
     hf_dir = options.hf_model_path or checkpoint.hf_dir
     config = read_config(hf_dir)
     fingerprint = merge_fingerprint(checkpoint, options)

@@ -146,9 +146,18 @@ def tie_word_embeddings(config: Mapping[str, Any]) -> bool:
         raise InvalidConfig(f"cannot tell whether embeddings are tied ({exc})") from exc
 
 
-EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "transformer.wte.weight")
+EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
 LM_HEAD = "lm_head.weight"
 CRITIC_HEAD = "score.weight"
+
+
+def input_embedding(metas: Mapping[str, TensorMeta], config_url: str | None = None) -> str:
+    """The input embedding's name; `InvalidConfig` when there is none to tie ``lm_head`` to."""
+    embed = next((n for n in metas if n.endswith(EMBED_SUFFIXES)), None)
+    if embed is None:
+        raise InvalidConfig("config ties embeddings but the checkpoint has no input embedding to tie lm_head to",
+                            config_url)
+    return embed
 
 
 def plan_hf_merge(metas: Mapping[str, TensorMeta], config: Mapping[str, Any], *, dtype: torch.dtype | None = None,
@@ -169,12 +178,13 @@ def plan_hf_merge(metas: Mapping[str, TensorMeta], config: Mapping[str, Any], *,
     names = list(metas)
     notes: list[str] = []
     updates: dict[str, Any] = {}
-    embed = next((n for n in EMBED_NAMES if n in metas), None)
+    embed = next((n for n in metas if n.endswith(EMBED_SUFFIXES)), None)
     if CRITIC_HEAD in metas and LM_HEAD not in metas:
         updates.update(critic_config(config, metas[CRITIC_HEAD]))
         notes.append("critic head score.weight -> token classification model")
     elif tied:
         if LM_HEAD in metas:
+            input_embedding(metas, config_url)  # the copy we drop is checked against it before writing
             names.remove(LM_HEAD)
             notes.append("tied embeddings: lm_head.weight not written (it equals the embedding)")
     elif embed is not None and LM_HEAD not in metas:

@@ -23,9 +23,13 @@ claim after A's listing, i.e. after A's claim was written; B's own listing then 
 and B backs off. This needs only read-after-write and list-after-write consistency, which local
 disks, S3 and GCS give. Both may back off at once: each retries after a random, growing delay,
 and while waiting checks the marker, so the loser of a race for the same fingerprint returns
-the winner's release without copying anything. Claims carry a heartbeat refreshed while copying;
-a claim older than ``claim_ttl_s`` is a crashed publisher's and is ignored and deleted. Waiting
-longer than ``wait_s`` raises `ReleaseBusy` (a transient error: retry later).
+the winner's release without copying anything. Claims carry a heartbeat that a timer thread
+refreshes every ``claim_ttl_s / 4`` for as long as the owner works (however long one file's copy
+takes); a claim older than ``claim_ttl_s`` is a crashed publisher's and is ignored and deleted.
+The heartbeat never re-creates a claim that is gone, and the owner re-reads its own claim before
+writing the manifest: a publisher whose claim went unrefreshed for a TTL (it stalled, so another
+may have taken over) or vanished raises `ClaimLost` without writing the manifest or marker. Waiting longer than
+``wait_s`` raises `ReleaseBusy`; both are transient errors: retry later.
 We chose claims over "last marker wins" because the latter lets two publishers interleave file
 writes and one clear the other's files while it copies; a claim keeps every write single-owner.
 """
@@ -38,9 +42,10 @@ import json
 import os
 import random
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -61,6 +66,11 @@ CLAIM_TTL_S = 600.0
 
 class ReleaseBusy(TimeoutError):
     """Another publisher holds the release for longer than we were willing to wait (transient)."""
+
+
+class ClaimLost(ReleaseBusy):
+    """Our claim vanished or went stale while we copied (we stalled past ``claim_ttl_s``, so another
+    publisher may own the release now): the manifest and marker were not written (transient)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,6 +239,66 @@ def _write_claim(release_url: str, attempt: str, fingerprint: str) -> None:
     storage.write_bytes(_claim_url(release_url, attempt), json.dumps(body).encode())
 
 
+def _read_claim(release_url: str, attempt: str) -> dict[str, Any] | None:
+    """Our claim's body, or None when it is gone (or unreadable: claims are written whole)."""
+    try:
+        body = json.loads(storage.read_bytes(_claim_url(release_url, attempt)))
+    except (FileNotFoundError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+class _Heartbeat:
+    """Keeps our claim live while in use: a daemon thread refreshes it every ``ttl_s / 4`` seconds.
+
+    The claim was stale, and so may have been taken over, if ever ``ttl_s`` passed without a
+    refresh (this process stalled, or storage failed that long): then `lost` is set and the thread
+    stops. It refreshes only a claim that is still there: once another publisher has deleted ours,
+    re-creating it would let two owners write. A failed refresh is retried at the next beat.
+    `check` (before the manifest) raises `ClaimLost` if the claim is lost, gone or not ours.
+    """
+
+    def __init__(self, release_url: str, attempt: str, fingerprint: str, ttl_s: float) -> None:
+        self._args = (release_url, attempt, fingerprint)
+        self._ttl_s = ttl_s
+        self._last_beat = time.monotonic()  # the claim was written just before
+        self._stop = threading.Event()
+        self.lost = False
+        self._thread = threading.Thread(target=self._run, name=f"publish-heartbeat-{attempt[:8]}", daemon=True)
+
+    def _run(self) -> None:
+        release_url, attempt, fingerprint = self._args
+        while not self._stop.wait(self._ttl_s / 4):
+            if time.monotonic() - self._last_beat > self._ttl_s:
+                self.lost = True  # stale for a while: another publisher may have taken over
+                return
+            try:
+                if _read_claim(release_url, attempt) is None:
+                    self.lost = True
+                    return
+                beat = time.monotonic()
+                _write_claim(release_url, attempt, fingerprint)
+                self._last_beat = beat
+            except Exception:  # noqa: BLE001 - a storage hiccup: the next beat retries
+                continue
+
+    def check(self) -> None:
+        release_url, attempt, _ = self._args
+        body = _read_claim(release_url, attempt)
+        stale = self.lost or time.monotonic() - self._last_beat > self._ttl_s
+        if stale or body is None or body.get("attempt") != attempt:
+            raise ClaimLost(f"our publishing claim on {release_url} is {'stale' if stale else 'gone'} (this publisher "
+                            "stalled past the claim TTL; another may own the release): manifest and marker not written")
+
+    def __enter__(self) -> _Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _remove_claim(release_url: str, attempt: str) -> None:
     storage.remove(_claim_url(release_url, attempt))
     if storage.is_local(release_url):  # object stores have no empty folders; a local one would linger
@@ -290,10 +360,9 @@ def _copy_with_sha256(src_url: str, dst_url: str, size: int) -> str:
     return digest.hexdigest()
 
 
-def _copy_all(staging_url: str, release_url: str, files: Sequence[FileEntry], max_workers: int,
-              heartbeat: Callable[[], None], heartbeat_every_s: float) -> tuple[ManifestFile, ...]:
+def _copy_all(staging_url: str, release_url: str, files: Sequence[FileEntry], max_workers: int
+              ) -> tuple[ManifestFile, ...]:
     done: list[ManifestFile] = []
-    last_beat = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
         futures = {
             pool.submit(_copy_with_sha256, storage.join(staging_url, f.path), storage.join(release_url, f.path),
@@ -303,9 +372,6 @@ def _copy_all(staging_url: str, release_url: str, files: Sequence[FileEntry], ma
         for future in concurrent.futures.as_completed(futures):
             entry = futures[future]
             done.append(ManifestFile(entry.path, entry.size, future.result()))
-            if time.monotonic() - last_beat > heartbeat_every_s:
-                heartbeat()
-                last_beat = time.monotonic()
     return tuple(sorted(done, key=lambda f: f.path))
 
 
@@ -333,7 +399,8 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
     `TargetExists` (released with another fingerprint and not ``overwrite``; staging kept), `InvalidOption`
     (empty staging, staged names that collide with ``manifest.json``/``_COMPLETE``/``_PUBLISHING``, or
     staging and release nested in each other),
-    `ReleaseBusy` (another publisher held the release longer than ``wait_s``).
+    `ReleaseBusy` (another publisher held the release longer than ``wait_s``), `ClaimLost` (a
+    `ReleaseBusy`: our claim vanished while we copied; no manifest or marker written, staging kept).
     """
     inner, outer = sorted((staging_url.rstrip("/") + "/", release_url.rstrip("/") + "/"), key=len, reverse=True)
     if inner.startswith(outer):
@@ -377,20 +444,20 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
             return Release.from_manifest(release_url, current, already_published=True)
         if current is not None and not overwrite:
             raise TargetExists("released from another checkpoint meanwhile", release_url)
-        _clear(release_url)
-        copied = _copy_all(staging_url, release_url, files, max_workers,
-                           heartbeat=lambda: _write_claim(release_url, attempt, fingerprint),
-                           heartbeat_every_s=claim_ttl_s / 4)
-        manifest = Manifest(
-            source=source, fingerprint=fingerprint, engine_version=engine_version, options=options,
-            validation=None if validation is None else {**validation.to_dict(), "summary": validation.summary()},
-            created=datetime.now(timezone.utc).isoformat(timespec="seconds"), attempt=attempt, files=copied,
-        )
-        manifest_bytes = json.dumps(manifest.to_dict(), indent=2, sort_keys=True).encode()
-        storage.write_bytes(storage.join(release_url, MANIFEST), manifest_bytes)
-        marker = {"attempt": attempt, "fingerprint": fingerprint, "manifest_sha256": _sha256(manifest_bytes),
-                  "created": manifest.created}
-        storage.write_bytes(storage.join(release_url, MARKER), json.dumps(marker, sort_keys=True).encode())
+        with _Heartbeat(release_url, attempt, fingerprint, claim_ttl_s) as heartbeat:
+            _clear(release_url)
+            copied = _copy_all(staging_url, release_url, files, max_workers)
+            manifest = Manifest(
+                source=source, fingerprint=fingerprint, engine_version=engine_version, options=options,
+                validation=None if validation is None else {**validation.to_dict(), "summary": validation.summary()},
+                created=datetime.now(timezone.utc).isoformat(timespec="seconds"), attempt=attempt, files=copied,
+            )
+            manifest_bytes = json.dumps(manifest.to_dict(), indent=2, sort_keys=True).encode()
+            heartbeat.check()  # still ours, never stale: nobody else may be writing
+            storage.write_bytes(storage.join(release_url, MANIFEST), manifest_bytes)
+            marker = {"attempt": attempt, "fingerprint": fingerprint, "manifest_sha256": _sha256(manifest_bytes),
+                      "created": manifest.created}
+            storage.write_bytes(storage.join(release_url, MARKER), json.dumps(marker, sort_keys=True).encode())
     finally:
         _remove_claim(release_url, attempt)
     _drop_staging(staging_url, remove_staging)
@@ -399,5 +466,5 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
 
 __all__ = [
     "publish", "is_released", "read_manifest", "verify_release", "Release", "Manifest", "ManifestFile",
-    "ReleaseBusy", "MARKER", "MANIFEST", "CLAIMS",
+    "ReleaseBusy", "ClaimLost", "MARKER", "MANIFEST", "CLAIMS",
 ]

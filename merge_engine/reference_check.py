@@ -8,10 +8,9 @@ Same semantics as verl's test: the same keys, shapes and dtypes, and values with
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
+from merge_engine.chunks import aligned_chunks
 from merge_engine.hf_metadata import read_config
 from merge_engine.layouts import check_checkpoint, open_checkpoint
 from merge_engine.merge import MergeOptions, plan_merge
@@ -19,24 +18,6 @@ from merge_engine.plan import MergePlan
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
 from merge_engine.validate import Check, ValidationReport
 from merge_engine.writer import tensor_chunks
-
-
-def aligned_chunks(left: Iterator[torch.Tensor], right: Iterator[torch.Tensor]
-                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Re-cut two flat chunk streams of the same total length into pairs of equal-length pieces."""
-    a = b = None
-    while True:
-        if a is None or not a.numel():
-            a = next(left, None)
-        if b is None or not b.numel():
-            b = next(right, None)
-        if a is None or b is None:
-            if (a is not None and a.numel()) or (b is not None and b.numel()):
-                raise ValueError("streams differ in length")
-            return
-        n = min(a.numel(), b.numel())
-        yield a[:n], b[:n]
-        a, b = a[n:], b[n:]
 
 
 def compare_plan_to_reference(plan: MergePlan, source: TensorSource, reference: TensorSource, *,

@@ -16,7 +16,8 @@ multiple of ``make_vocab_size_divisible_by * tp``), then one of two writers lays
 Both write ``transformer_config.json``: the TransformerConfig / GPTModel values the Megatron model
 must be built with to match (sizes, head counts, norm epsilon, RoPE theta, padded vocabulary,
 parallel sizes), and ``stepmerge.json`` (provenance) last. The target gets everything or nothing
-(`merge_engine.output_target`). Memory: one pipeline stage's tensors (legacy), one layer (dist).
+(`merge_engine.output_target`). Memory: one rank file's tensors, i.e. one TP rank's share of a
+pipeline stage (legacy: a rank file is one ``torch.save``), one layer (dist).
 """
 
 from __future__ import annotations
@@ -191,56 +192,72 @@ def _with_extra_states(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def write_legacy(view: MegatronViewOfHf, target_url: str, options: SplitOptions, dtype: torch.dtype | None
-                 ) -> list[tuple[str, int]]:
-    """``model/mp_rank_*/model.pt`` for every (tp, pp, ep) rank; one stage in memory at a time."""
+def _stage_names(view: MegatronViewOfHf, options: SplitOptions, p: int, e: int) -> list[list[tuple[str, str]]]:
+    """Per VPP chunk of stage ``p`` on EP rank ``e``: (name in the rank file, canonical source name),
+    in file order. Metadata only."""
     dims = view.dims
     vpp = options.vpp or 1
     per_chunk = dims.num_layers // (options.pp * vpp)
     experts_per_rank = max(1, dims.num_experts // options.ep) if dims.num_experts else 1
-    names = list(view.metas())
+    chunks = []
+    for v in range(vpp):
+        first_layer = (v * options.pp + p) * per_chunk
+        layers = range(first_layer, first_layer + per_chunk)
+        first, last = p == 0 and v == 0, p == options.pp - 1 and v == vpp - 1
+        placed = []
+        for name in view.metas():
+            match = LAYER_NAME.match(name)
+            if match:
+                if int(match.group(1)) not in layers:
+                    continue
+            elif name.startswith("embedding."):
+                if not first:
+                    continue
+            elif not last:
+                continue
+            local, owner = _local_name(name, first_layer, experts_per_rank)
+            if owner is None or owner == e:
+                placed.append((local, name))
+        if last and dims.tied and not first:
+            # tied with PP > 1: the last stage holds its own copy of the embedding as output layer
+            placed.append(("output_layer.weight", "embedding.word_embeddings.weight"))
+        chunks.append(placed)
+    return chunks
+
+
+def write_legacy(view: MegatronViewOfHf, target_url: str, options: SplitOptions, dtype: torch.dtype | None
+                 ) -> list[tuple[str, int]]:
+    """``model/mp_rank_*/model.pt`` for every (tp, pp, ep) rank, one rank file at a time.
+
+    A rank file is one ``torch.save``, so its tensors are held while it is built: one TP rank's
+    share of one pipeline stage, plus the full tensor being cut. Each tensor is read (and cut)
+    once per TP rank rather than all ranks' pieces being held at once.
+    """
     written = []
     for p in range(options.pp):
         for e in range(options.ep):
-            states: list[list[dict[str, Any]]] = [[{} for _ in range(vpp)] for _ in range(options.tp)]
-            for v in range(vpp):
-                first_layer = (v * options.pp + p) * per_chunk
-                layers = range(first_layer, first_layer + per_chunk)
-                first, last = p == 0 and v == 0, p == options.pp - 1 and v == vpp - 1
-                for name in names:
-                    match = LAYER_NAME.match(name)
-                    if match:
-                        if int(match.group(1)) not in layers:
-                            continue
-                    elif name.startswith("embedding."):
-                        if not first:
-                            continue
-                    elif not last:
-                        continue
-                    local, owner = _local_name(name, first_layer, experts_per_rank)
-                    if owner is not None and owner != e:
-                        continue
-                    _place(states, v, local, view, name, options.tp, dtype)
-                if last and dims.tied and not first:
-                    # tied with PP > 1: the last stage holds its own copy of the embedding as output layer
-                    _place(states, v, "output_layer.weight", view, "embedding.word_embeddings.weight", options.tp, dtype)
+            chunks = _stage_names(view, options, p, e)
             for t in range(options.tp):
+                states = [{local: _rank_piece(view, name, t, options.tp, dtype) for local, name in placed}
+                          for placed in chunks]
                 folder = f"mp_rank_{t:02d}" + (f"_{p:03d}" if options.pp > 1 else "") + (
                     f"_{e:03d}" if options.ep > 1 else "")
                 path = f"model/{folder}/model.pt"
                 with storage.open_write(storage.join(target_url, path)) as out:
-                    torch.save([_with_extra_states(s) for s in states[t]], out)
+                    torch.save([_with_extra_states(s) for s in states], out)
+                del states
                 written.append((path, storage.size(storage.join(target_url, path))))
     return written
 
 
-def _place(states: list[list[dict[str, Any]]], v: int, local: str, view: MegatronViewOfHf, name: str, tp: int,
-           dtype: torch.dtype | None) -> None:
+def _rank_piece(view: MegatronViewOfHf, name: str, rank: int, tp: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """TP rank ``rank``'s piece of the canonical tensor ``name``, in its own storage (the full
+    tensor it was cut from is freed)."""
     tensor = view.read(name)
     if dtype is not None:
         tensor = tensor.to(dtype)
-    for t, piece in enumerate(split_tp(tensor, tp_kind(name, _gated(view, name)), tp)):
-        states[t][v][local] = piece.clone() if tp > 1 else piece
+    piece = split_tp(tensor, tp_kind(name, _gated(view, name)), tp)[rank]
+    return piece.clone() if tp > 1 else piece
 
 
 def _dist_key(name: str, dims) -> tuple[str, tuple[int, ...], tuple[int, ...]]:

@@ -9,6 +9,8 @@ Reading (`read_index`, `DcpTensor`):
 - ``.metadata`` is parsed by stepmerge's allow-list unpickler (`safe_unpickle`): torch's own
   ``FileSystemReader.read_metadata`` calls ``pickle.load`` on it, which would run any code a
   crafted file asks for;
+- every tensor's chunks must tile it exactly, no gap and no overlap (`tiling_problem`), else
+  `CorruptShard`: element counts alone let a chunk listed twice hide a gap;
 - a chunk's archive is opened on first use, over a window of its data file (ranged reads only);
 - `DcpTensor` is a box of a global tensor (some leading indices fixed, e.g. one layer of a
   stacked ``[layers, ...]`` tensor): it reads exactly the chunk regions that intersect it.
@@ -20,11 +22,13 @@ Writing (`DcpWriter`): items are appended to one data file, each tensor chunk as
 
 from __future__ import annotations
 
+import bisect
 import io
 import math
 import pickle
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -61,6 +65,20 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: torch.dtype
     chunks: tuple[ChunkInfo, ...]
+
+    @cached_property
+    def _rows_index(self) -> tuple[list[int], list[ChunkInfo], int]:
+        order = sorted(self.chunks, key=lambda c: c.offsets[0])
+        return [c.offsets[0] for c in order], order, max((c.sizes[0] for c in order), default=0)
+
+    def chunks_meeting(self, start: int, stop: int) -> Sequence[ChunkInfo]:
+        """The chunks whose dim-0 range meets ``[start, stop)`` (all chunks of a scalar), found by
+        bisection: reading one layer of a stacked tensor does not scan every layer's chunks."""
+        if not self.shape:
+            return self.chunks
+        starts, order, tallest = self._rows_index
+        found = order[bisect.bisect_left(starts, start - tallest + 1):bisect.bisect_left(starts, stop)]
+        return [c for c in found if c.offsets[0] + c.sizes[0] > start]
 
 
 @dataclass(frozen=True)
@@ -99,6 +117,13 @@ def read_index(url: str) -> DcpIndex:
     fields = _fields(root)
     if getattr(root, "qualname", "") != "Metadata" or "state_dict_metadata" not in fields:
         raise CorruptShard("not a torch.distributed.checkpoint metadata file", meta_url)
+    try:
+        return _parse_index(url, fields, meta_url)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a field missing or of the wrong kind
+        raise CorruptShard(f"metadata entry malformed ({type(exc).__name__}: {exc})", meta_url) from None
+
+
+def _parse_index(url: str, fields: dict, meta_url: str) -> DcpIndex:
     locations: dict[tuple[str, tuple[int, ...] | None], ItemLocation] = {}
     for index, info in (fields.get("storage_data") or {}).items():
         idx, loc = _fields(index), _fields(info)
@@ -129,10 +154,65 @@ def read_index(url: str) -> DcpIndex:
             if len(offsets) != len(shape) or any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
                 raise CorruptShard(f"{key!r}: chunk {offsets}+{sizes} lies outside {shape}", meta_url)
             chunks.append(ChunkInfo(offsets, sizes, location))
-        if sum(math.prod(c.sizes) for c in chunks) != math.prod(shape):
-            raise CorruptShard(f"{key!r}: its chunks do not cover its global shape {shape} exactly", meta_url)
+        problem = tiling_problem(shape, [(c.offsets, c.sizes) for c in chunks])
+        if problem:
+            raise CorruptShard(f"{key!r} {shape}: its saved {problem}", meta_url)
         tensors[key] = TensorInfo(shape, _dtype_of(entry_fields["properties"], meta_url, key), tuple(chunks))
     return DcpIndex(url, tensors, objects)
+
+
+MAX_GRID_CELLS = 1 << 22  # above this the tiling check compares chunks pairwise instead of marking a grid
+
+
+def tiling_problem(shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> str | None:
+    """None when the boxes ``(offsets, sizes)`` (inside ``shape``) cover it exactly once, else what is wrong
+    ("chunks overlap ...", "chunks do not cover ...").
+
+    Counting elements is not enough (a chunk listed twice hides a gap of the same size). The
+    boxes' borders cut every dim into intervals; each box covers a block of the resulting grid
+    cells, and the boxes tile the shape iff every cell is covered exactly once. A grid too large
+    to mark (crafted metadata) falls back to a pairwise overlap test plus the element count.
+    """
+    boxes = [(tuple(o), tuple(s)) for o, s in boxes if all(s)]  # an empty chunk holds nothing
+    total = math.prod(shape)
+    if not shape or not total:
+        return None if len(boxes) == (1 if total else 0) else f"chunks cover its {total} element(s) {len(boxes)} times"
+    cuts = [sorted({0, n} | {o[d] for o, _ in boxes} | {o[d] + s[d] for o, s in boxes}) for d, n in enumerate(shape)]
+    if math.prod(len(c) - 1 for c in cuts) <= MAX_GRID_CELLS:
+        position = [{x: i for i, x in enumerate(c)} for c in cuts]
+        count = torch.zeros([len(c) - 1 for c in cuts], dtype=torch.int32)
+        for offsets, sizes in boxes:
+            count[tuple(slice(p[o], p[o + s]) for p, o, s in zip(position, offsets, sizes))] += 1
+        if bool((count > 1).any()):
+            return f"chunks overlap (the element at {_first_index(count > 1, cuts)} is saved twice)"
+        if bool((count == 0).any()):
+            return f"chunks do not cover the element at {_first_index(count == 0, cuts)}"
+        return None
+    pair = _overlapping_pair(boxes)
+    if pair is not None:
+        return f"chunks overlap (those at {boxes[pair[0]][0]} and {boxes[pair[1]][0]})"
+    covered = sum(math.prod(s) for _, s in boxes)
+    return None if covered == total else f"chunks do not cover it ({covered} of {total} elements)"
+
+
+def _first_index(mask: torch.Tensor, cuts: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    cell = mask.nonzero()[0].tolist()
+    return tuple(c[i] for c, i in zip(cuts, cell))
+
+
+def _overlapping_pair(boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[int, int] | None:
+    """Two boxes sharing an element, by a sweep over dim 0 (only boxes open together are compared)."""
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][0])
+    active: list[int] = []
+    for i in order:
+        offsets, sizes = boxes[i]
+        active = [j for j in active if boxes[j][0][0] + boxes[j][1][0] > offsets[0]]
+        for j in active:
+            o, s = boxes[j]
+            if all(max(a, b) < min(a + m, b + n) for a, m, b, n in zip(offsets[1:], sizes[1:], o[1:], s[1:])):
+                return j, i
+        active.append(i)
+    return None
 
 
 class _Window:
@@ -213,30 +293,29 @@ class DcpTensor:
         """Elements ``[starts, starts + sizes)`` of this box (coordinates relative to it)."""
         g_starts = tuple(self.lead) + tuple(starts)
         g_sizes = (1,) * len(self.lead) + tuple(sizes)
-        out = None
-        covered = 0
-        for chunk in self.info.chunks:
+        regions = []  # (chunk, low corner, high corner) of every chunk meeting the box
+        meeting = self.info.chunks_meeting(g_starts[0], g_starts[0] + g_sizes[0]) if g_sizes else self.info.chunks
+        for chunk in meeting:
             lo = [max(a, c) for a, c in zip(g_starts, chunk.offsets)]
             hi = [min(a + n, c + s) for a, n, c, s in zip(g_starts, g_sizes, chunk.offsets, chunk.sizes)]
-            if any(l >= h for l, h in zip(lo, hi)):
-                continue
+            if all(l < h for l, h in zip(lo, hi)):
+                regions.append((chunk, lo, hi))
+        problem = tiling_problem(g_sizes, [([l - a for l, a in zip(lo, g_starts)], [h - l for l, h in zip(lo, hi)])
+                                           for _, lo, hi in regions])
+        if problem:  # checked before reading: a hole would otherwise come back as uninitialised memory
+            raise CorruptShard(f"{self.key!r}, box {g_sizes} at {g_starts}: its saved {problem}",
+                               self.files.url)
+        if len(regions) == 1:  # the box lies in one saved chunk: no second buffer
+            chunk, lo, hi = regions[0]
             stored = self.files.chunk(chunk.location, self.key, chunk, self.dtype)
-            local_lo = [l - c for l, c in zip(lo, chunk.offsets)]
-            counts = [h - l for l, h in zip(lo, hi)]
-            region = _read_region(stored, local_lo, counts)
-            covered += math.prod(counts)
-            if out is None and tuple(counts) == g_sizes:
-                out = region  # the box lies in one saved chunk: no second buffer
-                break
-            if out is None:
-                out = torch.empty(g_sizes, dtype=self.dtype)
+            return _read_region(stored, [l - c for l, c in zip(lo, chunk.offsets)],
+                                [h - l for l, h in zip(lo, hi)]).reshape(tuple(sizes))
+        out = torch.empty(g_sizes, dtype=self.dtype)  # every element is written: the regions tile the box
+        for chunk, lo, hi in regions:
+            stored = self.files.chunk(chunk.location, self.key, chunk, self.dtype)
+            region = _read_region(stored, [l - c for l, c in zip(lo, chunk.offsets)], [h - l for l, h in zip(lo, hi)])
             out[tuple(slice(l - a, h - a) for l, h, a in zip(lo, hi, g_starts))] = region
             del region
-        if out is None:
-            out = torch.empty(g_sizes, dtype=self.dtype)
-        if covered != math.prod(g_sizes):
-            raise CorruptShard(f"{self.key!r}: the saved chunks cover {covered} of {math.prod(g_sizes)} elements "
-                               f"of the box at {g_starts}", self.files.url)
         return out.reshape(tuple(sizes))
 
     def read(self) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from merge_engine.architectures.binding import Binding, bind_hf, check_coverage, expected_bindings
 from merge_engine.architectures.mappings import FamilyTable, ModelDims
 from merge_engine.architectures.megatron_names import order_key
+from merge_engine.chunks import flat_slices
 from merge_engine.errors import CorruptShard, MappingError
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
 
@@ -68,10 +69,7 @@ class MegatronViewOfHf:
         return out.contiguous()
 
     def iter_chunks(self, name: str, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
-        flat = self.read(name).reshape(-1)
-        step = max(1, max_bytes // flat.element_size())
-        for start in range(0, flat.numel(), step):
-            yield flat[start:start + step]
+        yield from flat_slices(self.read(name), max_bytes)
 
     def check_tied_copies(self) -> None:
         """A stored ``lm_head`` of a tied model must equal the embedding (else the config lies)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping as MappingType
 from dataclasses import dataclass, field, replace
-from functools import cache, lru_cache
+from functools import cache
 from typing import Any
 
 import torch

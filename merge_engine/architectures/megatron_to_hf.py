@@ -23,7 +23,12 @@ from typing import Any
 
 import torch
 
-from merge_engine.architectures.binding import bind_megatron, check_coverage, expected_bindings, is_tied_head
+from merge_engine.architectures.binding import (
+    bind_megatron,
+    check_coverage,
+    expected_bindings,
+    is_tied_head,
+)
 from merge_engine.architectures.mappings import (
     DirectMapping,
     FamilyTable,
@@ -31,14 +36,16 @@ from merge_engine.architectures.mappings import (
     ParamMapping,
     VocabMapping,
 )
+from merge_engine.chunks import aligned_chunks, flat_slices
 from merge_engine.errors import CorruptShard, InvalidOption, MappingError
 from merge_engine.plan import (
     CRITIC_HEAD,
     DEFAULT_MAX_SHARD_SIZE,
     MergePlan,
     PlannedTensor,
-    critic_config,
     assign_shards,
+    critic_config,
+    output_dtype,
 )
 from merge_engine.tensor_source import TensorSource
 
@@ -71,13 +78,6 @@ class FusedCache:
             self._key, self._parts, self._taken = None, (), set()
 
 
-def _flat_slices(tensor: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
-    flat = tensor.reshape(-1)
-    step = max(1, max_bytes // max(flat.element_size(), 1))
-    for start in range(0, flat.numel(), step):
-        yield flat[start:start + step]
-
-
 @dataclass(frozen=True)
 class FusedPart:
     """Part ``part`` of a fused Megatron tensor split by ``mapping.to_hf``."""
@@ -97,7 +97,7 @@ class FusedPart:
         part = parts[self.part]
         del parts
         self.cache.done(self.part)
-        yield from _flat_slices(part, max_bytes)
+        yield from flat_slices(part, max_bytes)
 
 
 @dataclass(frozen=True)
@@ -116,40 +116,26 @@ class LeadingRows:
 
     def chunks(self, source: TensorSource, max_bytes: int) -> Iterator[torch.Tensor]:
         remaining = self.rows * self.row_numel
-        other = _Recut(source.iter_chunks(self.same_as, max_bytes)) if self.same_as else None
         if remaining <= 0:
             return
-        for chunk in source.iter_chunks(self.source_name, max_bytes):
+        stream = source.iter_chunks(self.source_name, max_bytes)
+        if self.same_as is None:
+            pieces: Iterator[tuple[torch.Tensor, ...]] = ((chunk,) for chunk in stream)
+        else:
+            def size_error(message: str) -> CorruptShard:
+                return CorruptShard(f"config ties the embeddings, but {self.same_as} and {self.source_name} differ "
+                                    f"in size ({message})", source.url)
+
+            pieces = aligned_chunks(stream, source.iter_chunks(self.same_as, max_bytes), error=size_error)
+        for chunk, *copy in pieces:
             chunk = chunk[:remaining]
             remaining -= chunk.numel()
-            if other is not None and not torch.equal(other.take(chunk.numel()), chunk):
+            if copy and not torch.equal(copy[0][:chunk.numel()], chunk):
                 raise CorruptShard(f"config ties the embeddings, but {self.same_as} differs from {self.source_name}; "
                                    "fix tie_word_embeddings in config.json (or pass --hf-model-path)", source.url)
             yield chunk
             if remaining <= 0:
                 return  # the padding rows after vocab_size are never read
-
-
-class _Recut:
-    """Re-cuts a flat chunk stream: `take(n)` returns its next ``n`` elements (fewer at its end)."""
-
-    def __init__(self, chunks: Iterator[torch.Tensor]) -> None:
-        self._chunks = iter(chunks)
-        self._buffer: torch.Tensor | None = None
-
-    def take(self, n: int) -> torch.Tensor:
-        parts, have = [], 0
-        while have < n:
-            if self._buffer is None or not self._buffer.numel():
-                self._buffer = next(self._chunks, None)
-                if self._buffer is None:
-                    break
-            piece, self._buffer = self._buffer[:n - have], self._buffer[n - have:]
-            parts.append(piece)
-            have += piece.numel()
-        if not parts:
-            return torch.empty(0)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def plan_megatron_to_hf(source: TensorSource, config: Mapping[str, Any], *, table: FamilyTable, dims: ModelDims,
@@ -185,7 +171,7 @@ def plan_megatron_to_hf(source: TensorSource, config: Mapping[str, Any], *, tabl
             shapes = mapping.hf_shapes(meta.shape, dims)
         except ValueError as exc:
             raise MappingError(f"{binding.megatron} {meta.shape}: {exc}") from None
-        out_dtype = dtype or meta.dtype
+        out_dtype = output_dtype(meta.dtype, dtype)
         if isinstance(mapping, DirectMapping):
             tensors.append(PlannedTensor(binding.hf[0], shapes[0], out_dtype, binding.megatron))
         elif isinstance(mapping, VocabMapping):

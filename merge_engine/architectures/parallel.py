@@ -13,6 +13,8 @@ linear_fc1 (plain MLP)         column         concatenate rows
 linear_proj, linear_fc2        row            concatenate columns (dim 1)
 anything else                  replicated     identical on every rank (norms, router, biases
                                               of row-parallel layers, shared-expert gate)
+output_layer of ONE row        replicated     verl's critic value head (a plain linear
+  on every rank                               layer, not a vocabulary cut)
 ============================  =============  =========================================
 
 `split_tp` and `gather_tp` are the pure pair (HF -> Megatron split, tests); readers of per-rank
@@ -22,6 +24,7 @@ files build the same gather lazily from the same `tp_kind`.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 import torch
 
@@ -33,10 +36,13 @@ class TPKind(enum.Enum):
     REPLICATED = "replicated"
 
 
+OUTPUT_LAYER = "output_layer.weight"
+VALUE_HEAD_ROWS = 1  # verl's critic: output_layer = Linear(hidden, 1), the same on every TP rank
+
 # (name suffix, kind); ``linear_fc1`` is resolved to gated or plain by `tp_kind`.
 TP_RULES: tuple[tuple[str, TPKind], ...] = (
     ("word_embeddings.weight", TPKind.COLUMN),
-    ("output_layer.weight", TPKind.COLUMN),
+    (OUTPUT_LAYER, TPKind.COLUMN),
     ("linear_qkv.weight", TPKind.COLUMN),
     ("linear_qkv.bias", TPKind.COLUMN),
     ("linear_fc1.weight", TPKind.GATED_COLUMN),
@@ -46,8 +52,14 @@ TP_RULES: tuple[tuple[str, TPKind], ...] = (
 )
 
 
-def tp_kind(name: str, gated: bool = True) -> TPKind:
-    """The TP rule of a Megatron tensor name; ``gated`` says whether ``linear_fc1`` is a gated (SwiGLU) MLP."""
+def tp_kind(name: str, gated: bool = True, piece_rows: Sequence[int] = ()) -> TPKind:
+    """The TP rule of a Megatron tensor name; ``gated`` says whether ``linear_fc1`` is a gated (SwiGLU) MLP.
+
+    ``piece_rows`` (each TP rank's row count, when the pieces are known): an ``output_layer`` of
+    one row on every one of several ranks is a critic's value head, replicated, not a vocabulary cut.
+    """
+    if name.endswith(OUTPUT_LAYER) and len(piece_rows) > 1 and all(r == VALUE_HEAD_ROWS for r in piece_rows):
+        return TPKind.REPLICATED
     for suffix, kind in TP_RULES:
         if name.endswith(suffix):
             if kind is TPKind.GATED_COLUMN and not gated:

@@ -13,12 +13,12 @@ import json
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint
 from merge_engine.layouts import Checkpoint
+from merge_engine.plan import INDEX_FILE as INDEX
 from merge_engine.safetensors_file import SafetensorsFile
 from merge_engine.storage import FileEntry
 from merge_engine.tensor_source import AssembledSource, ConcatTensor, TensorSource
 
 NAME = "hf"
-INDEX = "model.safetensors.index.json"
 
 
 def detect(files: list[FileEntry]) -> bool:

@@ -12,6 +12,7 @@ every header parsed); and every tensor the config implies present, by the family
 from __future__ import annotations
 
 from merge_engine import storage
+from merge_engine.discovery import V2_MARKER
 from merge_engine.errors import IncompleteCheckpoint, UnknownArchitecture
 from merge_engine.hf_metadata import read_config
 from merge_engine.layouts import Checkpoint, hf
@@ -20,7 +21,6 @@ from merge_engine.tensor_source import TensorSource
 
 NAME = "megatron_bridge"
 HF_FOLDERS = ("model/huggingface/", "huggingface/")
-V2_MARKER = "ckpt_contents.json"
 # files only a Megatron run leaves beside its Hugging Face export (an FSDP step has its own layout)
 MEGATRON_MARKERS = ("transformer_config.json", V2_MARKER)
 MEGATRON_FOLDERS = ("dist_ckpt/", "model/dist_ckpt/", "extra/dist_ckpt/", "optimizer/dist_ckpt/")

@@ -24,7 +24,6 @@ RNG state gets an error saying so), the v2 marker present.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -36,23 +35,26 @@ from merge_engine.architectures.megatron_names import (
     layer_name,
     order_key,
 )
+from merge_engine.discovery import V2_MARKER
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout
+from merge_engine.json_file import read_json_object
 from merge_engine.layouts import Checkpoint
+from merge_engine.layouts.megatron_lm_root import choose_iteration
 from merge_engine.storage import FileEntry
 from merge_engine.tensor_source import AssembledSource, TensorSource
 from merge_engine.torch_dcp import METADATA_FILE, DcpFiles, DcpIndex, DcpTensor, read_index
 
 NAME = "megatron_dist"
-V2_MARKER = "ckpt_contents.json"
 MEGATRON_METADATA = "metadata.json"
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
 TRANSFORMER_CONFIG = "transformer_config.json"
 MODEL_FOLDERS = ("model/dist_ckpt/", "dist_ckpt/", "")  # detection order
 STATE_ONLY_FOLDERS = ("extra/dist_ckpt/", "optimizer/dist_ckpt/")
 HF_FOLDERS = {"model/dist_ckpt/": "model/huggingface", "dist_ckpt/": "huggingface", "": None}
 ITER_METADATA = re.compile(r"^(iter_\d+)/\.metadata$")
-# keys of a dist_ckpt that are not model weights
-NON_MODEL_PREFIXES = ("optimizer", "rng_state", "lr_scheduler", "opt_param_scheduler", "num_floating_point_operations")
+# keys of a dist_ckpt that are not model weights; Megatron's ChainedOptimizer (MoE: one optimizer for
+# the dense parameters, one for the experts) prefixes each optimizer's keys with ``chained_<i>.``
+NON_MODEL_KEY = re.compile(r"^(?:chained_\d+\.)?(?:optimizer|rng_state|lr_scheduler|opt_param_scheduler"
+                           r"|num_floating_point_operations)")
 STACKED = "decoder.layers."
 STACKED_EXPERTS = "mlp.experts.experts."
 
@@ -71,27 +73,12 @@ def detect(files: list[FileEntry]) -> bool:
             or any(ITER_METADATA.match(f.path) for f in files))
 
 
-def _rebase(files: list[FileEntry], prefix: str) -> list[FileEntry]:
-    return [FileEntry(f.path[len(prefix):], f.size, f.version) for f in files if f.path.startswith(prefix)]
-
-
 def _choose_root(url: str, files: list[FileEntry]) -> tuple[str, list[FileEntry]]:
-    """A Megatron-LM run root -> its iteration folder (tracker, or the only one)."""
+    """A Megatron-LM run root -> its iteration folder (tracker, or the only one); else ``url`` itself."""
     if any(_has_shards(files, folder) for folder in MODEL_FOLDERS + STATE_ONLY_FOLDERS):
         return url, files
-    iterations = sorted({m.group(1) for f in files if (m := ITER_METADATA.match(f.path))})
-    chosen = iterations[0] if len(iterations) == 1 else None
-    if any(f.path == TRACKER_FILE for f in files):
-        text = storage.read_text(storage.join(url, TRACKER_FILE)).strip()
-        if text.isdigit():
-            chosen = f"iter_{int(text):07d}"
-            if chosen not in iterations:
-                raise IncompleteCheckpoint(f"{TRACKER_FILE} names iteration {text}, which has no {METADATA_FILE}",
-                                           storage.join(url, chosen))
-    if chosen is None:
-        raise UnsupportedLayout(f"{len(iterations)} iterations here and no {TRACKER_FILE}; point at one iter_* folder",
-                                url)
-    return storage.join(url, chosen), _rebase(files, chosen + "/")
+    iterations = {m.group(1) for f in files if (m := ITER_METADATA.match(f.path))}
+    return choose_iteration(url, files, iterations, holds=METADATA_FILE)
 
 
 def _model_folder(url: str, files: list[FileEntry]) -> str:
@@ -106,16 +93,8 @@ def _model_folder(url: str, files: list[FileEntry]) -> str:
 
 
 def is_model_key(key: str) -> bool:
-    return not key.startswith(NON_MODEL_PREFIXES) and not is_extra_state(key)
-
-
-def _read_json(url: str) -> Any:
-    try:
-        return json.loads(storage.read_text(url))
-    except FileNotFoundError:
-        return None
-    except ValueError as exc:
-        raise CorruptShard(f"not valid JSON ({exc})", url) from None
+    """False for optimizer (also ``chained_N.optimizer...``), RNG and scheduler state and extra states."""
+    return not NON_MODEL_KEY.match(key) and not is_extra_state(key)
 
 
 def _check_files(index: DcpIndex, folder_url: str, files: dict[str, FileEntry]) -> None:
@@ -141,7 +120,7 @@ def parallel_sizes(url: str, files: list[FileEntry]) -> dict[str, int]:
     """TP/PP/EP/VPP sizes recorded in verl's ``transformer_config.json`` ({} when absent)."""
     if not any(f.path == TRANSFORMER_CONFIG for f in files):
         return {}
-    config = _read_json(storage.join(url, TRANSFORMER_CONFIG)) or {}
+    config = read_json_object(storage.join(url, TRANSFORMER_CONFIG)) or {}
     keys = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
             "ep": "expert_model_parallel_size", "vpp": "virtual_pipeline_model_parallel_size"}
     return {k: int(config[v]) for k, v in keys.items() if isinstance(config.get(v), int)}
@@ -156,7 +135,7 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
         if V2_MARKER not in paths:
             raise IncompleteCheckpoint(f"{V2_MARKER} (written last by verl) not present yet",
                                        storage.join(root, V2_MARKER))
-        contents = _read_json(storage.join(root, V2_MARKER)) or {}
+        contents = read_json_object(storage.join(root, V2_MARKER)) or {}
         model = (contents.get("contents") or {}).get("model") or {}
         if model.get("format") not in (None, "megatron_dist_checkpoint"):
             raise UnsupportedLayout(f"{V2_MARKER} says the model is saved as {model.get('format')!r} in "
@@ -166,7 +145,7 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
         if folder + required not in paths:
             raise IncompleteCheckpoint(f"{required} missing (written at the end of the save)",
                                        storage.join(folder_url, required))
-    backend = (_read_json(storage.join(folder_url, MEGATRON_METADATA)) or {}).get("sharded_backend")
+    backend = (read_json_object(storage.join(folder_url, MEGATRON_METADATA)) or {}).get("sharded_backend")
     if backend != "torch_dist":
         raise UnsupportedLayout(f"sharded_backend {backend!r}: only torch_dist checkpoints are read; re-save with "
                                 "--ckpt-format torch_dist", storage.join(folder_url, MEGATRON_METADATA))

@@ -17,7 +17,7 @@ or TransformerEngine-style. `open` gives the *canonical* Megatron tensors (see
 `merge_engine.architectures.megatron_names`), each gathered lazily from its TP pieces by the rules
 of `merge_engine.architectures.parallel` — nothing is read until the writer asks. Tensors repeated
 on every EP rank (everything but the experts) are read from EP rank 0; TP copies of replicated
-tensors are checked identical while read.
+tensors (also a critic's one-row value head) are checked identical while read.
 
 Completeness: one kind of rank file; every (tp, pp, ep) cell the names span present, non-empty and
 a readable archive; the same number of VPP chunks everywhere; the same keys on every TP rank of a
@@ -43,6 +43,7 @@ from merge_engine.architectures.megatron_names import (
 from merge_engine.architectures.parallel import TPKind, is_gated_fc1, tp_kind
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout, WorldSizeMismatch
 from merge_engine.layouts import Checkpoint
+from merge_engine.layouts.megatron_lm_root import choose_iteration
 from merge_engine.storage import FileEntry
 from merge_engine.tensor_source import AssembledSource, ConcatTensor, ReplicatedTensor, TensorSource
 from merge_engine.torch_archive import Record, StoredTensor, TorchArchive
@@ -52,7 +53,6 @@ RANK_FILE = re.compile(r"^(?P<prefix>(?:model/|iter_\d+/)?)mp_rank_(?P<tp>\d{2})
                        r"(?P<file>model\.pt|model_optim_rng\.pt)$")
 VERL_FILE, MEGATRON_LM_FILE = "model.pt", "model_optim_rng.pt"
 HF_DIRS = ("hf_config_and_tokenizer", "huggingface")
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
 FINAL_NORM = "decoder.final_layernorm.weight"
 EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -73,31 +73,15 @@ def detect(files: list[FileEntry]) -> bool:
     return any(RANK_FILE.match(f.path) for f in files)
 
 
-def _rebase(files: list[FileEntry], prefix: str) -> list[FileEntry]:
-    return [FileEntry(f.path[len(prefix):], f.size, f.version) for f in files if f.path.startswith(prefix)]
-
-
 def _choose_root(url: str, files: list[FileEntry]) -> tuple[str, list[FileEntry]]:
-    """A Megatron-LM run root -> its iteration folder (from the tracker, or the only one)."""
+    """A Megatron-LM run root -> its iteration folder (from the tracker, or the only one); else ``url`` itself."""
     prefixes = {m.group("prefix") for f in files if (m := RANK_FILE.match(f.path))}
-    iterations = sorted(p for p in prefixes if p.startswith("iter_"))
+    iterations = {p.rstrip("/") for p in prefixes if p.startswith("iter_")}
     if not iterations:
         return url, files
     if len(prefixes) > len(iterations):
         raise UnsupportedLayout("rank folders both at the top and inside iter_* folders", url)
-    chosen = iterations[0] if len(iterations) == 1 else None
-    if any(f.path == TRACKER_FILE for f in files):
-        text = storage.read_text(storage.join(url, TRACKER_FILE)).strip()
-        if text.isdigit():
-            wanted = f"iter_{int(text):07d}/"
-            if wanted not in iterations:
-                raise IncompleteCheckpoint(f"{TRACKER_FILE} names iteration {text}, which has no rank files",
-                                           storage.join(url, wanted))
-            chosen = wanted
-    if chosen is None:
-        raise UnsupportedLayout(f"{len(iterations)} iterations here ({', '.join(i.rstrip('/') for i in iterations)}) "
-                                f"and no {TRACKER_FILE}; point at one iter_* folder", url)
-    return storage.join(url, chosen.rstrip("/")), _rebase(files, chosen)
+    return choose_iteration(url, files, iterations, holds="rank files")
 
 
 def _open_archive(url: str, entry: FileEntry) -> TorchArchive:
@@ -352,7 +336,8 @@ def canonical_tensors(grid: RankGrid, archives: dict[tuple[int, int, int], Torch
                     pieces = [states[(t, p, e)][v][key] for t in range(grid.tp)]
                     if name in tensors:
                         raise CorruptShard(f"{name} is stored twice (stage {p}, chunk {v})", archives[(0, p, e)].url)
-                    tensors[name] = gather(pieces, tp_kind(name, gated), name)
+                    rows = [piece.shape[0] if isinstance(piece, StoredTensor) and piece.shape else 0 for piece in pieces]
+                    tensors[name] = gather(pieces, tp_kind(name, gated, rows), name)
     return dict(sorted(tensors.items(), key=lambda item: order_key(item[0])))
 
 

@@ -8,7 +8,11 @@ tensors (modules to save) combine as updates too: ``W + sum_i w_i * (M_i - W)``.
 Outputs:
 - a fused model (`merge_engine.lora.fuse.plan_fused_model`);
 - one adapter, exact by rank stacking: A = [w_1 s_1 A_1; w_2 s_2 A_2; ...], B = [B_1, B_2, ...],
-  scale 1 (lora_alpha = r per module), rank = the sum of the ranks;
+  scale 1 (lora_alpha = r per module), rank = the sum of the ranks. When a multiplier w_i s_i is
+  not 1, the stacked factors are written in float32 (at least): w s A computed in float32 and
+  rounded back to a bf16 / fp16 adapter's dtype would be off by ~1e-3, so B @ A equals the weighted
+  sum of the updates to float32 rounding. With every multiplier 1 the factors are copied as stored
+  (exact in any dtype). An explicit ``dtype`` is honoured and rounds the factors to it;
 - one adapter re-factored by SVD to ``rank`` (or by ``energy``), with each module's relative error.
 """
 
@@ -75,7 +79,7 @@ def combination_weights(method: str, count: int, weights: Sequence[float] | None
 @dataclass(frozen=True)
 class StackedFactor:
     """A stacked factor: the parts (source name, multiplier) concatenated along ``dim``
-    (0: rows, for A; 1: columns, for B), in float32."""
+    (0: rows, for A; 1: columns, for B), computed in float32 (float64 inputs: float64)."""
 
     parts: tuple[tuple[str, float], ...]
     dim: int
@@ -87,7 +91,8 @@ class StackedFactor:
     def chunks(self, source: TensorSource, max_bytes: int) -> Iterator[torch.Tensor]:
         pieces = []
         for name, multiplier in self.parts:
-            piece = source.read(name).to(torch.float32)
+            piece = source.read(name)
+            piece = piece.to(torch.promote_types(piece.dtype, torch.float32))
             finite_or_raise(piece, name, getattr(source, "url_of", lambda _: source.url)(name))
             pieces.append(piece * multiplier if multiplier != 1.0 else piece)
         yield torch.cat(pieces, dim=self.dim).reshape(-1)
@@ -137,6 +142,13 @@ class ModuleGroup:
                 d = item.adapter.metas[key].dtype
                 dtype = d if dtype is None else torch.promote_types(dtype, d)
         return dtype
+
+    def stacked_dtype(self) -> torch.dtype:
+        """The dtype that keeps rank stacking exact: the adapters' own when every multiplier is 1
+        (A and B are copied as stored), else at least float32 (``w * s * A`` rarely fits bf16 / fp16)."""
+        if all(c == 1.0 for _, c in self.a_parts()):
+            return self.dtype()
+        return torch.promote_types(self.dtype(), torch.float32)
 
 
 def module_groups(inputs: Sequence[WeightedAdapter]) -> dict[str, ModuleGroup]:
@@ -213,7 +225,8 @@ def plan_combined_adapter(inputs: Sequence[WeightedAdapter], source: TensorSourc
                           device: str | None = None) -> tuple[MergePlan, dict, list[ModuleReport]]:
     """(plan of adapter_model.safetensors, adapter_config.json, SVD reports) of the combination.
 
-    Without ``rank``/``energy``: exact rank stacking, nothing read before writing. With them:
+    Without ``rank``/``energy``: exact rank stacking, nothing read before writing (factors in
+    `ModuleGroup.stacked_dtype` unless ``dtype`` is given). With them:
     each module's stacked update is re-factored by `factor_product` now (the result is held: an
     adapter, not a model) and its relative error reported.
     """
@@ -240,7 +253,7 @@ def plan_combined_adapter(inputs: Sequence[WeightedAdapter], source: TensorSourc
         m = group.first
         k = table[name].rank if refactor else group.rank
         ranks[name] = k
-        out_dtype = dtype or group.dtype()
+        out_dtype = dtype or (group.dtype() if refactor else group.stacked_dtype())
         a_build = TableFactor(table, name, "a") if refactor else StackedFactor(group.a_parts(), 0)
         b_build = TableFactor(table, name, "b") if refactor else StackedFactor(group.b_parts(), 1)
         tensors.append(PlannedTensor(adapter_file_key(name, "lora_A", m.embedding), (k, m.in_features), out_dtype,

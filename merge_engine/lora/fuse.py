@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
+from merge_engine.chunks import aligned_chunks
 from merge_engine.errors import AdapterError
 from merge_engine.lora.adapter_io import Adapter, check_fits_base
 from merge_engine.lora.sources import qualified
-from merge_engine.plan import EMBED_NAMES, LM_HEAD, MergePlan, plan_hf_merge, tie_word_embeddings
+from merge_engine.plan import EMBED_SUFFIXES, LM_HEAD, MergePlan, plan_hf_merge, tie_word_embeddings
 from merge_engine.tensor_source import TensorMeta, TensorSource
 
 BASE_NAMESPACE = "base"
@@ -50,22 +51,10 @@ def finite_or_raise(tensor: torch.Tensor, what: str, where: str | None) -> None:
         raise AdapterError(f"{what} holds NaN or Inf values", where)
 
 
-def aligned(streams: Sequence[Iterator[torch.Tensor]]) -> Iterator[list[torch.Tensor]]:
-    """Re-cut flat chunk streams of equal total length into lists of equal-length pieces."""
-    current: list[torch.Tensor | None] = [None] * len(streams)
-    while True:
-        for i, stream in enumerate(streams):
-            while current[i] is None or not current[i].numel():
-                current[i] = next(stream, None)
-                if current[i] is None:
-                    break
-        if any(c is None for c in current):
-            if any(c is not None and c.numel() for c in current):
-                raise AdapterError("tensors to combine differ in length")
-            return
-        n = min(c.numel() for c in current)
-        yield [c[:n] for c in current]
-        current = [c[n:] for c in current]
+def aligned(streams: Sequence[Iterator[torch.Tensor]]) -> Iterator[tuple[torch.Tensor, ...]]:
+    """`merge_engine.chunks.aligned_chunks` over ``streams``; streams of different lengths: `AdapterError`."""
+    return aligned_chunks(*streams, error=lambda message: AdapterError(f"tensors to combine differ in length "
+                                                                       f"({message})"))
 
 
 def _source_url(source: TensorSource, name: str) -> str:
@@ -204,7 +193,7 @@ def check_untied_targets(touched: Sequence[str], config: Mapping[str, Any], wher
     it to one use of the shared matrix only): `AdapterError`."""
     if not tie_word_embeddings(config):
         return
-    shared = [name for name in touched if name in EMBED_NAMES or name == LM_HEAD]
+    shared = [name for name in touched if name.endswith(EMBED_SUFFIXES) or name == LM_HEAD]
     if shared:
         raise AdapterError(f"the adapter changes {shared[0]} but the model ties its embeddings: the fused model "
                            "cannot be expressed with tied weights", where)

@@ -66,3 +66,10 @@ def test_a_dtype_safetensors_cannot_store_is_refused_at_planning():
     metas = {**METAS, "model.freqs_cis": TensorMeta("model.freqs_cis", (8, 2), torch.complex64)}
     with pytest.raises(UnsupportedLayout, match="model.freqs_cis"):
         plan_hf_merge(metas, {"model_type": "llama", "tie_word_embeddings": False})
+
+
+def test_tied_without_an_input_embedding_is_refused():
+    """Dropping lm_head is only safe when there is an embedding to tie it to (and to check it against)."""
+    metas = _metas(lm_head__weight=((10, 4), torch.float32), model__norm__weight=((4,), torch.float32))
+    with pytest.raises(InvalidConfig, match="no input embedding"):
+        plan_hf_merge(metas, {"model_type": "llama", "tie_word_embeddings": True})

@@ -272,3 +272,94 @@ def test_a_local_release_keeps_no_claims_folder(tmp_path):
     publish(str(staging), str(release), source="s", fingerprint="f", options={}, validation=None,
             engine_version="0")
     assert sorted(p.name for p in release.iterdir()) == ["_COMPLETE", "manifest.json", "model.safetensors"]
+
+
+class TestClaimHeartbeat:
+    """A claim stays live for as long as its publisher copies, however long one file takes."""
+
+    @staticmethod
+    def _slow_copy(monkeypatch, staging, hold, during=None):
+        """Copies out of ``staging`` start with ``during()`` and last until ``hold()`` returns."""
+        real = publish_module._copy_with_sha256
+
+        def slow(src, dst, size):
+            if src.startswith(staging + "/"):
+                if during is not None:
+                    during()
+                hold()  # one big shard over a slow link: longer than the claim TTL
+            return real(src, dst, size)
+
+        monkeypatch.setattr(publish_module, "_copy_with_sha256", slow)
+
+    def test_a_file_copy_longer_than_the_ttl_keeps_the_claim_live(self, root_url, monkeypatch):
+        """While one copy runs for several TTLs, another publisher still sees our claim live, backs
+        off (`ReleaseBusy`) and writes nothing; ours completes."""
+        release_url = storage.join(root_url, "rel")
+        ttl = 0.4
+        staging = stage(root_url, "a")
+        copying, go = threading.Event(), threading.Event()
+        self._slow_copy(monkeypatch, staging, hold=lambda: go.wait(30), during=copying.set)
+        result, errors = [], []
+
+        def first():
+            try:
+                result.append(do_publish(staging, release_url, claim_ttl_s=ttl))
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                errors.append(exc)
+
+        thread = threading.Thread(target=first)
+        thread.start()
+        try:
+            assert copying.wait(30)
+            time.sleep(3 * ttl)  # mid-copy, well past the TTL
+            live = publish_module._live_claims(release_url, ttl)
+            with pytest.raises(ReleaseBusy):
+                do_publish(stage(root_url, "b"), release_url, fingerprint="fp-2", claim_ttl_s=ttl, wait_s=0.2,
+                           overwrite=True)
+        finally:
+            go.set()
+            thread.join(30)
+        assert not errors and len(live) == 1
+        assert result[0].attempt == live[0] == read_manifest(release_url).attempt
+        assert read_manifest(release_url).fingerprint == "fp-1" and verify_release(release_url).ok
+
+    def test_a_publisher_whose_claim_was_taken_writes_no_manifest(self, root_url, monkeypatch):
+        """If our claim disappears while we copy (we stalled past the TTL and another publisher
+        cleared it), we stop: `ClaimLost` (a `ReleaseBusy`), no manifest, no marker, staging kept."""
+        from merge_engine.publish import ClaimLost
+
+        release_url = storage.join(root_url, "rel")
+        once = threading.Lock()
+
+        def taken():
+            if not once.acquire(blocking=False):
+                return  # the copies run in parallel: take the claim once
+            for entry in storage.list_files(storage.join(release_url, CLAIMS)):
+                storage.remove(storage.join(release_url, CLAIMS, entry.path))
+            publish_module._write_claim(release_url, "intruder", "fp-2")
+
+        staging = stage(root_url)
+        self._slow_copy(monkeypatch, staging, hold=lambda: time.sleep(0.3), during=taken)
+        with pytest.raises(ClaimLost, match="claim"):
+            do_publish(staging, release_url, claim_ttl_s=0.4)
+        assert isinstance(ClaimLost("x"), ReleaseBusy)
+        assert not {MANIFEST, MARKER} & paths(release_url)
+        assert paths(storage.join(release_url, CLAIMS)) == {"intruder.json"}  # never resurrected ours
+        assert paths(staging) == set(FILES)
+
+    def test_a_claim_left_stale_for_a_ttl_is_treated_as_lost(self, root_url, monkeypatch):
+        """Refreshes failing for longer than the TTL (storage down, or this process stalled): others
+        may have judged the claim dead and taken over, so we write no manifest (`ClaimLost`)."""
+        from merge_engine.publish import ClaimLost
+
+        release_url = storage.join(root_url, "rel")
+
+        def storage_fails(*_):
+            raise OSError("storage unreachable")
+
+        staging = stage(root_url)
+        self._slow_copy(monkeypatch, staging, hold=lambda: time.sleep(1.0),
+                        during=lambda: monkeypatch.setattr(publish_module, "_write_claim", storage_fails))
+        with pytest.raises(ClaimLost, match="stale"):
+            do_publish(staging, release_url, claim_ttl_s=0.3)
+        assert not {MANIFEST, MARKER} & paths(release_url)

@@ -10,12 +10,15 @@ Specification (issue 3, point 3), on the reference Hugging Face models of the re
   tensors as the fixture's, and the torch_dist folder the same global tensors and entries (torch's
   own DCP reader), padding rows aside (Megatron's are random, ours zero);
 - ``transformer_config.json`` carries the values the Megatron model must be built with;
-- impossible sizes are refused before anything is written; a second identical split is a no-op.
+- impossible sizes are refused before anything is written; a second identical split is a no-op;
+- the legacy writer builds and saves one rank file at a time: while a rank file is saved, the
+  tensors alive are that rank's share of the stage, not every TP rank's pieces.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 
@@ -184,4 +187,40 @@ def test_cli_split_then_merge_and_rerun(megatron_runs, tmp_path, capsys):
     assert main(["merge", "--backend", "megatron", "--local_dir", target, "--target_dir", str(tmp_path / "hf"),
                  "--tie-word-embedding"]) == 0
     reference, ours = _tensors(hf), _tensors(str(tmp_path / "hf"))
+    assert set(ours) == set(reference) and all(torch.equal(ours[k], v) for k, v in reference.items())
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of the distinct CPU storages behind every live tensor."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def test_legacy_writer_holds_one_rank_file_at_a_time(megatron_runs, tmp_path, monkeypatch):
+    """TP 2, PP 1 (a rank file is half of every tensor): while each rank file is saved, the live
+    tensors are about that rank's half of the model (plus the one tensor being cut), not both
+    ranks' pieces (the whole model) at once."""
+    hf = _reference_hf(megatron_runs["llama_tp1_pp1_legacy"])
+    model_bytes = sum(t.numel() * t.element_size() for t in _tensors(hf).values())
+    baseline = _live_tensor_bytes()
+    held = []
+    real_save = torch.save
+
+    def measuring_save(obj, f, *args, **kwargs):
+        held.append(_live_tensor_bytes() - baseline)
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", measuring_save)
+    split_hf_to_megatron(hf, str(tmp_path / "split"), SplitOptions(tp=2))
+    monkeypatch.undo()
+    assert len(held) == 2
+    assert max(held) < 0.7 * model_bytes, (held, model_bytes)
+    merged = tmp_path / "merged"
+    merge_checkpoint(str(tmp_path / "split"), str(merged), MergeOptions(backend="megatron"))
+    reference, ours = _tensors(hf), _tensors(str(merged))
     assert set(ours) == set(reference) and all(torch.equal(ours[k], v) for k, v in reference.items())

@@ -7,7 +7,9 @@ Specification:
   bounded row-major pieces;
 - ``.metadata`` is parsed by the allow-list unpickler: a pickle asking for anything else raises
   `UnsafePickle` before it runs; missing ``.metadata`` is `IncompleteCheckpoint`; chunks that do not
-  tile the tensor are `CorruptShard`.
+  tile the tensor exactly (a gap, or overlapping chunks whose element count hides a gap) are
+  `CorruptShard` naming ``.metadata``, and `DcpTensor` re-checks the tiling of every box before
+  reading it.
 """
 
 import os
@@ -95,3 +97,82 @@ def test_missing_metadata_and_gaps(tmp_path):
     url = _write(tmp_path / "gap", CUTS[:-1])  # the last chunk never written: the tensor is not covered
     with pytest.raises(CorruptShard, match="do not cover"):
         read_index(url)
+
+
+def test_overlapping_chunks_are_refused_even_when_the_count_adds_up(tmp_path):
+    """A chunk listed twice (rows 2..3 never saved) has the right element count but leaves a gap:
+    the index is refused, naming ``.metadata``, instead of reading uninitialised memory."""
+    writer = DcpWriter(str(tmp_path / "twice"))
+    writer.add_chunk("w", (4, 2), (0, 0), torch.ones(2, 2))
+    writer.add_chunk("w", (4, 2), (0, 0), torch.ones(2, 2))
+    writer.close()
+    with pytest.raises(CorruptShard, match="overlap") as info:
+        read_index(str(tmp_path / "twice"))
+    assert info.value.path.endswith(".metadata")
+    # overlapping on an inner dim only: [0:2, 0:3] and [0:2, 2:4] share column 2; rows 2..3 left out
+    writer = DcpWriter(str(tmp_path / "inner"))
+    writer.add_chunk("w", (3, 4), (0, 0), torch.ones(2, 3))
+    writer.add_chunk("w", (3, 4), (0, 2), torch.ones(2, 2))
+    writer.add_chunk("w", (3, 4), (2, 0), torch.ones(1, 2))
+    writer.close()
+    with pytest.raises(CorruptShard, match="overlap"):
+        read_index(str(tmp_path / "inner"))
+
+
+def test_reading_a_box_the_chunks_do_not_tile_is_refused(tmp_path):
+    """`DcpTensor` checks the tiling itself, whatever index it is given, before reading: a chunk
+    listed twice (element count right, rows 2..3 missing) or a plain gap raises `CorruptShard`,
+    never uninitialised memory; boxes the chunks do cover still read."""
+    from merge_engine.torch_dcp import TensorInfo
+
+    writer = DcpWriter(str(tmp_path / "half"))
+    writer.add_chunk("w", (2, 2), (0, 0), torch.ones(2, 2))
+    writer.close()
+    url = str(tmp_path / "half")
+    (chunk,) = read_index(url).tensors["w"].chunks
+    files = DcpFiles(url, {e.path: e.size for e in storage.list_files(url)})
+    with pytest.raises(CorruptShard, match="overlap"):
+        DcpTensor("w", TensorInfo((4, 2), torch.float32, (chunk, chunk)), files).read()
+    holed = DcpTensor("w", TensorInfo((4, 2), torch.float32, (chunk,)), files)
+    with pytest.raises(CorruptShard, match=r"do not cover the element at \(2, 0\)"):
+        holed.read()
+    assert torch.equal(holed.read_box((0, 0), (2, 2)), torch.ones(2, 2))
+
+
+def test_tiling_check_on_a_grid_too_large_to_mark(monkeypatch):
+    """Past `MAX_GRID_CELLS` the check compares chunks pairwise: same verdicts."""
+    from merge_engine import torch_dcp
+
+    monkeypatch.setattr(torch_dcp, "MAX_GRID_CELLS", 1)
+    assert torch_dcp.tiling_problem((4, 6, 10), CUTS) is None
+    assert "overlap" in torch_dcp.tiling_problem((4, 2), [((0, 0), (2, 2)), ((0, 0), (2, 2))])
+    assert "overlap" in torch_dcp.tiling_problem((3, 4), [((0, 0), (2, 3)), ((0, 2), (2, 2)), ((2, 0), (1, 2))])
+    assert "do not cover" in torch_dcp.tiling_problem((4, 6, 10), CUTS[:-1])
+
+
+def test_a_metadata_entry_missing_a_field_is_corrupt_not_a_crash(tmp_path):
+    """A storage entry without relative_path (a foreign or truncated writer): CorruptShard naming .metadata."""
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    class _StorageInfo:  # pickled under torch's own name, but without relative_path
+        def __init__(self):
+            self.offset, self.length = 0, 8
+
+    _StorageInfo.__module__ = dcp_filesystem.__name__
+    _StorageInfo.__qualname__ = "_StorageInfo"
+    real = dcp_filesystem._StorageInfo
+    dcp_filesystem._StorageInfo = _StorageInfo
+    try:
+        metadata = Metadata(
+            state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2]),
+                                                            [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))])},
+            storage_data={MetadataIndex("w", torch.Size([0])): _StorageInfo()})
+        data = pickle.dumps(metadata)
+    finally:
+        dcp_filesystem._StorageInfo = real
+    (tmp_path / ".metadata").write_bytes(data)
+    with pytest.raises(CorruptShard, match="malformed") as info:
+        read_index(str(tmp_path))
+    assert info.value.path.endswith(".metadata")

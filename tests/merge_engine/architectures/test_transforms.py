@@ -115,6 +115,13 @@ class TestTensorParallel:
     def test_rules_key_on_module_names(self, name, gated, kind):
         assert tp_kind(name, gated) is kind
 
+    def test_one_row_output_layer_on_every_rank_is_a_replicated_value_head(self):
+        """verl's critic head (one row per TP rank) is replicated; a vocabulary cut stays column."""
+        assert tp_kind("output_layer.weight", piece_rows=(1, 1)) is TPKind.REPLICATED
+        assert tp_kind("output_layer.weight", piece_rows=(64, 64)) is TPKind.COLUMN
+        assert tp_kind("output_layer.weight", piece_rows=(1,)) is TPKind.COLUMN
+        assert tp_kind("embedding.word_embeddings.weight", piece_rows=(1, 1)) is TPKind.COLUMN
+
     def test_gated_mlp_told_from_shapes(self):
         assert is_gated_fc1(224, 112) and not is_gated_fc1(112, 112)
         with pytest.raises(ValueError):

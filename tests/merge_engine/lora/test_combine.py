@@ -209,3 +209,58 @@ def test_mismatched_adapters_cannot_be_stacked(tmp_path, tiny_base, peft_adapter
     with pytest.raises(AdapterError):
         merge_lora(tiny_base, [peft_adapters["qv"], gpt2_adapter], str(tmp_path / "x"))
     assert not os.path.exists(tmp_path / "x")
+
+
+def _bf16_adapter(folder, seed: int, r: int, alpha: float) -> str:
+    """A PEFT adapter saved in bfloat16 (as bf16 training saves them), on two modules of a 2-layer model."""
+    from safetensors.torch import save_file
+
+    from merge_engine.lora.config import adapter_config
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(2):
+        for module, (out_f, in_f) in {"q_proj": (24, 16), "v_proj": (8, 16)}.items():
+            key = f"{PREFIX}model.layers.{layer}.self_attn.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, in_f, generator=generator).to(torch.bfloat16)
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out_f, r, generator=generator).to(torch.bfloat16)
+    os.makedirs(folder)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(adapter_config(r=r, lora_alpha=alpha, target_modules=["q_proj", "v_proj"]), f)
+    return str(folder)
+
+
+@pytest.mark.parametrize("method, given", [("concat", None), ("weighted", (0.7, -0.4)), ("average", None)])
+def test_stacking_bf16_adapters_is_exact(tmp_path, method, given):
+    """bf16 adapters with scales 16/12 and 8/4: w * s * A does not fit bf16, so the stacked factors
+    are written in float32 and the stacked adapter's update is the weighted sum of the inputs'
+    updates to float32 rounding (storing w * s * A back in bf16 was off by ~1e-3, relative)."""
+    adapters = [_bf16_adapter(tmp_path / "a", 1, r=12, alpha=16), _bf16_adapter(tmp_path / "b", 2, r=4, alpha=8)]
+    merge_lora(None, adapters, str(tmp_path / "out"), MergeLoraOptions(method=method, weights=given,
+                                                                       output="adapter"))
+    stored = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
+    assert {t.dtype for t in stored.values()} == {torch.float32}
+    effective = given or ((1.0, 1.0) if method == "concat" else (0.5, 0.5))
+    inputs = [lora_products(a) for a in adapters]
+    got = lora_products(str(tmp_path / "out"))
+    assert sorted(got) == sorted(inputs[0])
+    for module, update in got.items():
+        want = sum(w * products[module] for w, products in zip(effective, inputs))
+        torch.testing.assert_close(update, want, atol=1e-6, rtol=1e-6, msg=module)
+
+
+def test_stacking_keeps_the_adapter_dtype_when_nothing_is_scaled(tmp_path):
+    """concat of adapters with lora_alpha = r (scale 1): A and B are copied as stored, so the
+    stacked adapter stays bf16 and is exact; an explicit --dtype is honoured as given."""
+    adapters = [_bf16_adapter(tmp_path / "a", 1, r=4, alpha=4), _bf16_adapter(tmp_path / "b", 2, r=2, alpha=2)]
+    merge_lora(None, adapters, str(tmp_path / "out"), MergeLoraOptions(output="adapter"))
+    stored = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+    got, inputs = lora_products(str(tmp_path / "out")), [lora_products(a) for a in adapters]
+    for module, update in got.items():
+        torch.testing.assert_close(update, inputs[0][module] + inputs[1][module], atol=1e-12, rtol=1e-12)
+    merge_lora(None, adapters, str(tmp_path / "f16"), MergeLoraOptions(output="adapter", method="average",
+                                                                       dtype="float16"))
+    stored = load_file(str(tmp_path / "f16" / "adapter_model.safetensors"))
+    assert {t.dtype for t in stored.values()} == {torch.float16}

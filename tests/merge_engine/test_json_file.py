@@ -1,0 +1,23 @@
+"""`merge_engine.json_file.read_json_object`: None when absent, the caller's error (naming the file)
+when the file is not UTF-8 JSON or not an object."""
+
+from __future__ import annotations
+
+import pytest
+
+from merge_engine.errors import CorruptShard, InvalidConfig
+from merge_engine.json_file import read_json_object
+
+
+def test_read_json_object(tmp_path):
+    path = tmp_path / "config.json"
+    assert read_json_object(str(path)) is None
+    path.write_text('{"a": 1}')
+    assert read_json_object(str(path)) == {"a": 1}
+    for bad, match in ((b"{not json", "not valid JSON"), (b"\xff\xfe", "not valid JSON"), (b"[1, 2]", "not a JSON object")):
+        path.write_bytes(bad)
+        with pytest.raises(CorruptShard, match=match) as info:
+            read_json_object(str(path))
+        assert info.value.path == str(path)
+    with pytest.raises(InvalidConfig):
+        read_json_object(str(path), error=InvalidConfig)
