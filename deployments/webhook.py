@@ -5,16 +5,20 @@
 ``POST /hooks/checkpoint-saved`` with JSON ``{"run_root": "s3://bucket/run", "step": 120, "role": "actor"}``
 creates a run of the merge deployment (``merge-step/gpu``) for that step and answers ``202`` with
 ``{"flow_run_id", "idempotency_key", ...}``. The run is created with the idempotency key
-``{run_root}:{role}:{step}``: a webhook delivered twice (retries, at-least-once queues) gives back
-the same flow run, never a second merge.
+``{run_root}:{role}:{step}`` (`flows.step_keys.step_key`; ``s3://b/run/`` and ``s3://b/run`` are one
+run root): a webhook delivered twice (retries, at-least-once queues) gives back the same flow run,
+never a second merge. When that run FAILED, a later call follows the watcher's rules
+(`flows.submission`): after a pause, a new run keyed ``<key>:after:<failed run id>``, a bounded
+number of times. Where releases go is the deployment's business (its default, or the watcher's
+parameters), never the sender's: the body has no ``release_root``.
 
 Authentication (either; configure at least one, or the app refuses to start):
 - ``Authorization: Bearer <STEPMERGE_WEBHOOK_TOKEN>`` (constant-time comparison);
-- HMAC-SHA256: ``X-Stepmerge-Timestamp: <unix seconds>`` and ``X-Stepmerge-Signature: sha256=<hex>``
-  of ``b"<timestamp>." + raw body`` with ``STEPMERGE_WEBHOOK_HMAC_SECRET``; timestamps more than
-  ``max_skew_s`` (300 s) away are refused (replays).
+- HMAC-SHA256: ``X-Stepmerge-Timestamp: <unix seconds>`` (an integer: digits only) and
+  ``X-Stepmerge-Signature: sha256=<hex>`` of ``b"<timestamp>." + raw body`` with
+  ``STEPMERGE_WEBHOOK_HMAC_SECRET``; timestamps more than ``max_skew_s`` (300 s) away are refused (replays).
 Validation (422): a JSON object with exactly these fields; ``step`` an integer >= 0; ``role`` one of
-actor, critic, "" (SFT); ``run_root`` (and ``release_root``) a URL whose scheme is on the allow-list
+actor, critic, "" (SFT); ``run_root`` a URL whose scheme is on the allow-list
 (``STEPMERGE_WEBHOOK_SCHEMES``, default ``s3,gs``), without ``..`` components (encoded or not),
 backslashes or control characters, and under one of ``STEPMERGE_WEBHOOK_RUN_ROOTS`` (comma-separated
 prefixes) when that is set. 401 for a missing or wrong credential, 503 when the Prefect API or the
@@ -27,19 +31,23 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import time
 from typing import Literal, Optional
 
+import anyio
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictInt, ValidationError, field_validator
 
+from flows.step_keys import normalized_run_root, step_key
 from flows.url_checks import checked_url
 
 CHECKPOINT_SAVED_PATH = "/hooks/checkpoint-saved"
 SIGNATURE_HEADER = "X-Stepmerge-Signature"
 TIMESTAMP_HEADER = "X-Stepmerge-Timestamp"
 MAX_BODY_BYTES = 64 * 1024
+_UNIX_SECONDS = re.compile(r"[0-9]{1,12}")
 
 
 class WebhookSettings(BaseModel):
@@ -75,11 +83,15 @@ class CheckpointSaved(BaseModel):
     run_root: str = Field(..., max_length=1024)
     step: StrictInt = Field(..., ge=0)
     role: Literal["actor", "critic", ""] = "actor"
-    release_root: Optional[str] = Field(None, max_length=1024)
+
+    @field_validator("run_root")
+    @classmethod
+    def _one_spelling(cls, value: str) -> str:
+        return normalized_run_root(value)
 
     @property
     def key(self) -> str:
-        return f"{self.run_root}:{self.role}:{self.step}"
+        return step_key(self.run_root, self.role, self.step)
 
 
 def sign(secret: str, timestamp: str, body: bytes) -> str:
@@ -97,11 +109,9 @@ def authenticated(settings: WebhookSettings, headers, body: bytes, now: Optional
             return True
     signature, timestamp = headers.get(SIGNATURE_HEADER.lower()), headers.get(TIMESTAMP_HEADER.lower())
     if settings.hmac_secret is not None and signature and timestamp:
-        try:
-            sent = float(timestamp)
-        except ValueError:
+        if not _UNIX_SECONDS.fullmatch(timestamp):  # digits only: no nan/inf, no fractions, no signs
             return False
-        if abs((time.time() if now is None else now) - sent) > settings.max_skew_s:
+        if abs((time.time() if now is None else now) - int(timestamp)) > settings.max_skew_s:
             return False
         expected = sign(settings.hmac_secret.get_secret_value(), timestamp, body)
         return hmac.compare_digest(signature.encode(), expected.encode())
@@ -117,10 +127,7 @@ def checked_payload(settings: WebhookSettings, body: bytes) -> CheckpointSaved:
     if not isinstance(data, dict):
         raise ValueError("body must be a JSON object")
     payload = CheckpointSaved.model_validate(data)
-    for name in ("run_root", "release_root"):
-        value = getattr(payload, name)
-        if value is not None:
-            checked_url(value, schemes=settings.allowed_schemes, allow_local_paths=False)
+    checked_url(payload.run_root, schemes=settings.allowed_schemes, allow_local_paths=False)
     if settings.allowed_run_roots and not any(
         payload.run_root == root.rstrip("/") or payload.run_root.startswith(root.rstrip("/") + "/")
         for root in settings.allowed_run_roots
@@ -130,10 +137,7 @@ def checked_payload(settings: WebhookSettings, body: bytes) -> CheckpointSaved:
 
 
 def flow_parameters(payload: CheckpointSaved) -> dict:
-    params = {"run_root": payload.run_root.rstrip("/"), "step": payload.step, "role": payload.role}
-    if payload.release_root:
-        params["release_root"] = payload.release_root.rstrip("/")
-    return {"params": params}
+    return {"params": {"run_root": payload.run_root, "step": payload.step, "role": payload.role}}
 
 
 def create_app(settings: Optional[WebhookSettings] = None) -> FastAPI:
@@ -150,18 +154,25 @@ def create_app(settings: Optional[WebhookSettings] = None) -> FastAPI:
     app = FastAPI(title="stepmerge webhook", version="1")
     deployment_ids: dict[str, object] = {}
 
-    async def create_run(payload: CheckpointSaved) -> dict:
+    def create_run(payload: CheckpointSaved) -> dict:
+        """The step's run (`flows.submission.submit_chain`, as the webhook: a completed run is the answer)."""
         from prefect.client.orchestration import get_client
 
+        from flows.submission import submit_chain
+
         with temporary_settings(updates={PREFECT_API_URL: api_url}):
-            async with get_client() as client:
+            with get_client(sync_client=True) as client:
                 if settings.deployment not in deployment_ids:
-                    deployment_ids[settings.deployment] = (await client.read_deployment_by_name(settings.deployment)).id
-                run = await client.create_flow_run_from_deployment(
-                    deployment_ids[settings.deployment], parameters=flow_parameters(payload),
-                    idempotency_key=payload.key)
-        return {"flow_run_id": str(run.id), "flow_run_name": run.name, "idempotency_key": payload.key,
-                "deployment": settings.deployment, "state": run.state.name if run.state else None}
+                    deployment_ids[settings.deployment] = client.read_deployment_by_name(settings.deployment).id
+
+                def create(key: str):
+                    return client.create_flow_run_from_deployment(
+                        deployment_ids[settings.deployment], parameters=flow_parameters(payload), idempotency_key=key)
+
+                run = submit_chain(create, payload.key, listing=None, rebuild_completed=False)
+        return {"flow_run_id": run.flow_run_id, "flow_run_name": run.flow_run_name,
+                "idempotency_key": run.idempotency_key, "deployment": settings.deployment, "state": run.state,
+                "action": run.action}
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -182,7 +193,7 @@ def create_app(settings: Optional[WebhookSettings] = None) -> FastAPI:
         except ValueError as exc:
             return JSONResponse({"detail": str(exc)}, status_code=422)
         try:
-            return await create_run(payload)
+            return await anyio.to_thread.run_sync(create_run, payload)
         except Exception as exc:  # noqa: BLE001 - the sender should retry later; say why
             deployment_ids.clear()
             raise HTTPException(503, f"could not create the flow run: {type(exc).__name__}: {exc}") from None

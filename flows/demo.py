@@ -80,10 +80,6 @@ class ByteCounter:
             storage.RangeReader.read_into = original
 
 
-def _size(n: int) -> str:
-    return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} KB"
-
-
 def _validated(summary: str) -> str:
     lines = [line for line in summary.splitlines() if line.startswith("- ")]
     names = [line.split("`")[1] for line in lines if "`" in line]
@@ -92,12 +88,14 @@ def _validated(summary: str) -> str:
 
 
 def print_outcomes(outcomes: List) -> None:
+    from flows.summaries import human_size
+
     for outcome in outcomes:
         status = outcome.status.replace("_", " ")
         print(f"\n  step {outcome.step} ({outcome.role}): {status} in {outcome.seconds:.2f} s")
         for release in outcome.releases:
             print(f"    {release.kind:8s} -> {release.url}")
-            print(f"             {release.tensors} tensors, {_size(release.tensor_bytes)}; "
+            print(f"             {release.tensors} tensors, {human_size(release.tensor_bytes)}; "
                   f"validated: {_validated(release.validation_summary)}")
         stages = "  ".join(f"{s.name} {s.seconds:.2f}s{' (cached)' if s.state == 'Cached' else ''}"
                            for s in outcome.stages)

@@ -5,20 +5,29 @@ a step that completes late, or a lower step that appears after a higher one, is 
 step whose release was deleted is merged again. Steps still being written are reported as "not
 ready" and left for a later run.
 
+A step is published when its model release is there and, if that release's manifest records that
+the checkpoint holds LoRA factors (``checkpoint_lora``, decided by merge_step from the tensors) and
+adapters are released, its adapter release too: one rule, the one merge_step follows, so a step is
+never submitted again for a release merge_step would not make. (A model release from before that
+record: the model alone.)
+
 One merge per step:
 - from a deployment (the watcher deployed on the ``cpu`` pool), each step is a run of the
   ``merge_deployment`` (``merge-step/gpu``) submitted with the idempotency key
-  ``{run_root}:{role}:{step}`` (`flows.submission`): a merge still running is not started twice;
+  ``{run_root}:{role}:{step}`` and tagged with the step's listing (`flows.submission`): a merge
+  still running is not started twice; a finished run is followed by another only by the rules
+  there (release deleted since; files changed; failed: a few times, with growing pauses). A run
+  that failed earlier is reported ("failed earlier", "given up"), and does not fail this run;
 - in local mode (no deployment), each step is an in-process ``merge_step`` subflow, one after the other.
-A step that fails does not stop the others; the run fails at the end if any step failed. A
-markdown artifact lists what happened to each step. A release whose step was rewritten since
-(its listing differs from the one recorded in the manifest) is reported, and re-merged only with
-``overwrite``.
+A step whose merge (local mode) or submission fails does not stop the others; the run fails at the
+end if any step failed IN THIS RUN. A markdown artifact lists what happened to each step. A
+release whose step was rewritten since (its listing differs from the one recorded in the manifest)
+is reported, and re-merged only with ``overwrite``.
 """
 
 import hashlib
 import time
-from typing import List
+from typing import List, Optional
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -28,18 +37,25 @@ from pydantic import BaseModel
 from flows.merge_step import merge_step
 from flows.params import WatchParams
 from flows.stages import StepOutcome
-from flows.submission import submit_step_run
+from flows.step_keys import step_key
+from flows.submission import SubmittedRun, submit_step_run
 from flows.summaries import watch_summary
 from tasks.discover import PublishedRelease, discover_steps, find_published
 from tasks.progress import artifact_key
 from tasks.records import StepRecord
 from tasks.releases import ADAPTER, MODEL, release_folder_name
 
+SUBMITTED = {"submitted": "submitted", "resubmitted": "resubmitted", "running": "running",
+             "completed": "already published", "waiting": "failed earlier", "gave up": "given up"}
+LOCAL = {"published": "merged", "already_published": "already published", "not_ready": "not ready"}
+
 
 class StepAction(BaseModel):
     step: int
     role: str
-    action: str  # "merged" | "already published" | "submitted" | "running" | "failed" | "changed since release"
+    # "merged" | "already published" | "not ready" | "failed" (this run) | "error" (could not submit) |
+    # "submitted" | "resubmitted" | "running" | "failed earlier" | "given up" | "changed since release"
+    action: str
     detail: str = ""
 
 
@@ -55,9 +71,10 @@ class WatchOutcome(BaseModel):
         return [a.step for a in self.actions if a.action == action]
 
 
-def expected_releases(step: StepRecord, params: WatchParams) -> List[str]:
+def expected_releases(step: StepRecord, model: Optional[PublishedRelease], params: WatchParams) -> List[str]:
+    """The release folder names a published ``step`` has (see the module docstring)."""
     names = [release_folder_name(step.role, MODEL)]
-    if step.lora_hint and params.release_adapter:
+    if model is not None and model.lora and params.release_adapter:
         names.append(release_folder_name(step.role, ADAPTER))
     return names
 
@@ -72,7 +89,8 @@ def plan_steps(steps: List[StepRecord], published: List[PublishedRelease], param
         if not step.complete:
             waiting.append(f"{step.step} ({step.role or 'sft'}: {step.reason})")
             continue
-        have = [released.get((name, step.step)) for name in expected_releases(step, params)]
+        model = released.get((release_folder_name(step.role, MODEL), step.step))
+        have = [released.get((name, step.step)) for name in expected_releases(step, model, params)]
         if any(h is None for h in have):
             todo.append(step)
         elif any(h.source_listing and h.source_listing != step.fingerprint for h in have):
@@ -80,6 +98,11 @@ def plan_steps(steps: List[StepRecord], published: List[PublishedRelease], param
     if params.max_steps is not None:
         todo = todo[: params.max_steps]
     return todo, changed, waiting
+
+
+def submitted_action(step: StepRecord, run: SubmittedRun) -> StepAction:
+    return StepAction(step=step.step, role=step.role, action=SUBMITTED.get(run.action, run.action),
+                      detail=run.detail)
 
 
 @flow(name="merge-new-steps", log_prints=True)
@@ -96,27 +119,29 @@ def merge_new_steps(params: WatchParams) -> WatchOutcome:
                                           detail="the checkpoint was rewritten after its release; "
                                                  "run with overwrite to replace the release"))
     deployed = deployment.id is not None
-    failures = 0
     for step in todo:
         step_params = params.step_params(step)
         if deployed:
-            run = submit_step_run(params.merge_deployment, {"params": step_params.model_dump(mode="json")}, step.key)
-            action = "failed" if run.failed_earlier else ("submitted" if run.state == "Scheduled" else "running")
-            failures += run.failed_earlier
-            outcome.actions.append(StepAction(step=step.step, role=step.role, action=action,
-                                              detail=f"flow run {run.flow_run_id} ({run.state})"))
+            try:
+                run = submit_step_run(params.merge_deployment, {"params": step_params.model_dump(mode="json")},
+                                      step_key(step.run_root, step.role, step.step), listing=step.fingerprint)
+            except Exception as exc:  # noqa: BLE001 - one step's trouble must not stop the others
+                logger.warning("could not submit step %s (%s): %s", step.step, step.role or "sft", exc)
+                outcome.actions.append(StepAction(step=step.step, role=step.role, action="error",
+                                                  detail=f"{type(exc).__name__}: {exc}"))
+                continue
+            outcome.actions.append(submitted_action(step, run))
             continue
         state = merge_step(step_params, return_state=True)
         if state.is_failed():
-            failures += 1
             error = state.result(raise_on_failure=False)
             outcome.actions.append(StepAction(step=step.step, role=step.role, action="failed",
                                               detail=f"{type(error).__name__}: {error}"))
             continue
         result: StepOutcome = state.result()
         outcome.outcomes.append(result)
-        action = {"published": "merged", "already_published": "already published"}.get(result.status, result.status)
         detail = ", ".join(r.url for r in result.releases) or result.reason
+        action = LOCAL.get(result.status, result.status)
         outcome.actions.append(StepAction(step=step.step, role=step.role, action=action, detail=detail))
     outcome.seconds = time.perf_counter() - started
     rows = [a.model_dump() for a in outcome.actions]
@@ -125,7 +150,7 @@ def merge_new_steps(params: WatchParams) -> WatchOutcome:
                                               hashlib.sha256(params.run_root.encode()).hexdigest()[:8]),
                              description=f"{len(todo)} new step(s) of {params.run_root}")
     logger.info("%d new step(s), %d not ready, %d already published", len(todo), len(waiting), len(published))
-    if failures:
-        raise RuntimeError(f"{failures} step(s) failed: "
-                           + ", ".join(f"{a.step} ({a.detail})" for a in outcome.actions if a.action == "failed"))
+    failed = [a for a in outcome.actions if a.action in ("failed", "error")]
+    if failed:
+        raise RuntimeError(f"{len(failed)} step(s) failed: " + ", ".join(f"{a.step} ({a.detail})" for a in failed))
     return outcome

@@ -1,7 +1,8 @@
 """Flow ``merge-step``: one step of a run -> a validated, published Hugging Face release (+ adapter).
 
     discover-steps  (one listing)  -> is the step there and complete? If not: "not ready", nothing done
-    check-checkpoint               -> deep completeness check, cached on the listing fingerprint
+    check-checkpoint               -> deep completeness check, cached on the listing fingerprint (a file
+                                      found truncated while the step's files still change: "not ready")
     model:   merge   -> validate         -> publish            (tasks, see flows.stages)
     adapter: extract -> validate-adapter -> publish-adapter    (LoRA checkpoints only)
 
@@ -16,17 +17,14 @@ the run without retries and publish nothing.
 """
 
 import time
-from typing import Optional
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from flows.params import MergeStepParams
-from flows.stages import ReleaseOutcome, StageTimer, StepOutcome, release_output
+from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_output
 from flows.summaries import step_summary
-from tasks.check import check_step
-from tasks.discover import discover_steps
 from tasks.progress import artifact_key
 from tasks.releases import ADAPTER, MODEL, release_url
 
@@ -49,15 +47,14 @@ def run_stages(params: MergeStepParams, timer: StageTimer) -> StepOutcome:
     """The body of merge_step (see the module docstring); raises the failing stage's error."""
     started = time.perf_counter()
     outcome = StepOutcome(run_root=params.run_root, step=params.step, role=params.role, status="not_ready")
-    discovery = timer.run("discover", discover_steps, params.run_root)
-    step = discovery.find(params.step, params.role)
-    if step is None or step.status == "incomplete":  # "not yet", never an error; "invalid" fails in check
-        outcome.reason = "no checkpoint files for this step and role yet" if step is None else step.reason
+    merge = params.merge_settings()
+    ready = ready_checkpoint(timer, params.run_root, params.step, params.role, merge.backend)
+    if ready.checkpoint is None:
+        outcome.reason = ready.reason
         outcome.stages = timer.stages
         outcome.seconds = time.perf_counter() - started
         return outcome
-    merge = params.merge_settings()
-    checkpoint = timer.run("check", check_step, step, merge.backend)
+    step, checkpoint = ready.step, ready.checkpoint
     common = dict(validation=params.validation_settings(), staging_root=params.staging_root,
                   options=params.recorded_options(), overwrite=params.overwrite)
     root = params.release_root_url
@@ -99,10 +96,6 @@ def merge_step(params: MergeStepParams) -> StepOutcome:
     if outcome.status == "not_ready":
         logger.info("step %s (%s) is not ready: %s", params.step, params.role or "sft", outcome.reason)
     return outcome
-
-
-def release_of(outcome: StepOutcome, kind: str) -> Optional[ReleaseOutcome]:
-    return next((r for r in outcome.releases if r.kind == kind), None)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@ The adapter release (``<release_root>/<role>-adapter/global_step_<N>``) holds
 ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's names; r, target_modules and
 rank_pattern from the tensors, lora_alpha from the run's metadata, never guessed) and, with
 ``include_base``, the clean base model under ``base/``. Validation loads base + adapter with PEFT;
-when the step's merged model is already released (merge_step), the logits must equal it. LoRA-only
-checkpoints need ``base_model``. `merge_step` runs the same stages for LoRA checkpoints; this flow
+when the step's merged model is already released (merge_step) FROM THIS CHECKPOINT (its manifest
+records this checkpoint's fingerprint, the same lora_alpha and no replaced config), the logits must
+reproduce it; a model release of anything else there is no reference and is not used. LoRA-only
+checkpoints need ``base_model``. A step not ready yet is reported as such
+(`flows.stages.ready_checkpoint`). `merge_step` runs the same stages for LoRA checkpoints; this flow
 is for adapters alone (e.g. from the UI, or for a LoRA-only run).
 """
 
@@ -17,13 +20,23 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from flows.params import AdapterParams
-from flows.stages import StageTimer, StepOutcome, release_output
+from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_output
 from flows.summaries import step_summary
 from merge_engine.errors import AdapterError
-from tasks.check import check_step
-from tasks.discover import discover_steps
 from tasks.progress import release_artifact_key
+from tasks.records import CheckpointRecord
 from tasks.releases import ADAPTER, MODEL, release_state, release_url
+
+
+def model_release_of(url: str, checkpoint: CheckpointRecord, params: AdapterParams) -> bool:
+    """Is the model release at ``url`` whole and the trained model of this very checkpoint, fused with
+    the alpha this adapter gets and the checkpoint's own config (so PEFT's logits must reproduce it)?"""
+    state = release_state(url)
+    if not state.intact or state.manifest is None or not isinstance(state.manifest.options, dict):
+        return False
+    options = state.manifest.options
+    return (options.get("checkpoint_fingerprint") == checkpoint.fingerprint
+            and options.get("lora_alpha") == params.lora_alpha and options.get("hf_model_path") is None)
 
 
 @flow(name="release-adapter", log_prints=True, persist_result=True)
@@ -32,18 +45,18 @@ def release_adapter(params: AdapterParams) -> StepOutcome:
     started = time.perf_counter()
     timer = StageTimer()
     outcome = StepOutcome(run_root=params.run_root, step=params.step, role=params.role, status="not_ready")
-    step = timer.run("discover", discover_steps, params.run_root).find(params.step, params.role)
-    if step is None or step.status == "incomplete":
-        outcome.reason = "no checkpoint files for this step and role yet" if step is None else step.reason
+    ready = ready_checkpoint(timer, params.run_root, params.step, params.role)
+    if ready.checkpoint is None:
+        outcome.reason = ready.reason
         outcome.stages, outcome.seconds = timer.stages, time.perf_counter() - started
         return outcome
-    checkpoint = timer.run("check", check_step, step, None)
+    step, checkpoint = ready.step, ready.checkpoint
     if not checkpoint.lora:
         raise AdapterError("this checkpoint holds no LoRA factors (lora_A/lora_B): nothing to extract", step.url)
     root = params.release_root_url
     release = release_url(root, params.role, params.step, ADAPTER)
     fused = release_url(root, params.role, params.step, MODEL)
-    fused_url = fused if params.compare_with_model_release and release_state(fused).intact else None
+    fused_url = fused if params.compare_with_model_release and model_release_of(fused, checkpoint, params) else None
     adapter = release_output(timer, ADAPTER, step, checkpoint, release, adapter=params.adapter_settings(),
                              validation=params.validation_settings(), staging_root=params.staging_root,
                              options=params.recorded_options(), overwrite=params.overwrite,

@@ -1,9 +1,10 @@
-"""The stage chain shared by the flows: build, validate, publish; each stage timed.
+"""The stage chain shared by the flows: find the step, build, validate, publish; each stage timed.
 
 `StageTimer.run` calls a task with ``return_state=True`` and records its state name ("Completed",
 "Cached", "Failed") and wall time, then returns the result (raising the task's exception when it
-failed). `release_output` runs the chain for one output of a step (the merged model, or the
-LoRA adapter):
+failed). `ready_checkpoint` finds a step and checks it, or says why it is not ready yet (the one
+rule for merge_step and release_adapter). `release_output` runs the chain for one output of a
+step (the merged model, or the LoRA adapter):
 
     merge / extract  -> staging (or "already released": nothing read)
     validate         -> report
@@ -13,14 +14,28 @@ Plain task calls: a re-run is all cache hits. A cached result whose output is go
 deleted or damaged since) is not trusted: the tasks' cache policy moves to a new cache generation
 and the stage runs again (`tasks.cache`); with the cache lost but the release in place, the tasks
 find the release and read nothing.
+
+Not ready (never an error): no files for the step and role yet; the listing says incomplete; or the
+deep check finds a file incomplete or unreadable AND the step's listing changes meanwhile (checked
+again after `SETTLE_S`): its files are still being written (a shared disk shows a rank file while
+it grows). A file that is broken and stays as it is fails the check, once.
+
+Each release's manifest records ``checkpoint_lora`` (the checkpoint holds LoRA factors): the one
+answer to "does this step have an adapter" that the watcher reads back.
 """
 
+import os
 import time
+from dataclasses import dataclass
 from typing import Any, List, Optional
 
 from pydantic import BaseModel
 
+from flows.step_keys import step_key
+from merge_engine.errors import CorruptShard, IncompleteCheckpoint
 from tasks.adapter import extract_adapter, validate_adapter
+from tasks.check import check_step
+from tasks.discover import discover_steps
 from tasks.merge import merge_model
 from tasks.publish import publish_release
 from tasks.records import (
@@ -33,6 +48,8 @@ from tasks.records import (
 from tasks.releases import ADAPTER, MODEL
 from tasks.results import configured_result_storage
 from tasks.validate import validate_output
+
+SETTLE_S = float(os.environ.get("STEPMERGE_SETTLE_S", "3"))  # pause before listing a failed step again
 
 
 class StageRun(BaseModel):
@@ -73,7 +90,7 @@ class StepOutcome(BaseModel):
 
     @property
     def key(self) -> str:
-        return f"{self.run_root}:{self.role}:{self.step}"
+        return step_key(self.run_root, self.role, self.step)
 
     @property
     def cached(self) -> bool:
@@ -100,20 +117,52 @@ class StageTimer:
         return state.result()
 
 
+@dataclass(frozen=True)
+class ReadyCheckpoint:
+    """A step found and checked (``checkpoint`` set), or why it is not ready yet (``reason``)."""
+
+    step: Optional[StepRecord]
+    checkpoint: Optional[CheckpointRecord]
+    reason: str = ""
+
+
+def ready_checkpoint(timer: StageTimer, run_root: str, step: int, role: str,
+                     backend: Optional[str] = None) -> ReadyCheckpoint:
+    """Discover and deep-check one step (see the module docstring for "not ready").
+
+    Raises the check's error when the step is broken and its files are not changing.
+    """
+    found = timer.run("discover", discover_steps, run_root).find(step, role)
+    if found is None:
+        return ReadyCheckpoint(None, None, "no checkpoint files for this step and role yet")
+    if found.status == "incomplete":  # "not yet", never an error; "invalid" fails in the check
+        return ReadyCheckpoint(found, None, found.reason or "incomplete")
+    try:
+        return ReadyCheckpoint(found, timer.run("check", check_step, found, backend))
+    except (IncompleteCheckpoint, CorruptShard) as exc:
+        time.sleep(SETTLE_S)
+        again = timer.run("discover-again", discover_steps, run_root).find(step, role)
+        if again is None or again.fingerprint != found.fingerprint:
+            return ReadyCheckpoint(found, None, f"its files are still being written (they changed while being "
+                                                f"checked; the check said: {exc.message})")
+        raise
+
+
 def release_output(timer: StageTimer, kind: str, step: StepRecord, checkpoint: CheckpointRecord, release: str, *,
                    merge: Optional[MergeSettings] = None, adapter: Optional[AdapterSettings] = None,
                    validation: ValidationSettings, staging_root: Optional[str], options: dict,
                    overwrite: bool = False, fused_model_url: Optional[str] = None) -> ReleaseOutcome:
     """Build, validate and publish one output of ``checkpoint`` at ``release``."""
     if kind == MODEL:
-        output = timer.run("merge", merge_model, checkpoint, merge, release, staging_root)
+        output = timer.run("merge", merge_model, checkpoint, merge, release, staging_root, overwrite)
         report = timer.run("validate", validate_output, output, validation, release)
     else:
-        output = timer.run("extract-adapter", extract_adapter, step, checkpoint, adapter, release, staging_root)
+        output = timer.run("extract-adapter", extract_adapter, step, checkpoint, adapter, release, staging_root,
+                           overwrite)
         report = timer.run("validate-adapter", validate_adapter, output, validation, fused_model_url, release)
     suffix = "" if kind == MODEL else "-adapter"
     published_options = {**options, "kind": kind, "source_listing": step.fingerprint,
-                         "checkpoint_fingerprint": checkpoint.fingerprint}
+                         "checkpoint_fingerprint": checkpoint.fingerprint, "checkpoint_lora": checkpoint.lora}
     released = timer.run(f"publish{suffix}", publish_release, output, report, release, published_options,
                          overwrite)
     cached = all(s.state == "Cached" for s in timer.stages[-3:])
@@ -125,4 +174,5 @@ def release_output(timer: StageTimer, kind: str, step: StepRecord, checkpoint: C
                           tensor_bytes=output.tensor_bytes, files=released.files, total_bytes=released.total_bytes)
 
 
-__all__ = ["StageRun", "ReleaseOutcome", "StepOutcome", "StageTimer", "release_output", "MODEL", "ADAPTER"]
+__all__ = ["StageRun", "ReleaseOutcome", "StepOutcome", "StageTimer", "ReadyCheckpoint", "ready_checkpoint",
+           "release_output", "MODEL", "ADAPTER"]

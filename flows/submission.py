@@ -1,55 +1,179 @@
-"""One deployment run per step: ``run_deployment`` with the idempotency key ``{run_root}:{role}:{step}``.
+"""One deployment run per step, and when a step gets another one.
 
-The Prefect server keeps one flow run per (deployment's flow, idempotency key): submitting the same
-step twice — two watcher ticks while a merge is still running, a webhook delivered twice — gives
-back the run already there instead of starting another.
+Keys (the whole rule; deployments/README.md says the same):
+- the first run of a step is keyed ``K = {run_root}:{role}:{step}`` (`flows.step_keys.step_key`);
+- every later run is keyed ``K:after:<id of the run before it>`` (`flows.step_keys.resubmission_key`).
+The Prefect server keeps one flow run per (flow, idempotency key), so submitting a key again gives
+back the run already there. A chain K -> K:after:R1 -> K:after:R2 ... is walked from K; each
+link is derived from the finished run before it, so every submitter that sees the same finished
+run (two watcher ticks, two watchers, the webhook) derives the same next key: it is created once.
 
-A run of that key that finished without leaving the step published is handled deterministically:
-- Completed, Crashed or Cancelled: the release was deleted since, or the run never got to it.
-  A new run is submitted under ``<key>:after:<previous run id>`` — the same key for every watcher
-  that sees the same finished run, so this too happens once.
-- Failed: a named error (corrupt shard, failed validation) or retries exhausted. It is NOT
-  resubmitted (it would fail the same way every tick); a person re-runs it from the UI.
+Whether a finished run is followed by another (`decide`):
+- not finished (scheduled, pending, running, paused): it is the step's run; nothing new;
+- the step's listing changed since the run was submitted (the watcher tags its runs with the
+  listing fingerprint, ``stepmerge-listing:<16 hex>``): a new input, a new run, whatever the state
+  (a checkpoint rewritten, or one whose last file was still being written);
+- Completed: for the watcher, the step still lacks a release (it only submits those): the release
+  was deleted since, so a new run — at most `MAX_RUNS_PER_LISTING` in a row for one listing, then it
+  is given up (a run that completes without publishing would otherwise repeat every tick). For the
+  webhook (``rebuild_completed=False``) a completed run is the answer to a redelivered call;
+- Failed or Crashed (outage longer than the task retries, a bug since fixed, a worker killed):
+  resubmitted after a pause of ``RESUBMIT_BASE_DELAY_S * 2**(n-1)`` from the end of the n-th failed
+  run in a row for this listing, until `MAX_RUNS_PER_LISTING` runs failed: then it is given up and
+  reported; a person reruns it from the UI (or the checkpoint changes);
+- Cancelled: a person stopped it; not resubmitted unless the listing changes.
+Runs created without a listing (webhook, trigger, UI) count as the same listing.
 """
 
-from typing import Any, Optional
+import datetime as dt
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, List, Literal, Optional, Sequence
 
 from pydantic import BaseModel
 
+from flows.step_keys import resubmission_key
+
 MAX_KEY_CHAIN = 100
+MAX_RUNS_PER_LISTING = 3
+RESUBMIT_BASE_DELAY_S = float(os.environ.get("STEPMERGE_RESUBMIT_BASE_DELAY_S", "600"))
+LISTING_TAG_PREFIX = "stepmerge-listing:"
+STATES_FAILED = ("FAILED", "CRASHED")
+
+
+def listing_tag(listing: str) -> str:
+    """The tag a watcher-submitted run carries: the step's listing fingerprint (16 hex digits)."""
+    return LISTING_TAG_PREFIX + listing[:16]
+
+
+def _listing_of(run: Any) -> Optional[str]:
+    return next((t[len(LISTING_TAG_PREFIX):] for t in (getattr(run, "tags", None) or [])
+                 if t.startswith(LISTING_TAG_PREFIX)), None)
+
+
+def _state_type(run: Any) -> str:
+    state = getattr(run, "state", None)
+    return "SCHEDULED" if state is None else str(getattr(state.type, "value", state.type))
+
+
+def _ended(run: Any) -> dt.datetime:
+    ended = getattr(run, "end_time", None) or getattr(getattr(run, "state", None), "timestamp", None)
+    return ended or dt.datetime.now(dt.timezone.utc)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do about the last run of a step's chain: "use" it, "resubmit", "wait" until ``retry_at``,
+    or "give_up" (``reason`` says why, for the watcher's report)."""
+
+    action: Literal["use", "resubmit", "wait", "give_up"]
+    reason: str = ""
+    retry_at: Optional[dt.datetime] = None
+
+
+def _outcome(state: str) -> str:
+    return "failed" if state in STATES_FAILED else state.lower()
+
+
+def _runs_in_a_row(chain: Sequence[Any], listing: Optional[str], state: str) -> int:
+    """How many of the last runs on ``listing`` (untagged runs count as any listing) ended like ``state``
+    (Failed and Crashed alike)."""
+    on_listing = [r for r in chain if listing is None or _listing_of(r) in (listing, None)]
+    count = 0
+    for run in reversed(on_listing):
+        if _outcome(_state_type(run)) != _outcome(state):
+            break
+        count += 1
+    return count
+
+
+def decide(chain: Sequence[Any], listing: Optional[str], now: dt.datetime, rebuild_completed: bool) -> Decision:
+    """The rule of the module docstring for ``chain[-1]`` (``chain``: the step's runs, oldest first)."""
+    last = chain[-1]
+    state = _state_type(last)
+    if state not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+        return Decision("use", f"{state.lower()}")
+    ran_on = _listing_of(last)
+    if listing is not None and ran_on is not None and ran_on != listing[:16]:
+        return Decision("resubmit", "the step's files changed since that run was submitted")
+    in_a_row = _runs_in_a_row(chain, ran_on, state)
+    if state == "CANCELLED":
+        return Decision("give_up", "cancelled; resubmitted only when the step's files change")
+    if state == "COMPLETED":
+        if not rebuild_completed:
+            return Decision("use", "completed")
+        if in_a_row >= MAX_RUNS_PER_LISTING:
+            return Decision("give_up", f"{in_a_row} runs in a row completed without leaving the step published")
+        return Decision("resubmit", "completed, but the step is not published (its release was deleted since)")
+    if in_a_row >= MAX_RUNS_PER_LISTING:
+        return Decision("give_up", f"{in_a_row} runs in a row failed on these files")
+    retry_at = _ended(last) + dt.timedelta(seconds=RESUBMIT_BASE_DELAY_S * 2 ** (in_a_row - 1))
+    if now < retry_at:
+        return Decision("wait", f"failed ({in_a_row} in a row)", retry_at)
+    return Decision("resubmit", f"failed ({in_a_row} in a row); the pause is over")
 
 
 class SubmittedRun(BaseModel):
-    """A deployment run that merges one step: its id, key, state when seen, and whether it is new."""
+    """The run that merges one step: its id, key and state when seen, and what the submitter did.
+
+    ``action``: "submitted" (new), "resubmitted" (new, after a finished run), "running" (a run of
+    the step is already going), "completed" (webhook: the step's run finished), "waiting" (the last
+    run failed; resubmitted after ``retry_at``) or "gave up" (a person reruns it).
+    """
 
     flow_run_id: str
     idempotency_key: str
     state: str
+    action: str
+    flow_run_name: str = ""
+    detail: str = ""
     resubmitted: bool = False
     failed_earlier: bool = False
+    retry_at: Optional[dt.datetime] = None
 
 
-def _state_of(run: Any) -> tuple[str, Optional[Any]]:
-    state = getattr(run, "state", None)
-    return (state.name if state is not None else "Scheduled"), state
+def submit_chain(create: Callable[[str], Any], key: str, listing: Optional[str] = None,
+                 rebuild_completed: bool = True, now: Optional[dt.datetime] = None) -> SubmittedRun:
+    """Walk the step's chain from ``key`` with ``create(key) -> flow run`` (create-or-get by idempotency
+    key) and return the run to report (see the module docstring)."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    chain: List[Any] = []
+    current = key
+    for _ in range(MAX_KEY_CHAIN):
+        run = create(current)
+        chain.append(run)
+        created = getattr(run, "id", None)
+        decision = decide(chain, listing, now, rebuild_completed)
+        name = run.state.name if getattr(run, "state", None) is not None else "Scheduled"
+        common = dict(flow_run_id=str(created), flow_run_name=str(getattr(run, "name", "") or ""),
+                      idempotency_key=current, state=name, resubmitted=len(chain) > 1)
+        if decision.action == "resubmit":
+            current = resubmission_key(key, created)
+            continue
+        if decision.action == "use":
+            final = _state_type(run) == "COMPLETED"
+            action = "completed" if final else ("submitted" if name == "Scheduled" and len(chain) == 1 else
+                                                 "resubmitted" if name == "Scheduled" else "running")
+            return SubmittedRun(action=action, detail=f"flow run {created} ({name})", **common)
+        if decision.action == "wait":
+            return SubmittedRun(action="waiting", failed_earlier=True, retry_at=decision.retry_at,
+                                detail=f"flow run {created} {decision.reason}; resubmitted after "
+                                       f"{decision.retry_at.isoformat(timespec='seconds')}", **common)
+        return SubmittedRun(action="gave up", failed_earlier=_state_type(run) in STATES_FAILED,
+                            detail=f"flow run {created}: {decision.reason}; given up: rerun it from the UI, "
+                                   "or rewrite the step", **common)
+    raise RuntimeError(f"more than {MAX_KEY_CHAIN} runs for {key}; refusing to submit another")
 
 
-def submit_step_run(deployment: str, parameters: dict, key: str, as_subflow: bool = True) -> SubmittedRun:
-    """Create (or find) the run of ``deployment`` for idempotency ``key`` (see the module docstring)."""
+def submit_step_run(deployment: str, parameters: dict, key: str, listing: Optional[str] = None,
+                    as_subflow: bool = True) -> SubmittedRun:
+    """The watcher's submission of one step to ``deployment`` (tagged with its ``listing``)."""
     from prefect.deployments import run_deployment
 
-    current_key = key
-    resubmitted = False
-    for _ in range(MAX_KEY_CHAIN):
-        run = run_deployment(deployment, parameters=parameters, idempotency_key=current_key, timeout=0,
-                             as_subflow=as_subflow)
-        name, state = _state_of(run)
-        if state is None or not state.is_final():
-            return SubmittedRun(flow_run_id=str(run.id), idempotency_key=current_key, state=name,
-                                resubmitted=resubmitted)
-        if state.is_failed():
-            return SubmittedRun(flow_run_id=str(run.id), idempotency_key=current_key, state=name,
-                                resubmitted=resubmitted, failed_earlier=True)
-        current_key = f"{key}:after:{run.id}"
-        resubmitted = True
-    raise RuntimeError(f"more than {MAX_KEY_CHAIN} finished runs for {key}; refusing to submit another")
+    tags = [listing_tag(listing)] if listing else None
+
+    def create(current: str) -> Any:
+        return run_deployment(deployment, parameters=parameters, idempotency_key=current, timeout=0,
+                              as_subflow=as_subflow, tags=tags)
+
+    return submit_chain(create, key, listing=listing, rebuild_completed=True)

@@ -9,7 +9,8 @@ from typing import Iterable, List, Optional
 from flows.stages import StageRun, StepOutcome
 
 
-def _size(n: int) -> str:
+def human_size(n: float) -> str:
+    """``n`` bytes in decimal units: ``812 B``, ``1.5 MB``, ``4.9 GB``."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -38,7 +39,8 @@ def step_summary(outcome: StepOutcome, error: Optional[str] = None) -> str:
         lines += ["| output | release | tensors | bytes | validation | new |", "|---|---|---:|---:|---|---|"]
         for r in outcome.releases:
             ok = {True: "passed", False: "**FAILED**", None: "not run"}[r.validation_ok]
-            lines.append(f"| {r.kind} | `{r.url}` | {r.tensors} | {_size(r.tensor_bytes or r.total_bytes)} | {ok} | "
+            size = human_size(r.tensor_bytes or r.total_bytes)
+            lines.append(f"| {r.kind} | `{r.url}` | {r.tensors} | {size} | {ok} | "
                          f"{'no' if r.already_published else 'yes'} |")
         lines.append("")
     if outcome.stages:

@@ -261,17 +261,18 @@ def _add_merge_lora(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_notify(args: argparse.Namespace) -> int:
-    """Emit ``stepmerge.checkpoint.saved`` to the Prefect server (imports Prefect only here)."""
+    """Send ``stepmerge.checkpoint.saved`` to the Prefect server (imports Prefect only here).
+
+    Exit 0 only when the server accepted the event; 1 when it could not be reached or refused it
+    (`flows.events.EventNotDelivered`: retry later); 2 for bad input or no server configured.
+    """
     if args.step < 0:
         raise InvalidOption(f"--step must be >= 0, got {args.step}")
-    from flows.events import CHECKPOINT_SAVED, emit_checkpoint_saved
+    from flows.events import CHECKPOINT_SAVED, emit_checkpoint_saved, notified_run_root
 
-    try:
-        event_id = emit_checkpoint_saved(args.run_root, args.step, args.role)
-    except RuntimeError as exc:
-        raise InvalidOption(str(exc)) from None
-    print(f"emitted {CHECKPOINT_SAVED} for {args.run_root.rstrip('/')} step {args.step} "
-          f"(role {args.role or 'sft'}); event {event_id}")
+    run_root = notified_run_root(args.run_root)
+    event_id = emit_checkpoint_saved(run_root, args.step, args.role)
+    print(f"emitted {CHECKPOINT_SAVED} for {run_root} step {args.step} (role {args.role or 'sft'}); event {event_id}")
     return 0
 
 
@@ -367,6 +368,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StepmergeError as exc:
         print(f"stepmerge: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # the machine, not the checkpoint: a full disk, a path that is a file, no access
+        where = f" [{exc.filename}]" if exc.filename else ""
+        print(f"stepmerge: error: {type(exc).__name__}: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"stepmerge: interrupted after {time.perf_counter() - started:.1f} s", file=sys.stderr)
         return 130

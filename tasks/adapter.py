@@ -1,12 +1,13 @@
 """The adapter tasks: a LoRA checkpoint -> a PEFT adapter folder in staging, and its validation.
 
 - `extract_adapter` wraps `merge_engine.lora.extract.extract_lora` the way `tasks.merge` wraps
-  the merge: cached on the step's and checkpoint's listing fingerprints + options + release +
-  engine version; an adapter already released with that fingerprint (`expected_adapter_fingerprint`)
-  is not extracted again (``released=True``).
+  the merge: cached on the step's and checkpoint's listing fingerprints + options (with the
+  listings of ``hf_model_path`` and ``base_model``) + release + engine version; an adapter already
+  released with that fingerprint (`expected_adapter_fingerprint`) is not extracted again
+  (``released=True``); one released from something else is refused at once without ``overwrite``.
 - `validate_adapter` runs `merge_engine.lora.validate.validate_adapter` (PEFT loads it on its base, logits
-  equal the released fused model's) and returns a `ValidationRecord`; a released adapter returns
-  the validation its manifest recorded, reading nothing.
+  reproduce the released fused model's, allowing for the rounding of its dtype) and returns a
+  `ValidationRecord`; a released adapter returns the validation its manifest recorded, reading nothing.
 Retries: transient storage faults only.
 """
 
@@ -24,7 +25,7 @@ from merge_engine import storage
 from merge_engine.lora import validate as adapter_validation
 from merge_engine.lora.keys import ADAPTER_CONFIG
 from merge_engine.lora.validate import BASE_DIR
-from tasks.cache import stage_cache_policy
+from tasks.cache import listing_fingerprint, stage_cache_policy
 from tasks.merge import output_available, released_output
 from tasks.progress import ProgressArtifact, release_artifact_key
 from tasks.records import (
@@ -35,7 +36,7 @@ from tasks.records import (
     ValidationRecord,
     ValidationSettings,
 )
-from tasks.releases import ADAPTER, staging_url
+from tasks.releases import ADAPTER, staging_url, sweep_stale_staging
 from tasks.retry import RETRY_OPTIONS
 from tasks.validate import already_released, recorded_validation
 
@@ -46,11 +47,14 @@ def expected_adapter_fingerprint(step: StepRecord, checkpoint: CheckpointRecord,
     The pipeline's own digest (the engine's, in the release's ``stepmerge.json``, is not exported and
     reads the run's metadata): the checkpoint's listing, the step folder's whole listing (which
     covers ``lora_train_meta.json`` and ``lora_adapter/``, where lora_alpha comes from), the
-    options (and a ``base_model``'s listing) and the engine version. Computed from listings alone.
+    options (and the listings of ``base_model`` and ``hf_model_path``) and the engine version.
+    Computed from listings alone.
     """
-    base = {"base_listing": storage.fingerprint(storage.list_files(settings.base_model))} if settings.base_model else {}
+    listings = {name: listing_fingerprint(getattr(settings, field))
+                for name, field in (("base_listing", "base_model"), ("hf_model_listing", "hf_model_path"))
+                if getattr(settings, field)}
     return storage.fingerprint(checkpoint.to_checkpoint().files, kind=ADAPTER, step_listing=step.fingerprint,
-                               engine=merge_engine.__version__, **settings.model_dump(mode="json"), **base)
+                               engine=merge_engine.__version__, **settings.model_dump(mode="json"), **listings)
 
 
 def point_adapter_at_base(adapter_url: str, base_url: str) -> None:
@@ -68,18 +72,20 @@ def point_adapter_at_base(adapter_url: str, base_url: str) -> None:
 
 @task(name="extract-adapter",
       cache_policy=stage_cache_policy("extract", ("step.fingerprint", "checkpoint", "settings", "release"),
-                                      still_valid=output_available),
+                                      still_valid=output_available,
+                                      listed=("settings.hf_model_path", "settings.base_model")),
       persist_result=True, **RETRY_OPTIONS)
 def extract_adapter(step: StepRecord, checkpoint: CheckpointRecord, settings: AdapterSettings, release: str,
-                    staging_root: Optional[str] = None) -> OutputRecord:
+                    staging_root: Optional[str] = None, overwrite: bool = False) -> OutputRecord:
     """Extract the PEFT adapter of ``checkpoint`` into staging for ``release`` (or find it released)."""
     from merge_engine.lora.extract import extract_lora
 
     fingerprint = expected_adapter_fingerprint(step, checkpoint, settings)
-    found = released_output(ADAPTER, checkpoint.url, release, fingerprint)
+    found = released_output(ADAPTER, checkpoint.url, release, fingerprint, overwrite)
     if found is not None:
         return found
     target = staging_url(staging_root, release, fingerprint)
+    sweep_stale_staging(staging_root, keep=target)
     progress = ProgressArtifact(release_artifact_key("progress", release),
                                 f"Extracting the adapter of {checkpoint.url}")
     result = extract_lora(checkpoint.url, target, settings.to_options(overwrite=True),
@@ -97,15 +103,16 @@ def extract_adapter(step: StepRecord, checkpoint: CheckpointRecord, settings: Ad
 
 @task(name="validate-adapter",
       cache_policy=stage_cache_policy("validate-adapter", ("output.fingerprint", "output.url", "output.attempt",
-                                                           "settings", "fused_model_url")),
+                                                           "settings", "fused_model_url"),
+                                      listed=("fused_model_url",)),
       persist_result=True, **RETRY_OPTIONS)
 def validate_adapter(output: OutputRecord, settings: ValidationSettings, fused_model_url: Optional[str] = None,
                      release: Optional[str] = None) -> ValidationRecord:
-    """Check the adapter: config, fits its base, finite, PEFT loads it; logits equal ``fused_model_url``'s."""
+    """Check the adapter: config, fits its base, finite, PEFT loads it; logits reproduce ``fused_model_url``'s."""
     released = already_released(output, release)
     if released is not None:
         return recorded_validation(released)
     started = time.perf_counter()
-    report = adapter_validation.validate_adapter(output.url, fused_model_url=fused_model_url, forward=settings.forward,
-                           device=settings.device)
+    report = adapter_validation.validate_adapter(output.url, fused_model_url=fused_model_url,
+                                                 forward=settings.forward, device=settings.device)
     return ValidationRecord.from_report(report, seconds=time.perf_counter() - started)

@@ -9,6 +9,9 @@ Contract:
 - Only the inputs named in ``fields`` count (``"output.fingerprint"`` names an attribute of an
   input), so timings, progress hooks and the like never change a key. Values are hashed as
   canonical JSON, so keys are stable across processes and machines (no pickles, no object ids).
+- Inputs named in ``listed`` are URLs of folders whose CONTENT decides the output (a replacement
+  config folder, a reference model, a base model): the key holds their listing's fingerprint
+  (names, sizes, versions), so the same URL with new files is a new key. One listing per key.
 - A cached result whose OUTPUT no longer exists is not trusted (``still_valid``: e.g. the release it
   describes was deleted). The key then moves on to the next GENERATION, ``<key>-g1``, ``-g2``...:
   the first generation that is free, or whose result is still valid, is the key. Every run walks
@@ -61,14 +64,26 @@ def _field(inputs: dict[str, Any], name: str) -> Any:
     return value
 
 
-def stage_key(stage: str, inputs: dict[str, Any], fields: Sequence[str]) -> str:
-    """The (generation 0) cache key of ``stage`` for these task inputs (only ``fields`` count)."""
+def listing_fingerprint(url: Optional[str]) -> Optional[str]:
+    """The fingerprint of the listing under ``url`` (None for no URL)."""
+    if not url:
+        return None
+    from merge_engine import storage
+
+    return storage.fingerprint(storage.list_files(str(url)))
+
+
+def stage_key(stage: str, inputs: dict[str, Any], fields: Sequence[str], listed: Sequence[str] = ()) -> str:
+    """The (generation 0) cache key of ``stage`` for these task inputs (only ``fields`` count, and the
+    listings of the URLs named in ``listed``)."""
     payload = {
         "stage": stage,
         "pipeline": PIPELINE_VERSION,
         "engine": merge_engine.__version__,
         "inputs": {name: _canonical(_field(inputs, name)) for name in fields},
     }
+    if listed:
+        payload["listings"] = {name: listing_fingerprint(_field(inputs, name)) for name in listed}
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
     return f"stepmerge-{stage}-{digest[:48]}"
 
@@ -113,16 +128,17 @@ class StageCachePolicy(CacheKeyFnPolicy):
         return live_generation(store, key, self.still_valid)
 
 
-def _key_fn(stage: str, fields: Sequence[str]) -> Callable[[Any, dict[str, Any]], str]:
+def _key_fn(stage: str, fields: Sequence[str], listed: Sequence[str]) -> Callable[[Any, dict[str, Any]], str]:
     def cache_key(context: Any, inputs: dict[str, Any]) -> str:
-        return stage_key(stage, inputs, fields)
+        return stage_key(stage, inputs, fields, listed)
 
     cache_key.__name__ = f"{stage}_cache_key"
     return cache_key
 
 
-def stage_cache_policy(stage: str, fields: Sequence[str],
-                       still_valid: Optional[Callable[[Any], bool]] = None) -> StageCachePolicy:
-    """The policy of one stage task: key from ``fields``, generations by ``still_valid``, serialised per key."""
-    return StageCachePolicy(cache_key_fn=_key_fn(stage, tuple(fields)), still_valid=still_valid,
+def stage_cache_policy(stage: str, fields: Sequence[str], still_valid: Optional[Callable[[Any], bool]] = None,
+                       listed: Sequence[str] = ()) -> StageCachePolicy:
+    """The policy of one stage task: key from ``fields`` (and the listings of ``listed`` URLs),
+    generations by ``still_valid``, serialised per key."""
+    return StageCachePolicy(cache_key_fn=_key_fn(stage, tuple(fields), tuple(listed)), still_valid=still_valid,
                             isolation_level="SERIALIZABLE", lock_manager=LOCKS)

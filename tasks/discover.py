@@ -19,7 +19,8 @@ from tasks.retry import RETRY_OPTIONS
 
 
 class PublishedRelease(Record):
-    """A release readers trust: where, and the step listing it was built from (when recorded)."""
+    """A release readers trust: where, the step listing it was built from, and whether that checkpoint
+    holds LoRA factors (as merge_step found them: ``checkpoint_lora``), when recorded."""
 
     name: str  # release folder name: role or "model", "-adapter" for adapters
     step: int
@@ -27,6 +28,7 @@ class PublishedRelease(Record):
     fingerprint: str
     source: str
     source_listing: Optional[str] = None
+    lora: Optional[bool] = None
 
 
 @task(name="discover-steps", cache_policy=NO_CACHE, **RETRY_OPTIONS)
@@ -45,7 +47,9 @@ def find_published(release_root: str) -> tuple[PublishedRelease, ...]:
     out = []
     for (name, step), url in sorted(published_releases(release_root).items()):
         manifest = read_manifest(url)
-        listing = manifest.options.get("source_listing") if isinstance(manifest.options, dict) else None
+        options = manifest.options if isinstance(manifest.options, dict) else {}
+        lora = options.get("checkpoint_lora")
         out.append(PublishedRelease(name=name, step=step, url=url, fingerprint=manifest.fingerprint,
-                                    source=manifest.source, source_listing=listing))
+                                    source=manifest.source, source_listing=options.get("source_listing"),
+                                    lora=lora if isinstance(lora, bool) else None))
     return tuple(out)

@@ -10,6 +10,12 @@ see an empty file. Here:
 - a lock is stale, and is broken by the next acquirer, when its holder's process is gone (same
   host, pid not alive) or it expired (``hold_timeout``, default `DEFAULT_HOLD_S`: longer than any
   merge). A live holder on another host is waited for;
+- every removal of a lock file (breaking a stale lock, releasing one's own) happens under an
+  exclusive ``flock`` on ``<dir>/.locks.guard``, after reading the lock again under it. Creation
+  needs no guard (the hard link fails while any lock file exists), so under the guard the lock
+  file read is the one removed: two acquirers that both saw the same stale lock cannot both break
+  it (the second would otherwise remove the first's NEW lock, and both would hold it). An acquirer
+  that finds the guard busy treats the lock as held and polls;
 - ``directory`` defaults to ``$STEPMERGE_LOCK_DIR``, else ``.locks`` inside Prefect's local
   result storage path, resolved at each call (so it follows test and profile settings).
 It serialises runs that share the directory (one machine, or a shared filesystem). Across machines
@@ -18,11 +24,14 @@ without one, the engine's publish claims still keep a release single-writer.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -31,6 +40,7 @@ from prefect.locking.protocol import LockManager
 
 DEFAULT_HOLD_S = 24 * 3600.0
 POLL_S = 0.1
+GUARD_FILE = ".locks.guard"
 
 
 def default_lock_directory() -> Path:
@@ -66,16 +76,30 @@ class CrashSafeFileLockManager(LockManager):
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.lock"
 
-    def _read(self, key: str) -> Optional[tuple[dict, int]]:
-        """(lock info, inode) or None when there is no lock."""
+    def _read(self, key: str) -> Optional[dict]:
+        """The lock's info, or None when there is no lock."""
         try:
-            with open(self._path(key), "rb") as handle:
-                inode = os.fstat(handle.fileno()).st_ino
-                return json.loads(handle.read()), inode
+            return json.loads(self._path(key).read_bytes())
         except FileNotFoundError:
             return None
         except ValueError:  # never written partially; treat debris as an expired lock
-            return {"holder": "", "host": "", "pid": -1, "expires": 0.0}, -1
+            return {"holder": "", "host": "", "pid": -1, "expires": 0.0}
+
+    @contextlib.contextmanager
+    def _guard(self, blocking: bool = True) -> Iterator[bool]:
+        """The directory's removal guard (an exclusive flock); yields False when busy and not ``blocking``."""
+        directory = self.directory
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / GUARD_FILE, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)  # releases the flock
 
     @staticmethod
     def _stale(info: dict) -> bool:
@@ -99,26 +123,27 @@ class CrashSafeFileLockManager(LockManager):
             temp.unlink(missing_ok=True)
 
     def _break_if_stale(self, key: str) -> bool:
-        """Remove the lock if it is stale; True when the caller should try to acquire again."""
-        found = self._read(key)
-        if found is None:
+        """Remove the lock if it is stale; True when the caller should try to acquire again.
+
+        Under the guard (see the module docstring); a busy guard counts as a held lock (False).
+        """
+        with self._guard(blocking=False) as guarded:
+            if not guarded:
+                return False
+            info = self._read(key)  # read again under the guard: the file removed is the file judged
+            if info is None:
+                return True
+            if not self._stale(info):
+                return False
+            self._path(key).unlink(missing_ok=True)
             return True
-        info, inode = found
-        if not self._stale(info):
-            return False
-        try:
-            if inode == -1 or os.stat(self._path(key)).st_ino == inode:  # the stale lock, not a new one
-                self._path(key).unlink(missing_ok=True)
-        except FileNotFoundError:
-            pass
-        return True
 
     def _try_acquire(self, key: str, holder: str, hold_timeout: Optional[float]) -> Optional[bool]:
         """True: acquired (or already ours); False: held by a live holder; None: try again now."""
         if self._create(key, holder, hold_timeout):
             return True
-        found = self._read(key)
-        if found is not None and found[0].get("holder") == holder:
+        info = self._read(key)
+        if info is not None and info.get("holder") == holder:
             return True
         return None if self._break_if_stale(key) else False
 
@@ -149,18 +174,19 @@ class CrashSafeFileLockManager(LockManager):
             await anyio.sleep(POLL_S)
 
     def release_lock(self, key: str, holder: str) -> None:
-        found = self._read(key)
-        if found is None or found[0].get("holder") != holder:
-            raise ValueError(f"No lock held by {holder} for transaction with key {key}")
-        self._path(key).unlink(missing_ok=True)
+        with self._guard():
+            info = self._read(key)
+            if info is None or info.get("holder") != holder:
+                raise ValueError(f"No lock held by {holder} for transaction with key {key}")
+            self._path(key).unlink(missing_ok=True)
 
     def is_locked(self, key: str) -> bool:
-        found = self._read(key)
-        return found is not None and not self._stale(found[0])
+        info = self._read(key)
+        return info is not None and not self._stale(info)
 
     def is_lock_holder(self, key: str, holder: str) -> bool:
-        found = self._read(key)
-        return found is not None and found[0].get("holder") == holder and not self._stale(found[0])
+        info = self._read(key)
+        return info is not None and info.get("holder") == holder and not self._stale(info)
 
     def wait_for_lock(self, key: str, timeout: Optional[float] = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -1,15 +1,21 @@
 """The merge task: a checked checkpoint -> a Hugging Face folder in (local) staging.
 
-- Cache key: the checkpoint's listing fingerprint, the output options, the release it is for, the
+- Cache key: the checkpoint's listing fingerprint, the output options (and the listing of
+  ``hf_model_path``: its content, not its name, shapes the output), the release it is for, the
   engine version (`tasks.cache`). Same key -> Prefect returns the record, nothing is read; unless
   the output it describes is gone (`output_available`: neither in staging nor released), then the
   next cache generation is used and the merge runs again.
 - Not in the cache but already released: when the release already holds this exact merge
   (`merge_engine.merge.merge_fingerprint`), nothing is merged; the record points at the release
   (``released=True``). The release is the truth, the cache an accelerator.
+- A release built from something else (the step was rewritten since, or other options) without
+  ``overwrite``: `TargetExists` at once, before a byte is read or staged (publishing would refuse
+  it anyway, after the whole merge).
 - Otherwise `merge_engine.merge.merge_checkpoint` writes the staging folder (atomically; a finished
   staging folder of the same merge is reused), with a progress artifact moving as bytes are written.
-  A LoRA checkpoint gives the TRAINED model (adapters fused), as the engine defines it.
+  It merges the checkpoint the check task checked (no second completeness check). A LoRA checkpoint
+  gives the TRAINED model (adapters fused), as the engine defines it. Staging folders left by
+  crashed runs are swept first (`tasks.releases.sweep_stale_staging`).
 - Retries: transient storage faults only; named errors (corrupt shard, ...) fail at once.
 """
 
@@ -22,11 +28,12 @@ from typing import Optional
 from prefect import task
 
 from merge_engine import storage
+from merge_engine.errors import TargetExists
 from merge_engine.merge import merge_checkpoint, merge_fingerprint, read_provenance
 from tasks.cache import stage_cache_policy
 from tasks.progress import ProgressArtifact, release_artifact_key
 from tasks.records import CheckpointRecord, MergeSettings, OutputRecord
-from tasks.releases import MODEL, release_state, staging_url
+from tasks.releases import MODEL, release_state, staging_url, sweep_stale_staging
 from tasks.retry import RETRY_OPTIONS
 
 
@@ -43,9 +50,16 @@ def output_available(output: OutputRecord) -> bool:
     return bool(release) and release_state(release).holds(output.fingerprint)
 
 
-def released_output(kind: str, source_url: str, release: str, fingerprint: str) -> Optional[OutputRecord]:
-    """The record of an output already released at ``release`` from ``fingerprint``; else None."""
+def released_output(kind: str, source_url: str, release: str, fingerprint: str,
+                    overwrite: bool = False) -> Optional[OutputRecord]:
+    """The record of an output already released at ``release`` from ``fingerprint``; else None.
+
+    Raises `TargetExists` when ``release`` is whole but built from another fingerprint and not ``overwrite``.
+    """
     state = release_state(release)
+    if state.intact and state.manifest is not None and not state.holds(fingerprint) and not overwrite:
+        raise TargetExists(f"released from other input (fingerprint {state.manifest.fingerprint[:12]}…, this "
+                           f"{kind} would be {fingerprint[:12]}…): pass overwrite to replace it", release)
     if not state.holds(fingerprint) or state.manifest is None:
         return None
     provenance = read_provenance(release) or {}
@@ -57,19 +71,22 @@ def released_output(kind: str, source_url: str, release: str, fingerprint: str) 
 
 
 @task(name="merge-model",
-      cache_policy=stage_cache_policy("merge", ("checkpoint", "settings", "release"), still_valid=output_available),
+      cache_policy=stage_cache_policy("merge", ("checkpoint", "settings", "release"), still_valid=output_available,
+                                      listed=("settings.hf_model_path",)),
       persist_result=True, **RETRY_OPTIONS)
 def merge_model(checkpoint: CheckpointRecord, settings: MergeSettings, release: str,
-                staging_root: Optional[str] = None) -> OutputRecord:
+                staging_root: Optional[str] = None, overwrite: bool = False) -> OutputRecord:
     """Merge ``checkpoint`` into a staging folder for ``release`` (or find it already released)."""
     fingerprint = expected_model_fingerprint(checkpoint, settings)
-    found = released_output(MODEL, checkpoint.url, release, fingerprint)
+    found = released_output(MODEL, checkpoint.url, release, fingerprint, overwrite)
     if found is not None:
         return found
     target = staging_url(staging_root, release, fingerprint)
+    sweep_stale_staging(staging_root, keep=target)
     progress = ProgressArtifact(release_artifact_key("progress", release), f"Merging {checkpoint.url} -> {release}")
     options = dataclasses.replace(settings.to_options(), overwrite=True)  # staging is ours to replace
-    result = merge_checkpoint(checkpoint.url, target, options, on_bytes=progress.on_bytes, on_plan=progress.on_plan)
+    result = merge_checkpoint(checkpoint.url, target, options, on_bytes=progress.on_bytes, on_plan=progress.on_plan,
+                              checkpoint=checkpoint.to_checkpoint())
     progress.finish()
     return OutputRecord(kind=MODEL, source_url=checkpoint.url, url=target, fingerprint=result.fingerprint,
                         release=release, attempt=uuid.uuid4().hex, layout=result.layout, tensors=result.tensors,

@@ -8,7 +8,8 @@ publishers never both write). The task adds:
 - a release whose marker is valid but whose files are damaged (a file deleted or resized; seen
   from one listing) loses its marker first, so the engine clears it and publishes it again;
 - a failed validation publishes nothing (the engine removes the staging folder and raises
-  `ValidationFailed`: a named error, not retried).
+  `ValidationFailed`: a named error, not retried); a release built from something else, without
+  ``overwrite``, is refused (`TargetExists`) and the staging folder removed too: nothing is left behind.
 The manifest's options record the merge options, the validation settings and the step listing's
 fingerprint (``source_listing``), so a watcher can tell a release whose checkpoint was rewritten.
 """
@@ -21,6 +22,7 @@ from prefect import task
 
 import merge_engine
 from merge_engine import storage
+from merge_engine.errors import TargetExists
 from merge_engine.publish import MARKER, Release, publish
 from tasks.cache import stage_cache_policy
 from tasks.records import OutputRecord, ReleaseRecord, ValidationRecord
@@ -49,7 +51,11 @@ def publish_release(output: OutputRecord, validation: ValidationRecord, release:
     if output.released:  # the record says released, the release says otherwise (deleted meanwhile)
         raise FileNotFoundError(f"{output.url} no longer holds release {output.fingerprint[:12]}; run the step "
                                 "again to rebuild it")
-    published = publish(output.url, release, source=output.source_url, fingerprint=output.fingerprint,
-                        options=dict(options or {}), validation=validation.to_report(),
-                        engine_version=merge_engine.__version__, overwrite=overwrite)
+    try:
+        published = publish(output.url, release, source=output.source_url, fingerprint=output.fingerprint,
+                            options=dict(options or {}), validation=validation.to_report(),
+                            engine_version=merge_engine.__version__, overwrite=overwrite)
+    except TargetExists:
+        storage.remove(output.url, recursive=True)  # refused: this staging folder will never be published
+        raise
     return ReleaseRecord.from_release(published)

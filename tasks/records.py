@@ -19,8 +19,6 @@ from merge_engine.publish import Release
 from merge_engine.storage import FileEntry
 from merge_engine.validate import ValidationReport
 
-LORA_METADATA = ("lora_train_meta.json", "adapter_config.json")
-
 
 class Record(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -37,12 +35,6 @@ class StepRecord(Record):
     layout: str
     fingerprint: str  # digest of the step folder's listing: names, sizes, ETags/generations/mtimes
     reason: str = ""
-    lora_hint: bool = False  # the listing has verl's LoRA metadata (lora_train_meta.json, lora_adapter/)
-
-    @property
-    def key(self) -> str:
-        """``{run_root}:{role}:{step}``: one merge per key (the deployment runs' idempotency key)."""
-        return f"{self.run_root}:{self.role}:{self.step}"
 
     @property
     def complete(self) -> bool:
@@ -50,9 +42,8 @@ class StepRecord(Record):
 
     @classmethod
     def from_step(cls, step: Step) -> StepRecord:
-        lora = any(f.path in LORA_METADATA or f.path.startswith("lora_adapter/") for f in step.files)
         return cls(run_root=step.run_root, step=step.step, role=step.role, url=step.url, status=step.status,
-                   layout=step.layout, fingerprint=step.fingerprint, reason=step.reason, lora_hint=lora)
+                   layout=step.layout, fingerprint=step.fingerprint, reason=step.reason)
 
 
 class DiscoveryRecord(Record):
@@ -95,16 +86,21 @@ class CheckpointRecord(Record):
 
 
 class MergeSettings(Record):
-    """The merge options a flow exposes (`merge_engine.merge.MergeOptions` minus target handling)."""
+    """The merge options a flow exposes (`merge_engine.merge.MergeOptions` minus target handling).
+
+    ``lora_alpha`` matters to LoRA checkpoints whose run recorded no alpha: their merged model is the
+    trained one (every update fused with its alpha), so the merge needs it as much as the adapter.
+    """
 
     dtype: Optional[str] = None
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     hf_model_path: Optional[str] = None
     backend: Optional[str] = None
+    lora_alpha: Optional[float] = None
 
     def to_options(self, overwrite: bool = False) -> MergeOptions:
         return MergeOptions(backend=self.backend, dtype=self.dtype, max_shard_size=self.max_shard_size,
-                            hf_model_path=self.hf_model_path, overwrite=overwrite)
+                            hf_model_path=self.hf_model_path, lora_alpha=self.lora_alpha, overwrite=overwrite)
 
 
 class AdapterSettings(Record):

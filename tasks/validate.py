@@ -6,7 +6,8 @@ with a reference, values and logits compared. A failed check is a result, not an
 says ``ok=False`` and the publish task refuses it. An output already released (found so by the merge, or published by
 an earlier run since) returns the validation its release's manifest recorded, reading nothing.
 Cached on the output (its fingerprint and the attempt that produced it: rebuilt bytes are
-validated again) + settings.
+validated again) + settings, with the listing of ``reference_url`` (a reference rewritten in place
+is a new comparison).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def already_released(output: OutputRecord, release: Optional[str]) -> Optional[s
 
 
 @task(name="validate-model",
-      cache_policy=stage_cache_policy("validate", ("output.fingerprint", "output.url", "output.attempt", "settings")),
+      cache_policy=stage_cache_policy("validate", ("output.fingerprint", "output.url", "output.attempt", "settings"),
+                                      listed=("settings.reference_url",)),
       persist_result=True, **RETRY_OPTIONS)
 def validate_output(output: OutputRecord, settings: ValidationSettings, release: Optional[str] = None
                     ) -> ValidationRecord:

@@ -17,7 +17,10 @@ Contract:
     * ``Fault.respond(raw)``: read the request head, answer ``raw`` (e.g. an HTTP 503), close.
   Bytes are counted in the server-to-client direction (``direction="down"``, for downloads) or
   client-to-server (``"up"``, for uploads).
-- ``accepted`` and ``faulted`` count connections, so a test can assert that a fault really fired.
+- ``accepted`` counts connections, ``faulted`` the connections a fault was assigned to, and
+  ``fired`` the faults that really happened (a reset sent, a stall begun, a connection refused, a
+  canned response sent): a reset armed for after N bytes on a connection that carries fewer never
+  fires. Assert on ``fired`` to prove a fault was met.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import asyncio
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -94,6 +98,7 @@ class FaultProxy:
         self.port = 0
         self.accepted = 0
         self.faulted = 0
+        self.fired = 0
         self._fault: Fault | None = None
         self._fault_left = 0
         self._lock = threading.Lock()
@@ -125,6 +130,10 @@ class FaultProxy:
             await asyncio.sleep(0.05)  # let clients on other threads see the FIN before their next request
 
         asyncio.run_coroutine_threadsafe(close_all(), self._loop).result(timeout=10)
+
+    def _fire(self) -> None:
+        with self._lock:
+            self.fired += 1
 
     def _take_fault(self) -> Fault | None:
         with self._lock:
@@ -187,6 +196,7 @@ class FaultProxy:
 
     async def _serve(self, client_reader, client_writer, fault: Fault | None) -> None:
         if fault is not None and fault.kind == "refuse":
+            self._fire()
             _reset(client_writer)
             return
         if fault is not None and fault.kind == "respond":
@@ -194,6 +204,7 @@ class FaultProxy:
                 await client_reader.readuntil(b"\r\n\r\n")
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
                 pass
+            self._fire()
             client_writer.write(fault.response)
             await client_writer.drain()
             client_writer.close()
@@ -206,8 +217,8 @@ class FaultProxy:
         self._open.update((client_writer, upstream_writer))
         down_fault = fault if fault is not None and fault.direction == "down" else None
         up_fault = fault if fault is not None and fault.direction == "up" else None
-        down = asyncio.ensure_future(self._pipe(upstream_reader, client_writer, down_fault, client_writer))
-        up = asyncio.ensure_future(self._pipe(client_reader, upstream_writer, up_fault, client_writer))
+        down = asyncio.ensure_future(self._pipe(upstream_reader, client_writer, down_fault, client_writer, self._fire))
+        up = asyncio.ensure_future(self._pipe(client_reader, upstream_writer, up_fault, client_writer, self._fire))
         try:
             done, _ = await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
             # the server closing its side ends the exchange; a client's half-close lets the server finish
@@ -230,6 +241,7 @@ class FaultProxy:
         writer: asyncio.StreamWriter,
         fault: Fault | None,
         client_writer: asyncio.StreamWriter,
+        fired: Callable[[], None],
     ) -> None:
         passed = 0
         armed = fault is not None and fault.kind in ("reset", "stall")
@@ -245,6 +257,7 @@ class FaultProxy:
                     writer.write(head)
                     await writer.drain()
                     passed += len(head)
+                fired()
                 if fault.kind == "reset":
                     _reset(client_writer)
                     raise ConnectionResetError("fault proxy: injected reset")

@@ -23,8 +23,10 @@ from pathlib import Path
 
 import pytest
 
-# Task retry delays are read when `tasks` is imported: short ones for tests (production: 10 s base).
+# Task retry delays are read when `tasks` is imported: short ones for tests (production: 10 s base);
+# likewise the pause before a step whose check failed is listed again (production: 3 s).
 os.environ.setdefault("STEPMERGE_RETRY_BASE_DELAY_S", "0.2")
+os.environ.setdefault("STEPMERGE_SETTLE_S", "0.1")
 
 FULL_STEPS = (1, 2, 3)
 LORA_STEP = 4

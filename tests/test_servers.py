@@ -130,7 +130,7 @@ class TestFaultProxy:
         with FaultProxy(gcs_server.port) as proxy:
             response, error, _ = _raw_get(proxy.port, bucket, "big")
         assert error is None and _body(response) == data
-        assert (proxy.accepted, proxy.faulted) == (1, 0)
+        assert (proxy.accepted, proxy.faulted, proxy.fired) == (1, 0, 0)
 
     def test_reset_after_n_bytes_then_passes(self, gcs_server, big_gcs_object):
         bucket, data = big_gcs_object
@@ -141,7 +141,21 @@ class TestFaultProxy:
             assert len(response) <= 100_000
             response, error, _ = _raw_get(proxy.port, bucket, "big")  # only the first connection
             assert error is None and _body(response) == data
-            assert (proxy.accepted, proxy.faulted) == (2, 1)
+            assert (proxy.accepted, proxy.faulted, proxy.fired) == (2, 1, 1)
+
+    def test_fired_counts_faults_that_happened_not_connections_assigned_one(self, gcs_server, big_gcs_object):
+        """A reset armed for after more bytes than the response holds never fires: ``faulted`` (connections
+        given the fault) says 1, ``fired`` (faults that happened) says 0; a reset that happens counts."""
+        bucket, data = big_gcs_object
+        with FaultProxy(gcs_server.port) as proxy:
+            proxy.set_fault(Fault.reset(after_bytes=10 * MiB))
+            response, error, _ = _raw_get(proxy.port, bucket, "big")
+            assert error is None and _body(response) == data
+            assert (proxy.faulted, proxy.fired) == (1, 0)
+            proxy.set_fault(Fault.reset(after_bytes=100_000))
+            _, error, _ = _raw_get(proxy.port, bucket, "big")
+            assert isinstance(error, ConnectionResetError)
+            assert (proxy.faulted, proxy.fired) == (2, 1)
 
     def test_stall_pauses_then_resumes(self, gcs_server, big_gcs_object):
         bucket, data = big_gcs_object
@@ -150,6 +164,7 @@ class TestFaultProxy:
             response, error, times = _raw_get(proxy.port, bucket, "big")
         assert error is None and _body(response) == data
         assert max(b - a for a, b in zip(times, times[1:])) >= 0.55
+        assert proxy.fired == 1
 
     def test_refuse_and_respond_for_the_first_k_connections(self, gcs_server, big_gcs_object):
         bucket, data = big_gcs_object
@@ -188,28 +203,29 @@ class TestRecoveryOnS3:
         with storage.RangeReader(url) as reader:
             s3_fault_proxy.set_fault(Fault.reset(after_bytes=200_000))
             assert reader.read(MiB, 2 * MiB) == data[MiB:3 * MiB]
-        assert s3_fault_proxy.faulted == 1
+        assert s3_fault_proxy.fired == 1
 
     def test_ranged_read_recovers_from_a_stall(self, s3_bucket_url, s3_fault_proxy, only_library_retries):
-        """The stall outlasts STEPMERGE_STORAGE_TIMEOUT (1 s): the read times out and is retried."""
+        """The stall (60 s) outlasts STEPMERGE_STORAGE_TIMEOUT (1 s) many times over: the read times out
+        and is retried long before the stall ends (the bound leaves a loaded 2-core machine ample room)."""
         url, data = self._object(s3_bucket_url)
         with storage.RangeReader(url) as reader:
-            s3_fault_proxy.set_fault(Fault.stall(5, after_bytes=100_000))
+            s3_fault_proxy.set_fault(Fault.stall(60, after_bytes=100_000))
             started = time.monotonic()
             assert reader.read(0, 3 * MiB) == data[:3 * MiB]
-        assert time.monotonic() - started < 4.5
-        assert s3_fault_proxy.faulted == 1
+        assert time.monotonic() - started < 30
+        assert s3_fault_proxy.fired == 1
 
     def test_refused_and_throttled_requests_are_retried(self, s3_bucket_url, s3_fault_proxy, only_library_retries):
         url, data = self._object(s3_bucket_url, size=1000)
         s3_fault_proxy.set_fault(Fault.refuse(connections=1))
         assert storage.RangeReader(url).read(0, 1000) == data
-        assert s3_fault_proxy.faulted == 1
+        assert s3_fault_proxy.fired == 1
         slow_down = http_response(503, "Slow Down", b"<Error><Code>SlowDown</Code><Message>Please reduce your "
                                   b"request rate.</Message></Error>", "application/xml")
         s3_fault_proxy.set_fault(Fault.respond(slow_down, connections=1))
         assert storage.RangeReader(url, size=1000).read(10, 10) == data[10:20]
-        assert s3_fault_proxy.faulted == 2
+        assert s3_fault_proxy.fired == 2
 
     def test_whole_object_reads_need_our_retry_layer(self, s3_bucket_url, s3_fault_proxy, monkeypatch):
         """s3fs reads objects above its block size with concurrent ranged GETs that it does NOT retry:
@@ -235,7 +251,7 @@ class TestRecoveryOnS3:
         with storage.open_write(f"{s3_bucket_url}/uploaded", block_size=5 * MiB) as out:
             for _ in range(3):
                 out.write(data)
-        assert s3_fault_proxy.faulted == 2  # one reset during the download, one during the upload
+        assert s3_fault_proxy.fired == 2  # one reset during the download, one during the upload
         assert storage.read_bytes(f"{s3_bucket_url}/uploaded") == data * 3
 
 
@@ -245,4 +261,4 @@ def test_ranged_read_on_gcs_recovers_from_a_reset(gcs_bucket_url, gcs_fault_prox
     with storage.RangeReader(f"{gcs_bucket_url}/obj") as reader:
         gcs_fault_proxy.set_fault(Fault.reset(after_bytes=100_000))
         assert reader.read(100, MiB) == data[100:100 + MiB]
-    assert gcs_fault_proxy.faulted == 1
+    assert gcs_fault_proxy.fired == 1

@@ -63,3 +63,22 @@ def test_notify_from_a_training_job_starts_a_merge_of_that_step(deployed, capsys
     (run,) = runs
     assert run.parameters == {"params": {"run_root": "s3://training-bucket/run-42", "step": 120, "role": "actor"}}
     assert MergeStepParams(**run.parameters["params"]).key == "s3://training-bucket/run-42:actor:120"
+
+
+def test_the_declared_prefect_requirement_matches_the_version_the_code_targets():
+    """prefect.yaml and the code target Prefect 3.9 (idempotent deployment runs, trigger templating,
+    the events API used here): pyproject.toml must not admit an older Prefect."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    import yaml
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    repo = Path(__file__).resolve().parents[2]
+    targeted = Version(yaml.safe_load((repo / "deployments" / "prefect.yaml").read_text())["prefect-version"])
+    dependencies = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["dependencies"]
+    (prefect,) = [Requirement(d) for d in dependencies if re.match(r"prefect\b", d)]
+    oldest = Version(f"{targeted.major}.{targeted.minor}")
+    assert oldest in prefect.specifier and Version(f"{targeted.major}.{targeted.minor - 1}.99") not in prefect.specifier

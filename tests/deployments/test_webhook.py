@@ -2,7 +2,10 @@
 
 Unauthenticated, wrongly signed, stale and malformed calls are refused (401 / 422 / 413) and
 create nothing; a valid call answers 202 with the flow run id; the same webhook delivered twice
-gives the same flow run (idempotency key ``{run_root}:{role}:{step}``).
+gives the same flow run (idempotency key ``{run_root}:{role}:{step}``), however the run root is
+spelled (a trailing slash). Where releases go is the deployment's business, not the sender's: a
+``release_root`` in the body is refused. HMAC timestamps are integer Unix seconds (``nan``,
+``inf`` and fractions are refused, signed or not).
 """
 
 from __future__ import annotations
@@ -104,6 +107,8 @@ MALFORMED = {
     "path traversal": {"run_root": "s3://hooks-bucket/run/../../other-bucket", "step": 3},
     "encoded traversal": {"run_root": "s3://hooks-bucket/run/%2e%2e/x", "step": 3},
     "traversal in release_root": {"run_root": "s3://hooks-bucket/run", "step": 3, "release_root": "s3://hooks-bucket/../x"},
+    "any release_root": {"run_root": "s3://hooks-bucket/run", "step": 3, "release_root": "s3://hooks-bucket/releases"},
+    "release_root elsewhere": {"run_root": "s3://hooks-bucket/run", "step": 3, "release_root": "s3://someone-else/x"},
     "not an allowed run root": {"run_root": "s3://someone-else/run", "step": 3},
     "control character": {"run_root": "s3://hooks-bucket/run\n", "step": 3},
     "unknown role": {"run_root": "s3://hooks-bucket/run", "step": 3, "role": "admin"},
@@ -130,3 +135,48 @@ def test_the_receiver_refuses_to_start_without_authentication(prefect_api):
         create_app(WebhookSettings(prefect_api_url=prefect_api.url))
     assert TestClient(create_app(WebhookSettings(token=TOKEN, prefect_api_url=prefect_api.url))).get(
         "/healthz").json() == {"ok": True}
+
+
+def test_a_trailing_slash_is_the_same_step_and_the_same_run(client, deployed):
+    plain = _post(client, {"run_root": "s3://hooks-bucket/slash-run", "step": 40})
+    slashed = _post(client, {"run_root": "s3://hooks-bucket/slash-run/", "step": 40})
+    assert plain.status_code == slashed.status_code == 202, slashed.text
+    assert slashed.json()["flow_run_id"] == plain.json()["flow_run_id"]
+    assert slashed.json()["idempotency_key"] == "s3://hooks-bucket/slash-run:actor:40"
+    runs = [r for r in _runs(deployed) if r.parameters["params"].get("step") == 40]
+    assert len(runs) == 1 and runs[0].parameters["params"]["run_root"] == "s3://hooks-bucket/slash-run"
+
+
+@pytest.mark.parametrize("timestamp", ["nan", "NaN", "inf", "-inf", "infinity", "fraction", "1e9", "+now"])
+def test_hmac_timestamps_must_be_integer_unix_seconds(client, timestamp):
+    """Each of these is correctly signed with the secret; the timestamp itself is what is refused."""
+    now = int(time.time())
+    timestamp = {"fraction": f"{now}.25", "+now": f"+{now}"}.get(timestamp, timestamp)
+    body = json.dumps({"run_root": "s3://hooks-bucket/run", "step": 50}).encode()
+    headers = {TIMESTAMP_HEADER: timestamp, SIGNATURE_HEADER: sign(SECRET, timestamp, body)}
+    assert _post(client, None, headers, raw=body).status_code == 401
+
+
+def test_redelivery_after_the_run_finished(client, deployed, monkeypatch):
+    """A completed run answers a redelivered call (no second merge); a failed one is followed, after
+    the watcher's pause, by one new run keyed after it (the webhook does not block the step forever)."""
+    from prefect.states import Completed, Failed
+
+    import flows.submission
+
+    def finish(run_id: str, state) -> None:
+        with get_client(sync_client=True) as prefect:
+            prefect.set_flow_run_state(run_id, state, force=True)
+
+    done = _post(client, {"run_root": "s3://hooks-bucket/run", "step": 60}).json()
+    finish(done["flow_run_id"], Completed())
+    assert _post(client, {"run_root": "s3://hooks-bucket/run", "step": 60}).json()["flow_run_id"] == done["flow_run_id"]
+
+    failed = _post(client, {"run_root": "s3://hooks-bucket/run", "step": 61}).json()
+    finish(failed["flow_run_id"], Failed(message="S3 outage"))
+    waiting = _post(client, {"run_root": "s3://hooks-bucket/run", "step": 61}).json()
+    assert waiting["flow_run_id"] == failed["flow_run_id"] and waiting["action"] == "waiting"
+    monkeypatch.setattr(flows.submission, "RESUBMIT_BASE_DELAY_S", 0.0)
+    again = _post(client, {"run_root": "s3://hooks-bucket/run", "step": 61}).json()
+    assert again["flow_run_id"] != failed["flow_run_id"]
+    assert again["idempotency_key"] == f"s3://hooks-bucket/run:actor:61:after:{failed['flow_run_id']}"

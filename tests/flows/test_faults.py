@@ -55,7 +55,7 @@ def test_an_outage_longer_than_the_engine_retries_is_retried_by_the_task(
     state = merge_step(MergeStepParams(run_root=run_root, step=1, staging_root=str(tmp_path / "staging")),
                        return_state=True)
     assert state.is_completed()
-    assert s3_fault_proxy.faulted > 0
+    assert s3_fault_proxy.fired > 0
     assert len(verdicts) == 1 and verdicts[0][0] == "discover-steps" and verdicts[0][2] is True
     (discover,) = task_runs(flow_run_id(state))["discover-steps"]
     assert discover.run_count == 2 and discover.state.name == "Completed"
@@ -72,7 +72,7 @@ def test_resets_and_stalls_during_the_merge_are_ridden_out(prefect, template_run
     copy_steps(template_run, run_root, [2])
     s3_fault_proxy.set_fault(fault)
     outcome = merge_step(MergeStepParams(run_root=run_root, step=2, staging_root=str(tmp_path / "staging")))
-    assert s3_fault_proxy.faulted == fault.connections
+    assert s3_fault_proxy.fired == fault.connections  # every fault really happened
     assert outcome.status == "published"
     assert verify_release(outcome.releases[0].url).ok
 

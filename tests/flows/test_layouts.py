@@ -1,8 +1,9 @@
 """The pipeline does not care which layout a step has: Megatron checkpoints go through the same tasks.
 
-Real Megatron checkpoints written by megatron-core on CPU (verl's legacy per-rank files with TP 2,
-and verl 0.9's dist_ckpt with TP 2 x PP 2) are discovered, checked, merged, validated and published
-by the same merge_new_steps run as FSDP ones, and a re-run is all cache hits.
+Real Megatron checkpoints written by megatron-core on CPU (the session's ``megatron_runs``, shared
+with the engine's tests: verl's legacy per-rank files with TP 2, and verl 0.9's dist_ckpt with
+TP 2 x PP 2) are discovered, checked, merged, validated and published by the same merge_new_steps
+run as FSDP ones, and a re-run is all cache hits.
 """
 
 from __future__ import annotations
@@ -19,16 +20,9 @@ from merge_engine.publish import read_manifest, verify_release
 MEGATRON = {"qwen2_tp2_pp1_tied_legacy": "megatron_legacy", "mistral_tp2_pp2_tied_dist_v2": "megatron_dist"}
 
 
-@pytest.fixture(scope="module")
-def megatron_steps(tmp_path_factory):
-    from synthetic_runs.megatron import write_fixture_matrix
-
-    return write_fixture_matrix(tmp_path_factory.mktemp("megatron-pipeline"), names=list(MEGATRON))
-
-
 @pytest.mark.parametrize("name", MEGATRON)
-def test_a_megatron_run_is_merged_and_published_like_any_other(prefect, megatron_steps, tmp_path, name):
-    job = megatron_steps[name]
+def test_a_megatron_run_is_merged_and_published_like_any_other(prefect, megatron_runs, tmp_path, name):
+    job = megatron_runs[name]  # the session's checkpoints (read only: releases and staging go elsewhere)
     run_root = str(job.step_dir.parent)
     staging = str(tmp_path / "staging")
     releases = str(tmp_path / "releases")

@@ -4,7 +4,12 @@
   is complete — on a gs:// run root (fake-gcs-server);
 - no high-water mark: a lower step that appears after a higher one was released is merged;
 - a published step is not merged again (no merge_step run for it);
-- a LoRA step gives the trained model and a PEFT adapter whose logits equal it.
+- a LoRA step gives the trained model and a PEFT adapter whose logits equal it;
+- whether a step has an adapter is decided once, from its tensors (by merge_step, recorded in the
+  model release's manifest), not guessed again from file names: a step with verl's LoRA metadata
+  but no LoRA weights is not merged again on every tick;
+- a rank file still being written (present, truncated, growing) is "not ready", not a failure: the
+  tick succeeds, and the next one merges the step.
 """
 
 from __future__ import annotations
@@ -80,3 +85,48 @@ def watch_step_params(run_root, tmp_path):
     from flows.params import MergeStepParams
 
     return MergeStepParams(run_root=run_root, step=4, staging_root=str(tmp_path / "staging"))
+
+
+def test_a_step_with_lora_metadata_but_no_lora_weights_is_merged_once(prefect, template_run, tmp_path):
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [1])
+    (tmp_path / "run" / "global_step_1" / "actor" / "lora_train_meta.json").write_text(
+        json.dumps({"r": 4, "lora_alpha": 8, "task_type": "CAUSAL_LM"}))  # the run said LoRA; the weights say no
+    first = merge_new_steps(_watch(run_root, tmp_path))
+    assert first.steps_with("merged") == [1]
+    (outcome,) = first.outcomes
+    assert [r.kind for r in outcome.releases] == ["model"]
+    assert read_manifest(outcome.releases[0].url).options["checkpoint_lora"] is False
+    second = merge_new_steps(_watch(run_root, tmp_path))
+    assert second.actions == []  # nothing expected that merge_step would not make
+
+
+def test_a_rank_file_still_being_written_is_not_ready_then_merged(prefect, template_run, tmp_path, monkeypatch):
+    """The last rank file is there but short (its writer is still going): the listing calls the step
+    complete, the deep check finds it truncated; by the time the step is listed again the file has
+    grown. The tick reports the step as not ready and succeeds; the next tick merges it."""
+    import tasks.check
+
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [1])
+    shard = tmp_path / "run" / rank_file(1, 1)
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) // 2])
+    real_check = tasks.check.check_checkpoint
+
+    def check_while_the_writer_finishes(url, backend=None):
+        try:
+            return real_check(url, backend)
+        finally:
+            shard.write_bytes(whole)
+
+    monkeypatch.setattr(tasks.check, "check_checkpoint", check_while_the_writer_finishes)
+    state = merge_new_steps(_watch(run_root, tmp_path), return_state=True)
+    assert state.is_completed()
+    first = state.result()
+    assert [(a.step, a.action) for a in first.actions] == [(1, "not ready")]
+    assert "still being written" in first.actions[0].detail
+    assert not is_released(release_url(str(tmp_path / "run" / "releases"), "actor", 1))
+    second = merge_new_steps(_watch(run_root, tmp_path))
+    assert second.steps_with("merged") == [1]
+    assert verify_release(release_url(str(tmp_path / "run" / "releases"), "actor", 1)).ok

@@ -12,9 +12,10 @@ from pydantic import ValidationError
 
 from flows.merge_new_steps import merge_new_steps
 from flows.merge_step import merge_step
-from flows.params import MergeStepParams, WatchParams
+from flows.params import AdapterParams, MergeStepParams, RunLocation, WatchParams
 from flows.release_adapter import release_adapter
 from flows.url_checks import checked_url
+from tests.fixtures_pipeline import flow_run_id, task_runs
 
 
 def _definition(flow, name: str) -> dict:
@@ -77,4 +78,30 @@ def test_url_allow_list_is_configurable():
 def test_a_bad_parameter_fails_the_run_before_any_task(prefect):
     state = merge_step(params={"run_root": "s3://bucket/run", "step": -5}, return_state=True)
     assert state.is_failed()
-    assert "greater than or equal to 0" in str(state.message) or "step" in str(state.message)
+    message = str(state.message)
+    assert "step" in message and "greater than or equal to 0" in message  # names the field and the rule
+    assert task_runs(flow_run_id(state)) == {}  # not one task ran
+
+
+def test_lora_alpha_reaches_the_merge_and_its_cache_key():
+    """The trained model of a LoRA run that recorded no alpha needs it as much as the adapter does."""
+    params = MergeStepParams(run_root="s3://bucket/run", step=3, lora_alpha=16)
+    assert params.merge_settings().lora_alpha == 16
+    assert params.merge_settings().to_options().lora_alpha == 16
+    assert params.adapter_settings().lora_alpha == 16
+    assert params.merge_settings() != MergeStepParams(run_root="s3://bucket/run", step=3).merge_settings()
+
+
+@pytest.mark.parametrize("model", [MergeStepParams, WatchParams, AdapterParams])
+def test_every_flow_locates_its_run_the_same_way(model):
+    """One definition of run_root, release_root and staging_root (`RunLocation`) for the three flows."""
+    assert issubclass(model, RunLocation)
+    extra = {"step": 1} if model is not WatchParams else {}
+    params = model(run_root="s3://bucket/run/", **extra)
+    assert params.run_root == "s3://bucket/run" and params.release_root_url == "s3://bucket/run/releases"
+    assert model(run_root="gs://b/run", release_root="gs://b/rel/", **extra).release_root_url == "gs://b/rel"
+    for bad in ("ftp://host/run", "s3://bucket/../x", "s3://"):
+        with pytest.raises(ValidationError):
+            model(run_root=bad, **extra)
+    with pytest.raises(ValidationError):
+        model(run_root="s3://bucket/run", staging_root="s3://bucket/%2e%2e/x", **extra)

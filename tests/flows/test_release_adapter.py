@@ -4,9 +4,15 @@ On a run root with only the LoRA step: the adapter release holds adapter_config.
 from the run), adapter_model.safetensors and the clean base under base/; PEFT loads it (real
 `PeftModel.from_pretrained`). A later merge_step of the same step publishes the trained model and
 finds the adapter already released. A step without LoRA is refused with a named error.
+
+The adapter is compared with the step's released model only when that release was built from this
+very checkpoint (and alpha): a model release of another checkpoint at that place is not a reference.
+A rank file still being written makes the step "not ready", as for merge_step (the same rule).
 """
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
@@ -14,8 +20,9 @@ from flows.merge_step import merge_step
 from flows.params import AdapterParams, MergeStepParams
 from flows.release_adapter import release_adapter
 from merge_engine.errors import AdapterError
-from merge_engine.publish import read_manifest, verify_release
-from tests.fixtures_pipeline import LORA_STEP, copy_steps
+from merge_engine.publish import is_released, read_manifest, verify_release
+from tasks.releases import release_url
+from tests.fixtures_pipeline import LORA_STEP, ROLE, copy_steps, rank_file
 
 
 def test_the_adapter_of_a_lora_step_is_released_and_loads_with_peft(prefect, template_run, tmp_path):
@@ -42,3 +49,52 @@ def test_a_step_without_lora_is_refused(prefect, template_run, tmp_path):
     state = release_adapter(AdapterParams(run_root=run_root, step=1), return_state=True)
     with pytest.raises(AdapterError):
         state.result()
+
+
+def test_a_model_release_of_another_checkpoint_is_not_the_reference(prefect, template_run, tmp_path):
+    """The place of step 4's model release holds a model built from step 1 (a full fine-tune of the
+    same shapes): PEFT's logits cannot equal it, and they must not be compared with it."""
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [1, LORA_STEP])
+    releases = tmp_path / "run" / "releases"
+    staging = str(tmp_path / "staging")
+    step_1 = merge_step(MergeStepParams(run_root=run_root, step=1, staging_root=staging)).releases[0].url
+    shutil.copytree(step_1, release_url(str(releases), ROLE, LORA_STEP))
+    assert is_released(release_url(str(releases), ROLE, LORA_STEP))
+
+    outcome = release_adapter(AdapterParams(run_root=run_root, step=LORA_STEP, staging_root=staging))
+    (adapter,) = outcome.releases
+    assert outcome.status == "published" and adapter.validation_ok
+    assert "peft_logits" not in {c["name"] for c in read_manifest(adapter.url).validation["checks"]}
+
+
+def test_the_model_release_of_this_checkpoint_is_the_reference(prefect, template_run, tmp_path):
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [LORA_STEP])
+    staging = str(tmp_path / "staging")
+    merge_step(MergeStepParams(run_root=run_root, step=LORA_STEP, staging_root=staging, release_adapter=False))
+    outcome = release_adapter(AdapterParams(run_root=run_root, step=LORA_STEP, staging_root=staging))
+    checks = {c["name"]: c["ok"] for c in read_manifest(outcome.releases[0].url).validation["checks"]}
+    assert checks["peft_logits"]
+
+
+def test_a_rank_file_still_being_written_is_not_ready(prefect, template_run, tmp_path, monkeypatch):
+    import tasks.check
+
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [LORA_STEP])
+    shard = tmp_path / "run" / rank_file(LORA_STEP, 1)
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) // 3])
+    real_check = tasks.check.check_checkpoint
+
+    def check_while_the_writer_finishes(url, backend=None):
+        try:
+            return real_check(url, backend)
+        finally:
+            shard.write_bytes(whole)
+
+    monkeypatch.setattr(tasks.check, "check_checkpoint", check_while_the_writer_finishes)
+    outcome = release_adapter(AdapterParams(run_root=run_root, step=LORA_STEP, staging_root=str(tmp_path / "s")))
+    assert outcome.status == "not_ready" and "still being written" in outcome.reason
+    assert outcome.releases == []

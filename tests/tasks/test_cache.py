@@ -57,3 +57,46 @@ def test_only_the_named_fields_count():
     assert stage_key("validate", {"output": output}, fields) != stage_key(
         "validate", {"output": output.model_copy(update={"fingerprint": "abd"})}, fields)
     assert stage_key("validate", {"output": output}, fields) != stage_key("publish", {"output": output}, fields)
+
+
+def _task_key(stage_task, **inputs) -> str:
+    """The key the task's own cache policy computes for these inputs (no result store: generation 0)."""
+    from types import SimpleNamespace
+
+    return stage_task.cache_policy.compute_key(SimpleNamespace(result_store=None), inputs, {})
+
+
+def test_folders_named_by_url_count_by_their_content(tmp_path):
+    """hf_model_path (merge, extract) and reference_url (validate) are folders whose CONTENT decides
+    the output or the verdict: the key follows their listing, not just their name."""
+    from tasks.adapter import extract_adapter
+    from tasks.merge import merge_model
+    from tasks.records import AdapterSettings, StepRecord, ValidationSettings
+    from tasks.validate import validate_output
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    output = OutputRecord(kind="model", source_url="x", url="/stage/a", fingerprint="abc", attempt="1")
+    step = StepRecord(run_root="s3://b/run", step=3, role="actor", url=CHECKPOINT.url, status="complete",
+                      layout="fsdp", fingerprint="s" * 64)
+
+    def keys() -> tuple[str, ...]:
+        return (
+            _task_key(merge_model, checkpoint=CHECKPOINT, settings=MergeSettings(hf_model_path=str(folder)),
+                      release=RELEASE, staging_root=None),
+            _task_key(extract_adapter, step=step, checkpoint=CHECKPOINT,
+                      settings=AdapterSettings(hf_model_path=str(folder)), release=RELEASE + "-adapter",
+                      staging_root=None),
+            _task_key(extract_adapter, step=step, checkpoint=CHECKPOINT,
+                      settings=AdapterSettings(base_model=str(folder)), release=RELEASE + "-adapter",
+                      staging_root=None),
+            _task_key(validate_output, output=output, settings=ValidationSettings(reference_url=str(folder)),
+                      release=RELEASE),
+        )
+
+    before = keys()
+    assert before == keys()  # stable while the folder is unchanged
+    (folder / "config.json").write_text('{"rope_theta": 1000000}')  # same name, new content
+    after = keys()
+    assert all(a != b for a, b in zip(before, after))

@@ -63,3 +63,45 @@ def test_an_expired_lock_is_broken_but_a_live_one_is_waited_for(tmp_path):
     assert locks.acquire_lock("k", "B", acquire_timeout=1)
     body = json.loads((tmp_path / "k.lock").read_text())
     assert body["holder"] == "B" and body["pid"] == os.getpid()
+
+
+def test_two_breakers_of_one_stale_lock_never_both_win(tmp_path, monkeypatch):
+    """A and B both find the same stale lock. B judges it stale and is paused right there; A breaks
+    it and takes the lock (its new lock file may even get the old one's inode number); then B goes
+    on. B must not remove A's lock: at most one of them holds it."""
+    lock = tmp_path / "k.lock"
+    a, b = CrashSafeFileLockManager(tmp_path), CrashSafeFileLockManager(tmp_path)
+    assert a.acquire_lock("k", "crashed", hold_timeout=0.01)
+    time.sleep(0.05)  # expired: stale
+    stale_inode = os.stat(lock).st_ino
+    b_judged, go_on = threading.Event(), threading.Event()
+    real_stale = CrashSafeFileLockManager._stale
+
+    def stale(info):
+        verdict = real_stale(info)
+        if verdict and threading.current_thread().name == "breaker-b" and not b_judged.is_set():
+            b_judged.set()
+            go_on.wait(10)
+        return verdict
+
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):  # the inode number of a removed file is free for the next one
+        result = real_stat(path, *args, **kwargs)
+        if threading.current_thread().name == "breaker-b" and str(path) == str(lock):
+            return type("Stat", (), {"st_ino": stale_inode, "st_mtime": result.st_mtime})()
+        return result
+
+    monkeypatch.setattr(CrashSafeFileLockManager, "_stale", staticmethod(stale))
+    monkeypatch.setattr(os, "stat", stat)
+    got_b = []
+    breaker_b = threading.Thread(target=lambda: got_b.append(b.acquire_lock("k", "B", acquire_timeout=3)),
+                                 name="breaker-b")
+    breaker_b.start()
+    assert b_judged.wait(10)
+    got_a = a.acquire_lock("k", "A", acquire_timeout=0.5)
+    go_on.set()
+    breaker_b.join(10)
+    assert not (got_a and got_b[0]), "both hold the lock"
+    holder = json.loads(lock.read_text())["holder"]
+    assert holder == ("A" if got_a else "B")

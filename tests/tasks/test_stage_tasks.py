@@ -12,6 +12,7 @@ from __future__ import annotations
 import pickle
 from pathlib import Path
 
+import pytest
 from prefect import flow, task
 from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
 
@@ -111,3 +112,68 @@ def test_results_can_be_kept_in_s3(prefect, s3_bucket_url, monkeypatch):
     stored = storage.list_files(f"{s3_bucket_url}/prefect-results")
     assert [e.path for e in stored if e.path.startswith("stepmerge-probe-")]
     assert not any(p.name.startswith("stepmerge-probe-") for p in Path(prefect.results).iterdir())
+
+
+def test_the_deep_check_runs_once_per_merge(prefect, template_run, tmp_path, monkeypatch):
+    """The check task's record is the checkpoint the merge uses: its headers are not checked twice."""
+    import merge_engine.merge
+    import tasks.check
+
+    calls = []
+    for module in (tasks.check, merge_engine.merge):
+        real = module.check_checkpoint
+        monkeypatch.setattr(module, "check_checkpoint",
+                            lambda url, backend=None, _real=real: calls.append(url) or _real(url, backend))
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [1])
+    out = chain(run_root, 1, str(tmp_path / "releases"), str(tmp_path / "staging"))
+    assert out["merge"][0] == "Completed" and verify_release(out["publish"][1].url).ok
+    assert calls == [str(tmp_path / "run" / "global_step_1" / "actor")]
+
+
+def test_a_release_of_other_content_is_refused_and_the_staging_folder_removed(prefect, template_run, tmp_path):
+    """publish_release keeps nothing behind when it refuses (TargetExists: another fingerprint there)."""
+    from merge_engine.errors import TargetExists
+    from merge_engine.merge import MergeOptions, merge_checkpoint
+    from tasks.records import OutputRecord, ValidationRecord
+
+    run_root, releases = str(tmp_path / "run"), str(tmp_path / "releases")
+    copy_steps(template_run, run_root, [1, 2])
+    published = chain(run_root, 1, releases, str(tmp_path / "staging"))["publish"][1]
+    staged = str(tmp_path / "staging" / "other")
+    result = merge_checkpoint(str(tmp_path / "run" / "global_step_2" / "actor"), staged, MergeOptions())
+    output = OutputRecord(kind="model", source_url=result.source_url, url=staged, fingerprint=result.fingerprint,
+                          release=published.url, attempt="x")
+
+    @flow
+    def publish_other():
+        validation = ValidationRecord(model_url=staged, ok=True, summary="",
+                                      checks=({"name": "forward", "ok": True, "detail": "logits"},))
+        return publish_release(output, validation, published.url, {})
+
+    with pytest.raises(TargetExists):
+        publish_other()
+    assert not storage.exists(staged)
+    assert read_manifest(published.url).fingerprint == published.fingerprint
+
+
+def test_staging_left_by_crashed_runs_is_swept(prefect, template_run, tmp_path):
+    """A staging folder nobody has written to for STALE_STAGING_S (a run killed mid-merge, or
+    between merge and publish) is removed by the next merge; a recent one (a merge in progress) stays."""
+    import os
+    import time
+
+    from tasks.releases import STALE_STAGING_S
+
+    run_root, releases, staging = str(tmp_path / "run"), str(tmp_path / "releases"), tmp_path / "staging"
+    copy_steps(template_run, run_root, [1])
+    crashed, busy = staging / "0123456789abcdef-deadbeefdeadbeef", staging / "fedcba9876543210-feedfeedfeedfeed"
+    for folder in (crashed, busy):
+        (folder / "sub").mkdir(parents=True)
+        (folder / "sub" / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 1000)
+    old = time.time() - STALE_STAGING_S - 60
+    for path in (crashed / "sub" / "model-00001-of-00002.safetensors", crashed / "sub", crashed):
+        os.utime(path, (old, old))
+    out = chain(run_root, 1, releases, str(staging))
+    assert out["publish"][0] == "Completed"
+    assert not crashed.exists() and busy.exists()

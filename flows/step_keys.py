@@ -1,0 +1,28 @@
+"""The key of one merge: ``{run_root}:{role}:{step}`` — built here and nowhere else.
+
+Every route that starts or names a merge of a step uses `step_key`: the watcher's idempotency key
+(`flows.submission`), `MergeStepParams.key`, `StepOutcome.key`, the webhook's idempotency key
+(`deployments.webhook`) and the event's resource id (`flows.events`). The run root is normalised
+first (`normalized_run_root`: no trailing slash), so ``s3://b/run`` and ``s3://b/run/`` are one step.
+Later runs of the same step are keyed ``<step key>:after:<previous run id>`` (`resubmission_key`;
+the rule is in `flows.submission` and deployments/README.md).
+No heavy imports: the webhook receiver imports this module.
+"""
+
+from typing import Union
+
+
+def normalized_run_root(run_root: str) -> str:
+    """``run_root`` without trailing slashes (a lone ``/`` stays)."""
+    stripped = run_root.rstrip("/")
+    return stripped or run_root[:1]
+
+
+def step_key(run_root: str, role: str, step: Union[int, str]) -> str:
+    """``{run_root}:{role}:{step}`` with the run root normalised and the step as an integer."""
+    return f"{normalized_run_root(run_root)}:{role or ''}:{int(step)}"
+
+
+def resubmission_key(key: str, previous_run_id: object) -> str:
+    """The key of the run that follows the finished run ``previous_run_id`` of the step keyed ``key``."""
+    return f"{key}:after:{previous_run_id}"
