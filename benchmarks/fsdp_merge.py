@@ -9,7 +9,8 @@ What it does:
 2. Sets up verl 0.9.1 in its own venv (./.bench/verl-venv; the exact commands are
    `benchmarks.harness.VERL_SETUP`, printed as they run) with the same pinned torch.
 3. Measures the I/O floor (cat and cp of the rank files, warm cache), then runs stepmerge and verl's
-   merger alternately, both writing bfloat16, each in a child process whose wall time and peak RSS
+   merger alternately, each from a warm page cache (the rank files are read once before each run),
+   both writing bfloat16, each in a child process whose wall time and peak RSS
    (ru_maxrss from wait4) are recorded; prints medians and ratios against verl.
 4. Checks the two outputs hold the same tensors bit for bit (both cast fp32 -> bf16 the same way).
 """
@@ -84,12 +85,19 @@ def bench_size(size: str, repeats: int, verl_python: Path | None) -> dict[str, l
     runs: dict[str, list[Run]] = {"stepmerge": [], "verl": []}
     out = BENCH / "out" / size
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+    ranks = sorted(str(p) for p in actor.glob("model_world_size_*_rank_*.pt"))
+
+    def warm() -> None:  # each tool starts from the same warm page cache (the other's run may have evicted it)
+        subprocess.run(["cat", *ranks], stdout=subprocess.DEVNULL, check=True)
+
     for _ in range(repeats):
         shutil.rmtree(out, ignore_errors=True)
+        warm()
         runs["stepmerge"].append(measure("stepmerge", [
             sys.executable, "-m", "merge_engine", "merge", "--backend", "fsdp", "--local_dir", str(actor),
             "--target_dir", str(out / "stepmerge"), "--dtype", "bfloat16"], env))
         if verl_python:
+            warm()
             runs["verl"].append(measure("verl", [
                 str(verl_python), "-m", "verl.model_merger", "merge", "--backend", "fsdp",
                 "--local_dir", str(actor), "--target_dir", str(out / "verl")], env))

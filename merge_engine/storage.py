@@ -52,6 +52,7 @@ REMOTE_READ_CHUNK = 32 * 1024 * 1024  # one ranged GET; ranged GETs are retried,
 TRANSIENT_ATTEMPTS = 4  # attempts per retried call, on top of the storage library's own retries
 BACKOFF_BASE_S = 0.2
 BACKOFF_MAX_S = 5.0
+READ_AHEAD_BYTES = 64 * 1024 * 1024  # local reads: how far ahead of the reader the kernel is asked to fetch
 DIRECT_IO_MIN_BYTES = 64 * 1024 * 1024  # local files at least this large bypass the page cache (direct_io)
 STAGE_MANIFEST = ".stepmerge-staged.json"  # in a stage_in cache dir: rel path -> size and version staged
 
@@ -688,6 +689,7 @@ class RangeReader:
             except FileNotFoundError as exc:
                 raise IncompleteCheckpoint("file is missing", url) from exc
             self.size = os.fstat(self._fd).st_size  # the real size, whatever a listing said
+            self._hinted_until = 0
         else:
             self._fs, self._path = filesystem(url)
             if size is None:
@@ -705,6 +707,8 @@ class RangeReader:
                 f"read of {want} bytes at {offset} runs past the end ({self.size} bytes): truncated file",
                 self.url,
             )
+        if self._fd is not None:
+            self._read_ahead(offset + want)
         done = 0
         while done < want:
             if self._fd is not None:
@@ -714,6 +718,22 @@ class RangeReader:
             if n <= 0:
                 raise IncompleteCheckpoint(f"unexpected end of file at byte {offset + done}", self.url)
             done += n
+
+    def _read_ahead(self, end: int) -> None:
+        """Ask the kernel to fetch the next `READ_AHEAD_BYTES` past ``end`` while the caller works.
+
+        A merge reads every rank file front to back but interleaved (tensor by tensor across ranks),
+        one synchronous read at a time: on a cold cache that left the disk idle between reads
+        (measured: 5.7 s where ``cat`` of the same files takes 1.4 s). The hint costs one syscall
+        per `READ_AHEAD_BYTES` / 2 read and is ignored where unsupported."""
+        if end + READ_AHEAD_BYTES // 2 <= self._hinted_until or not hasattr(os, "posix_fadvise"):
+            return
+        start = max(end, self._hinted_until)
+        self._hinted_until = end + READ_AHEAD_BYTES
+        try:
+            os.posix_fadvise(self._fd, start, self._hinted_until - start, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
 
     def _read_chunk(self, start: int, out: memoryview) -> int:
         end = start + len(out)
