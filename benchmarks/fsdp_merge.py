@@ -26,7 +26,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import BENCH, Run, ensure_verl, load_folder, measure, median, same_tensors
+from benchmarks.harness import (
+    BENCH,
+    Run,
+    ensure_verl,
+    load_folder,
+    measure,
+    median,
+    print_runs,
+    same_tensors,
+)
 
 QWEN2_05B = dict(family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
                  num_heads=14, num_kv_heads=2, tie_word_embeddings=False)
@@ -103,9 +112,7 @@ def bench_size(size: str, repeats: int, verl_python: Path | None) -> dict[str, l
                 "--local_dir", str(actor), "--target_dir", str(out / "verl")], env))
     if verl_python:
         print(f"  outputs identical tensor for tensor: {outputs_identical(out / 'stepmerge', out / 'verl')}")
-    for tool, measured in runs.items():
-        for run in measured:
-            print(f"  {tool:9s} wall {run.wall_s:6.2f} s   peak RSS {run.peak_rss_mb:7.0f} MB")
+    print_runs(runs)
     shutil.rmtree(out, ignore_errors=True)
     return runs
 

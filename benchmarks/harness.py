@@ -45,6 +45,12 @@ def measure(tool: str, command: list[str], env: dict[str, str] | None = None) ->
     return Run(tool, wall, usage.ru_maxrss / 1024)
 
 
+def print_runs(runs: dict[str, list[Run]]) -> None:
+    for tool, measured in runs.items():
+        for run in measured:
+            print(f"  {tool:9s} wall {run.wall_s:6.2f} s   peak RSS {run.peak_rss_mb:7.0f} MB")
+
+
 def median(runs: list[Run], field: str) -> float:
     return statistics.median(getattr(r, field) for r in runs)
 

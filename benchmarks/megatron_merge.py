@@ -34,7 +34,16 @@ import time
 from pathlib import Path
 
 from benchmarks import harness
-from benchmarks.harness import ROOT, VERL_VENV, Run, load_folder, measure, median, same_tensors
+from benchmarks.harness import (
+    ROOT,
+    VERL_VENV,
+    Run,
+    load_folder,
+    measure,
+    median,
+    print_runs,
+    same_tensors,
+)
 
 BENCH = harness.BENCH / "megatron"
 FORMATS = {"dist": "dist_v2", "legacy": "legacy"}  # command-line name -> MegatronSpec.fmt
@@ -86,7 +95,11 @@ def compare(folder: Path, other: str) -> None:
     import torch
 
     if other.startswith("reference:"):
-        from synthetic_runs.megatron import MegatronSpec, reference_state_dict, reference_to_hf
+        from synthetic_runs.megatron import (
+            MegatronSpec,
+            reference_state_dict,
+            reference_to_hf,
+        )
 
         spec = MegatronSpec(fmt=FORMATS[other.split(":", 1)[1]], **MODEL)
         expected = {k: v.to(torch.bfloat16) for k, v in reference_to_hf(spec, reference_state_dict(spec, 0)).items()}
@@ -132,9 +145,7 @@ def bench(fmt: str, repeats: int, verl_python: Path | None) -> dict[str, list[Ru
     print(f"  stepmerge == reference weights (bf16), tensor for tensor: {same(out / 'stepmerge', 'reference:' + fmt)}")
     if with_verl:
         print(f"  stepmerge == verl, tensor for tensor: {same(out / 'stepmerge', str(out / 'verl'))}")
-    for tool, measured in runs.items():
-        for run in measured:
-            print(f"  {tool:9s} wall {run.wall_s:6.2f} s   peak RSS {run.peak_rss_mb:7.0f} MB")
+    print_runs(runs)
     shutil.rmtree(out, ignore_errors=True)
     return runs
 

@@ -19,10 +19,23 @@ from typing import Any
 from merge_engine import storage
 from merge_engine.errors import AdapterError
 from merge_engine.lora.config import LoraSettings, targets
-from merge_engine.lora.keys import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE, LORA_A, LORA_B, TRAINED_COPY, parse_key
+from merge_engine.lora.keys import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    BASE,
+    LORA_A,
+    LORA_B,
+    TRAINED_COPY,
+    parse_key,
+)
 from merge_engine.plan import MergePlan, PlannedTensor, ShardFile
 from merge_engine.safetensors_file import SafetensorsFile
-from merge_engine.tensor_source import AssembledSource, ConcatTensor, TensorMeta, TensorSource
+from merge_engine.tensor_source import (
+    AssembledSource,
+    ConcatTensor,
+    TensorMeta,
+    TensorSource,
+)
 
 
 @dataclass(frozen=True)

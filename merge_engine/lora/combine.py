@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -36,7 +36,12 @@ from merge_engine.lora.adapter_io import (
     read_adapter,
     write_adapter_config,
 )
-from merge_engine.lora.config import adapter_config, infer_target_modules, rank_layout, targets
+from merge_engine.lora.config import (
+    adapter_config,
+    infer_target_modules,
+    rank_layout,
+    targets,
+)
 from merge_engine.lora.fuse import (
     BASE_NAMESPACE,
     CheckedCopy,
@@ -48,10 +53,27 @@ from merge_engine.lora.fuse import (
 )
 from merge_engine.lora.keys import PEFT_PREFIX, adapter_file_key, module_of
 from merge_engine.lora.sources import NamespacedSource, qualified
-from merge_engine.lora.svd import Factors, ModuleReport, check_targets, factor_product, svd_device
-from merge_engine.lora.target import LoraResult, inputs_fingerprint, module_reports_json, skipped_result
+from merge_engine.lora.svd import (
+    Factors,
+    ModuleReport,
+    check_targets,
+    factor_product,
+    svd_device,
+)
+from merge_engine.lora.target import (
+    LoraResult,
+    inputs_fingerprint,
+    module_reports_json,
+    output_options,
+    skipped_result,
+)
 from merge_engine.output_target import target_state, write_target
-from merge_engine.plan import DEFAULT_MAX_SHARD_SIZE, MergePlan, PlannedTensor, parse_dtype
+from merge_engine.plan import (
+    DEFAULT_MAX_SHARD_SIZE,
+    MergePlan,
+    PlannedTensor,
+    parse_dtype,
+)
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
 from merge_engine.writer import write_plan
 
@@ -282,10 +304,7 @@ class MergeLoraOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     def output_options(self) -> dict:
-        options = asdict(self)
-        for key in ("overwrite", "chunk_bytes", "device"):
-            options.pop(key)
-        return options
+        return output_options(self)
 
 
 def check_merge_lora_options(base_url: str | None, adapter_urls: Sequence[str], options: MergeLoraOptions

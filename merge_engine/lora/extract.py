@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +33,12 @@ import torch
 from merge_engine import __version__, storage
 from merge_engine.errors import AdapterError, CorruptShard, InvalidOption
 from merge_engine.hf_metadata import copy_metadata, read_config
-from merge_engine.layouts import Checkpoint, check_checkpoint, layout_module, open_checkpoint
+from merge_engine.layouts import (
+    Checkpoint,
+    check_checkpoint,
+    layout_module,
+    open_checkpoint,
+)
 from merge_engine.lora.adapter_io import (
     Adapter,
     adapter_plan,
@@ -43,12 +48,43 @@ from merge_engine.lora.adapter_io import (
     write_adapter_config,
 )
 from merge_engine.lora.combine import TableFactor
-from merge_engine.lora.config import LoraSettings, adapter_config, infer_target_modules, rank_layout, targets
-from merge_engine.lora.fuse import CheckedCopy, WeightedAdapter, aligned, finite_or_raise, plan_fused_model
-from merge_engine.lora.keys import LORA_A, LORA_B, PEFT_PREFIX, TRAINED_COPY, adapter_file_key, parse_key
+from merge_engine.lora.config import (
+    LoraSettings,
+    adapter_config,
+    infer_target_modules,
+    rank_layout,
+    targets,
+)
+from merge_engine.lora.fuse import (
+    CheckedCopy,
+    WeightedAdapter,
+    aligned,
+    finite_or_raise,
+    plan_fused_model,
+)
+from merge_engine.lora.keys import (
+    LORA_A,
+    LORA_B,
+    PEFT_PREFIX,
+    TRAINED_COPY,
+    adapter_file_key,
+    parse_key,
+)
 from merge_engine.lora.sources import RenamedSource
-from merge_engine.lora.svd import Factors, ModuleReport, check_targets, factor_dense, svd_device
-from merge_engine.lora.target import LoraResult, inputs_fingerprint, module_reports_json, skipped_result
+from merge_engine.lora.svd import (
+    Factors,
+    ModuleReport,
+    check_targets,
+    factor_dense,
+    svd_device,
+)
+from merge_engine.lora.target import (
+    LoraResult,
+    inputs_fingerprint,
+    module_reports_json,
+    output_options,
+    skipped_result,
+)
 from merge_engine.merge import check_tied_copy
 from merge_engine.output_target import target_state, write_target
 from merge_engine.plan import (
@@ -270,10 +306,7 @@ class ExtractOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     def output_options(self) -> dict:
-        options = asdict(self)
-        options.pop("overwrite")
-        options.pop("chunk_bytes")
-        return options
+        return output_options(self)
 
 
 def extracted_adapter_config(lora: CheckpointLora, candidates: set[str], task_type: str | None,
@@ -413,10 +446,7 @@ class SvdExtractOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     def output_options(self) -> dict:
-        options = asdict(self)
-        for key in ("overwrite", "chunk_bytes", "device"):
-            options.pop(key)
-        return options
+        return output_options(self)
 
 
 def select_modules(candidates: Sequence[str], target_modules: Sequence[str] | None, where: str | None) -> list[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from merge_engine import __version__, storage
@@ -29,6 +29,14 @@ class LoraResult:
     skipped: bool = False
     modules: tuple[ModuleReport, ...] = ()
     notes: tuple[str, ...] = ()
+
+
+NOT_OUTPUT_OPTIONS = ("overwrite", "chunk_bytes", "device")  # how to run, not what is written
+
+
+def output_options(options: Any) -> dict[str, Any]:
+    """An options dataclass without the fields that cannot change the output (fingerprints, provenance)."""
+    return {k: v for k, v in asdict(options).items() if k not in NOT_OUTPUT_OPTIONS}
 
 
 def inputs_fingerprint(inputs: Mapping[str, str], **options: Any) -> str:
