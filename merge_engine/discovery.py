@@ -6,252 +6,46 @@ Contract:
 - Step folders are ``global_step_<N>/`` (verl) or ``iter_<N>/`` (Megatron-LM). Inside a step,
   ``actor/`` and ``critic/`` are roles (verl RL); weights straight in the step folder are role ``""``
   (verl SFT trainers, Megatron-LM).
-- A (step, role) is a checkpoint when its files match a layout signature (`SIGNATURES`). A step holding
-  only ``data.pt`` (verl retention deletes ``actor/`` and keeps ``data.pt``) or nothing at all is not one.
-- Each checkpoint gets a status from its primary layout's completeness rule, decided from names and
-  sizes alone: ``"complete"``, ``"incomplete"`` (still being written: "not yet", never an error) or
-  ``"invalid"`` (the names contradict each other, e.g. two world sizes; waiting will not fix it).
+- A (step, role) is a checkpoint when some layout of the registry (`merge_engine.layouts.LAYOUTS`)
+  finds its files in the listing (`Layout.listing_verdict`). A step holding only ``data.pt`` (verl
+  retention deletes ``actor/`` and keeps ``data.pt``) or nothing at all is not one.
+- Each checkpoint's status is its primary layout's verdict (the first present, in registry order),
+  decided from names and sizes alone: ``"complete"``, ``"incomplete"`` (still being written: "not
+  yet", never an error) or ``"invalid"`` (the names contradict each other; waiting will not fix it).
+  Discovery keeps no rule of its own: each format's rule lives in its layout module.
 - ``latest_checkpointed_iteration.txt`` is a hint only (verl writes it in place, non-atomically, and not
   at all under async save): it is returned beside the steps and never decides which steps exist.
-
-The watcher's FSDP rule (`fsdp_listing_verdict`) is stricter than a hand merge's
-(`merge_engine.layouts.fsdp`): it also waits for ``fsdp_config.json`` and for every rank's optimizer and
-extra-state files, the last things verl writes, so that a step is merged once, when it is whole. The
-layout's own check (every rank file present and a readable archive) still runs before any merge.
 """
 
 from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 from merge_engine import storage
+from merge_engine.layouts import listing_verdicts
+from merge_engine.layouts.contract import COMPLETE, INCOMPLETE, INVALID, Verdict
+from merge_engine.layouts.tracker import TRACKER_FILE, parse_tracker, read_tracker_hint
 from merge_engine.storage import FileEntry
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
+__all__ = ["COMPLETE", "INCOMPLETE", "INVALID", "POLICY_ROLES", "ROLES", "TRACKER_FILE", "Discovery", "Step",
+           "Verdict", "classify", "discover", "discover_steps", "latest_complete_step", "parse_tracker",
+           "read_tracker_hint", "steps_from_listing"]
+
 ROLES = ("actor", "critic")  # verl RL role folders; anything else in a step folder belongs to role ""
-COMPLETE, INCOMPLETE, INVALID = "complete", "incomplete", "invalid"
 
 _STEP_DIR = re.compile(r"^(?:global_step_(\d+)|iter_(\d+))$")
 
 
-# --------------------------------------------------------------------------------------------------
-# Completeness verdicts
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """A completeness decision from a listing: status plus the reason a person can act on."""
-
-    status: str
-    reason: str = ""
-
-    @property
-    def complete(self) -> bool:
-        return self.status == COMPLETE
-
-
-_DONE = Verdict(COMPLETE)
-
-
-def _by_path(files: Iterable[FileEntry]) -> dict[str, FileEntry]:
-    return {f.path: f for f in files}
-
-
-# --------------------------------------------------------------------------------------------------
-# FSDP (verl): model/optim/extra_state_world_size_{W}_rank_{R}.pt + fsdp_config.json
-
-_FSDP_RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
-FSDP_CONFIG = "fsdp_config.json"
-
-
-def fsdp_listing_verdict(files: Iterable[FileEntry], config_world_size: int | None = None) -> Verdict:
-    """Is a verl FSDP folder complete, judging by its listing alone (paths relative to the folder)?
-
-    Complete when: every ``model_world_size_W_rank_R.pt`` for R in 0..W-1 is present and non-empty,
-    all rank files name one world size W (and it equals ``config_world_size`` when the caller read
-    ``fsdp_config.json``), ``fsdp_config.json`` is present, and each other per-rank kind that exists
-    (optim, extra_state) exists for every rank and is non-empty. Why the last rule: each rank writes
-    model, then optim, then extra_state, and rank 0 writes ``fsdp_config.json`` BEFORE the final
-    barrier, so the config alone does not prove the other ranks are done; a rank's later file does.
-    This cannot see a file that is non-empty but still growing on a local disk: the layout's deep
-    check (zip readable) covers that.
-    """
-    kinds: dict[str, dict[int, FileEntry]] = defaultdict(dict)
-    world_sizes: dict[str, set[int]] = defaultdict(set)
-    has_config = False
-    for entry in files:
-        if entry.path == FSDP_CONFIG:
-            has_config = True
-            continue
-        match = _FSDP_RANK_FILE.match(entry.path)
-        if match:
-            kind, world, rank = match.group(1), int(match.group(2)), int(match.group(3))
-            world_sizes[kind].add(world)
-            kinds[kind][rank] = entry
-    all_sizes = set().union(*world_sizes.values()) if world_sizes else set()
-    if len(all_sizes) > 1:
-        return Verdict(INVALID, f"rank files name several world sizes {sorted(all_sizes)}")
-    if not kinds.get("model"):
-        return Verdict(INCOMPLETE, "no model_world_size_*_rank_*.pt file yet")
-    (world,) = all_sizes
-    if config_world_size is not None and config_world_size != world:
-        return Verdict(INVALID, f"file names say world size {world}, {FSDP_CONFIG} says {config_world_size}")
-    for kind in ("model", "optim", "extra_state"):
-        ranks = kinds.get(kind)
-        if not ranks:
-            continue
-        beyond = sorted(r for r in ranks if r >= world)
-        if beyond:
-            return Verdict(INVALID, f"{kind} rank files {beyond} are beyond world size {world}")
-        missing = sorted(set(range(world)) - set(ranks))
-        if missing:
-            return Verdict(INCOMPLETE, f"{kind} files for ranks {missing} of {world} not written yet")
-        empty = sorted(r for r, e in ranks.items() if e.size == 0)
-        if empty:
-            return Verdict(INCOMPLETE, f"{kind} files for ranks {empty} are empty (still being written)")
-    if not has_config:
-        return Verdict(INCOMPLETE, f"{FSDP_CONFIG} not written yet")
-    return _DONE
-
-
-# --------------------------------------------------------------------------------------------------
-# Megatron
-
-
-V2_MARKER = "ckpt_contents.json"  # verl >= 0.9 Megatron: rank 0 writes it LAST, atomically
-# group 1: tensor-parallel rank; group 2: "_PPP", "_EEE" or "_PPP_EEE" (absent when that size is 1)
-MEGATRON_LEGACY_FILE = re.compile(r"^model/mp_rank_(\d{2})((?:_\d{3}){0,2})/model\.pt$")
-MEGATRON_LM_FILE = re.compile(r"^(?:iter_\d+/)?mp_rank_(\d{2})((?:_\d{3}){0,2})/[^/]+\.pt$")
-
-
-def _v2_marker_verdict(files: Sequence[FileEntry]) -> Verdict:
-    if any(f.path == V2_MARKER for f in files):
-        return _DONE
-    return Verdict(INCOMPLETE, f"{V2_MARKER} (written last) not present yet")
-
-
-def megatron_dist_verdict(files: Sequence[FileEntry]) -> Verdict:
-    """verl v2 ``model/dist_ckpt/``: the ``ckpt_contents.json`` marker. verl v1 ``dist_ckpt/`` and
-    Megatron-LM ``torch_dist`` iterations: ``.metadata`` (written by the DCP coordinator after every
-    rank's data) and ``metadata.json`` (megatron-core writes it after that) both present."""
-    paths = _by_path(files)
-    if any(p.startswith("model/dist_ckpt/") for p in paths):
-        return _v2_marker_verdict(files)
-    folder = "dist_ckpt/" if any(p.startswith("dist_ckpt/") for p in paths) else ""
-    missing = [name for name in (".metadata", "metadata.json") if folder + name not in paths]
-    if missing:
-        return Verdict(INCOMPLETE, f"{folder or './'} lacks {', '.join(missing)} (written last)")
-    return _DONE
-
-
-def megatron_rank_grid_verdict(files: Sequence[FileEntry], pattern: re.Pattern[str]) -> Verdict:
-    """Per-rank ``mp_rank_TT[_PPP][_EEE]/*.pt`` folders (paths matching `pattern`): every cell of
-    the (tp, pp, ep) grid the names span is present and non-empty. The highest ranks of a grid still
-    being written are invisible from names alone; the Megatron layout checks the parallel sizes it
-    reads from the checkpoint."""
-    cells: dict[tuple[int, ...], list[FileEntry]] = defaultdict(list)
-    for entry in files:
-        match = pattern.match(entry.path)
-        if match:
-            coords = (int(match.group(1)),) + tuple(int(x) for x in match.group(2).split("_") if x)
-            cells[coords].append(entry)
-    if not cells:
-        return Verdict(INCOMPLETE, "no mp_rank_* file yet")
-    dims = {len(c) for c in cells}
-    if len(dims) > 1:
-        return Verdict(INVALID, "mp_rank_* folder names mix parallel dimensions")
-    ndim = dims.pop()
-    spans = [max(c[i] for c in cells) + 1 for i in range(ndim)]
-    grid: list[tuple[int, ...]] = [()]
-    for span in spans:
-        grid = [g + (i,) for g in grid for i in range(span)]
-    missing = [g for g in grid if g not in cells]
-    if missing:
-        return Verdict(INCOMPLETE, f"{len(missing)} mp_rank folders of {len(grid)} not written yet")
-    empty = sorted(e.path for es in cells.values() for e in es if e.size == 0)
-    if empty:
-        return Verdict(INCOMPLETE, f"empty (still being written): {empty[:3]}")
-    return _DONE
-
-
-# --------------------------------------------------------------------------------------------------
-# Hugging Face weights saved beside a training checkpoint
-
-
-def hf_weights_verdict(files: Sequence[FileEntry]) -> Verdict:
-    """``model/huggingface/`` (verl v2): the ``ckpt_contents.json`` marker. ``huggingface/``:
-    ``model.safetensors.index.json`` present (transformers writes it after every shard), or a single
-    non-empty ``model.safetensors``."""
-    paths = _by_path(files)
-    if any(p.startswith("model/huggingface/") for p in paths):
-        return _v2_marker_verdict(files)
-    if "huggingface/model.safetensors.index.json" in paths:
-        return _DONE
-    single = paths.get("huggingface/model.safetensors")
-    if single is not None and single.size > 0:
-        return _DONE
-    return Verdict(INCOMPLETE, "huggingface/ shards present but model.safetensors.index.json not written yet")
-
-
-# --------------------------------------------------------------------------------------------------
-# The table: which files prove a layout, and how its completeness is decided
-
-
-@dataclass(frozen=True)
-class LayoutSignature:
-    """A layout is present when any file (path relative to the weights folder) matches `proof`."""
-
-    name: str  # the module under merge_engine/layouts that reads it
-    proof: re.Pattern[str]
-    verdict: Callable[[Sequence[FileEntry]], Verdict]
-
-
-# Priority order: the first layout present is the step's primary layout (the one a merge reads).
-SIGNATURES: tuple[LayoutSignature, ...] = (
-    LayoutSignature(
-        "fsdp",
-        re.compile(r"^(?:(?:model|optim|extra_state)_world_size_\d+_rank_\d+\.pt|fsdp_config\.json)$"),
-        fsdp_listing_verdict,
-    ),
-    LayoutSignature(
-        "megatron_dist",
-        re.compile(r"^(?:(?:model/)?dist_ckpt/.+|[^/]+\.distcp)$"),
-        megatron_dist_verdict,
-    ),
-    LayoutSignature(
-        "megatron_legacy",
-        MEGATRON_LEGACY_FILE,
-        partial(megatron_rank_grid_verdict, pattern=MEGATRON_LEGACY_FILE),
-    ),
-    LayoutSignature(
-        "megatron_lm",  # Megatron-LM's own per-rank files (same pickle format as megatron_legacy)
-        MEGATRON_LM_FILE,
-        partial(megatron_rank_grid_verdict, pattern=MEGATRON_LM_FILE),
-    ),
-    LayoutSignature(
-        "hf",
-        re.compile(r"^(?:model/)?huggingface/[^/]+\.safetensors$"),
-        hf_weights_verdict,
-    ),
-)
-
-
-def detect_layouts(files: Sequence[FileEntry]) -> tuple[str, ...]:
-    """Names of the layouts whose signature matches these files, in priority order."""
-    return tuple(sig.name for sig in SIGNATURES if any(sig.proof.match(f.path) for f in files))
-
-
 def classify(files: Sequence[FileEntry]) -> tuple[tuple[str, ...], Verdict]:
-    """Layouts present and the primary layout's verdict; ``((), ...)`` when it is no checkpoint."""
-    layouts = detect_layouts(files)
-    if not layouts:
+    """Layouts present (registry order) and the primary layout's verdict; ``((), ...)`` when it is no
+    checkpoint."""
+    found = listing_verdicts(files)
+    if not found:
         return (), Verdict(INCOMPLETE, "no checkpoint files")
-    primary = next(sig for sig in SIGNATURES if sig.name == layouts[0])
-    return layouts, primary.verdict(files)
+    return tuple(name for name, _ in found), found[0][1]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -341,20 +135,6 @@ def steps_from_listing(run_root_url: str, entries: Iterable[FileEntry]) -> list[
             )
         )
     return sorted(steps, key=lambda s: (s.step, s.role))
-
-
-def parse_tracker(text: str) -> int | None:
-    """The step number in a tracker file, or None when it is empty, partial or not a number."""
-    text = text.strip()
-    return int(text) if text.isdigit() else None
-
-
-def read_tracker_hint(run_root_url: str) -> int | None:
-    """The number in ``latest_checkpointed_iteration.txt``; None when absent or unreadable."""
-    try:
-        return parse_tracker(storage.read_text(storage.join(run_root_url, TRACKER_FILE)))
-    except (FileNotFoundError, UnicodeDecodeError):
-        return None
 
 
 def discover(run_root_url: str) -> Discovery:

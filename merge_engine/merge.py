@@ -24,7 +24,7 @@ from merge_engine import __version__, storage
 from merge_engine.errors import CorruptShard, InvalidOption
 from merge_engine.chunks import aligned_chunks
 from merge_engine.hf_metadata import copy_metadata, read_config
-from merge_engine.layouts import Checkpoint, check_checkpoint, layout_module, open_checkpoint
+from merge_engine.layouts import MEGATRON_NAMES, Checkpoint, check_checkpoint, layout_named, open_checkpoint
 from merge_engine.plan import (
     DEFAULT_MAX_SHARD_SIZE,
     LM_HEAD,
@@ -95,12 +95,12 @@ def merge_fingerprint(checkpoint: Checkpoint, options: MergeOptions) -> str:
 
 def plan_merge(checkpoint: Checkpoint, source: TensorSource, config: dict, options: MergeOptions) -> MergePlan:
     """The layout's own planner if it has one (Megatron), else the Hugging Face-names planner."""
-    module = layout_module(checkpoint.layout)
     dtype = parse_dtype(options.dtype)
-    if hasattr(module, "plan"):
-        extra = {"custom_mapping": options.custom_mapping} if options.custom_mapping is not None else {}
-        return module.plan(source, config, dtype=dtype, max_shard_size=options.max_shard_size,
-                           tie_flag=options.tie_word_embedding, **extra)
+    if layout_named(checkpoint.layout).TENSOR_NAMING == MEGATRON_NAMES:
+        from merge_engine.architectures.megatron_to_hf import plan_megatron_merge
+
+        return plan_megatron_merge(source, config, dtype=dtype, max_shard_size=options.max_shard_size,
+                                   tie_flag=options.tie_word_embedding, custom_mapping=options.custom_mapping)
     if options.custom_mapping is not None:
         raise InvalidOption(f"--custom-mapping applies to Megatron checkpoints, not to a {checkpoint.layout} one",
                             options.custom_mapping)

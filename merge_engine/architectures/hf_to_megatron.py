@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from merge_engine.architectures.binding import Binding, bind_hf, check_coverage, expected_bindings
-from merge_engine.architectures.mappings import FamilyTable, ModelDims
+from merge_engine.architectures.mappings import FamilyTable, GatedMLPMapping, ModelDims
 from merge_engine.architectures.megatron_names import order_key
 from merge_engine.chunks import flat_slices
 from merge_engine.errors import CorruptShard, MappingError
@@ -56,6 +56,10 @@ class MegatronViewOfHf:
     def binding(self, name: str) -> Binding:
         """The mapping (and Hugging Face names) that builds the Megatron tensor ``name``."""
         return self._bindings[name]
+
+    def gated(self, name: str) -> bool:
+        """Is the Megatron tensor ``name`` a gated MLP's fused ``linear_fc1`` (gate rows, then up rows)?"""
+        return isinstance(self._bindings[name].mapping, GatedMLPMapping)
 
     def read(self, name: str) -> torch.Tensor:
         binding = self._bindings[name]

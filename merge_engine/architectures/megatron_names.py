@@ -68,3 +68,8 @@ def order_key(name: str) -> tuple:
     if name.startswith("output_layer."):
         return (3,)
     return (2,)
+
+
+# local-spec modules whose state_dict() has an ``_extra_state`` entry (megatron-core saves it, as None
+# when there is nothing to keep)
+EXTRA_STATE_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")

@@ -1,91 +1,98 @@
-"""On-disk checkpoint formats. Each layout module provides the same three functions:
+"""On-disk checkpoint formats, each a module satisfying `merge_engine.layouts.contract.Layout`,
+all listed once in `LAYOUTS` (in priority order: the first that detects a listing reads it).
 
-- ``detect(files) -> bool``: does this listing (relative `FileEntry` paths) look like the format?
-- ``check_complete(url, files) -> Checkpoint``: every required file present, non-empty and
-  readable (headers only); raises `IncompleteCheckpoint` / `WorldSizeMismatch` / `CorruptShard`.
-- ``open(checkpoint) -> TensorSource``: the lazy full-tensor view the planner consumes.
+- ``fsdp``: verl FSDP rank files;
+- ``megatron_legacy``: Megatron per-rank ``mp_rank_*`` files (verl's ``model.pt``, Megatron-LM's
+  ``model_optim_rng.pt``); written by ``stepmerge split --format legacy``;
+- ``megatron_bridge``: Hugging Face weights a Megatron run saved through a bridge (before
+  ``megatron_dist``: when both are there, the Hugging Face weights are read);
+- ``megatron_dist``: Megatron ``torch_dist`` checkpoints; written by ``split --format dist``;
+- ``hf``: Hugging Face folders (``config.json`` + safetensors), also as saved beside a step.
 
-`find_layout` tries them in `LAYOUTS` order; `check_checkpoint` and `open_checkpoint` are the
-entry points the rest of the engine uses.
+Helpers with no format of their own: `contract` (the protocol and its records), `megatron_lm_root`
+(a Megatron-LM run root -> one iteration), `tracker` (``latest_checkpointed_iteration.txt``),
+`verl_v2` (verl's ``ckpt_contents.json`` marker).
+
+Entry points: `layout_named`, `find_layout`, `listing_verdicts` (discovery), `check_checkpoint`,
+`open_checkpoint`. Adding a format is one module plus one line in `LAYOUTS`.
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass, field
-from types import ModuleType
+from collections.abc import Sequence
 
 from merge_engine import storage
 from merge_engine.errors import IncompleteCheckpoint, UnsupportedLayout
+from merge_engine.layouts import fsdp, hf, megatron_bridge, megatron_dist, megatron_legacy
+from merge_engine.layouts.contract import (
+    HF_NAMES,
+    MEGATRON_NAMES,
+    Checkpoint,
+    Layout,
+    Verdict,
+    WritableLayout,
+)
 from merge_engine.storage import FileEntry
 from merge_engine.tensor_source import TensorSource
 
-# backend name (as on the command line) -> module, in detection order
-LAYOUT_MODULES: dict[str, str] = {
-    "fsdp": "merge_engine.layouts.fsdp",
-    "megatron_legacy": "merge_engine.layouts.megatron_legacy",
-    "megatron_bridge": "merge_engine.layouts.megatron_bridge",  # before megatron_dist: HF weights win
-    "megatron_dist": "merge_engine.layouts.megatron_dist",
-    "hf": "merge_engine.layouts.hf",
-}
+# THE registry, in priority order (detection and discovery's primary layout)
+LAYOUTS: tuple[Layout, ...] = (fsdp, megatron_legacy, megatron_bridge, megatron_dist, hf)
+BY_NAME: dict[str, Layout] = {layout.NAME: layout for layout in LAYOUTS}
 # backend names that stand for several layouts (verl's ``--backend megatron``), tried in this order
-LAYOUT_ALIASES: dict[str, tuple[str, ...]] = {
+ALIASES: dict[str, tuple[str, ...]] = {
     "megatron": ("megatron_legacy", "megatron_bridge", "megatron_dist"),
-    "megatron_lm": ("megatron_legacy", "megatron_dist"),
+    "megatron_lm": ("megatron_legacy", "megatron_dist"),  # an accepted spelling: Megatron-LM's own files
 }
 
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A complete checkpoint, decided from its listing and headers: what the merge needs to start.
-
-    ``parallel`` holds the parallel sizes (``world_size`` for FSDP; ``tp``/``pp``/... for Megatron),
-    ``hf_dir`` the folder with config and tokenizer, ``fingerprint`` the listing's digest.
-    """
-
-    url: str
-    layout: str
-    files: tuple[FileEntry, ...]
-    parallel: dict[str, int] = field(default_factory=dict, hash=False)
-    hf_dir: str | None = None
-    fingerprint: str = ""
-    notes: tuple[str, ...] = ()
+__all__ = ["ALIASES", "BY_NAME", "HF_NAMES", "LAYOUTS", "MEGATRON_NAMES", "Checkpoint", "Layout", "Verdict",
+           "WritableLayout", "check_checkpoint", "find_layout", "layout_named", "listing_verdicts",
+           "open_checkpoint"]
 
 
-def layout_module(name: str) -> ModuleType:
-    if name not in LAYOUT_MODULES:
-        known = ", ".join([*LAYOUT_MODULES, *LAYOUT_ALIASES])
+def layout_named(name: str) -> Layout:
+    """The layout called ``name``; `UnsupportedLayout` listing the known names otherwise."""
+    if name not in BY_NAME:
+        known = ", ".join([*BY_NAME, *ALIASES])
         raise UnsupportedLayout(f"unknown backend {name!r}; known: {known}")
-    return importlib.import_module(LAYOUT_MODULES[name])
+    return BY_NAME[name]
 
 
-def find_layout(url: str, files: list[FileEntry]) -> ModuleType:
-    for name in LAYOUT_MODULES:
-        module = layout_module(name)
-        if module.detect(files):
-            return module
+def find_layout(url: str, files: list[FileEntry], backend: str | None = None) -> Layout:
+    """The first layout (among ``backend``'s, a layout name or an alias; default all) that detects
+    ``files``; `IncompleteCheckpoint` for an empty listing, `UnsupportedLayout` when none does."""
+    if backend:
+        candidates = [layout_named(n) for n in ALIASES.get(backend, (backend,))]
+    else:
+        candidates = list(LAYOUTS)
+    found = next((layout for layout in candidates if layout.detect(files)), None)
+    if found is not None:
+        return found
     if not files:
         raise IncompleteCheckpoint("no files found (missing or empty folder)", url)
+    if backend:
+        raise UnsupportedLayout(f"this folder is not a {backend} checkpoint", url)
     raise UnsupportedLayout(
         f"no known checkpoint layout in this folder ({len(files)} files, e.g. {files[0].path}); "
-        f"known layouts: {', '.join(LAYOUT_MODULES)}", url)
+        f"known layouts: {', '.join(BY_NAME)}", url)
+
+
+def listing_verdicts(files: Sequence[FileEntry]) -> list[tuple[str, Verdict]]:
+    """(name, verdict) of every layout present in a listing, in priority order (names and sizes only)."""
+    found = []
+    for layout in LAYOUTS:
+        verdict = layout.listing_verdict(files)
+        if verdict.present:
+            found.append((layout.NAME, verdict))
+    return found
 
 
 def check_checkpoint(url: str, backend: str | None = None) -> Checkpoint:
     """List ``url`` once, pick the layout (or use ``backend``, a layout or an alias), check completeness."""
+    if backend and backend not in ALIASES:
+        layout_named(backend)  # an unknown name is refused before the listing is judged
     files = storage.list_files(url)
-    if not backend:
-        return find_layout(url, files).check_complete(url, files)
-    names = LAYOUT_ALIASES.get(backend, (backend,))
-    if backend not in LAYOUT_ALIASES:
-        layout_module(backend)  # an unknown name is refused before the listing is judged
-    module = next((layout_module(n) for n in names if layout_module(n).detect(files)), None)
-    if module is None:
-        if not files:
-            raise IncompleteCheckpoint("no files found (missing or empty folder)", url)
-        raise UnsupportedLayout(f"this folder is not a {backend} checkpoint", url)
-    return module.check_complete(url, files)
+    return find_layout(url, files, backend).check_complete(url, files)
 
 
 def open_checkpoint(checkpoint: Checkpoint) -> TensorSource:
-    return layout_module(checkpoint.layout).open(checkpoint)
+    return layout_named(checkpoint.layout).open(checkpoint)

@@ -8,9 +8,10 @@ Each rank file is a ``torch.save`` of that rank's state dict. A value is one of:
 - a ShardedTensor (FSDP1 without a mesh): local shards with offsets into the global tensor;
 - a plain tensor (buffers, world size 1): identical on every rank, checked, taken once.
 
-Completeness: the world size from the file names must be unique and agree with
-``fsdp_config.json`` (which rank 0 writes *before* the final barrier, so it proves nothing about
-the other ranks); every rank file present, non-empty and a readable torch archive.
+Completeness (`check_complete`, a hand merge): the world size from the file names must be unique
+and agree with ``fsdp_config.json`` (which rank 0 writes *before* the final barrier, so it proves
+nothing about the other ranks); every rank file present, non-empty and a readable torch archive.
+The watcher's rule (`listing_verdict`) is stricter: see there.
 """
 
 from __future__ import annotations
@@ -18,17 +19,20 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout, WorldSizeMismatch
-from merge_engine.layouts import Checkpoint
+from merge_engine.layouts.contract import ABSENT, DONE, HF_NAMES, INCOMPLETE, INVALID, Checkpoint, Verdict
 from merge_engine.storage import FileEntry
 from merge_engine.tensor_source import AssembledSource, ConcatTensor, ReplicatedTensor, TensorSource
 from merge_engine.torch_archive import StoredTensor, TorchArchive, WrapperTensor
 
 NAME = "fsdp"
+TENSOR_NAMING = HF_NAMES
 MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")  # every per-rank kind
 CONFIG_FILE = "fsdp_config.json"
 HF_DIR = "huggingface"
 LORA_ADAPTER_DIR = "lora_adapter"  # older verl LoRA runs: adapter_config.json (lora_alpha) lives here
@@ -46,8 +50,60 @@ def model_files(files: list[FileEntry]) -> dict[int, dict[int, FileEntry]]:
     return dict(found)
 
 
-def detect(files: list[FileEntry]) -> bool:
+def detect(files: Sequence[FileEntry]) -> bool:
     return bool(model_files(files))
+
+
+def listing_verdict(files: Iterable[FileEntry], config_world_size: int | None = None) -> Verdict:
+    """Is a verl FSDP folder complete, judging by its listing alone (paths relative to the folder)?
+
+    Not a checkpoint when no rank file and no ``fsdp_config.json`` is listed. Complete when: every
+    ``model_world_size_W_rank_R.pt`` for R in 0..W-1 is present and non-empty, all rank files name
+    one world size W (and it equals ``config_world_size`` when the caller read ``fsdp_config.json``),
+    ``fsdp_config.json`` is present, and each other per-rank kind that exists (optim, extra_state)
+    exists for every rank and is non-empty. Why the last rule: each rank writes model, then optim,
+    then extra_state, and rank 0 writes ``fsdp_config.json`` BEFORE the final barrier, so the config
+    alone does not prove the other ranks are done; a rank's later file does. This cannot see a file
+    that is non-empty but still growing on a local disk: `check_complete` (zip readable) covers that.
+    """
+    kinds: dict[str, dict[int, FileEntry]] = defaultdict(dict)
+    world_sizes: dict[str, set[int]] = defaultdict(set)
+    has_config = False
+    for entry in files:
+        if entry.path == CONFIG_FILE:
+            has_config = True
+            continue
+        match = RANK_FILE.match(entry.path)
+        if match:
+            kind, world, rank = match.group(1), int(match.group(2)), int(match.group(3))
+            world_sizes[kind].add(world)
+            kinds[kind][rank] = entry
+    if not has_config and not kinds:
+        return ABSENT
+    all_sizes = set().union(*world_sizes.values()) if world_sizes else set()
+    if len(all_sizes) > 1:
+        return Verdict(INVALID, f"rank files name several world sizes {sorted(all_sizes)}")
+    if not kinds.get("model"):
+        return Verdict(INCOMPLETE, "no model_world_size_*_rank_*.pt file yet")
+    (world,) = all_sizes
+    if config_world_size is not None and config_world_size != world:
+        return Verdict(INVALID, f"file names say world size {world}, {CONFIG_FILE} says {config_world_size}")
+    for kind in ("model", "optim", "extra_state"):
+        ranks = kinds.get(kind)
+        if not ranks:
+            continue
+        beyond = sorted(r for r in ranks if r >= world)
+        if beyond:
+            return Verdict(INVALID, f"{kind} rank files {beyond} are beyond world size {world}")
+        missing = sorted(set(range(world)) - set(ranks))
+        if missing:
+            return Verdict(INCOMPLETE, f"{kind} files for ranks {missing} of {world} not written yet")
+        empty = sorted(r for r, e in ranks.items() if e.size == 0)
+        if empty:
+            return Verdict(INCOMPLETE, f"{kind} files for ranks {empty} are empty (still being written)")
+    if not has_config:
+        return Verdict(INCOMPLETE, f"{CONFIG_FILE} not written yet")
+    return DONE
 
 
 def world_size_of(url: str, files: list[FileEntry]) -> int:

@@ -3,38 +3,76 @@
 Used for base models (LoRA fusion), references, and bridge exports (verl's Megatron bridge saves
 the actor's weights straight into ``huggingface/``). Completeness: the index (when present) is
 valid JSON, names only safe local files that all exist, and every tensor it maps is found in the
-header of the file it names; every header parses.
+header of the file it names; every header parses. From a listing alone (`listing_verdict`, also for
+the weights a training step saves in ``huggingface/`` or verl v2's ``model/huggingface/``): the index
+present (transformers writes it after every shard) or a single non-empty ``model.safetensors``; in
+``model/huggingface/`` verl v2's marker, written last.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint
-from merge_engine.layouts import Checkpoint
-from merge_engine.plan import INDEX_FILE as INDEX
+from merge_engine.layouts import verl_v2
+from merge_engine.layouts.contract import ABSENT, DONE, HF_NAMES, INCOMPLETE, Checkpoint, Verdict, by_path
 from merge_engine.safetensors_file import SafetensorsFile
 from merge_engine.storage import FileEntry
 from merge_engine.tensor_source import AssembledSource, ConcatTensor, TensorSource
 
 NAME = "hf"
+TENSOR_NAMING = HF_NAMES
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# where a training step keeps Hugging Face weights beside its own state (verl v2 first)
+SAVED_BESIDE = (verl_v2.MODEL_HF_DIR, "huggingface/")
 
 
-def detect(files: list[FileEntry]) -> bool:
+def detect(files: Sequence[FileEntry]) -> bool:
     top = {f.path for f in files if "/" not in f.path}
-    return "config.json" in top and any(p.endswith(".safetensors") for p in top)
+    return CONFIG_FILE in top and any(p.endswith(".safetensors") for p in top)
+
+
+def _weights_folder(files: Sequence[FileEntry]) -> str | None:
+    """The folder ("" for the top) holding safetensors weights: the top when `detect`, else a
+    ``SAVED_BESIDE`` folder; None when there are none."""
+    if detect(files):
+        return ""
+    for folder in SAVED_BESIDE:
+        if any(f.path.startswith(folder) and "/" not in f.path[len(folder):] and f.path.endswith(".safetensors")
+               for f in files):
+            return folder
+    return None
+
+
+def listing_verdict(files: Sequence[FileEntry]) -> Verdict:
+    """See the module docstring: names and sizes only."""
+    folder = _weights_folder(files)
+    if folder is None:
+        return ABSENT
+    if folder == verl_v2.MODEL_HF_DIR:
+        return verl_v2.marker_verdict(files)
+    paths = by_path(files)
+    if folder + INDEX_FILE in paths:
+        return DONE
+    single = paths.get(folder + SINGLE_FILE)
+    if single is not None and single.size > 0:
+        return DONE
+    return Verdict(INCOMPLETE, f"{folder or './'} shards present but {INDEX_FILE} not written yet")
 
 
 def weight_files(url: str, files: list[FileEntry]) -> dict[str, list[str]]:
     """Safetensors file -> tensor names it must hold (empty list: whatever its header says)."""
     top = {f.path: f for f in files if "/" not in f.path}
-    if INDEX not in top:
+    if INDEX_FILE not in top:
         names = sorted(p for p in top if p.endswith(".safetensors"))
         if len(names) != 1:
-            raise IncompleteCheckpoint(f"{len(names)} safetensors files and no {INDEX}", url)
+            raise IncompleteCheckpoint(f"{len(names)} safetensors files and no {INDEX_FILE}", url)
         return {names[0]: []}
-    index_url = storage.join(url, INDEX)
+    index_url = storage.join(url, INDEX_FILE)
     try:
         weight_map = json.loads(storage.read_text(index_url))["weight_map"]
     except (ValueError, KeyError, TypeError) as exc:

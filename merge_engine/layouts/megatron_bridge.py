@@ -11,22 +11,28 @@ every header parsed); and every tensor the config implies present, by the family
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from merge_engine import storage
-from merge_engine.discovery import V2_MARKER
+from merge_engine.architectures import model_dims, table_for_config
+from merge_engine.architectures.binding import expected_bindings
 from merge_engine.errors import IncompleteCheckpoint, UnknownArchitecture
 from merge_engine.hf_metadata import read_config
-from merge_engine.layouts import Checkpoint, hf
+from merge_engine.layouts import hf, megatron_dist, verl_v2
+from merge_engine.layouts.contract import ABSENT, HF_NAMES, Checkpoint, Verdict
 from merge_engine.storage import FileEntry
 from merge_engine.tensor_source import TensorSource
 
 NAME = "megatron_bridge"
-HF_FOLDERS = ("model/huggingface/", "huggingface/")
+TENSOR_NAMING = HF_NAMES
+V2_MARKER = verl_v2.CONTENTS_MARKER
+HF_FOLDERS = hf.SAVED_BESIDE
 # files only a Megatron run leaves beside its Hugging Face export (an FSDP step has its own layout)
 MEGATRON_MARKERS = ("transformer_config.json", V2_MARKER)
 MEGATRON_FOLDERS = ("dist_ckpt/", "model/dist_ckpt/", "extra/dist_ckpt/", "optimizer/dist_ckpt/")
 
 
-def _hf_folder(files: list[FileEntry]) -> str | None:
+def _hf_folder(files: Sequence[FileEntry]) -> str | None:
     for folder in HF_FOLDERS:
         if any(f.path.startswith(folder) and f.path.endswith(".safetensors") and "/" not in f.path[len(folder):]
                for f in files):
@@ -34,10 +40,20 @@ def _hf_folder(files: list[FileEntry]) -> str | None:
     return None
 
 
-def detect(files: list[FileEntry]) -> bool:
+def detect(files: Sequence[FileEntry]) -> bool:
     if _hf_folder(files) is None:
         return False
     return any(f.path in MEGATRON_MARKERS or f.path.startswith(MEGATRON_FOLDERS) for f in files)
+
+
+def listing_verdict(files: Sequence[FileEntry]) -> Verdict:
+    """The Hugging Face weights' verdict (`hf.listing_verdict`: verl v2's marker, or the index), and
+    when a ``dist_ckpt/`` is saved beside them, its own (`megatron_dist.listing_verdict`) too."""
+    if not detect(files):
+        return ABSENT
+    verdict = hf.listing_verdict(files)
+    beside = megatron_dist.listing_verdict(files)
+    return beside if verdict.complete and beside.present else verdict
 
 
 def _sub_files(files: list[FileEntry], folder: str) -> list[FileEntry]:
@@ -57,17 +73,13 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     notes = _check_tensor_set(inner)
     entries = tuple(sorted([f for f in files if f.path.startswith(folder) and "/" not in f.path[len(folder):]]
                            + [f for f in files if f.path in MEGATRON_MARKERS], key=lambda f: f.path))
-    from merge_engine.layouts.megatron_dist import parallel_sizes
-
-    return Checkpoint(url=url, layout=NAME, files=entries, parallel=parallel_sizes(url, files), hf_dir=hf_url,
+    return Checkpoint(url=url, layout=NAME, files=entries, parallel=megatron_dist.parallel_sizes(url, files),
+                      hf_dir=hf_url,
                       fingerprint=storage.fingerprint(entries), notes=("bridge export", *notes))
 
 
 def _check_tensor_set(inner: Checkpoint) -> tuple[str, ...]:
     """Every Hugging Face tensor the family table expects for this config is in the export."""
-    from merge_engine.architectures import model_dims, table_for_config
-    from merge_engine.architectures.binding import expected_bindings
-
     config = read_config(inner.hf_dir)
     try:
         table = table_for_config(config)

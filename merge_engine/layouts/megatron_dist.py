@@ -24,27 +24,48 @@ RNG state gets an error saying so), the v2 marker present.
 
 from __future__ import annotations
 
+import io
+import json
 import re
-from typing import Any
+from collections.abc import Sequence
+
+import torch
 
 from merge_engine import storage
+from merge_engine.architectures.hf_to_megatron import MegatronViewOfHf
 from merge_engine.architectures.megatron_names import (
+    EXPERT_NAME,
+    EXTRA_STATE_MODULES,
+    LAYER_NAME,
     canonical_layer_name,
     expert_name,
     is_extra_state,
     layer_name,
     order_key,
 )
-from merge_engine.discovery import V2_MARKER
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout
 from merge_engine.json_file import read_json_object
-from merge_engine.layouts import Checkpoint
+from merge_engine.layouts import verl_v2
+from merge_engine.layouts.contract import (
+    ABSENT,
+    DONE,
+    INCOMPLETE,
+    MEGATRON_NAMES,
+    Checkpoint,
+    Files,
+    ParallelSizes,
+    Verdict,
+    by_path,
+)
 from merge_engine.layouts.megatron_lm_root import choose_iteration
 from merge_engine.storage import FileEntry
 from merge_engine.tensor_source import AssembledSource, TensorSource
-from merge_engine.torch_dcp import METADATA_FILE, DcpFiles, DcpIndex, DcpTensor, read_index
+from merge_engine.torch_dcp import METADATA_FILE, DcpFiles, DcpIndex, DcpTensor, DcpWriter, read_index
 
 NAME = "megatron_dist"
+TENSOR_NAMING = MEGATRON_NAMES
+CONFIG_DIR = "huggingface"  # where `write`'s caller puts config.json + tokenizer
+V2_MARKER = verl_v2.CONTENTS_MARKER
 MEGATRON_METADATA = "metadata.json"
 TRANSFORMER_CONFIG = "transformer_config.json"
 MODEL_FOLDERS = ("model/dist_ckpt/", "dist_ckpt/", "")  # detection order
@@ -68,9 +89,30 @@ def _has_shards(files: list[FileEntry], folder: str) -> bool:
                for f in files)
 
 
-def detect(files: list[FileEntry]) -> bool:
+def detect(files: Sequence[FileEntry]) -> bool:
     return (any(_has_shards(files, folder) for folder in MODEL_FOLDERS + STATE_ONLY_FOLDERS)
             or any(ITER_METADATA.match(f.path) for f in files))
+
+
+# what proves a step saved its model as a dist checkpoint (a watcher's view: a step holding only optimizer
+# state is not one)
+LISTING_PROOF = re.compile(r"^(?:(?:model/)?dist_ckpt/.+|[^/]+\.distcp)$")
+
+
+def listing_verdict(files: Sequence[FileEntry]) -> Verdict:
+    """verl v2 ``model/dist_ckpt/``: the ``ckpt_contents.json`` marker. verl v1 ``dist_ckpt/`` and
+    Megatron-LM ``torch_dist`` iterations: ``.metadata`` (written by the DCP coordinator after every
+    rank's data) and ``metadata.json`` (megatron-core writes it after that) both present."""
+    if not any(LISTING_PROOF.match(f.path) for f in files):
+        return ABSENT
+    paths = by_path(files)
+    if any(p.startswith(verl_v2.MODEL_DIST_DIR) for p in paths):
+        return verl_v2.marker_verdict(files)
+    folder = "dist_ckpt/" if any(p.startswith("dist_ckpt/") for p in paths) else ""
+    missing = [name for name in (METADATA_FILE, MEGATRON_METADATA) if folder + name not in paths]
+    if missing:
+        return Verdict(INCOMPLETE, f"{folder or './'} lacks {', '.join(missing)} (written last)")
+    return DONE
 
 
 def _choose_root(url: str, files: list[FileEntry]) -> tuple[str, list[FileEntry]]:
@@ -215,8 +257,61 @@ def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout con
     return AssembledSource(checkpoint.url, canonical_tensors(index, files), [files])
 
 
-def plan(source: TensorSource, config: dict, **options: Any):
-    """The Megatron -> Hugging Face plan (`merge_engine.architectures.megatron_to_hf`)."""
-    from merge_engine.architectures.megatron_to_hf import plan_megatron_merge
+# --------------------------------------------------------------------------------------------------
+# Writing (``stepmerge split --format dist``): verl v1's layout, global keys, layers stacked on dim 0
 
-    return plan_megatron_merge(source, config, **options)
+DIST_DIR = "dist_ckpt"
+MEGATRON_DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                          "common_backend": "torch", "common_backend_version": 1}
+# canonical (local-spec) layer names -> torch_dist keys (TransformerEngine-style)
+_DIST_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                 "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+def _dist_key(name: str, dims) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """Canonical name -> (torch_dist key, leading indices, leading global sizes)."""
+    match = LAYER_NAME.match(name)
+    if not match:
+        return name, (), ()
+    layer, rest = int(match.group(1)), match.group(2)
+    expert = EXPERT_NAME.match(rest)
+    if expert:
+        return (f"decoder.layers.mlp.experts.experts.{expert.group(2)}", (layer, int(expert.group(1))),
+                (dims.num_layers, dims.num_experts))
+    return f"decoder.layers.{_DIST_RENAMES.get(rest, rest)}", (layer,), (dims.num_layers,)
+
+
+def write(view: MegatronViewOfHf, target_url: str, sizes: ParallelSizes, dtype: torch.dtype | None) -> Files:
+    """``dist_ckpt/``: torch_dist keys, one DCP chunk per layer (and expert), extra states as bytes
+    (`WritableLayout`). ``sizes`` are not needed: megatron-core reshards a dist checkpoint on load."""
+    dims = view.dims
+    folder = storage.join(target_url, DIST_DIR)
+    writer = DcpWriter(folder)
+    none_bytes = io.BytesIO()
+    torch.save([None], none_bytes)  # megatron-core saves a ShardedObject as a one-item list
+    extra_states = set()
+    try:
+        for name, meta in view.metas().items():
+            key, lead, lead_sizes = _dist_key(name, dims)
+            tensor = view.read(name)
+            if dtype is not None:
+                tensor = tensor.to(dtype)
+            writer.add_chunk(key, (*lead_sizes, *meta.shape), (*lead, *(0,) * len(meta.shape)),
+                             tensor.reshape((1,) * len(lead) + tuple(meta.shape)))
+            module, _, leaf = key.rpartition(".")
+            if lead and leaf == "weight" and module.rsplit(".", 1)[-1] in EXTRA_STATE_MODULES:
+                shard = ".".join(map(str, lead)) + "_" + ".".join(map(str, lead_sizes))
+                extra = f"{module}._extra_state/shard_{shard}"
+                if extra not in extra_states:
+                    extra_states.add(extra)
+                    writer.add_object(extra, none_bytes.getvalue())
+        names = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    storage.write_bytes(storage.join(folder, "metadata.json"), json.dumps(MEGATRON_DIST_METADATA).encode())
+    common = io.BytesIO()
+    torch.save({}, common)
+    storage.write_bytes(storage.join(folder, "common.pt"), common.getvalue())
+    files = [*names, "metadata.json", "common.pt"]
+    return [(f"{DIST_DIR}/{n}", storage.size(storage.join(folder, n))) for n in files]

@@ -27,12 +27,18 @@ stage; a stage holding the final norm; Megatron-LM ``args`` agreeing with the fo
 from __future__ import annotations
 
 import re
+from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from merge_engine import storage
+import torch
+
+from merge_engine.architectures.hf_to_megatron import MegatronViewOfHf
 from merge_engine.architectures.megatron_names import (
     EXPERT_NAME,
+    EXTRA_STATE_MODULES,
     LAYER_NAME,
     canonical_layer_name,
     expert_name,
@@ -40,15 +46,27 @@ from merge_engine.architectures.megatron_names import (
     layer_name,
     order_key,
 )
-from merge_engine.architectures.parallel import TPKind, is_gated_fc1, tp_kind
+from merge_engine.architectures.parallel import TPKind, is_gated_fc1, split_tp, tp_kind
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout, WorldSizeMismatch
-from merge_engine.layouts import Checkpoint
+from merge_engine.layouts.contract import (
+    ABSENT,
+    DONE,
+    INCOMPLETE,
+    INVALID,
+    MEGATRON_NAMES,
+    Checkpoint,
+    Files,
+    ParallelSizes,
+    Verdict,
+)
 from merge_engine.layouts.megatron_lm_root import choose_iteration
 from merge_engine.storage import FileEntry
 from merge_engine.tensor_source import AssembledSource, ConcatTensor, ReplicatedTensor, TensorSource
 from merge_engine.torch_archive import Record, StoredTensor, TorchArchive
 
 NAME = "megatron_legacy"
+TENSOR_NAMING = MEGATRON_NAMES
+CONFIG_DIR = "hf_config_and_tokenizer"  # where `write`'s caller puts config.json + tokenizer
 RANK_FILE = re.compile(r"^(?P<prefix>(?:model/|iter_\d+/)?)mp_rank_(?P<tp>\d{2})(?P<rest>(?:_\d{3}){0,2})/"
                        r"(?P<file>model\.pt|model_optim_rng\.pt)$")
 VERL_FILE, MEGATRON_LM_FILE = "model.pt", "model_optim_rng.pt"
@@ -69,8 +87,40 @@ class RankGrid:
     kind: str  # VERL_FILE or MEGATRON_LM_FILE
 
 
-def detect(files: list[FileEntry]) -> bool:
+def detect(files: Sequence[FileEntry]) -> bool:
     return any(RANK_FILE.match(f.path) for f in files)
+
+
+# every file of a rank folder (Megatron-LM also keeps e.g. distrib_optim.pt there): each must be non-empty
+ANY_RANK_FILE = re.compile(r"^(?:model/|iter_\d+/)?mp_rank_(\d{2})((?:_\d{3}){0,2})/[^/]+\.pt$")
+
+
+def listing_verdict(files: Sequence[FileEntry]) -> Verdict:
+    """Per-rank ``mp_rank_TT[_PPP][_EEE]/*.pt`` folders: every cell of the (tp, pp, ep) grid the names
+    span is present and non-empty. The highest ranks of a grid still being written are invisible from
+    names alone; `check_complete` checks the parallel sizes it reads from the checkpoint."""
+    if not detect(files):
+        return ABSENT
+    cells: dict[tuple[int, ...], list[FileEntry]] = defaultdict(list)
+    for entry in files:
+        match = RANK_FILE.match(entry.path)
+        if match:
+            cells[(int(match.group("tp")),) + tuple(int(x) for x in match.group("rest").split("_") if x)].append(entry)
+    dims = {len(c) for c in cells}
+    if len(dims) > 1:
+        return Verdict(INVALID, "mp_rank_* folder names mix parallel dimensions")
+    ndim = dims.pop()
+    spans = [max(c[i] for c in cells) + 1 for i in range(ndim)]
+    grid: list[tuple[int, ...]] = [()]
+    for span in spans:
+        grid = [g + (i,) for g in grid for i in range(span)]
+    missing = [g for g in grid if g not in cells]
+    if missing:
+        return Verdict(INCOMPLETE, f"{len(missing)} mp_rank folders of {len(grid)} not written yet")
+    empty = sorted(e.path for e in files if ANY_RANK_FILE.match(e.path) and e.size == 0)
+    if empty:
+        return Verdict(INCOMPLETE, f"empty (still being written): {empty[:3]}")
+    return DONE
 
 
 def _choose_root(url: str, files: list[FileEntry]) -> tuple[str, list[FileEntry]]:
@@ -378,8 +428,97 @@ def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout con
     return source
 
 
-def plan(source: TensorSource, config: dict, **options: Any):
-    """The Megatron -> Hugging Face plan (`merge_engine.architectures.megatron_to_hf`)."""
-    from merge_engine.architectures.megatron_to_hf import plan_megatron_merge
+# --------------------------------------------------------------------------------------------------
+# Writing (``stepmerge split --format legacy``): verl's layout, a list of local-spec state dicts per rank
+# file, one per VPP chunk, local layer and expert numbers, each rank's TP piece
 
-    return plan_megatron_merge(source, config, **options)
+
+def _local_name(name: str, first_layer: int, experts_per_rank: int) -> tuple[str, int | None]:
+    """Canonical name -> (name inside its chunk, EP rank owning it or None when on every EP rank)."""
+    match = LAYER_NAME.match(name)
+    if not match:
+        return name, None
+    rest, owner = match.group(2), None
+    expert = EXPERT_NAME.match(rest)
+    if expert:
+        number = int(expert.group(1))
+        owner = number // experts_per_rank
+        rest = expert_name(number % experts_per_rank, expert.group(2))
+    return layer_name(int(match.group(1)) - first_layer, rest), owner
+
+
+def _with_extra_states(state: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        out[key] = value
+        module, _, leaf = key.rpartition(".")
+        if leaf == "weight" and module.rsplit(".", 1)[-1] in EXTRA_STATE_MODULES:
+            out[f"{module}._extra_state"] = None
+    return out
+
+
+def _stage_names(view: MegatronViewOfHf, sizes: ParallelSizes, p: int, e: int) -> list[list[tuple[str, str]]]:
+    """Per VPP chunk of stage ``p`` on EP rank ``e``: (name in the rank file, canonical source name),
+    in file order. Metadata only."""
+    dims = view.dims
+    vpp = sizes.vpp or 1
+    per_chunk = dims.num_layers // (sizes.pp * vpp)
+    experts_per_rank = max(1, dims.num_experts // sizes.ep) if dims.num_experts else 1
+    chunks = []
+    for v in range(vpp):
+        first_layer = (v * sizes.pp + p) * per_chunk
+        layers = range(first_layer, first_layer + per_chunk)
+        first, last = p == 0 and v == 0, p == sizes.pp - 1 and v == vpp - 1
+        placed = []
+        for name in view.metas():
+            match = LAYER_NAME.match(name)
+            if match:
+                if int(match.group(1)) not in layers:
+                    continue
+            elif name.startswith("embedding."):
+                if not first:
+                    continue
+            elif not last:
+                continue
+            local, owner = _local_name(name, first_layer, experts_per_rank)
+            if owner is None or owner == e:
+                placed.append((local, name))
+        if last and dims.tied and not first:
+            # tied with PP > 1: the last stage holds its own copy of the embedding as output layer
+            placed.append(("output_layer.weight", "embedding.word_embeddings.weight"))
+        chunks.append(placed)
+    return chunks
+
+
+def write(view: MegatronViewOfHf, target_url: str, sizes: ParallelSizes, dtype: torch.dtype | None) -> Files:
+    """``model/mp_rank_*/model.pt`` for every (tp, pp, ep) rank, one rank file at a time (`WritableLayout`).
+
+    A rank file is one ``torch.save``, so its tensors are held while it is built: one TP rank's
+    share of one pipeline stage, plus the full tensor being cut. Each tensor is read (and cut)
+    once per TP rank rather than all ranks' pieces being held at once.
+    """
+    written = []
+    for p in range(sizes.pp):
+        for e in range(sizes.ep):
+            chunks = _stage_names(view, sizes, p, e)
+            for t in range(sizes.tp):
+                states = [{local: _rank_piece(view, name, t, sizes.tp, dtype) for local, name in placed}
+                          for placed in chunks]
+                folder = f"mp_rank_{t:02d}" + (f"_{p:03d}" if sizes.pp > 1 else "") + (
+                    f"_{e:03d}" if sizes.ep > 1 else "")
+                path = f"model/{folder}/model.pt"
+                with storage.open_write(storage.join(target_url, path)) as out:
+                    torch.save([_with_extra_states(s) for s in states], out)
+                del states
+                written.append((path, storage.size(storage.join(target_url, path))))
+    return written
+
+
+def _rank_piece(view: MegatronViewOfHf, name: str, rank: int, tp: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """TP rank ``rank``'s piece of the canonical tensor ``name``, in its own storage (the full
+    tensor it was cut from is freed)."""
+    tensor = view.read(name)
+    if dtype is not None:
+        tensor = tensor.to(dtype)
+    piece = split_tp(tensor, tp_kind(name, view.gated(name)), tp)[rank]
+    return piece.clone() if tp > 1 else piece

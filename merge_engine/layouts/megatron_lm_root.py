@@ -1,7 +1,7 @@
 """A Megatron-LM run root -> the one iteration folder to read (shared by the per-rank and torch_dist layouts).
 
 Megatron-LM saves ``<run>/iter_NNNNNNN/`` folders and ``latest_checkpointed_iteration.txt`` (the
-tracker, `merge_engine.discovery.TRACKER_FILE`). Contract of `choose_iteration`:
+tracker, `merge_engine.layouts.tracker`). Contract of `choose_iteration`:
 
 - the tracker, when listed and holding a number, names the iteration; one it names that holds no
   checkpoint is `IncompleteCheckpoint` (the save did not finish, or was pruned);
@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from merge_engine import storage
-from merge_engine.discovery import TRACKER_FILE, read_tracker_hint
 from merge_engine.errors import IncompleteCheckpoint, UnsupportedLayout
+from merge_engine.layouts.tracker import TRACKER_FILE, read_tracker_hint
 from merge_engine.storage import FileEntry
 
 ITERATION_FOLDER = "iter_{:07d}"

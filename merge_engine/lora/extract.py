@@ -36,7 +36,8 @@ from merge_engine.hf_metadata import copy_metadata, read_config
 from merge_engine.layouts import (
     Checkpoint,
     check_checkpoint,
-    layout_module,
+    HF_NAMES,
+    layout_named,
     open_checkpoint,
 )
 from merge_engine.lora.adapter_io import (
@@ -489,7 +490,7 @@ def extract_lora_svd(base_url: str, finetuned_url: str, target_url: str,
     if state == "same":
         return skipped_result(target_url, "adapter", fingerprint, started)
     tuned_checkpoint = check_checkpoint(finetuned_url, options.backend)
-    if hasattr(layout_module(tuned_checkpoint.layout), "plan"):
+    if layout_named(tuned_checkpoint.layout).TENSOR_NAMING != HF_NAMES:
         raise AdapterError(f"a {tuned_checkpoint.layout} checkpoint's tensors are not Hugging Face tensors: merge it "
                            "first (`stepmerge merge`), then extract from the merged folder", finetuned_url)
     base = open_checkpoint(check_checkpoint(base_url, "hf"))

@@ -18,9 +18,9 @@ from merge_engine.discovery import (
     INVALID,
     discover,
     discover_steps,
-    fsdp_listing_verdict,
     latest_complete_step,
 )
+from merge_engine.layouts.fsdp import listing_verdict as fsdp_listing_verdict
 from merge_engine.storage import FileEntry
 
 # "memory" is fsspec's in-process filesystem (object-store-like listings, no server). Add "s3",
@@ -247,7 +247,7 @@ class TestOtherLayouts:
                 "optimizer/dist_ckpt/__0_0.distcp": 10, "optimizer/dist_ckpt/.metadata": 5}
         write_tree(root_url, {f"global_step_1/actor/{k}": v for k, v in body.items()})
         (step,) = discover_steps(root_url)
-        assert (step.layout, step.status) == ("hf", INCOMPLETE)  # no ckpt_contents.json yet
+        assert (step.layout, step.status) == ("megatron_bridge", INCOMPLETE)  # no ckpt_contents.json yet
         write_tree(root_url, {"global_step_1/actor/ckpt_contents.json": 20})
         assert discover_steps(root_url)[0].complete
 
@@ -278,7 +278,7 @@ class TestOtherLayouts:
                               "iter_0000100/mp_rank_01/model_optim_rng.pt": 10,
                               "latest_checkpointed_iteration.txt": b"100"})
         (step,) = discover_steps(root_url)
-        assert (step.step, step.role, step.layout, step.status) == (100, "", "megatron_lm", COMPLETE)
+        assert (step.step, step.role, step.layout, step.status) == (100, "", "megatron_legacy", COMPLETE)
 
     def test_fsdp_with_hf_weights_lists_both_layouts_fsdp_first(self, root_url):
         write_tree(root_url, fsdp_files("global_step_1/actor/")

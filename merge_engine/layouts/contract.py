@@ -1,0 +1,129 @@
+"""What every on-disk checkpoint format provides: the `Layout` contract and the records it returns.
+
+A layout is a module under ``merge_engine/layouts/`` (a module satisfies a `Protocol` by its
+attributes) listed once in `merge_engine.layouts.LAYOUTS`. It owns everything about its format:
+file-name constants, detection, the completeness verdict from a listing, the deep check, the lazy
+reader, the naming of the tensors it reads and, for formats ``stepmerge split`` writes, the writer.
+Layouts import neither discovery nor the planner: they sit below both (see ``tests/test_layers.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from merge_engine.storage import FileEntry
+from merge_engine.tensor_source import TensorSource
+
+# listing verdicts (`Verdict.status`)
+COMPLETE, INCOMPLETE, INVALID = "complete", "incomplete", "invalid"
+NOT_A_CHECKPOINT = "not_a_checkpoint"
+
+# how the tensors of `Layout.open` are named (`Layout.TENSOR_NAMING`); the planner picks its plan by it
+HF_NAMES = "hf"  # Hugging Face parameter names (FSDP state dicts, safetensors folders), maybe PEFT-wrapped
+MEGATRON_NAMES = "megatron"  # canonical Megatron names (`merge_engine.architectures.megatron_names`)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A completeness decision from a listing alone: a status plus the reason a person can act on.
+
+    ``complete``; ``incomplete`` (still being written: "not yet", never an error); ``invalid`` (the
+    names contradict each other, e.g. two world sizes; waiting will not fix it); ``not_a_checkpoint``
+    (nothing of this format in the listing).
+    """
+
+    status: str
+    reason: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return self.status == COMPLETE
+
+    @property
+    def present(self) -> bool:
+        """The listing holds this format (complete or not)."""
+        return self.status != NOT_A_CHECKPOINT
+
+
+DONE = Verdict(COMPLETE)
+ABSENT = Verdict(NOT_A_CHECKPOINT)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint, decided from its listing and headers: what the merge needs to start.
+
+    ``parallel`` holds the parallel sizes (``world_size`` for FSDP; ``tp``/``pp``/... for Megatron),
+    ``hf_dir`` the folder with config and tokenizer, ``fingerprint`` the listing's digest.
+    """
+
+    url: str
+    layout: str
+    files: tuple[FileEntry, ...]
+    parallel: dict[str, int] = field(default_factory=dict, hash=False)
+    hf_dir: str | None = None
+    fingerprint: str = ""
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """The Megatron parallel layout a writer lays tensors out in (``vpp`` None: no interleaving)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    ep: int = 1
+
+
+Files = list[tuple[str, int]]  # written file names (relative to the target) with their sizes
+
+
+class Layout(Protocol):
+    """One on-disk checkpoint format. Contract (all paths in ``files`` are relative to ``url``):
+
+    - ``NAME``: its one name: ``--backend``, `Checkpoint.layout`, `merge_engine.discovery.Step.layout`.
+    - ``TENSOR_NAMING``: `HF_NAMES` or `MEGATRON_NAMES`, the names `open` gives its tensors.
+    - ``detect(files)``: does this listing hold this format (the reader to use)? Names only, no I/O.
+    - ``listing_verdict(files)``: complete / incomplete / invalid / not a checkpoint, from names and
+      sizes alone, no I/O: what a watcher may decide before reading a byte (discovery's verdict).
+      Stricter than `check_complete` where the format writes a marker last.
+    - ``check_complete(url, files)``: every required file present, non-empty and readable (headers
+      only) -> `Checkpoint`; raises `IncompleteCheckpoint` / `WorldSizeMismatch` / `CorruptShard` /
+      `UnsupportedLayout` naming the path at fault. Never reads a weight.
+    - ``open(checkpoint)``: the lazy full-tensor `TensorSource` (headers read, bytes on demand).
+
+    A layout that ``stepmerge split`` writes is also a `WritableLayout`.
+    """
+
+    NAME: str
+    TENSOR_NAMING: str
+
+    def detect(self, files: Sequence[FileEntry]) -> bool: ...
+
+    def listing_verdict(self, files: Sequence[FileEntry]) -> Verdict: ...
+
+    def check_complete(self, url: str, files: list[FileEntry]) -> Checkpoint: ...
+
+    def open(self, checkpoint: Checkpoint) -> TensorSource: ...  # noqa: A003 - the contract's verb
+
+
+class WritableLayout(Layout, Protocol):
+    """A layout ``stepmerge split`` writes.
+
+    - ``CONFIG_DIR``: the folder (relative to the target) that receives config.json and tokenizer.
+    - ``write(view, target_url, sizes, dtype)``: the canonical Megatron tensors of ``view`` (a
+      `merge_engine.architectures.hf_to_megatron.MegatronViewOfHf`) laid out in ``sizes``, cast to
+      ``dtype`` (None: as stored), under ``target_url``; returns the files written. Memory: what one
+      file of the format holds. The caller owns the target (`merge_engine.output_target`).
+    """
+
+    CONFIG_DIR: str
+
+    def write(self, view: Any, target_url: str, sizes: ParallelSizes, dtype: Any) -> Files: ...
+
+
+def by_path(files: Sequence[FileEntry]) -> dict[str, FileEntry]:
+    return {f.path: f for f in files}
