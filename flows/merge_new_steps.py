@@ -40,10 +40,10 @@ from flows.stages import StepOutcome
 from flows.step_keys import step_key
 from flows.submission import SubmittedRun, submit_step_run
 from flows.summaries import watch_summary
+from merge_engine.release import ADAPTER, MODEL, release_folder_name
 from tasks.discover import PublishedRelease, discover_steps, find_published
 from tasks.progress import artifact_key
 from tasks.records import StepRecord
-from tasks.releases import ADAPTER, MODEL, release_folder_name
 
 SUBMITTED = {"submitted": "submitted", "resubmitted": "resubmitted", "running": "running",
              "completed": "already published", "waiting": "failed earlier", "gave up": "given up"}

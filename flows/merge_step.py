@@ -25,8 +25,8 @@ from prefect.runtime import flow_run
 from flows.params import MergeStepParams
 from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_output
 from flows.summaries import step_summary
+from merge_engine.release import ADAPTER, MODEL, release_url
 from tasks.progress import artifact_key
-from tasks.releases import ADAPTER, MODEL, release_url
 
 
 def _run_name() -> str:

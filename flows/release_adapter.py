@@ -23,20 +23,16 @@ from flows.params import AdapterParams
 from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_output
 from flows.summaries import step_summary
 from merge_engine.errors import AdapterError
+from merge_engine.release import ADAPTER, MODEL, release_state, release_url
 from tasks.progress import release_artifact_key
 from tasks.records import CheckpointRecord
-from tasks.releases import ADAPTER, MODEL, release_state, release_url
 
 
 def model_release_of(url: str, checkpoint: CheckpointRecord, params: AdapterParams) -> bool:
     """Is the model release at ``url`` whole and the trained model of this very checkpoint, fused with
     the alpha this adapter gets and the checkpoint's own config (so PEFT's logits must reproduce it)?"""
     state = release_state(url)
-    if not state.intact or state.manifest is None or not isinstance(state.manifest.options, dict):
-        return False
-    options = state.manifest.options
-    return (options.get("checkpoint_fingerprint") == checkpoint.fingerprint
-            and options.get("lora_alpha") == params.lora_alpha and options.get("hf_model_path") is None)
+    return state.intact and state.provenance.is_trained_model_of(checkpoint.fingerprint, params.lora_alpha)
 
 
 @flow(name="release-adapter", log_prints=True, persist_result=True)

@@ -33,6 +33,7 @@ from pydantic import BaseModel
 
 from flows.step_keys import step_key
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint
+from merge_engine.release import ADAPTER, MODEL, ReleaseProvenance
 from tasks.adapter import extract_adapter, validate_adapter
 from tasks.check import check_step
 from tasks.discover import discover_steps
@@ -45,7 +46,6 @@ from tasks.records import (
     StepRecord,
     ValidationSettings,
 )
-from tasks.releases import ADAPTER, MODEL
 from tasks.results import configured_result_storage
 from tasks.validate import validate_output
 
@@ -161,8 +161,10 @@ def release_output(timer: StageTimer, kind: str, step: StepRecord, checkpoint: C
                            overwrite)
         report = timer.run("validate-adapter", validate_adapter, output, validation, fused_model_url, release)
     suffix = "" if kind == MODEL else "-adapter"
-    published_options = {**options, "kind": kind, "source_listing": step.fingerprint,
-                         "checkpoint_fingerprint": checkpoint.fingerprint, "checkpoint_lora": checkpoint.lora}
+    provenance = ReleaseProvenance(kind=kind, source_listing=step.fingerprint,
+                                   checkpoint_fingerprint=checkpoint.fingerprint, checkpoint_lora=checkpoint.lora,
+                                   settings=options)
+    published_options = provenance.to_manifest_options()
     released = timer.run(f"publish{suffix}", publish_release, output, report, release, published_options,
                          overwrite)
     cached = all(s.state == "Cached" for s in timer.stages[-3:])

@@ -1,5 +1,9 @@
 """Staging folder -> release prefix, with a manifest of checksums and a commit marker written last.
 
+The release's names and records (``manifest.json``, ``_COMPLETE``, ``_PUBLISHING/``, `Manifest`) and
+how a reader tells its state (`is_released`, `release_state`) are `merge_engine.release`'s; this
+module writes them.
+
 Contract:
 - `publish` copies every staged file to the release prefix (sha256 computed while copying: each
   byte is read once), writes ``manifest.json`` (files with size and sha256, source step URL and
@@ -51,15 +55,20 @@ from datetime import datetime, timezone
 from typing import Any
 
 from merge_engine import storage
-from merge_engine.errors import CorruptShard, InvalidConfig, InvalidOption, TargetExists, ValidationFailed
+from merge_engine.errors import CorruptShard, InvalidOption, TargetExists, ValidationFailed
+from merge_engine.release import (
+    CLAIMS,
+    MANIFEST,
+    MARKER,
+    RESERVED,
+    Manifest,
+    ManifestFile,
+    released_manifest,
+    sha256_hex,
+)
 from merge_engine.storage import FileEntry
 from merge_engine.validate import Check, ValidationReport
 
-MARKER = "_COMPLETE"
-MANIFEST = "manifest.json"
-CLAIMS = "_PUBLISHING"
-RESERVED = (MARKER, MANIFEST, CLAIMS)
-MANIFEST_FORMAT = "stepmerge.release/1"
 COPY_CHUNK = 8 * 1024 * 1024
 CLAIM_TTL_S = 600.0
 
@@ -75,59 +84,6 @@ class ClaimLost(ReleaseBusy):
 
 # --------------------------------------------------------------------------------------------------
 # Records
-
-
-@dataclass(frozen=True)
-class ManifestFile:
-    path: str
-    size: int
-    sha256: str
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What ``manifest.json`` says about a release."""
-
-    source: str
-    fingerprint: str
-    engine_version: str
-    options: Mapping[str, Any]
-    validation: Mapping[str, Any] | None
-    created: str
-    attempt: str
-    files: tuple[ManifestFile, ...]
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": MANIFEST_FORMAT,
-            "source": {"url": self.source, "fingerprint": self.fingerprint},
-            "engine_version": self.engine_version,
-            "options": dict(self.options),
-            "validation": None if self.validation is None else dict(self.validation),
-            "created": self.created,
-            "attempt": self.attempt,
-            "total_bytes": self.total_bytes,
-            "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files],
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
-        if data.get("format") != MANIFEST_FORMAT:
-            raise ValueError(f"unknown manifest format {data.get('format')!r}")
-        return cls(
-            source=data["source"]["url"],
-            fingerprint=data["source"]["fingerprint"],
-            engine_version=data["engine_version"],
-            options=data.get("options") or {},
-            validation=data.get("validation"),
-            created=data["created"],
-            attempt=data["attempt"],
-            files=tuple(ManifestFile(f["path"], int(f["size"]), f["sha256"]) for f in data["files"]),
-        )
 
 
 @dataclass(frozen=True)
@@ -153,39 +109,7 @@ class Release:
 
 
 # --------------------------------------------------------------------------------------------------
-# Reading a release
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def read_manifest(release_url: str) -> Manifest:
-    """The release's manifest. Raises `InvalidConfig` when it is missing or unparsable."""
-    url = storage.join(release_url, MANIFEST)
-    try:
-        return Manifest.from_dict(json.loads(storage.read_bytes(url)))
-    except FileNotFoundError as exc:
-        raise InvalidConfig("no manifest.json", url) from exc
-    except (ValueError, KeyError, TypeError) as exc:
-        raise InvalidConfig(f"manifest.json unparsable: {exc}", url) from exc
-
-
-def _released_manifest(release_url: str) -> Manifest | None:
-    """The manifest when the marker is present, parses and names this manifest's sha256; else None."""
-    try:
-        marker = json.loads(storage.read_bytes(storage.join(release_url, MARKER)))
-        manifest_bytes = storage.read_bytes(storage.join(release_url, MANIFEST))
-        if marker.get("manifest_sha256") != _sha256(manifest_bytes):
-            return None
-        return Manifest.from_dict(json.loads(manifest_bytes))
-    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def is_released(release_url: str) -> bool:
-    """True when readers may trust the folder: marker present and matching a parsable manifest."""
-    return _released_manifest(release_url) is not None
+# Verifying a release
 
 
 def _hash_file(url: str, size: int) -> str:
@@ -203,7 +127,7 @@ def _hash_file(url: str, size: int) -> str:
 
 def verify_release(release_url: str) -> ValidationReport:
     """Re-hash every file against the manifest. Checks: marker, files, no_unlisted_files."""
-    manifest = _released_manifest(release_url)
+    manifest = released_manifest(release_url)
     if manifest is None:
         return ValidationReport(release_url, (Check("marker", False, "no valid _COMPLETE marker"),))
     checks = [Check("marker", True, f"attempt {manifest.attempt}, {manifest.created}")]
@@ -421,7 +345,7 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
     deadline = time.monotonic() + wait_s
     delay = 0.05
     while True:
-        current = _released_manifest(release_url)
+        current = released_manifest(release_url)
         if current is not None:
             if current.fingerprint == fingerprint:
                 _drop_staging(staging_url, remove_staging)
@@ -438,7 +362,7 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
 
     try:
         # Someone may have finished between our look and our claim: they released before we listed.
-        current = _released_manifest(release_url)
+        current = released_manifest(release_url)
         if current is not None and current.fingerprint == fingerprint:
             _drop_staging(staging_url, remove_staging)
             return Release.from_manifest(release_url, current, already_published=True)
@@ -455,7 +379,7 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
             manifest_bytes = json.dumps(manifest.to_dict(), indent=2, sort_keys=True).encode()
             heartbeat.check()  # still ours, never stale: nobody else may be writing
             storage.write_bytes(storage.join(release_url, MANIFEST), manifest_bytes)
-            marker = {"attempt": attempt, "fingerprint": fingerprint, "manifest_sha256": _sha256(manifest_bytes),
+            marker = {"attempt": attempt, "fingerprint": fingerprint, "manifest_sha256": sha256_hex(manifest_bytes),
                       "created": manifest.created}
             storage.write_bytes(storage.join(release_url, MARKER), json.dumps(marker, sort_keys=True).encode())
     finally:
@@ -464,7 +388,4 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
     return Release.from_manifest(release_url, manifest, already_published=False)
 
 
-__all__ = [
-    "publish", "is_released", "read_manifest", "verify_release", "Release", "Manifest", "ManifestFile",
-    "ReleaseBusy", "ClaimLost", "MARKER", "MANIFEST", "CLAIMS",
-]
+__all__ = ["publish", "verify_release", "Release", "ReleaseBusy", "ClaimLost", "CLAIM_TTL_S"]

@@ -25,6 +25,7 @@ from merge_engine import storage
 from merge_engine.lora import validate as adapter_validation
 from merge_engine.lora.keys import ADAPTER_CONFIG
 from merge_engine.lora.validate import BASE_DIR
+from merge_engine.release import ADAPTER, staging_url, sweep_stale_staging
 from tasks.cache import listing_fingerprint, stage_cache_policy
 from tasks.merge import output_available, released_output
 from tasks.progress import ProgressArtifact, release_artifact_key
@@ -36,7 +37,6 @@ from tasks.records import (
     ValidationRecord,
     ValidationSettings,
 )
-from tasks.releases import ADAPTER, staging_url, sweep_stale_staging
 from tasks.retry import RETRY_OPTIONS
 from tasks.validate import already_released, recorded_validation
 

@@ -13,8 +13,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from merge_engine.discovery import discover
+from merge_engine.release import published_releases, read_manifest
 from tasks.records import DiscoveryRecord, Record, StepRecord
-from tasks.releases import published_releases
 from tasks.retry import RETRY_OPTIONS
 
 
@@ -42,14 +42,11 @@ def discover_steps(run_root: str) -> DiscoveryRecord:
 @task(name="find-published", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def find_published(release_root: str) -> tuple[PublishedRelease, ...]:
     """Every trusted release under ``release_root`` (one listing + marker and manifest of each)."""
-    from merge_engine.publish import read_manifest
-
     out = []
     for (name, step), url in sorted(published_releases(release_root).items()):
         manifest = read_manifest(url)
-        options = manifest.options if isinstance(manifest.options, dict) else {}
-        lora = options.get("checkpoint_lora")
+        provenance = manifest.provenance
         out.append(PublishedRelease(name=name, step=step, url=url, fingerprint=manifest.fingerprint,
-                                    source=manifest.source, source_listing=options.get("source_listing"),
-                                    lora=lora if isinstance(lora, bool) else None))
+                                    source=manifest.source, source_listing=provenance.source_listing,
+                                    lora=provenance.checkpoint_lora))
     return tuple(out)

@@ -15,7 +15,7 @@
   staging folder of the same merge is reused), with a progress artifact moving as bytes are written.
   It merges the checkpoint the check task checked (no second completeness check). A LoRA checkpoint
   gives the TRAINED model (adapters fused), as the engine defines it. Staging folders left by
-  crashed runs are swept first (`tasks.releases.sweep_stale_staging`).
+  crashed runs are swept first (`merge_engine.release.sweep_stale_staging`).
 - Retries: transient storage faults only; named errors (corrupt shard, ...) fail at once.
 """
 
@@ -28,12 +28,11 @@ from typing import Optional
 from prefect import task
 
 from merge_engine import storage
-from merge_engine.errors import TargetExists
 from merge_engine.merge import merge_checkpoint, merge_fingerprint, read_provenance
+from merge_engine.release import MODEL, release_state, staging_url, sweep_stale_staging
 from tasks.cache import stage_cache_policy
 from tasks.progress import ProgressArtifact, release_artifact_key
 from tasks.records import CheckpointRecord, MergeSettings, OutputRecord
-from tasks.releases import MODEL, release_state, staging_url, sweep_stale_staging
 from tasks.retry import RETRY_OPTIONS
 
 
@@ -57,9 +56,7 @@ def released_output(kind: str, source_url: str, release: str, fingerprint: str,
     Raises `TargetExists` when ``release`` is whole but built from another fingerprint and not ``overwrite``.
     """
     state = release_state(release)
-    if state.intact and state.manifest is not None and not state.holds(fingerprint) and not overwrite:
-        raise TargetExists(f"released from other input (fingerprint {state.manifest.fingerprint[:12]}…, this "
-                           f"{kind} would be {fingerprint[:12]}…): pass overwrite to replace it", release)
+    state.refuse_other(fingerprint, overwrite, kind)
     if not state.holds(fingerprint) or state.manifest is None:
         return None
     provenance = read_provenance(release) or {}

@@ -23,10 +23,10 @@ from prefect import task
 import merge_engine
 from merge_engine import storage
 from merge_engine.errors import TargetExists
-from merge_engine.publish import MARKER, Release, publish
+from merge_engine.publish import Release, publish
+from merge_engine.release import release_state, withdraw_damaged
 from tasks.cache import stage_cache_policy
 from tasks.records import OutputRecord, ReleaseRecord, ValidationRecord
-from tasks.releases import release_state
 from tasks.retry import RETRY_OPTIONS
 
 
@@ -46,8 +46,7 @@ def publish_release(output: OutputRecord, validation: ValidationRecord, release:
     state = release_state(release)
     if state.holds(output.fingerprint):
         return ReleaseRecord.from_release(Release.from_manifest(release, state.manifest, already_published=True))
-    if state.released and not state.intact:
-        storage.remove(storage.join(release, MARKER))  # damaged: readers must stop trusting it; republish
+    withdraw_damaged(state)  # readers must stop trusting a damaged release; it is published again
     if output.released:  # the record says released, the release says otherwise (deleted meanwhile)
         raise FileNotFoundError(f"{output.url} no longer holds release {output.fingerprint[:12]}; run the step "
                                 "again to rebuild it")

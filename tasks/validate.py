@@ -18,10 +18,10 @@ from typing import Optional
 from prefect import task
 
 from merge_engine import storage
+from merge_engine.release import release_state
 from merge_engine.validate import validate_model
 from tasks.cache import stage_cache_policy
 from tasks.records import OutputRecord, ValidationRecord, ValidationSettings
-from tasks.releases import release_state
 from tasks.retry import RETRY_OPTIONS
 
 

@@ -14,8 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from merge_engine.publish import read_manifest, verify_release
-from tasks.releases import release_url
+from merge_engine.publish import verify_release
+from merge_engine.release import read_manifest, release_url
 from tests.fixtures_pipeline import copy_steps
 
 WORKER = r"""

@@ -21,8 +21,8 @@ from flows.merge_step import merge_step, summary_key
 from flows.params import MergeStepParams, WatchParams
 from merge_engine import storage
 from merge_engine.errors import CorruptShard
-from merge_engine.publish import is_released, verify_release
-from tasks.releases import release_url
+from merge_engine.publish import verify_release
+from merge_engine.release import is_released, release_url
 from tasks.retry import failure_exception, transient_fault
 from tests.fault_proxy import Fault
 from tests.fixtures_pipeline import copy_steps, flow_run_id, rank_file, task_runs

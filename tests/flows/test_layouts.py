@@ -15,7 +15,8 @@ from flows.merge_step import merge_step
 from flows.params import MergeStepParams, WatchParams
 from merge_engine import storage
 from merge_engine.merge import read_provenance
-from merge_engine.publish import read_manifest, verify_release
+from merge_engine.publish import verify_release
+from merge_engine.release import read_manifest
 
 MEGATRON = {"qwen2_tp2_pp1_tied_legacy": "megatron_legacy", "mistral_tp2_pp2_tied_dist_v2": "megatron_dist"}
 

@@ -17,8 +17,8 @@ from prefect.client.orchestration import get_client
 from flows.merge_step import merge_step, summary_key
 from flows.params import MergeStepParams
 from merge_engine import storage
-from merge_engine.publish import MARKER, is_released, read_manifest, verify_release
-from tasks.releases import release_url
+from merge_engine.publish import verify_release
+from merge_engine.release import MARKER, is_released, read_manifest, release_url
 from tests.fixtures_pipeline import copy_steps, flow_run_id, task_runs
 
 STAGE_TASKS = ("check-checkpoint", "merge-model", "validate-model", "publish-release")

@@ -28,8 +28,8 @@ from flows.merge_step import merge_step
 from flows.params import MergeStepParams, WatchParams
 from merge_engine import storage
 from merge_engine.errors import AdapterError, TargetExists, ValidationFailed
-from merge_engine.publish import is_released, read_manifest, verify_release
-from tasks.releases import release_url
+from merge_engine.publish import verify_release
+from merge_engine.release import is_released, read_manifest, release_url
 from tests.fixtures_pipeline import LORA_STEP, ROLE, copy_steps
 
 

@@ -20,8 +20,8 @@ from flows.merge_step import merge_step
 from flows.params import AdapterParams, MergeStepParams
 from flows.release_adapter import release_adapter
 from merge_engine.errors import AdapterError
-from merge_engine.publish import is_released, read_manifest, verify_release
-from tasks.releases import release_url
+from merge_engine.publish import verify_release
+from merge_engine.release import is_released, read_manifest, release_url
 from tests.fixtures_pipeline import LORA_STEP, ROLE, copy_steps, rank_file
 
 

@@ -17,16 +17,8 @@ import pytest
 from merge_engine import publish as publish_module
 from merge_engine import storage
 from merge_engine.errors import InvalidOption, TargetExists, ValidationFailed
-from merge_engine.publish import (
-    CLAIMS,
-    MANIFEST,
-    MARKER,
-    ReleaseBusy,
-    is_released,
-    publish,
-    read_manifest,
-    verify_release,
-)
+from merge_engine.publish import ReleaseBusy, publish, verify_release
+from merge_engine.release import CLAIMS, MANIFEST, MARKER, is_released, read_manifest
 from merge_engine.validate import Check, ValidationReport
 
 # "memory" is fsspec's in-process filesystem (remote code paths, no server). Add "s3", "gcs" once

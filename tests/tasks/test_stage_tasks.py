@@ -18,11 +18,11 @@ from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_setti
 
 from flows.stages import StageTimer
 from merge_engine import storage
-from merge_engine.publish import read_manifest, verify_release
+from merge_engine.publish import verify_release
+from merge_engine.release import read_manifest, release_url
 from tasks import check_step, discover_steps, merge_model, publish_release, validate_output
 from tasks.cache import stage_cache_policy
 from tasks.records import MergeSettings, ValidationSettings
-from tasks.releases import release_url
 from tests.fixtures_pipeline import copy_steps
 
 STAGES = ("check", "merge", "validate", "publish")
@@ -163,7 +163,7 @@ def test_staging_left_by_crashed_runs_is_swept(prefect, template_run, tmp_path):
     import os
     import time
 
-    from tasks.releases import STALE_STAGING_S
+    from merge_engine.release import STALE_STAGING_S
 
     run_root, releases, staging = str(tmp_path / "run"), str(tmp_path / "releases"), tmp_path / "staging"
     copy_steps(template_run, run_root, [1])
