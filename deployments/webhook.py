@@ -19,10 +19,12 @@ Authentication (either; configure at least one, or the app refuses to start):
   ``STEPMERGE_WEBHOOK_HMAC_SECRET``; timestamps more than ``max_skew_s`` (300 s) away are refused (replays).
 Validation (422): a JSON object with exactly these fields; ``step`` an integer >= 0; ``role`` one of
 actor, critic, "" (SFT); ``run_root`` a URL whose scheme is on the allow-list
-(``STEPMERGE_WEBHOOK_SCHEMES``, default ``s3,gs``), without ``..`` components (encoded or not),
-backslashes or control characters, and under one of ``STEPMERGE_WEBHOOK_RUN_ROOTS`` (comma-separated
-prefixes) when that is set. 401 for a missing or wrong credential, 503 when the Prefect API or the
-deployment cannot be reached. ``GET /healthz`` answers ``{"ok": true}``.
+(``STEPMERGE_WEBHOOK_SCHEMES``; default: one spelling per object store in the storage scheme registry,
+``gs,s3``; a scheme the registry does not serve is refused when the app starts), without ``..``
+components (encoded or not), backslashes or control characters, and under one of
+``STEPMERGE_WEBHOOK_RUN_ROOTS`` (comma-separated prefixes) when that is set. 401 for a missing or
+wrong credential, 503 when the Prefect API or the deployment cannot be reached.
+``GET /healthz`` answers ``{"ok": true}``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictInt, Validat
 
 from flows.step_keys import normalized_run_root, step_key
 from flows.url_checks import checked_url
+from merge_engine.storage.schemes import remote_schemes
 
 CHECKPOINT_SAVED_PATH = "/hooks/checkpoint-saved"
 SIGNATURE_HEADER = "X-Stepmerge-Signature"
@@ -58,7 +61,7 @@ class WebhookSettings(BaseModel):
     deployment: str = "merge-step/gpu"
     token: Optional[SecretStr] = None
     hmac_secret: Optional[SecretStr] = None
-    allowed_schemes: tuple[str, ...] = ("s3", "gs")
+    allowed_schemes: tuple[str, ...] = Field(default_factory=lambda: remote_schemes(canonical_only=True))
     allowed_run_roots: tuple[str, ...] = ()
     max_skew_s: float = 300.0
     prefect_api_url: Optional[str] = None
@@ -71,8 +74,17 @@ class WebhookSettings(BaseModel):
         return cls(deployment=os.environ.get("STEPMERGE_WEBHOOK_DEPLOYMENT", "merge-step/gpu"),
                    token=os.environ.get("STEPMERGE_WEBHOOK_TOKEN") or None,
                    hmac_secret=os.environ.get("STEPMERGE_WEBHOOK_HMAC_SECRET") or None,
-                   allowed_schemes=listed("STEPMERGE_WEBHOOK_SCHEMES", "s3,gs"),
+                   allowed_schemes=listed("STEPMERGE_WEBHOOK_SCHEMES", ",".join(remote_schemes(canonical_only=True))),
                    allowed_run_roots=listed("STEPMERGE_WEBHOOK_RUN_ROOTS"))
+
+    @field_validator("allowed_schemes")
+    @classmethod
+    def _served_object_stores(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        unserved = [scheme for scheme in value if scheme not in remote_schemes()]
+        if unserved:
+            raise ValueError(f"schemes {unserved} are not object stores served by stepmerge "
+                             f"(served: {', '.join(remote_schemes())})")
+        return value
 
 
 class CheckpointSaved(BaseModel):

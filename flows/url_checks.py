@@ -3,17 +3,24 @@
 `checked_url` accepts a URL whose scheme is on an allow-list (or a local path, when allowed) and
 that names a bucket, and refuses ``..`` components (also percent-encoded), backslashes and control
 characters: parts of these URLs become object keys and paths, so nothing may climb out of them.
+The allow-list is the storage scheme registry's (`merge_engine.storage.schemes.url_schemes`:
+every store another process can reach), or a narrower list the caller passes.
 """
 
 import re
-from typing import Sequence
+from typing import Optional, Sequence
 
-FLOW_URL_SCHEMES = ("file", "s3", "gs", "gcs")
+from merge_engine.storage.schemes import backend_for_scheme, url_schemes
+
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def checked_url(value: str, schemes: Sequence[str] = FLOW_URL_SCHEMES, allow_local_paths: bool = True) -> str:
-    """``value`` if it is a safe storage URL (see the module docstring); else ValueError."""
+def checked_url(value: str, schemes: Optional[Sequence[str]] = None, allow_local_paths: bool = True) -> str:
+    """``value`` if it is a safe storage URL (see the module docstring); else ValueError.
+
+    ``schemes``: the allowed schemes; None: the registry's `url_schemes` (asked at each call)."""
+    if schemes is None:
+        schemes = url_schemes()
     if not isinstance(value, str) or not value.strip():
         raise ValueError("must be a non-empty URL")
     if _CONTROL.search(value) or "\\" in value:
@@ -22,7 +29,7 @@ def checked_url(value: str, schemes: Sequence[str] = FLOW_URL_SCHEMES, allow_loc
         scheme, rest = value.split("://", 1)
         if scheme.lower() not in schemes:
             raise ValueError(f"scheme {scheme!r} is not allowed (allowed: {', '.join(schemes)})")
-        if scheme.lower() != "file" and not rest.split("/", 1)[0]:
+        if not backend_for_scheme(scheme).local and not rest.split("/", 1)[0]:
             raise ValueError("must name a bucket")
     elif not allow_local_paths:
         raise ValueError(f"must be a URL with one of the schemes {', '.join(schemes)}")

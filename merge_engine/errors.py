@@ -72,3 +72,8 @@ class ValidationFailed(StepmergeError):
 
 class InvalidOption(StepmergeError):
     """A command-line option or parameter is invalid or contradicts the checkpoint."""
+
+
+class UnsupportedScheme(InvalidOption, ValueError):
+    """A URL's scheme has no storage backend; the message lists the schemes served
+    (`merge_engine.storage.schemes`). Also a ValueError: a URL that cannot be used."""

@@ -21,24 +21,20 @@ from typing import Any, Optional, Union
 
 from prefect.filesystems import RemoteFileSystem
 
-REMOTE_SCHEMES = ("s3", "gs", "gcs")
+from merge_engine.storage.schemes import backend_for_scheme, remote_schemes
+
 _SAVED: dict[tuple[str, str], RemoteFileSystem] = {}
 
 
 def remote_result_storage(url: str) -> RemoteFileSystem:
-    """An (unsaved) `RemoteFileSystem` block at an ``s3://`` or ``gs://`` URL."""
+    """An (unsaved) `RemoteFileSystem` block at an object-store URL (``s3://``, ``gs://``: any of the
+    storage registry's `remote_schemes`), with the engine's client options for that store."""
     scheme = url.split("://", 1)[0] if "://" in url else ""
-    if scheme not in REMOTE_SCHEMES:
-        raise ValueError(f"result storage must be an s3:// or gs:// URL, got {url!r}")
-    settings: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
-    if scheme == "s3":
-        endpoint = os.environ.get("STEPMERGE_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
-        if endpoint:
-            settings["endpoint_url"] = endpoint
-    else:
-        emulator = os.environ.get("STORAGE_EMULATOR_HOST")
-        if emulator and emulator != "default":
-            settings.update(token="anon", endpoint_url=emulator if "://" in emulator else f"http://{emulator}")
+    if scheme not in remote_schemes():
+        raise ValueError(f"result storage must be a URL of an object store ({', '.join(remote_schemes())}), "
+                         f"got {url!r}")
+    settings: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False,
+                                **backend_for_scheme(scheme).portable_options()}
     return RemoteFileSystem(basepath=url.rstrip("/") + "/", settings=settings)
 
 

@@ -188,7 +188,7 @@ class TestFaultProxy:
 @pytest.fixture
 def only_library_retries(monkeypatch):
     """Turn merge_engine.storage's own retry layer off: what recovers now, s3fs / gcsfs recovered."""
-    monkeypatch.setattr(storage, "TRANSIENT_ATTEMPTS", 1)
+    monkeypatch.setattr(storage.tuning, "TRANSIENT_ATTEMPTS", 1)
 
 
 class TestRecoveryOnS3:
@@ -234,11 +234,11 @@ class TestRecoveryOnS3:
         fs, _ = storage.filesystem(url)
         monkeypatch.setattr(fs, "default_block_size", MiB)  # 3 parts instead of waiting for a 50 MiB object
         s3_fault_proxy.set_fault(Fault.reset(after_bytes=100_000))
-        monkeypatch.setattr(storage, "TRANSIENT_ATTEMPTS", 1)
+        monkeypatch.setattr(storage.tuning, "TRANSIENT_ATTEMPTS", 1)
         with pytest.raises(Exception) as info:
             storage.read_bytes(url)
         assert storage.is_transient(info.value)
-        monkeypatch.setattr(storage, "TRANSIENT_ATTEMPTS", 4)
+        monkeypatch.setattr(storage.tuning, "TRANSIENT_ATTEMPTS", 4)
         s3_fault_proxy.set_fault(Fault.reset(after_bytes=100_000))
         assert storage.read_bytes(url) == data
 

@@ -39,7 +39,7 @@ def test_an_outage_longer_than_the_engine_retries_is_retried_by_the_task(
     run_root = f"{s3_bucket_url}/run"
     copy_steps(template_run, run_root, [1])
     # the engine gives up after one attempt (its backoff would otherwise ride out much of the outage)
-    monkeypatch.setattr(storage, "TRANSIENT_ATTEMPTS", 1)
+    monkeypatch.setattr(storage.tuning, "TRANSIENT_ATTEMPTS", 1)
     verdicts = []
 
     def outage_ends_after_first_failure(task, task_run, state):

@@ -164,7 +164,7 @@ class TestRangeReader:
 
     @pytest.fixture
     def small_chunks(self, monkeypatch):
-        monkeypatch.setattr(storage, "REMOTE_READ_CHUNK", 64)
+        monkeypatch.setattr(storage.tuning, "REMOTE_READ_CHUNK", 64)
 
     @pytest.mark.parametrize(
         "offset,length",
@@ -216,7 +216,7 @@ class TestRangeReader:
 
 class TestStageIn:
     def test_stages_every_file_and_verifies_it(self, storage_root, tmp_path, monkeypatch):
-        monkeypatch.setattr(storage, "REMOTE_READ_CHUNK", 100)
+        monkeypatch.setattr(storage.tuning, "REMOTE_READ_CHUNK", 100)
         files = {"actor/model_world_size_2_rank_0.pt": _payload(1000, 1), "actor/model_world_size_2_rank_1.pt":
                  _payload(999, 2), "actor/huggingface/config.json": b"{}", "actor/empty": b""}
         for rel, data in files.items():
@@ -258,13 +258,13 @@ class TestStageInCache:
         storage.stage_in(root, storage.list_files(root), cache)
 
         downloads: list[str] = []
-        real_download = storage._download
+        real_download = storage.copies._download
 
         def counting_download(src, dst, expected_size=None):
             downloads.append(src)
             return real_download(src, dst, expected_size)
 
-        monkeypatch.setattr(storage, "_download", counting_download)
+        monkeypatch.setattr(storage.copies, "_download", counting_download)
         staged = storage.stage_in(root, storage.list_files(root), cache)
         assert downloads == []
         assert open(staged["a.pt"], "rb").read() == b"a" * 50
@@ -334,7 +334,7 @@ def _root(kind: str, request, tmp_path, name: str) -> str:
 @pytest.mark.parametrize("dst_kind", BACKENDS)
 def test_copy_file_between_every_pair_of_backends(src_kind, dst_kind, request, tmp_path, monkeypatch):
     """Byte-exact copies in all 16 directions, streamed in chunks (a small chunk forces several)."""
-    monkeypatch.setattr(storage, "REMOTE_READ_CHUNK", 4096)
+    monkeypatch.setattr(storage.tuning, "REMOTE_READ_CHUNK", 4096)
     src = storage.join(_root(src_kind, request, tmp_path, "src"), "dir/weights.bin")
     dst = storage.join(_root(dst_kind, request, tmp_path, "dst"), "copied/weights.bin")
     data = _payload(10_000, seed=9)

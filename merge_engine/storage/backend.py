@@ -1,0 +1,363 @@
+"""The contract every storage backend meets (`Backend`), and `FsspecBackend`, the shared body of
+every backend whose client is an fsspec filesystem (S3, GCS, in-memory; Azure would be one more).
+
+A backend serves the URLs of its `Backend.schemes` and is found through the registry
+(`merge_engine.storage.schemes`). Its methods take whole URLs and keep the storage layer's promises
+(see `merge_engine.storage`): fresh listings with a version per file, ranged reads that fill the
+caller's buffer or raise `IncompleteCheckpoint`, uploads that appear whole or not at all, and
+retries (`faults.retrying`) of transient faults wherever a call can be repeated safely.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import posixpath
+import threading
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol
+
+from merge_engine.errors import IncompleteCheckpoint
+from merge_engine.storage import tuning
+from merge_engine.storage.entries import FileEntry
+from merge_engine.storage.faults import logger, retrying
+from merge_engine.storage.urls import split_scheme
+
+
+class RangedFile(Protocol):
+    """One open file for random-access reads (what `RangeReader` reads through)."""
+
+    size: int
+
+    def read_some(self, offset: int, out: memoryview) -> int:
+        """Read up to ``len(out)`` bytes at ``offset`` into ``out``; the count (0 at an unexpected end)."""
+
+    def close(self) -> None: ...
+
+
+class Upload(Protocol):
+    """One file being written (what `AtomicWriter` writes through): nothing is visible before `commit`."""
+
+    def write(self, data: Any) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def commit(self) -> None:
+        """Make the whole file visible under its name (raises if that fails; then `discard` cleans up)."""
+
+    def discard(self) -> None:
+        """Throw away what was written; the target is left as it was."""
+
+
+class Backend:
+    """One storage system behind the storage layer's interface.
+
+    Class attributes: ``schemes``, the URL spellings it serves (the first is canonical); ``local``,
+    whether its paths are on this machine's filesystem; ``shared``, whether another process or
+    machine reaching the same URL sees the same files (False for an in-process store: such URLs
+    are refused where a URL crosses a process, e.g. flow parameters and webhooks).
+    """
+
+    schemes: ClassVar[tuple[str, ...]] = ()
+    local: ClassVar[bool] = False
+    shared: ClassVar[bool] = True
+
+    @property
+    def canonical_scheme(self) -> str:
+        return self.schemes[0]
+
+    def filesystem(self, url: str) -> tuple[Any, str]:
+        """The fsspec filesystem for ``url`` and the path inside it."""
+        raise NotImplementedError
+
+    def classify_fault(self, exc: BaseException) -> bool | None:
+        """True / False: this backend's client says the fault is transient / permanent; None: not its error."""
+        return None
+
+    def portable_options(self) -> dict[str, Any]:
+        """JSON-safe fsspec options that point another client (another process) at the same store."""
+        return {}
+
+    # listings and metadata
+    def list_files(self, url: str, recursive: bool) -> list[FileEntry]:
+        raise NotImplementedError
+
+    def list_dirs(self, url: str) -> list[str]:
+        raise NotImplementedError
+
+    def exists(self, url: str) -> bool:
+        raise NotImplementedError
+
+    def isfile(self, url: str) -> bool:
+        raise NotImplementedError
+
+    def info(self, url: str) -> dict[str, Any]:
+        fs, path = self.filesystem(url)
+        return retrying(lambda: fs.info(path), f"info {url}")
+
+    def size(self, url: str) -> int:
+        return int(self.info(url)["size"])
+
+    # reads and writes
+    def read_bytes(self, url: str) -> bytes:
+        raise NotImplementedError
+
+    def write_bytes(self, url: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def open_upload(self, url: str, block_size: int | None, size_hint: int | None) -> Upload:
+        raise NotImplementedError
+
+    def open_range(self, url: str, size: int | None) -> RangedFile:
+        """Open for ranged reads; a missing file raises `IncompleteCheckpoint`."""
+        raise NotImplementedError
+
+    def remove(self, url: str, recursive: bool) -> None:
+        raise NotImplementedError
+
+    # copies (the storage layer's `copy_file` picks among these)
+    def upload_file(self, local_path: str, url: str) -> None:
+        """Copy a local file to ``url`` (this backend's) whole."""
+        raise NotImplementedError
+
+    def copy_within(self, src: str, dst: str) -> bool:
+        """Copy ``src`` to ``dst`` (both this backend's) inside the store; False when it cannot."""
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Backends whose client is an fsspec filesystem
+
+_FS_CACHE: dict[tuple[Any, ...], Any] = {}
+_FS_LOCK = threading.Lock()
+TIMEOUT_ENV = "STEPMERGE_STORAGE_TIMEOUT"  # seconds: bounds connecting and each socket read, every remote store
+
+
+def storage_timeout() -> float | None:
+    value = os.environ.get(TIMEOUT_ENV)
+    return float(value) if value else None
+
+
+def clear_filesystems() -> None:
+    """Drop every cached remote client, closing its connections now (while fsspec's event loop runs).
+
+    For processes that switch servers many times (test sessions): left to interpreter exit, each
+    stale client's shutdown waits on its own timeout.
+    """
+    with _FS_LOCK:
+        stale = list(_FS_CACHE.values())
+        _FS_CACHE.clear()
+    del stale
+    gc.collect()
+
+
+class FsspecBackend(Backend):
+    """A store reached through one fsspec filesystem class.
+
+    A subclass names its ``schemes``, the environment variables its client depends on
+    (``env_keys``: a change in any of them gives a new client, so a process that switches servers
+    never talks to the old one), how to build the client (`make_client`), which ``info`` fields
+    carry a file's version (``version_keys``, first present wins), and its client's faults
+    (`classify_fault`). Clients keep no listings cache and are shared per process and configuration.
+    """
+
+    env_keys: ClassVar[tuple[str, ...]] = ()
+    version_keys: ClassVar[tuple[str, ...]] = ("ETag", "etag", "generation", "md5Hash", "mtime", "LastModified",
+                                               "updated")
+
+    def make_client(self, **common: Any) -> Any:
+        """A new filesystem object; ``common`` disables fsspec's instance and listings caches."""
+        import fsspec
+
+        return fsspec.filesystem(self.canonical_scheme, **common)
+
+    def path_in(self, fs: Any, url: str, rest: str) -> str:
+        """The path inside ``fs`` that ``url`` (``<scheme>://<rest>``) names."""
+        return fs._strip_protocol(url)  # e.g. memory://x -> /x, as the filesystem stores it
+
+    def filesystem(self, url: str) -> tuple[Any, str]:
+        _, rest = split_scheme(url)
+        key = (self.canonical_scheme, os.getpid(), tuple(os.environ.get(k) for k in (*self.env_keys, TIMEOUT_ENV)))
+        with _FS_LOCK:
+            fs = _FS_CACHE.get(key)
+            if fs is None:
+                fs = _FS_CACHE[key] = self.make_client(skip_instance_cache=True, use_listings_cache=False)
+        return fs, self.path_in(fs, url, rest)
+
+    def version_of(self, info: Mapping[str, Any]) -> str:
+        for key in self.version_keys:
+            value = info.get(key)
+            if value not in (None, ""):
+                return str(value).strip('"')
+        return ""
+
+    def list_files(self, url: str, recursive: bool) -> list[FileEntry]:
+        fs, root = self.filesystem(url)
+        root = root.rstrip("/") or "/"
+
+        def listing() -> dict[str, Any]:
+            try:
+                if recursive:
+                    return fs.find(root, detail=True)
+                return {i["name"]: i for i in fs.ls(root, detail=True)}
+            except FileNotFoundError:
+                return {}
+
+        found = retrying(listing, f"listing {url}")
+        entries = []
+        prefix = root + "/"
+        for name, info in found.items():
+            if info.get("type") not in ("file", None):
+                continue
+            name = name.rstrip("/")
+            if not name.startswith(prefix):
+                continue
+            entries.append(FileEntry(name[len(prefix):], int(info.get("size") or 0), self.version_of(info)))
+        return entries
+
+    def list_dirs(self, url: str) -> list[str]:
+        fs, _ = self.filesystem(url)
+        _, root = split_scheme(url)
+
+        def listing() -> list[dict[str, Any]]:
+            try:
+                return fs.ls(root.rstrip("/"), detail=True)
+            except FileNotFoundError:
+                return []
+
+        infos = retrying(listing, f"listing {url}")
+        return [posixpath.basename(i["name"].rstrip("/")) for i in infos if i.get("type") == "directory"]
+
+    def exists(self, url: str) -> bool:
+        fs, path = self.filesystem(url)
+        return retrying(lambda: fs.exists(path), f"exists {url}")
+
+    def isfile(self, url: str) -> bool:
+        fs, path = self.filesystem(url)
+        return retrying(lambda: fs.isfile(path), f"info {url}")
+
+    def read_bytes(self, url: str) -> bytes:
+        fs, path = self.filesystem(url)
+        return retrying(lambda: fs.cat_file(path), f"reading {url}")
+
+    def write_bytes(self, url: str, data: bytes) -> None:
+        fs, path = self.filesystem(url)
+        retrying(lambda: fs.pipe_file(path, data), f"writing {url}")
+
+    def open_upload(self, url: str, block_size: int | None, size_hint: int | None) -> Upload:
+        return FsspecUpload(self, url, block_size)
+
+    def open_range(self, url: str, size: int | None) -> RangedFile:
+        return FsspecRangedFile(self, url, size)
+
+    def remove(self, url: str, recursive: bool) -> None:
+        fs, path = self.filesystem(url)
+
+        def delete() -> None:
+            try:
+                fs.rm(path, recursive=recursive)
+            except FileNotFoundError:
+                pass
+
+        retrying(delete, f"removing {url}")
+
+    def upload_file(self, local_path: str, url: str) -> None:
+        fs, path = self.filesystem(url)
+        retrying(lambda: fs.put_file(local_path, path), f"uploading {local_path} to {url}")
+
+    def copy_within(self, src: str, dst: str) -> bool:
+        src_fs, src_path = self.filesystem(src)
+        dst_fs, dst_path = self.filesystem(dst)
+        if dst_fs is not src_fs:
+            return False
+        retrying(lambda: src_fs.cp_file(src_path, dst_path), f"copying {src} to {dst}")
+        return True
+
+
+class FsspecUpload:
+    """An fsspec write (an S3 multipart upload, a GCS resumable upload) committed by the server on close."""
+
+    def __init__(self, backend: FsspecBackend, url: str, block_size: int | None) -> None:
+        self.url = url
+        fs, path = backend.filesystem(url)
+        kwargs = {"block_size": block_size} if block_size else {}
+        self._file = fs.open(path, "wb", **kwargs)
+
+    def write(self, data: Any) -> None:
+        self._file.write(data)
+
+    def flush(self) -> None:
+        pass  # a remote part is sent when it is full, never early
+
+    def commit(self) -> None:
+        self._file.close()
+
+    def discard(self) -> None:
+        try:
+            discard = getattr(self._file, "discard", None)
+            if discard is not None:
+                discard()  # s3fs aborts the multipart upload, gcsfs cancels the resumable one
+        except Exception as exc:  # the upload is abandoned either way: its parts expire
+            logger.warning("could not cancel the upload to %s: %s", self.url, exc)
+        finally:
+            self._file.closed = True  # never let fsspec's own close/__del__ commit it
+
+
+class FsspecRangedFile:
+    """Ranged GETs of at most `tuning.REMOTE_READ_CHUNK` bytes, each retried on transient faults.
+
+    ``size`` (from a listing) saves the HEAD request."""
+
+    def __init__(self, backend: FsspecBackend, url: str, size: int | None) -> None:
+        self.url = url
+        self._fs, self._path = backend.filesystem(url)
+        if size is None:
+            try:
+                size = int(retrying(lambda: self._fs.size(self._path), f"size of {url}"))
+            except FileNotFoundError as exc:
+                raise IncompleteCheckpoint("file is missing", url) from exc
+        self.size = int(size)
+
+    def read_some(self, offset: int, out: memoryview) -> int:
+        start = offset
+        end = start + min(len(out), tuning.REMOTE_READ_CHUNK)
+
+        def get() -> bytes:
+            try:
+                return self._fs.cat_file(self._path, start=start, end=end)
+            except FileNotFoundError as exc:
+                raise IncompleteCheckpoint("file disappeared while being read", self.url) from exc
+            except Exception as exc:
+                if _is_range_error(exc):
+                    raise IncompleteCheckpoint(
+                        f"bytes {start}-{end} are past the end of the file: truncated file", self.url
+                    ) from exc
+                raise
+
+        data = retrying(get, f"bytes {start}-{end} of {self.url}")
+        if len(data) != end - start:
+            raise IncompleteCheckpoint(
+                f"got {len(data)} of bytes {start}-{end} (file shorter than the {self.size} bytes listed)",
+                self.url,
+            )
+        out[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        pass
+
+
+def _is_range_error(exc: BaseException) -> bool:
+    link: BaseException | None = exc
+    for _ in range(8):
+        if link is None:
+            return False
+        response = getattr(link, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code") == "InvalidRange":
+            return True
+        if getattr(link, "code", None) == 416 or getattr(link, "status", None) == 416:
+            return True
+        if "InvalidRange" in str(link) or "Requested Range Not Satisfiable" in str(link):
+            return True
+        link = link.__cause__ or link.__context__
+    return False

@@ -1,0 +1,214 @@
+"""This machine's filesystem: plain paths, ``file://`` and ``local://`` URLs (`urls.LOCAL_SCHEMES`).
+
+A file's version is ``mtime_ns-inode``. Writes go to a temp name in the same folder, are fsynced
+and renamed onto the target; files of at least `tuning.DIRECT_IO_MIN_BYTES` are written with
+direct I/O into preallocated blocks. Ranged reads use ``os.preadv`` into the caller's buffer (no
+mmap: resident memory stays with the caller) and ask the kernel to read ahead.
+"""
+
+from __future__ import annotations
+
+import errno as errno_codes
+import os
+import shutil
+import uuid
+from typing import Any
+
+from merge_engine.direct_io import DirectFile
+from merge_engine.errors import IncompleteCheckpoint
+from merge_engine.storage import tuning
+from merge_engine.storage.backend import Backend
+from merge_engine.storage.entries import FileEntry
+from merge_engine.storage.urls import LOCAL_SCHEMES, local_path
+
+
+def temp_name(path: str) -> str:
+    """A unique hidden name beside ``path`` for writing it before the rename."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def unlink_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _local_version(stat: os.stat_result) -> str:
+    # mtime alone misses a rewrite within the filesystem's timestamp tick; a new inode (write to a
+    # temp name + rename, as careful writers do) is always seen
+    return f"{stat.st_mtime_ns}-{stat.st_ino}"
+
+
+class LocalBackend(Backend):
+    schemes = LOCAL_SCHEMES
+    local = True
+
+    def filesystem(self, url: str) -> tuple[Any, str]:
+        import fsspec
+
+        return fsspec.filesystem("file"), local_path(url)
+
+    def list_files(self, url: str, recursive: bool) -> list[FileEntry]:
+        root = local_path(url).rstrip("/") or "/"
+        entries = []
+        if not os.path.isdir(root):
+            return []
+        for folder, dirs, files in os.walk(root):
+            dirs.sort()
+            rel_folder = os.path.relpath(folder, root)
+            for name in files:
+                full = os.path.join(folder, name)
+                try:
+                    stat = os.stat(full)
+                except FileNotFoundError:  # deleted while listing
+                    continue
+                rel = name if rel_folder == "." else f"{rel_folder.replace(os.sep, '/')}/{name}"
+                entries.append(FileEntry(rel, stat.st_size, _local_version(stat)))
+            if not recursive:
+                break
+        return entries
+
+    def list_dirs(self, url: str) -> list[str]:
+        try:
+            with os.scandir(local_path(url)) as it:
+                return [e.name for e in it if e.is_dir()]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def exists(self, url: str) -> bool:
+        return os.path.exists(local_path(url))
+
+    def isfile(self, url: str) -> bool:
+        return os.path.isfile(local_path(url))
+
+    def size(self, url: str) -> int:
+        return os.path.getsize(local_path(url))
+
+    def read_bytes(self, url: str) -> bytes:
+        with open(local_path(url), "rb") as f:
+            return f.read()
+
+    def write_bytes(self, url: str, data: bytes) -> None:
+        path = local_path(url)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = temp_name(path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            unlink_quietly(tmp)
+            raise
+
+    def open_upload(self, url: str, block_size: int | None, size_hint: int | None) -> LocalUpload:
+        return LocalUpload(local_path(url), size_hint)
+
+    def open_range(self, url: str, size: int | None) -> LocalRangedFile:
+        return LocalRangedFile(url)
+
+    def remove(self, url: str, recursive: bool) -> None:
+        path = local_path(url)
+        if os.path.isdir(path):
+            if recursive:
+                shutil.rmtree(path, ignore_errors=True)
+        elif os.path.lexists(path):
+            os.remove(path)
+
+    def upload_file(self, local_file: str, url: str) -> None:
+        self.copy_within(local_file, url)
+
+    def copy_within(self, src: str, dst: str) -> bool:
+        target = local_path(dst)
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        tmp = temp_name(target)
+        try:
+            shutil.copyfile(local_path(src), tmp)
+            os.replace(tmp, target)
+        except BaseException:
+            unlink_quietly(tmp)
+            raise
+        return True
+
+
+class LocalUpload:
+    """A temp file beside the target, fsynced and renamed onto it on commit."""
+
+    def __init__(self, target: str, size_hint: int | None) -> None:
+        self._target = target
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        self._tmp = temp_name(target)
+        large = size_hint is not None and size_hint >= tuning.DIRECT_IO_MIN_BYTES
+        self._file: Any = DirectFile(self._tmp) if large else open(self._tmp, "wb")
+        if large and hasattr(os, "posix_fallocate"):
+            try:  # reserve the blocks up front: no mid-write ENOSPC, less fragmentation
+                os.posix_fallocate(self._file.fileno(), 0, size_hint)
+            except OSError as exc:
+                if exc.errno == errno_codes.ENOSPC:
+                    self.discard()
+                    raise
+                # filesystems without fallocate: write as usual
+
+    def write(self, data: Any) -> None:
+        self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def commit(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp, self._target)
+
+    def discard(self) -> None:
+        try:
+            self._file.close()
+        finally:
+            unlink_quietly(self._tmp)
+
+
+class LocalRangedFile:
+    """``os.preadv`` into the caller's buffer, with the kernel asked to read ahead of the reader.
+
+    ``size`` is always the file's real one, whatever a listing said."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        try:
+            self._fd: int | None = os.open(local_path(url), os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise IncompleteCheckpoint("file is missing", url) from exc
+        self.size = os.fstat(self._fd).st_size
+        self._hinted_until = 0
+
+    def read_some(self, offset: int, out: memoryview) -> int:
+        self._read_ahead(offset + len(out))
+        return os.preadv(self._fd, [out], offset)
+
+    def _read_ahead(self, end: int) -> None:
+        """Ask the kernel to fetch the next `tuning.READ_AHEAD_BYTES` past ``end`` while the caller works.
+
+        A merge reads every rank file front to back but interleaved (tensor by tensor across ranks),
+        one synchronous read at a time: on a cold cache that left the disk idle between reads
+        (measured: 5.7 s where ``cat`` of the same files takes 1.4 s). The hint costs one syscall
+        per `tuning.READ_AHEAD_BYTES` / 2 read and is ignored where unsupported."""
+        if end + tuning.READ_AHEAD_BYTES // 2 <= self._hinted_until or not hasattr(os, "posix_fadvise"):
+            return
+        start = max(end, self._hinted_until)
+        self._hinted_until = end + tuning.READ_AHEAD_BYTES
+        try:
+            os.posix_fadvise(self._fd, start, self._hinted_until - start, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+BACKEND = LocalBackend()

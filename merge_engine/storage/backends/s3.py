@@ -1,0 +1,66 @@
+"""S3 and S3-compatible stores (``s3://``, ``s3a://``) through s3fs.
+
+Endpoint from ``STEPMERGE_S3_ENDPOINT`` or ``AWS_ENDPOINT_URL``, credentials from the usual AWS
+variables; ``STEPMERGE_STORAGE_TIMEOUT`` bounds connecting and each socket read. A file's version
+is its ETag. Transient: throttling codes (``SlowDown``, ...) and 408/429/5xx statuses, botocore's
+connection and streaming errors.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from merge_engine.storage.backend import FsspecBackend, storage_timeout
+from merge_engine.storage.faults import RETRY_STATUSES, instance_of
+
+_THROTTLE_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
+    "RequestThrottledException", "TooManyRequestsException", "RequestLimitExceeded",
+    "ProvisionedThroughputExceededException", "BandwidthLimitExceeded", "ServiceUnavailable",
+    "InternalError", "RequestTimeout", "RequestTimeoutException", "PriorRequestNotComplete",
+    "EC2ThrottledException", "TransactionInProgressException", "OperationAborted",
+    "408", "429", "500", "502", "503", "504",
+})
+
+
+class S3Backend(FsspecBackend):
+    schemes = ("s3", "s3a")
+    env_keys = (
+        "STEPMERGE_S3_ENDPOINT", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_REGION", "AWS_REGION",
+        "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
+    )
+
+    def portable_options(self) -> dict[str, Any]:
+        endpoint = os.environ.get("STEPMERGE_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
+        return {"endpoint_url": endpoint} if endpoint else {}
+
+    def make_client(self, **common: Any) -> Any:
+        import fsspec
+
+        options = self.portable_options()
+        timeout = storage_timeout()
+        if timeout:
+            options["config_kwargs"] = {"connect_timeout": timeout, "read_timeout": timeout}
+        return fsspec.get_filesystem_class("s3")(**options, **common)
+
+    def path_in(self, fs: Any, url: str, rest: str) -> str:
+        return rest
+
+    def classify_fault(self, exc: BaseException) -> bool | None:
+        if instance_of(exc, "botocore.exceptions", "ClientError"):
+            response = getattr(exc, "response", None) or {}
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return code in _THROTTLE_CODES or status in RETRY_STATUSES
+        if instance_of(
+            exc, "botocore.exceptions",
+            "HTTPClientError", "ConnectionError", "ReadTimeoutError", "ConnectTimeoutError",
+            "ResponseStreamingError", "IncompleteReadError",
+        ):
+            return True
+        return None
+
+
+BACKEND = S3Backend()
