@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from flows.step_keys import step_key
 from flows.url_checks import checked_url
 from merge_engine.errors import StepmergeError
-from merge_engine.plan import parse_size
+from merge_engine.merge_plan import parse_size
 from merge_engine.release import default_release_root
 from tasks.records import AdapterSettings, MergeSettings, StepRecord, ValidationSettings
 

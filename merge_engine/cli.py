@@ -41,7 +41,7 @@ def _source_flags(parser: argparse.ArgumentParser) -> None:
 
 def _options(args: argparse.Namespace):
     from merge_engine.merge import MergeOptions
-    from merge_engine.plan import DEFAULT_MAX_SHARD_SIZE, parse_size
+    from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE, parse_size
 
     return MergeOptions(backend=args.backend, dtype=args.dtype,
                         max_shard_size=parse_size(getattr(args, "max_shard_size", None) or DEFAULT_MAX_SHARD_SIZE),
@@ -159,7 +159,7 @@ def _print_lora_result(result, verb: str) -> None:
 
 def cmd_extract_lora(args: argparse.Namespace) -> int:
     from merge_engine.lora.extract import ExtractOptions, SvdExtractOptions, extract_lora, extract_lora_svd
-    from merge_engine.plan import DEFAULT_MAX_SHARD_SIZE, parse_size
+    from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE, parse_size
 
     if (args.local_dir is None) == (args.finetuned is None):
         raise InvalidOption("give either --local_dir (a LoRA training checkpoint) or --finetuned with --base-model "
@@ -213,7 +213,7 @@ def _add_extract_lora(parser: argparse.ArgumentParser) -> None:
 
 def cmd_merge_lora(args: argparse.Namespace) -> int:
     from merge_engine.lora.combine import MergeLoraOptions, merge_lora
-    from merge_engine.plan import DEFAULT_MAX_SHARD_SIZE, parse_size
+    from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE, parse_size
 
     adapters = [u for u in args.lora_adapter.split(",") if u]
     options = MergeLoraOptions(method=args.merge_method, weights=_floats(args.adapter_weights, "--adapter-weights"),

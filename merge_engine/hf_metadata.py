@@ -1,6 +1,7 @@
 """The non-weight files of a Hugging Face model folder: config, generation config, tokenizer.
 
 `read_config` parses ``config.json`` (a `InvalidConfig` naming the file if it cannot);
+`tie_word_embeddings` reads its tie flag (the model class default when the key is absent);
 `copy_metadata` copies every metadata file of a folder (tokenizer files, chat templates,
 generation config, custom code...) to a target, writing ``config.json`` with the merge's updates.
 Weight files are never copied from here: the writer produces those.
@@ -16,6 +17,8 @@ from merge_engine import storage
 from merge_engine.errors import InvalidConfig
 
 CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"  # the weights of an unsharded model
+INDEX_FILE = "model.safetensors.index.json"  # tensor -> shard file of a sharded model
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
 WEIGHT_INDEXES = (".safetensors.index.json", ".bin.index.json")
 
@@ -40,6 +43,19 @@ def read_config(hf_dir: str | None, *, what: str = "checkpoint") -> dict[str, An
     if not isinstance(config, dict) or not config.get("model_type") and not config.get("architectures"):
         raise InvalidConfig("config.json names neither model_type nor architectures", url)
     return config
+
+
+def tie_word_embeddings(config: Mapping[str, Any]) -> bool:
+    """The config's tie flag, with the model class default when the key is absent."""
+    for scope in (config, config.get("text_config") or {}):
+        if "tie_word_embeddings" in scope:
+            return bool(scope["tie_word_embeddings"])
+    from transformers import AutoConfig  # slow import: only when the config leaves it implicit
+
+    try:
+        return bool(AutoConfig.for_model(**dict(config)).tie_word_embeddings)
+    except Exception as exc:
+        raise InvalidConfig(f"cannot tell whether embeddings are tied ({exc})") from exc
 
 
 def copy_metadata(hf_dir: str, target_url: str, config: Mapping[str, Any],

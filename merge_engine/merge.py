@@ -18,23 +18,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from merge_engine import __version__, storage
-from merge_engine.errors import CorruptShard, InvalidOption
-from merge_engine.chunks import aligned_chunks
+from merge_engine.errors import InvalidOption
 from merge_engine.hf_metadata import copy_metadata, read_config
-from merge_engine.layouts import MEGATRON_NAMES, Checkpoint, check_checkpoint, layout_named, open_checkpoint
-from merge_engine.plan import (
-    DEFAULT_MAX_SHARD_SIZE,
-    LM_HEAD,
-    MergePlan,
-    input_embedding,
-    parse_dtype,
-    plan_hf_merge,
-)
-from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
+from merge_engine.layouts import Checkpoint, check_checkpoint, open_checkpoint
+from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE, MergePlan, parse_dtype
+from merge_engine.output_heads import check_dropped_head
 from merge_engine.output_target import PROVENANCE_FILE, read_provenance, target_state, write_target
+from merge_engine.planner import plan_checkpoint
+from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
 from merge_engine.writer import write_plan
 
 __all__ = ["PROVENANCE_FILE", "MergeOptions", "MergeResult", "merge_checkpoint", "merge_fingerprint", "plan_merge"]
@@ -94,43 +86,11 @@ def merge_fingerprint(checkpoint: Checkpoint, options: MergeOptions) -> str:
 
 
 def plan_merge(checkpoint: Checkpoint, source: TensorSource, config: dict, options: MergeOptions) -> MergePlan:
-    """The layout's own planner if it has one (Megatron), else the Hugging Face-names planner."""
-    dtype = parse_dtype(options.dtype)
-    if layout_named(checkpoint.layout).TENSOR_NAMING == MEGATRON_NAMES:
-        from merge_engine.architectures.megatron_to_hf import plan_megatron_merge
-
-        return plan_megatron_merge(source, config, dtype=dtype, max_shard_size=options.max_shard_size,
-                                   tie_flag=options.tie_word_embedding, custom_mapping=options.custom_mapping)
-    if options.custom_mapping is not None:
-        raise InvalidOption(f"--custom-mapping applies to Megatron checkpoints, not to a {checkpoint.layout} one",
-                            options.custom_mapping)
-    metas = source.metas()
-    from merge_engine.lora.extract import is_lora_checkpoint, plan_trained_model  # lora imports this module
-
-    if is_lora_checkpoint(metas):  # the TRAINED model: every LoRA fused into its base, never the base alone
-        return plan_trained_model(checkpoint, source, config, dtype=dtype, max_shard_size=options.max_shard_size,
-                                  tie_flag=options.tie_word_embedding, lora_alpha=options.lora_alpha,
-                                  chunk_bytes=options.chunk_bytes)
-    return plan_hf_merge(metas, config, dtype=dtype, max_shard_size=options.max_shard_size,
-                         tie_flag=options.tie_word_embedding, config_url=checkpoint.hf_dir)
-
-
-def check_tied_copy(source: TensorSource, plan: MergePlan, chunk_bytes: int) -> None:
-    """A dropped tied ``lm_head`` must equal the embedding: else the config lies and we would lose weights."""
-    metas = source.metas()
-    if LM_HEAD not in metas or LM_HEAD in plan.by_name():
-        return
-    embed = input_embedding(metas)  # the planner refuses to drop lm_head without one
-    same_storage = getattr(source, "same_storage", None)
-    if same_storage is not None and same_storage(LM_HEAD, embed):
-        return  # saved once, referenced twice: equal by construction
-    if (metas[LM_HEAD].shape, metas[LM_HEAD].dtype) != (metas[embed].shape, metas[embed].dtype):
-        raise CorruptShard(f"config ties embeddings but lm_head {metas[LM_HEAD].shape} {metas[LM_HEAD].dtype} "
-                           f"differs from {embed} {metas[embed].shape} {metas[embed].dtype}", source.url)
-    pairs = aligned_chunks(source.iter_chunks(LM_HEAD, chunk_bytes), source.iter_chunks(embed, chunk_bytes))
-    if not all(torch.equal(a, b) for a, b in pairs):
-        raise CorruptShard("config says tie_word_embeddings=true but lm_head.weight differs from the "
-                           "embedding; fix config.json (or pass a correct --hf-model-path)", source.url)
+    """`merge_engine.planner.plan_checkpoint` with these options."""
+    return plan_checkpoint(checkpoint, source, config, dtype=parse_dtype(options.dtype),
+                           max_shard_size=options.max_shard_size, tie_flag=options.tie_word_embedding,
+                           lora_alpha=options.lora_alpha, custom_mapping=options.custom_mapping,
+                           chunk_bytes=options.chunk_bytes)
 
 
 def merge_checkpoint(source_url: str, target_url: str, options: MergeOptions = MergeOptions(), *,
@@ -162,7 +122,7 @@ def merge_checkpoint(source_url: str, target_url: str, options: MergeOptions = M
         plan = plan_merge(checkpoint, source, config, options)
         if on_plan:
             on_plan(plan)
-        check_tied_copy(source, plan, options.chunk_bytes)
+        check_dropped_head(source, plan, options.chunk_bytes)
 
         def write(url: str) -> list[tuple[str, int]]:
             files = write_plan(plan, source, url, chunk_bytes=options.chunk_bytes, on_bytes=on_bytes).files

@@ -14,7 +14,7 @@ from merge_engine.chunks import aligned_chunks
 from merge_engine.hf_metadata import read_config
 from merge_engine.layouts import check_checkpoint, open_checkpoint
 from merge_engine.merge import MergeOptions, plan_merge
-from merge_engine.plan import MergePlan
+from merge_engine.merge_plan import MergePlan
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
 from merge_engine.validate import Check, ValidationReport
 from merge_engine.writer import tensor_chunks

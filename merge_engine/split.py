@@ -40,7 +40,7 @@ from merge_engine.hf_metadata import copy_metadata, read_config
 from merge_engine.layouts import check_checkpoint, layout_named, open_checkpoint
 from merge_engine.layouts.contract import ParallelSizes, WritableLayout
 from merge_engine.output_target import target_state, write_target
-from merge_engine.plan import parse_dtype
+from merge_engine.merge_plan import parse_dtype
 
 
 # --format -> the layout that writes it

@@ -21,7 +21,7 @@ import torch
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard
-from merge_engine.plan import INDEX_FILE, MergePlan, PlannedTensor, ShardFile
+from merge_engine.merge_plan import INDEX_FILE, MergePlan, PlannedTensor, ShardFile
 from merge_engine.safetensors_file import CODES as SAFETENSORS_DTYPES
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
 

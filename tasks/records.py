@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from merge_engine.discovery import Step
 from merge_engine.layouts import Checkpoint
 from merge_engine.merge import MergeOptions
-from merge_engine.plan import DEFAULT_MAX_SHARD_SIZE
+from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE
 from merge_engine.publish import Release
 from merge_engine.storage import FileEntry
 from merge_engine.validate import ValidationReport

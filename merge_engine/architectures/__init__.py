@@ -18,6 +18,7 @@ from typing import Any
 
 from merge_engine.architectures.mappings import FamilyTable, ModelDims
 from merge_engine.errors import InvalidConfig, UnknownArchitecture
+from merge_engine.hf_metadata import tie_word_embeddings
 
 FAMILY_MODULES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -69,8 +70,6 @@ def table_for_config(config: Mapping[str, Any], custom_mapping: str | None = Non
 def model_dims(config: Mapping[str, Any], table: FamilyTable, *, tied: bool | None = None,
                padded_vocab_size: int | None = None) -> ModelDims:
     """Sizes from ``config.json`` (text config of a multimodal config); `InvalidConfig` if one is missing."""
-    from merge_engine.plan import tie_word_embeddings
-
     scope = config.get("text_config") or config
     try:
         hidden = int(scope["hidden_size"])

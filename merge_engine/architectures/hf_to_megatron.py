@@ -19,7 +19,8 @@ from merge_engine.architectures.binding import Binding, bind_hf, check_coverage,
 from merge_engine.architectures.mappings import FamilyTable, GatedMLPMapping, ModelDims
 from merge_engine.architectures.megatron_names import order_key
 from merge_engine.chunks import flat_slices
-from merge_engine.errors import CorruptShard, MappingError
+from merge_engine.errors import MappingError
+from merge_engine.output_heads import check_tied_copy
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -75,15 +76,14 @@ class MegatronViewOfHf:
     def iter_chunks(self, name: str, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
         yield from flat_slices(self.read(name), max_bytes)
 
-    def check_tied_copies(self) -> None:
-        """A stored ``lm_head`` of a tied model must equal the embedding (else the config lies)."""
+    def check_tied_copies(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        """A stored ``lm_head`` of a tied model must equal the embedding: the tied rule of
+        `merge_engine.output_heads` (`InvalidConfig` when config.json lies about tying)."""
         if not self.tied_copies:
             return
         embed = self._bindings[EMBEDDING].hf[0]
         for head in self.tied_copies:
-            if not torch.equal(self.hf.read(head), self.hf.read(embed)):
-                raise CorruptShard(f"config ties the embeddings but {head} differs from {embed}; fix "
-                                   "tie_word_embeddings in config.json", self.url)
+            check_tied_copy(self.hf, head, embed, chunk_bytes)
 
     def close(self) -> None:
         self.hf.close()

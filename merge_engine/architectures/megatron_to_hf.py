@@ -37,16 +37,16 @@ from merge_engine.architectures.mappings import (
     VocabMapping,
 )
 from merge_engine.chunks import aligned_chunks, flat_slices
-from merge_engine.errors import CorruptShard, InvalidOption, MappingError
-from merge_engine.plan import (
-    CRITIC_HEAD,
+from merge_engine.errors import MappingError
+from merge_engine.merge_plan import (
     DEFAULT_MAX_SHARD_SIZE,
     MergePlan,
     PlannedTensor,
     assign_shards,
-    critic_config,
     output_dtype,
+    stored_dtype_update,
 )
+from merge_engine.output_heads import CRITIC_HEAD, check_tie_flag, critic_config, is_critic, tied_copy_error
 from merge_engine.tensor_source import TensorSource
 
 OUTPUT_LAYER = "output_layer.weight"
@@ -103,7 +103,8 @@ class FusedPart:
 @dataclass(frozen=True)
 class LeadingRows:
     """The first ``rows`` rows of a (vocabulary) tensor, streamed; ``same_as``: a tensor whose first
-    ``rows`` rows must be equal (tied copy), compared while streaming (`CorruptShard` if not)."""
+    ``rows`` rows must be equal (tied copy), compared while streaming (the tied rule of
+    `merge_engine.output_heads`: `InvalidConfig` if not)."""
 
     source_name: str
     rows: int
@@ -122,17 +123,15 @@ class LeadingRows:
         if self.same_as is None:
             pieces: Iterator[tuple[torch.Tensor, ...]] = ((chunk,) for chunk in stream)
         else:
-            def size_error(message: str) -> CorruptShard:
-                return CorruptShard(f"config ties the embeddings, but {self.same_as} and {self.source_name} differ "
-                                    f"in size ({message})", source.url)
+            def size_error(message: str) -> Exception:
+                return tied_copy_error(self.same_as, self.source_name, source.url, f"sizes differ: {message}")
 
             pieces = aligned_chunks(stream, source.iter_chunks(self.same_as, max_bytes), error=size_error)
         for chunk, *copy in pieces:
             chunk = chunk[:remaining]
             remaining -= chunk.numel()
             if copy and not torch.equal(copy[0][:chunk.numel()], chunk):
-                raise CorruptShard(f"config ties the embeddings, but {self.same_as} differs from {self.source_name}; "
-                                   "fix tie_word_embeddings in config.json (or pass --hf-model-path)", source.url)
+                raise tied_copy_error(self.same_as, self.source_name, source.url)
             yield chunk
             if remaining <= 0:
                 return  # the padding rows after vocab_size are never read
@@ -145,13 +144,11 @@ def plan_megatron_to_hf(source: TensorSource, config: Mapping[str, Any], *, tabl
 
     Raises `MappingError` (strictness), `InvalidOption` (``tie_flag`` contradicts the config).
     """
-    if tie_flag is not None and tie_flag != dims.tied:
-        raise InvalidOption(f"--tie-word-embedding={tie_flag} contradicts config.json "
-                            f"(tie_word_embeddings={dims.tied})", config_url)
+    check_tie_flag(tie_flag, dims.tied, config_url)
     metas = source.metas()
     updates: dict[str, Any] = {}
     head = metas.get(OUTPUT_LAYER)
-    if head is not None and head.shape[0] == 1 and dims.vocab_size > 1:
+    if head is not None and is_critic(head.shape[0], dims.vocab_size):
         # verl's Megatron critic: a one-row value head, not a vocabulary projection
         table = table.extended(special=tuple(
             DirectMapping(m.megatron, hf_name=CRITIC_HEAD) if isinstance(m, VocabMapping) and m.head else m
@@ -191,12 +188,7 @@ def plan_megatron_to_hf(source: TensorSource, config: Mapping[str, Any], *, tabl
         notes.append(f"tied embeddings: {tied_copy} checked equal to the embedding, not written")
     if CRITIC_HEAD in {t.name for t in tensors}:
         notes.append(f"critic: {OUTPUT_LAYER} (one row) -> {CRITIC_HEAD}, a token-classification model")
-    if dtype is not None:
-        updates["dtype"] = str(dtype).removeprefix("torch.")
-    else:
-        stored = {t.dtype for t in tensors if t.dtype.is_floating_point}
-        if len(stored) == 1:
-            updates["dtype"] = str(stored.pop()).removeprefix("torch.")
+    updates.update(stored_dtype_update(tensors, dtype))
     return MergePlan(tuple(tensors), assign_shards(tensors, max_shard_size), updates, tuple(notes))
 
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint
+from merge_engine.hf_metadata import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from merge_engine.layouts import verl_v2
 from merge_engine.layouts.contract import ABSENT, DONE, HF_NAMES, INCOMPLETE, Checkpoint, Verdict, by_path
 from merge_engine.safetensors_file import SafetensorsFile
@@ -24,9 +25,6 @@ from merge_engine.tensor_source import AssembledSource, ConcatTensor, TensorSour
 
 NAME = "hf"
 TENSOR_NAMING = HF_NAMES
-CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # where a training step keeps Hugging Face weights beside its own state (verl v2 first)
 SAVED_BESIDE = (verl_v2.MODEL_HF_DIR, "huggingface/")
 

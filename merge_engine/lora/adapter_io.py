@@ -28,7 +28,7 @@ from merge_engine.lora.keys import (
     TRAINED_COPY,
     parse_key,
 )
-from merge_engine.plan import MergePlan, PlannedTensor, ShardFile
+from merge_engine.merge_plan import MergePlan, PlannedTensor, ShardFile
 from merge_engine.safetensors_file import SafetensorsFile
 from merge_engine.tensor_source import (
     AssembledSource,

@@ -68,7 +68,7 @@ from merge_engine.lora.target import (
     skipped_result,
 )
 from merge_engine.output_target import target_state, write_target
-from merge_engine.plan import (
+from merge_engine.merge_plan import (
     DEFAULT_MAX_SHARD_SIZE,
     MergePlan,
     PlannedTensor,

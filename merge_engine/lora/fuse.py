@@ -28,13 +28,9 @@ from merge_engine.chunks import aligned_chunks
 from merge_engine.errors import AdapterError
 from merge_engine.lora.adapter_io import Adapter, check_fits_base
 from merge_engine.lora.sources import qualified
-from merge_engine.plan import (
-    EMBED_SUFFIXES,
-    LM_HEAD,
-    MergePlan,
-    plan_hf_merge,
-    tie_word_embeddings,
-)
+from merge_engine.hf_plan import plan_hf_merge
+from merge_engine.merge_plan import MergePlan
+from merge_engine.output_heads import EMBED_SUFFIXES, LM_HEAD, tie_word_embeddings
 from merge_engine.tensor_source import TensorMeta, TensorSource
 
 BASE_NAMESPACE = "base"

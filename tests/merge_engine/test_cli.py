@@ -90,7 +90,7 @@ def _config_lies_about_tying(checkpoint):
     config = json.loads(path.read_text())
     config["tie_word_embeddings"] = True
     path.write_text(json.dumps(config))
-    return checkpoint, "CorruptShard"
+    return checkpoint, "InvalidConfig"
 
 
 DAMAGE = [_truncate, _missing, _zero_bytes, _world_size_contradiction, _mixed_world_sizes, _code_in_pickle,

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from merge_engine.errors import CorruptShard
 from merge_engine.layouts import check_checkpoint, open_checkpoint
-from merge_engine.plan import INDEX_FILE, MergePlan, PlannedTensor, assign_shards
+from merge_engine.merge_plan import INDEX_FILE, MergePlan, PlannedTensor, assign_shards
 from merge_engine.writer import write_plan
 
 TENSORS = {

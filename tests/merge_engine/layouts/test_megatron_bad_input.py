@@ -12,7 +12,7 @@ Specification (issue 3, point 7), each on a copy of a real fixture with one thin
 - a table that leaves a tensor unmapped (a config of another family) or maps one twice (a custom
   mapping) -> `MappingError` naming the tensor; an unknown architecture -> `UnknownArchitecture`;
 - ``--tie-word-embedding`` contradicting config.json -> `InvalidOption`; a config claiming tied
-  embeddings for an untied model -> `CorruptShard` (the output layer differs from the embedding);
+  embeddings for an untied model -> `InvalidConfig` (the output layer differs from the embedding);
 - in every case the target does not exist afterwards and the CLI exits non-zero with one line.
 """
 
@@ -29,6 +29,7 @@ from merge_engine.cli import main
 from merge_engine.errors import (
     CorruptShard,
     IncompleteCheckpoint,
+    InvalidConfig,
     InvalidOption,
     MappingError,
     UnknownArchitecture,
@@ -210,7 +211,7 @@ def test_config_claiming_tied_embeddings_for_an_untied_model(megatron_runs, tmp_
     config = json.loads(config_file.read_text())
     config["tie_word_embeddings"] = True
     config_file.write_text(json.dumps(config))
-    _merge_fails(url, tmp_path, CorruptShard, "differs from embedding")
+    _merge_fails(url, tmp_path, InvalidConfig, "differs from embedding")
 
 
 def test_cli_reports_one_line_and_exits_non_zero(megatron_runs, tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""The planner: every output tensor and its file decided from metadata alone.
+"""The Hugging Face-names planner (`merge_engine.hf_plan`) and the plan record's options
+(`merge_engine.merge_plan`): every output tensor and its file decided from metadata alone.
 
 Specification: --dtype casts floating-point tensors only; tied lm_head is dropped only when the
 config ties it; a verl --tie-word-embedding flag may only confirm the config; a critic gets a
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from merge_engine.errors import InvalidConfig, InvalidOption
-from merge_engine.plan import parse_size, plan_hf_merge
+from merge_engine.hf_plan import plan_hf_merge
+from merge_engine.merge_plan import parse_size
 from merge_engine.tensor_source import TensorMeta
 
 

@@ -1,0 +1,220 @@
+"""The LoRA of a PEFT-wrapped training checkpoint, resolved from its keys and the run's metadata.
+
+A checkpoint of a PEFT-wrapped model (verl FSDP rank files: ``base_layer``, ``lora_A.default``,
+``lora_B.default``, ``modules_to_save`` keys) is split by role (`split_checkpoint`); ``lora_alpha``
+is never guessed: it comes from the run (``lora_train_meta.json``, an ``adapter_config.json`` saved
+with the run, older verl's ``lora_adapter/adapter_config.json``) or the caller (``--lora-alpha``);
+two sources that disagree, or none, raise `AdapterError`.
+
+`plan_trained_model` is what a plain ``stepmerge merge`` of such a checkpoint writes (the planner
+asks `is_lora_checkpoint`): the TRAINED model, every LoRA fused into its base weight and every
+trained copy in place of its original. `merge_engine.lora.extract` writes the adapter itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from merge_engine import storage
+from merge_engine.errors import AdapterError, CorruptShard, InvalidOption
+from merge_engine.layouts import Checkpoint
+from merge_engine.lora.adapter_io import Adapter, lora_modules
+from merge_engine.lora.config import LoraSettings
+from merge_engine.lora.fuse import WeightedAdapter, plan_fused_model
+from merge_engine.lora.keys import LORA_A, LORA_B, TRAINED_COPY, parse_key
+from merge_engine.lora.sources import RenamedSource
+from merge_engine.merge_plan import MergePlan
+from merge_engine.output_heads import check_dropped_head
+from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
+
+LORA_TRAIN_META = "lora_train_meta.json"
+RUN_ADAPTER_CONFIGS = ("adapter_config.json", "lora_adapter/adapter_config.json")
+TASK_TYPES = {"ForCausalLM": "CAUSAL_LM", "ForTokenClassification": "TOKEN_CLS",
+              "ForSequenceClassification": "SEQ_CLS", "ForQuestionAnswering": "QUESTION_ANS"}
+
+
+# ------------------------------------------------------------------------------------------------
+# What a PEFT-wrapped checkpoint holds
+# ------------------------------------------------------------------------------------------------
+
+
+def is_lora_checkpoint(metas: Mapping[str, TensorMeta]) -> bool:
+    return any(".lora_A." in key or ".lora_embedding_A." in key for key in metas)
+
+
+@dataclass(frozen=True)
+class LoraCheckpointKeys:
+    """A PEFT-wrapped state dict split by role (Hugging Face name -> checkpoint key)."""
+
+    base: Mapping[str, str]
+    factors: Mapping[str, Mapping[str, tuple[str, bool]]]  # module -> {"lora_A": (key, embedding), ...}
+    trained_copies: Mapping[str, str]
+    adapter_name: str | None
+
+
+def split_checkpoint(metas: Mapping[str, TensorMeta], where: str | None) -> LoraCheckpointKeys:
+    base: dict[str, str] = {}
+    factors: dict[str, dict[str, tuple[str, bool]]] = {}
+    copies: dict[str, str] = {}
+    adapters = set()
+    for key in metas:
+        role = parse_key(key, where)
+        if role.adapter is not None:
+            adapters.add(role.adapter)
+        if role.kind in (LORA_A, LORA_B):
+            factors.setdefault(role.name, {})[role.kind] = (key, role.embedding)
+            continue
+        table = copies if role.kind == TRAINED_COPY else base
+        if role.name in table:
+            raise CorruptShard(f"{key!r} and {table[role.name]!r} both stand for {role.name}", where)
+        table[role.name] = key
+    if len(adapters) > 1:
+        raise AdapterError(f"the checkpoint holds several adapters ({', '.join(sorted(adapters))}); "
+                           "extract them one at a time is not supported", where)
+    return LoraCheckpointKeys(base, factors, copies, adapters.pop() if adapters else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# lora_alpha and the other settings, from the run (never guessed)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunLoraMetadata:
+    """What the run recorded about its LoRA: alpha (None: unknown), r, task type, its adapter config."""
+
+    lora_alpha: float | None
+    r: int | None
+    task_type: str | None
+    config: Mapping[str, Any] | None
+    alpha_from: str | None
+
+
+def _read_json(url: str) -> dict | None:
+    try:
+        data = json.loads(storage.read_text(url))
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise AdapterError(f"not valid JSON ({exc})", url) from None
+    if not isinstance(data, dict):
+        raise AdapterError("not a JSON object", url)
+    return data
+
+
+def read_run_metadata(checkpoint_url: str) -> RunLoraMetadata:
+    meta_url = storage.join(checkpoint_url, LORA_TRAIN_META)
+    meta = _read_json(meta_url) or {}
+    config_url, config = None, None
+    for name in RUN_ADAPTER_CONFIGS:
+        config = _read_json(storage.join(checkpoint_url, name))
+        if config is not None:
+            config_url = storage.join(checkpoint_url, name)
+            break
+    alphas = [(float(d["lora_alpha"]), url) for d, url in ((meta, meta_url), (config or {}, config_url))
+              if d.get("lora_alpha")]
+    if len({a for a, _ in alphas}) > 1:
+        raise AdapterError(f"{alphas[0][1]} says lora_alpha={alphas[0][0]:g} but {alphas[1][1]} says "
+                           f"{alphas[1][0]:g}", checkpoint_url)
+    r = meta.get("r") or (config or {}).get("r")
+    return RunLoraMetadata(alphas[0][0] if alphas else None, int(r) if r else None,
+                           meta.get("task_type") or (config or {}).get("task_type"), config,
+                           alphas[0][1] if alphas else None)
+
+
+def resolve_alpha(run: RunLoraMetadata, flag: float | None, where: str | None) -> tuple[float, str]:
+    """(lora_alpha, where it came from); `AdapterError` when unknown or contradicted."""
+    if flag is not None:
+        if flag <= 0:
+            raise InvalidOption(f"--lora-alpha must be positive, got {flag:g}")
+        if run.lora_alpha is not None and run.lora_alpha != flag:
+            raise AdapterError(f"--lora-alpha {flag:g} contradicts {run.alpha_from} (lora_alpha="
+                               f"{run.lora_alpha:g})", where)
+        return flag, run.alpha_from or "--lora-alpha"
+    if run.lora_alpha is None:
+        raise AdapterError(f"lora_alpha is unknown: the checkpoint has no {LORA_TRAIN_META} and no adapter_config.json "
+                           "(or lora_adapter/adapter_config.json) with a non-zero lora_alpha; stepmerge never "
+                           "guesses it: pass --lora-alpha", where)
+    return run.lora_alpha, run.alpha_from
+
+
+def checkpoint_settings(run: RunLoraMetadata, alpha: float, ranks: Mapping[str, int], where: str | None
+                        ) -> tuple[LoraSettings, bool]:
+    """The run's settings with ``alpha``; and whether the run's config fixes each module's rank."""
+    config = dict(run.config or {})
+    config["lora_alpha"] = alpha
+    config["r"] = run.r or config.get("r") or max(ranks.values())
+    settings = LoraSettings.from_config(config, where)
+    exact = bool(config.get("rank_pattern"))
+    if not exact and settings.r not in set(ranks.values()):
+        raise AdapterError(f"the run says r={settings.r} but the LoRA factors have ranks "
+                           f"{sorted(set(ranks.values()))}: wrong metadata for this checkpoint?", where)
+    return settings, exact
+
+
+def task_type_of(config: Mapping[str, Any], run_task: str | None = None) -> str | None:
+    if run_task:
+        return str(run_task)
+    for architecture in config.get("architectures") or ():
+        for suffix, task in TASK_TYPES.items():
+            if architecture.endswith(suffix):
+                return task
+    return None
+
+
+@dataclass(frozen=True)
+class CheckpointLora:
+    """The LoRA of a checkpoint, resolved: an `Adapter` over the checkpoint's own keys."""
+
+    keys: LoraCheckpointKeys
+    adapter: Adapter
+    run: RunLoraMetadata
+    alpha_from: str
+
+
+def resolve_checkpoint_lora(url: str, metas: Mapping[str, TensorMeta], lora_alpha: float | None) -> CheckpointLora:
+    keys = split_checkpoint(metas, url)
+    if not keys.factors:
+        raise AdapterError("no LoRA tensors in this checkpoint: nothing to extract", url)
+    run = read_run_metadata(url)
+    alpha, alpha_from = resolve_alpha(run, lora_alpha, url)
+    ranks = {module: (metas[parts[LORA_A][0]].shape[0] if LORA_A in parts else metas[parts[LORA_B][0]].shape[-1])
+             for module, parts in keys.factors.items()}
+    settings, exact = checkpoint_settings(run, alpha, ranks, url)
+    modules = lora_modules(keys.factors, metas, settings, url, config_ranks=exact)
+    adapter = Adapter(url, settings, modules, dict(keys.trained_copies), dict(metas))
+    return CheckpointLora(keys, adapter, run, alpha_from)
+
+
+# ------------------------------------------------------------------------------------------------
+# Plain merge of a LoRA checkpoint: the trained model
+# ------------------------------------------------------------------------------------------------
+
+
+def plan_trained_model(checkpoint: Checkpoint, source: TensorSource, config: Mapping[str, Any], *,
+                       dtype: torch.dtype | None, max_shard_size: int, tie_flag: bool | None = None,
+                       lora_alpha: float | None = None, config_url: str | None = None,
+                       chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> MergePlan:
+    """The trained model's plan: LoRA fused (W + scale * B @ A), trained copies in place.
+
+    Source names are the checkpoint's own keys. Reads only when the config ties embeddings and
+    both copies are stored: the dropped lm_head must equal the embedding (`check_dropped_head`).
+    """
+    lora = resolve_checkpoint_lora(checkpoint.url, source.metas(), lora_alpha)
+    if not lora.keys.base:
+        raise AdapterError("this checkpoint holds only LoRA adapter weights, no base model: run `stepmerge "
+                           "extract-lora --local_dir CKPT --base-model BASE --target-dir ADAPTER`, then `stepmerge "
+                           "merge-lora --base-model BASE --lora-adapter ADAPTER --target-dir OUT`", checkpoint.url)
+    base = RenamedSource(source, lora.keys.base)
+    plan = plan_fused_model(base.metas(), config, [WeightedAdapter(None, lora.adapter)], dtype=dtype,
+                            max_shard_size=max_shard_size, base_url=config_url or checkpoint.hf_dir,
+                            base_names=lora.keys.base, tie_flag=tie_flag)
+    check_dropped_head(base, plan, chunk_bytes)
+    note = (f"LoRA fused into the base (lora_alpha={lora.adapter.settings.lora_alpha:g} from {lora.alpha_from}; "
+            f"{len(lora.adapter.modules)} modules, {len(lora.keys.trained_copies)} trained copies)")
+    return MergePlan(plan.tensors, plan.shards, plan.config_updates, plan.notes + (note,))
