@@ -117,6 +117,15 @@ def test_no_import_from_a_higher_layer(module):
         f"{module} (layer {layer_of(module)}) imports from above"
 
 
+# cycles still to break, each with who breaks it; the test fails once one is gone (delete it here)
+KNOWN_CYCLES = [
+    # storage/faults asks the scheme registry for each backend's fault classifier inside a function
+    # (r2: the registry could hand its classifiers to faults instead)
+    ["merge_engine.storage.backend", "merge_engine.storage.faults", "merge_engine.storage.schemes",
+     "merge_engine.storage.backend"],
+]
+
+
 def test_no_import_cycles():
     # a package's __init__ importing its own modules, and each module importing the package, is how
     # Python packages are built, not a cycle between modules: edges to a module's own ancestors are skipped
@@ -135,7 +144,14 @@ def test_no_import_cycles():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
-    assert cycles == []
+    assert [_rotated(c) for c in cycles] == [_rotated(c) for c in KNOWN_CYCLES]
+
+
+def _rotated(cycle: list[str]) -> list[str]:
+    """A cycle written from its smallest module on (the same cycle found from another start compares equal)."""
+    ring = cycle[:-1]
+    start = ring.index(min(ring))
+    return ring[start:] + ring[:start] + [ring[start]]
 
 
 def test_the_engine_never_imports_prefect():
