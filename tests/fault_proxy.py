@@ -17,6 +17,11 @@ Contract:
     * ``Fault.respond(raw)``: read the request head, answer ``raw`` (e.g. an HTTP 503), close.
   Bytes are counted in the server-to-client direction (``direction="down"``, for downloads) or
   client-to-server (``"up"``, for uploads).
+- ``Network(latency, bandwidth)`` (``FaultProxy(port, network=...)`` or ``set_network``) shapes every
+  connection like a real network: each request (the client speaking after the server has, or first)
+  waits ``latency`` seconds before it is forwarded, and each direction of a connection is capped at
+  ``bandwidth`` bytes/s. Loopback storage has neither, which hides exactly the cost of one request at
+  a time; with them, throughput grows with the number of requests in flight, as on object storage.
 - ``accepted`` counts connections, ``faulted`` the connections a fault was assigned to, and
   ``fired`` the faults that really happened (a reset sent, a stall begun, a connection refused, a
   canned response sent): a reset armed for after N bytes on a connection that carries fewer never
@@ -33,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Fault", "FaultProxy", "http_response"]
+__all__ = ["Fault", "FaultProxy", "Network", "http_response"]
 
 Direction = Literal["down", "up"]  # count server-to-client bytes (downloads) or client-to-server (uploads)
 
@@ -68,6 +73,37 @@ class Fault:
         return cls("respond", response=response, connections=connections)
 
 
+@dataclass(frozen=True)
+class Network:
+    """A simulated network: ``latency`` seconds per request, ``bandwidth`` bytes/s per connection and
+    direction (0: unlimited)."""
+
+    latency: float = 0.0
+    bandwidth: float = 0.0
+
+
+class _Link:
+    """One connection's shaping state: who spoke last (a request starts when the client speaks after
+    the server, or first) and, per direction, when the bytes sent so far may have left."""
+
+    def __init__(self, network: Network) -> None:
+        self.network = network
+        self.last_speaker = "down"
+        self.free_at = {"down": 0.0, "up": 0.0}
+
+    async def before(self, direction: str, nbytes: int) -> None:
+        loop = asyncio.get_running_loop()
+        if direction == "up" and self.last_speaker == "down" and self.network.latency:
+            await asyncio.sleep(self.network.latency)
+        self.last_speaker = direction
+        if self.network.bandwidth:
+            start = max(loop.time(), self.free_at[direction])
+            self.free_at[direction] = start + nbytes / self.network.bandwidth
+            delay = self.free_at[direction] - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+
+
 def http_response(status: int, reason: str, body: bytes = b"", content_type: str = "text/plain") -> bytes:
     """A complete raw HTTP/1.1 response that closes the connection."""
     head = (
@@ -93,8 +129,9 @@ def _reset(writer: asyncio.StreamWriter) -> None:
 class FaultProxy:
     """See the module docstring."""
 
-    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1") -> None:
+    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1", network: Network | None = None) -> None:
         self.upstream = (upstream_host, upstream_port)
+        self.network = network
         self.port = 0
         self.accepted = 0
         self.faulted = 0
@@ -118,6 +155,10 @@ class FaultProxy:
         with self._lock:
             self._fault = fault
             self._fault_left = fault.connections if fault else 0
+
+    def set_network(self, network: Network | None) -> None:
+        """Shape the connections accepted from now on (``None``: pass through at loopback speed)."""
+        self.network = network
 
     def close_connections(self) -> None:
         """Close every open connection cleanly (the client sees EOF, as from a server's idle timeout)."""
@@ -217,8 +258,11 @@ class FaultProxy:
         self._open.update((client_writer, upstream_writer))
         down_fault = fault if fault is not None and fault.direction == "down" else None
         up_fault = fault if fault is not None and fault.direction == "up" else None
-        down = asyncio.ensure_future(self._pipe(upstream_reader, client_writer, down_fault, client_writer, self._fire))
-        up = asyncio.ensure_future(self._pipe(client_reader, upstream_writer, up_fault, client_writer, self._fire))
+        link = _Link(self.network) if self.network is not None else None
+        down = asyncio.ensure_future(
+            self._pipe(upstream_reader, client_writer, down_fault, client_writer, self._fire, link, "down"))
+        up = asyncio.ensure_future(
+            self._pipe(client_reader, upstream_writer, up_fault, client_writer, self._fire, link, "up"))
         try:
             done, _ = await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
             # the server closing its side ends the exchange; a client's half-close lets the server finish
@@ -242,6 +286,8 @@ class FaultProxy:
         fault: Fault | None,
         client_writer: asyncio.StreamWriter,
         fired: Callable[[], None],
+        link: _Link | None = None,
+        direction: Direction = "down",
     ) -> None:
         passed = 0
         armed = fault is not None and fault.kind in ("reset", "stall")
@@ -251,6 +297,8 @@ class FaultProxy:
                 if writer.can_write_eof():
                     writer.write_eof()
                 return
+            if link is not None:
+                await link.before(direction, len(data))
             if armed and passed + len(data) >= fault.after_bytes:
                 head, data = data[: fault.after_bytes - passed], data[fault.after_bytes - passed :]
                 if head:

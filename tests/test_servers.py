@@ -7,13 +7,14 @@ import os
 import socket
 import time
 import urllib.error
+from concurrent.futures import ThreadPoolExecutor
 import urllib.request
 
 import psutil
 import pytest
 
 from merge_engine import storage
-from tests.fault_proxy import Fault, FaultProxy, http_response
+from tests.fault_proxy import Fault, FaultProxy, Network, http_response
 from tests.servers import FakeGcsServer, SeaweedS3Server, applied_env
 
 MiB = 1024 * 1024
@@ -179,6 +180,39 @@ class TestFaultProxy:
                 urllib.request.urlopen(f"{proxy.url}/storage/v1/b", timeout=5)
             assert info.value.code == 503
             assert urllib.request.urlopen(f"{proxy.url}/storage/v1/b", timeout=5).status == 200
+
+
+    def test_network_latency_is_paid_once_per_request(self, gcs_server, big_gcs_object):
+        """Each request waits the simulated latency before it reaches the server: four requests one after
+        another cost at least four latencies, four in flight together about one."""
+        bucket, data = big_gcs_object
+        with FaultProxy(gcs_server.port, network=Network(latency=0.25)) as proxy:
+            started = time.monotonic()
+            for _ in range(4):
+                assert _body(_raw_get(proxy.port, bucket, "big")[0]) == data
+            one_at_a_time = time.monotonic() - started
+            started = time.monotonic()
+            with ThreadPoolExecutor(4) as pool:
+                bodies = list(pool.map(lambda _: _body(_raw_get(proxy.port, bucket, "big")[0]), range(4)))
+            in_flight = time.monotonic() - started
+        assert bodies == [data] * 4
+        assert one_at_a_time >= 4 * 0.25
+        assert in_flight < one_at_a_time / 2
+
+    def test_network_bandwidth_caps_each_connection(self, gcs_server, big_gcs_object):
+        """2 MiB at 4 MiB/s per connection takes at least half a second; unshaped it is loopback-fast."""
+        bucket, data = big_gcs_object
+        with FaultProxy(gcs_server.port) as proxy:
+            proxy.set_network(Network(bandwidth=4 * MiB))
+            started = time.monotonic()
+            response, error, _ = _raw_get(proxy.port, bucket, "big")
+            shaped = time.monotonic() - started
+            proxy.set_network(None)
+            started = time.monotonic()
+            assert _body(_raw_get(proxy.port, bucket, "big")[0]) == data
+            unshaped = time.monotonic() - started
+        assert error is None and _body(response) == data
+        assert shaped >= 0.45 and unshaped < shaped
 
 
 # --------------------------------------------------------------------------------------------
