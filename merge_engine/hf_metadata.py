@@ -15,6 +15,7 @@ from typing import Any
 
 from merge_engine import storage
 from merge_engine.errors import InvalidConfig
+from merge_engine.json_file import parse_json
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"  # the weights of an unsharded model
@@ -33,13 +34,10 @@ def read_config(hf_dir: str | None, *, what: str = "checkpoint") -> dict[str, An
         raise InvalidConfig(f"the {what} has no huggingface/ folder with config.json; pass --hf-model-path")
     url = storage.join(hf_dir, CONFIG_FILE)
     try:
-        text = storage.read_text(url)
+        data = storage.read_bytes(url)
     except FileNotFoundError:
         raise InvalidConfig("config.json missing", url) from None
-    try:
-        config = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidConfig(f"config.json is not valid JSON ({exc})", url) from None
+    config = parse_json(data, url, error=InvalidConfig)
     if not isinstance(config, dict) or not config.get("model_type") and not config.get("architectures"):
         raise InvalidConfig("config.json names neither model_type nor architectures", url)
     return config

@@ -9,7 +9,6 @@ lazy handle torch archives give — so every reader downstream treats both forma
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint
+from merge_engine.json_file import parse_json
 from merge_engine.storage import RangeReader
 from merge_engine.torch_archive import StorageRef, StoredTensor
 
@@ -61,20 +61,19 @@ def read_header(reader: RangeReader) -> Header:
     (length,) = struct.unpack("<Q", reader.read(0, 8))
     if length > min(MAX_HEADER, reader.size - 8):
         raise CorruptShard(f"safetensors header length {length} impossible for a {reader.size}-byte file", url)
-    try:
-        raw = json.loads(reader.read(8, length))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CorruptShard(f"safetensors header is not JSON ({exc})", url) from None
+    raw = parse_json(reader.read(8, length), url)  # CorruptShard: not JSON, or nested too deeply
     if not isinstance(raw, dict):
         raise CorruptShard("safetensors header is not a JSON object", url)
     metadata = raw.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptShard("safetensors __metadata__ is not an object of strings", url)
     data_start = 8 + length
     entries: dict[str, HeaderEntry] = {}
     for name, entry in raw.items():
         try:
             dtype = DTYPES[entry["dtype"]]
-            shape = tuple(int(s) for s in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
+            shape = tuple(_integer(s) for s in entry["shape"])
+            begin, end = (_integer(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CorruptShard(f"bad header entry for {name!r}", url) from None
         if begin < 0 or end - begin != math.prod(shape) * dtype.itemsize or any(s < 0 for s in shape):
@@ -90,6 +89,12 @@ def read_header(reader: RangeReader) -> Header:
     if cursor < reader.size:
         raise CorruptShard(f"{reader.size - cursor} bytes after the last tensor", url)
     return Header(entries, dict(metadata), data_start)
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{value!r} is not an integer")
+    return value
 
 
 class SafetensorsFile:

@@ -22,6 +22,7 @@ from merge_engine.errors import CorruptShard
 from merge_engine.torch_archive import StoredTensor
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024  # under glibc's mmap threshold cap: buffers get reused, not re-faulted
+MATERIALISE_BYTES = 4 * DEFAULT_CHUNK_BYTES  # a non-contiguous stored piece up to this is read whole, once
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,10 @@ class TensorSource(Protocol):
 
 def flat_reader(piece: StoredTensor) -> Callable[[int, int], torch.Tensor]:
     """``read(start, count)`` over a stored tensor's row-major flattening. A contiguous tensor is read
-    range by range; a non-contiguous one (a transposed view) is materialised once, at the first read —
-    the size of that one stored piece — instead of once per chunk."""
-    if piece.is_contiguous():
+    range by range; a small non-contiguous one (a transposed view, storage span up to
+    `MATERIALISE_BYTES`) is materialised once, at the first read, instead of once per chunk; a
+    larger one is gathered range by range in bounded storage windows (`StoredTensor.read_flat`)."""
+    if piece.is_contiguous() or piece.span * piece.dtype.itemsize > MATERIALISE_BYTES:
         return piece.read_flat
     flat: list[torch.Tensor] = []
 

@@ -14,8 +14,11 @@ become inert `Record` objects that only store their pickled state. Any other glo
 
 from __future__ import annotations
 
+import bisect
 import io
+import math
 import pickle
+import pickletools
 import struct
 import zipfile
 from collections import OrderedDict
@@ -52,6 +55,8 @@ def _collect_storage_dtypes(table: dict[str, torch.dtype]) -> dict[str, torch.dt
 
 STORAGE_DTYPES = _storage_dtypes()
 MAX_PICKLE_BYTES = 1 << 30  # a state dict's structure; tensors live in separate records
+GATHER_ELEMENTS = 1 << 20  # non-contiguous reads: flat elements located per pass
+GATHER_WINDOW_BYTES = 32 << 20  # non-contiguous reads: most storage bytes held at once
 TORCH_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 
 
@@ -113,15 +118,48 @@ class StoredTensor:
         if self.is_contiguous():
             self.archive.read_storage_into(self.storage, self.offset + start, out)
             return out
-        out.copy_(self.read().reshape(-1)[start:start + count])
+        for at in range(0, count, GATHER_ELEMENTS):  # bounded index tensors: a few int64 per element
+            self._gather(start + at, out[at:at + GATHER_ELEMENTS])
         return out
+
+    @property
+    def span(self) -> int:
+        """Elements of the storage from the first to the last one this view reaches."""
+        return 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride)) if self.numel else 0
+
+    def _gather(self, start: int, out: torch.Tensor) -> None:
+        """Flat elements ``[start, start + len(out))`` of a non-contiguous view, read in storage
+        windows of at most `GATHER_WINDOW_BYTES` (a transposed tensor's row touches its whole
+        storage: memory stays bounded, and the bytes are read once per window they fall in)."""
+        count = out.numel()
+        flat = torch.arange(start, start + count, dtype=torch.int64)
+        index = torch.zeros(count, dtype=torch.int64)
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            index += (flat % size) * stride
+            flat //= size
+        del flat
+        window = max(1, GATHER_WINDOW_BYTES // self.dtype.itemsize)
+        low, high = int(index.min()), int(index.max()) + 1
+        if high - low <= max(window, count):
+            raw = torch.empty(high - low, dtype=self.dtype)
+            self.archive.read_storage_into(self.storage, self.offset + low, raw)
+            out.copy_(raw[index - low])
+            return
+        index, order = torch.sort(index)
+        at = 0
+        while at < count:
+            first = int(index[at])
+            stop = int(torch.searchsorted(index, first + window))
+            raw = torch.empty(int(index[stop - 1]) + 1 - first, dtype=self.dtype)
+            self.archive.read_storage_into(self.storage, self.offset + first, raw)
+            out[order[at:stop]] = raw[index[at:stop] - first]
+            at = stop
 
     def read(self) -> torch.Tensor:
         """The whole tensor, materialised (contiguous)."""
         if self.is_contiguous():
             return self.read_flat(0, self.numel).reshape(self.shape)
-        span = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride)) if self.numel else 0
-        raw = torch.empty(span, dtype=self.dtype)
+        raw = torch.empty(self.span, dtype=self.dtype)
         self.archive.read_storage_into(self.storage, self.offset, raw)
         return torch.as_strided(raw, self.shape, self.stride).contiguous()
 
@@ -211,13 +249,48 @@ class WrapperTensor:
     state: dict[str, Any]
 
 
+def view_problem(storage_numel: int, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> str | None:
+    """None when the strided view ``(offset, shape, stride)`` is one a real tensor can be, else why not.
+
+    A view must lie inside its storage (``offset + span <= storage_numel``) and never reach one
+    element twice (no internal overlap: sorted by stride, each dim's stride is larger than every
+    offset the smaller dims reach). Both together mean a view never claims more elements than its
+    storage holds: a pickle cannot make one stored element stand for a billion (zero strides).
+    """
+    if len(shape) != len(stride):
+        return f"shape {list(shape)} and strides {list(stride)} differ in length"
+    if offset < 0 or any(s < 0 for s in shape) or any(st < 0 for st in stride):
+        return f"negative offset, size or stride (offset {offset}, shape {list(shape)}, strides {list(stride)})"
+    if any(s == 0 for s in shape):
+        return None if offset <= storage_numel else f"offset {offset} lies past its storage of {storage_numel}"
+    span = 1 + sum((s - 1) * st for s, st in zip(shape, stride))
+    if offset + span > storage_numel:
+        return (f"view {list(shape)} (strides {list(stride)}) at offset {offset} needs {offset + span} elements; "
+                f"its storage holds {storage_numel}")
+    reach = 0
+    for st, s in sorted((st, s) for s, st in zip(shape, stride) if s > 1):
+        if st <= reach:
+            return f"view {list(shape)} with strides {list(stride)} reaches some stored elements more than once"
+        reach += (s - 1) * st
+    return None
+
+
 def _tensor_rebuilder(archive: TorchArchive):
     def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
                            metadata=None):
         if not isinstance(storage, StorageRef):
             raise UnsafePickle(f"tensor rebuilt from a non-storage object {type(storage).__name__}", archive.url)
-        return StoredTensor(archive, storage, int(storage_offset), tuple(int(s) for s in size),
-                            tuple(int(s) for s in stride))
+        try:
+            offset, shape, strides = int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride)
+        except (TypeError, ValueError):
+            raise CorruptShard(f"tensor of storage {storage.key} has a non-integer offset, size or stride",
+                               archive.url) from None
+        problem = view_problem(storage.numel, offset, shape, strides)
+        if problem:
+            raise CorruptShard(f"tensor on storage {storage.key}: {problem}", archive.url)
+        tensor = StoredTensor(archive, storage, offset, shape, strides)
+        archive._views.append(tensor)
+        return tensor
 
     return _rebuild_tensor_v2
 
@@ -340,7 +413,65 @@ class _SafeUnpickler(pickle.Unpickler):
         dtype = marker.dtype if isinstance(marker, StorageMarker) else None
         if dtype is None:
             raise UnsafePickle(f"storage of unknown type {marker!r}", self._url)
-        return StorageRef(str(key), dtype, int(numel))
+        if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
+            raise CorruptShard(f"storage {key!r} has element count {numel!r}", self._url)
+        ref = StorageRef(str(key), dtype, numel)
+        self._archive.check_record(ref)
+        return ref
+
+
+MAX_TUPLE_DEPTH = 1000  # tuples nested deeper than this appear in no checkpoint (a Size, args, a DTensor)
+_TUPLE_OPS = frozenset({"TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_TUPLE"})
+
+
+def check_nesting(data: bytes, url: str | None) -> None:
+    """`CorruptShard` if the pickle ``data`` builds tuples nested deeper than `MAX_TUPLE_DEPTH`.
+
+    Why: CPython hashes a tuple by recursing into its items without a recursion limit, so a
+    pickle whose dict key is a tuple nested a million deep (3 bytes a level) crashes the process
+    (SIGSEGV) inside the unpickler — no exception to catch. Tuples are immutable, so their depth
+    is fixed when built: a scan of the opcodes (a stack of depths, memo included) finds it before
+    anything is built. Fast path: depth is at most the number of tuple-building opcode bytes, so a
+    pickle with few such bytes needs no scan.
+    """
+    wrapping = data.count(b"t") + data.count(b"\x85") + data.count(b"\x86") + data.count(b"\x87")
+    if wrapping < MAX_TUPLE_DEPTH:
+        return
+    stack: list[int | None] = []  # tuple depth of each stack item; None for a MARK
+    memo: dict[Any, int | None] = {}
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            name = op.name
+            if name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = stack[-1] if stack else 0
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1] if stack else 0
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                stack.append(memo.get(arg, 0))
+            elif name == "MARK":
+                stack.append(None)
+            elif name == "DUP":
+                stack.append(stack[-1] if stack else 0)
+            else:
+                deepest = 0
+                before = op.stack_before
+                if pickletools.markobject in before:  # pop to the mark, then the items below it
+                    while stack and stack[-1] is not None:
+                        deepest = max(deepest, stack.pop())
+                    if stack:
+                        stack.pop()
+                    below = before.index(pickletools.markobject)
+                else:
+                    below = len(before)
+                for _ in range(below):
+                    item = stack.pop() if stack else 0
+                    deepest = max(deepest, item or 0)
+                depth = deepest + 1 if name in _TUPLE_OPS else 0
+                if depth > MAX_TUPLE_DEPTH:
+                    raise CorruptShard(f"pickle nests tuples more than {MAX_TUPLE_DEPTH} deep: not a checkpoint", url)
+                stack.extend([depth] * len(op.stack_after))
+    except ValueError as exc:  # a malformed opcode stream
+        raise CorruptShard(f"pickle unreadable ({exc})", url) from None
 
 
 def safe_unpickle(data: bytes, url: str) -> Any:
@@ -349,10 +480,13 @@ def safe_unpickle(data: bytes, url: str) -> Any:
     Allow-listed classes come back as inert `Record`s; raises `UnsafePickle` for anything else
     and `CorruptShard` for a malformed stream, naming ``url``.
     """
+    check_nesting(data, url)
     try:
         return _SafeUnpickler(data, None, url).load()
     except (UnsafePickle, CorruptShard):
         raise
+    except RecursionError:
+        raise CorruptShard("pickle nests objects too deeply to be checkpoint metadata", url) from None
     except Exception as exc:  # malformed pickle stream
         raise CorruptShard(f"pickle unreadable ({type(exc).__name__}: {exc})", url) from exc
 
@@ -409,7 +543,14 @@ class TorchArchive:
             raise CorruptShard("zip archive without a single data.pkl: not a torch.save file", url)
         self._prefix = pkl[0][: -len("data.pkl")]
         self._infos = {info.filename: info for info in self._zip.infolist()}
+        if len({info.header_offset for info in self._infos.values()}) != len(self._zip.infolist()):
+            raise CorruptShard("zip entries share bytes (two names for one record): not a torch.save file", url)
+        # where each record's bytes must end: the next local header, or the central directory
+        self._record_starts = sorted({info.header_offset for info in self._infos.values()} |
+                                     {getattr(self._zip, "start_dir", self.reader.size)})
         self._data_offsets: dict[str, int] = {}
+        self._checked_records: set[tuple[str, int]] = set()
+        self._views: list[StoredTensor] = []
         self._loaded: Any = None
 
     def load(self) -> Any:
@@ -423,19 +564,25 @@ class TorchArchive:
                 data = self._zip.read(self._prefix + "data.pkl")
             except (zipfile.BadZipFile, OSError, EOFError) as exc:
                 raise CorruptShard(f"data.pkl unreadable ({exc})", self.url) from exc
+            check_nesting(data, self.url)
             try:
                 tree = _SafeUnpickler(data, self).load()
             except (UnsafePickle, CorruptShard):
                 raise
+            except RecursionError:
+                raise CorruptShard("pickle nests objects too deeply to be a state dict", self.url) from None
             except Exception as exc:  # malformed pickle stream
                 raise CorruptShard(f"pickle unreadable ({type(exc).__name__}: {exc})", self.url) from exc
+            self._check_views_disjoint()
             self._loaded = tree
         return self._loaded
 
-    def _data_offset(self, storage: StorageRef) -> int:
-        offset = self._data_offsets.get(storage.key)
-        if offset is not None:
-            return offset
+    def check_record(self, storage: StorageRef) -> None:
+        """The record behind ``storage`` exists, is stored uncompressed, holds exactly the bytes the
+        pickle declares, and fits before the next record (zip directory only, no read). `load()` calls
+        this for every storage, so a listing judged complete is one `merge` can read."""
+        if (storage.key, storage.numel * storage.dtype.itemsize) in self._checked_records:
+            return
         name = f"{self._prefix}data/{storage.key}"
         info = self._infos.get(name)
         if info is None:
@@ -445,6 +592,56 @@ class TorchArchive:
         expected = storage.numel * storage.dtype.itemsize
         if info.file_size != expected:
             raise CorruptShard(f"storage record {name} holds {info.file_size} bytes, pickle says {expected}", self.url)
+        end = info.header_offset + 30 + len(info.orig_filename.encode()) + info.file_size
+        if end > self._record_end(info.header_offset):
+            raise CorruptShard(f"storage record {name} of {info.file_size} bytes overruns the next record or "
+                               "the end of the archive", self.url)
+        self._checked_records.add((storage.key, expected))
+
+    def _record_end(self, header_offset: int) -> int:
+        at = bisect.bisect_right(self._record_starts, header_offset)
+        return self._record_starts[at] if at < len(self._record_starts) else self.reader.size
+
+    def _check_views_disjoint(self) -> None:
+        """No two tensors of this archive claim the same stored bytes, unless they are the same
+        bytes (one tensor saved under two names, or ``w`` and ``w.view(-1)``: tied weights).
+
+        Each view is already inside its storage with no internal overlap (`view_problem`); here,
+        per record, distinct dense views must not overlap and all distinct views together claim at
+        most the record's bytes. So a merge writes at most the bytes on disk once, plus aliases.
+        """
+        by_record: dict[str, set[tuple[int, int, bool, tuple]]] = {}
+        for view in self._views:
+            if not view.numel:
+                continue
+            size = view.dtype.itemsize
+            span = 1 + sum((s - 1) * st for s, st in zip(view.shape, view.stride))
+            start = view.offset * size
+            dense = span == view.numel
+            key = () if dense else (view.shape, view.stride, size)  # dense: the byte interval is the identity
+            by_record.setdefault(view.storage.key, set()).add((start, start + span * size, dense, key))
+        for record, views in by_record.items():
+            claimed = 0
+            dense_end = -1
+            for start, end, dense, key in sorted(views):
+                claimed += (end - start) if dense else math.prod(key[0]) * key[2]
+                if dense:
+                    if start < dense_end:
+                        raise CorruptShard(f"two tensors overlap in storage record {record} "
+                                           f"(bytes {start}-{end} meet a view ending at {dense_end})", self.url)
+                    dense_end = end
+            record_bytes = self._infos[f"{self._prefix}data/{record}"].file_size
+            if claimed > record_bytes:
+                raise CorruptShard(f"tensors claim {claimed} bytes of storage record {record}, which holds "
+                                   f"{record_bytes}: overlapping views", self.url)
+
+    def _data_offset(self, storage: StorageRef) -> int:
+        offset = self._data_offsets.get(storage.key)
+        if offset is not None:
+            return offset
+        self.check_record(storage)
+        name = f"{self._prefix}data/{storage.key}"
+        info = self._infos[name]
         header = self.reader.read(info.header_offset, 30)
         if header[:4] != b"PK\x03\x04":
             raise CorruptShard(f"bad local header for {name}", self.url)
@@ -452,6 +649,8 @@ class TorchArchive:
         offset = info.header_offset + 30 + name_len + extra_len
         if offset + info.file_size > self.reader.size:
             raise IncompleteCheckpoint(f"storage record {name} runs past the end of the file: truncated", self.url)
+        if offset + info.file_size > self._record_end(info.header_offset):
+            raise CorruptShard(f"storage record {name}: its local header places it over the next record", self.url)
         self._data_offsets[storage.key] = offset
         return offset
 

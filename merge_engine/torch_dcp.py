@@ -26,7 +26,8 @@ import bisect
 import io
 import math
 import pickle
-from collections.abc import Iterator, Mapping, Sequence
+import reprlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -39,6 +40,7 @@ from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES
 from merge_engine.torch_archive import Record, StoredTensor, TorchArchive, safe_unpickle
 
 METADATA_FILE = ".metadata"
+MAX_METADATA_BYTES = 1 << 30  # an index of chunks and offsets; the weights live in the data files
 DATA_FILE = "__0_0.distcp"
 
 
@@ -107,12 +109,26 @@ def _dtype_of(properties: Any, url: str, key: str) -> torch.dtype:
 
 
 def read_index(url: str) -> DcpIndex:
-    """Parse ``<url>/.metadata`` safely; `IncompleteCheckpoint` if absent, `CorruptShard` if malformed."""
+    """Parse ``<url>/.metadata`` safely; `IncompleteCheckpoint` if absent, `CorruptShard` if malformed.
+
+    Besides the tiling, the index is refused when it lies about bytes: negative or non-integer
+    offsets and sizes, two items sharing bytes of a data file (one saved chunk standing for many),
+    or a tensor chunk whose item is too short to hold the chunk's elements. With the data files'
+    sizes checked against the items (`megatron_dist._check_files`, `_Window`), a tensor never claims
+    more bytes than the files hold.
+    """
     meta_url = storage.join(url, METADATA_FILE)
     try:
-        data = storage.read_bytes(meta_url)
-    except FileNotFoundError:
+        reader = storage.RangeReader(meta_url)
+    except (FileNotFoundError, IncompleteCheckpoint):
         raise IncompleteCheckpoint(f"{METADATA_FILE} missing (the save did not finish)", meta_url) from None
+    try:
+        if reader.size > MAX_METADATA_BYTES:
+            raise CorruptShard(f"{reader.size} bytes: larger than any checkpoint index ({MAX_METADATA_BYTES})",
+                               meta_url)
+        data = reader.read(0, reader.size)
+    finally:
+        reader.close()
     root = safe_unpickle(data, meta_url)
     fields = _fields(root)
     if getattr(root, "qualname", "") != "Metadata" or "state_dict_metadata" not in fields:
@@ -131,8 +147,9 @@ def _parse_index(url: str, fields: dict, meta_url: str) -> DcpIndex:
             raise UnsupportedLayout(f"{idx.get('fqn')!r} is stored with transforms {loc['transform_descriptors']} "
                                     "(compression?); not supported", meta_url)
         offset = idx.get("offset")
-        locations[(idx.get("fqn"), tuple(offset) if offset is not None else None)] = ItemLocation(
-            str(loc["relative_path"]), int(loc["offset"]), int(loc["length"]))
+        location = ItemLocation(str(loc["relative_path"]), _count(loc["offset"]), _count(loc["length"]))
+        locations[(idx.get("fqn"), tuple(_count(o) for o in offset) if offset is not None else None)] = location
+    _check_items_disjoint(locations.values(), meta_url)
     tensors, objects = {}, {}
     for key, entry in fields["state_dict_metadata"].items():
         kind = getattr(entry, "qualname", "")
@@ -143,22 +160,51 @@ def _parse_index(url: str, fields: dict, meta_url: str) -> DcpIndex:
         if kind != "TensorStorageMetadata":
             raise CorruptShard(f"{key!r}: unknown metadata entry {kind}", meta_url)
         entry_fields = _fields(entry)
-        shape = tuple(int(s) for s in entry_fields["size"])
+        shape = tuple(_count(s) for s in entry_fields["size"])
+        dtype = _dtype_of(entry_fields["properties"], meta_url, key)
         chunks = []
         for chunk in entry_fields["chunks"]:
             c = _fields(chunk)
-            offsets, sizes = tuple(int(x) for x in c["offsets"]), tuple(int(x) for x in c["sizes"])
+            offsets, sizes = tuple(_count(x) for x in c["offsets"]), tuple(_count(x) for x in c["sizes"])
             location = locations.get((key, offsets))
             if location is None:
                 raise CorruptShard(f"{key!r}: chunk at {offsets} has no storage entry", meta_url)
-            if len(offsets) != len(shape) or any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
+            if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                    o + s > d for o, s, d in zip(offsets, sizes, shape)):
                 raise CorruptShard(f"{key!r}: chunk {offsets}+{sizes} lies outside {shape}", meta_url)
+            if location.length < math.prod(sizes) * dtype.itemsize:
+                raise CorruptShard(f"{key!r}: chunk {sizes} needs {math.prod(sizes) * dtype.itemsize} bytes, its "
+                                   f"item at {location.offset} of {location.file} has {location.length}", meta_url)
             chunks.append(ChunkInfo(offsets, sizes, location))
         problem = tiling_problem(shape, [(c.offsets, c.sizes) for c in chunks])
         if problem:
             raise CorruptShard(f"{key!r} {shape}: its saved {problem}", meta_url)
-        tensors[key] = TensorInfo(shape, _dtype_of(entry_fields["properties"], meta_url, key), tuple(chunks))
+        tensors[key] = TensorInfo(shape, dtype, tuple(chunks))
     return DcpIndex(url, tensors, objects)
+
+
+def _count(value: Any) -> int:
+    """A non-negative integer from the metadata (an offset, a size, a length), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{_short(value)} is not a non-negative integer")
+    return value
+
+
+def _short(value: Any) -> str:
+    return reprlib.repr(value)
+
+
+def _check_items_disjoint(locations: Iterable[ItemLocation], meta_url: str) -> None:
+    """No two saved items share a byte of a data file: each item is one chunk's (or object's) bytes."""
+    by_file: dict[str, list[ItemLocation]] = {}
+    for location in locations:
+        by_file.setdefault(location.file, []).append(location)
+    for name, items in by_file.items():
+        end = 0
+        for item in sorted(items, key=lambda i: (i.offset, i.length)):
+            if item.offset < end:
+                raise CorruptShard(f"two items share bytes {item.offset}-{end} of {name}", meta_url)
+            end = item.offset + item.length
 
 
 MAX_GRID_CELLS = 1 << 22  # above this the tiling check compares chunks pairwise instead of marking a grid
@@ -221,11 +267,17 @@ class _Window:
     def __init__(self, reader: storage.RangeReader, offset: int, length: int) -> None:
         self._reader, self._offset, self.size = reader, offset, length
 
+    def _bounded(self, offset: int, length: int) -> int:
+        if offset < 0 or offset + length > self.size:
+            raise CorruptShard(f"read of {length} bytes at {offset} leaves the {self.size}-byte item at "
+                               f"{self._offset}", self._reader.url)
+        return self._offset + offset
+
     def read(self, offset: int, length: int) -> bytes:
-        return self._reader.read(self._offset + offset, length)
+        return self._reader.read(self._bounded(offset, length), length)
 
     def read_into(self, offset: int, buffer) -> None:
-        self._reader.read_into(self._offset + offset, buffer)
+        self._reader.read_into(self._bounded(offset, memoryview(buffer).nbytes), buffer)
 
     def close(self) -> None:  # the data file's reader is closed by `DcpFiles`
         pass

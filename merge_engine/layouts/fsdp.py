@@ -16,7 +16,6 @@ The watcher's rule (`listing_verdict`) is stricter: see there.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -25,6 +24,7 @@ from typing import Any
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout, WorldSizeMismatch
 from merge_engine.layouts.contract import ABSENT, DONE, HF_NAMES, INCOMPLETE, INVALID, Checkpoint, Verdict
+from merge_engine.json_file import read_json_object
 from merge_engine.storage import FileEntry
 from merge_engine.tensor_source import AssembledSource, ConcatTensor, ReplicatedTensor, TensorSource
 from merge_engine.torch_archive import StoredTensor, TorchArchive, WrapperTensor
@@ -34,6 +34,7 @@ TENSOR_NAMING = HF_NAMES
 MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")  # every per-rank kind
 CONFIG_FILE = "fsdp_config.json"
+FSDP_VERSIONS = (1, 2)
 HF_DIR = "huggingface"
 LORA_ADAPTER_DIR = "lora_adapter"  # older verl LoRA runs: adapter_config.json (lora_alpha) lives here
 # wrapper prefixes FSDP / activation checkpointing / torch.compile may leave in key names
@@ -106,6 +107,20 @@ def listing_verdict(files: Iterable[FileEntry], config_world_size: int | None = 
     return DONE
 
 
+def fsdp_config(url: str) -> dict[str, int]:
+    """``fsdp_config.json`` checked: ``world_size`` a positive integer, ``FSDP_version`` (if any) 1 or 2.
+
+    `CorruptShard` naming the file for anything else (not JSON, nested too deep, ``"two"``, ...)."""
+    config_url = storage.join(url, CONFIG_FILE)
+    config = read_json_object(config_url) or {}
+    world_size, version = config.get("world_size"), config.get("FSDP_version")
+    if type(world_size) is not int or world_size < 1:
+        raise CorruptShard(f"world_size is {world_size!r}, not a positive integer", config_url)
+    if version is not None and (type(version) is not int or version not in FSDP_VERSIONS):
+        raise CorruptShard(f"FSDP_version is {version!r}; verl writes one of {list(FSDP_VERSIONS)}", config_url)
+    return {"world_size": world_size, **({"FSDP_version": version} if version is not None else {})}
+
+
 def world_size_of(url: str, files: list[FileEntry]) -> int:
     """The world size all evidence agrees on; raises `WorldSizeMismatch` / `IncompleteCheckpoint`."""
     by_size = model_files(files)
@@ -114,11 +129,7 @@ def world_size_of(url: str, files: list[FileEntry]) -> int:
     (world_size, ranks), = by_size.items()
     entries = {e.path: e for e in files}
     if CONFIG_FILE in entries:
-        try:
-            config = json.loads(storage.read_text(storage.join(url, CONFIG_FILE)))
-            recorded = int(config["world_size"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptShard(f"{CONFIG_FILE} unreadable ({exc})", storage.join(url, CONFIG_FILE)) from exc
+        recorded = fsdp_config(url)["world_size"]
         if recorded != world_size:
             raise WorldSizeMismatch(
                 f"file names say world size {world_size}, {CONFIG_FILE} says {recorded}", storage.join(url, CONFIG_FILE))
@@ -152,12 +163,11 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     # everything the merge reads decides its fingerprint: rank files, configs, huggingface/, lora_adapter/
     entries = tuple(e for e in files if "/" not in e.path or e.path.split("/")[0] in (HF_DIR, LORA_ADAPTER_DIR))
     hf_dir = storage.join(url, HF_DIR) if any(e.path.startswith(HF_DIR + "/") for e in files) else None
-    version = None
-    if any(e.path == CONFIG_FILE for e in files):
-        version = json.loads(storage.read_text(storage.join(url, CONFIG_FILE))).get("FSDP_version")
     parallel = {"world_size": world_size}
-    if version is not None:
-        parallel["fsdp_version"] = int(version)
+    if any(e.path == CONFIG_FILE for e in files):
+        version = fsdp_config(url).get("FSDP_version")
+        if version is not None:
+            parallel["fsdp_version"] = version
     return Checkpoint(url=url, layout=NAME, files=entries, parallel=parallel, hf_dir=hf_dir,
                       fingerprint=storage.fingerprint(entries))
 

@@ -11,12 +11,12 @@ present (transformers writes it after every shard) or a single non-empty ``model
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint
 from merge_engine.hf_metadata import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from merge_engine.json_file import read_json_object
 from merge_engine.layouts import verl_v2
 from merge_engine.layouts.contract import ABSENT, DONE, HF_NAMES, INCOMPLETE, Checkpoint, Verdict, by_path
 from merge_engine.safetensors_file import SafetensorsFile
@@ -71,10 +71,9 @@ def weight_files(url: str, files: list[FileEntry]) -> dict[str, list[str]]:
             raise IncompleteCheckpoint(f"{len(names)} safetensors files and no {INDEX_FILE}", url)
         return {names[0]: []}
     index_url = storage.join(url, INDEX_FILE)
-    try:
-        weight_map = json.loads(storage.read_text(index_url))["weight_map"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptShard(f"index unreadable ({exc})", index_url) from None
+    weight_map = (read_json_object(index_url) or {}).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CorruptShard(f"index has no weight_map object (found {type(weight_map).__name__})", index_url)
     expected: dict[str, list[str]] = {}
     for tensor, filename in weight_map.items():
         if not isinstance(filename, str) or "/" in filename or "\\" in filename or filename.startswith("."):

@@ -222,6 +222,9 @@ def canonical_tensors(index: DcpIndex, files: DcpFiles) -> dict[str, DcpTensor]:
         if not is_model_key(key):
             continue
         rest = key[len(STACKED):] if key.startswith(STACKED) else None
+        if rest is not None and not rest.split(".", 1)[0].isdigit() and not all(info.shape):
+            # one entry per layer (and expert) is made below: only bytes on disk may decide how many
+            raise CorruptShard(f"{key!r}: a stacked tensor of shape {info.shape} holds no weights", index.url)
         if rest is None or rest.split(".", 1)[0].isdigit():  # not stacked: a global or a per-layer key
             add(key if rest is None else _unstacked(rest), DcpTensor(key, info, files))
         elif rest.startswith(STACKED_EXPERTS):

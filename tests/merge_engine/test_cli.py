@@ -93,8 +93,54 @@ def _config_lies_about_tying(checkpoint):
     return checkpoint, "InvalidConfig"
 
 
+def _zero_stride_tensor(checkpoint):
+    """Issue 9 case 5: a 4-byte storage viewed as 4000 x 4000 (strides 0) on every rank: the output
+    size would be decided by the pickle, not by the bytes on disk."""
+    import torch
+    import torch.distributed.tensor  # noqa: F401 - DTensor classes for torch.load of our own fixture
+
+    for rank in range(4):
+        state = torch.load(_rank(checkpoint, rank), weights_only=False)
+        state["model.extra_zeros"] = torch.zeros(1).expand(4000, 4000)
+        torch.save(state, _rank(checkpoint, rank))
+    return _rank(checkpoint, 0), "CorruptShard"
+
+
+def _short_storage_record(checkpoint):
+    """Issue 9 case 12: a storage record shorter than the pickle says (zip rewritten, directory valid)."""
+    path = _rank(checkpoint)
+    original = path.with_suffix(".orig")
+    path.rename(original)
+    with zipfile.ZipFile(original) as src, zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as dst:
+        records = [i for i in src.infolist() if "/data/" in i.filename and i.file_size > 8]
+        for info in src.infolist():
+            data = src.read(info.filename)
+            dst.writestr(info.filename, data[:-8] if info.filename == records[-1].filename else data)
+    original.unlink()
+    return path, "CorruptShard"
+
+
+def _fsdp_version_not_a_number(checkpoint):
+    """Issue 9 case 11: ``"FSDP_version": "two"`` was a ValueError traceback."""
+    (checkpoint / "fsdp_config.json").write_text(json.dumps({"FSDP_version": "two", "world_size": 4}))
+    return checkpoint / "fsdp_config.json", "CorruptShard"
+
+
+def _fsdp_config_a_list(checkpoint):
+    (checkpoint / "fsdp_config.json").write_text("[2, 4]")
+    return checkpoint / "fsdp_config.json", "CorruptShard"
+
+
+def _deeply_nested_config(checkpoint):
+    """Issue 9 case 11: a config.json nested 100 000 deep was a RecursionError traceback."""
+    path = checkpoint / "huggingface" / "config.json"
+    path.write_text('{"model_type": "qwen2", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    return path, "InvalidConfig"
+
+
 DAMAGE = [_truncate, _missing, _zero_bytes, _world_size_contradiction, _mixed_world_sizes, _code_in_pickle,
-          _broken_config, _config_lies_about_tying]
+          _broken_config, _config_lies_about_tying, _zero_stride_tensor, _short_storage_record,
+          _fsdp_version_not_a_number, _fsdp_config_a_list, _deeply_nested_config]
 
 
 @pytest.mark.parametrize("damage", DAMAGE, ids=lambda f: f.__name__.strip("_"))
@@ -110,6 +156,18 @@ def test_bad_input_named_error_nonzero_exit_nothing_written(damage, checkpoint, 
     assert not target.exists()
     assert not [p for p in tmp_path.iterdir() if "stepmerge" in p.name]  # no temp folder left behind
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("damage", [_zero_stride_tensor, _short_storage_record, _fsdp_version_not_a_number],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_check_refuses_what_merge_refuses(damage, checkpoint, capsys):
+    """Issue 9 case 12: ``check`` is the pipeline's gate, so it reads every record's bounds and every
+    view as ``merge`` does: it never calls complete a checkpoint that ``merge`` then rejects."""
+    at_fault, kind = damage(checkpoint)
+    code = main(["check", "--local_dir", str(checkpoint)])
+    err = capsys.readouterr().err
+    assert code == 4
+    assert f"error: {kind}" in err and str(at_fault) in err
 
 
 def test_check_exit_codes(checkpoint, capsys):

@@ -39,6 +39,12 @@ BAD = {
     "unknown_dtype": ({"x": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}}, 8, CorruptShard),
     "trailing": ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, 12, CorruptShard),
     "truncated": ({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, 8, IncompleteCheckpoint),
+    # issue 9, case 11: these were tracebacks or silent truncations
+    "metadata_a_string": ({"__metadata__": "ab", "x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, 8,
+                          CorruptShard),
+    "float_shape": ({"x": {"dtype": "F32", "shape": [2.5], "data_offsets": [0, 8]}}, 8, CorruptShard),
+    "entry_a_list": ({"x": [1, 2]}, 8, CorruptShard),
+    "dtype_a_list": ({"x": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}}, 8, CorruptShard),
 }
 
 
@@ -57,3 +63,13 @@ def test_header_that_is_not_an_object(tmp_path):
     path.write_bytes(struct.pack("<Q", len(raw)) + raw)
     with pytest.raises(CorruptShard, match="not a JSON object"):
         SafetensorsFile(str(path))
+
+
+def test_deeply_nested_header_is_corrupt_not_a_recursion_error(tmp_path):
+    """Issue 9, case 11: a header nested 100 000 deep raised RecursionError out of the parser."""
+    path = tmp_path / "nested.safetensors"
+    raw = b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(CorruptShard, match="nested too deeply") as info:
+        SafetensorsFile(str(path))
+    assert info.value.path == str(path)

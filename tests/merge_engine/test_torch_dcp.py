@@ -176,3 +176,99 @@ def test_a_metadata_entry_missing_a_field_is_corrupt_not_a_crash(tmp_path):
     with pytest.raises(CorruptShard, match="malformed") as info:
         read_index(str(tmp_path))
     assert info.value.path.endswith(".metadata")
+
+
+# --- issue 9, case 14: lying metadata -----------------------------------------------------------------
+
+
+def _rewrite_metadata(folder, change):
+    """Load our own ``.metadata`` with torch's classes (a trusted file we wrote), change it, save it."""
+    path = folder / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    change(metadata)
+    path.write_bytes(pickle.dumps(metadata))
+    return path
+
+
+def _two_chunks(folder):
+    writer = DcpWriter(str(folder))
+    writer.add_chunk("w", (4, 2), (0, 0), torch.ones(2, 2))
+    writer.add_chunk("w", (4, 2), (2, 0), torch.zeros(2, 2))
+    writer.close()
+    return folder
+
+
+def _storage_entries(metadata):
+    return sorted(metadata.storage_data.items(), key=lambda kv: tuple(kv[0].offset or ()))
+
+
+def test_two_chunks_pointing_at_one_item_are_refused(tmp_path):
+    """Metadata pointing both chunks at one saved item would make one stored chunk stand for two."""
+    def same_item(metadata):
+        (first, info), (second, _) = _storage_entries(metadata)
+        metadata.storage_data[second] = info
+
+    path = _rewrite_metadata(_two_chunks(tmp_path / "shared"), same_item)
+    with pytest.raises(CorruptShard, match="share bytes") as info:
+        read_index(str(tmp_path / "shared"))
+    assert info.value.path == str(path)
+
+
+@pytest.mark.parametrize("lie", ["negative-offset", "negative-length", "negative-size", "short-item", "huge-shape",
+                                 "float-offset"])
+def test_lying_offsets_lengths_and_sizes_are_refused(tmp_path, lie):
+    """Negative or non-integer numbers, an item too short for its chunk, a shape far beyond the bytes:
+    `CorruptShard` naming ``.metadata``, before any weight is read."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    def change(metadata):
+        (first, info), (second, info2) = _storage_entries(metadata)
+        entry = metadata.state_dict_metadata["w"]
+        if lie == "negative-offset":
+            info.offset = -5
+        elif lie == "negative-length":
+            info.length = -1
+        elif lie == "float-offset":
+            info.offset = 1.5
+        elif lie == "negative-size":
+            entry.chunks[0] = ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([2, -2]))
+        elif lie == "short-item":
+            info.length = 10
+            info2.offset = 10
+        elif lie == "huge-shape":  # 10^12 x 2 floats from two 2 x 2 chunks: the item lengths say no
+            entry.size = torch.Size([10**12, 2])
+            entry.chunks[1] = ChunkStorageMetadata(offsets=torch.Size([2, 0]), sizes=torch.Size([10**12 - 2, 2]))
+
+    folder = _two_chunks(tmp_path / lie)
+    path = _rewrite_metadata(folder, change)
+    with pytest.raises(CorruptShard) as info:
+        read_index(str(folder))
+    assert info.value.path == str(path)
+
+
+def test_oversized_and_deeply_nested_metadata_are_named_errors(tmp_path, monkeypatch):
+    from merge_engine import torch_dcp
+
+    folder = _two_chunks(tmp_path / "big")
+    monkeypatch.setattr(torch_dcp, "MAX_METADATA_BYTES", 100)
+    with pytest.raises(CorruptShard, match="larger than any checkpoint index"):
+        read_index(str(folder))
+    monkeypatch.undo()
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    (nested / ".metadata").write_bytes(b"\x80\x02" + b"]" * 200_000 + b"a" * 199_999 + b".")
+    with pytest.raises(CorruptShard) as info:
+        read_index(str(nested))
+    assert info.value.path == str(nested / ".metadata")
+
+
+def test_a_chunk_item_cannot_read_outside_its_window(tmp_path):
+    """An item whose archive claims bytes past the item's length is refused, not read from the next item."""
+    from merge_engine.torch_dcp import _Window
+
+    path = tmp_path / "data"
+    path.write_bytes(bytes(100))
+    window = _Window(storage.RangeReader(str(path)), 10, 20)
+    assert window.read(0, 20) == bytes(20)
+    with pytest.raises(CorruptShard, match="leaves the 20-byte item"):
+        window.read(5, 20)
