@@ -19,14 +19,35 @@ from merge_engine import storage
 from merge_engine.errors import CorruptShard, StepmergeError
 
 
-def parse_json(data: str | bytes, url: str | None, *, error: type[StepmergeError] = CorruptShard) -> Any:
-    """The JSON value in ``data``; ``error`` naming ``url`` if it is not valid (or too deeply nested) JSON."""
+def parse_json(data: str | bytes, url: str | None, *, error: type[StepmergeError] = CorruptShard,
+               unique_keys: bool = False) -> Any:
+    """The JSON value in ``data``; ``error`` naming ``url`` if it is not valid (or too deeply nested) JSON.
+
+    ``unique_keys``: an object naming a key twice is ``error`` too. Python keeps the last value,
+    other parsers (the safetensors library's) refuse or keep the first: a file two readers read
+    differently is refused where that matters (tensor headers).
+    """
     try:
-        return json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+        return json.loads(text, object_pairs_hook=_unique_object) if unique_keys else json.loads(text)
     except RecursionError:
         raise error("JSON nested too deeply to be metadata", url) from None
+    except _DuplicateKey as exc:
+        raise error(f"JSON object names {exc.args[0]!r} twice", url) from None
     except ValueError as exc:  # also UnicodeDecodeError
         raise error(f"not valid JSON ({exc})", url) from None
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
 
 
 def read_json(url: str, *, error: type[StepmergeError] = CorruptShard) -> Any:

@@ -61,7 +61,7 @@ def read_header(reader: RangeReader) -> Header:
     (length,) = struct.unpack("<Q", reader.read(0, 8))
     if length > min(MAX_HEADER, reader.size - 8):
         raise CorruptShard(f"safetensors header length {length} impossible for a {reader.size}-byte file", url)
-    raw = parse_json(reader.read(8, length), url)  # CorruptShard: not JSON, or nested too deeply
+    raw = parse_json(reader.read(8, length), url, unique_keys=True)  # CorruptShard: not JSON, too deep, a key twice
     if not isinstance(raw, dict):
         raise CorruptShard("safetensors header is not a JSON object", url)
     metadata = raw.pop("__metadata__", None) or {}

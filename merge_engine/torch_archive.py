@@ -564,6 +564,7 @@ class TorchArchive:
                 data = self._zip.read(self._prefix + "data.pkl")
             except (zipfile.BadZipFile, OSError, EOFError) as exc:
                 raise CorruptShard(f"data.pkl unreadable ({exc})", self.url) from exc
+            self._check_byte_order()
             check_nesting(data, self.url)
             try:
                 tree = _SafeUnpickler(data, self).load()
@@ -576,6 +577,20 @@ class TorchArchive:
             self._check_views_disjoint()
             self._loaded = tree
         return self._loaded
+
+    def _check_byte_order(self) -> None:
+        """torch.save records the writer's byte order; the bytes are read as little-endian, so a
+        big-endian archive would come back as wrong values: refused. (No record: little, as torch.)"""
+        info = self._infos.get(self._prefix + "byteorder")
+        if info is None:
+            return
+        try:
+            order = self._zip.read(info.filename) if info.file_size <= 16 else b""
+        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+            raise CorruptShard(f"byteorder record unreadable ({exc})", self.url) from exc
+        if order != b"little":
+            raise CorruptShard(f"byteorder record says {order[:16]!r}; only little-endian archives are read",
+                               self.url)
 
     def check_record(self, storage: StorageRef) -> None:
         """The record behind ``storage`` exists, is stored uncompressed, holds exactly the bytes the

@@ -147,7 +147,7 @@ def _parse_index(url: str, fields: dict, meta_url: str) -> DcpIndex:
             raise UnsupportedLayout(f"{idx.get('fqn')!r} is stored with transforms {loc['transform_descriptors']} "
                                     "(compression?); not supported", meta_url)
         offset = idx.get("offset")
-        location = ItemLocation(str(loc["relative_path"]), _count(loc["offset"]), _count(loc["length"]))
+        location = ItemLocation(_file_name(loc["relative_path"]), _count(loc["offset"]), _count(loc["length"]))
         locations[(idx.get("fqn"), tuple(_count(o) for o in offset) if offset is not None else None)] = location
     _check_items_disjoint(locations.values(), meta_url)
     tensors, objects = {}, {}
@@ -187,6 +187,14 @@ def _count(value: Any) -> int:
     """A non-negative integer from the metadata (an offset, a size, a length), else ValueError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{_short(value)} is not a non-negative integer")
+    return value
+
+
+def _file_name(value: Any) -> str:
+    """A data file's name as DCP writes it (``__0_0.distcp``): one plain name inside the folder."""
+    if not isinstance(value, str) or not value or value.startswith(".") or any(
+            c in value for c in "/\\") or not value.isprintable():
+        raise ValueError(f"data file name {_short(value)} is not a plain file name in the folder")
     return value
 
 

@@ -73,3 +73,14 @@ def test_deeply_nested_header_is_corrupt_not_a_recursion_error(tmp_path):
     with pytest.raises(CorruptShard, match="nested too deeply") as info:
         SafetensorsFile(str(path))
     assert info.value.path == str(path)
+
+
+def test_a_header_naming_a_tensor_twice_is_refused(tmp_path):
+    """Found by the fuzz test: Python's json keeps the last of two ``"c"`` entries, the safetensors
+    library refuses the header: two readers would disagree about the file, so it is refused."""
+    entry = '{"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}'
+    raw = ('{"c": ' + entry + ', "c": ' + entry + "}").encode()
+    path = tmp_path / "twice.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
+    with pytest.raises(CorruptShard, match="'c' twice"):
+        SafetensorsFile(str(path))

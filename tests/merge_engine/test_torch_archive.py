@@ -333,3 +333,18 @@ def test_tuples_nested_a_million_deep_are_refused_before_they_crash_the_process(
     for _ in range(999):
         (nested,) = nested
     assert nested == []
+
+
+def test_a_big_endian_archive_is_refused_not_misread(tmp_path):
+    """Found by the fuzz test: the ``byteorder`` record was ignored, so a big-endian archive's floats
+    would have been read byte-swapped. Refused; torch's own little-endian archives still load."""
+    good = _save(tmp_path / "good.pt", {"w": torch.arange(4.0)})
+    bad = tmp_path / "big.pt"
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(bad, "w", compression=zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = b"big" if info.filename.endswith("/byteorder") else src.read(info.filename)
+            dst.writestr(info.filename, data)
+    with pytest.raises(CorruptShard, match="byteorder") as info:
+        TorchArchive(str(bad)).load()
+    assert info.value.path == str(bad)
+    assert torch.equal(TorchArchive(good).load()["w"].read(), torch.arange(4.0))
