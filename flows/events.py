@@ -2,7 +2,7 @@
 
 The ``merge-step`` deployment's trigger (deployments/prefect.yaml) listens for it and starts a
 merge of that step with ``run_root``, ``step`` and ``role`` from the payload. `stepmerge notify`
-(`merge_engine.cli`) emits it; so can any job with ``prefect.events.emit_event`` or a ``POST
+(`flows.cli`) emits it; so can any job with ``prefect.events.emit_event`` or a ``POST
 /api/events`` to the server.
 
 Resource: ``prefect.resource.id = stepmerge.checkpoint.<run_root>:<role>:<step>`` (the step's key,

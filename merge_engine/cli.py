@@ -1,4 +1,5 @@
-"""``stepmerge`` / ``python -m merge_engine``: the command line.
+"""``python -m merge_engine``: the engine's command line (``stepmerge`` is it plus the pipeline's ``notify``,
+`flows.cli`).
 
 Accepts verl's model-merger spellings (``merge --backend fsdp --local_dir X --target_dir Y``,
 ``test --test_hf_dir Z``, ``--tie-word-embedding``, ``--trust-remote-code``, ...) with dashes or
@@ -260,29 +261,6 @@ def _add_merge_lora(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=cmd_merge_lora)
 
 
-def cmd_notify(args: argparse.Namespace) -> int:
-    """Send ``stepmerge.checkpoint.saved`` to the Prefect server (imports Prefect only here).
-
-    Exit 0 only when the server accepted the event; 1 when it could not be reached or refused it
-    (`flows.events.EventNotDelivered`: retry later); 2 for bad input or no server configured.
-    """
-    if args.step < 0:
-        raise InvalidOption(f"--step must be >= 0, got {args.step}")
-    from flows.events import CHECKPOINT_SAVED, emit_checkpoint_saved, notified_run_root
-
-    run_root = notified_run_root(args.run_root)
-    event_id = emit_checkpoint_saved(run_root, args.step, args.role)
-    print(f"emitted {CHECKPOINT_SAVED} for {run_root} step {args.step} (role {args.role or 'sft'}); event {event_id}")
-    return 0
-
-
-def _add_notify(parser: argparse.ArgumentParser) -> None:
-    _flag(parser, "run-root", required=True, help="the run root URL the training job writes global_step_N/ to")
-    _flag(parser, "step", type=int, required=True, help="the global step just saved")
-    _flag(parser, "role", default="actor", choices=("actor", "critic", ""), help="actor (default), critic, or '' (SFT)")
-    parser.set_defaults(run=cmd_notify)
-
-
 def cmd_split(args: argparse.Namespace) -> int:
     from merge_engine.split import SplitOptions, split_hf_to_megatron
 
@@ -336,7 +314,9 @@ def _add_discover(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=cmd_discover)
 
 
-SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+Commands = dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]]  # name -> (help, add arguments)
+
+SUBCOMMANDS: Commands = {
     "discover": ("list the checkpoints of a training run and whether each is complete", _add_discover),
     "merge": ("merge a checkpoint into a Hugging Face folder", _add_merge),
     "test": ("compare a checkpoint with a reference Hugging Face folder (verl's test)", _add_test),
@@ -345,22 +325,25 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = 
                      _add_extract_lora),
     "merge-lora": ("fuse LoRA adapters into a base model, or combine them into one adapter", _add_merge_lora),
     "split": ("write a Hugging Face model as Megatron TP/PP/EP shards (the reverse of merge)", _add_split),
-    "notify": ("tell the Prefect server a checkpoint was saved (event stepmerge.checkpoint.saved)", _add_notify),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Commands = SUBCOMMANDS) -> argparse.ArgumentParser:
+    """The parser of ``commands`` (name -> (help, add its arguments and ``run``)); by default the engine's."""
     parser = argparse.ArgumentParser(
         prog="stepmerge", description="Turn distributed training checkpoints (verl FSDP, Megatron) into exact, "
                                       "validated Hugging Face models and adapters, from any storage URL.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    for name, (help_text, add) in SUBCOMMANDS.items():
-        add(commands.add_parser(name, help=help_text, description=help_text))
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add) in commands.items():
+        add(subparsers.add_parser(name, help=help_text, description=help_text))
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, commands: Commands = SUBCOMMANDS) -> int:
+    """Run one command; a `StepmergeError` is one line on stderr and its exit code. ``commands`` lets a
+    program built on the engine add its own (the ``stepmerge`` console entry adds the pipeline's
+    ``notify``: `flows.cli`)."""
+    parser = build_parser(commands)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:

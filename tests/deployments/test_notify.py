@@ -1,4 +1,4 @@
-"""`stepmerge notify`: the event reaches the server; bad input and a missing server are clear errors;
+"""`stepmerge notify` (`flows.cli`): the event reaches the server; bad input and a missing server are clear errors;
 the engine does not import Prefect unless this command runs.
 
 A training job trusts the exit code: 0 only when the server accepted the event (the HTTP answer is
@@ -20,7 +20,8 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.events import CHECKPOINT_SAVED, RESOURCE_PREFIX, checkpoint_saved_event
 from flows.step_keys import step_key
-from merge_engine.cli import main as stepmerge
+from flows.cli import main as stepmerge
+from merge_engine.cli import main as engine_main
 
 
 def _events_for(resource_id: str, timeout_s: float = 30.0) -> list[dict]:
@@ -59,10 +60,21 @@ def test_the_engine_does_not_import_prefect():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
+def test_notify_is_the_pipelines_command_and_the_engine_does_not_import_it(capsys):
+    """`stepmerge` (flows.cli) is the engine's program plus notify; the engine's own command line has no
+    notify and, running any command, loads nothing from flows/ or tasks/ (dependencies point down)."""
+    with pytest.raises(SystemExit):
+        engine_main(["notify", "--run-root", "s3://b/run", "--step", "1"])
+    assert "invalid choice: 'notify'" in capsys.readouterr().err
+    code = ("import sys; from merge_engine.cli import main; main(['discover', '--run-root', sys.argv[1]]); "
+            "sys.exit(1 if any(m.split('.')[0] in ('flows', 'tasks', 'prefect') for m in sys.modules) else 0)")
+    assert subprocess.run([sys.executable, "-c", code, "/nonexistent-run"], capture_output=True).returncode == 0
+
+
 def test_an_unreachable_server_is_a_failure_the_job_can_see(tmp_path):
     """As a training job runs it: a separate process, a server nobody listens on (port 9)."""
     env = dict(os.environ, PREFECT_API_URL="http://127.0.0.1:9/api", PYTHONPATH=str(Path(__file__).parents[2]))
-    done = subprocess.run([sys.executable, "-m", "merge_engine", "notify", "--run-root", "s3://b/run", "--step", "1"],
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "notify", "--run-root", "s3://b/run", "--step", "1"],
                           env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode != 0, done.stdout + done.stderr
     assert "emitted" not in done.stdout
