@@ -44,9 +44,10 @@ def add_notify(parser: argparse.ArgumentParser) -> None:
 COMMANDS: engine_cli.Commands = {**engine_cli.SUBCOMMANDS, "notify": (NOTIFY_HELP, add_notify)}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def run_command(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one `stepmerge` command (engine or pipeline); its exit code."""
     return engine_cli.main(argv, COMMANDS)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command())

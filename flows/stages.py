@@ -1,14 +1,23 @@
-"""The stage chain shared by the flows: find the step, build, validate, publish; each stage timed.
+"""The stage chains shared by the flows: find the step, build, validate, publish; each stage timed.
 
-`StageTimer.run` calls a task with ``return_state=True`` and records its state name ("Completed",
-"Cached", "Failed") and wall time, then returns the result (raising the task's exception when it
-failed). `ready_checkpoint` finds a step and checks it, or says why it is not ready yet (the one
-rule for merge_step and release_adapter). `release_output` runs the chain for one output of a
-step (the merged model, or the LoRA adapter):
+`StageTimer.call` runs a task with ``return_state=True`` and records its state name ("Completed",
+"Cached", "Failed") and wall time as a `StageRun`, then returns the result (raising the task's
+exception when it failed). `ready_checkpoint` finds a step (a listing of its own folder only) and
+checks it, or says why it is not ready yet (the one rule for merge_step and release_adapter).
 
-    merge / extract  -> staging (or "already released": nothing read)
-    validate         -> report
-    publish          -> release with manifest and _COMPLETE marker
+`CHAINS` declares, per kind of output (the merged model, or the LoRA adapter), its stages as
+named `StageSpec` s: a name (shown in outcomes and summaries), a task, how the task's arguments come
+from the chain's `ReleaseInputs` and the earlier stages' results, and what its result is called::
+
+    model:   merge            -> output       (staging, or "already released": nothing read)
+             validate         -> validation   (report)
+             publish          -> release      (manifest and _COMPLETE marker)
+    adapter: extract-adapter  -> output
+             validate-adapter -> validation
+             publish-adapter  -> release
+
+`release_output` runs one chain and tells from its OWN stages' states whether it was all cache
+hits and whether this run published anything: a stage added to a chain counts, wherever it is.
 
 Plain task calls: a re-run is all cache hits. A cached result whose output is gone (the release was
 deleted or damaged since) is not trusted: the tasks' cache policy moves to a new cache generation
@@ -20,14 +29,16 @@ deep check finds a file incomplete or unreadable AND the step's listing changes 
 again after `SETTLE_S`): its files are still being written (a shared disk shows a rank file while
 it grows). A file that is broken and stays as it is fails the check, once.
 
-Each release's manifest records ``checkpoint_lora`` (the checkpoint holds LoRA factors): the one
-answer to "does this step have an adapter" that the watcher reads back.
+Each release's manifest records its `merge_engine.release.ReleaseProvenance`, ``checkpoint_lora``
+among it (the checkpoint holds LoRA factors): the one answer to "does this step have an adapter"
+that the watcher reads back.
 """
 
 import os
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from pydantic import BaseModel
 
@@ -36,7 +47,7 @@ from merge_engine.errors import CorruptShard, IncompleteCheckpoint
 from merge_engine.release import ADAPTER, MODEL, ReleaseProvenance
 from tasks.adapter import extract_adapter, validate_adapter
 from tasks.check import check_step
-from tasks.discover import discover_steps
+from tasks.discover import discover_step
 from tasks.merge import merge_model
 from tasks.publish import publish_release
 from tasks.records import (
@@ -58,6 +69,10 @@ class StageRun(BaseModel):
     name: str
     state: str
     seconds: float
+
+    @property
+    def cached(self) -> bool:
+        return self.state == "Cached"
 
 
 class ReleaseOutcome(BaseModel):
@@ -108,13 +123,18 @@ class StageTimer:
         self.stages: List[StageRun] = []
         self.result_storage = configured_result_storage()
 
-    def run(self, name: str, task: Any, *args: Any, **kwargs: Any) -> Any:
+    def call(self, name: str, task: Any, *args: Any, **kwargs: Any) -> Tuple[Any, StageRun]:
+        """The task's result and its `StageRun` (recorded also when the task fails, then raised)."""
         if self.result_storage is not None:
             task = task.with_options(result_storage=self.result_storage)
         started = time.perf_counter()
         state = task(*args, return_state=True, **kwargs)
-        self.stages.append(StageRun(name=name, state=state.name, seconds=round(time.perf_counter() - started, 3)))
-        return state.result()
+        run = StageRun(name=name, state=state.name, seconds=round(time.perf_counter() - started, 3))
+        self.stages.append(run)
+        return state.result(), run
+
+    def run(self, name: str, task: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.call(name, task, *args, **kwargs)[0]
 
 
 @dataclass(frozen=True)
@@ -132,7 +152,7 @@ def ready_checkpoint(timer: StageTimer, run_root: str, step: int, role: str,
 
     Raises the check's error when the step is broken and its files are not changing.
     """
-    found = timer.run("discover", discover_steps, run_root).find(step, role)
+    found = timer.run("discover", discover_step, run_root, step, role)
     if found is None:
         return ReadyCheckpoint(None, None, "no checkpoint files for this step and role yet")
     if found.status == "incomplete":  # "not yet", never an error; "invalid" fails in the check
@@ -141,40 +161,115 @@ def ready_checkpoint(timer: StageTimer, run_root: str, step: int, role: str,
         return ReadyCheckpoint(found, timer.run("check", check_step, found, backend))
     except (IncompleteCheckpoint, CorruptShard) as exc:
         time.sleep(SETTLE_S)
-        again = timer.run("discover-again", discover_steps, run_root).find(step, role)
+        again = timer.run("discover-again", discover_step, run_root, step, role)
         if again is None or again.fingerprint != found.fingerprint:
             return ReadyCheckpoint(found, None, f"its files are still being written (they changed while being "
                                                 f"checked; the check said: {exc.message})")
         raise
 
 
+@dataclass(frozen=True)
+class ReleaseInputs:
+    """What one output's chain starts from: the checked step, where it is released and how."""
+
+    kind: str  # MODEL | ADAPTER
+    step: StepRecord
+    checkpoint: CheckpointRecord
+    release: str
+    validation: ValidationSettings
+    staging_root: Optional[str]
+    options: dict  # the options the flow records in the manifest
+    overwrite: bool = False
+    merge: Optional[MergeSettings] = None
+    adapter: Optional[AdapterSettings] = None
+    fused_model_url: Optional[str] = None  # adapters: the model release PEFT's logits must reproduce
+
+    def provenance(self) -> ReleaseProvenance:
+        return ReleaseProvenance(kind=self.kind, source_listing=self.step.fingerprint,
+                                 checkpoint_fingerprint=self.checkpoint.fingerprint,
+                                 checkpoint_lora=self.checkpoint.lora, settings=self.options)
+
+
+Arguments = Callable[[ReleaseInputs, Mapping[str, Any]], tuple]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage of a chain: ``name`` (outcomes, summaries), ``task``, ``arguments`` (the task's
+    positional arguments from the chain's inputs and the results of the stages before it, by what
+    they produce) and ``produces`` (what its result is called)."""
+
+    name: str
+    task: Any
+    arguments: Arguments
+    produces: str
+
+
+OUTPUT, VALIDATION, RELEASE = "output", "validation", "release"  # what every chain produces
+
+
+def _publish_arguments(inputs: ReleaseInputs, done: Mapping[str, Any]) -> tuple:
+    return (done[OUTPUT], done[VALIDATION], inputs.release, inputs.provenance().to_manifest_options(),
+            inputs.overwrite)
+
+
+CHAINS: Dict[str, Tuple[StageSpec, ...]] = {
+    MODEL: (
+        StageSpec("merge", merge_model, lambda i, done: (i.checkpoint, i.merge, i.release, i.staging_root,
+                                                         i.overwrite), OUTPUT),
+        StageSpec("validate", validate_output, lambda i, done: (done[OUTPUT], i.validation, i.release), VALIDATION),
+        StageSpec("publish", publish_release, _publish_arguments, RELEASE),
+    ),
+    ADAPTER: (
+        StageSpec("extract-adapter", extract_adapter, lambda i, done: (i.step, i.checkpoint, i.adapter, i.release,
+                                                                       i.staging_root, i.overwrite), OUTPUT),
+        StageSpec("validate-adapter", validate_adapter,
+                  lambda i, done: (done[OUTPUT], i.validation, i.fused_model_url, i.release), VALIDATION),
+        StageSpec("publish-adapter", publish_release, _publish_arguments, RELEASE),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ChainRun:
+    """What a chain did: each stage's result and `StageRun`, keyed by what the stage produces."""
+
+    results: Dict[str, Any]
+    runs: Dict[str, StageRun]
+
+    @property
+    def cached(self) -> bool:
+        """Every stage of the chain was a cache hit (whatever the chain's length)."""
+        return all(run.cached for run in self.runs.values())
+
+
+def run_chain(timer: StageTimer, chain: Tuple[StageSpec, ...], inputs: ReleaseInputs) -> ChainRun:
+    """Run ``chain`` in order, each stage's arguments taken from ``inputs`` and the results before it."""
+    done = ChainRun({}, {})
+    for spec in chain:
+        done.results[spec.produces], done.runs[spec.produces] = timer.call(
+            spec.name, spec.task, *spec.arguments(inputs, done.results))
+    return done
+
+
 def release_output(timer: StageTimer, kind: str, step: StepRecord, checkpoint: CheckpointRecord, release: str, *,
                    merge: Optional[MergeSettings] = None, adapter: Optional[AdapterSettings] = None,
                    validation: ValidationSettings, staging_root: Optional[str], options: dict,
                    overwrite: bool = False, fused_model_url: Optional[str] = None) -> ReleaseOutcome:
-    """Build, validate and publish one output of ``checkpoint`` at ``release``."""
-    if kind == MODEL:
-        output = timer.run("merge", merge_model, checkpoint, merge, release, staging_root, overwrite)
-        report = timer.run("validate", validate_output, output, validation, release)
-    else:
-        output = timer.run("extract-adapter", extract_adapter, step, checkpoint, adapter, release, staging_root,
-                           overwrite)
-        report = timer.run("validate-adapter", validate_adapter, output, validation, fused_model_url, release)
-    suffix = "" if kind == MODEL else "-adapter"
-    provenance = ReleaseProvenance(kind=kind, source_listing=step.fingerprint,
-                                   checkpoint_fingerprint=checkpoint.fingerprint, checkpoint_lora=checkpoint.lora,
-                                   settings=options)
-    published_options = provenance.to_manifest_options()
-    released = timer.run(f"publish{suffix}", publish_release, output, report, release, published_options,
-                         overwrite)
-    cached = all(s.state == "Cached" for s in timer.stages[-3:])
-    publish_cached = timer.stages[-1].state == "Cached"  # this run published nothing
+    """Build, validate and publish one output of ``checkpoint`` at ``release`` (the chain of ``kind``)."""
+    inputs = ReleaseInputs(kind=kind, step=step, checkpoint=checkpoint, release=release, validation=validation,
+                           staging_root=staging_root, options=options, overwrite=overwrite, merge=merge,
+                           adapter=adapter, fused_model_url=fused_model_url)
+    chain = run_chain(timer, CHAINS[kind], inputs)
+    output, report, released = (chain.results[name] for name in (OUTPUT, VALIDATION, RELEASE))
     return ReleaseOutcome(kind=kind, url=released.url, fingerprint=released.fingerprint,
-                          already_published=released.already_published or output.released or publish_cached,
-                          cached=cached, validation_ok=report.ok,
+                          # publish a cache hit: this run published nothing
+                          already_published=(released.already_published or output.released
+                                             or chain.runs[RELEASE].cached),
+                          cached=chain.cached, validation_ok=report.ok,
                           validation_summary=report.summary, tensors=output.tensors,
                           tensor_bytes=output.tensor_bytes, files=released.files, total_bytes=released.total_bytes)
 
 
 __all__ = ["StageRun", "ReleaseOutcome", "StepOutcome", "StageTimer", "ReadyCheckpoint", "ready_checkpoint",
-           "release_output", "MODEL", "ADAPTER"]
+           "ReleaseInputs", "StageSpec", "CHAINS", "ChainRun", "run_chain", "release_output", "MODEL", "ADAPTER"]

@@ -13,6 +13,7 @@ Contract:
   decided from names and sizes alone: ``"complete"``, ``"incomplete"`` (still being written: "not
   yet", never an error) or ``"invalid"`` (the names contradict each other; waiting will not fix it).
   Discovery keeps no rule of its own: each format's rule lives in its layout module.
+- `discover_step` classifies one (step, role) the same way from a listing of its step folder alone.
 - ``latest_checkpointed_iteration.txt`` is a hint only (verl writes it in place, non-atomically, and not
   at all under async save): it is returned beside the steps and never decides which steps exist.
 """
@@ -30,13 +31,14 @@ from merge_engine.layouts.contract import COMPLETE, INCOMPLETE, INVALID, Verdict
 from merge_engine.layouts.tracker import TRACKER_FILE, parse_tracker, read_tracker_hint
 from merge_engine.storage import FileEntry
 
-__all__ = ["COMPLETE", "INCOMPLETE", "INVALID", "POLICY_ROLES", "ROLES", "TRACKER_FILE", "Discovery", "Step",
-           "Verdict", "classify", "discover", "discover_steps", "latest_complete_step", "parse_tracker",
-           "read_tracker_hint", "steps_from_listing"]
+__all__ = ["COMPLETE", "INCOMPLETE", "INVALID", "POLICY_ROLES", "ROLES", "STEP_FOLDERS", "TRACKER_FILE", "Discovery",
+           "Step", "Verdict", "classify", "discover", "discover_step", "discover_steps", "latest_complete_step",
+           "parse_tracker", "read_tracker_hint", "steps_from_listing"]
 
 ROLES = ("actor", "critic")  # verl RL role folders; anything else in a step folder belongs to role ""
 
 _STEP_DIR = re.compile(r"^(?:global_step_(\d+)|iter_(\d+))$")
+STEP_FOLDERS = ("global_step_{step}", "iter_{step:07d}")  # verl; Megatron-LM (zero-padded to 7 digits)
 
 
 def classify(files: Sequence[FileEntry]) -> tuple[tuple[str, ...], Verdict]:
@@ -144,6 +146,19 @@ def discover(run_root_url: str) -> Discovery:
     if any(e.path == TRACKER_FILE for e in entries):
         hint = read_tracker_hint(run_root_url)
     return Discovery(run_root_url, tuple(steps_from_listing(run_root_url, entries)), hint)
+
+
+def discover_step(run_root_url: str, step: int, role: str) -> Step | None:
+    """One (step, role) of a run, as `discover` would classify it, from a listing of that step's folder
+    only (``global_step_<N>/``; ``iter_<NNNNNNN>/`` when that is empty), never of the whole run root.
+    None when the step folder holds no checkpoint of ``role``."""
+    for pattern in STEP_FOLDERS:
+        folder = pattern.format(step=int(step))
+        entries = storage.list_files(storage.join(run_root_url, folder), recursive=True)
+        if entries:
+            inside = (FileEntry(f"{folder}/{e.path}", e.size, e.version) for e in entries)
+            return next((s for s in steps_from_listing(run_root_url, inside) if s.role == role), None)
+    return None
 
 
 def discover_steps(run_root_url: str) -> list[Step]:

@@ -1,4 +1,4 @@
-"""Listing tasks: what checkpoints a run root holds, and what is already released.
+"""Listing tasks: what checkpoints a run root holds (or one step of it), and what is already released.
 
 These are never cached: a listing is the cheap, always-fresh input every cache key is computed
 from. They read no weight (the tracker file and release markers/manifests are a few bytes) and are
@@ -12,7 +12,7 @@ from typing import Optional
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from merge_engine.discovery import discover
+from merge_engine import discovery
 from merge_engine.release import published_releases, read_manifest
 from tasks.records import DiscoveryRecord, Record, StepRecord
 from tasks.retry import RETRY_OPTIONS
@@ -34,9 +34,16 @@ class PublishedRelease(Record):
 @task(name="discover-steps", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def discover_steps(run_root: str) -> DiscoveryRecord:
     """Every (step, role) under ``run_root`` with its status, from one recursive listing."""
-    found = discover(run_root)
+    found = discovery.discover(run_root)
     return DiscoveryRecord(run_root=run_root, steps=tuple(StepRecord.from_step(s) for s in found.steps),
                            tracker_hint=found.tracker_hint)
+
+
+@task(name="discover-step", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def discover_step(run_root: str, step: int, role: str) -> Optional[StepRecord]:
+    """One (step, role) of ``run_root`` with its status, from a listing of that step's folder only."""
+    found = discovery.discover_step(run_root, step, role)
+    return None if found is None else StepRecord.from_step(found)
 
 
 @task(name="find-published", cache_policy=NO_CACHE, **RETRY_OPTIONS)

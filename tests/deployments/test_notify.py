@@ -20,7 +20,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.events import CHECKPOINT_SAVED, RESOURCE_PREFIX, checkpoint_saved_event
 from flows.step_keys import step_key
-from flows.cli import main as stepmerge
+from flows.cli import run_command as stepmerge
 from merge_engine.cli import main as engine_main
 
 

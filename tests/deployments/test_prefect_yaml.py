@@ -16,7 +16,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
 from flows.params import MergeStepParams, WatchParams
-from flows.cli import main as stepmerge
+from flows.cli import run_command as stepmerge
 from tests.deployments.conftest import WATCHED_RUN_ROOT
 
 

@@ -56,8 +56,8 @@ def test_an_outage_longer_than_the_engine_retries_is_retried_by_the_task(
                        return_state=True)
     assert state.is_completed()
     assert s3_fault_proxy.fired > 0
-    assert len(verdicts) == 1 and verdicts[0][0] == "discover-steps" and verdicts[0][2] is True
-    (discover,) = task_runs(flow_run_id(state))["discover-steps"]
+    assert len(verdicts) == 1 and verdicts[0][0] == "discover-step" and verdicts[0][2] is True
+    (discover,) = task_runs(flow_run_id(state))["discover-step"]
     assert discover.run_count == 2 and discover.state.name == "Completed"
     assert verify_release(release_url(f"{run_root}/releases", "actor", 1)).ok
 

@@ -17,6 +17,7 @@ from merge_engine.discovery import (
     INCOMPLETE,
     INVALID,
     discover,
+    discover_step,
     discover_steps,
     latest_complete_step,
 )
@@ -279,6 +280,26 @@ class TestOtherLayouts:
                               "latest_checkpointed_iteration.txt": b"100"})
         (step,) = discover_steps(root_url)
         assert (step.step, step.role, step.layout, step.status) == (100, "", "megatron_legacy", COMPLETE)
+
+    def test_one_step_is_classified_from_its_own_folder_alone(self, root_url, monkeypatch):
+        """`discover_step` lists the step folder (never the run root) and says what `discover` says."""
+        write_tree(root_url, fsdp_files("global_step_10/actor/") | fsdp_files("global_step_10/critic/")
+                   | fsdp_files("global_step_20/actor/", skip_ranks=(1,)) | fsdp_files("global_step_30/", world=1)
+                   | {"iter_0000100/mp_rank_00/model_optim_rng.pt": 10, "global_step_40/data.pt": 5})
+        whole = by_key(discover_steps(root_url))
+        listed: list[str] = []
+        real_list = storage.list_files
+        monkeypatch.setattr(storage, "list_files", lambda url, *a, **k: listed.append(url) or real_list(url, *a, **k))
+
+        for step, role in ((10, "actor"), (10, "critic"), (20, "actor"), (30, ""), (100, "")):
+            found = discover_step(root_url, step, role)
+            assert found == whole[(step, role)] and found.files == whole[(step, role)].files
+            assert found.fingerprint == whole[(step, role)].fingerprint
+        assert discover_step(root_url, 10, "") is None  # the step has roles, no SFT weights
+        assert discover_step(root_url, 40, "actor") is None  # pruned: only data.pt is left
+        assert discover_step(root_url, 50, "actor") is None  # not written yet
+        assert root_url not in listed and all(url.startswith(storage.join(root_url, "")) for url in listed)
+        assert discover_step(root_url, 20, "actor").status == INCOMPLETE
 
     def test_fsdp_with_hf_weights_lists_both_layouts_fsdp_first(self, root_url):
         write_tree(root_url, fsdp_files("global_step_1/actor/")

@@ -1,0 +1,58 @@
+"""The stage chains: declared by name, run in order, "cached" decided by the chain's own stages.
+
+Real Prefect tasks run by the real `StageTimer` on the test harness: a chain whose first stage
+computes while the rest are cache hits is NOT cached, however many stages it has (a rule that
+looked at "the last three stages run" got this wrong as soon as a stage was added).
+"""
+
+from __future__ import annotations
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from flows.stages import CHAINS, OUTPUT, RELEASE, VALIDATION, StageSpec, StageTimer, run_chain
+from merge_engine.release import ADAPTER, MODEL
+
+
+@task(cache_policy=NO_CACHE)
+def computes(value: str) -> str:
+    return value + "+computed"
+
+
+@task(cache_key_fn=lambda context, inputs: f"test-stages-{inputs['value']}", persist_result=True)
+def cacheable(value: str) -> str:
+    return value + "+cacheable"
+
+
+CHAIN = (
+    StageSpec("upload", computes, lambda inputs, done: (inputs,), "uploaded"),
+    StageSpec("first", cacheable, lambda inputs, done: (done["uploaded"],), "first"),
+    StageSpec("second", cacheable, lambda inputs, done: (done["first"],), "second"),
+    StageSpec("third", cacheable, lambda inputs, done: (done["second"],), "third"),
+)
+
+
+@flow
+def run_twice(value: str):
+    timer = StageTimer()
+    first, second = run_chain(timer, CHAIN, value), run_chain(timer, CHAIN, value)
+    return first, second, [run.name for run in timer.stages]
+
+
+def test_cached_means_every_stage_of_the_chain(prefect):
+    first, second, names = run_twice("x")
+    assert names == ["upload", "first", "second", "third"] * 2
+    assert second.results["third"] == "x+computed+cacheable+cacheable+cacheable"  # each fed by the one before
+    assert [run.cached for run in second.runs.values()] == [False, True, True, True]
+    assert not first.cached and not second.cached  # the uncached first stage counts, wherever it is
+
+
+def test_every_chain_builds_validates_and_publishes():
+    """Each kind's chain produces the three results release_output reads, publish last, names unique."""
+    assert set(CHAINS) == {MODEL, ADAPTER}
+    for chain in CHAINS.values():
+        produced = [spec.produces for spec in chain]
+        assert {OUTPUT, VALIDATION, RELEASE} <= set(produced) and produced[-1] == RELEASE
+        assert len({spec.name for spec in chain}) == len(chain)
+    assert [spec.name for spec in CHAINS[MODEL]] == ["merge", "validate", "publish"]
+    assert [spec.name for spec in CHAINS[ADAPTER]] == ["extract-adapter", "validate-adapter", "publish-adapter"]
