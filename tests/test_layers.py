@@ -106,9 +106,7 @@ def upward_imports(module: str, targets: set[str]) -> list[str]:
 
 
 # upward imports still to remove, each with who removes it; the test fails once one is gone (delete it here)
-KNOWN_UPWARD: dict[str, list[str]] = {
-    "merge_engine.cli": ["flows.events (layer 9)"],  # `stepmerge notify`: moves with the flows (issue 8, item 7)
-}
+KNOWN_UPWARD: dict[str, list[str]] = {}
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
