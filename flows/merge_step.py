@@ -1,10 +1,11 @@
 """Flow ``merge-step``: one step of a run -> a validated, published Hugging Face release (+ adapter).
 
-    discover-steps  (one listing)  -> is the step there and complete? If not: "not ready", nothing done
+    discover-step   (one listing of the step's folder, never the run root)
+                                   -> is the step there and complete? If not: "not ready", nothing done
     check-checkpoint               -> deep completeness check, cached on the listing fingerprint (a file
                                       found truncated while the step's files still change: "not ready")
-    model:   merge   -> validate         -> publish            (tasks, see flows.stages)
-    adapter: extract -> validate-adapter -> publish-adapter    (LoRA checkpoints only)
+    model:   merge           -> validate         -> publish          (the chains of `flows.stages.CHAINS`)
+    adapter: extract-adapter -> validate-adapter -> publish-adapter  (LoRA checkpoints only)
 
 The merged model of a LoRA checkpoint is the trained model (adapters fused, as the engine defines
 it); with ``release_adapter`` its PEFT adapter is released beside it, validated against that model.

@@ -1,13 +1,14 @@
 """Flow ``release-adapter``: extract a step's LoRA adapter to PEFT, validate it, publish it.
 
-    discover-steps -> check-checkpoint -> extract-adapter -> validate-adapter -> publish-adapter
+    discover-step -> check-checkpoint -> extract-adapter -> validate-adapter -> publish-adapter
 
-The adapter release (``<release_root>/<role>-adapter/global_step_<N>``) holds
+The adapter release (`merge_engine.release.release_url` with ``kind=ADAPTER``) holds
 ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's names; r, target_modules and
 rank_pattern from the tensors, lora_alpha from the run's metadata, never guessed) and, with
 ``include_base``, the clean base model under ``base/``. Validation loads base + adapter with PEFT;
-when the step's merged model is already released (merge_step) FROM THIS CHECKPOINT (its manifest
-records this checkpoint's fingerprint, the same lora_alpha and no replaced config), the logits must
+when the step's merged model is already released (merge_step) FROM THIS CHECKPOINT (its manifest's
+provenance: this checkpoint's fingerprint, the same lora_alpha and no replaced config,
+`ReleaseProvenance.is_trained_model_of`), the logits must
 reproduce it; a model release of anything else there is no reference and is not used. LoRA-only
 checkpoints need ``base_model``. A step not ready yet is reported as such
 (`flows.stages.ready_checkpoint`). `merge_step` runs the same stages for LoRA checkpoints; this flow

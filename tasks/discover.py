@@ -22,7 +22,7 @@ class PublishedRelease(Record):
     """A release readers trust: where, the step listing it was built from, and whether that checkpoint
     holds LoRA factors (as merge_step found them: ``checkpoint_lora``), when recorded."""
 
-    name: str  # release folder name: role or "model", "-adapter" for adapters
+    name: str  # release folder name (`merge_engine.release.release_folder_name`)
     step: int
     url: str
     fingerprint: str
