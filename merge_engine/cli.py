@@ -38,6 +38,10 @@ def _source_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "dtype", default=None, help="output dtype (bfloat16, float16, float32); default: as stored")
     _flag(parser, "custom-mapping", default=None,
           help="Megatron: JSON file extending the model family's name table (see merge_engine/architectures/custom.py)")
+    _flag(parser, "weights-format", default="hub", choices=("hub", "transformers"),
+          help="hub (default): the names and per-expert tensors of the model's Hub checkpoint, what save_pretrained "
+               "writes and vLLM/SGLang/PEFT read; transformers: the names as stored (transformers v5's in-memory "
+               "names: fused experts, model.language_model)")
 
 
 def _options(args: argparse.Namespace):
@@ -48,6 +52,7 @@ def _options(args: argparse.Namespace):
                         max_shard_size=parse_size(getattr(args, "max_shard_size", None) or DEFAULT_MAX_SHARD_SIZE),
                         hf_model_path=args.hf_model_path, tie_word_embedding=args.tie_word_embedding,
                         custom_mapping=args.custom_mapping, lora_alpha=getattr(args, "lora_alpha", None),
+                        weights_format=getattr(args, "weights_format", "hub"),
                         overwrite=getattr(args, "overwrite", False))
 
 

@@ -18,13 +18,12 @@ from merge_engine.merge_plan import (
     output_dtype,
     stored_dtype_update,
 )
+from merge_engine.errors import InvalidConfig
 from merge_engine.output_heads import (
     CRITIC_HEAD,
-    EMBED_SUFFIXES,
-    LM_HEAD,
     check_tie_flag,
     critic_config,
-    input_embedding,
+    find_heads,
     tie_word_embeddings,
     untied_without_head,
 )
@@ -37,7 +36,8 @@ def plan_hf_merge(metas: Mapping[str, TensorMeta], config: Mapping[str, Any], *,
     """Plan a merge whose source names already are Hugging Face names (FSDP, HF folders).
 
     - Output dtype: ``dtype`` for floating-point tensors if given, else each tensor's stored dtype.
-    - Tied embeddings come from the config; ``lm_head.weight`` is dropped when tied (the caller
+    - Tied embeddings come from the config; the output head (``lm_head.weight``, or the model's own
+      name for it: `merge_engine.output_heads.find_heads`) is dropped when tied (the caller
       checks the copy equals the embedding: `merge_engine.output_heads.check_tied_copy`).
       ``tie_flag`` (verl's ``--tie-word-embedding``) may only confirm the config (`InvalidOption`).
     - A critic (``score.weight``, no ``lm_head``) gets a token-classification architecture.
@@ -47,16 +47,18 @@ def plan_hf_merge(metas: Mapping[str, TensorMeta], config: Mapping[str, Any], *,
     names = list(metas)
     notes: list[str] = []
     updates: dict[str, Any] = {}
-    embed = next((n for n in metas if n.endswith(EMBED_SUFFIXES)), None)
-    if CRITIC_HEAD in metas and LM_HEAD not in metas:
+    heads = find_heads(metas, config)  # the model's own names where the common ones do not apply
+    if CRITIC_HEAD in metas and heads.head is None:
         updates.update(critic_config(config, metas[CRITIC_HEAD]))
         notes.append("critic head score.weight -> token classification model")
     elif tied:
-        if LM_HEAD in metas:
-            input_embedding(metas, config_url)  # the copy we drop is checked against it before writing
-            names.remove(LM_HEAD)
-            notes.append("tied embeddings: lm_head.weight not written (it equals the embedding)")
-    elif embed is not None and LM_HEAD not in metas:
+        if heads.head is not None:
+            if heads.embedding is None:  # the copy we drop is checked against it before writing
+                raise InvalidConfig("config ties embeddings but the checkpoint has no input embedding to tie "
+                                    f"{heads.head} to", config_url)
+            names.remove(heads.head)
+            notes.append(f"tied embeddings: {heads.head} not written (it equals {heads.embedding})")
+    elif heads.embedding is not None and heads.head is None:
         raise untied_without_head(config_url)
     tensors = [PlannedTensor(n, metas[n].shape, output_dtype(metas[n].dtype, dtype), n) for n in names]
     updates.update(stored_dtype_update(tensors, dtype))

@@ -60,6 +60,7 @@ class OutputOptions:
     dtype: str | None = None  # output dtype; as stored when None (SVD factors: float32)
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     tie_word_embedding: bool | None = None  # verl's flag: may only confirm config.json
+    weights_format: str = "hub"  # merge: hub (the Hub checkpoint's names) | transformers (as stored)
     lora_alpha: float | tuple[float, ...] | None = None  # merge/extract: the run's alpha; merge-lora: one per adapter
     write_base: bool = True  # extract: also write the clean base model under <target>/base/
     rank: int | None = None  # SVD: rank of each module (extract --finetuned, merge-lora --output adapter)
@@ -97,7 +98,7 @@ def _keys(*names: str) -> tuple[tuple[str, str], ...]:
 
 # command -> (key in fingerprints and provenance, OutputOptions field) of the options that shape its output
 OUTPUT_OPTION_KEYS: dict[str, tuple[tuple[str, str], ...]] = {
-    "merge": _keys("dtype", "max_shard_size", "hf_model_path"),  # + lora_alpha, custom_mapping when set
+    "merge": _keys("dtype", "max_shard_size", "hf_model_path", "weights_format"),  # + lora_alpha, custom_mapping when set
     "extract-lora": _keys("backend", "lora_alpha", "base_model", "write_base", "hf_model_path", "dtype",
                           "max_shard_size"),
     "extract-lora --finetuned": _keys("backend", "rank", "energy", "target_modules", "dtype"),

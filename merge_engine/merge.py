@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from merge_engine import __version__, storage
 from merge_engine.errors import InvalidOption
 from merge_engine.hf_metadata import copy_metadata, read_config
+from merge_engine.hub_format import DEFAULT_WEIGHTS_FORMAT, HUB, parse_weights_format, to_hub_format
 from merge_engine.layouts import Checkpoint, check_checkpoint, open_checkpoint
 from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE, MergePlan, parse_dtype
 from merge_engine.output_heads import check_dropped_head
@@ -43,13 +44,15 @@ class MergeOptions:
     tie_word_embedding: bool | None = None  # verl's flag: may only confirm config.json
     lora_alpha: float | None = None  # for LoRA checkpoints whose run recorded no alpha (never guessed)
     custom_mapping: str | None = None  # Megatron: a JSON file extending the family's name table
+    weights_format: str = DEFAULT_WEIGHTS_FORMAT  # "hub" (the Hub checkpoint's names) | "transformers" (as stored)
     overwrite: bool = False
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     def output_options(self) -> dict[str, object]:
         """The options that change the bytes written (for fingerprints and provenance)."""
         options: dict[str, object] = {"dtype": self.dtype, "max_shard_size": self.max_shard_size,
-                                      "hf_model_path": self.hf_model_path}
+                                      "hf_model_path": self.hf_model_path,
+                                      "weights_format": parse_weights_format(self.weights_format)}
         # only when set, so that the fingerprints of other merges stay as they were
         if self.lora_alpha is not None:
             options["lora_alpha"] = self.lora_alpha
@@ -86,7 +89,20 @@ def merge_fingerprint(checkpoint: Checkpoint, options: MergeOptions) -> str:
 
 
 def plan_merge(checkpoint: Checkpoint, source: TensorSource, config: dict, options: MergeOptions) -> MergePlan:
-    """`merge_engine.planner.plan_checkpoint` with these options."""
+    """`plan_stored_names` in the requested weights format (`merge_engine.hub_format`)."""
+    return in_weights_format(plan_stored_names(checkpoint, source, config, options), config, options)
+
+
+def in_weights_format(plan: MergePlan, config: dict, options: MergeOptions) -> MergePlan:
+    """``--weights-format hub`` (default): the Hub checkpoint's names; ``transformers``: as stored."""
+    if parse_weights_format(options.weights_format) == HUB:
+        return to_hub_format(plan, config, options.max_shard_size)
+    return plan
+
+
+def plan_stored_names(checkpoint: Checkpoint, source: TensorSource, config: dict,
+                      options: MergeOptions) -> MergePlan:
+    """`merge_engine.planner.plan_checkpoint` with these options: the tensors under their stored names."""
     return plan_checkpoint(checkpoint, source, config, dtype=parse_dtype(options.dtype),
                            max_shard_size=options.max_shard_size, tie_flag=options.tie_word_embedding,
                            lora_alpha=options.lora_alpha, custom_mapping=options.custom_mapping,
@@ -119,10 +135,11 @@ def merge_checkpoint(source_url: str, target_url: str, options: MergeOptions = M
                            time.perf_counter() - started, skipped=True)
     source = open_checkpoint(checkpoint)
     try:
-        plan = plan_merge(checkpoint, source, config, options)
+        stored = plan_stored_names(checkpoint, source, config, options)
+        check_dropped_head(source, stored, options.chunk_bytes, config)
+        plan = in_weights_format(stored, config, options)
         if on_plan:
             on_plan(plan)
-        check_dropped_head(source, plan, options.chunk_bytes)
 
         def write(url: str) -> list[tuple[str, int]]:
             files = write_plan(plan, source, url, chunk_bytes=options.chunk_bytes, on_bytes=on_bytes).files

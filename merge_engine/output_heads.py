@@ -10,6 +10,10 @@ Tied embeddings (`tie_word_embeddings` reads the config's flag):
   (`check_dropped_head` applies it to a Hugging Face-names plan);
 - an untied config whose checkpoint has no head is `InvalidConfig` (`untied_without_head`).
 
+Which tensors are the input embedding and the output head (`find_heads`): the common names
+(``lm_head.weight``, ``*embed_tokens.weight``, ``*wte.weight``...) when they settle it, else the
+model's own names (`merge_engine.model_heads`: GPT-NeoX's head is ``embed_out.weight`` on the Hub).
+
 Critic value heads (`is_critic`): a one-row head (verl's critics; ``score.weight`` in Hugging Face
 names) becomes a token-classification model (`critic_config`), never tied.
 
@@ -18,7 +22,8 @@ names) becomes a token-classification model (`critic_config`), never tied.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,13 +34,36 @@ from merge_engine.hf_metadata import tie_word_embeddings
 from merge_engine.merge_plan import MergePlan
 from merge_engine.tensor_source import TensorMeta, TensorSource
 
-__all__ = ["CRITIC_HEAD", "EMBED_SUFFIXES", "LM_HEAD", "check_dropped_head", "check_tie_flag", "check_tied_copy",
+__all__ = ["CRITIC_HEAD", "EMBED_SUFFIXES", "LM_HEAD", "Heads", "check_dropped_head", "find_heads", "check_tie_flag", "check_tied_copy",
            "critic_config",
            "input_embedding", "is_critic", "tie_word_embeddings", "tied_copy_error", "untied_without_head"]
 
 EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
 LM_HEAD = "lm_head.weight"
 CRITIC_HEAD = "score.weight"
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The stored names of the input embedding and of the output head (None: not stored)."""
+
+    embedding: str | None
+    head: str | None
+
+
+def find_heads(names: Collection[str], config: Mapping[str, Any] | None = None) -> Heads:
+    """The input embedding and output head among ``names``: the common names, else the model's own
+    (`merge_engine.model_heads`, which builds the config's class on the meta device)."""
+    embedding = next((n for n in names if n.endswith(EMBED_SUFFIXES)), None)
+    head = LM_HEAD if LM_HEAD in names else None
+    if (embedding is None or head is None) and config:
+        from merge_engine.model_heads import model_head_names
+
+        from_model = model_head_names(config)
+        if from_model is not None:
+            embedding = embedding or next((n for n in from_model.embedding if n in names), None)
+            head = head or next((n for n in from_model.head if n in names), None)
+    return Heads(embedding, head)
 
 
 def check_tie_flag(tie_flag: bool | None, tied: bool, config_url: str | None = None) -> None:
@@ -55,7 +83,8 @@ def input_embedding(metas: Mapping[str, TensorMeta], config_url: str | None = No
 
 
 def untied_without_head(where: str | None = None) -> InvalidConfig:
-    return InvalidConfig("config says tie_word_embeddings=false but the checkpoint has no lm_head.weight", where)
+    return InvalidConfig(f"config says tie_word_embeddings=false but the checkpoint has no output head ({LM_HEAD} "
+                         "or the model's own name for it)", where)
 
 
 def tied_copy_error(copy: str, embedding: str, where: str | None, detail: str = "") -> InvalidConfig:
@@ -81,12 +110,16 @@ def check_tied_copy(source: TensorSource, copy: str, embedding: str, chunk_bytes
         raise tied_copy_error(copy, embedding, source.url)
 
 
-def check_dropped_head(source: TensorSource, plan: MergePlan, chunk_bytes: int) -> None:
-    """Hugging Face names: a stored ``lm_head`` the plan does not write (tied) equals the embedding."""
-    metas = source.metas()
-    if LM_HEAD not in metas or LM_HEAD in plan.by_name():
+def check_dropped_head(source: TensorSource, plan: MergePlan, chunk_bytes: int,
+                       config: Mapping[str, Any] | None = None) -> None:
+    """Hugging Face names: a stored head the plan does not write (tied) equals the embedding."""
+    heads = find_heads(source.metas(), config)
+    if heads.head is None or heads.head in plan.by_name():
         return
-    check_tied_copy(source, LM_HEAD, input_embedding(metas), chunk_bytes)  # the planner refused a drop without one
+    if heads.embedding is None:  # the planner refuses a drop without one
+        raise InvalidConfig(f"config ties embeddings but there is no input embedding to tie {heads.head} to",
+                            source.url)
+    check_tied_copy(source, heads.head, heads.embedding, chunk_bytes)
 
 
 def is_critic(head_rows: int, vocab_size: int | None = None) -> bool:

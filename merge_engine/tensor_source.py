@@ -129,6 +129,45 @@ class ConcatTensor:
                 col += inner
             yield block.reshape(-1)
 
+    def iter_range(self, start: int, count: int, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        """Elements ``[start, start+count)`` of the row-major flattening, in flat chunks of at most
+        ``max_bytes``. Cut on dim 0 (or one piece), a range is a byte range of the pieces it crosses;
+        cut on a later dim, each row of the range is gathered from its piece segments."""
+        if count <= 0:
+            return
+        max_elems = max(1, max_bytes // self.dtype.itemsize)
+        if self.dim == 0 or len(self.pieces) == 1:
+            at = 0
+            for piece in self.pieces:
+                n = piece.numel
+                lo, hi = max(start, at), min(start + count, at + n)
+                if lo < hi:
+                    read = flat_reader(piece)
+                    for a in range(lo, hi, max_elems):
+                        yield read(a - at, min(max_elems, hi - a))
+                at += n
+            return
+        inners = [math.prod(p.shape[self.dim:]) for p in self.pieces]
+        row = sum(inners)
+        readers = [flat_reader(p) for p in self.pieces]
+        buffer: list[torch.Tensor] = []
+        held = 0
+        position, end = start, start + count
+        while position < end:
+            r, c0 = divmod(position, row)
+            c1 = min(row, c0 + end - position)
+            col = 0
+            for read, inner in zip(readers, inners):
+                lo, hi = max(c0, col), min(c1, col + inner)
+                if lo < hi:
+                    buffer.append(read(r * inner + lo - col, hi - lo))
+                    held += hi - lo
+                col += inner
+            position += c1 - c0
+            if held >= max_elems or position >= end:
+                yield torch.cat(buffer) if len(buffer) > 1 else buffer[0]
+                buffer, held = [], 0
+
     def read(self) -> torch.Tensor:
         if not self.pieces:
             return torch.empty(self.shape, dtype=self.dtype)
@@ -171,6 +210,19 @@ class ReplicatedTensor:
                                        other.archive.url)
             yield chunk
 
+    def iter_range(self, start: int, count: int, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        """Elements ``[start, start+count)`` of the flattening; every copy's range is checked equal."""
+        max_elems = max(1, max_bytes // self.dtype.itemsize)
+        readers = [flat_reader(copy) for copy in self.copies]
+        for a in range(start, start + count, max_elems):
+            n = min(max_elems, start + count - a)
+            chunk = readers[0](a, n)
+            for other, read in zip(self.copies[1:], readers[1:]):
+                if not torch.equal(read(a, n), chunk):
+                    raise CorruptShard("replicated tensor differs between ranks (expected identical copies)",
+                                       other.archive.url)
+            yield chunk
+
     def read(self) -> torch.Tensor:
         return torch.cat(list(self.iter_chunks())).reshape(self.shape) if self.copies[0].numel else \
             torch.empty(self.shape, dtype=self.dtype)
@@ -197,6 +249,10 @@ class AssembledSource:
     def read(self, name: str) -> torch.Tensor:
         return self._tensors[name].read()
 
+    def iter_range(self, name: str, start: int, count: int,
+                   max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        return self._tensors[name].iter_range(start, count, max_bytes)
+
     def same_storage(self, a: str, b: str) -> bool:
         """True when two names are views of the very same stored bytes (tied weights saved once)."""
         ta, tb = self._tensors[a], self._tensors[b]
@@ -209,3 +265,23 @@ class AssembledSource:
     def close(self) -> None:
         for archive in self._archives:
             archive.close()
+
+
+def iter_flat_range(source: TensorSource, name: str, start: int, count: int,
+                    max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+    """Elements ``[start, start+count)`` of ``name``'s row-major flattening, in flat chunks of at most
+    ``max_bytes``: a ranged read where the source offers one (``iter_range``), else the tensor's chunk
+    stream with the elements outside the range skipped (read, not kept)."""
+    ranged = getattr(source, "iter_range", None)
+    if ranged is not None:
+        yield from ranged(name, start, count, max_bytes)
+        return
+    at, end = 0, start + count
+    for chunk in source.iter_chunks(name, max_bytes):
+        n = chunk.numel()
+        lo, hi = max(start, at), min(end, at + n)
+        if lo < hi:
+            yield chunk[lo - at:hi - at]
+        at += n
+        if at >= end:
+            return

@@ -104,6 +104,9 @@ class FsdpSpec:
     lora: LoraSpec | None = None
     role: str = "actor"  # "actor" | "critic" | "" (SFT trainer: straight into global_step_N/)
     save_contents: tuple[str, ...] = ("model", "optimizer", "extra")  # verl's checkpoint.save_contents
+    # (old, new) key renames applied to the saved state dicts: the attribute names of the same model
+    # under transformers 4.x (GPT-NeoX's head was `embed_out`), which verl's writer saved then
+    key_renames: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -157,6 +160,7 @@ class FsdpSpec:
             lora["target_modules"] = tuple(lora["target_modules"])
             data["lora"] = LoraSpec(**lora)
         data["save_contents"] = tuple(data["save_contents"])
+        data["key_renames"] = tuple(tuple(pair) for pair in data.get("key_renames", ()))
         return cls(**data)
 
 
@@ -332,6 +336,28 @@ def fixture_matrix() -> dict[str, FsdpSpec]:
             lora=LoraSpec(r=2, alpha=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj")),
         ),
     }
+
+
+def family_matrix() -> dict[str, FsdpSpec]:
+    """The architecture matrix (`model_families.FAMILIES`), written once per test session: every
+    family on FSDP2 at world 2, the MoE and vision-language ones at world 3 too (4 experts over 3
+    ranks: uneven shards), Qwen3-MoE on FSDP1, verl's Shard(dim>0) placement on fused experts, and
+    GPT-NeoX saved under its transformers 4.x head name `embed_out`."""
+    from synthetic_runs.model_families import FAMILIES
+
+    specs = {f"{family}_w2": FsdpSpec(model=ModelSpec(family=family), world_size=2, save_contents=("model",))
+             for family in FAMILIES}
+    for family in ("mixtral", "qwen3_moe", "deepseek_v3", "qwen2_vl"):
+        specs[f"{family}_w3"] = FsdpSpec(model=ModelSpec(family=family), world_size=3, save_contents=("model",))
+    specs["qwen3_moe_fsdp1_w2"] = FsdpSpec(model=ModelSpec(family="qwen3_moe"), world_size=2,
+                                           strategy="fsdp1_mesh", save_contents=("model",))
+    # gate_up_proj (4, 120, 64) -> Shard(1), down_proj (4, 64, 60) -> Shard(2) under verl's placement
+    specs["qwen3_moe_shard_dim1_w3"] = FsdpSpec(model=ModelSpec(family="qwen3_moe", intermediate_size=120),
+                                                world_size=3, shard_dim=1, save_contents=("model",))
+    specs["gpt_neox_embed_out_w2"] = FsdpSpec(model=ModelSpec(family="gpt_neox"), world_size=2,
+                                              save_contents=("model",),
+                                              key_renames=(("lm_head.weight", "embed_out.weight"),))
+    return specs
 
 
 def write_fixture_matrix(
@@ -559,7 +585,9 @@ def _write_reference(model: torch.nn.Module, job: StepJob) -> None:
 
     spec = job.spec
     os.makedirs(job.reference_dir, exist_ok=True)
-    state = {name: tensor.detach().clone().contiguous() for name, tensor in model.state_dict().items()}
+    renames = dict(spec.key_renames)
+    state = {renames.get(name, name): tensor.detach().clone().contiguous()
+             for name, tensor in model.state_dict().items()}
     save_file(state, os.path.join(job.reference_dir, REFERENCE_STATE_DICT), metadata={"seed": str(job.seed)})
     with open(os.path.join(job.reference_dir, "spec.json"), "w") as handle:
         json.dump({"seed": job.seed, "spec": spec.to_dict()}, handle, indent=2)
@@ -789,6 +817,9 @@ def _write_rank(job: StepJob, rank: int, world_size: int, meshes: dict) -> None:
         model_state = model.state_dict()
         if sorted(model_state) != sorted(expected_keys):
             raise AssertionError(f"rank file keys differ from the model's: {sorted(set(model_state) ^ set(expected_keys))}")
+        if spec.key_renames:
+            renames = dict(spec.key_renames)
+            model_state = {renames.get(name, name): value for name, value in model_state.items()}
         torch.save(model_state, os.path.join(files.checkpoint_dir, rank_file_name("model", world_size, rank)))
         if "optimizer" in spec.save_contents:
             path = os.path.join(files.checkpoint_dir, rank_file_name("optim", world_size, rank))

@@ -22,9 +22,12 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from synthetic_runs.model_families import FAMILIES as OTHER_FAMILIES
+from synthetic_runs.model_families import build_family_config
 from synthetic_runs.tokenizer import IM_END, PAD_TOKEN, save_tokenizer
 
-FAMILIES: tuple[str, ...] = ("qwen2", "llama")
+DENSE_FAMILIES: tuple[str, ...] = ("qwen2", "llama")
+FAMILIES: tuple[str, ...] = DENSE_FAMILIES + tuple(OTHER_FAMILIES)
 TASKS: tuple[str, ...] = ("causal_lm", "token_classification")
 
 # Registered on the inner model (`model.extra_persistent_buffer` in the state dict) when asked for.
@@ -37,7 +40,8 @@ _PEFT_PREFIX = "base_model.model."
 class ModelSpec:
     """A tiny decoder model. All sizes are small on purpose; `vocab_size` is odd so shards are uneven."""
 
-    family: str = "qwen2"  # "qwen2" (q/k/v bias) | "llama" (no bias); both support GQA
+    family: str = "qwen2"  # "qwen2" (q/k/v bias) | "llama" (no bias); both support GQA; or one of
+    # `model_families.FAMILIES` (MoE, vision-language, GPT-NeoX, GPT-2; causal LM only)
     vocab_size: int = 1003
     hidden_size: int = 64
     intermediate_size: int = 112
@@ -57,10 +61,14 @@ class ModelSpec:
             raise ValueError("hidden_size must divide by num_heads and num_heads by num_kv_heads")
         if self.task == "token_classification" and self.tie_word_embeddings:
             raise ValueError("a token-classification model has no lm_head to tie")
+        if self.family in OTHER_FAMILIES and self.task != "causal_lm":
+            raise ValueError(f"family {self.family!r} is built as a causal LM only")
 
     @property
     def architecture(self) -> str:
         """The class name Hugging Face records in config.json `architectures`."""
+        if self.family in OTHER_FAMILIES:
+            return OTHER_FAMILIES[self.family].causal_lm
         prefix = {"qwen2": "Qwen2", "llama": "Llama"}[self.family]
         suffix = {"causal_lm": "ForCausalLM", "token_classification": "ForTokenClassification"}[self.task]
         return prefix + suffix
@@ -68,6 +76,8 @@ class ModelSpec:
     @property
     def decoder_layer_class(self) -> str:
         """The class FSDP wraps per layer (the model's `_no_split_modules`)."""
+        if self.family in OTHER_FAMILIES:
+            return OTHER_FAMILIES[self.family].decoder_layer
         return {"qwen2": "Qwen2DecoderLayer", "llama": "LlamaDecoderLayer"}[self.family]
 
 
@@ -95,6 +105,10 @@ def _token_ids() -> dict[str, int]:
 def build_config(spec: ModelSpec, dtype: str | torch.dtype = "float32") -> transformers.PretrainedConfig:
     """The Hugging Face config of `spec`; `dtype` is recorded as the config's dtype (verl saves the
     config of a model loaded in that dtype)."""
+    if spec.family in OTHER_FAMILIES:
+        config = build_family_config(spec, _token_ids())
+        config.dtype = torch_dtype(dtype)
+        return config
     common = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,

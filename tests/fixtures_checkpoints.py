@@ -1,5 +1,6 @@
 """Session fixtures: real checkpoints written once per test session by real torch.distributed code.
 
+`family_runs`: the architecture matrix of `synthetic_runs.fsdp.family_matrix()`.
 `fsdp_runs`: every variant of `synthetic_runs.fixture_matrix()` (FSDP1 with and without a mesh,
 FSDP2, HSDP, one rank, tied/untied, Qwen2/Llama, fp32/bf16, buffers, critic, SFT, LoRA) as a verl
 run root with one step, plus the exact reference weights each was sharded from.
@@ -25,3 +26,14 @@ def megatron_runs(tmp_path_factory):
     from synthetic_runs.megatron import write_fixture_matrix
 
     return write_fixture_matrix(tmp_path_factory.mktemp("megatron_fixtures"))
+
+
+@pytest.fixture(scope="session")
+def family_runs(tmp_path_factory) -> dict[str, synthetic_runs.RunFiles]:
+    """The architecture matrix (`synthetic_runs.fsdp.family_matrix()`: MoE, vision-language, GPT-NeoX,
+    GPT-2 on FSDP1/FSDP2, world 2 and 3) with references (state dict + ``save_pretrained`` folder)."""
+    from synthetic_runs.fsdp import family_matrix
+
+    root = tmp_path_factory.mktemp("synthetic_families")
+    return synthetic_runs.write_fixture_matrix(root / "runs", reference_root=root / "references", steps=(1,),
+                                               specs=family_matrix())

@@ -1,0 +1,200 @@
+"""Hub-format output: the names and per-expert tensors of the model's Hub checkpoint.
+
+Specification:
+- A merge writes what ``save_pretrained`` writes for the model (default ``--weights-format hub``):
+  fused experts split per expert, ``model.language_model`` back to ``model``, GPT-NeoX's head as
+  ``embed_out``; the names come from transformers' own conversion mapping.
+- Every family of the architecture matrix (FSDP1/FSDP2, world 2 and 3, uneven and dim>0 shards),
+  merged: bit for bit equal to the ``save_pretrained`` folder of the model it was sharded from,
+  the same names, a transformers load with no missing or unexpected key, and equal logits.
+- ``--weights-format transformers`` writes the names as stored; the choice is in ``stepmerge.json``.
+- A per-expert tensor is planned as ranged reads: its bytes, not the fused tensor's, are read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from merge_engine.cli import main
+from merge_engine.errors import InvalidConfig
+from merge_engine.hub_format import TensorView, hub_naming, meta_model, trace_reverse_conversion
+from merge_engine.merge import MergeOptions, merge_checkpoint
+from merge_engine.model_heads import find_heads
+from merge_engine.storage import RangeReader
+from merge_engine.tensor_source import ConcatTensor
+from merge_engine.torch_archive import TorchArchive
+from synthetic_runs.fsdp import family_matrix
+from synthetic_runs.models import build_config, build_model, torch_dtype
+
+FAMILY_CASES = sorted(family_matrix())
+
+
+def _load_folder(folder: str) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), "pt") as handle:
+                for key in handle.keys():
+                    tensors[key] = handle.get_tensor(key)
+    return tensors
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.tensor([[(7919 * i + 13) % 1003 for i in range(12)]])
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+
+
+@pytest.fixture(scope="module")
+def merged_families(family_runs, tmp_path_factory) -> dict[str, str]:
+    """Every family run merged once with the default options (Hub format)."""
+    root = tmp_path_factory.mktemp("hub_merged")
+    out = {}
+    for name, run in family_runs.items():
+        out[name] = str(root / name)
+        merge_checkpoint(run.latest.checkpoint_dir, out[name])
+    return out
+
+
+class TestFamilyMatrix:
+    @pytest.mark.parametrize("case", FAMILY_CASES)
+    def test_merge_is_the_save_pretrained_checkpoint(self, case, family_runs, merged_families):
+        """Same names as save_pretrained (Hub names), every tensor bit for bit, same dtype."""
+        written = _load_folder(merged_families[case])
+        reference = _load_folder(family_runs[case].latest.reference_hf_dir)
+        assert sorted(written) == sorted(reference)
+        for name, tensor in reference.items():
+            assert written[name].dtype == tensor.dtype, name
+            assert torch.equal(written[name], tensor), name
+
+    @pytest.mark.parametrize("case", FAMILY_CASES)
+    def test_loads_cleanly_with_the_trained_logits(self, case, family_runs, merged_families):
+        """transformers loads the folder with no missing/unexpected key; logits equal the model's."""
+        import transformers
+
+        step = family_runs[case].latest
+        spec = step.spec.model
+        cls = getattr(transformers, spec.architecture)
+        model, info = cls.from_pretrained(merged_families[case], output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        trained = build_model(spec, step.seed, torch_dtype(step.spec.dtype))
+        assert torch.equal(_logits(model.eval()), _logits(trained))
+
+    def test_provenance_records_the_weights_format(self, merged_families):
+        with open(os.path.join(merged_families["mixtral_w2"], "stepmerge.json")) as handle:
+            assert json.load(handle)["options"]["weights_format"] == "hub"
+
+    def test_validation_expects_the_hub_names(self, merged_families):
+        from merge_engine.validate import validate_structure
+
+        report = validate_structure(merged_families["qwen3_moe_w3"])
+        assert report.ok, report.summary()
+        assert report.check("expected_keys").ok
+
+
+def test_transformers_format_keeps_the_stored_names(family_runs, tmp_path):
+    """--weights-format transformers: the stored (in-memory) names and fused tensors, exactly."""
+    step = family_runs["mixtral_w2"].latest
+    target = tmp_path / "out"
+    code = main(["merge", "--backend", "fsdp", "--local_dir", step.checkpoint_dir, "--target_dir", str(target),
+                 "--weights-format", "transformers"])
+    assert code == 0
+    written = _load_folder(str(target))
+    stored = _load_folder(step.reference_dir)  # state_dict.safetensors: the rank files' names
+    assert sorted(written) == sorted(stored)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in written
+    assert all(torch.equal(written[k], stored[k]) for k in stored)
+    with open(target / "stepmerge.json") as handle:
+        assert json.load(handle)["options"]["weights_format"] == "transformers"
+
+
+def test_gpt_neox_head_named_by_the_model(family_runs):
+    """A checkpoint saved under GPT-NeoX's 4.x head name `embed_out` is untied and complete."""
+    step = family_runs["gpt_neox_embed_out_w2"].latest
+    names = set(_load_folder(step.reference_dir))
+    assert "embed_out.weight" in names and "lm_head.weight" not in names
+    heads = find_heads(names, build_config(step.spec.model).to_dict())
+    assert (heads.embedding, heads.head) == ("gpt_neox.embed_in.weight", "embed_out.weight")
+
+
+def test_missing_head_still_refused():
+    """Names from the model do not excuse a checkpoint that lost its head."""
+    from merge_engine.hf_plan import plan_hf_merge
+    from merge_engine.tensor_source import TensorMeta
+
+    config = build_config(__import__("synthetic_runs.models", fromlist=["ModelSpec"]).ModelSpec(family="gpt_neox"))
+    metas = {n: TensorMeta(n, (4, 4), torch.float32) for n in ("gpt_neox.embed_in.weight", "gpt_neox.final_layer_norm.weight")}
+    with pytest.raises(InvalidConfig, match="no output head"):
+        plan_hf_merge(metas, config.to_dict())
+
+
+class TestNaming:
+    def test_dense_model_keeps_its_names(self):
+        from synthetic_runs.models import ModelSpec
+
+        config = build_config(ModelSpec(family="llama")).to_dict()
+        assert hub_naming({"model.embed_tokens.weight": (1003, 64)}, config) is None
+
+    def test_hub_checkpoint_names_are_left_alone(self):
+        """A checkpoint written under transformers 4.x already holds Hub names: nothing to convert."""
+        from synthetic_runs.models import ModelSpec
+
+        config = build_config(ModelSpec(family="mixtral")).to_dict()
+        hub = {"model.layers.0.block_sparse_moe.experts.0.w1.weight": (112, 64), "lm_head.weight": (1003, 64)}
+        assert hub_naming(hub, config) is None
+
+    def test_views_are_the_slices_save_pretrained_writes(self):
+        """Each per-expert Hub tensor is the traced view of the fused tensor it came from."""
+        from synthetic_runs.models import ModelSpec
+
+        model = meta_model(build_config(ModelSpec(family="qwen3_moe")).to_dict())
+        fused = torch.arange(4 * 112 * 64, dtype=torch.float32).reshape(4, 112, 64)
+        views = trace_reverse_conversion(model, {"model.layers.0.mlp.experts.gate_up_proj": (4, 112, 64)})
+        assert len(views) == 8
+        up = views["model.layers.0.mlp.experts.2.up_proj.weight"]
+        assert up.is_contiguous() and list(up.runs()) == [(2 * 112 * 64 + 56 * 64, 56 * 64)]
+        taken = torch.as_strided(fused.reshape(-1), up.shape, up.stride, up.offset)
+        assert torch.equal(taken, fused[2, 56:])
+
+
+class TestRangedReads:
+    @pytest.mark.parametrize("shape,stride,offset", [((3, 4), (4, 1), 5), ((2, 3), (12, 1), 2),
+                                                     ((2, 2, 2), (12, 4, 1), 1), ((3,), (2,), 0)])
+    def test_view_runs_cover_the_view(self, shape, stride, offset):
+        flat = torch.arange(40)
+        view = TensorView("x", offset, shape, stride)
+        runs = torch.cat([flat[a:a + n] for a, n in view.runs()])
+        assert torch.equal(runs, torch.as_strided(flat, shape, stride, offset).reshape(-1))
+
+    @pytest.mark.parametrize("dim", [0, 1, 2])
+    def test_concat_range_equals_the_slice(self, tmp_path, dim):
+        full = torch.randn(4, 6, 5)
+        parts = [p.contiguous() for p in torch.tensor_split(full, 3, dim=dim)]
+        path = str(tmp_path / "p.pt")
+        torch.save({f"p{i}": p for i, p in enumerate(parts)}, path)
+        tree = TorchArchive(path, RangeReader(path)).load()
+        assembled = ConcatTensor(tuple(full.shape), full.dtype, dim, tuple(tree[f"p{i}"] for i in range(3)))
+        for start, count in ((0, 120), (7, 33), (30, 30), (119, 1)):
+            for max_bytes in (4, 36, 10_000):
+                got = torch.cat(list(assembled.iter_range(start, count, max_bytes)))
+                assert torch.equal(got, full.reshape(-1)[start:start + count])
+
+    def test_one_expert_reads_only_its_bytes(self, tmp_path):
+        """A per-expert slice of a tensor sharded on dim 0 is one byte range: nothing else is read."""
+        from tests.merge_engine.test_tensor_source import CountingReader
+
+        full = torch.randn(4, 8, 16)
+        path = str(tmp_path / "e.pt")
+        torch.save({"a": full[:2].clone(), "b": full[2:].clone()}, path)
+        reader = CountingReader(path)
+        tree = TorchArchive(path, reader).load()
+        assembled = ConcatTensor((4, 8, 16), torch.float32, 0, (tree["a"], tree["b"]))
+        before = reader.bytes_read
+        got = torch.cat(list(assembled.iter_range(3 * 128 + 64, 64)))
+        assert torch.equal(got, full[3, 4:].reshape(-1))
+        assert 64 * 4 <= reader.bytes_read - before < 2 * 64 * 4  # the range (+ a zip entry header), of 2048
