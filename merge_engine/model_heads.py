@@ -42,7 +42,7 @@ def _module_weight_name(model: Any, module: Any) -> str | None:
 
 @functools.lru_cache(maxsize=8)
 def _head_names(config_json: str) -> ModelHeadNames | None:
-    from merge_engine.hub_format import meta_model, trace_reverse_conversion
+    from merge_engine.transformers_conversion import meta_model, trace_reverse_conversion
 
     config = json.loads(config_json)
     try:

@@ -22,12 +22,13 @@ from safetensors import safe_open
 
 from merge_engine.cli import main
 from merge_engine.errors import InvalidConfig
-from merge_engine.hub_format import TensorView, hub_naming, meta_model, trace_reverse_conversion
+from merge_engine.hub_format import hub_naming
 from merge_engine.merge import MergeOptions, merge_checkpoint
-from merge_engine.model_heads import find_heads
+from merge_engine.output_heads import find_heads
 from merge_engine.storage import RangeReader
 from merge_engine.tensor_source import ConcatTensor
 from merge_engine.torch_archive import TorchArchive
+from merge_engine.transformers_conversion import TensorView, meta_model, trace_reverse_conversion
 from synthetic_runs.fsdp import family_matrix
 from synthetic_runs.models import build_config, build_model, torch_dtype
 
