@@ -1,7 +1,8 @@
 """``python -m merge_engine``: the engine's command line (``stepmerge`` is it plus the pipeline's ``notify``,
 `flows.cli`).
 
-Accepts verl's model-merger spellings (``merge --backend fsdp --local_dir X --target_dir Y``,
+Each command builds the engine's one options record (`merge_engine.jobs.OutputOptions`) and runs
+its job. Accepts verl's model-merger spellings (``merge --backend fsdp --local_dir X --target_dir Y``,
 ``test --test_hf_dir Z``, ``--tie-word-embedding``, ``--trust-remote-code``, ...) with dashes or
 underscores, plus stepmerge's own commands. Every `StepmergeError` becomes one line on stderr
 (``stepmerge: error: <Kind>: message [path]``) and its exit code; nothing is printed as a traceback.
@@ -45,15 +46,15 @@ def _source_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace):
-    from merge_engine.merge import MergeOptions
+    from merge_engine.jobs import OutputOptions
     from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE, parse_size
 
-    return MergeOptions(backend=args.backend, dtype=args.dtype,
-                        max_shard_size=parse_size(getattr(args, "max_shard_size", None) or DEFAULT_MAX_SHARD_SIZE),
-                        hf_model_path=args.hf_model_path, tie_word_embedding=args.tie_word_embedding,
-                        custom_mapping=args.custom_mapping, lora_alpha=getattr(args, "lora_alpha", None),
-                        weights_format=getattr(args, "weights_format", "hub"),
-                        overwrite=getattr(args, "overwrite", False))
+    return OutputOptions(backend=args.backend, dtype=args.dtype,
+                         max_shard_size=parse_size(getattr(args, "max_shard_size", None) or DEFAULT_MAX_SHARD_SIZE),
+                         hf_model_path=args.hf_model_path, tie_word_embedding=args.tie_word_embedding,
+                         custom_mapping=args.custom_mapping, lora_alpha=getattr(args, "lora_alpha", None),
+                         weights_format=getattr(args, "weights_format", "hub"),
+                         overwrite=getattr(args, "overwrite", False))
 
 
 def _progress(total: int, label: str):
@@ -164,7 +165,8 @@ def _print_lora_result(result, verb: str) -> None:
 
 
 def cmd_extract_lora(args: argparse.Namespace) -> int:
-    from merge_engine.lora.extract import ExtractOptions, SvdExtractOptions, extract_lora, extract_lora_svd
+    from merge_engine.jobs import OutputOptions
+    from merge_engine.lora.extract import extract_lora, extract_lora_svd
     from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE, parse_size
 
     if (args.local_dir is None) == (args.finetuned is None):
@@ -176,17 +178,17 @@ def cmd_extract_lora(args: argparse.Namespace) -> int:
         if args.lora_alpha is not None or args.adapter_only:
             raise InvalidOption("--lora-alpha / --adapter-only apply to --local_dir checkpoints")
         targets = tuple(t for t in args.target_modules.split(",") if t) if args.target_modules else None
-        options = SvdExtractOptions(backend=args.backend, rank=args.rank, energy=args.energy, target_modules=targets, dtype=args.dtype,
-                                    device=args.device, overwrite=args.overwrite)
+        options = OutputOptions(backend=args.backend, rank=args.rank, energy=args.energy, target_modules=targets,
+                                dtype=args.dtype, device=args.device, overwrite=args.overwrite)
         result = extract_lora_svd(args.base_model, args.finetuned, args.target_dir, options)
         _print_lora_result(result, f"SVD-extracted {args.finetuned} - {args.base_model}")
         return 0
     if args.rank is not None or args.energy is not None or args.target_modules or args.device:
         raise InvalidOption("--rank / --energy / --target-modules / --device apply to --finetuned (SVD extraction)")
-    options = ExtractOptions(backend=args.backend, lora_alpha=args.lora_alpha, base_model=args.base_model,
-                             write_base=not args.adapter_only, hf_model_path=args.hf_model_path, dtype=args.dtype,
-                             max_shard_size=parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE),
-                             overwrite=args.overwrite)
+    options = OutputOptions(backend=args.backend, lora_alpha=args.lora_alpha, base_model=args.base_model,
+                            write_base=not args.adapter_only, hf_model_path=args.hf_model_path, dtype=args.dtype,
+                            max_shard_size=parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE),
+                            overwrite=args.overwrite)
     result = extract_lora(args.local_dir, args.target_dir, options)
     _print_lora_result(result, f"extracted LoRA from {args.local_dir}")
     return 0
@@ -218,15 +220,16 @@ def _add_extract_lora(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_merge_lora(args: argparse.Namespace) -> int:
-    from merge_engine.lora.combine import MergeLoraOptions, merge_lora
+    from merge_engine.jobs import OutputOptions
+    from merge_engine.lora.combine import merge_lora
     from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE, parse_size
 
     adapters = [u for u in args.lora_adapter.split(",") if u]
-    options = MergeLoraOptions(method=args.merge_method, weights=_floats(args.adapter_weights, "--adapter-weights"),
-                               output=args.output, rank=args.rank, energy=args.energy,
-                               lora_alpha=_floats(args.lora_alpha, "--lora-alpha"), dtype=args.dtype,
-                               max_shard_size=parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE),
-                               device=args.device, overwrite=args.overwrite)
+    options = OutputOptions(method=args.merge_method, weights=_floats(args.adapter_weights, "--adapter-weights"),
+                            output=args.output, rank=args.rank, energy=args.energy,
+                            lora_alpha=_floats(args.lora_alpha, "--lora-alpha"), dtype=args.dtype,
+                            max_shard_size=parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE),
+                            device=args.device, overwrite=args.overwrite)
     bar = None
 
     def on_plan(plan) -> None:
@@ -267,11 +270,12 @@ def _add_merge_lora(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_split(args: argparse.Namespace) -> int:
-    from merge_engine.split import SplitOptions, split_hf_to_megatron
+    from merge_engine.jobs import OutputOptions
+    from merge_engine.split import split_hf_to_megatron
 
-    options = SplitOptions(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, fmt=args.format,
-                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, dtype=args.dtype,
-                           custom_mapping=args.custom_mapping, overwrite=args.overwrite)
+    options = OutputOptions(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, fmt=args.format,
+                            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, dtype=args.dtype,
+                            custom_mapping=args.custom_mapping, overwrite=args.overwrite)
     result = split_hf_to_megatron(args.hf_dir, args.target_dir, options)
     if result.skipped:
         print(f"{result.target_url} already holds this split; nothing to do")

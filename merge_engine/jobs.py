@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 from merge_engine import __version__, storage
 from merge_engine.errors import InvalidOption
+from merge_engine.hub_format import DEFAULT_WEIGHTS_FORMAT, parse_weights_format
 from merge_engine.lora.svd import ModuleReport
 from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE, MergePlan
 from merge_engine.output_target import Files, read_provenance, target_state, write_target
@@ -60,7 +61,7 @@ class OutputOptions:
     dtype: str | None = None  # output dtype; as stored when None (SVD factors: float32)
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     tie_word_embedding: bool | None = None  # verl's flag: may only confirm config.json
-    weights_format: str = "hub"  # merge: hub (the Hub checkpoint's names) | transformers (as stored)
+    weights_format: str = DEFAULT_WEIGHTS_FORMAT  # merge: hub (the Hub checkpoint's names) | transformers (as stored)
     lora_alpha: float | tuple[float, ...] | None = None  # merge/extract: the run's alpha; merge-lora: one per adapter
     write_base: bool = True  # extract: also write the clean base model under <target>/base/
     rank: int | None = None  # SVD: rank of each module (extract --finetuned, merge-lora --output adapter)
@@ -84,7 +85,9 @@ class OutputOptions:
         """The options that change the bytes ``command`` writes (for fingerprints and provenance)."""
         keys = OUTPUT_OPTION_KEYS[command]
         options = {name: getattr(self, field_name) for name, field_name in keys}
-        if command == "merge":  # only when set, so that the fingerprints of other merges stay as they were
+        if command == "merge":
+            options["weights_format"] = parse_weights_format(self.weights_format)
+            # only when set, so that the fingerprints of other merges stay as they were
             if self.lora_alpha is not None:
                 options["lora_alpha"] = self.lora_alpha
             if self.custom_mapping is not None:  # its content, not just its name, decides the output

@@ -24,7 +24,6 @@ pipeline stage (legacy: a rank file is one ``torch.save``), one layer (dist).
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,9 +36,9 @@ from merge_engine.architectures.parallel import TPKind, tp_kind
 from merge_engine.architectures.transforms import padded_vocab_size
 from merge_engine.errors import InvalidOption
 from merge_engine.hf_metadata import copy_metadata, read_config
-from merge_engine.layouts import check_checkpoint, layout_named, open_checkpoint
+from merge_engine.jobs import OutputOptions, OutputResult, PreparedJob, run_job
+from merge_engine.layouts import Checkpoint, check_checkpoint, layout_named, open_checkpoint
 from merge_engine.layouts.contract import ParallelSizes, WritableLayout
-from merge_engine.output_target import target_state, write_target
 from merge_engine.merge_plan import parse_dtype
 
 
@@ -48,35 +47,8 @@ FORMATS = {"legacy": "megatron_legacy", "dist": "megatron_dist"}
 TRANSFORMER_CONFIG = "transformer_config.json"
 
 
-@dataclass(frozen=True)
-class SplitOptions:
-    """The Megatron layout to write."""
-
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    ep: int = 1
-    fmt: str = "legacy"
-    make_vocab_size_divisible_by: int = 128
-    dtype: str | None = None  # as stored when None
-    custom_mapping: str | None = None
-    overwrite: bool = False
-
-    def output_options(self) -> dict[str, Any]:
-        return {"tp": self.tp, "pp": self.pp, "vpp": self.vpp, "ep": self.ep, "format": self.fmt,
-                "make_vocab_size_divisible_by": self.make_vocab_size_divisible_by, "dtype": self.dtype,
-                "custom_mapping": self.custom_mapping}
-
-
-@dataclass(frozen=True)
-class SplitResult:
-    source_url: str
-    target_url: str
-    fmt: str
-    files: tuple[tuple[str, int], ...]
-    tensors: int
-    seconds: float
-    skipped: bool = False
+SplitOptions = OutputOptions  # the engine's one options record, under the name split's callers know
+SplitResult = OutputResult
 
 
 def writable_layout(fmt: str) -> WritableLayout:
@@ -84,7 +56,7 @@ def writable_layout(fmt: str) -> WritableLayout:
     return layout_named(FORMATS[fmt])  # type: ignore[return-value]
 
 
-def _check_options(options: SplitOptions, view: MegatronViewOfHf) -> None:
+def _check_options(options: OutputOptions, view: MegatronViewOfHf) -> None:
     dims = view.dims
     vpp = options.vpp or 1
     problems = []
@@ -117,7 +89,7 @@ def _rope_theta(config: Mapping[str, Any]) -> float | None:
     return float(value) if value is not None else None
 
 
-def transformer_config(config: Mapping[str, Any], view: MegatronViewOfHf, options: SplitOptions) -> dict[str, Any]:
+def transformer_config(config: Mapping[str, Any], view: MegatronViewOfHf, options: OutputOptions) -> dict[str, Any]:
     """The Megatron TransformerConfig / GPTModel values the shards must be loaded with."""
     dims = view.dims
     metas = view.metas()
@@ -158,32 +130,51 @@ def transformer_config(config: Mapping[str, Any], view: MegatronViewOfHf, option
     return out
 
 
-def split_hf_to_megatron(hf_url: str, target_url: str, options: SplitOptions = SplitOptions()) -> SplitResult:
-    """Write the Hugging Face model at ``hf_url`` as Megatron shards at ``target_url`` (see module docstring).
+def split_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
+    """The cache key of a split: the Hugging Face folder's listing, the options, the engine version."""
+    return storage.fingerprint(checkpoint.files, **options.output_options("split"), engine=__version__, kind="split")
 
-    Errors: `InvalidOption` (sizes that do not split), `MappingError` (a tensor the table does not
-    know, or one the config implies missing), `UnknownArchitecture`, `TargetExists`; nothing is
-    left at the target on any error.
-    """
-    started = time.perf_counter()
-    checkpoint = check_checkpoint(hf_url, "hf")
-    config = read_config(hf_url, what="Hugging Face model")
-    fingerprint = storage.fingerprint(checkpoint.files, **options.output_options(), engine=__version__, kind="split")
-    state = target_state(target_url, fingerprint, options.overwrite)
-    if state == "same":
-        return SplitResult(hf_url, target_url, options.fmt, tuple((e.path, e.size) for e in
-                                                                   storage.list_files(target_url)), 0,
-                           time.perf_counter() - started, skipped=True)
-    dtype = parse_dtype(options.dtype)
-    table = table_for_config(config, options.custom_mapping)
-    scope = config.get("text_config") or config
-    dims = model_dims(config, table, padded_vocab_size=padded_vocab_size(
-        int(scope["vocab_size"]), options.tp, options.make_vocab_size_divisible_by))
-    view = MegatronViewOfHf(open_checkpoint(checkpoint), table, config, dims)
-    try:
-        _check_options(options, view)
-        view.check_tied_copies()
-        megatron_config = transformer_config(config, view, options)
+
+@dataclass
+class SplitJob:
+    """``stepmerge split --to megatron``: the Hugging Face model at ``source_url`` as Megatron shards at
+    ``target_url``, written by the layout of ``options.fmt`` (its files are not safetensors shards:
+    the job has no `PlannedOutput`, the layout writes them as the job's own files)."""
+
+    source_url: str
+    target_url: str
+    options: OutputOptions
+    command = "split"
+    kind = "megatron"
+
+    def __post_init__(self) -> None:
+        self._checked: tuple[Checkpoint, dict[str, Any]] | None = None
+
+    def _check(self) -> tuple[Checkpoint, dict[str, Any]]:
+        if self._checked is None:
+            checkpoint = check_checkpoint(self.source_url, "hf")
+            self._checked = checkpoint, read_config(self.source_url, what="Hugging Face model")
+        return self._checked
+
+    def fingerprint(self) -> str:
+        return split_fingerprint(self._check()[0], self.options)
+
+    def prepare(self) -> PreparedJob:
+        checkpoint, config = self._check()
+        options, hf_url = self.options, self.source_url
+        dtype = parse_dtype(options.dtype)
+        table = table_for_config(config, options.custom_mapping)
+        scope = config.get("text_config") or config
+        dims = model_dims(config, table, padded_vocab_size=padded_vocab_size(
+            int(scope["vocab_size"]), options.tp, options.make_vocab_size_divisible_by))
+        view = MegatronViewOfHf(open_checkpoint(checkpoint), table, config, dims)
+        try:
+            _check_options(options, view)
+            view.check_tied_copies(options.chunk_bytes)
+            megatron_config = transformer_config(config, view, options)
+        except BaseException:
+            view.close()
+            raise
         sizes = ParallelSizes(tp=options.tp, pp=options.pp, vpp=options.vpp, ep=options.ep)
 
         def write(url: str) -> list[tuple[str, int]]:
@@ -196,9 +187,18 @@ def split_hf_to_megatron(hf_url: str, target_url: str, options: SplitOptions = S
             files.append((TRANSFORMER_CONFIG, len(data)))
             return files
 
-        files = write_target(target_url, state, write, {
-            "source": hf_url, "fingerprint": fingerprint, "engine_version": __version__, "kind": "megatron split",
-            "options": options.output_options(), "tensors": len(view.metas())})
-    finally:
-        view.close()
-    return SplitResult(hf_url, target_url, options.fmt, tuple(files), len(view.metas()), time.perf_counter() - started)
+        provenance = {"source": hf_url, "kind": "megatron split", "options": options.output_options(self.command),
+                      "tensors": len(view.metas())}
+        return PreparedJob([], provenance, kind=self.kind, layout=FORMATS[options.fmt], tensors=len(view.metas()),
+                           tensor_bytes=0, write_files=write, sources=[view])
+
+
+def split_hf_to_megatron(hf_url: str, target_url: str, options: OutputOptions = OutputOptions()) -> OutputResult:
+    """Write the Hugging Face model at ``hf_url`` as Megatron shards at ``target_url`` (a `SplitJob`; see
+    the module docstring).
+
+    Errors: `InvalidOption` (sizes that do not split), `MappingError` (a tensor the table does not
+    know, or one the config implies missing), `UnknownArchitecture`, `TargetExists`; nothing is
+    left at the target on any error.
+    """
+    return run_job(SplitJob(hf_url, target_url, options))

@@ -20,13 +20,12 @@ from typing import Optional
 
 from prefect import task
 
-import merge_engine
 from merge_engine import storage
 from merge_engine.lora import validate as adapter_validation
 from merge_engine.lora.keys import ADAPTER_CONFIG
 from merge_engine.lora.validate import BASE_DIR
 from merge_engine.release import ADAPTER, staging_url, sweep_stale_staging
-from tasks.cache import listing_fingerprint, stage_cache_policy
+from tasks.cache import stage_cache_policy
 from tasks.merge import output_available, released_output
 from tasks.progress import ProgressArtifact, release_artifact_key
 from tasks.records import (
@@ -42,19 +41,13 @@ from tasks.validate import already_released, recorded_validation
 
 
 def expected_adapter_fingerprint(step: StepRecord, checkpoint: CheckpointRecord, settings: AdapterSettings) -> str:
-    """The fingerprint an adapter release of this step is published under.
+    """The fingerprint an adapter release of this step is published under: the engine's own
+    (`merge_engine.lora.extract.extract_fingerprint`, the one its ``stepmerge.json`` records): the
+    checkpoint's listing, the run's LoRA metadata, the options (and the listings of ``base_model``
+    and ``hf_model_path``) and the engine version."""
+    from merge_engine.lora.extract import extract_fingerprint
 
-    The pipeline's own digest (the engine's, in the release's ``stepmerge.json``, is not exported and
-    reads the run's metadata): the checkpoint's listing, the step folder's whole listing (which
-    covers ``lora_train_meta.json`` and ``lora_adapter/``, where lora_alpha comes from), the
-    options (and the listings of ``base_model`` and ``hf_model_path``) and the engine version.
-    Computed from listings alone.
-    """
-    listings = {name: listing_fingerprint(getattr(settings, field))
-                for name, field in (("base_listing", "base_model"), ("hf_model_listing", "hf_model_path"))
-                if getattr(settings, field)}
-    return storage.fingerprint(checkpoint.to_checkpoint().files, kind=ADAPTER, step_listing=step.fingerprint,
-                               engine=merge_engine.__version__, **settings.model_dump(mode="json"), **listings)
+    return extract_fingerprint(checkpoint.to_checkpoint(), settings.to_options())
 
 
 def point_adapter_at_base(adapter_url: str, base_url: str) -> None:

@@ -6,9 +6,12 @@ Modules, one job each:
 - `adapter_io`  read an adapter folder, check it against a base, plan writing one
 - `sources`     renamed and namespaced views over tensor sources
 - `fuse`        W + scale * B @ A as a streaming TensorBuilder; the fused-model plan
-- `combine`     concat / weighted / average, fused or as one adapter (exact or SVD); `merge_lora`
+- `checkpoint`  the LoRA of a PEFT-wrapped training checkpoint (keys, alpha from the run); the
+                trained-model plan the planner picks for a plain `merge`
 - `svd`         low-rank factoring with per-module relative error, GPU when present
-- `extract`     checkpoint -> adapter + clean base; trained-model plan for `merge`; SVD extraction
-- `target`      the commands' result records and input fingerprints (outputs: `output_target`)
+- `combine`     concat / weighted / average, fused or as one adapter (exact or SVD): `CombineJob`
+- `extract`     checkpoint -> adapter + clean base (`ExtractJob`); SVD extraction (`SvdExtractJob`)
+- `target`      the adapter commands' input fingerprints and SVD report records
+(`combine` and `extract` are output jobs, `merge_engine.jobs`; the other modules sit below the planner)
 - `validate`    an adapter folder: loads with PEFT on its base, logits equal the fused model's
 """

@@ -18,15 +18,14 @@ Outputs:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from merge_engine import __version__
 from merge_engine.errors import AdapterError, InvalidOption
 from merge_engine.hf_metadata import copy_metadata, read_config
+from merge_engine.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, run_job
 from merge_engine.layouts import check_checkpoint, open_checkpoint
 from merge_engine.lora.adapter_io import (
     LoraModule,
@@ -60,22 +59,9 @@ from merge_engine.lora.svd import (
     factor_product,
     svd_device,
 )
-from merge_engine.lora.target import (
-    LoraResult,
-    inputs_fingerprint,
-    module_reports_json,
-    output_options,
-    skipped_result,
-)
-from merge_engine.output_target import target_state, write_target
-from merge_engine.merge_plan import (
-    DEFAULT_MAX_SHARD_SIZE,
-    MergePlan,
-    PlannedTensor,
-    parse_dtype,
-)
-from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
-from merge_engine.writer import write_plan
+from merge_engine.lora.target import inputs_fingerprint, module_reports_json
+from merge_engine.merge_plan import MergePlan, PlannedTensor, parse_dtype
+from merge_engine.tensor_source import TensorMeta, TensorSource
 
 METHODS = ("concat", "weighted", "average")
 OUTPUTS = ("model", "adapter")
@@ -287,27 +273,10 @@ def plan_combined_adapter(inputs: Sequence[WeightedAdapter], source: TensorSourc
     return adapter_plan(tensors + extra), config, reports
 
 
-@dataclass(frozen=True)
-class MergeLoraOptions:
-    """How to fuse or combine adapters (all but ``overwrite``/``chunk_bytes`` shape the output)."""
-
-    method: str = "concat"
-    weights: tuple[float, ...] | None = None
-    output: str = "model"  # "model" (fused) or "adapter"
-    rank: int | None = None  # adapter output: re-factor to this rank by SVD
-    energy: float | None = None  # adapter output: re-factor keeping this energy fraction
-    lora_alpha: tuple[float, ...] | None = None  # per adapter: replaces a lost (0) lora_alpha
-    dtype: str | None = None
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
-    device: str | None = None
-    overwrite: bool = False
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-
-    def output_options(self) -> dict:
-        return output_options(self)
+MergeLoraOptions = OutputOptions  # the engine's one options record, under the name merge-lora's callers know
 
 
-def check_merge_lora_options(base_url: str | None, adapter_urls: Sequence[str], options: MergeLoraOptions
+def check_merge_lora_options(base_url: str | None, adapter_urls: Sequence[str], options: OutputOptions
                              ) -> list[float]:
     """Every option checked before anything is read; returns the adapters' weights."""
     if options.output not in OUTPUTS:
@@ -326,61 +295,77 @@ def check_merge_lora_options(base_url: str | None, adapter_urls: Sequence[str], 
     return weights
 
 
-def merge_lora(base_url: str | None, adapter_urls: Sequence[str], target_url: str,
-               options: MergeLoraOptions = MergeLoraOptions(), *, on_bytes: Callable[[int], None] | None = None,
-               on_plan: Callable[[MergePlan], None] | None = None) -> LoraResult:
-    """Fuse ``adapter_urls`` into the base at ``base_url`` (``output="model"``), or combine them into
-    one adapter (``output="adapter"``), at ``target_url``. See the module docstring."""
-    started = time.perf_counter()
-    weights = check_merge_lora_options(base_url, adapter_urls, options)
+def combine_fingerprint(base_url: str | None, adapter_urls: Sequence[str], options: OutputOptions) -> str:
+    """The cache key of a merge-lora: every input folder's listing, the options, the engine version."""
     inputs_urls = {f"adapter{i}": url for i, url in enumerate(adapter_urls)}
     if base_url is not None:
         inputs_urls[BASE_NAMESPACE] = base_url
-    fingerprint = inputs_fingerprint(inputs_urls, **options.output_options())
-    state = target_state(target_url, fingerprint, options.overwrite)
-    if state == "same":
-        return skipped_result(target_url, options.output, fingerprint, started)
-    sources: dict[str, TensorSource] = {}
-    try:
-        inputs = []
-        for i, url in enumerate(adapter_urls):
-            alpha = options.lora_alpha[i] if options.lora_alpha is not None else None
-            adapter, sources[f"adapter{i}"] = read_adapter(url, lora_alpha=alpha)
-            inputs.append(WeightedAdapter(f"adapter{i}", adapter, weights[i]))
-        base_metas = config = None
-        if base_url is not None:
-            config = read_config(base_url, what="base model")
-            sources[BASE_NAMESPACE] = open_checkpoint(check_checkpoint(base_url, "hf"))
-            base_metas = sources[BASE_NAMESPACE].metas()
-        source = NamespacedSource(sources)
-        dtype = parse_dtype(options.dtype)
-        reports: list[ModuleReport] = []
-        if options.output == "model":
-            plan = plan_fused_model(base_metas, config, inputs, dtype=dtype, max_shard_size=options.max_shard_size,
-                                    base_url=base_url)
-            adapter_json = None
-        else:
-            plan, adapter_json, reports = plan_combined_adapter(
-                inputs, source, base_metas, base_url, dtype=dtype, rank=options.rank, energy=options.energy,
-                device=options.device)
-        if on_plan:
-            on_plan(plan)
+    return inputs_fingerprint(inputs_urls, **options.output_options("merge-lora"))
 
-        def write(url: str) -> list[tuple[str, int]]:
-            files = list(write_plan(plan, source, url, chunk_bytes=options.chunk_bytes, on_bytes=on_bytes).files)
-            if adapter_json is None:
-                files += copy_metadata(base_url, url, config, plan.config_updates)
+
+@dataclass
+class CombineJob:
+    """``stepmerge merge-lora``: fuse the adapters into the base (``output="model"``), or combine them
+    into one adapter (``output="adapter"``), at ``target_url``. See the module docstring."""
+
+    base_url: str | None
+    adapter_urls: Sequence[str]
+    target_url: str
+    options: OutputOptions
+    command = "merge-lora"
+
+    def __post_init__(self) -> None:
+        self.source_url = ",".join(self.adapter_urls)
+        self.kind = self.options.output
+        self._weights: list[float] | None = None
+
+    def fingerprint(self) -> str:
+        self._weights = check_merge_lora_options(self.base_url, self.adapter_urls, self.options)
+        return combine_fingerprint(self.base_url, self.adapter_urls, self.options)
+
+    def prepare(self) -> PreparedJob:
+        options, base_url = self.options, self.base_url
+        weights = self._weights or check_merge_lora_options(base_url, self.adapter_urls, options)
+        sources: dict[str, TensorSource] = {}
+        try:
+            inputs = []
+            for i, url in enumerate(self.adapter_urls):
+                alpha = options.lora_alpha[i] if options.lora_alpha is not None else None
+                adapter, sources[f"adapter{i}"] = read_adapter(url, lora_alpha=alpha)
+                inputs.append(WeightedAdapter(f"adapter{i}", adapter, weights[i]))
+            base_metas = config = None
+            if base_url is not None:
+                config = read_config(base_url, what="base model")
+                sources[BASE_NAMESPACE] = open_checkpoint(check_checkpoint(base_url, "hf"))
+                base_metas = sources[BASE_NAMESPACE].metas()
+            source = NamespacedSource(sources)
+            dtype = parse_dtype(options.dtype)
+            reports: list[ModuleReport] = []
+            if options.output == "model":
+                plan = plan_fused_model(base_metas, config, inputs, dtype=dtype, max_shard_size=options.max_shard_size,
+                                        base_url=base_url)
+                output = PlannedOutput(plan, source, then=lambda url: copy_metadata(base_url, url, config,
+                                                                                   plan.config_updates))
             else:
-                files.append(write_adapter_config(url, adapter_json))
-            return files
+                plan, adapter_json, reports = plan_combined_adapter(
+                    inputs, source, base_metas, base_url, dtype=dtype, rank=options.rank, energy=options.energy,
+                    device=options.device)
+                output = PlannedOutput(plan, source, then=lambda url: [write_adapter_config(url, adapter_json)])
+        except BaseException:
+            for opened in sources.values():
+                opened.close()
+            raise
+        provenance = {"command": "merge-lora", "base": base_url, "adapters": list(self.adapter_urls),
+                      "weights": weights, "options": options.output_options(self.command),
+                      "tensors": len(plan.tensors), "tensor_bytes": plan.total_size,
+                      "svd": module_reports_json(reports) or None}
+        return PreparedJob([output], provenance, kind=options.output, notes=plan.notes, modules=tuple(reports),
+                           sources=list(sources.values()))
 
-        provenance = {"command": "merge-lora", "base": base_url, "adapters": list(adapter_urls),
-                      "weights": weights, "fingerprint": fingerprint, "engine_version": __version__,
-                      "options": options.output_options(), "tensors": len(plan.tensors),
-                      "tensor_bytes": plan.total_size, "svd": module_reports_json(reports) or None}
-        files = write_target(target_url, state, write, provenance)
-    finally:
-        for opened in sources.values():
-            opened.close()
-    return LoraResult(target_url, options.output, fingerprint, len(plan.tensors), plan.total_size, tuple(files),
-                      time.perf_counter() - started, modules=tuple(reports), notes=plan.notes)
+
+def merge_lora(base_url: str | None, adapter_urls: Sequence[str], target_url: str,
+               options: OutputOptions = OutputOptions(), *, on_bytes: Callable[[int], None] | None = None,
+               on_plan: Callable[[MergePlan], None] | None = None) -> OutputResult:
+    """Fuse ``adapter_urls`` into the base at ``base_url`` (``output="model"``), or combine them into
+    one adapter (``output="adapter"``), at ``target_url``: a `CombineJob`."""
+    return run_job(CombineJob(base_url, adapter_urls, target_url, options), on_bytes=on_bytes, on_plan=on_plan)

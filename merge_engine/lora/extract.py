@@ -19,7 +19,6 @@ and so is every other tensor the fine-tune changed (an adapter does not carry th
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,7 +28,8 @@ from merge_engine import __version__, storage
 from merge_engine.errors import AdapterError
 from merge_engine.hf_metadata import copy_metadata, read_config
 from merge_engine.hf_plan import plan_hf_merge
-from merge_engine.layouts import HF_NAMES, check_checkpoint, layout_named, open_checkpoint
+from merge_engine.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, run_job
+from merge_engine.layouts import HF_NAMES, Checkpoint, check_checkpoint, layout_named, open_checkpoint
 from merge_engine.lora.adapter_io import adapter_plan, base_modules, check_fits_base, write_adapter_config
 from merge_engine.lora.checkpoint import (
     CheckpointLora,
@@ -45,18 +45,10 @@ from merge_engine.lora.fuse import CheckedCopy, aligned, finite_or_raise
 from merge_engine.lora.keys import LORA_A, LORA_B, PEFT_PREFIX, adapter_file_key
 from merge_engine.lora.sources import RenamedSource
 from merge_engine.lora.svd import Factors, ModuleReport, check_targets, factor_dense, svd_device
-from merge_engine.lora.target import (
-    LoraResult,
-    inputs_fingerprint,
-    module_reports_json,
-    output_options,
-    skipped_result,
-)
-from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE, MergePlan, PlannedTensor, parse_dtype
+from merge_engine.lora.target import inputs_fingerprint, module_reports_json
+from merge_engine.merge_plan import MergePlan, PlannedTensor, parse_dtype
 from merge_engine.output_heads import check_dropped_head
-from merge_engine.output_target import target_state, write_target
-from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
-from merge_engine.writer import write_plan
+from merge_engine.tensor_source import TensorSource
 
 BASE_DIR = "base"
 
@@ -66,22 +58,7 @@ BASE_DIR = "base"
 # ------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ExtractOptions:
-    """Options of `extract_lora` (all but ``overwrite``/``chunk_bytes`` shape the output)."""
-
-    backend: str | None = None
-    lora_alpha: float | None = None
-    base_model: str | None = None  # required for LoRA-only checkpoints: the base the adapter is for
-    write_base: bool = True  # also write the clean base model under <target>/base/
-    hf_model_path: str | None = None
-    dtype: str | None = None
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
-    overwrite: bool = False
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-
-    def output_options(self) -> dict:
-        return output_options(self)
+ExtractOptions = OutputOptions  # the engine's one options record, under the name extract's callers know
 
 
 def extracted_adapter_config(lora: CheckpointLora, candidates: set[str], task_type: str | None,
@@ -119,24 +96,57 @@ def adapter_tensors(lora: CheckpointLora, dtype: torch.dtype | None) -> list[Pla
     return tensors
 
 
-def extract_lora(checkpoint_url: str, target_url: str, options: ExtractOptions = ExtractOptions(), *,
-                 on_bytes: Callable[[int], None] | None = None,
-                 on_plan: Callable[[MergePlan], None] | None = None) -> LoraResult:
-    """Write the checkpoint's adapter at ``target_url`` (and its clean base under ``base/``)."""
-    started = time.perf_counter()
-    checkpoint = check_checkpoint(checkpoint_url, options.backend)
-    parse_dtype(options.dtype)
-    extra = {"base_listing": inputs_fingerprint({"base": options.base_model})} if options.base_model else {}
-    run = read_run_metadata(checkpoint.url)  # lora_adapter/ is outside the layout's listing: key on its content
-    fingerprint = storage.fingerprint(checkpoint.files, engine=__version__, **options.output_options(), **extra,
-                                      run_lora={"alpha": run.lora_alpha, "r": run.r, "config": run.config})
+def extract_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
+    """The cache key of an extraction: the checkpoint's listing, the options, the listings of ``base_model``
+    and ``hf_model_path``, the run's LoRA metadata (``lora_adapter/`` is outside the layout's listing:
+    keyed on its content) and the engine version. Reads the run's small JSON files, no weight. The
+    pipeline publishes adapters under this very key."""
+    extra: dict[str, str] = {}
+    if options.base_model:
+        extra["base_listing"] = inputs_fingerprint({"base": options.base_model})
+    if options.hf_model_path:
+        extra["hf_model_listing"] = storage.fingerprint(storage.list_files(options.hf_model_path, recursive=False))
+    run = read_run_metadata(checkpoint.url)
+    return storage.fingerprint(checkpoint.files, engine=__version__, **options.output_options("extract-lora"),
+                               **extra, run_lora={"alpha": run.lora_alpha, "r": run.r, "config": run.config})
+
+
+@dataclass
+class ExtractJob:
+    """``stepmerge extract-lora --local_dir``: the checkpoint's adapter at ``target_url`` (and its clean
+    base under ``base/``)."""
+
+    source_url: str
+    target_url: str
+    options: OutputOptions
+    command = "extract-lora"
     kind = "adapter"
-    state = target_state(target_url, fingerprint, options.overwrite)
-    if state == "same":
-        return skipped_result(target_url, kind, fingerprint, started)
-    source = open_checkpoint(checkpoint)
-    opened: list[TensorSource] = [source]
-    try:
+
+    def __post_init__(self) -> None:
+        self._checkpoint: Checkpoint | None = None
+
+    def _checked(self) -> Checkpoint:
+        if self._checkpoint is None:
+            self._checkpoint = check_checkpoint(self.source_url, self.options.backend)
+            parse_dtype(self.options.dtype)
+        return self._checkpoint
+
+    def fingerprint(self) -> str:
+        return extract_fingerprint(self._checked(), self.options)
+
+    def prepare(self) -> PreparedJob:
+        checkpoint, options = self._checked(), self.options
+        source = open_checkpoint(checkpoint)
+        opened: list[TensorSource] = [source]
+        try:
+            return self._prepare(checkpoint, options, source, opened)
+        except BaseException:
+            for handle in opened:
+                handle.close()
+            raise
+
+    def _prepare(self, checkpoint: Checkpoint, options: OutputOptions, source: TensorSource,
+                 opened: list[TensorSource]) -> PreparedJob:
         lora = resolve_checkpoint_lora(checkpoint.url, source.metas(), options.lora_alpha)
         hf_dir = options.hf_model_path or checkpoint.hf_dir
         config = read_config(hf_dir)
@@ -153,45 +163,34 @@ def extract_lora(checkpoint_url: str, target_url: str, options: ExtractOptions =
         check_fits_base(lora.adapter, check_base_metas, check_url)
         dtype = parse_dtype(options.dtype)
         write_base = options.write_base and base_view is not None
-        base_out = storage.join(target_url, BASE_DIR) if write_base else options.base_model
+        base_out = storage.join(self.target_url, BASE_DIR) if write_base else options.base_model
         plan = adapter_plan(adapter_tensors(lora, dtype))
         adapter_json = extracted_adapter_config(lora, base_modules(check_base_metas),
                                                 task_type_of(config, lora.run.task_type), base_out)
-        base_plan = None
+        outputs = [PlannedOutput(plan, source, then=lambda url: [write_adapter_config(url, adapter_json)])]
         if write_base:
-            kind = "adapter+base"
             base_plan = plan_hf_merge(base_view.metas(), config, dtype=dtype, max_shard_size=options.max_shard_size,
                                       config_url=hf_dir)
             check_dropped_head(base_view, base_plan, options.chunk_bytes)
-        if on_plan:
-            on_plan(plan if base_plan is None else MergePlan(plan.tensors + base_plan.tensors,
-                                                             plan.shards + base_plan.shards))
-
-        def write(url: str) -> list[tuple[str, int]]:
-            files = list(write_plan(plan, source, url, chunk_bytes=options.chunk_bytes, on_bytes=on_bytes).files)
-            files.append(write_adapter_config(url, adapter_json))
-            if base_plan is not None:
-                base_url = storage.join(url, BASE_DIR)
-                written = write_plan(base_plan, base_view, base_url, chunk_bytes=options.chunk_bytes,
-                                     on_bytes=on_bytes).files
-                written += tuple(copy_metadata(hf_dir, base_url, config, base_plan.config_updates))
-                files += [(f"{BASE_DIR}/{name}", size) for name, size in written]
-            return files
-
-        total = plan.total_size + (base_plan.total_size if base_plan else 0)
-        count = len(plan.tensors) + (len(base_plan.tensors) if base_plan else 0)
-        provenance = {"command": "extract-lora", "source": checkpoint_url, "layout": checkpoint.layout,
-                      "fingerprint": fingerprint, "engine_version": __version__,
-                      "options": options.output_options(), "lora_alpha_from": lora.alpha_from,
+            outputs.append(PlannedOutput(base_plan, base_view, BASE_DIR, then=lambda url: copy_metadata(
+                hf_dir, url, config, base_plan.config_updates)))
+        count = sum(len(o.plan.tensors) for o in outputs)
+        total = sum(o.plan.total_size for o in outputs)
+        provenance = {"command": "extract-lora", "source": self.source_url, "layout": checkpoint.layout,
+                      "options": options.output_options("extract-lora"), "lora_alpha_from": lora.alpha_from,
                       "tensors": count, "tensor_bytes": total}
-        files = write_target(target_url, state, write, provenance)
-    finally:
-        for handle in opened:
-            handle.close()
-    notes = (f"lora_alpha={lora.adapter.settings.lora_alpha:g} from {lora.alpha_from}",
-             f"{len(lora.adapter.modules)} LoRA modules, ranks {sorted({m.rank for m in lora.adapter.modules.values()})}")
-    return LoraResult(target_url, kind, fingerprint, count, total, tuple(files), time.perf_counter() - started,
-                      notes=notes)
+        notes = (f"lora_alpha={lora.adapter.settings.lora_alpha:g} from {lora.alpha_from}",
+                 f"{len(lora.adapter.modules)} LoRA modules, ranks "
+                 f"{sorted({m.rank for m in lora.adapter.modules.values()})}")
+        return PreparedJob(outputs, provenance, kind="adapter+base" if write_base else "adapter",
+                           layout=checkpoint.layout, notes=notes, sources=opened)
+
+
+def extract_lora(checkpoint_url: str, target_url: str, options: OutputOptions = OutputOptions(), *,
+                 on_bytes: Callable[[int], None] | None = None,
+                 on_plan: Callable[[MergePlan], None] | None = None) -> OutputResult:
+    """Write the checkpoint's adapter at ``target_url`` (and its clean base under ``base/``): an `ExtractJob`."""
+    return run_job(ExtractJob(checkpoint_url, target_url, options), on_bytes=on_bytes, on_plan=on_plan)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -207,21 +206,7 @@ def default_target(module: str) -> bool:
     return "embed" not in last and last not in NOT_LINEAR_LAST_PARTS
 
 
-@dataclass(frozen=True)
-class SvdExtractOptions:
-    """Options of `extract_lora_svd` (``overwrite``/``chunk_bytes``/``device`` do not change the output)."""
-
-    backend: str | None = None  # layout of the fine-tune (hf, fsdp); detected when None
-    rank: int | None = None
-    energy: float | None = None
-    target_modules: tuple[str, ...] | None = None
-    dtype: str | None = None  # of the adapter; float32 when None
-    device: str | None = None  # where to factor; the GPU when there is one
-    overwrite: bool = False
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-
-    def output_options(self) -> dict:
-        return output_options(self)
+SvdExtractOptions = OutputOptions
 
 
 def select_modules(candidates: Sequence[str], target_modules: Sequence[str] | None, where: str | None) -> list[str]:
@@ -247,33 +232,58 @@ def changed_tensors(base: TensorSource, tuned: TensorSource, names: Sequence[str
     return changed
 
 
-def extract_lora_svd(base_url: str, finetuned_url: str, target_url: str,
-                     options: SvdExtractOptions = SvdExtractOptions(), *,
-                     on_module: Callable[[ModuleReport], None] | None = None) -> LoraResult:
-    """Factor each target module's (finetuned - base) into a PEFT adapter at ``target_url``.
+def svd_extract_fingerprint(base_url: str, finetuned_url: str, options: OutputOptions) -> str:
+    """The cache key of an SVD extraction: both folders' listings, the options, the engine version."""
+    return inputs_fingerprint({"base": base_url, "finetuned": finetuned_url},
+                              **options.output_options("extract-lora --finetuned"))
 
-    ``base_url``: a Hugging Face folder. ``finetuned_url``: a Hugging Face folder or any checkpoint
-    whose tensors carry Hugging Face names (a verl FSDP checkpoint: no merge needed first). One
-    module's two weights and its update are in memory at a time, plus the factors found so far.
+
+@dataclass
+class SvdExtractJob:
+    """``stepmerge extract-lora --finetuned``: each target module's (finetuned - base) factored into a PEFT
+    adapter at ``target_url``.
+
+    ``base_url``: a Hugging Face folder. ``source_url`` (the fine-tune): a Hugging Face folder or any
+    checkpoint whose tensors carry Hugging Face names (a verl FSDP checkpoint: no merge needed first).
+    One module's two weights and its update are in memory at a time, plus the factors found so far.
     """
-    started = time.perf_counter()
-    check_targets(options.rank, options.energy)
-    dtype = parse_dtype(options.dtype) or torch.float32
-    fingerprint = inputs_fingerprint({"base": base_url, "finetuned": finetuned_url}, **options.output_options())
-    state = target_state(target_url, fingerprint, options.overwrite)
-    if state == "same":
-        return skipped_result(target_url, "adapter", fingerprint, started)
-    tuned_checkpoint = check_checkpoint(finetuned_url, options.backend)
-    if layout_named(tuned_checkpoint.layout).TENSOR_NAMING != HF_NAMES:
-        raise AdapterError(f"a {tuned_checkpoint.layout} checkpoint's tensors are not Hugging Face tensors: merge it "
-                           "first (`stepmerge merge`), then extract from the merged folder", finetuned_url)
-    base = open_checkpoint(check_checkpoint(base_url, "hf"))
-    try:
-        tuned = open_checkpoint(tuned_checkpoint)
-    except Exception:
-        base.close()
-        raise
-    try:
+
+    base_url: str
+    source_url: str
+    target_url: str
+    options: OutputOptions
+    on_module: Callable[[ModuleReport], None] | None = None
+    command = "extract-lora --finetuned"
+    kind = "adapter"
+
+    def fingerprint(self) -> str:
+        check_targets(self.options.rank, self.options.energy)
+        parse_dtype(self.options.dtype)
+        return svd_extract_fingerprint(self.base_url, self.source_url, self.options)
+
+    def prepare(self) -> PreparedJob:
+        options, finetuned_url, base_url = self.options, self.source_url, self.base_url
+        dtype = parse_dtype(options.dtype) or torch.float32
+        tuned_checkpoint = check_checkpoint(finetuned_url, options.backend)
+        if layout_named(tuned_checkpoint.layout).TENSOR_NAMING != HF_NAMES:
+            raise AdapterError(f"a {tuned_checkpoint.layout} checkpoint's tensors are not Hugging Face tensors: "
+                               "merge it first (`stepmerge merge`), then extract from the merged folder", finetuned_url)
+        base = open_checkpoint(check_checkpoint(base_url, "hf"))
+        try:
+            tuned = open_checkpoint(tuned_checkpoint)
+        except BaseException:
+            base.close()
+            raise
+        try:
+            return self._prepare(base, tuned, tuned_checkpoint, dtype)
+        except BaseException:
+            base.close()
+            tuned.close()
+            raise
+
+    def _prepare(self, base: TensorSource, tuned: TensorSource, tuned_checkpoint: Checkpoint,
+                 dtype: torch.dtype) -> PreparedJob:
+        options, finetuned_url, base_url = self.options, self.source_url, self.base_url
         config = read_config(tuned_checkpoint.hf_dir, what="fine-tuned model")
         bm, tm = base.metas(), tuned.metas()
         reshaped = [n for n in bm if n in tm and tuple(bm[n].shape) != tuple(tm[n].shape)]
@@ -297,8 +307,8 @@ def extract_lora_svd(base_url: str, finetuned_url: str, target_url: str,
             table[module] = factor_dense(delta, rank=options.rank, energy=options.energy, device=device)
             del delta
             reports.append(ModuleReport(module, table[module].rank, table[module].relative_error))
-            if on_module:
-                on_module(reports[-1])
+            if self.on_module:
+                self.on_module(reports[-1])
         if not table:
             raise AdapterError("the fine-tuned model equals the base on every target module: nothing to extract",
                                finetuned_url)
@@ -324,23 +334,21 @@ def extract_lora_svd(base_url: str, finetuned_url: str, target_url: str,
             listed = ", ".join(f"{n} (max |diff| {d:.3g})" for n, d in changed[:5])
             notes.append(f"{len(changed)} other tensors changed but are not LoRA targets (the adapter does not "
                          f"carry them): {listed}{' ...' if len(changed) > 5 else ''}")
-
-        def write(url: str) -> list[tuple[str, int]]:
-            files = list(write_plan(plan, tuned, url, chunk_bytes=options.chunk_bytes).files)
-            files.append(write_adapter_config(url, adapter_json))
-            return files
-
         provenance = {"command": "extract-lora --finetuned", "base": base_url, "finetuned": finetuned_url,
-                      "fingerprint": fingerprint, "engine_version": __version__,
-                      "options": options.output_options(), "device": str(device), "tensors": len(plan.tensors),
-                      "tensor_bytes": plan.total_size, "svd": module_reports_json(reports), "notes": notes}
-        files = write_target(target_url, state, write, provenance)
-    finally:
-        base.close()
-        tuned.close()
-    return LoraResult(target_url, "adapter", fingerprint, len(plan.tensors), plan.total_size, tuple(files),
-                      time.perf_counter() - started, modules=tuple(reports), notes=tuple(notes))
+                      "options": options.output_options(self.command), "device": str(device),
+                      "tensors": len(plan.tensors), "tensor_bytes": plan.total_size,
+                      "svd": module_reports_json(reports), "notes": notes}
+        output = PlannedOutput(plan, tuned, then=lambda url: [write_adapter_config(url, adapter_json)])
+        return PreparedJob([output], provenance, kind="adapter", notes=tuple(notes), modules=tuple(reports),
+                           sources=[base, tuned])
 
 
-__all__ = ["ExtractOptions", "SvdExtractOptions", "extract_lora", "extract_lora_svd", "is_lora_checkpoint",
-           "plan_trained_model"]
+def extract_lora_svd(base_url: str, finetuned_url: str, target_url: str,
+                     options: OutputOptions = OutputOptions(), *,
+                     on_module: Callable[[ModuleReport], None] | None = None) -> OutputResult:
+    """Factor each target module's (finetuned - base) into a PEFT adapter at ``target_url`` (`SvdExtractJob`)."""
+    return run_job(SvdExtractJob(base_url, finetuned_url, target_url, options, on_module))
+
+
+__all__ = ["ExtractJob", "ExtractOptions", "SvdExtractJob", "SvdExtractOptions", "extract_fingerprint", "extract_lora",
+           "extract_lora_svd", "is_lora_checkpoint", "plan_trained_model", "svd_extract_fingerprint"]
