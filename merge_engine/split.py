@@ -32,6 +32,7 @@ from typing import Any
 from merge_engine import __version__, storage
 from merge_engine.architectures import model_dims, table_for_config
 from merge_engine.architectures.hf_to_megatron import MegatronViewOfHf
+from merge_engine.architectures.megatron_names import is_mla
 from merge_engine.architectures.parallel import TPKind, tp_kind
 from merge_engine.architectures.transforms import padded_vocab_size
 from merge_engine.errors import InvalidOption
@@ -89,6 +90,14 @@ def _rope_theta(config: Mapping[str, Any]) -> float | None:
     return float(value) if value is not None else None
 
 
+def _rotary_percent(config: Mapping[str, Any]) -> float:
+    """Share of each head's dims RoPE rotates (``partial_rotary_factor``: GLM-4.5 0.5)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    value = config.get("partial_rotary_factor") or (params.get("partial_rotary_factor") if isinstance(params, dict)
+                                                    else None)
+    return float(value) if value is not None else 1.0
+
+
 def transformer_config(config: Mapping[str, Any], view: MegatronViewOfHf, options: OutputOptions) -> dict[str, Any]:
     """The Megatron TransformerConfig / GPTModel values the shards must be loaded with."""
     dims = view.dims
@@ -121,12 +130,23 @@ def transformer_config(config: Mapping[str, Any], view: MegatronViewOfHf, option
         "share_embeddings_and_output_weights": dims.tied,
         "position_embedding_type": "rope",
         "rotary_base": _rope_theta(config),
+        "rotary_percent": _rotary_percent(config),
         "max_sequence_length": config.get("max_position_embeddings"),
     }
+    if is_mla(names):
+        out.update(multi_latent_attention=True, q_lora_rank=config.get("q_lora_rank"),
+                   kv_lora_rank=config.get("kv_lora_rank"), qk_head_dim=config.get("qk_nope_head_dim"),
+                   qk_pos_emb_head_dim=config.get("qk_rope_head_dim"), v_head_dim=config.get("v_head_dim"),
+                   kv_channels=config.get("v_head_dim"), qk_layernorm=True)
+    if any(n.endswith("mlp.router.expert_bias") for n in names):
+        out.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                   moe_router_topk_scaling_factor=config.get("routed_scaling_factor"))
     if dims.num_experts:
         out.update(num_moe_experts=dims.num_experts, moe_ffn_hidden_size=expert_fc2.shape[1] if expert_fc2 else None,
                    moe_router_topk=config.get("num_experts_per_tok"),
-                   moe_shared_expert_intermediate_size=shared_fc2.shape[1] if shared_fc2 else None)
+                   moe_shared_expert_intermediate_size=shared_fc2.shape[1] if shared_fc2 else None,
+                   # megatron-core's list form: 1 MoE layer, 0 dense layer
+                   moe_layer_freq=[int(i in dims.moe_layers) for i in range(dims.num_layers)])
     return out
 
 

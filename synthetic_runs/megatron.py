@@ -66,7 +66,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe")
 FORMATS = ("legacy", "megatron_lm", "megatron_lm_dist", "dist_v1", "dist_v2", "bridge_v2")
 RANK_FILE_FORMATS = ("legacy", "megatron_lm")
 DIST_FORMATS = ("megatron_lm_dist", "dist_v1", "dist_v2")
@@ -95,7 +95,11 @@ class _Family:
     qkv_bias: bool = False
     qk_norm: bool = False
     moe: bool = False
-    shared_expert: bool = False  # gated shared expert (Qwen2-MoE)
+    shared_expert: bool = False  # a shared expert beside the routed ones
+    shared_expert_gate: bool = False  # ... scaled by a sigmoid gate (Qwen2-MoE)
+    mla: bool = False  # multi-latent attention with q / kv low-rank projections and their norms (DeepSeek)
+    router_sigmoid: bool = False  # sigmoid scores + a routing-only expert bias, top-k renormalised (DeepSeek)
+    rotary_percent: float = 1.0  # share of each head's dims that RoPE rotates (GLM-4.5: half)
     router_pre_softmax: bool = False  # softmax over all experts, then top-k, no renormalisation
     rope_theta: float = 1_000_000.0
     norm_eps: float = 1e-6
@@ -109,10 +113,22 @@ _FAMILY_TABLE: dict[str, _Family] = {
     "mistral": _Family("mistral", "MistralForCausalLM", norm_eps=1e-5, head_dim_override=True),
     "mixtral": _Family("mixtral", "MixtralForCausalLM", moe=True, norm_eps=1e-5),
     "qwen2_moe": _Family(
-        "qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True, moe=True, shared_expert=True, router_pre_softmax=True
+        "qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True, moe=True, shared_expert=True, shared_expert_gate=True,
+        router_pre_softmax=True
     ),
+    # rope_theta 10000: MLA takes its own rotary base (MLATransformerConfig.rotary_base)
+    "deepseek_v3": _Family("deepseek_v3", "DeepseekV3ForCausalLM", moe=True, shared_expert=True, mla=True,
+                           router_sigmoid=True, rope_theta=10_000.0),
     "qwen3_moe": _Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True, head_dim_override=True),
+    # GLM-4.5: GQA with q/k/v bias (+ optional q/k norms), half-rotary RoPE, DeepSeek-style MoE
+    "glm4_moe": _Family("glm4_moe", "Glm4MoeForCausalLM", qkv_bias=True, qk_norm=True, moe=True, shared_expert=True,
+                        router_sigmoid=True, rotary_percent=0.5, norm_eps=1e-5, head_dim_override=True),
 }
+
+
+# Multi-latent attention sizes of the tiny DeepSeek-V3 fixtures (q/kv low-rank ranks, head dims)
+MLA_DIMS = {"q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
+ROUTED_SCALING_FACTOR = 2.5  # DeepSeek's routed_scaling_factor (megatron: moe_router_topk_scaling_factor)
 
 
 @dataclass(frozen=True)
@@ -121,6 +137,10 @@ class MegatronSpec:
 
     MoE families get ``num_experts=4``, ``moe_ffn_hidden_size=48`` (and Qwen2-MoE
     ``shared_expert_size=64``) when left ``None``. ``head_dim`` defaults to hidden/heads.
+    ``moe_layer_freq`` (MoE families): megatron-core's list pattern, 1 = MoE layer, 0 = dense
+    layer of ``ffn_hidden_size`` (first dense layers, ``mlp_only_layers``); None = every layer MoE.
+    Mixed layers make megatron-core store every layer under its own torch_dist key
+    (``decoder.layers.3.mlp.experts.experts.linear_fc1.weight`` = [experts, ...]).
     ``legacy_names="te"`` writes ``legacy`` / ``megatron_lm`` files with the key names a
     TransformerEngine-spec model (what verl uses on GPUs) would have; see ``te_legacy_name``.
     Invalid combinations raise ``ValueError`` at construction.
@@ -146,6 +166,7 @@ class MegatronSpec:
     moe_topk: int = 2
     make_vocab_size_divisible_by: int = 128
     legacy_names: str = "local"
+    moe_layer_freq: tuple[int, ...] | None = None  # per layer: 1 MoE, 0 dense (megatron's list form)
 
     def __post_init__(self) -> None:
         if self.family not in _FAMILY_TABLE:
@@ -157,7 +178,9 @@ class MegatronSpec:
             if self.moe_ffn_hidden_size is None:
                 object.__setattr__(self, "moe_ffn_hidden_size", 48)
             if fam.shared_expert and self.shared_expert_size is None:
-                object.__setattr__(self, "shared_expert_size", 64)
+                # DeepSeek: n_shared_experts experts of moe_ffn_hidden_size
+                object.__setattr__(self, "shared_expert_size",
+                                   self.moe_ffn_hidden_size if fam.router_sigmoid else 64)
         problems = self._problems(fam)
         if problems:
             raise ValueError(f"invalid MegatronSpec {self}: " + "; ".join(problems))
@@ -195,9 +218,30 @@ class MegatronSpec:
                 p.append("moe_ffn_hidden_size must be a multiple of tp")
             if self.moe_topk > self.num_experts:
                 p.append("moe_topk must be <= num_experts")
-        else:
+            if self.moe_layer_freq is not None:
+                if len(self.moe_layer_freq) != self.num_layers or set(self.moe_layer_freq) - {0, 1}:
+                    p.append("moe_layer_freq needs one 0 (dense) or 1 (MoE) per layer")
+                if fam.model_type == "mixtral" and 0 in self.moe_layer_freq:
+                    p.append("transformers' Mixtral has no dense layers")
+                if fam.router_sigmoid and list(self.moe_layer_freq) != sorted(self.moe_layer_freq):
+                    p.append("DeepSeek's / GLM's dense layers are the first ones (first_k_dense_replace)")
+        if not fam.moe:
             if self.num_experts is not None or self.moe_ffn_hidden_size is not None or self.ep != 1:
                 p.append(f"dense family {self.family} takes no experts and ep=1")
+            if self.moe_layer_freq is not None:
+                p.append(f"dense family {self.family} takes no moe_layer_freq")
+        if fam.mla:
+            if self.num_kv_heads != self.num_heads:
+                p.append("MLA has one key and value per head: num_kv_heads must equal num_heads")
+            if self.legacy_names == "te":
+                p.append("TE names of MLA modules are not written (local spec names only)")
+            if self.tp != 1:
+                # the local spec's MLA down-projections are column-parallel, TE's are duplicated: a
+                # per-rank file written here would not be what a GPU run writes
+                p.append("MLA fixtures are written with tp=1")
+        if fam.router_sigmoid and (self.shared_expert_size is None
+                                   or self.shared_expert_size % (self.moe_ffn_hidden_size or 1)):
+            p.append("DeepSeek's / GLM's shared expert size is n_shared_experts * moe_ffn_hidden_size")
         if self.shared_expert_size is not None and not fam.shared_expert:
             p.append(f"family {self.family} has no shared expert")
         return p
@@ -209,6 +253,18 @@ class MegatronSpec:
     @property
     def is_moe(self) -> bool:
         return self.family_info.moe
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and (self.moe_layer_freq is None or bool(self.moe_layer_freq[layer]))
+
+    @property
+    def mixed_layers(self) -> bool:
+        """Some layers dense, some MoE: megatron-core then keys every layer on its own in torch_dist."""
+        return self.is_moe and self.moe_layer_freq is not None and len(set(self.moe_layer_freq)) > 1
+
+    @property
+    def dense_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if not self.is_moe_layer(i)]
 
     @property
     def world_size(self) -> int:
@@ -248,26 +304,29 @@ def layer_range(spec: MegatronSpec, pp_rank: int, vpp_rank: int = 0) -> range:
 # --------------------------------------------------------------------------------------------------
 
 
-def _layer_shapes(spec: MegatronSpec) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Per-layer tensors (name after ``decoder.layers.N.``) -> (shape, kind) in a TP=1 model."""
+def _layer_shapes(spec: MegatronSpec, layer: int = 0) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Tensors of layer ``layer`` (name after ``decoder.layers.N.``) -> (shape, kind) in a TP=1 model."""
     fam = spec.family_info
     h, d = spec.hidden_size, spec.kv_channels
     qkv_rows = (spec.num_heads + 2 * spec.num_kv_heads) * d
-    s: dict[str, tuple[tuple[int, ...], str]] = {
-        "input_layernorm.weight": ((h,), "norm"),
-        "self_attention.linear_qkv.weight": ((qkv_rows, h), "matrix"),
-    }
-    if fam.qkv_bias:
-        s["self_attention.linear_qkv.bias"] = ((qkv_rows,), "bias")
-    if fam.qk_norm:
-        s["self_attention.q_layernorm.weight"] = ((d,), "norm")
-        s["self_attention.k_layernorm.weight"] = ((d,), "norm")
-    s["self_attention.linear_proj.weight"] = ((h, spec.num_heads * d), "matrix")
+    s: dict[str, tuple[tuple[int, ...], str]] = {"input_layernorm.weight": ((h,), "norm")}
+    if fam.mla:
+        s.update(_mla_shapes(spec))
+    else:
+        s["self_attention.linear_qkv.weight"] = ((qkv_rows, h), "matrix")
+        if fam.qkv_bias:
+            s["self_attention.linear_qkv.bias"] = ((qkv_rows,), "bias")
+        if fam.qk_norm:
+            s["self_attention.q_layernorm.weight"] = ((d,), "norm")
+            s["self_attention.k_layernorm.weight"] = ((d,), "norm")
+        s["self_attention.linear_proj.weight"] = ((h, spec.num_heads * d), "matrix")
     s["pre_mlp_layernorm.weight"] = ((h,), "norm")
-    if fam.moe:
+    if spec.is_moe_layer(layer):
         assert spec.num_experts is not None and spec.moe_ffn_hidden_size is not None
         f = spec.moe_ffn_hidden_size
         s["mlp.router.weight"] = ((spec.num_experts, h), "matrix")
+        if fam.router_sigmoid:
+            s["mlp.router.expert_bias"] = ((spec.num_experts,), "bias")
         for e in range(spec.num_experts):
             s[f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = ((2 * f, h), "matrix")
             s[f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = ((h, f), "matrix")
@@ -275,7 +334,7 @@ def _layer_shapes(spec: MegatronSpec) -> dict[str, tuple[tuple[int, ...], str]]:
             sf = spec.shared_expert_size
             s["mlp.shared_experts.linear_fc1.weight"] = ((2 * sf, h), "matrix")
             s["mlp.shared_experts.linear_fc2.weight"] = ((h, sf), "matrix")
-            if fam.shared_expert:
+            if fam.shared_expert_gate:
                 s["mlp.shared_experts.gate_weight"] = ((1, h), "matrix")
     else:
         s["mlp.linear_fc1.weight"] = ((2 * spec.ffn_hidden_size, h), "matrix")
@@ -283,12 +342,28 @@ def _layer_shapes(spec: MegatronSpec) -> dict[str, tuple[tuple[int, ...], str]]:
     return s
 
 
+def _mla_shapes(spec: MegatronSpec) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Multi-latent attention (local spec, qk_layernorm): q and kv low-rank projections and their norms."""
+    h, heads, m = spec.hidden_size, spec.num_heads, MLA_DIMS
+    q_head = m["qk_nope_head_dim"] + m["qk_rope_head_dim"]
+    return {
+        "self_attention.linear_q_down_proj.weight": ((m["q_lora_rank"], h), "matrix"),
+        "self_attention.linear_q_up_proj.weight": ((heads * q_head, m["q_lora_rank"]), "matrix"),
+        "self_attention.linear_kv_down_proj.weight": ((m["kv_lora_rank"] + m["qk_rope_head_dim"], h), "matrix"),
+        "self_attention.linear_kv_up_proj.weight": (
+            (heads * (m["qk_nope_head_dim"] + m["v_head_dim"]), m["kv_lora_rank"]), "matrix"),
+        "self_attention.q_layernorm.weight": ((m["q_lora_rank"],), "norm"),
+        "self_attention.kv_layernorm.weight": ((m["kv_lora_rank"],), "norm"),
+        "self_attention.linear_proj.weight": ((h, heads * m["v_head_dim"]), "matrix"),
+    }
+
+
 def reference_shapes(spec: MegatronSpec) -> dict[str, tuple[int, ...]]:
     """Names and shapes of ``reference_state_dict`` (no ``_extra_state``), in model order."""
     v, h = spec.padded_vocab_size, spec.hidden_size
     out: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (v, h)}
     for i in range(spec.num_layers):
-        for name, (shape, _) in _layer_shapes(spec).items():
+        for name, (shape, _) in _layer_shapes(spec, i).items():
             out[f"decoder.layers.{i}.{name}"] = shape
     out["decoder.final_layernorm.weight"] = (h,)
     if not spec.tie_word_embeddings:
@@ -303,8 +378,8 @@ def _kind(name: str, spec: MegatronSpec) -> str:
         return "norm"
     if name == "output_layer.weight":
         return "matrix"
-    layer_name = name.split(".", 3)[3]
-    return _layer_shapes(spec)[layer_name][1]
+    _, _, layer, layer_name = name.split(".", 3)
+    return _layer_shapes(spec, int(layer))[layer_name][1]
 
 
 def reference_state_dict(spec: MegatronSpec, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -383,7 +458,7 @@ def rank_state_dict(
     experts_per_rank = (spec.num_experts or 0) // spec.ep
     expert_re = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
     for local, global_layer in enumerate(layers):
-        for layer_name in _layer_shapes(spec):
+        for layer_name in _layer_shapes(spec, global_layer):
             t = reference[f"decoder.layers.{global_layer}.{layer_name}"]
             name = layer_name
             m = expert_re.match(layer_name)
@@ -406,8 +481,11 @@ def rank_state_dict(
 # --------------------------------------------------------------------------------------------------
 
 
-def _dist_layer_key(layer_name: str) -> str:
-    """Local-spec layer tensor name -> torch_dist key suffix (megatron's sharded keys map)."""
+def _dist_layer_key(layer_name: str, spec: MegatronSpec | None = None) -> str:
+    """Local-spec layer tensor name -> torch_dist key suffix (megatron's sharded keys map; the
+    local MLA spec has none, so its norms keep their module names)."""
+    if spec is not None and spec.family_info.mla:
+        return layer_name
     if layer_name == "input_layernorm.weight":
         return "self_attention.linear_qkv.layer_norm_weight"
     if layer_name == "pre_mlp_layernorm.weight":
@@ -422,10 +500,25 @@ def reference_dist_global(spec: MegatronSpec, reference: Mapping[str, torch.Tens
     ``decoder.layers.<name>`` is [num_layers, ...]; experts are
     ``decoder.layers.mlp.experts.experts.linear_fc{1,2}.weight`` [num_layers, num_experts, ...];
     ``linear_fc1`` rows are [all gate; all up]; vocab stays padded; no ``output_layer`` when tied.
+    Mixed dense / MoE layers (``spec.mixed_layers``): no stacking over layers, every layer has its
+    own keys ``decoder.layers.<L>.<name>`` and experts ``decoder.layers.<L>.mlp.experts.experts.
+    linear_fc{1,2}.weight`` [num_experts, ...] (megatron-core's non-homogeneous layers).
     """
     out: dict[str, torch.Tensor] = {"embedding.word_embeddings.weight": reference["embedding.word_embeddings.weight"]}
-    layer_names = list(_layer_shapes(spec))
     expert_re = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+    if spec.mixed_layers:
+        for i in range(spec.num_layers):
+            experts: dict[str, list[torch.Tensor]] = {}
+            for name in _layer_shapes(spec, i):
+                m = expert_re.match(name)
+                if m:
+                    experts.setdefault(m.group(2), []).append(reference[f"decoder.layers.{i}.{name}"])
+                else:
+                    out[f"decoder.layers.{i}.{_dist_layer_key(name, spec)}"] = reference[f"decoder.layers.{i}.{name}"]
+            for part, tensors in experts.items():
+                out[f"decoder.layers.{i}.mlp.experts.experts.{part}"] = torch.stack(tensors)
+        return _dist_tail(spec, reference, out)
+    layer_names = list(_layer_shapes(spec))
     expert_parts: dict[str, list[str]] = {}
     for name in layer_names:
         m = expert_re.match(name)
@@ -433,10 +526,15 @@ def reference_dist_global(spec: MegatronSpec, reference: Mapping[str, torch.Tens
             expert_parts.setdefault(m.group(2), []).append(name)
             continue
         stacked = torch.stack([reference[f"decoder.layers.{i}.{name}"] for i in range(spec.num_layers)])
-        out[f"decoder.layers.{_dist_layer_key(name)}"] = stacked
+        out[f"decoder.layers.{_dist_layer_key(name, spec)}"] = stacked
     for part, names in expert_parts.items():
         per_layer = [torch.stack([reference[f"decoder.layers.{i}.{n}"] for n in names]) for i in range(spec.num_layers)]
         out[f"decoder.layers.mlp.experts.experts.{part}"] = torch.stack(per_layer)
+    return _dist_tail(spec, reference, out)
+
+
+def _dist_tail(spec: MegatronSpec, reference: Mapping[str, torch.Tensor], out: dict[str, torch.Tensor]
+               ) -> dict[str, torch.Tensor]:
     out["decoder.final_layernorm.weight"] = reference["decoder.final_layernorm.weight"]
     if not spec.tie_word_embeddings:
         out["output_layer.weight"] = reference["output_layer.weight"]
@@ -448,15 +546,16 @@ def reference_dist_global(spec: MegatronSpec, reference: Mapping[str, torch.Tens
 # --------------------------------------------------------------------------------------------------
 
 
-def te_legacy_name(spec: MegatronSpec, local_name: str) -> str:
+def te_legacy_name(spec: MegatronSpec, local_name: str, dense_layer: bool = False) -> str:
     """Local-spec state_dict key -> the key a TransformerEngine-spec GPTModel has for it.
 
     input_layernorm -> self_attention.linear_qkv.layer_norm_weight; dense pre_mlp_layernorm ->
-    mlp.linear_fc1.layer_norm_weight (MoE layers keep pre_mlp_layernorm); SequentialMLP experts
+    mlp.linear_fc1.layer_norm_weight (MoE layers keep pre_mlp_layernorm; ``dense_layer``: the key's
+    layer has a dense MLP, as the first layers of a mixed model); SequentialMLP experts
     ``mlp.experts.local_experts.{i}.linear_fcN.weight`` -> TEGroupedMLP ``mlp.experts.linear_fcN.weight{i}``.
     """
     name = re.sub(r"\.input_layernorm\.weight$", ".self_attention.linear_qkv.layer_norm_weight", local_name)
-    if not spec.is_moe:
+    if not spec.is_moe or dense_layer:
         name = re.sub(r"\.pre_mlp_layernorm\.weight$", ".mlp.linear_fc1.layer_norm_weight", name)
     name = re.sub(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$", r".mlp.experts.\2.weight\1", name)
     return name
@@ -481,7 +580,25 @@ def _to_te_names(spec: MegatronSpec, state: Mapping[str, object]) -> dict[str, o
                 core_attention = module.replace("linear_proj", "core_attention")
                 out[f"{core_attention}._extra_state"] = torch.empty(0, dtype=torch.uint8)
             continue
-        out[te_legacy_name(spec, key)] = value
+        out.update(te_legacy_names(spec, {key: value}, dense_mlp=_dense_mlp_layers(state)))
+    return out
+
+
+def _dense_mlp_layers(state: Mapping[str, object]) -> set[str]:
+    """``decoder.layers.N.`` prefixes of the layers in ``state`` with a dense MLP."""
+    suffix = "mlp.linear_fc1.weight"
+    return {k[: -len(suffix)] for k in state if k.endswith(suffix) and ".experts." not in k and "shared" not in k}
+
+
+def te_legacy_names(spec: MegatronSpec, state: Mapping[str, object], dense_mlp: set[str] | None = None
+                    ) -> dict[str, object]:
+    """A chunk's tensors (no extra states) renamed by `te_legacy_name`, each layer's MLP kind
+    (dense or MoE) taken from ``state`` itself (or ``dense_mlp``, its layer prefixes)."""
+    dense = _dense_mlp_layers(state) if dense_mlp is None else dense_mlp
+    out = {}
+    for key, value in state.items():
+        layer = re.match(r"^(.*decoder\.layers\.\d+\.)", key)
+        out[te_legacy_name(spec, key, bool(layer) and layer.group(1) in dense)] = value
     return out
 
 
@@ -546,10 +663,35 @@ def hf_config_dict(spec: MegatronSpec) -> dict[str, object]:
             num_experts_per_tok=spec.moe_topk,
             norm_topk_prob=not fam.router_pre_softmax,
             decoder_sparse_step=1,
-            mlp_only_layers=[],
+            mlp_only_layers=spec.dense_layers,
         )
     if fam.model_type == "qwen2_moe":
         cfg["shared_expert_intermediate_size"] = spec.shared_expert_size
+    if fam.router_sigmoid:  # DeepSeek-V3, GLM-4.5
+        assert spec.moe_ffn_hidden_size and spec.shared_expert_size
+        cfg.update(
+            moe_intermediate_size=spec.moe_ffn_hidden_size,
+            n_routed_experts=spec.num_experts,
+            n_shared_experts=spec.shared_expert_size // spec.moe_ffn_hidden_size,
+            num_experts_per_tok=spec.moe_topk,
+            routed_scaling_factor=ROUTED_SCALING_FACTOR,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            first_k_dense_replace=len(spec.dense_layers),
+        )
+    if fam.model_type == "glm4_moe":
+        cfg.update(attention_bias=fam.qkv_bias, use_qk_norm=fam.qk_norm)
+        cfg["rope_parameters"] = dict(cfg["rope_parameters"], partial_rotary_factor=fam.rotary_percent)
+    if fam.model_type == "deepseek_v3":
+        cfg.update(
+            **MLA_DIMS,
+            num_key_value_heads=spec.num_heads,
+            # megatron-core's MLA de-interleaves the rope dims before rotating them, as transformers does
+            # with rope_interleave (the Hub default); with rope_interleave=False the logits differ by ~1.7
+            rope_interleave=True,
+            attention_bias=False,
+        )
     return cfg
 
 
@@ -582,16 +724,22 @@ def reference_to_hf(spec: MegatronSpec, reference: Mapping[str, torch.Tensor]) -
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         out[dst + "input_layernorm.weight"] = reference[src + "input_layernorm.weight"]
         out[dst + "post_attention_layernorm.weight"] = reference[src + "pre_mlp_layernorm.weight"]
-        for part in ("weight", "bias") if fam.qkv_bias else ("weight",):
+        for part in (("weight", "bias") if fam.qkv_bias else ("weight",)) if not fam.mla else ():
             q, k, v = split_qkv(reference[src + f"self_attention.linear_qkv.{part}"])
             out[dst + f"self_attn.q_proj.{part}"] = q
             out[dst + f"self_attn.k_proj.{part}"] = k
             out[dst + f"self_attn.v_proj.{part}"] = v
         out[dst + "self_attn.o_proj.weight"] = reference[src + "self_attention.linear_proj.weight"]
+        if fam.mla:  # same rows and columns on both sides: MLA is a renaming
+            for megatron_name, hf_name in (("linear_q_down_proj", "q_a_proj"), ("q_layernorm", "q_a_layernorm"),
+                                           ("linear_q_up_proj", "q_b_proj"),
+                                           ("linear_kv_down_proj", "kv_a_proj_with_mqa"),
+                                           ("kv_layernorm", "kv_a_layernorm"), ("linear_kv_up_proj", "kv_b_proj")):
+                out[dst + f"self_attn.{hf_name}.weight"] = reference[src + f"self_attention.{megatron_name}.weight"]
         if fam.qk_norm:
             out[dst + "self_attn.q_norm.weight"] = reference[src + "self_attention.q_layernorm.weight"]
             out[dst + "self_attn.k_norm.weight"] = reference[src + "self_attention.k_layernorm.weight"]
-        if not fam.moe:
+        if not spec.is_moe_layer(i):
             gate, up = torch.chunk(reference[src + "mlp.linear_fc1.weight"], 2, dim=0)
             out[dst + "mlp.gate_proj.weight"] = gate
             out[dst + "mlp.up_proj.weight"] = up
@@ -599,6 +747,8 @@ def reference_to_hf(spec: MegatronSpec, reference: Mapping[str, torch.Tensor]) -
             continue
         moe = dst + ("block_sparse_moe." if fam.model_type == "mixtral" else "mlp.")
         out[moe + "gate.weight"] = reference[src + "mlp.router.weight"]
+        if fam.router_sigmoid:
+            out[moe + "gate.e_score_correction_bias"] = reference[src + "mlp.router.expert_bias"]
         for e in range(spec.num_experts or 0):
             gate, up = torch.chunk(reference[src + f"mlp.experts.local_experts.{e}.linear_fc1.weight"], 2, dim=0)
             down = reference[src + f"mlp.experts.local_experts.{e}.linear_fc2.weight"]
@@ -611,11 +761,13 @@ def reference_to_hf(spec: MegatronSpec, reference: Mapping[str, torch.Tensor]) -
                 out[moe + f"experts.{e}.up_proj.weight"] = up
                 out[moe + f"experts.{e}.down_proj.weight"] = down
         if spec.shared_expert_size:
+            shared = moe + ("shared_expert." if fam.shared_expert_gate else "shared_experts.")
             gate, up = torch.chunk(reference[src + "mlp.shared_experts.linear_fc1.weight"], 2, dim=0)
-            out[moe + "shared_expert.gate_proj.weight"] = gate
-            out[moe + "shared_expert.up_proj.weight"] = up
-            out[moe + "shared_expert.down_proj.weight"] = reference[src + "mlp.shared_experts.linear_fc2.weight"]
-            out[moe + "shared_expert_gate.weight"] = reference[src + "mlp.shared_experts.gate_weight"]
+            out[shared + "gate_proj.weight"] = gate
+            out[shared + "up_proj.weight"] = up
+            out[shared + "down_proj.weight"] = reference[src + "mlp.shared_experts.linear_fc2.weight"]
+            if fam.shared_expert_gate:
+                out[moe + "shared_expert_gate.weight"] = reference[src + "mlp.shared_experts.gate_weight"]
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -875,7 +1027,8 @@ def megatron_fixture_matrix() -> dict[str, MegatronSpec]:
 
     Covers TP x PP in {1x1, 2x1, 1x2, 2x2}, VPP 2 (legacy, megatron_lm and dist), GQA with
     TP > KV heads (tp=2, kv=1), tied (PP=1 and PP>1) and untied, MoE with EP 2 (also with PP 2,
-    with expert TP 2, and with shared experts), TE-style legacy names, every family, every format.
+    with expert TP 2, and with shared experts), mixed dense / MoE layers (torch_dist and TE-named
+    legacy), DeepSeek-V3 (MLA), GLM-4.5, TE-style legacy names, every family, every format.
     """
     s = MegatronSpec
     return {
@@ -900,6 +1053,18 @@ def megatron_fixture_matrix() -> dict[str, MegatronSpec]:
         "qwen2_tp2_pp2_bridge_v2": s(family="qwen2", tp=2, pp=2, fmt="bridge_v2"),
         "qwen3_moe_pp2_ep2_dist_v1": s(family="qwen3_moe", pp=2, ep=2, fmt="dist_v1"),
         "qwen3_moe_tp2_ep2_legacy": s(family="qwen3_moe", tp=2, ep=2, fmt="legacy"),
+        # mixed dense / MoE layers (first dense layer; mlp_only_layers): per-layer torch_dist keys
+        "qwen3_moe_dense0_pp2_ep2_dist_v1": s(family="qwen3_moe", pp=2, ep=2, moe_layer_freq=(0, 1, 1, 1),
+                                              fmt="dist_v1"),
+        "qwen2_moe_mixed_tp2_ep2_te_legacy": s(family="qwen2_moe", tp=2, ep=2, moe_layer_freq=(0, 1, 0, 1),
+                                               legacy_names="te", fmt="legacy"),
+        # DeepSeek-V3: MLA, sigmoid router + expert bias, shared experts, first dense layers
+        "deepseek_v3_pp2_ep2_dist_v2": s(family="deepseek_v3", num_kv_heads=4, pp=2, ep=2,
+                                         moe_layer_freq=(0, 1, 1, 1), fmt="dist_v2"),
+        "deepseek_v3_ep2_legacy": s(family="deepseek_v3", num_kv_heads=4, ep=2, moe_layer_freq=(0, 0, 1, 1),
+                                    fmt="legacy"),
+        # GLM-4.5: q/k/v bias + q/k norms, half-rotary RoPE, sigmoid router + bias, shared experts, layer 0 dense
+        "glm4_moe_tp2_ep2_dist_v1": s(family="glm4_moe", tp=2, ep=2, moe_layer_freq=(0, 1, 1, 1), fmt="dist_v1"),
     }
 
 
@@ -1029,6 +1194,17 @@ def _transformer_config(spec: MegatronSpec):  # -> megatron.core.transformer.Tra
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    if fam.mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        kw.update(q_lora_rank=MLA_DIMS["q_lora_rank"], kv_lora_rank=MLA_DIMS["kv_lora_rank"],
+                  qk_head_dim=MLA_DIMS["qk_nope_head_dim"], qk_pos_emb_head_dim=MLA_DIMS["qk_rope_head_dim"],
+                  v_head_dim=MLA_DIMS["v_head_dim"], rope_type="rope", rotary_base=fam.rope_theta,
+                  kv_channels=MLA_DIMS["v_head_dim"],
+                  qk_layernorm=True, multi_latent_attention=True)
+    if fam.router_sigmoid:
+        kw.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                  moe_router_topk_scaling_factor=ROUTED_SCALING_FACTOR)
     if fam.moe:
         kw.update(
             num_moe_experts=spec.num_experts,
@@ -1036,12 +1212,16 @@ def _transformer_config(spec: MegatronSpec):  # -> megatron.core.transformer.Tra
             moe_router_topk=spec.moe_topk,
             moe_router_pre_softmax=fam.router_pre_softmax,
             moe_shared_expert_intermediate_size=spec.shared_expert_size,
-            moe_shared_expert_gate=fam.shared_expert,
+            moe_shared_expert_gate=fam.shared_expert_gate,
             moe_token_dispatcher_type="allgather",  # alltoall creates a torch.cuda.Stream
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,
         )
+        if spec.moe_layer_freq is not None:
+            kw["moe_layer_freq"] = list(spec.moe_layer_freq)
+    if fam.mla:
+        return MLATransformerConfig(**kw)
     return TransformerConfig(**kw)
 
 
@@ -1054,12 +1234,23 @@ def _build_chunks(spec: MegatronSpec) -> list[torch.nn.Module]:
     layer_spec = get_gpt_layer_local_spec(
         num_experts=spec.num_experts,
         moe_grouped_gemm=False,
-        qk_layernorm=spec.family_info.qk_norm,
+        qk_layernorm=spec.family_info.qk_norm or spec.family_info.mla,
+        multi_latent_attention=spec.family_info.mla,
         normalization="RMSNorm",
     )
     chunks = []
     for v in range(spec.vpp_size):
         extra = {"vp_stage": v} if spec.vpp else {}
+        if spec.moe_layer_freq is not None:  # per-layer specs: dense or MoE (megatron's own block spec)
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+            layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                                    vp_stage=v if spec.vpp else None)
+        if spec.family_info.mla:
+            from synthetic_runs.megatron_shims import mla_core_attention
+
+            for layer in getattr(layer_spec, "layer_specs", None) or [layer_spec]:
+                layer.submodules.self_attention.submodules.core_attention = mla_core_attention()
         if spec.vpp:
             pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v)
             post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v)
@@ -1075,6 +1266,7 @@ def _build_chunks(spec: MegatronSpec) -> list[torch.nn.Module]:
             share_embeddings_and_output_weights=spec.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=int(spec.family_info.rope_theta),
+            rotary_percent=spec.family_info.rotary_percent,
             parallel_output=False,
             **extra,
         )
@@ -1227,6 +1419,7 @@ def _megatron_lm_args(spec: MegatronSpec, iteration: int, ckpt_format: str = "to
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
         moe_router_topk=spec.moe_topk,
         moe_shared_expert_intermediate_size=spec.shared_expert_size,
+        moe_layer_freq=list(spec.moe_layer_freq) if spec.moe_layer_freq is not None else 1,
         params_dtype=torch.float32,
         ckpt_format=ckpt_format,
         iteration=iteration,

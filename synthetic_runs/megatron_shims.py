@@ -15,6 +15,11 @@ megatron-core binds only when TransformerEngine imports), and changes nothing el
 - ``moe_utils.te_general_gemm`` -> None when TransformerEngine is absent: megatron-core 0.16.1 only
   binds that name inside ``try: import transformer_engine``, and the MoE router's forward then
   fails with NameError instead of taking its plain ``torch.mm`` branch.
+- ``multi_latent_attention.HAVE_TE`` -> False: without TransformerEngine, megatron-core 0.16.1
+  binds ``TELinear`` to a ``MagicMock`` stand-in and still sets ``HAVE_TE = True``, so building
+  an MLA layer fails with ``TypeError: isinstance() arg 2 must be a type, a tuple of types, or a
+  union when instantiating MLASelfAttention`` (the check it guards is for TE's FP8 paths only).
+- MLA's core attention: see `mla_core_attention` (used by the DeepSeek fixtures' layer specs).
 
 ``install_cpu_shims()`` patches the process it runs in (and keeps it on the CPU even where CUDA
 exists); call it only in a throwaway worker process.
@@ -57,6 +62,12 @@ def install_cpu_shims() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    from megatron.core.transformer import multi_latent_attention
+
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        multi_latent_attention.HAVE_TE = False
     _INSTALLED = True
 
 
@@ -68,3 +79,26 @@ def use_cpu_rng_tracker() -> None:
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def mla_core_attention() -> type:
+    """megatron-core's own local ``DotProductAttention``, taking the head sizes MLA passes.
+
+    megatron-core 0.16.1 builds MLA's core attention with ``k_channels`` / ``v_channels``, which
+    only TransformerEngine's attention accepts; the local class fails with ``TypeError:
+    DotProductAttention.__init__() got an unexpected keyword argument 'k_channels'``. Its math
+    already takes the key size from the tensors (``reshape(..., -1)``) and the value size from
+    ``config.kv_channels``, so this subclass checks ``v_channels == config.kv_channels`` and drops
+    both. The module has no weights: what is saved is unchanged.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args: object, k_channels: int | None = None, v_channels: int | None = None,
+                     **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)
+            if v_channels is not None and v_channels != self.config.kv_channels:
+                raise ValueError(f"local attention needs kv_channels == v_head_dim ({self.config.kv_channels} != "
+                                 f"{v_channels})")
+
+    return MLADotProductAttention

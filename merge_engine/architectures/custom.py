@@ -11,8 +11,14 @@ The file is JSON::
       "qkv": [{"megatron": "...", "q": "...", "k": "...", "v": "...", "requires": "attention_bias"}],
       "gated_mlp": [{"megatron": "...", "gate": "...", "up": "..."}],
       "vocab": [{"megatron": "...", "hf": "...", "head": false}],
-      "experts_keys": ["num_experts"]
+      "experts_keys": ["num_experts"],
+      "moe_layer_rule": "first_k_dense",      # which layers are MoE: all | qwen | first_k_dense
+      "dense_layers": [0, 1]                  # layers with a dense MLP whatever the rule says
     }
+
+Mixed dense / MoE models the built-in tables do not know are expressed with ``moe_layer_rule``
+and ``dense_layers``: the dense layers then map through the dense MLP entries, the others through
+the expert entries (every layer's tensors are checked against that split).
 
 An entry whose Megatron pattern is already in the base table replaces the base entry. Every
 pattern must use the same number of ``*`` on both sides. Errors: `InvalidOption` naming the file.
@@ -27,6 +33,7 @@ from typing import Any
 from merge_engine import storage
 from merge_engine.architectures.mappings import (
     DirectMapping,
+    MOE_LAYER_RULES,
     FamilyTable,
     GatedMLPMapping,
     ParamMapping,
@@ -35,7 +42,8 @@ from merge_engine.architectures.mappings import (
 )
 from merge_engine.errors import InvalidOption
 
-KEYS = {"extends", "name", "model_types", "architectures", "direct", "qkv", "gated_mlp", "vocab", "experts_keys"}
+KEYS = {"extends", "name", "model_types", "architectures", "direct", "qkv", "gated_mlp", "vocab", "experts_keys",
+        "moe_layer_rule", "dense_layers"}
 
 
 def load_custom_mapping(url: str, tables: Mapping[str, FamilyTable], config: Mapping[str, Any]) -> FamilyTable:
@@ -68,6 +76,13 @@ def load_custom_mapping(url: str, tables: Mapping[str, FamilyTable], config: Map
         if not isinstance(mapping.megatron, str) or bad:
             raise InvalidOption(f"custom mapping {mapping.megatron!r}: every name needs the same number of '*' "
                                 f"({stars}) on both sides; check {bad}", url)
+    rule = spec.get("moe_layer_rule", base.moe_layer_rule)
+    if rule not in MOE_LAYER_RULES:
+        raise InvalidOption(f"custom mapping moe_layer_rule {rule!r}; known: {sorted(MOE_LAYER_RULES)}", url)
+    dense = spec.get("dense_layers", list(base.dense_layers))
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                              for i in dense):
+        raise InvalidOption(f"custom mapping dense_layers must be a list of layer numbers, got {dense!r}", url)
     replaced = {m.megatron for m in added}
     kept = [m for m in base.mappings() if m.megatron not in replaced]
     merged = kept + added
@@ -78,7 +93,8 @@ def load_custom_mapping(url: str, tables: Mapping[str, FamilyTable], config: Map
         model_types=tuple(base.model_types) + tuple(spec.get("model_types") or ()),
         architectures=tuple(base.architectures) + tuple(spec.get("architectures") or ()),
         direct=direct, special=special,
-        experts_keys=tuple(spec.get("experts_keys") or base.experts_keys))
+        experts_keys=tuple(spec.get("experts_keys") or base.experts_keys),
+        moe_layer_rule=rule, dense_layers=tuple(sorted(set(dense))))
 
 
 def _base_table(spec: Mapping[str, Any], tables: Mapping[str, FamilyTable], config: Mapping[str, Any],

@@ -43,6 +43,11 @@ class ModelDims:
     moe_layers: frozenset[int] = frozenset()
     padded_vocab_size: int | None = None  # HF -> Megatron only: rows of the padded embedding
 
+    @property
+    def mixed_layers(self) -> bool:
+        """Some layers MoE, some dense: megatron-core keys each layer on its own in torch_dist."""
+        return bool(self.moe_layers) and len(self.moe_layers) < self.num_layers
+
     def layers_in_scope(self, scope: str) -> range | list[int]:
         """Layer numbers a mapping of ``scope`` (see `scope_of`) applies to."""
         if scope in ("moe", "experts"):
@@ -231,8 +236,11 @@ class FamilyTable:
 
     ``direct`` is the dict of 1:1 names (Megatron pattern -> Hugging Face pattern); ``special``
     the mappings that fuse, split or trim. ``experts_keys`` names the config keys that may hold the
-    number of routed experts (MoE families; transformers renamed some between versions). ``moe_layer_rule``: ``"all"`` or ``"qwen"``
-    (``decoder_sparse_step`` and ``mlp_only_layers`` choose the MoE layers).
+    number of routed experts (MoE families; transformers renamed some between versions).
+    ``moe_layer_rule`` (one of `MOE_LAYER_RULES`) says which layers are MoE from the config:
+    ``"all"``; ``"qwen"`` (``decoder_sparse_step`` and ``mlp_only_layers``); ``"first_k_dense"``
+    (DeepSeek, GLM-4.5: layers from ``first_k_dense_replace`` on, every ``moe_layer_freq``-th).
+    ``dense_layers``: layers with a dense MLP whatever the rule says (a custom mapping's override).
     """
 
     name: str
@@ -242,6 +250,7 @@ class FamilyTable:
     special: tuple[ParamMapping, ...] = ()
     experts_keys: tuple[str, ...] = ()
     moe_layer_rule: str = "all"
+    dense_layers: tuple[int, ...] = ()
 
     def mappings(self) -> tuple[ParamMapping, ...]:
         return tuple(DirectMapping(m, hf_name=h) for m, h in self.direct.items()) + tuple(self.special)
@@ -253,8 +262,24 @@ class FamilyTable:
         if not self.experts_keys:
             return frozenset()
         layers = int(config["num_hidden_layers"])
-        if self.moe_layer_rule == "qwen":
-            step = int(config.get("decoder_sparse_step") or 1)
-            dense = set(config.get("mlp_only_layers") or ())
-            return frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
-        return frozenset(range(layers))
+        rule = MOE_LAYER_RULES[self.moe_layer_rule]
+        return frozenset(i for i in range(layers) if i not in self.dense_layers and rule(config, i))
+
+
+def _qwen_moe_layer(config: MappingType[str, Any], layer: int) -> bool:
+    step = int(config.get("decoder_sparse_step") or 1)
+    return layer not in set(config.get("mlp_only_layers") or ()) and (layer + 1) % step == 0
+
+
+def _first_k_dense_moe_layer(config: MappingType[str, Any], layer: int) -> bool:
+    freq = config.get("moe_layer_freq")
+    step = int(freq) if isinstance(freq, int) and freq > 0 else 1
+    return layer >= int(config.get("first_k_dense_replace") or 0) and layer % step == 0
+
+
+# which layers of a MoE model have experts, from its config.json: rule name -> (config, layer) -> bool
+MOE_LAYER_RULES = {
+    "all": lambda config, layer: True,
+    "qwen": _qwen_moe_layer,
+    "first_k_dense": _first_k_dense_moe_layer,
+}

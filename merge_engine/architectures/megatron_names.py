@@ -30,6 +30,9 @@ _TE_RENAMES = {
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+    # multi-latent attention: the low-rank norms fused into the up-projections
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
 
 
@@ -72,4 +75,11 @@ def order_key(name: str) -> tuple:
 
 # local-spec modules whose state_dict() has an ``_extra_state`` entry (megatron-core saves it, as None
 # when there is nothing to keep)
-EXTRA_STATE_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
+EXTRA_STATE_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer", "linear_q_proj",
+                       "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+
+
+def is_mla(names) -> bool:
+    """Do these canonical names hold multi-latent attention (DeepSeek)? Its torch_dist keys then keep
+    the local-spec norm names: megatron-core's local MLA spec has no TransformerEngine keys map."""
+    return any(n.endswith("self_attention.linear_kv_down_proj.weight") for n in names)

@@ -10,6 +10,9 @@ linear_qkv (weight, bias)      column         concatenate rows (whole query grou
 linear_fc1 (gated MLP)         gated column   each rank holds [its gate rows; its up rows]:
                                               all gates, then all ups
 linear_fc1 (plain MLP)         column         concatenate rows
+linear_q_up_proj,              column         concatenate rows (whole heads; multi-latent
+  linear_kv_up_proj, linear_q_proj              attention; the low-rank down-projections are
+                                              duplicated on every rank, as TransformerEngine's)
 linear_proj, linear_fc2        row            concatenate columns (dim 1)
 anything else                  replicated     identical on every rank (norms, router, biases
                                               of row-parallel layers, shared-expert gate)
@@ -45,6 +48,9 @@ TP_RULES: tuple[tuple[str, TPKind], ...] = (
     (OUTPUT_LAYER, TPKind.COLUMN),
     ("linear_qkv.weight", TPKind.COLUMN),
     ("linear_qkv.bias", TPKind.COLUMN),
+    ("linear_q_proj.weight", TPKind.COLUMN),
+    ("linear_q_up_proj.weight", TPKind.COLUMN),
+    ("linear_kv_up_proj.weight", TPKind.COLUMN),
     ("linear_fc1.weight", TPKind.GATED_COLUMN),
     ("linear_fc1.bias", TPKind.GATED_COLUMN),
     ("linear_proj.weight", TPKind.ROW),

@@ -13,7 +13,11 @@ Where the shards are, relative to the folder given:
 Keys are global, without a ``model.`` prefix, with TransformerEngine-style names, and per-layer
 tensors stacked on a leading dimension (``decoder.layers.self_attention.linear_qkv.weight`` is
 ``[layers, rows, hidden]``; experts ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is
-``[layers, experts, rows, hidden]``). `open` gives the canonical Megatron tensors (one per layer
+``[layers, experts, rows, hidden]``). When layers differ (some dense, some MoE: first dense layers,
+``moe_layer_freq``; also ``singleton_local_shards``) megatron-core keys each layer on its own:
+``decoder.layers.3.self_attention.linear_qkv.weight`` and, per MoE layer, the experts stacked on
+their own: ``decoder.layers.3.mlp.experts.experts.linear_fc1.weight`` ``[experts, rows, hidden]``.
+`open` gives the canonical Megatron tensors (one per layer
 and expert, see `merge_engine.architectures.megatron_names`), each a lazy box of its stacked
 tensor: a layer's bytes are read only when that layer is written.
 
@@ -27,7 +31,7 @@ from __future__ import annotations
 import io
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -40,6 +44,7 @@ from merge_engine.architectures.megatron_names import (
     canonical_layer_name,
     expert_name,
     is_extra_state,
+    is_mla,
     layer_name,
     order_key,
 )
@@ -222,10 +227,18 @@ def canonical_tensors(index: DcpIndex, files: DcpFiles) -> dict[str, DcpTensor]:
         if not is_model_key(key):
             continue
         rest = key[len(STACKED):] if key.startswith(STACKED) else None
-        if rest is not None and not rest.split(".", 1)[0].isdigit() and not all(info.shape):
+        per_layer = rest is not None and rest.split(".", 1)[0].isdigit()
+        if rest is not None and not per_layer and not all(info.shape):
             # one entry per layer (and expert) is made below: only bytes on disk may decide how many
             raise CorruptShard(f"{key!r}: a stacked tensor of shape {info.shape} holds no weights", index.url)
-        if rest is None or rest.split(".", 1)[0].isdigit():  # not stacked: a global or a per-layer key
+        if per_layer and rest.split(".", 1)[1].startswith(STACKED_EXPERTS):  # one layer's experts, stacked
+            number, local = rest.split(".", 1)
+            part = local[len(STACKED_EXPERTS):]
+            if len(info.shape) < 1:
+                raise CorruptShard(f"{key!r} {info.shape}: experts need [experts, ...]", index.url)
+            for expert in range(info.shape[0]):
+                add(layer_name(int(number), expert_name(expert, part)), DcpTensor(key, info, files, (expert,)))
+        elif rest is None or per_layer:  # not stacked: a global or a per-layer key
             add(key if rest is None else _unstacked(rest), DcpTensor(key, info, files))
         elif rest.startswith(STACKED_EXPERTS):
             part = rest[len(STACKED_EXPERTS):]
@@ -262,26 +275,39 @@ def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout con
 
 # --------------------------------------------------------------------------------------------------
 # Writing (``stepmerge split --format dist``): verl v1's layout, global keys, layers stacked on dim 0
+# (each layer keyed on its own when dense and MoE layers are mixed, as megatron-core does)
 
 DIST_DIR = "dist_ckpt"
 MEGATRON_DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                           "common_backend": "torch", "common_backend_version": 1}
-# canonical (local-spec) layer names -> torch_dist keys (TransformerEngine-style)
+# canonical (local-spec) layer names -> torch_dist keys (TransformerEngine-style); megatron-core's
+# local MLA spec has no such map, so multi-latent attention models keep the module names
 _DIST_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                  "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 
 
-def _dist_key(name: str, dims) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-    """Canonical name -> (torch_dist key, leading indices, leading global sizes)."""
+def _dist_key(name: str, dims, renames: Mapping[str, str] = _DIST_RENAMES
+              ) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """Canonical name -> (torch_dist key, leading indices, leading global sizes).
+
+    Layers stacked on dim 0 (experts on dim 1) as megatron-core keys homogeneous layers; with mixed
+    dense / MoE layers, each layer keyed on its own and its experts stacked on dim 0, as
+    megatron-core keys non-homogeneous layers (``moe_layer_freq``).
+    """
     match = LAYER_NAME.match(name)
     if not match:
         return name, (), ()
     layer, rest = int(match.group(1)), match.group(2)
     expert = EXPERT_NAME.match(rest)
+    if dims.mixed_layers:
+        if expert:
+            return (f"decoder.layers.{layer}.mlp.experts.experts.{expert.group(2)}", (int(expert.group(1)),),
+                    (dims.num_experts,))
+        return f"decoder.layers.{layer}.{renames.get(rest, rest)}", (), ()
     if expert:
         return (f"decoder.layers.mlp.experts.experts.{expert.group(2)}", (layer, int(expert.group(1))),
                 (dims.num_layers, dims.num_experts))
-    return f"decoder.layers.{_DIST_RENAMES.get(rest, rest)}", (layer,), (dims.num_layers,)
+    return f"decoder.layers.{renames.get(rest, rest)}", (layer,), (dims.num_layers,)
 
 
 def write(view: MegatronViewOfHf, target_url: str, sizes: ParallelSizes, dtype: torch.dtype | None) -> Files:
@@ -293,17 +319,19 @@ def write(view: MegatronViewOfHf, target_url: str, sizes: ParallelSizes, dtype: 
     none_bytes = io.BytesIO()
     torch.save([None], none_bytes)  # megatron-core saves a ShardedObject as a one-item list
     extra_states = set()
+    renames = {} if is_mla(view.metas()) else _DIST_RENAMES
     try:
         for name, meta in view.metas().items():
-            key, lead, lead_sizes = _dist_key(name, dims)
+            key, lead, lead_sizes = _dist_key(name, dims, renames)
             tensor = view.read(name)
             if dtype is not None:
                 tensor = tensor.to(dtype)
             writer.add_chunk(key, (*lead_sizes, *meta.shape), (*lead, *(0,) * len(meta.shape)),
                              tensor.reshape((1,) * len(lead) + tuple(meta.shape)))
             module, _, leaf = key.rpartition(".")
-            if lead and leaf == "weight" and module.rsplit(".", 1)[-1] in EXTRA_STATE_MODULES:
-                shard = ".".join(map(str, lead)) + "_" + ".".join(map(str, lead_sizes))
+            if (lead or dims.mixed_layers) and leaf == "weight" and module.rsplit(".", 1)[-1] in EXTRA_STATE_MODULES:
+                # a per-layer key of mixed layers is a shard of one: megatron-core names it 0_1
+                shard = (".".join(map(str, lead)) + "_" + ".".join(map(str, lead_sizes))) if lead else "0_1"
                 extra = f"{module}._extra_state/shard_{shard}"
                 if extra not in extra_states:
                     extra_states.add(extra)

@@ -48,6 +48,12 @@ CASES = {
     "qwen2_moe_ep2_dist_v2": SplitOptions(pp=2, ep=2),
     "qwen3_moe_tp2_ep2_legacy": SplitOptions(tp=2, ep=2),
     "mistral_tp1_pp2_legacy": SplitOptions(fmt="dist"),
+    # mixed dense / MoE: per-layer torch_dist keys; DeepSeek-V3 (MLA) both ways
+    "qwen3_moe_dense0_pp2_ep2_dist_v1": SplitOptions(tp=2, ep=2, fmt="dist"),
+    "qwen2_moe_mixed_tp2_ep2_te_legacy": SplitOptions(pp=2, ep=2),
+    "deepseek_v3_pp2_ep2_dist_v2": SplitOptions(ep=4),
+    "deepseek_v3_ep2_legacy": SplitOptions(pp=2, ep=2, fmt="dist"),
+    "glm4_moe_tp2_ep2_dist_v1": SplitOptions(pp=2, ep=2),
 }
 
 

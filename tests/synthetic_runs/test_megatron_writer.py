@@ -48,7 +48,7 @@ from synthetic_runs.megatron import (
     reference_shapes,
     reference_state_dict,
     reference_to_hf,
-    te_legacy_name,
+    te_legacy_names,
 )
 
 MATRIX = megatron_fixture_matrix()
@@ -81,7 +81,8 @@ def _load_rank_file(path: Path) -> object:
 
 def test_matrix_covers_every_layout_the_issue_names() -> None:
     """TP x PP 1x1/2x1/1x2/2x2, VPP 2, TP > KV heads, tied + untied (tied with PP > 1 too), EP 2,
-    expert TP, TE names, every family and every format; all fit one world of 4 processes."""
+    expert TP, TE names, mixed dense / MoE layers (torch_dist and legacy), every family and every
+    format; all fit one world of 4 processes."""
     specs = list(MATRIX.values())
     assert {(s.tp, s.pp) for s in specs} >= {(1, 1), (2, 1), (1, 2), (2, 2)}
     assert any(s.vpp == 2 for s in specs if s.fmt == "legacy")
@@ -93,6 +94,8 @@ def test_matrix_covers_every_layout_the_issue_names() -> None:
     assert any(s.ep == 2 and s.fmt.startswith("dist") for s in specs)
     assert any(s.ep == 2 and s.tp == 2 for s in specs)
     assert any(s.legacy_names == "te" for s in specs)
+    assert any(s.mixed_layers and s.fmt == "legacy" for s in specs)
+    assert any(s.mixed_layers and s.fmt.startswith("dist") for s in specs)
     assert {s.family for s in specs} == set(FAMILIES)
     assert {s.fmt for s in specs} == set(FORMATS)
     assert all(4 % s.world_size == 0 for s in specs)
@@ -111,6 +114,12 @@ def test_matrix_covers_every_layout_the_issue_names() -> None:
         ({"family": "qwen2", "head_dim": 32}, "cannot have head_dim"),
         ({"family": "llama", "shared_expert_size": 8}, "has no shared expert"),
         ({"fmt": "dist_v1", "legacy_names": "te"}, "per-rank files only"),
+        ({"family": "qwen3_moe", "moe_layer_freq": (0, 1)}, "one 0 \\(dense\\) or 1"),
+        ({"family": "mixtral", "moe_layer_freq": (0, 1, 1, 1)}, "Mixtral has no dense layers"),
+        ({"family": "llama", "moe_layer_freq": (0, 1, 1, 1)}, "takes no moe_layer_freq"),
+        ({"family": "deepseek_v3", "num_kv_heads": 4, "moe_layer_freq": (1, 0, 1, 1)}, "first ones"),
+        ({"family": "deepseek_v3", "num_kv_heads": 4, "tp": 2}, "MLA fixtures are written with tp=1"),
+        ({"family": "deepseek_v3"}, "num_kv_heads must equal num_heads"),
     ],
 )
 def test_spec_rejects_layouts_megatron_or_transformers_cannot_build(kwargs: dict, message: str) -> None:
@@ -273,7 +282,7 @@ def test_rank_files_hold_each_ranks_slice(fixtures: dict[str, StepJob], name: st
         for v, chunk in enumerate(chunks):
             expected = rank_state_dict(spec, ref, t, p, v, e)
             if spec.legacy_names == "te":
-                expected = {te_legacy_name(spec, k): val for k, val in expected.items()}
+                expected = te_legacy_names(spec, expected)
                 assert not any(k.endswith("input_layernorm.weight") for k in chunk)
             tensors = {k: val for k, val in chunk.items() if not k.endswith("._extra_state")}
             assert sorted(tensors) == sorted(expected), folder

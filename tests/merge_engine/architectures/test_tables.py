@@ -39,7 +39,14 @@ CONFIGS = {
     "qwen3": dict(COMMON, head_dim=16),
     "mixtral": dict(COMMON, num_local_experts=4, num_experts_per_tok=2, intermediate_size=24),
     "qwen2_moe": dict(COMMON, num_experts=4, shared_expert_intermediate_size=32, **MOE),
-    "qwen3_moe": dict(COMMON, num_experts=4, head_dim=16, **MOE),
+    "qwen3_moe": dict(COMMON, num_experts=4, head_dim=16, **dict(MOE, mlp_only_layers=[0])),  # layer 0 dense
+    # MLA + sigmoid router with its bias + shared experts; layer 0 dense (first_k_dense_replace)
+    "deepseek_v3": dict(COMMON, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=24,
+                        num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=16,
+                        kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+    # GLM-4.5: q/k/v bias, no q/k norms (use_qk_norm off), DeepSeek-style MoE, layer 0 dense
+    "glm4_moe": dict(COMMON, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=24, num_experts_per_tok=2,
+                     first_k_dense_replace=1, attention_bias=True, use_qk_norm=False, head_dim=8),
 }
 
 
@@ -107,7 +114,8 @@ class TestFamily:
         megatron = {name: view.read(name) for name in view.metas()}
         heads, kv, d = dims.num_heads, dims.num_kv_heads, dims.head_dim
         assert megatron["embedding.word_embeddings.weight"].shape == (PADDED, 32)
-        assert megatron["decoder.layers.1.self_attention.linear_qkv.weight"].shape == ((heads + 2 * kv) * d, 32)
+        if "decoder.layers.1.self_attention.linear_kv_down_proj.weight" not in megatron:  # MLA is a renaming
+            assert megatron["decoder.layers.1.self_attention.linear_qkv.weight"].shape == ((heads + 2 * kv) * d, 32)
         assert ("output_layer.weight" in megatron) is not tied
         fc1 = [n for n in megatron if n.endswith("linear_fc1.weight")]
         assert fc1 and all(megatron[n].shape[0] == 2 * megatron[n.replace("fc1", "fc2")].shape[1] for n in fc1)
