@@ -43,6 +43,9 @@ def _source_flags(parser: argparse.ArgumentParser) -> None:
           help="hub (default): the names and per-expert tensors of the model's Hub checkpoint, what save_pretrained "
                "writes and vLLM/SGLang/PEFT read; transformers: the names as stored (transformers v5's in-memory "
                "names: fused experts, model.language_model)")
+    _flag(parser, "mtp-layers", default=None, choices=("export", "drop"),
+          help="Megatron: multi-token-prediction layers (DeepSeek-V3) written as the Hub checkpoint holds them, "
+               "or dropped; a checkpoint with MTP layers is refused without this choice")
 
 
 def _options(args: argparse.Namespace):
@@ -54,6 +57,7 @@ def _options(args: argparse.Namespace):
                          hf_model_path=args.hf_model_path, tie_word_embedding=args.tie_word_embedding,
                          custom_mapping=args.custom_mapping, lora_alpha=getattr(args, "lora_alpha", None),
                          weights_format=getattr(args, "weights_format", "hub"),
+                         mtp_layers=getattr(args, "mtp_layers", None),
                          overwrite=getattr(args, "overwrite", False))
 
 

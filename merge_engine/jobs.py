@@ -57,6 +57,7 @@ class OutputOptions:
     hf_model_path: str | None = None  # config/tokenizer folder overriding the checkpoint's own
     base_model: str | None = None  # extract: the base of a LoRA-only checkpoint
     custom_mapping: str | None = None  # Megatron: a JSON file extending the family's name table
+    mtp_layers: str | None = None  # Megatron: export | drop the multi-token-prediction layers (None: refuse them)
     # what is written
     dtype: str | None = None  # output dtype; as stored when None (SVD factors: float32)
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
@@ -90,6 +91,8 @@ class OutputOptions:
             # only when set, so that the fingerprints of other merges stay as they were
             if self.lora_alpha is not None:
                 options["lora_alpha"] = self.lora_alpha
+            if self.mtp_layers is not None:
+                options["mtp_layers"] = self.mtp_layers
             if self.custom_mapping is not None:  # its content, not just its name, decides the output
                 options["custom_mapping"] = {"url": self.custom_mapping, "sha256": _content_digest(self.custom_mapping)}
         return options

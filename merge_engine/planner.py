@@ -40,13 +40,15 @@ __all__ = ["check_dropped_head", "check_tie_flag", "check_tied_copy", "critic_co
 def plan_checkpoint(checkpoint: Checkpoint, source: TensorSource, config: dict[str, Any], *,
                     dtype: torch.dtype | None, max_shard_size: int, tie_flag: bool | None = None,
                     lora_alpha: float | None = None, custom_mapping: str | None = None,
-                    chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> MergePlan:
+                    chunk_bytes: int = DEFAULT_CHUNK_BYTES, mtp_layers: str | None = None) -> MergePlan:
     """The plan of the model ``checkpoint`` holds (see the module docstring). Reads no weight, except
     a LoRA checkpoint's stored tied head, compared with its embedding before it is dropped."""
     if layout_named(checkpoint.layout).TENSOR_NAMING == MEGATRON_NAMES:
         extra = {"custom_mapping": custom_mapping} if custom_mapping is not None else {}
         return plan_megatron_merge(source, config, dtype=dtype, max_shard_size=max_shard_size, tie_flag=tie_flag,
-                                   **extra)
+                                   mtp_layers=mtp_layers, **extra)
+    if mtp_layers is not None:
+        raise InvalidOption(f"--mtp-layers applies to Megatron checkpoints, not to a {checkpoint.layout} one")
     if custom_mapping is not None:
         raise InvalidOption(f"--custom-mapping applies to Megatron checkpoints, not to a {checkpoint.layout} one",
                             custom_mapping)

@@ -167,6 +167,7 @@ class MegatronSpec:
     make_vocab_size_divisible_by: int = 128
     legacy_names: str = "local"
     moe_layer_freq: tuple[int, ...] | None = None  # per layer: 1 MoE, 0 dense (megatron's list form)
+    mtp_layers: int = 0  # DeepSeek multi-token-prediction layers (megatron-core mtp_num_layers)
 
     def __post_init__(self) -> None:
         if self.family not in _FAMILY_TABLE:
@@ -244,6 +245,8 @@ class MegatronSpec:
             p.append("DeepSeek's / GLM's shared expert size is n_shared_experts * moe_ffn_hidden_size")
         if self.shared_expert_size is not None and not fam.shared_expert:
             p.append(f"family {self.family} has no shared expert")
+        if self.mtp_layers and (not fam.mla or self.vpp):
+            p.append("MTP layers are written for DeepSeek-V3 without VPP")
         return p
 
     @property
@@ -366,12 +369,27 @@ def reference_shapes(spec: MegatronSpec) -> dict[str, tuple[int, ...]]:
         for name, (shape, _) in _layer_shapes(spec, i).items():
             out[f"decoder.layers.{i}.{name}"] = shape
     out["decoder.final_layernorm.weight"] = (h,)
+    for i in range(spec.mtp_layers):
+        out.update({f"mtp.layers.{i}.{name}": shape for name, (shape, _) in _mtp_shapes(spec).items()})
     if not spec.tie_word_embeddings:
         out["output_layer.weight"] = (v, h)
     return out
 
 
+def _mtp_shapes(spec: MegatronSpec) -> dict[str, tuple[tuple[int, ...], str]]:
+    """One multi-token-prediction layer (names after ``mtp.layers.N.``): the two norms, the
+    projection of [embedding; hidden], a MoE transformer layer, its final norm. It shares the
+    embedding and the output layer with the model (megatron-core stores them once)."""
+    h = spec.hidden_size
+    s = {"enorm.weight": ((h,), "norm"), "hnorm.weight": ((h,), "norm"), "eh_proj.weight": ((h, 2 * h), "matrix")}
+    s.update({f"transformer_layer.{n}": v for n, v in _layer_shapes(spec, spec.num_layers - 1).items()})
+    s["final_layernorm.weight"] = ((h,), "norm")
+    return s
+
+
 def _kind(name: str, spec: MegatronSpec) -> str:
+    if name.startswith("mtp.layers."):
+        return _mtp_shapes(spec)[name.split(".", 3)[3]][1]
     if name.startswith("embedding."):
         return "embedding"
     if name == "decoder.final_layernorm.weight":
@@ -470,6 +488,19 @@ def rank_state_dict(
             out[f"decoder.layers.{local}.{name}"] = _tp_slice(layer_name, t, spec.tp, tp_rank)
     if last:
         out["decoder.final_layernorm.weight"] = reference["decoder.final_layernorm.weight"]
+        if spec.mtp_layers and not first:  # the MTP block embeds tokens too: the last stage holds a copy
+            out["embedding.word_embeddings.weight"] = _split(reference["embedding.word_embeddings.weight"], spec.tp,
+                                                             tp_rank, 0)
+        for i in range(spec.mtp_layers):
+            for name in _mtp_shapes(spec):
+                m = expert_re.match(name.removeprefix("transformer_layer."))
+                local = name
+                if m:
+                    expert = int(m.group(1))
+                    if expert // experts_per_rank != ep_rank:
+                        continue
+                    local = f"transformer_layer.mlp.experts.local_experts.{expert % experts_per_rank}.{m.group(2)}"
+                out[f"mtp.layers.{i}.{local}"] = reference[f"mtp.layers.{i}.{name}"]
         head = "embedding.word_embeddings.weight" if spec.tie_word_embeddings else "output_layer.weight"
         if not (spec.tie_word_embeddings and first):  # PP=1 tied: the head reuses the embedding
             out["output_layer.weight"] = _split(reference[head], spec.tp, tp_rank, 0)
@@ -536,6 +567,19 @@ def reference_dist_global(spec: MegatronSpec, reference: Mapping[str, torch.Tens
 def _dist_tail(spec: MegatronSpec, reference: Mapping[str, torch.Tensor], out: dict[str, torch.Tensor]
                ) -> dict[str, torch.Tensor]:
     out["decoder.final_layernorm.weight"] = reference["decoder.final_layernorm.weight"]
+    expert_re = re.compile(r"^transformer_layer\.mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+    for i in range(spec.mtp_layers):  # MTP layers: per-layer keys (no stacking), experts stacked on dim 0
+        experts: dict[str, list[torch.Tensor]] = {}
+        for name in _mtp_shapes(spec):
+            m = expert_re.match(name)
+            if m:
+                experts.setdefault(m.group(2), []).append(reference[f"mtp.layers.{i}.{name}"])
+            else:
+                key = name if not name.startswith("transformer_layer.") else \
+                    "transformer_layer." + _dist_layer_key(name.removeprefix("transformer_layer."), spec)
+                out[f"mtp.layers.{i}.{key}"] = reference[f"mtp.layers.{i}.{name}"]
+        for part, tensors in experts.items():
+            out[f"mtp.layers.{i}.transformer_layer.mlp.experts.experts.{part}"] = torch.stack(tensors)
     if not spec.tie_word_embeddings:
         out["output_layer.weight"] = reference["output_layer.weight"]
     return out
@@ -695,12 +739,16 @@ def hf_config_dict(spec: MegatronSpec) -> dict[str, object]:
     return cfg
 
 
-def reference_to_hf(spec: MegatronSpec, reference: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def reference_to_hf(spec: MegatronSpec, reference: Mapping[str, torch.Tensor], mtp: bool = False
+                    ) -> dict[str, torch.Tensor]:
     """Convert the reference (TP=1 Megatron layout) to Hugging Face tensors, hub naming.
 
     linear_qkv rows are per query group [q heads of the group; k; v]; linear_fc1 rows are
     [gate; up]; the vocabulary is cut back to ``vocab_size``; tied models get no ``lm_head``.
     Mixtral uses ``block_sparse_moe.experts.E.w1/w2/w3``; Qwen MoE ``mlp.experts.E.gate/up/down_proj``.
+    ``mtp``: add DeepSeek's multi-token-prediction layers as its Hub checkpoints hold them, layer
+    ``num_layers + i`` with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and copies of the
+    embedding (``embed_tokens``) and output layer (``shared_head.head``).
     """
     fam = spec.family_info
     d, groups = spec.kv_channels, spec.num_kv_heads
@@ -720,8 +768,7 @@ def reference_to_hf(spec: MegatronSpec, reference: Mapping[str, torch.Tensor]) -
         v = grouped[:, q_per_group + 1].reshape(groups * d, *rest)
         return q, k, v
 
-    for i in range(spec.num_layers):
-        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+    def convert_layer(src: str, dst: str, moe_layer: bool) -> None:
         out[dst + "input_layernorm.weight"] = reference[src + "input_layernorm.weight"]
         out[dst + "post_attention_layernorm.weight"] = reference[src + "pre_mlp_layernorm.weight"]
         for part in (("weight", "bias") if fam.qkv_bias else ("weight",)) if not fam.mla else ():
@@ -739,12 +786,12 @@ def reference_to_hf(spec: MegatronSpec, reference: Mapping[str, torch.Tensor]) -
         if fam.qk_norm:
             out[dst + "self_attn.q_norm.weight"] = reference[src + "self_attention.q_layernorm.weight"]
             out[dst + "self_attn.k_norm.weight"] = reference[src + "self_attention.k_layernorm.weight"]
-        if not spec.is_moe_layer(i):
+        if not moe_layer:
             gate, up = torch.chunk(reference[src + "mlp.linear_fc1.weight"], 2, dim=0)
             out[dst + "mlp.gate_proj.weight"] = gate
             out[dst + "mlp.up_proj.weight"] = up
             out[dst + "mlp.down_proj.weight"] = reference[src + "mlp.linear_fc2.weight"]
-            continue
+            return
         moe = dst + ("block_sparse_moe." if fam.model_type == "mixtral" else "mlp.")
         out[moe + "gate.weight"] = reference[src + "mlp.router.weight"]
         if fam.router_sigmoid:
@@ -768,6 +815,16 @@ def reference_to_hf(spec: MegatronSpec, reference: Mapping[str, torch.Tensor]) -
             out[shared + "down_proj.weight"] = reference[src + "mlp.shared_experts.linear_fc2.weight"]
             if fam.shared_expert_gate:
                 out[moe + "shared_expert_gate.weight"] = reference[src + "mlp.shared_experts.gate_weight"]
+    for i in range(spec.num_layers):
+        convert_layer(f"decoder.layers.{i}.", f"model.layers.{i}.", spec.is_moe_layer(i))
+    for i in range(spec.mtp_layers if mtp else 0):
+        src, dst = f"mtp.layers.{i}.", f"model.layers.{spec.num_layers + i}."
+        convert_layer(src + "transformer_layer.", dst, True)
+        for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):
+            out[dst + name] = reference[src + name]
+        out[dst + "shared_head.norm.weight"] = reference[src + "final_layernorm.weight"]
+        out[dst + "embed_tokens.weight"] = out["model.embed_tokens.weight"]
+        out[dst + "shared_head.head.weight"] = out.get("lm_head.weight", out["model.embed_tokens.weight"])
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -1059,10 +1116,11 @@ def megatron_fixture_matrix() -> dict[str, MegatronSpec]:
         "qwen2_moe_mixed_tp2_ep2_te_legacy": s(family="qwen2_moe", tp=2, ep=2, moe_layer_freq=(0, 1, 0, 1),
                                                legacy_names="te", fmt="legacy"),
         # DeepSeek-V3: MLA, sigmoid router + expert bias, shared experts, first dense layers
+        # (+ one multi-token-prediction layer, on the last stage)
         "deepseek_v3_pp2_ep2_dist_v2": s(family="deepseek_v3", num_kv_heads=4, pp=2, ep=2,
-                                         moe_layer_freq=(0, 1, 1, 1), fmt="dist_v2"),
+                                         moe_layer_freq=(0, 1, 1, 1), mtp_layers=1, fmt="dist_v2"),
         "deepseek_v3_ep2_legacy": s(family="deepseek_v3", num_kv_heads=4, ep=2, moe_layer_freq=(0, 0, 1, 1),
-                                    fmt="legacy"),
+                                    mtp_layers=1, fmt="legacy"),
         # GLM-4.5: q/k/v bias + q/k norms, half-rotary RoPE, sigmoid router + bias, shared experts, layer 0 dense
         "glm4_moe_tp2_ep2_dist_v1": s(family="glm4_moe", tp=2, ep=2, moe_layer_freq=(0, 1, 1, 1), fmt="dist_v1"),
     }
@@ -1220,6 +1278,8 @@ def _transformer_config(spec: MegatronSpec):  # -> megatron.core.transformer.Tra
         )
         if spec.moe_layer_freq is not None:
             kw["moe_layer_freq"] = list(spec.moe_layer_freq)
+    if spec.mtp_layers:
+        kw["mtp_num_layers"] = spec.mtp_layers
     if fam.mla:
         return MLATransformerConfig(**kw)
     return TransformerConfig(**kw)
@@ -1251,6 +1311,11 @@ def _build_chunks(spec: MegatronSpec) -> list[torch.nn.Module]:
 
             for layer in getattr(layer_spec, "layer_specs", None) or [layer_spec]:
                 layer.submodules.self_attention.submodules.core_attention = mla_core_attention()
+        if spec.mtp_layers:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            extra["mtp_block_spec"] = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False,
+                                                             vp_stage=v if spec.vpp else None)
         if spec.vpp:
             pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v)
             post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v)
@@ -1565,7 +1630,7 @@ def _forward_logits(
             chunk = chunks[v]
             if hidden is not None:
                 chunk.set_input_tensor(hidden)
-            out = chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
+            out = _main_model_forward(chunk, input_ids, position_ids, mask)
         else:
             shape = (batch, seq, spec.padded_vocab_size) if is_last else (seq, batch, spec.hidden_size)
             out = torch.empty(shape, dtype=torch.float32)
@@ -1578,6 +1643,22 @@ def _forward_logits(
             hidden = out
     assert logits is not None
     return logits[..., : spec.vocab_size].float().clone() if my_pp == spec.pp - 1 else None
+
+
+def _main_model_forward(chunk: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                        mask: torch.Tensor) -> torch.Tensor:
+    """The model's logits. With MTP layers megatron-core 0.16.1's forward needs labels (``labels.clone()``)
+    and then returns the loss, not logits: the MTP block is switched off for this call (it does not
+    feed the main model's logits; transformers does not run it either)."""
+    mtp = getattr(chunk, "mtp_process", False)
+    if not mtp:
+        return chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
+    layers = chunk.config.mtp_num_layers
+    chunk.mtp_process, chunk.config.mtp_num_layers = False, None
+    try:
+        return chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
+    finally:
+        chunk.mtp_process, chunk.config.mtp_num_layers = True, layers
 
 
 def _write_job(job: StepJob) -> None:

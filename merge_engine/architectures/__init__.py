@@ -21,7 +21,7 @@ from merge_engine.errors import InvalidConfig, UnknownArchitecture
 from merge_engine.hf_metadata import tie_word_embeddings
 
 FAMILY_MODULES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                                   "deepseek_v3", "glm4_moe")
+                                   "deepseek_v3", "glm4_moe", "gemma3")
 
 HOW_TO_ADD = ("to add one, write merge_engine/architectures/<family>.py with a TABLE (a dict of 1:1 names plus "
               "special mappings; see qwen2.py) and list it in FAMILY_MODULES, or pass --custom-mapping FILE.json "

@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 
 LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# a multi-token-prediction layer's decoder layer (DeepSeek-V3): canonical names keep Megatron's prefix
+MTP_TRANSFORMER_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer)\.(.+)$")
 EXPERT_NAME = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 EXTRA_STATE = "._extra_state"
@@ -70,6 +72,10 @@ def order_key(name: str) -> tuple:
         return (0,)
     if name.startswith("output_layer."):
         return (3,)
+    if name.startswith("mtp.layers."):  # after the final norm: MTP layers by number, experts inside
+        number, rest = name[len("mtp.layers."):].split(".", 1)
+        expert = EXPERT_NAME.match(rest.removeprefix("transformer_layer."))
+        return (2, 1, int(number), 1 if expert else 0, int(expert.group(1)) if expert else 0)
     return (2,)
 
 

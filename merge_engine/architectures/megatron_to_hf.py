@@ -29,6 +29,7 @@ from merge_engine.architectures.binding import (
     expected_bindings,
     is_tied_head,
 )
+from merge_engine.architectures.mtp import mtp_view
 from merge_engine.architectures.mappings import (
     DirectMapping,
     FamilyTable,
@@ -139,14 +140,20 @@ class LeadingRows:
 
 def plan_megatron_to_hf(source: TensorSource, config: Mapping[str, Any], *, table: FamilyTable, dims: ModelDims,
                         dtype: torch.dtype | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-                        tie_flag: bool | None = None, config_url: str | None = None) -> MergePlan:
+                        tie_flag: bool | None = None, config_url: str | None = None,
+                        mtp_layers: str | None = None) -> MergePlan:
     """The merge plan of a canonical Megatron source (see module docstring); metadata only.
 
-    Raises `MappingError` (strictness), `InvalidOption` (``tie_flag`` contradicts the config).
+    ``mtp_layers``: ``export`` or ``drop`` the multi-token-prediction layers (`merge_engine.architectures.mtp`);
+    None refuses a checkpoint that has some. Raises `MappingError` (strictness), `InvalidOption`
+    (``tie_flag`` contradicts the config).
     """
     check_tie_flag(tie_flag, dims.tied, config_url)
-    metas = source.metas()
-    updates: dict[str, Any] = {}
+    metas_all = source.metas()
+    view = mtp_view(metas_all, dims, mtp_layers)
+    metas, reads = view.metas, view.reads
+    dims = view.dims or dims
+    updates: dict[str, Any] = dict(view.config_updates)
     head = metas.get(OUTPUT_LAYER)
     if head is not None and is_critic(head.shape[0], dims.vocab_size):
         # verl's Megatron critic: a one-row value head, not a vocabulary projection
@@ -160,9 +167,10 @@ def plan_megatron_to_hf(source: TensorSource, config: Mapping[str, Any], *, tabl
     produced = [b for b in bindings if not is_tied_head(b.mapping, dims)]
     check_coverage(produced, expected_bindings(table, config, dims), "megatron_to_hf")
     tensors: list[PlannedTensor] = []
-    notes: list[str] = []
+    notes: list[str] = list(view.notes)
     for binding in produced:
         meta = metas[binding.megatron]
+        binding = replace(binding, megatron=reads.get(binding.megatron, binding.megatron))  # the source's name
         mapping = binding.mapping
         try:
             shapes = mapping.hf_shapes(meta.shape, dims)
@@ -184,6 +192,14 @@ def plan_megatron_to_hf(source: TensorSource, config: Mapping[str, Any], *, tabl
             for part, (name, shape) in enumerate(zip(binding.hf, shapes)):
                 tensors.append(PlannedTensor(name, shape, out_dtype, binding.megatron,
                                              FusedPart(binding.megatron, mapping, dims, part, cache)))
+    for hf_name, source_name in view.own:  # MTP-only tensors, as they are
+        meta = metas_all[source_name]
+        tensors.append(PlannedTensor(hf_name, meta.shape, output_dtype(meta.dtype, dtype), source_name))
+    for hf_name, source_name in view.copies:  # the MTP layer's own embedding / head copies
+        meta = metas_all[source_name]
+        rows = (dims.vocab_size, *meta.shape[1:])
+        tensors.append(PlannedTensor(hf_name, rows, output_dtype(meta.dtype, dtype), source_name,
+                                     LeadingRows(source_name, dims.vocab_size, int(torch.Size(meta.shape[1:]).numel()))))
     if tied_copy is not None:
         notes.append(f"tied embeddings: {tied_copy} checked equal to the embedding, not written")
     if CRITIC_HEAD in {t.name for t in tensors}:
@@ -194,7 +210,8 @@ def plan_megatron_to_hf(source: TensorSource, config: Mapping[str, Any], *, tabl
 
 def plan_megatron_merge(source: TensorSource, config: Mapping[str, Any], *, dtype: torch.dtype | None = None,
                         max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, tie_flag: bool | None = None,
-                        custom_mapping: str | None = None, config_url: str | None = None) -> MergePlan:
+                        custom_mapping: str | None = None, config_url: str | None = None,
+                        mtp_layers: str | None = None) -> MergePlan:
     """The layouts' ``plan`` hook: family table from the config (+ custom mapping), then the plan.
 
     A source that records its parallel sizes (``source.parallel``) is first checked against the
@@ -207,7 +224,7 @@ def plan_megatron_merge(source: TensorSource, config: Mapping[str, Any], *, dtyp
     dims = model_dims(config, table)
     _check_tensor_parallel(source, dims)
     return plan_megatron_to_hf(source, config, table=table, dims=dims, dtype=dtype, max_shard_size=max_shard_size,
-                               tie_flag=tie_flag, config_url=config_url)
+                               tie_flag=tie_flag, config_url=config_url, mtp_layers=mtp_layers)
 
 
 def _check_tensor_parallel(source: TensorSource, dims: ModelDims) -> None:

@@ -13,6 +13,7 @@ linear_fc1 (plain MLP)         column         concatenate rows
 linear_q_up_proj,              column         concatenate rows (whole heads; multi-latent
   linear_kv_up_proj, linear_q_proj              attention; the low-rank down-projections are
                                               duplicated on every rank, as TransformerEngine's)
+eh_proj (MTP layers)           column         concatenate rows
 linear_proj, linear_fc2        row            concatenate columns (dim 1)
 anything else                  replicated     identical on every rank (norms, router, biases
                                               of row-parallel layers, shared-expert gate)
@@ -49,6 +50,7 @@ TP_RULES: tuple[tuple[str, TPKind], ...] = (
     ("linear_qkv.weight", TPKind.COLUMN),
     ("linear_qkv.bias", TPKind.COLUMN),
     ("linear_q_proj.weight", TPKind.COLUMN),
+    ("eh_proj.weight", TPKind.COLUMN),  # an MTP layer's projection of [embedding; hidden]
     ("linear_q_up_proj.weight", TPKind.COLUMN),
     ("linear_kv_up_proj.weight", TPKind.COLUMN),
     ("linear_fc1.weight", TPKind.GATED_COLUMN),

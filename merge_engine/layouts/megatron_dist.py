@@ -41,6 +41,7 @@ from merge_engine.architectures.megatron_names import (
     EXPERT_NAME,
     EXTRA_STATE_MODULES,
     LAYER_NAME,
+    MTP_TRANSFORMER_LAYER,
     canonical_layer_name,
     expert_name,
     is_extra_state,
@@ -225,6 +226,16 @@ def canonical_tensors(index: DcpIndex, files: DcpFiles) -> dict[str, DcpTensor]:
 
     for key, info in index.tensors.items():
         if not is_model_key(key):
+            continue
+        mtp = MTP_TRANSFORMER_LAYER.match(key)
+        if mtp:  # a multi-token-prediction layer's decoder layer: keyed on its own, experts stacked on dim 0
+            prefix, local = mtp.groups()
+            if local.startswith(STACKED_EXPERTS):
+                for expert in range(info.shape[0] if info.shape else 0):
+                    add(f"{prefix}.{expert_name(expert, local[len(STACKED_EXPERTS):])}",
+                        DcpTensor(key, info, files, (expert,)))
+            else:
+                add(f"{prefix}.{canonical_layer_name(local)}", DcpTensor(key, info, files))
             continue
         rest = key[len(STACKED):] if key.startswith(STACKED) else None
         per_layer = rest is not None and rest.split(".", 1)[0].isdigit()

@@ -40,6 +40,7 @@ from merge_engine.architectures.megatron_names import (
     EXPERT_NAME,
     EXTRA_STATE_MODULES,
     LAYER_NAME,
+    MTP_TRANSFORMER_LAYER,
     canonical_layer_name,
     expert_name,
     is_extra_state,
@@ -72,6 +73,7 @@ RANK_FILE = re.compile(r"^(?P<prefix>(?:model/|iter_\d+/)?)mp_rank_(?P<tp>\d{2})
 VERL_FILE, MEGATRON_LM_FILE = "model.pt", "model_optim_rng.pt"
 HF_DIRS = ("hf_config_and_tokenizer", "huggingface")
 FINAL_NORM = "decoder.final_layernorm.weight"
+MTP_EMBEDDING = "mtp.embedding.word_embeddings.weight"  # the MTP stage's embedding copy (PP > 1)
 EMBEDDING = "embedding.word_embeddings.weight"
 
 
@@ -384,6 +386,8 @@ def canonical_tensors(grid: RankGrid, archives: dict[tuple[int, int, int], Torch
                         continue  # everything but the experts is repeated on every EP rank: read EP rank 0's
                     gated = _fc1_gated(state0, key) if "linear_fc1" in key else True
                     pieces = [states[(t, p, e)][v][key] for t in range(grid.tp)]
+                    if name == EMBEDDING and name in tensors and any(k.startswith("mtp.") for k in state0):
+                        name = MTP_EMBEDDING  # the last stage's own copy, for its MTP layers
                     if name in tensors:
                         raise CorruptShard(f"{name} is stored twice (stage {p}, chunk {v})", archives[(0, p, e)].url)
                     rows = [piece.shape[0] if isinstance(piece, StoredTensor) and piece.shape else 0 for piece in pieces]
@@ -394,7 +398,7 @@ def canonical_tensors(grid: RankGrid, archives: dict[tuple[int, int, int], Torch
 def _local_expert_count(state: dict[str, Any]) -> int:
     found = set()
     for key in state:
-        match = LAYER_NAME.match(key)
+        match = LAYER_NAME.match(key) or MTP_TRANSFORMER_LAYER.match(key)
         if match:
             expert = EXPERT_NAME.match(canonical_layer_name(match.group(2)))
             if expert:
@@ -403,6 +407,13 @@ def _local_expert_count(state: dict[str, Any]) -> int:
 
 
 def _canonical(key: str, first_layer: int, ep_rank: int, local_experts: int) -> tuple[str | None, bool]:
+    mtp = MTP_TRANSFORMER_LAYER.match(key)
+    if mtp:  # a multi-token-prediction layer's decoder layer (last stage): no layer offset, global experts
+        rest = canonical_layer_name(mtp.group(2))
+        expert = EXPERT_NAME.match(rest)
+        if expert:
+            rest = expert_name(ep_rank * local_experts + int(expert.group(1)), expert.group(2))
+        return f"{mtp.group(1)}.{rest}", bool(expert)
     match = LAYER_NAME.match(key)
     if not match:
         return key, False

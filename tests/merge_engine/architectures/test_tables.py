@@ -47,7 +47,10 @@ CONFIGS = {
     # GLM-4.5: q/k/v bias, no q/k norms (use_qk_norm off), DeepSeek-style MoE, layer 0 dense
     "glm4_moe": dict(COMMON, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=24, num_experts_per_tok=2,
                      first_k_dense_replace=1, attention_bias=True, use_qk_norm=False, head_dim=8),
+    # Gemma 3 text: sandwich norms, q/k norms, tied; no megatron-core writer (see gemma3.py / the note)
+    "gemma3": dict(COMMON, head_dim=8, sliding_window=16, query_pre_attn_scalar=8),
 }
+MODEL_TYPES = {"gemma3": "gemma3_text"}  # family table -> the model_type its tiny config gets, when they differ
 
 
 class DictSource:
@@ -76,7 +79,7 @@ class DictSource:
 
 def _saved_model(family: str, tied: bool, tmp_path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config dict, state) as transformers saves a tiny random model of ``family``."""
-    config = AutoConfig.for_model(family, tie_word_embeddings=tied, **CONFIGS[family])
+    config = AutoConfig.for_model(MODEL_TYPES.get(family, family), tie_word_embeddings=tied, **CONFIGS[family])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(tmp_path)

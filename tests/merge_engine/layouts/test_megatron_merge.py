@@ -10,6 +10,12 @@ and untied, EP 2, TE names, all seven families):
 - transformers loads it with no missing or unexpected key, and its logits match megatron-core's
   forward pass on the same prompt within 1e-4 (measured by the fixture author: 2.5e-6 untied,
   1.6e-5 tied);
+- the written names are the Hub names: exactly what ``save_pretrained`` writes for the merged
+  config (per-expert ``mlp.experts.N.gate_proj``, not transformers' fused in-memory tensors);
+- mixed dense / MoE layers (first dense layers, ``mlp_only_layers``) from torch_dist (per-layer
+  keys) and TE-named legacy files; DeepSeek-V3 (MLA, sigmoid router + bias, shared experts) and GLM-4.5;
+- DeepSeek's multi-token-prediction layer is refused unless ``--mtp-layers`` says ``export`` (the
+  Hub layout: ``model.layers.L`` with its own embed_tokens / shared_head copies) or ``drop``;
 - ``merge --backend megatron`` (verl's flags), ``check`` and ``test`` work from the command line;
   Megatron-LM runs are read from the iteration folder or from the run root (tracker file).
 """
@@ -68,7 +74,10 @@ def merged(megatron_runs, tmp_path_factory) -> dict[str, str]:
     for name in NAMES:
         job = megatron_runs[name]
         target = str(root / name)
-        merge_checkpoint(checkpoint_url(job), target, MergeOptions(backend="megatron", hf_model_path=hf_model_path(job)))
+        # DeepSeek fixtures hold one MTP layer: the reference Hugging Face model is the model without it
+        mtp = "drop" if job.spec.mtp_layers else None
+        merge_checkpoint(checkpoint_url(job), target, MergeOptions(backend="megatron", hf_model_path=hf_model_path(job),
+                                                                   mtp_layers=mtp))
         out[name] = target
     return out
 
@@ -192,3 +201,76 @@ def test_cli_test_catches_a_different_model(megatron_runs, capsys):
     assert code == 5
     out = capsys.readouterr().out
     assert "FAILED" in out and "self_attn" in out
+
+
+# ---- Hub names, DeepSeek's multi-token-prediction layers ---------------------------------------------
+
+HUB_NAME_CASES = ["mixtral_ep2_legacy", "qwen2_moe_mixed_tp2_ep2_te_legacy", "qwen3_moe_dense0_pp2_ep2_dist_v1",
+                  "deepseek_v3_pp2_ep2_dist_v2", "glm4_moe_tp2_ep2_dist_v1", "qwen2_tp2_pp1_tied_legacy"]
+
+
+def save_pretrained_names(config_dir: str, tmp_path) -> set[str]:
+    """The tensor names ``save_pretrained`` writes for the config in ``config_dir`` (a tiny random model)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
+    model.save_pretrained(tmp_path)
+    names = set()
+    for name in os.listdir(tmp_path):
+        if name.endswith(".safetensors"):
+            with safe_open(str(tmp_path / name), "pt") as f:
+                names |= set(f.keys())
+    return names
+
+
+@pytest.mark.parametrize("name", HUB_NAME_CASES)
+def test_written_names_are_what_save_pretrained_writes(merged, name, tmp_path):
+    """The merged folder holds exactly the names transformers' own save_pretrained writes for its
+    config.json (the Hub format every reader loads), dense, mixed, MLA and MoE families alike."""
+    assert set(_tensors(merged[name])) == save_pretrained_names(merged[name], tmp_path)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_pp2_ep2_dist_v2", "deepseek_v3_ep2_legacy"])
+def test_mtp_layers_are_exported_or_dropped_never_silently(megatron_runs, merged, name, tmp_path):
+    """No choice: a MappingError naming --mtp-layers, nothing written. ``drop``: the reference model
+    (test_merge_is_bit_exact), num_nextn_predict_layers 0. ``export``: the reference conversion WITH
+    the MTP layer (model.layers.4 with enorm, hnorm, eh_proj, shared_head.norm and copies of the
+    embedding and head) bit for bit, num_nextn_predict_layers 1; transformers loads it, reporting
+    only the MTP layer's keys as unexpected (it skips DeepSeek's MTP layer), with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from merge_engine.errors import MappingError
+    from synthetic_runs.megatron import reference_state_dict, reference_to_hf
+
+    job = megatron_runs[name]
+    with pytest.raises(MappingError, match="--mtp-layers export"):
+        merge_checkpoint(checkpoint_url(job), str(tmp_path / "refused"), MergeOptions(backend="megatron"))
+    assert not (tmp_path / "refused").exists()
+    assert json.loads(open(os.path.join(merged[name], "config.json")).read())["num_nextn_predict_layers"] == 0
+    exported = str(tmp_path / "exported")
+    merge_checkpoint(checkpoint_url(job), exported, MergeOptions(backend="megatron", mtp_layers="export"))
+    expected = reference_to_hf(job.spec, reference_state_dict(job.spec, job.seed), mtp=True)
+    ours = _tensors(exported)
+    assert set(ours) == set(expected) and "model.layers.4.shared_head.head.weight" in ours
+    assert all(torch.equal(ours[k], v) for k, v in expected.items())
+    assert json.loads(open(os.path.join(exported, "config.json")).read())["num_nextn_predict_layers"] == 1
+    model, info = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and info["unexpected_keys"]
+    assert all(k.startswith("model.layers.4.") for k in info["unexpected_keys"])
+    ids = torch.load(job.reference_dir / REFERENCE_INPUT_IDS_FILE, weights_only=True)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    expected_logits = torch.load(job.reference_dir / REFERENCE_LOGITS_FILE, weights_only=True)
+    assert (logits - expected_logits).abs().max().item() < LOGITS_TOLERANCE
+
+
+def test_cli_mtp_layers_flag(megatron_runs, tmp_path, capsys):
+    """``--mtp-layers drop`` on the command line; without it the merge fails and says which flag to pass."""
+    job = megatron_runs["deepseek_v3_ep2_legacy"]
+    assert main(["merge", "--backend", "megatron", "--local_dir", checkpoint_url(job), "--target_dir",
+                 str(tmp_path / "refused")]) != 0
+    assert "--mtp-layers" in capsys.readouterr().err
+    assert main(["merge", "--backend", "megatron", "--local_dir", checkpoint_url(job), "--target_dir",
+                 str(tmp_path / "dropped"), "--mtp-layers", "drop"]) == 0
+    assert "model.layers.4.enorm.weight" not in _tensors(str(tmp_path / "dropped"))
