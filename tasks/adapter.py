@@ -13,7 +13,6 @@ Retries: transient storage faults only.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Optional
@@ -22,7 +21,7 @@ from prefect import task
 
 from merge_engine import storage
 from merge_engine.lora import validate as adapter_validation
-from merge_engine.lora.keys import ADAPTER_CONFIG
+from merge_engine.lora.adapter_io import point_adapter_at_base
 from merge_engine.lora.validate import BASE_DIR
 from merge_engine.release import ADAPTER, staging_url, sweep_stale_staging
 from tasks.cache import stage_cache_policy
@@ -48,19 +47,6 @@ def expected_adapter_fingerprint(step: StepRecord, checkpoint: CheckpointRecord,
     from merge_engine.lora.extract import extract_fingerprint
 
     return extract_fingerprint(checkpoint.to_checkpoint(), settings.to_options())
-
-
-def point_adapter_at_base(adapter_url: str, base_url: str) -> None:
-    """Make ``base_model_name_or_path`` name the base where it will be released, not in staging.
-
-    (`extract_lora` writes its own target's ``base/``; staged elsewhere, that path dies with the
-    staging folder. The config is metadata: it is not part of any fingerprint.)
-    """
-    url = storage.join(adapter_url, ADAPTER_CONFIG)
-    config = json.loads(storage.read_text(url))
-    if config.get("base_model_name_or_path") != base_url:
-        config["base_model_name_or_path"] = base_url
-        storage.write_bytes(url, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
 @task(name="extract-adapter",

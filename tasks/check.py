@@ -14,20 +14,11 @@ from typing import Optional
 from prefect import task
 
 from merge_engine.errors import IncompleteCheckpoint, WorldSizeMismatch
-from merge_engine.layouts import check_checkpoint, open_checkpoint
+from merge_engine.layouts import check_checkpoint
+from merge_engine.lora.checkpoint import checkpoint_holds_lora
 from tasks.cache import stage_cache_policy
 from tasks.records import CheckpointRecord, StepRecord
 from tasks.retry import RETRY_OPTIONS
-
-
-def _holds_lora(checkpoint) -> bool:
-    from merge_engine.lora.extract import is_lora_checkpoint
-
-    source = open_checkpoint(checkpoint)
-    try:
-        return is_lora_checkpoint(source.metas())
-    finally:
-        source.close()
 
 
 @task(name="check-checkpoint", cache_policy=stage_cache_policy("check", ("step", "backend")),
@@ -39,4 +30,4 @@ def check_step(step: StepRecord, backend: Optional[str] = None) -> CheckpointRec
     if not step.complete:
         raise IncompleteCheckpoint(step.reason or "not complete yet", step.url)
     checkpoint = check_checkpoint(step.url, backend)
-    return CheckpointRecord.from_checkpoint(checkpoint, lora=_holds_lora(checkpoint))
+    return CheckpointRecord.from_checkpoint(checkpoint, lora=checkpoint_holds_lora(checkpoint))

@@ -22,7 +22,7 @@ import torch
 
 from merge_engine import storage
 from merge_engine.errors import AdapterError, CorruptShard, InvalidOption
-from merge_engine.layouts import Checkpoint
+from merge_engine.layouts import Checkpoint, open_checkpoint
 from merge_engine.lora.adapter_io import Adapter, lora_modules
 from merge_engine.lora.config import LoraSettings
 from merge_engine.lora.fuse import WeightedAdapter, plan_fused_model
@@ -45,6 +45,15 @@ TASK_TYPES = {"ForCausalLM": "CAUSAL_LM", "ForTokenClassification": "TOKEN_CLS",
 
 def is_lora_checkpoint(metas: Mapping[str, TensorMeta]) -> bool:
     return any(".lora_A." in key or ".lora_embedding_A." in key for key in metas)
+
+
+def checkpoint_holds_lora(checkpoint: Checkpoint) -> bool:
+    """Does a checked checkpoint hold LoRA factors? From its tensor names (headers only, no weight)."""
+    source = open_checkpoint(checkpoint)
+    try:
+        return is_lora_checkpoint(source.metas())
+    finally:
+        source.close()
 
 
 @dataclass(frozen=True)
