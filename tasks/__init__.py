@@ -7,6 +7,8 @@
     validate_output / validate_adapter                   cached on the output's fingerprint + settings
     publish_release   staging -> release + manifest + marker
 
+Each task is a decorator, a cache key (`tasks.cache`) and a release-state check over the engine's
+records (`merge_engine.release`); the work itself is the engine's.
 Records in and out (`tasks.records`), never tensors. Retries: transient storage faults only
 (`tasks.retry`). Result storage: local by default, S3/GCS when configured (`tasks.results`).
 """
