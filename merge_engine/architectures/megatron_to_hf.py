@@ -29,7 +29,6 @@ from merge_engine.architectures.binding import (
     expected_bindings,
     is_tied_head,
 )
-from merge_engine.architectures.mtp import mtp_view
 from merge_engine.architectures.mappings import (
     DirectMapping,
     FamilyTable,
@@ -37,6 +36,8 @@ from merge_engine.architectures.mappings import (
     ParamMapping,
     VocabMapping,
 )
+from merge_engine.architectures.mtp import CONFIG_KEY as MTP_CONFIG_KEY
+from merge_engine.architectures.mtp import mtp_view
 from merge_engine.chunks import aligned_chunks, flat_slices
 from merge_engine.errors import MappingError
 from merge_engine.merge_plan import (
@@ -51,6 +52,7 @@ from merge_engine.output_heads import CRITIC_HEAD, check_tie_flag, critic_config
 from merge_engine.tensor_source import TensorSource
 
 OUTPUT_LAYER = "output_layer.weight"
+MTP_CONFIG_ALIASES = ("num_mtp_layers",)  # other config keys counting MTP layers (transformers v5's GLM)
 
 
 class FusedCache:
@@ -154,6 +156,9 @@ def plan_megatron_to_hf(source: TensorSource, config: Mapping[str, Any], *, tabl
     metas, reads = view.metas, view.reads
     dims = view.dims or dims
     updates: dict[str, Any] = dict(view.config_updates)
+    for key in MTP_CONFIG_ALIASES:  # transformers v5 names GLM's count num_mtp_layers; keep both honest
+        if key in config and MTP_CONFIG_KEY in updates:
+            updates[key] = updates[MTP_CONFIG_KEY]
     head = metas.get(OUTPUT_LAYER)
     if head is not None and is_critic(head.shape[0], dims.vocab_size):
         # verl's Megatron critic: a one-row value head, not a vocabulary projection
