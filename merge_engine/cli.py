@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from merge_engine.errors import InvalidOption, StepmergeError
+from merge_engine.errors import InvalidOption, StepmergeError, StorageUnavailable
 
 
 
@@ -364,6 +364,9 @@ def main(argv: Sequence[str] | None = None, commands: Commands = SUBCOMMANDS) ->
     except StepmergeError as exc:
         print(f"stepmerge: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return exc.exit_code
+    except StorageUnavailable as exc:  # the store, not the checkpoint: down through every retry
+        print(f"stepmerge: error: StorageUnavailable: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:  # the machine, not the checkpoint: a full disk, a path that is a file, no access
         where = f" [{exc.filename}]" if exc.filename else ""
         print(f"stepmerge: error: {type(exc).__name__}: {exc.strerror or exc}{where}", file=sys.stderr)

@@ -70,6 +70,22 @@ class ValidationFailed(StepmergeError):
     exit_code = 5
 
 
+class StorageUnavailable(Exception):
+    """The object store (or file server) stayed unreachable, slow or failing through every retry.
+
+    Not a `StepmergeError` (nothing is wrong with the input, and retrying later may succeed), nor an
+    ``OSError`` (code that reads ``OSError`` as "not a zip file" must not mistake an outage for a bad
+    file). `merge_engine.storage.is_transient` calls it transient, so a pipeline task retries it; the
+    CLI prints it as one line and exits 1, like any fault of the machine. ``path``: the URL; the
+    original fault is its ``__cause__``.
+    """
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        self.message = message
+        self.path = path
+        super().__init__(f"{message} [{path}]" if path else message)
+
+
 class InvalidOption(StepmergeError):
     """A command-line option or parameter is invalid or contradicts the checkpoint."""
 

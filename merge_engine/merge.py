@@ -17,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from merge_engine import __version__, storage
+from merge_engine.config_shapes import check_config_against_tensors
 from merge_engine.errors import InvalidOption
-from merge_engine.hf_metadata import copy_metadata, read_config
+from merge_engine.hf_metadata import CONFIG_FILE, copy_metadata, read_config
 from merge_engine.hub_format import HUB, parse_weights_format, to_hub_format
 from merge_engine.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, run_job
 from merge_engine.layouts import Checkpoint, check_checkpoint, open_checkpoint
@@ -101,6 +102,8 @@ class MergeJob:
         source = open_checkpoint(checkpoint)
         try:
             stored = plan_stored_names(checkpoint, source, config, self.options)
+            check_config_against_tensors({**config, **stored.config_updates},  # the config is copied beside them
+                                         ((t.name, t.shape) for t in stored.tensors), storage.join(hf_dir, CONFIG_FILE))
             check_dropped_head(source, stored, self.options.chunk_bytes, config)
             plan = in_weights_format(stored, config, self.options)
         except BaseException:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from merge_engine.errors import StepmergeError
+from merge_engine.errors import StepmergeError, StorageUnavailable
 from merge_engine.storage import tuning
 
 logger = logging.getLogger("merge_engine.storage")
@@ -49,7 +49,7 @@ def instance_of(exc: BaseException, module: str, *names: str) -> bool:
 def _classify_builtin(exc: BaseException) -> bool | None:
     if isinstance(exc, StepmergeError) or isinstance(exc, _PERMANENT):
         return False
-    if isinstance(exc, (TimeoutError, ConnectionError)):  # incl. socket/asyncio timeouts, FSTimeoutError
+    if isinstance(exc, (TimeoutError, ConnectionError, StorageUnavailable)):  # incl. socket/asyncio timeouts, FSTimeoutError
         return True
     return None
 
@@ -112,15 +112,33 @@ def _backoff(attempt: int) -> float:
     return random.uniform(0, min(tuning.BACKOFF_MAX_S, tuning.BACKOFF_BASE_S * 2**attempt))
 
 
+def unavailable(exc: BaseException, what: str) -> StorageUnavailable:
+    """The named error for a transient fault that outlasted the retries of ``what`` ("reading s3://...")."""
+    url = next((word for word in reversed(what.split()) if "://" in word), None)
+    return StorageUnavailable(f"storage unavailable while {what}, after {tuning.TRANSIENT_ATTEMPTS} attempts "
+                              f"({type(exc).__name__}: {_first_line(exc)})", url)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
 def retrying(call: Callable[[], _T], what: str) -> _T:
-    """``call()``, repeated on transient faults up to `tuning.TRANSIENT_ATTEMPTS` times in all."""
+    """``call()``, repeated on transient faults up to `tuning.TRANSIENT_ATTEMPTS` times in all.
+
+    A transient fault still there after the last attempt is raised as `StorageUnavailable` (naming
+    the URL in ``what``, the fault as its cause; still transient for the pipeline's task retries); a
+    permanent one as it is."""
     attempts = tuning.TRANSIENT_ATTEMPTS
     for attempt in range(attempts):
         try:
             return call()
         except Exception as exc:
-            if attempt + 1 >= attempts or not is_transient(exc):
+            if not is_transient(exc) or isinstance(exc, StorageUnavailable):
                 raise
+            if attempt + 1 >= attempts:
+                raise unavailable(exc, what) from exc
             delay = _backoff(attempt)
             logger.warning("transient storage fault on %s (%s: %s); retry %d in %.2f s",
                            what, type(exc).__name__, exc, attempt + 1, delay)

@@ -138,9 +138,27 @@ def _deeply_nested_config(checkpoint):
     return path, "InvalidConfig"
 
 
+def _config_contradicts_weights(checkpoint):
+    """Issue 9 case 13: a config.json saying vocab 10^12 beside a 1003-row embedding was merged with exit 0."""
+    path = checkpoint / "huggingface" / "config.json"
+    config = json.loads(path.read_text())
+    config["vocab_size"] = 10**12
+    path.write_text(json.dumps(config))
+    return path, "InvalidConfig"
+
+
+def _config_claims_more_layers(checkpoint):
+    path = checkpoint / "huggingface" / "config.json"
+    config = json.loads(path.read_text())
+    config["num_hidden_layers"] += 3
+    path.write_text(json.dumps(config))
+    return path, "InvalidConfig"
+
+
 DAMAGE = [_truncate, _missing, _zero_bytes, _world_size_contradiction, _mixed_world_sizes, _code_in_pickle,
           _broken_config, _config_lies_about_tying, _zero_stride_tensor, _short_storage_record,
-          _fsdp_version_not_a_number, _fsdp_config_a_list, _deeply_nested_config]
+          _fsdp_version_not_a_number, _fsdp_config_a_list, _deeply_nested_config, _config_contradicts_weights,
+          _config_claims_more_layers]
 
 
 @pytest.mark.parametrize("damage", DAMAGE, ids=lambda f: f.__name__.strip("_"))
@@ -243,3 +261,43 @@ def test_an_os_error_is_one_line_too(checkpoint, tmp_path, capsys):
     assert "Traceback" not in err
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith("stepmerge: error: FileExistsError") and str(blocker) in errors[0]
+
+
+def _persistent_faults():
+    from tests.fault_proxy import Fault, http_response
+
+    forever = 10**6
+    return {
+        "refused": Fault.refuse(connections=forever),
+        "reset": Fault.reset(after_bytes=0, connections=forever),
+        "disconnect before a response": Fault.respond(b"", connections=forever),
+        "503 unavailable": Fault.respond(http_response(503, "Service Unavailable", b"<Error><Code>SlowDown</Code>"
+                                                       b"</Error>", "application/xml"), connections=forever),
+    }
+
+
+@pytest.mark.parametrize("fault", list(_persistent_faults()))
+def test_persistent_storage_faults_are_one_named_line(fault, s3_bucket_url, s3_fault_proxy, monkeypatch, capsys):
+    """Issue 9 case 11: an object store that stays down past every retry used to let raw aiohttp /
+    botocore exceptions escape ``main`` as tracebacks. Now: one line naming `StorageUnavailable` and
+    the URL, exit 1 (the machine's fault, not the input's); the error stays transient, so a pipeline
+    task retries it."""
+    from merge_engine import storage
+    from merge_engine.errors import StorageUnavailable
+
+    import s3fs
+
+    monkeypatch.setattr(storage.tuning, "TRANSIENT_ATTEMPTS", 2)
+    monkeypatch.setattr(storage.tuning, "BACKOFF_BASE_S", 0.01)
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # the libraries' own retries off: the test stays short
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    url = f"{s3_bucket_url}/actor"
+    storage.write_bytes(f"{url}/model_world_size_1_rank_0.pt", os.urandom(300_000))
+    storage.clear_filesystems()
+    s3_fault_proxy.set_fault(_persistent_faults()[fault])
+    code = main(["check", "--local_dir", url])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "stepmerge: error: StorageUnavailable" in err and s3_bucket_url in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert storage.is_transient(StorageUnavailable("x", url))
