@@ -203,7 +203,7 @@ def _grid(url: str, files: list[FileEntry]) -> RankGrid:
                 raise IncompleteCheckpoint(f"only {_folder((0, 0))}-style folders: the suffix says PP or EP > 1, "
                                            "but no second stage or expert rank is here", url)
             if args:
-                stage_axis = int(args.get("pipeline_model_parallel_size") or 1) > 1
+                stage_axis = _arg_size(args, "pipeline_model_parallel_size", first.url) > 1
             else:
                 stage_axis = not _holds_embedding(url, cells.get((0, 1)))
             pp, ep = (rest[0], 1) if stage_axis else (1, rest[0])
@@ -215,7 +215,7 @@ def _grid(url: str, files: list[FileEntry]) -> RankGrid:
                     "ep": args.get("expert_model_parallel_size"), "vpp": args.get("virtual_pipeline_model_parallel_size")}
         found = {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp}
         for key, value in recorded.items():
-            if value is not None and int(value or 1) != found[key]:
+            if value is not None and _arg_size(args, _ARG_NAMES[key], first.url) != found[key]:
                 raise WorldSizeMismatch(f"the checkpoint's args say {key}={value}, the rank folders give {key}="
                                         f"{found[key]}", storage.join(url, prefix + _folder((0,) * ndim)))
     grid: dict[tuple[int, int, int], FileEntry] = {}
@@ -231,6 +231,21 @@ def _grid(url: str, files: list[FileEntry]) -> RankGrid:
                     raise IncompleteCheckpoint("rank file is empty (0 bytes)", storage.join(url, entry.path))
                 grid[(t, p, e)] = entry
     return RankGrid(tp, pp, ep, vpp, grid, kind)
+
+
+_ARG_NAMES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+              "ep": "expert_model_parallel_size", "vpp": "virtual_pipeline_model_parallel_size"}
+
+
+def _arg_size(args: dict[str, Any], name: str, url: str) -> int:
+    """A parallel size from Megatron-LM's pickled ``args``: a positive integer (None or 0: 1), else
+    `CorruptShard` naming the rank file — the args come from the file, so they may say anything."""
+    value = args.get(name)
+    if value is None or value == 0:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CorruptShard(f"the checkpoint's args give {name}={value!r}, not a parallel size", url)
+    return value
 
 
 def _folder(coords: tuple[int, ...]) -> str:

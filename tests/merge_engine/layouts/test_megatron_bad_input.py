@@ -242,3 +242,66 @@ def test_rank_file_asking_for_code_is_refused_unrun(megatron_runs, tmp_path):
 
     _merge_fails(url, tmp_path, UnsafePickle, "not on the allow-list")
     assert not marker.exists()
+
+
+# ---- issue 9, case 14: adversarial rank files and metadata ------------------------------------------
+
+
+def _megatron_lm_payload(rank_file):
+    import argparse
+
+    import numpy as np
+    from numpy._core.multiarray import _reconstruct
+
+    allowed = [argparse.Namespace, _reconstruct, np.ndarray, np.dtype, type(np.dtype("uint32"))]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(rank_file, weights_only=True)
+
+
+@pytest.mark.parametrize("value", ["two", [2], 2.5, -1])
+def test_megatron_lm_args_that_are_not_sizes_are_corrupt_not_a_crash(megatron_runs, tmp_path, value):
+    """The pickled args say anything a file can say: ``"two"`` was a ValueError traceback."""
+    job, url = _copy(megatron_runs, "qwen2_pp2_vpp2_tied_megatron_lm", tmp_path)
+    rank_file = job.step_dir / "mp_rank_00_000" / "model_optim_rng.pt"
+    payload = _megatron_lm_payload(rank_file)
+    payload["args"].pipeline_model_parallel_size = value
+    torch.save(payload, rank_file)
+    error = _merge_fails(url, tmp_path, CorruptShard, "not a parallel size", hf_model_path=hf_model_path(job))
+    assert error.path.endswith("mp_rank_00_000/model_optim_rng.pt")
+
+
+def test_a_legacy_rank_file_cannot_inflate_a_tensor_with_zero_strides(megatron_runs, tmp_path, capsys):
+    """Case 5 on the Megatron reader: one stored element viewed as the final norm's whole vector (and a
+    4000 x 4000 extra) is refused by ``check`` and ``merge``, naming the rank file."""
+    job, url = _copy(megatron_runs, "llama_tp1_pp1_legacy", tmp_path)
+    rank_file = job.step_dir / "actor" / "model" / "mp_rank_00" / "model.pt"
+    states = torch.load(rank_file, weights_only=False)
+    state = states[0] if isinstance(states, list) else states["model"]
+    norm = state["decoder.final_layernorm.weight"]
+    state["decoder.final_layernorm.weight"] = torch.ones(1, dtype=norm.dtype).expand(norm.shape)
+    torch.save(states, rank_file)
+    assert main(["check", "--local_dir", url]) == 4
+    assert "reaches some stored elements more than once" in capsys.readouterr().err
+    error = _merge_fails(url, tmp_path, CorruptShard, "more than once")
+    assert error.path == str(rank_file)
+
+
+def test_a_lying_dist_checkpoint_metadata_is_refused_by_check(megatron_runs, tmp_path, capsys):
+    """Case 14 on the torch_dist reader: ``.metadata`` pointing two chunks at one item of the data
+    file (one stored chunk standing for two) is refused by ``check``, naming ``.metadata``."""
+    import pickle
+
+    job, url = _copy(megatron_runs, "mixtral_tp2_megatron_lm_dist", tmp_path)
+    (metadata_file,) = [p for p in job.step_dir.rglob(".metadata") if "optimizer" not in str(p)
+                        and "extra" not in str(p)]
+    metadata = pickle.loads(metadata_file.read_bytes())  # our own fixture, trusted
+    entries = [(index, info) for index, info in metadata.storage_data.items() if index.offset is not None]
+    by_key = {}
+    for index, info in entries:
+        by_key.setdefault(index.fqn, []).append((index, info))
+    (first, info), (second, _) = next(v for v in by_key.values() if len(v) > 1)[:2]
+    metadata.storage_data[second] = info
+    metadata_file.write_bytes(pickle.dumps(metadata))
+    assert main(["check", "--local_dir", url]) == 4
+    err = capsys.readouterr().err
+    assert "share bytes" in err and str(metadata_file) in err
