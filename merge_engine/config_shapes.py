@@ -9,7 +9,10 @@ itself catches it from metadata, in microseconds and without transformers:
 - `IMPLIED_SHAPES`: for the tensor names every Hugging Face decoder family shares (llama, qwen2/3,
   mistral, ...), the shape as a tuple of config quantities (`quantities`: ``vocab_size``,
   ``hidden_size``, ``intermediate_size``, attention rows from heads and ``head_dim``);
-- the decoder layers present (``model.layers.N.``) must be exactly ``0 .. num_hidden_layers - 1``.
+- the decoder layers present (``model.layers.N.``) must be exactly ``0 .. num_hidden_layers - 1``
+  (plus ``num_nextn_predict_layers`` multi-token-prediction layers after them, when the config has some).
+
+Attention rows are not checked for latent attention (DeepSeek's MLA: ``kv_lora_rank``, ...).
 
 A name outside the table, or a quantity the config does not give, is not checked (MoE experts,
 critic heads, custom code are left to validation). A quantity given with the wrong type, and every
@@ -45,6 +48,7 @@ IMPLIED_SHAPES: dict[str, tuple[str, ...]] = {
 }
 _PATTERNS = [(re.compile(pattern), shape) for pattern, shape in IMPLIED_SHAPES.items()]
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+LATENT_ATTENTION_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim")
 _INTEGER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                    "head_dim", "num_hidden_layers")
 
@@ -59,6 +63,8 @@ def quantities(config: Mapping[str, Any], config_url: str | None = None) -> dict
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise InvalidConfig(f"{name} is {value!r}, not a positive integer", config_url)
         given[name] = value
+    if any(config.get(key) is not None for key in LATENT_ATTENTION_KEYS):
+        return given  # multi-head latent attention (DeepSeek): projections are not heads x head_dim
     heads = given.get("num_attention_heads")
     head_dim = given.get("head_dim")
     if head_dim is None and heads and "hidden_size" in given and given["hidden_size"] % heads == 0:
@@ -87,8 +93,12 @@ def config_contradictions(config: Mapping[str, Any], shapes: Iterable[tuple[str,
                                     f"({', '.join(f'{q}={sizes[q]}' for q in dict.fromkeys(implied))})")
                 break
     count = sizes.get("num_hidden_layers")
-    if count is not None and layers and layers != set(range(count)):
-        problems.append(f"the weights hold decoder layers {_span(layers)}, the config says num_hidden_layers={count}")
+    if count is not None and layers:
+        nextn = config.get("num_nextn_predict_layers")  # DeepSeek's MTP layers follow the decoder's
+        extra = nextn if isinstance(nextn, int) and not isinstance(nextn, bool) and nextn > 0 else 0
+        if not set(range(count)) <= layers or not layers <= set(range(count + extra)):
+            problems.append(f"the weights hold decoder layers {_span(layers)}, the config says "
+                            f"num_hidden_layers={count}" + (f" (+{extra} MTP)" if extra else ""))
     return problems
 
 

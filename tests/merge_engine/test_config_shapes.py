@@ -36,6 +36,9 @@ def test_agreeing_configs_pass():
     assert config_contradictions(CONFIG, shapes(head=False)) == []  # tied: no lm_head
     assert config_contradictions({**CONFIG, "head_dim": 8}, shapes(q=32, kv=16)) == []
     assert config_contradictions({"model_type": "custom"}, shapes(vocab=5)) == []  # nothing to compare
+    mla = {**CONFIG, "kv_lora_rank": 16, "v_head_dim": 16, "head_dim": 8}  # DeepSeek: o_proj is heads x v_head_dim
+    assert config_contradictions(mla, shapes(q=64, kv=48)) == []
+    assert config_contradictions({**CONFIG, "num_hidden_layers": 1, "num_nextn_predict_layers": 1}, shapes()) == []
 
 
 @pytest.mark.parametrize("config, match", [
