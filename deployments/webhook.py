@@ -17,7 +17,12 @@ Authentication (either; configure at least one, or the app refuses to start):
 - HMAC-SHA256: ``X-Stepmerge-Timestamp: <unix seconds>`` (an integer: digits only) and
   ``X-Stepmerge-Signature: sha256=<hex>`` of ``b"<timestamp>." + raw body`` with
   ``STEPMERGE_WEBHOOK_HMAC_SECRET``; timestamps more than ``max_skew_s`` (300 s) away are refused (replays).
-Validation (422): a JSON object with exactly these fields; ``step`` an integer >= 0; ``role`` one of
+Order: credentials are checked from the headers BEFORE the body is read (a bearer token; or, for
+HMAC, a signature header and a fresh timestamp), and the body is then streamed with a hard cap of
+``MAX_BODY_BYTES`` (64 KiB; 413 as soon as it is passed, or at once when Content-Length says so):
+an unauthenticated sender never makes the receiver read or hold its body.
+Validation (422): a JSON object with exactly these fields, not nested deeply; ``step`` an integer
+>= 0 and <= ``MAX_STEP`` (10^12); ``role`` one of
 actor, critic, "" (SFT); ``run_root`` a URL whose scheme is on the allow-list
 (``STEPMERGE_WEBHOOK_SCHEMES``; default: one spelling per object store in the storage scheme registry,
 ``gs,s3``; a scheme the registry does not serve is refused when the app starts), without ``..``
@@ -50,6 +55,7 @@ CHECKPOINT_SAVED_PATH = "/hooks/checkpoint-saved"
 SIGNATURE_HEADER = "X-Stepmerge-Signature"
 TIMESTAMP_HEADER = "X-Stepmerge-Timestamp"
 MAX_BODY_BYTES = 64 * 1024
+MAX_STEP = 10**12  # far beyond any training run; a bigger number is a forged or broken sender
 _UNIX_SECONDS = re.compile(r"[0-9]{1,12}")
 
 
@@ -93,7 +99,7 @@ class CheckpointSaved(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     run_root: str = Field(..., max_length=1024)
-    step: StrictInt = Field(..., ge=0)
+    step: StrictInt = Field(..., ge=0, le=MAX_STEP)
     role: Literal["actor", "critic", ""] = "actor"
 
     @field_validator("run_root")
@@ -112,22 +118,49 @@ def sign(secret: str, timestamp: str, body: bytes) -> str:
     return f"sha256={digest}"
 
 
-def authenticated(settings: WebhookSettings, headers, body: bytes, now: Optional[float] = None) -> bool:
-    """True when the request carries the bearer token or a fresh, valid HMAC signature."""
+def bearer_ok(settings: WebhookSettings, headers) -> bool:
+    """The request carries the bearer token (decided from the headers alone)."""
     authorization = headers.get("authorization", "")
     if settings.token is not None and authorization.lower().startswith("bearer "):
         given = authorization[7:].strip().encode()
-        if hmac.compare_digest(given, settings.token.get_secret_value().encode()):
-            return True
-    signature, timestamp = headers.get(SIGNATURE_HEADER.lower()), headers.get(TIMESTAMP_HEADER.lower())
-    if settings.hmac_secret is not None and signature and timestamp:
-        if not _UNIX_SECONDS.fullmatch(timestamp):  # digits only: no nan/inf, no fractions, no signs
-            return False
-        if abs((time.time() if now is None else now) - int(timestamp)) > settings.max_skew_s:
-            return False
-        expected = sign(settings.hmac_secret.get_secret_value(), timestamp, body)
-        return hmac.compare_digest(signature.encode(), expected.encode())
+        return hmac.compare_digest(given, settings.token.get_secret_value().encode())
     return False
+
+
+def signature_may_hold(settings: WebhookSettings, headers, now: Optional[float] = None) -> bool:
+    """HMAC is configured and the request carries a signature and a fresh integer timestamp: only then
+    is its body worth reading to check the signature."""
+    signature, timestamp = headers.get(SIGNATURE_HEADER.lower()), headers.get(TIMESTAMP_HEADER.lower())
+    if settings.hmac_secret is None or not signature or not timestamp:
+        return False
+    if not _UNIX_SECONDS.fullmatch(timestamp):  # digits only: no nan/inf, no fractions, no signs
+        return False
+    return abs((time.time() if now is None else now) - int(timestamp)) <= settings.max_skew_s
+
+
+def authenticated(settings: WebhookSettings, headers, body: bytes, now: Optional[float] = None) -> bool:
+    """True when the request carries the bearer token or a fresh, valid HMAC signature."""
+    if bearer_ok(settings, headers):
+        return True
+    if not signature_may_hold(settings, headers, now):
+        return False
+    expected = sign(settings.hmac_secret.get_secret_value(), headers[TIMESTAMP_HEADER.lower()], body)
+    return hmac.compare_digest(headers[SIGNATURE_HEADER.lower()].encode(), expected.encode())
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The body, streamed, never more than ``limit`` bytes held: a declared or actual size over it is
+    a 413 at once (the rest is never read)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise HTTPException(413 if declared.isdigit() else 400, "body too large" if declared.isdigit()
+                            else "bad Content-Length")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise HTTPException(413, "body too large")
+    return bytes(body)
 
 
 def checked_payload(settings: WebhookSettings, body: bytes) -> CheckpointSaved:
@@ -136,6 +169,8 @@ def checked_payload(settings: WebhookSettings, body: bytes) -> CheckpointSaved:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"body is not JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError("body is nested too deeply") from None
     if not isinstance(data, dict):
         raise ValueError("body must be a JSON object")
     payload = CheckpointSaved.model_validate(data)
@@ -192,11 +227,14 @@ def create_app(settings: Optional[WebhookSettings] = None) -> FastAPI:
 
     @app.post(CHECKPOINT_SAVED_PATH, status_code=202)
     async def checkpoint_saved(request: Request):
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise HTTPException(413, "body too large")
+        # credentials first, from the headers: an unauthenticated body is never read, and no body is
+        # ever held beyond MAX_BODY_BYTES (a 600 MB chunked POST costs nothing)
+        unauthorized = HTTPException(401, "missing or invalid credentials", headers={"WWW-Authenticate": "Bearer"})
+        if not bearer_ok(settings, request.headers) and not signature_may_hold(settings, request.headers):
+            raise unauthorized
+        body = await read_body(request)
         if not authenticated(settings, request.headers, body):
-            raise HTTPException(401, "missing or invalid credentials", headers={"WWW-Authenticate": "Bearer"})
+            raise unauthorized
         try:
             payload = checked_payload(settings, body)
         except ValidationError as exc:

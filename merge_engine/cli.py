@@ -113,7 +113,10 @@ def _add_merge(parser: argparse.ArgumentParser) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from merge_engine.layouts import check_checkpoint
+    from merge_engine.verify import is_release_folder, raise_for, verify_folder
 
+    if is_release_folder(args.local_dir):  # a release is complete only if it is what was published
+        raise_for(verify_folder(args.local_dir, mode="quick"))
     checkpoint = check_checkpoint(args.local_dir, args.backend)
     sizes = ", ".join(f"{k}={v}" for k, v in checkpoint.parallel.items())
     total = sum(f.size for f in checkpoint.files)
@@ -126,6 +129,25 @@ def _add_check(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "backend", default=None, help="checkpoint layout; detected when omitted")
     _flag(parser, "local_dir", required=True, help="checkpoint folder URL")
     parser.set_defaults(run=cmd_check)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Exit 0: intact; 3: no valid _COMPLETE marker; 6: damaged (each bad file named); 2: nothing to
+    verify against; 1: storage unreachable. See `merge_engine.verify`."""
+    from merge_engine.verify import raise_for, verify_folder
+
+    report = verify_folder(args.url, mode="quick" if args.quick else "full")
+    raise_for(report)
+    print(report.summary())
+    return 0
+
+
+def _add_verify(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("url", help="release (or merged folder) URL")
+    _flag(parser, "quick", action="store_true",
+          help="on object stores compare the store's recorded versions (one listing, no byte read) instead of "
+               "re-hashing; local files are re-hashed anyway")
+    parser.set_defaults(run=cmd_verify)
 
 
 def cmd_test(args: argparse.Namespace) -> int:
@@ -334,6 +356,8 @@ SUBCOMMANDS: Commands = {
     "merge": ("merge a checkpoint into a Hugging Face folder", _add_merge),
     "test": ("compare a checkpoint with a reference Hugging Face folder (verl's test)", _add_test),
     "check": ("check that a checkpoint is complete (exit 0) or not (non-zero)", _add_check),
+    "verify": ("verify a release (or merged folder) against its manifest: sizes, sha256, marker "
+               "(exit 0 intact, 6 damaged, 3 unmarked)", _add_verify),
     "extract-lora": ("extract a PEFT adapter (+ clean base) from a LoRA checkpoint, or by SVD from a fine-tune",
                      _add_extract_lora),
     "merge-lora": ("fuse LoRA adapters into a base model, or combine them into one adapter", _add_merge_lora),

@@ -57,7 +57,23 @@ class InvalidConfig(StepmergeError):
 
 
 class TargetExists(StepmergeError):
-    """The target already holds a different model and `overwrite` was not given."""
+    """The target already holds a different model (or is a file) and `overwrite` was not given."""
+
+
+class UnsafeFile(CorruptShard):
+    """An input holds a symbolic link leaving its folder, or something that is not a regular file
+    (a device, a FIFO, a socket), or a file larger than its kind allows: it is never read or copied."""
+
+
+class ReleaseIncomplete(IncompleteCheckpoint):
+    """The folder has no valid ``_COMPLETE`` marker: it is not a release readers may trust."""
+
+
+class ReleaseDamaged(StepmergeError):
+    """A release (or a merged folder with a manifest) differs from its manifest: a file is missing,
+    resized, has other bytes, or is not listed; the message names each bad file."""
+
+    exit_code = 6
 
 
 class AdapterError(StepmergeError):
@@ -93,3 +109,7 @@ class InvalidOption(StepmergeError):
 class UnsupportedScheme(InvalidOption, ValueError):
     """A URL's scheme has no storage backend; the message lists the schemes served
     (`merge_engine.storage.schemes`). Also a ValueError: a URL that cannot be used."""
+
+
+class TargetOverlapsSource(InvalidOption):
+    """The target is an input, contains one, or lies inside one: writing there would destroy it."""

@@ -3,7 +3,9 @@
 `read_config` parses ``config.json`` (a `InvalidConfig` naming the file if it cannot);
 `tie_word_embeddings` reads its tie flag (the model class default when the key is absent);
 `copy_metadata` copies every metadata file of a folder (tokenizer files, chat templates,
-generation config, custom code...) to a target, writing ``config.json`` with the merge's updates.
+generation config, custom code...) to a target, writing ``config.json`` with the merge's updates;
+only regular files inside the folder, of bounded size, are copied (`merge_engine.source_files`:
+anything else raises `UnsafeFile`).
 Weight files are never copied from here: the writer produces those.
 """
 
@@ -14,8 +16,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from merge_engine import storage
-from merge_engine.errors import InvalidConfig
+from merge_engine.errors import InvalidConfig, UnsafeFile
 from merge_engine.json_file import parse_json
+from merge_engine.source_files import check_metadata_file
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"  # the weights of an unsharded model
@@ -34,6 +37,8 @@ def read_config(hf_dir: str | None, *, what: str = "checkpoint") -> dict[str, An
         raise InvalidConfig(f"the {what} has no huggingface/ folder with config.json; pass --hf-model-path")
     url = storage.join(hf_dir, CONFIG_FILE)
     try:
+        if storage.is_local(url):  # a link out of the folder or a device is never read (source_files)
+            check_metadata_file(url, hf_dir, storage.size(url))
         data = storage.read_bytes(url)
     except FileNotFoundError:
         raise InvalidConfig("config.json missing", url) from None
@@ -63,7 +68,11 @@ def copy_metadata(hf_dir: str, target_url: str, config: Mapping[str, Any],
     for entry in storage.list_files(hf_dir, recursive=False):
         if entry.path == CONFIG_FILE or is_weight_file(entry.path):
             continue
-        storage.copy_file(storage.join(hf_dir, entry.path), storage.join(target_url, entry.path))
+        source, dest = storage.join(hf_dir, entry.path), storage.join(target_url, entry.path)
+        check_metadata_file(source, hf_dir, entry.size)  # no link out, no device, bounded (source_files)
+        storage.copy_file(source, dest)
+        if storage.size(dest) != entry.size:
+            raise UnsafeFile(f"changed while being copied: listed {entry.size} bytes", source)
         written.append((entry.path, entry.size))
     merged = dict(config)
     merged.update(updates or {})

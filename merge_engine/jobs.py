@@ -7,7 +7,8 @@ Contract of `run_job`:
   (`OutputOptions.output_options`), never from weights. Every command's fingerprint is exported
   (`merge_engine.merge.merge_fingerprint`, `merge_engine.lora.extract.extract_fingerprint`, ...), so
   the Prefect tasks use the engine's own key.
-- the target's state (`merge_engine.output_target.target_state`): a target whose ``stepmerge.json``
+- the target's state (`merge_engine.output_target.target_state`): a target overlapping any input
+  (`job_inputs`) is refused (`TargetOverlapsSource`), whatever ``overwrite``; a target whose ``stepmerge.json``
   records this fingerprint and whose files are all there is left as it is (``skipped``); one holding
   anything else raises `TargetExists` unless ``overwrite``.
 - ``job.prepare()`` runs every check that can fail on metadata, opens the sources and plans; it reads
@@ -236,12 +237,21 @@ class LocalExecutor:
 LOCAL = LocalExecutor()
 
 
+def job_inputs(job: OutputJob) -> tuple[str | None, ...]:
+    """Every URL a job reads, which its target must never overlap (`merge_engine.target_guard`): the
+    ``source_url`` (or each of ``adapter_urls``), a ``base_url``, and the options' ``hf_model_path``,
+    ``base_model`` and ``custom_mapping``. A job reading something else names it in one of these."""
+    adapters = tuple(getattr(job, "adapter_urls", ()) or ())
+    return (*(adapters or (job.source_url,)), getattr(job, "base_url", None), job.options.hf_model_path,
+            job.options.base_model, job.options.custom_mapping)
+
+
 def run_job(job: OutputJob, *, on_bytes: Callable[[int], None] | None = None,
             on_plan: Callable[[MergePlan], None] | None = None, executor: ShardExecutor = LOCAL) -> OutputResult:
     """Fingerprint, target state, prepare, write (see the module docstring)."""
     started = time.perf_counter()
     fingerprint = job.fingerprint()
-    state = target_state(job.target_url, fingerprint, job.options.overwrite)
+    state = target_state(job.target_url, fingerprint, job.options.overwrite, sources=job_inputs(job))
     if state == "same":
         provenance = read_provenance(job.target_url) or {}
         return OutputResult(job.command, job.target_url, fingerprint, kind=job.kind,

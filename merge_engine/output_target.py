@@ -6,8 +6,9 @@ Shared by every command that writes a model or an adapter (`merge`, `extract-lor
   fingerprint and every file it lists is there with its size (the caller skips the work);
   "damaged" when the fingerprint matches but files are missing or resized (rebuilt in place: it is
   this command's own output); else `TargetExists` unless ``overwrite``;
-- `write_target`: runs the writer into a sibling temp folder and renames it into place (local;
-  temp folders of dead processes are swept), or writes in place behind a
+- `write_target`: runs the writer into a live sibling temp folder and commits it whole, by an
+  atomic swap with whatever is there (local; `merge_engine.local_commit`: temp folders of dead
+  writers are swept by owner identity or heartbeat age, never by a pid alone), or writes in place behind a
   ``.stepmerge-partial.json`` marker and cleans up on failure (remote: a run killed mid-write
   leaves debris its retry recognises and rebuilds). ``stepmerge.json`` (provenance) is written
   last, so a folder with it is complete.
@@ -17,12 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from merge_engine import storage
 from merge_engine.errors import TargetExists
+from merge_engine.local_commit import LiveFolder, commit_folder, sweep_dead_siblings
+from merge_engine.target_guard import check_target
 
 PROVENANCE_FILE = "stepmerge.json"
 PARTIAL_FILE = ".stepmerge-partial.json"  # remote targets: written first, removed last
@@ -38,8 +40,13 @@ def read_provenance(target_url: str) -> dict | None:
         return None
 
 
-def target_state(target_url: str, fingerprint: str, overwrite: bool) -> str:
-    """"empty", "same", "damaged" or "other" (only allowed with ``overwrite``); see the module docstring."""
+def target_state(target_url: str, fingerprint: str, overwrite: bool, *, sources: Sequence[str | None]) -> str:
+    """"empty", "same", "damaged" or "other" (only allowed with ``overwrite``); see the module docstring.
+
+    ``sources``: every input URL of the command. A target that overlaps one (`TargetOverlapsSource`)
+    or is a local non-folder without ``overwrite`` (`TargetExists`) is refused first
+    (`merge_engine.target_guard`)."""
+    check_target(target_url, sources, overwrite)
     listing = {entry.path: entry.size for entry in storage.list_files(target_url)}
     if not listing:
         return "empty"
@@ -77,7 +84,8 @@ def write_target(target_url: str, state: str, write: Callable[[str], Files], pro
         return files
 
     if storage.is_local(target_url):
-        return _write_local(storage.local_path(target_url).rstrip(os.sep), state, write_all)
+        return _write_local(storage.local_path(target_url).rstrip(os.sep), state, write_all,
+                            provenance.get("fingerprint"))
     if state in ("other", "damaged"):
         storage.remove(target_url, recursive=True)
     marker = storage.join(target_url, PARTIAL_FILE)
@@ -91,33 +99,27 @@ def write_target(target_url: str, state: str, write: Callable[[str], Files], pro
     return files
 
 
-def _write_local(target: str, state: str, write_all: Callable[[str], Files]) -> Files:
-    """Into a sibling temp folder named after this process, renamed into place at the end. Siblings left
-    by processes that died (SIGKILL, out of memory) are swept first."""
-    parent = os.path.dirname(target) or "."
-    os.makedirs(parent, exist_ok=True)
-    prefix = f".{os.path.basename(target)}.stepmerge-"
-    for name in os.listdir(parent):
-        if name.startswith(prefix) and not _process_alive(name[len(prefix):].split("-")[0]):
-            storage.remove(os.path.join(parent, name), recursive=True)
-    tmp = os.path.join(parent, f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        files = write_all(tmp)
-        if os.path.exists(target) and state != "same":  # "empty" may still hold empty folders
-            storage.remove(target, recursive=True)
-        os.replace(tmp, target)
-    finally:
-        storage.remove(tmp, recursive=True)
+def _write_local(target: str, state: str, write_all: Callable[[str], Files], fingerprint: str | None) -> Files:
+    """Into a live temp sibling, committed whole at the end (`merge_engine.local_commit`: an atomic
+    swap with whatever is there, so a kill at any instant leaves the whole old folder or the whole
+    new one). Siblings of dead writers are swept first: by owner (same host, boot and PID namespace,
+    process gone) or by heartbeat age, never by a pid alone. A concurrent writer that committed a
+    DIFFERENT output meanwhile is not replaced without ``overwrite`` (`TargetExists`); one that
+    committed this very output is swapped with ours (the same bytes: a clean outcome)."""
+    sweep_dead_siblings(target)
+    with LiveFolder(target) as tmp:
+        files = write_all(tmp.path)
+        if state != "other" and not _replaceable(target, fingerprint, state):
+            raise TargetExists("another writer put a different output at the target meanwhile; pass --overwrite "
+                               "to replace it", target)
+        commit_folder(tmp.path, target)  # the old folder, if any, ends in tmp.path and leaves with it
     return files
 
 
-def _process_alive(pid_text: str) -> bool:
-    try:
-        os.kill(int(pid_text), 0)
-    except ValueError:
-        return False  # not a name this module writes: an older layout's leftover
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, owned by someone else
-    return True
+def _replaceable(target: str, fingerprint: str | None, state: str) -> bool:
+    if not os.path.lexists(target):
+        return True
+    provenance = read_provenance(target)
+    if provenance is not None:
+        return provenance.get("fingerprint") == fingerprint
+    return state == "damaged" or not storage.list_files(target)  # our debris, or empty folders only

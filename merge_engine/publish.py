@@ -5,10 +5,16 @@ how a reader tells its state (`is_released`, `release_state`) are `merge_engine.
 module writes them.
 
 Contract:
-- `publish` copies every staged file to the release prefix (sha256 computed while copying: each
-  byte is read once), writes ``manifest.json`` (files with size and sha256, source step URL and
-  fingerprint, engine version, options, validation, created time), then ``_COMPLETE`` LAST. The
-  marker holds the manifest's sha256, so a marker never vouches for another publisher's manifest.
+- `publish` copies every staged file to the release (sha256 computed while copying: each byte is
+  read once), writes ``manifest.json`` (files with size, sha256 and the store's version of each,
+  source step URL and fingerprint, engine version, options, validation, created time), then
+  ``_COMPLETE`` LAST. The marker holds the manifest's sha256, so a marker never vouches for another
+  publisher's manifest. A LOCAL release is built in a live temp sibling and swapped into place
+  whole (`merge_engine.local_commit`): no folder without its marker is ever visible at the
+  release path, and a kill leaves the old release or the new one. An object-store release is
+  written in place, marker last; its readers trust only the marker.
+- The release must not overlap the staging folder or the source checkpoint (`InvalidOption`,
+  `TargetOverlapsSource`): clearing it must never touch either.
 - Readers trust a release only when `is_released`: the marker is there, parses, and matches the
   manifest. `verify_release` re-hashes every file against the manifest.
 - Idempotent: a released folder whose manifest has the same fingerprint -> nothing is copied and
@@ -22,6 +28,10 @@ Concurrency (lock-free; the Prefect layer adds a lock on top, this holds without
 two publishers of one release must not both write. Each attempt writes its own claim file
 ``_PUBLISHING/<attempt>.json`` (a unique name: writers never collide), then lists ``_PUBLISHING/``.
 If it sees any other live claim it deletes its own and waits; otherwise it owns the release.
+Claims live in `claims_url` (``<release>/_PUBLISHING/``; beside a local release, which must not
+appear before it is complete). A claim names its publisher's process (host, boot id, PID namespace,
+pid, start time): a claim whose publisher is certainly dead (this host and namespace, process gone)
+is deleted at once; one from elsewhere only when its heartbeat is older than ``claim_ttl_s``.
 Why at most one proceeds: if A proceeded, A's listing showed no other claim, so any B wrote its
 claim after A's listing, i.e. after A's claim was written; B's own listing then shows A's claim
 and B backs off. This needs only read-after-write and list-after-write consistency, which local
@@ -41,11 +51,11 @@ writes and one clear the other's files while it copies; a claim keeps every writ
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import os
 import random
-import socket
 import threading
 import time
 import uuid
@@ -54,7 +64,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from merge_engine import storage
+from merge_engine import process_identity, storage
 from merge_engine.errors import CorruptShard, InvalidOption, TargetExists, ValidationFailed
 from merge_engine.release import (
     CLAIMS,
@@ -66,7 +76,9 @@ from merge_engine.release import (
     released_manifest,
     sha256_hex,
 )
+from merge_engine.local_commit import LiveFolder, commit_folder, sweep_dead_siblings
 from merge_engine.storage import FileEntry
+from merge_engine.target_guard import overlaps, refuse_overlap
 from merge_engine.validate import Check, ValidationReport
 
 COPY_CHUNK = 8 * 1024 * 1024
@@ -153,13 +165,23 @@ def verify_release(release_url: str) -> ValidationReport:
 # Claims
 
 
+def claims_url(release_url: str) -> str:
+    """Where the claims on a release live: ``<release>/_PUBLISHING/`` on object stores; beside a
+    local release (``.<name>.publishing/``), which must not exist before it is complete."""
+    if storage.is_local(release_url):
+        path = storage.local_path(release_url).rstrip(os.sep)
+        return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.publishing")
+    return storage.join(release_url, CLAIMS)
+
+
 def _claim_url(release_url: str, attempt: str) -> str:
-    return storage.join(release_url, CLAIMS, f"{attempt}.json")
+    return storage.join(claims_url(release_url), f"{attempt}.json")
 
 
 def _write_claim(release_url: str, attempt: str, fingerprint: str) -> None:
-    body = {"attempt": attempt, "fingerprint": fingerprint, "heartbeat": time.time(),
-            "host": socket.gethostname()}
+    """A claim names its publisher (`merge_engine.process_identity`: host, boot, PID namespace, pid
+    and start time), so a dead one on this host and namespace is recognised at once."""
+    body = {"attempt": attempt, "fingerprint": fingerprint, "heartbeat": time.time(), **process_identity.current()}
     storage.write_bytes(_claim_url(release_url, attempt), json.dumps(body).encode())
 
 
@@ -227,26 +249,28 @@ def _remove_claim(release_url: str, attempt: str) -> None:
     storage.remove(_claim_url(release_url, attempt))
     if storage.is_local(release_url):  # object stores have no empty folders; a local one would linger
         try:
-            os.rmdir(storage.local_path(storage.join(release_url, CLAIMS)))
+            os.rmdir(storage.local_path(claims_url(release_url)))
         except OSError:
             pass  # another publisher's claim is still there, or the folder is already gone
 
 
 def _live_claims(release_url: str, ttl_s: float) -> list[str]:
-    """Attempts holding a claim with a fresh heartbeat; stale claims are deleted on the way."""
+    """Attempts holding a claim with a fresh heartbeat whose publisher is not certainly dead; the
+    others are deleted on the way (a dead publisher on this host and PID namespace at once, one
+    elsewhere once its heartbeat is older than ``ttl_s``)."""
     live = []
-    for entry in storage.list_files(storage.join(release_url, CLAIMS)):
+    for entry in storage.list_files(claims_url(release_url)):
         if "/" in entry.path or not entry.path.endswith(".json"):
             continue  # a claim exists from the moment its .json name does (local temp names don't count)
-        url = storage.join(release_url, CLAIMS, entry.path)
+        url = storage.join(claims_url(release_url), entry.path)
         try:
             body = json.loads(storage.read_bytes(url))
             heartbeat = float(body["heartbeat"])
         except FileNotFoundError:
             continue  # released between the listing and the read
         except (ValueError, KeyError, TypeError):
-            heartbeat = float("-inf")  # claims are written whole: an unreadable one is debris
-        if time.time() - heartbeat > ttl_s:
+            body, heartbeat = {}, float("-inf")  # claims are written whole: an unreadable one is debris
+        if time.time() - heartbeat > ttl_s or process_identity.certainly_dead(body if isinstance(body, dict) else {}):
             storage.remove(url)
             continue
         live.append(entry.path.removesuffix(".json"))
@@ -326,9 +350,9 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
     `ReleaseBusy` (another publisher held the release longer than ``wait_s``), `ClaimLost` (a
     `ReleaseBusy`: our claim vanished while we copied; no manifest or marker written, staging kept).
     """
-    inner, outer = sorted((staging_url.rstrip("/") + "/", release_url.rstrip("/") + "/"), key=len, reverse=True)
-    if inner.startswith(outer):
+    if overlaps(staging_url, release_url):
         raise InvalidOption(f"staging and release must not contain each other: {staging_url}, {release_url}")
+    refuse_overlap(release_url, [source])  # clearing the release must never touch the checkpoint
     if validation is not None and not validation.ok:
         storage.remove(staging_url, recursive=True)
         first = validation.failures[0] if validation.failures else Check("checks", False, "no check ran")
@@ -368,24 +392,39 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
             return Release.from_manifest(release_url, current, already_published=True)
         if current is not None and not overwrite:
             raise TargetExists("released from another checkpoint meanwhile", release_url)
+        validation_record = None if validation is None else {**validation.to_dict(), "summary": validation.summary()}
         with _Heartbeat(release_url, attempt, fingerprint, claim_ttl_s) as heartbeat:
-            _clear(release_url)
-            copied = _copy_all(staging_url, release_url, files, max_workers)
-            manifest = Manifest(
-                source=source, fingerprint=fingerprint, engine_version=engine_version, options=options,
-                validation=None if validation is None else {**validation.to_dict(), "summary": validation.summary()},
-                created=datetime.now(timezone.utc).isoformat(timespec="seconds"), attempt=attempt, files=copied,
-            )
-            manifest_bytes = json.dumps(manifest.to_dict(), indent=2, sort_keys=True).encode()
-            heartbeat.check()  # still ours, never stale: nobody else may be writing
-            storage.write_bytes(storage.join(release_url, MANIFEST), manifest_bytes)
-            marker = {"attempt": attempt, "fingerprint": fingerprint, "manifest_sha256": sha256_hex(manifest_bytes),
-                      "created": manifest.created}
-            storage.write_bytes(storage.join(release_url, MARKER), json.dumps(marker, sort_keys=True).encode())
+
+            def write_release(dest: str) -> Manifest:
+                copied = _copy_all(staging_url, dest, files, max_workers)
+                listed = {e.path: e.version for e in storage.list_files(dest)}  # the store's own versions
+                manifest = Manifest(
+                    source=source, fingerprint=fingerprint, engine_version=engine_version, options=options,
+                    validation=validation_record, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    attempt=attempt, files=tuple(dataclasses.replace(f, version=listed.get(f.path, "")) for f in copied),
+                )
+                manifest_bytes = json.dumps(manifest.to_dict(), indent=2, sort_keys=True).encode()
+                heartbeat.check()  # still ours, never stale: nobody else may be writing
+                storage.write_bytes(storage.join(dest, MANIFEST), manifest_bytes)
+                marker = {"attempt": attempt, "fingerprint": fingerprint,
+                          "manifest_sha256": sha256_hex(manifest_bytes), "created": manifest.created}
+                storage.write_bytes(storage.join(dest, MARKER), json.dumps(marker, sort_keys=True).encode())
+                return manifest
+
+            if storage.is_local(release_url):  # built beside it, then swapped in whole (local_commit)
+                target = storage.local_path(release_url).rstrip(os.sep)
+                sweep_dead_siblings(target)
+                with LiveFolder(target, kind="publish") as folder:
+                    manifest = write_release(folder.path)
+                    heartbeat.check()
+                    commit_folder(folder.path, target)
+            else:  # object stores: cleared, files, manifest, marker LAST; readers trust only the marker
+                _clear(release_url)
+                manifest = write_release(release_url)
     finally:
         _remove_claim(release_url, attempt)
     _drop_staging(staging_url, remove_staging)
     return Release.from_manifest(release_url, manifest, already_published=False)
 
 
-__all__ = ["publish", "verify_release", "Release", "ReleaseBusy", "ClaimLost", "CLAIM_TTL_S"]
+__all__ = ["publish", "verify_release", "claims_url", "Release", "ReleaseBusy", "ClaimLost", "CLAIM_TTL_S"]

@@ -11,14 +11,17 @@ Layout (the one place it is spelled; `publish` writes it, the flows and tasks as
         _COMPLETE                                      written last; holds the manifest's sha256
         _PUBLISHING/<attempt>.json                     claims of publishers at work (`merge_engine.publish`)
 
-State (`release_state`: the marker and manifest, two small reads, and ONE listing; no weight is read):
+State (`release_state`: the marker and manifest, two small reads, ONE listing, and the checksums):
 
     ABSENT        nothing there
     IN_PROGRESS   files but no valid marker: a publisher at work, or debris of one that crashed
                   (readers ignore it; the next publish clears it)
-    PUBLISHED     a valid marker, and every file the manifest lists is there with its size
-    DAMAGED       a valid marker, but files are missing or resized (the pipeline withdraws the
-                  marker, `withdraw_damaged`, and publishes again)
+    PUBLISHED     a valid marker, and every file the manifest lists is there with its size and
+                  checksum (`merge_engine.checksums`, quick: object stores compare the store's
+                  version recorded at publish time, no byte read; local files are re-hashed, the
+                  cost of reading them once; a verdict is remembered a few minutes per process)
+    DAMAGED       a valid marker, but files are missing, resized or hold other bytes (the pipeline
+                  withdraws the marker, `withdraw_damaged`, and publishes again)
 
 Readers trust only PUBLISHED folders. `published_releases` lists a release root once to say which
 steps are out. `ReleaseProvenance` is the typed record a release's manifest keeps of where it came
@@ -48,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from merge_engine import storage
+from merge_engine.checksums import file_damage
 from merge_engine.errors import InvalidConfig, TargetExists
 
 logger = logging.getLogger(__name__)
@@ -90,9 +94,14 @@ def release_url(release_root: str, role: str, step: int, kind: str = MODEL) -> s
 
 @dataclass(frozen=True)
 class ManifestFile:
+    """One published file. ``version``: what the store's listing said right after the copy (S3
+    ETag, GCS generation; ``mtime-inode`` locally), so that a rewrite is seen from a listing
+    (`merge_engine.checksums`, quick mode); empty in manifests written before it was recorded."""
+
     path: str
     size: int
     sha256: str
+    version: str = ""
 
 
 @dataclass(frozen=True)
@@ -126,7 +135,8 @@ class Manifest:
             "created": self.created,
             "attempt": self.attempt,
             "total_bytes": self.total_bytes,
-            "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files],
+            "files": [{"path": f.path, "size": f.size, "sha256": f.sha256, "version": f.version}
+                      for f in self.files],
         }
 
     @classmethod
@@ -141,7 +151,8 @@ class Manifest:
             validation=data.get("validation"),
             created=data["created"],
             attempt=data["attempt"],
-            files=tuple(ManifestFile(f["path"], int(f["size"]), f["sha256"]) for f in data["files"]),
+            files=tuple(ManifestFile(f["path"], int(f["size"]), f["sha256"], str(f.get("version") or ""))
+                        for f in data["files"]),
         )
 
 
@@ -275,16 +286,19 @@ class ReleaseState:
 
 
 def release_state(url: str) -> ReleaseState:
-    """Marker + manifest (two small reads) and one listing; never reads a weight."""
+    """Marker + manifest (two small reads), one listing and the checksums (see the module docstring)."""
     manifest = released_manifest(url)
-    listed = {entry.path: entry.size for entry in storage.list_files(url)}
+    listing = {entry.path: entry for entry in storage.list_files(url)}
     if manifest is None:
-        if not listed:
+        if not listing:
             return ReleaseState(url, ABSENT, None, "nothing there")
         return ReleaseState(url, IN_PROGRESS, None, "no valid _COMPLETE marker")
-    damaged = [f.path for f in manifest.files if listed.get(f.path) != f.size]
+    damaged = [f.path for f in manifest.files if f.path not in listing or listing[f.path].size != f.size]
     if damaged:
         return ReleaseState(url, DAMAGED, manifest, f"{len(damaged)} files missing or resized, e.g. {damaged[0]}")
+    problems, _, _ = file_damage(url, manifest.files, listing, mode="quick", ignored=None)  # a flipped byte
+    if problems:
+        return ReleaseState(url, DAMAGED, manifest, f"{len(problems)} bad file(s), e.g. {problems[0]}")
     return ReleaseState(url, PUBLISHED, manifest)
 
 

@@ -32,6 +32,7 @@ from merge_engine.layouts.contract import (
     Verdict,
     WritableLayout,
 )
+from merge_engine.source_files import check_local_tree
 from merge_engine.storage import FileEntry
 from merge_engine.tensor_source import TensorSource
 
@@ -87,9 +88,13 @@ def listing_verdicts(files: Sequence[FileEntry]) -> list[tuple[str, Verdict]]:
 
 
 def check_checkpoint(url: str, backend: str | None = None) -> Checkpoint:
-    """List ``url`` once, pick the layout (or use ``backend``, a layout or an alias), check completeness."""
+    """List ``url`` once, pick the layout (or use ``backend``, a layout or an alias), check completeness.
+
+    A local folder holding a link out of it or a special file is refused first (`UnsafeFile`,
+    `merge_engine.source_files`): no byte of it is read."""
     if backend and backend not in ALIASES:
         layout_named(backend)  # an unknown name is refused before the listing is judged
+    check_local_tree(url)
     files = storage.list_files(url)
     return find_layout(url, files, backend).check_complete(url, files)
 

@@ -4,6 +4,7 @@
   on `stepmerge.checkpoint.saved` is an automation on the server;
 - merge-new-steps/watch on the cpu pool with an interval schedule and the watched run root;
 - release-adapter/gpu;
+- verify-releases/sweep on the cpu pool, daily, over the watched run root's releases (issue 9);
 - end to end: `stepmerge notify` emits the event, the server's trigger creates a merge-step/gpu run
   whose parameters (run_root, step as an int, role) pass the flow's own validation.
 """
@@ -21,7 +22,7 @@ from tests.deployments.conftest import WATCHED_RUN_ROOT
 
 
 def test_pools_schedules_and_job_variables(deployed):
-    assert set(deployed) == {"merge-step/gpu", "merge-new-steps/watch", "release-adapter/gpu"}
+    assert set(deployed) == {"merge-step/gpu", "merge-new-steps/watch", "release-adapter/gpu", "verify-releases/sweep"}
     merge = deployed["merge-step/gpu"]
     assert merge.work_pool_name == "gpu"
     assert merge.job_variables["env"]["CUDA_VISIBLE_DEVICES"] == "0"
@@ -33,6 +34,9 @@ def test_pools_schedules_and_job_variables(deployed):
     params = WatchParams(**watch.parameters["params"])
     assert params.run_root == WATCHED_RUN_ROOT and params.merge_deployment == "merge-step/gpu"
     assert deployed["release-adapter/gpu"].work_pool_name == "gpu"
+    sweep = deployed["verify-releases/sweep"]  # issue 9: damaged releases are caught on a schedule
+    assert sweep.work_pool_name == "cpu" and sweep.schedules[0].schedule.interval.total_seconds() == 86400
+    assert sweep.parameters == {"release_root": f"{WATCHED_RUN_ROOT}/releases", "mode": "quick"}
     with get_client(sync_client=True) as client:
         pool = client.read_work_pool("gpu")
     assert pool.concurrency_limit == 1

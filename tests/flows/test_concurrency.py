@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from merge_engine.publish import verify_release
+from merge_engine.publish import claims_url, verify_release
 from merge_engine.release import read_manifest, release_url
 from tests.fixtures_pipeline import copy_steps
 
@@ -73,5 +73,5 @@ def test_two_concurrent_runs_of_one_step_publish_once(prefect, template_run, tmp
     release = release_url(str(tmp_path / "run" / "releases"), "actor", 1)
     assert {r["release"] for r in results} == {release}
     assert verify_release(release).ok
-    assert not list((tmp_path / "run" / "releases" / "actor" / "global_step_1" / "_PUBLISHING").glob("*.json"))
+    assert not list(Path(claims_url(str(tmp_path / "run" / "releases" / "actor" / "global_step_1"))).glob("*.json"))
     assert read_manifest(release).attempt

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -233,13 +234,18 @@ def test_debris_of_killed_runs_never_blocks_a_retry(fsdp_runs, tmp_path, s3_buck
     from merge_engine.merge import merge_fingerprint
     from merge_engine.output_target import PARTIAL_FILE
 
+    from merge_engine import local_commit, process_identity
+
     source = fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = tmp_path / f".out.stepmerge-{dead.stdout.strip()}-deadbeef"
-    live = tmp_path / f".out.stepmerge-{os.getppid()}-cafecafe"
-    for folder in (stale, live):
+    stale = tmp_path / ".out.stepmerge-tmp-deadbeef"
+    live = tmp_path / ".out.stepmerge-tmp-cafecafe"
+    for folder, pid in ((stale, int(dead.stdout)), (live, os.getppid())):
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"half")
+        owner = {**process_identity.current(), "pid": pid, "start": process_identity.process_start(pid),
+                 "heartbeat": time.time()}  # (test_local_commit covers the owner rules in full)
+        (tmp_path / (folder.name + local_commit.OWNER_SUFFIX)).write_text(json.dumps(owner))
     (tmp_path / "out" / "empty_subfolder").mkdir(parents=True)
     merge_checkpoint(source, str(tmp_path / "out"))
     assert not stale.exists() and live.exists()

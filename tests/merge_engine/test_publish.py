@@ -99,8 +99,9 @@ class TestPublish:
         monkeypatch.setattr(publish_module, "_copy_with_sha256",
                             lambda src, dst, size: order.append(dst) or real_copy(src, dst, size))
         do_publish(staging, release_url, max_workers=1)
-        data_writes = [u for u in order if CLAIMS not in u]
-        assert data_writes[-2:] == [storage.join(release_url, MANIFEST), storage.join(release_url, MARKER)]
+        data_writes = [u for u in order if not u.startswith(publish_module.claims_url(release_url))]
+        # local releases are written beside the release and swapped in whole; remote ones in place
+        assert [u.rsplit("/", 1)[-1] for u in data_writes[-2:]] == [MANIFEST, MARKER]
         assert len(data_writes) == len(FILES) + 2
 
     def test_republishing_the_same_fingerprint_copies_nothing(self, root_url, monkeypatch):
@@ -217,7 +218,7 @@ class TestConcurrency:
         assert len(results) == 4 and len(winners) == 1
         assert {r.attempt for r in results} == {winners[0].attempt} == {read_manifest(release_url).attempt}
         assert verify_release(release_url).ok
-        assert paths(storage.join(release_url, CLAIMS)) == set()
+        assert paths(publish_module.claims_url(release_url)) == set()
 
     def test_live_claim_of_another_publisher_blocks(self, root_url, monkeypatch):
         """While another attempt holds a fresh claim we write nothing and give up after wait_s."""
@@ -225,7 +226,8 @@ class TestConcurrency:
         publish_module._write_claim(release_url, "other-attempt", "fp-1")
         with pytest.raises(ReleaseBusy):
             do_publish(stage(root_url), release_url, wait_s=0.3)
-        assert paths(release_url) == {f"{CLAIMS}/other-attempt.json"}
+        assert paths(publish_module.claims_url(release_url)) == {"other-attempt.json"}
+        assert paths(release_url) <= {f"{CLAIMS}/other-attempt.json"}  # nothing but the claim was written
 
     def test_waiting_publisher_returns_the_winners_release(self, root_url):
         """The holder finishes while we wait: we see its marker and copy nothing."""
@@ -247,11 +249,11 @@ class TestConcurrency:
 
     def test_stale_claim_of_a_crashed_publisher_is_ignored(self, root_url):
         release_url = storage.join(root_url, "rel")
-        stale = storage.join(release_url, CLAIMS, "crashed.json")
+        stale = storage.join(publish_module.claims_url(release_url), "crashed.json")
         storage.write_bytes(stale, json.dumps({"attempt": "crashed", "heartbeat": time.time() - 3600}).encode())
-        storage.write_bytes(storage.join(release_url, CLAIMS, "debris.json"), b"{not json")
+        storage.write_bytes(storage.join(publish_module.claims_url(release_url), "debris.json"), b"{not json")
         assert not do_publish(stage(root_url), release_url, wait_s=1).already_published
-        assert paths(storage.join(release_url, CLAIMS)) == set()
+        assert paths(publish_module.claims_url(release_url)) == set()
         assert verify_release(release_url).ok
 
 
@@ -326,8 +328,8 @@ class TestClaimHeartbeat:
         def taken():
             if not once.acquire(blocking=False):
                 return  # the copies run in parallel: take the claim once
-            for entry in storage.list_files(storage.join(release_url, CLAIMS)):
-                storage.remove(storage.join(release_url, CLAIMS, entry.path))
+            for entry in storage.list_files(publish_module.claims_url(release_url)):
+                storage.remove(storage.join(publish_module.claims_url(release_url), entry.path))
             publish_module._write_claim(release_url, "intruder", "fp-2")
 
         staging = stage(root_url)
@@ -336,7 +338,7 @@ class TestClaimHeartbeat:
             do_publish(staging, release_url, claim_ttl_s=0.4)
         assert isinstance(ClaimLost("x"), ReleaseBusy)
         assert not {MANIFEST, MARKER} & paths(release_url)
-        assert paths(storage.join(release_url, CLAIMS)) == {"intruder.json"}  # never resurrected ours
+        assert paths(publish_module.claims_url(release_url)) == {"intruder.json"}  # never resurrected ours
         assert paths(staging) == set(FILES)
 
     def test_a_claim_left_stale_for_a_ttl_is_treated_as_lost(self, root_url, monkeypatch):

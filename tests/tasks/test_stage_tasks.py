@@ -9,6 +9,7 @@ can live in S3.
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
 
@@ -73,7 +74,9 @@ def test_a_second_run_is_all_cache_hits_and_reads_nothing(prefect, template_run,
     second = chain(run_root, 2, releases, staging)
     assert {name: state for name, (state, _) in second.items()} == dict.fromkeys(STAGES, "Cached")
     assert second["publish"][1] == first["publish"][1]
-    assert weight_reads.reads == []
+    # no checkpoint byte is read; a LOCAL release is re-hashed to tell it is intact (issue 9 case 3:
+    # its mtime is no checksum; object stores compare the store's versions instead and read nothing)
+    assert weight_reads.reads and all(url.startswith(releases + os.sep) for url, _ in weight_reads.reads)
 
 
 def test_with_the_cache_lost_an_existing_release_is_not_rebuilt(prefect, template_run, tmp_path, weight_reads):
@@ -87,9 +90,14 @@ def test_with_the_cache_lost_an_existing_release_is_not_rebuilt(prefect, templat
     assert again["merge"][0] == "Completed" and again["merge"][1].released
     assert again["publish"][1].already_published
     assert read_manifest(first["publish"][1].url).created == created
-    # only the deep check read rank-file headers (its cache was lost too); no model byte was read
-    assert all(url.endswith(".pt") for url in weight_reads.urls())
-    assert not any(url.startswith(releases) for url in weight_reads.urls())
+    # only the deep check read rank-file headers (its cache was lost too), and the LOCAL release was
+    # re-hashed ONCE to tell it intact (issue 9 case 3; remembered for the later questions of the run)
+    assert all(url.endswith(".pt") for url in weight_reads.urls() if not url.startswith(releases))
+    read = {}
+    for url, size in weight_reads.reads:
+        if url.startswith(releases):
+            read[url] = read.get(url, 0) + size
+    assert read and all(size == os.path.getsize(url) for url, size in read.items())
 
 
 def test_results_can_be_kept_in_s3(prefect, s3_bucket_url, monkeypatch):

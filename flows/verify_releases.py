@@ -1,0 +1,97 @@
+"""Flow ``verify-releases`` (on a schedule): is every published release still what was published?
+
+One listing of ``release_root`` finds every release readers trust (a valid ``_COMPLETE`` marker,
+`merge_engine.release.published_releases`); each is verified against its manifest by
+`merge_engine.verify` (``mode="quick"``: object-store releases by the store versions recorded at
+publish time, one listing each; local releases re-hashed. ``mode="full"``: every byte re-hashed).
+
+A damaged release (a file missing, resized, rewritten, with other bytes, or unlisted) is named
+with each bad file in the run's log and markdown artifact. With ``unmark_damaged`` (default) its
+marker is removed, so readers stop trusting it and the watcher (``merge-new-steps``) rebuilds the
+step on its next run; the files stay until then. The run FAILS when any release was damaged, so a
+sweep that found damage never ends green. Verification errors of one release (storage down) are
+reported and fail the run too, without stopping the others.
+"""
+
+import time
+from typing import List
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from pydantic import BaseModel
+
+from merge_engine import storage
+from merge_engine.release import MARKER, published_releases
+from merge_engine.verify import MODES, verify_folder
+from tasks.retry import RETRY_OPTIONS
+
+
+class VerifiedRelease(BaseModel):
+    """One release's verdict: ``status`` is "intact", "damaged" or "error"."""
+
+    url: str
+    status: str
+    problems: List[str] = []
+    bytes_hashed: int = 0
+    method: str = ""
+    unmarked: bool = False
+
+
+class VerifySweep(BaseModel):
+    release_root: str
+    mode: str
+    releases: List[VerifiedRelease]
+    seconds: float
+
+    @property
+    def damaged(self) -> List[VerifiedRelease]:
+        return [r for r in self.releases if r.status != "intact"]
+
+
+class ReleasesDamaged(Exception):
+    """The sweep found damaged releases (or could not verify some): the run fails, naming them."""
+
+
+@task(name="verify-release", **RETRY_OPTIONS)
+def verify_release_task(url: str, mode: str, unmark_damaged: bool) -> VerifiedRelease:
+    report = verify_folder(url, mode=mode)
+    if report.ok:
+        return VerifiedRelease(url=url, status="intact", bytes_hashed=report.bytes_hashed, method=report.method)
+    if unmark_damaged and report.marker_ok:
+        storage.remove(storage.join(url, MARKER))  # readers stop trusting it; the watcher rebuilds it
+    return VerifiedRelease(url=url, status="damaged", problems=list(report.problems) or ["no valid marker"],
+                           bytes_hashed=report.bytes_hashed, method=report.method,
+                           unmarked=unmark_damaged and report.marker_ok)
+
+
+def _table(sweep: VerifySweep) -> str:
+    rows = [f"| {r.url} | {r.status}{' (marker removed)' if r.unmarked else ''} | {r.method} | "
+            f"{'; '.join(r.problems)[:500]} |" for r in sweep.releases]
+    return "\n".join([f"# Releases under {sweep.release_root} ({sweep.mode})", "",
+                      "| release | status | method | problems |", "|---|---|---|---|", *rows])
+
+
+@flow(name="verify-releases")
+def verify_releases(release_root: str, mode: str = "quick", unmark_damaged: bool = True) -> VerifySweep:
+    """Verify every published release under ``release_root`` (see the module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    logger = get_run_logger()
+    started = time.perf_counter()
+    results: List[VerifiedRelease] = []
+    for (_, _step), url in sorted(published_releases(release_root).items()):
+        try:
+            verdict = verify_release_task(url, mode, unmark_damaged)
+        except Exception as exc:  # noqa: BLE001 - one release's error must not hide the others
+            verdict = VerifiedRelease(url=url, status="error", problems=[f"{type(exc).__name__}: {exc}"])
+        if verdict.status != "intact":
+            logger.error("release %s %s: %s", url, verdict.status, "; ".join(verdict.problems))
+        results.append(verdict)
+    sweep = VerifySweep(release_root=release_root, mode=mode, releases=results,
+                        seconds=time.perf_counter() - started)
+    create_markdown_artifact(_table(sweep), description="verify-releases")
+    logger.info("%d release(s) verified, %d damaged, in %.1f s", len(results), len(sweep.damaged), sweep.seconds)
+    if sweep.damaged:
+        raise ReleasesDamaged(f"{len(sweep.damaged)} damaged release(s) under {release_root}: "
+                              + "; ".join(f"{r.url}: {', '.join(r.problems)}" for r in sweep.damaged))
+    return sweep
