@@ -40,7 +40,7 @@ from merge_engine.output_target import Files, read_provenance, target_state, wri
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
 from merge_engine.writer import write_plan
 
-__all__ = ["LOCAL", "OUTPUT_OPTION_KEYS", "LocalExecutor", "OutputJob", "OutputOptions", "OutputResult",
+__all__ = ["LOCAL", "OUTPUT_OPTION_KEYS", "LocalExecutor", "OutputJob", "OutputOptions", "OutputResult", "job_inputs",
            "PlannedOutput", "PreparedJob", "ShardExecutor", "run_job"]
 
 

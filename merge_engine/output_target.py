@@ -36,7 +36,7 @@ def read_provenance(target_url: str) -> dict | None:
     """The target's ``stepmerge.json``, or None when absent or unreadable."""
     try:
         return json.loads(storage.read_text(storage.join(target_url, PROVENANCE_FILE)))
-    except (FileNotFoundError, ValueError):
+    except (FileNotFoundError, NotADirectoryError, ValueError):  # a file at the target holds no provenance
         return None
 
 
