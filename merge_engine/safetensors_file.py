@@ -118,6 +118,10 @@ class SafetensorsFile:
     def tensors(self) -> dict[str, StoredTensor]:
         return dict(self._tensors)
 
+    def entries(self) -> dict[str, HeaderEntry]:
+        """Name -> the header's entry (dtype, shape, absolute byte range), in file order."""
+        return dict(sorted(self._entries.items(), key=lambda item: item[1].start))
+
     def read_storage_into(self, storage: StorageRef, element_offset: int, out: torch.Tensor) -> None:
         start = self._entries[storage.key].start + element_offset * storage.dtype.itemsize
         if out.numel():

@@ -5,7 +5,7 @@
   listings of ``hf_model_path`` and ``base_model``) + release + engine version; an adapter already
   released with that fingerprint (`expected_adapter_fingerprint`) is not extracted again
   (``released=True``); one released from something else is refused at once without ``overwrite``.
-- `validate_adapter` runs `merge_engine.lora.validate.validate_adapter` (PEFT loads it on its base, logits
+- `validate_adapter` runs `merge_engine.validate.adapter.validate_adapter` (PEFT loads it on its base, logits
   reproduce the released fused model's, allowing for the rounding of its dtype) and returns a
   `ValidationRecord`; a released adapter returns the validation its manifest recorded, reading nothing.
 Retries: transient storage faults only.
@@ -20,9 +20,9 @@ from typing import Optional
 from prefect import task
 
 from merge_engine import storage
-from merge_engine.lora import validate as adapter_validation
 from merge_engine.lora.adapter_io import point_adapter_at_base
-from merge_engine.lora.validate import BASE_DIR
+from merge_engine.validate import adapter as adapter_validation
+from merge_engine.validate.adapter import BASE_DIR
 from merge_engine.release import ADAPTER, staging_url, sweep_stale_staging
 from tasks.cache import stage_cache_policy
 from tasks.merge import output_available, released_output

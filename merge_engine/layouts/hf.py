@@ -2,8 +2,10 @@
 
 Used for base models (LoRA fusion), references, and bridge exports (verl's Megatron bridge saves
 the actor's weights straight into ``huggingface/``). Completeness: the index (when present) is
-valid JSON, names only safe local files that all exist, and every tensor it maps is found in the
-header of the file it names; every header parses. From a listing alone (`listing_verdict`, also for
+valid JSON, names only safe local files (`unsafe_file_name`) that all exist, and every tensor it
+maps is found in the header of the file it names, and nowhere else; every header parses. Reading
+goes in stages (`read_weight_index` -> `open_weight_files` -> `tensors_by_name` -> `source_of`),
+which `merge_engine.validate` also walks, one check per stage. From a listing alone (`listing_verdict`, also for
 the weights a training step saves in ``huggingface/`` or verl v2's ``model/huggingface/``): the index
 present (transformers writes it after every shard) or a single non-empty ``model.safetensors``; in
 ``model/huggingface/`` verl v2's marker, written last.
@@ -12,6 +14,8 @@ present (transformers writes it after every shard) or a single non-empty ``model
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint
@@ -22,6 +26,7 @@ from merge_engine.layouts.contract import ABSENT, DONE, HF_NAMES, INCOMPLETE, Ch
 from merge_engine.safetensors_file import SafetensorsFile
 from merge_engine.storage import FileEntry
 from merge_engine.tensor_source import AssembledSource, ConcatTensor, TensorSource
+from merge_engine.torch_archive import StoredTensor
 
 NAME = "hf"
 TENSOR_NAMING = HF_NAMES
@@ -62,52 +67,131 @@ def listing_verdict(files: Sequence[FileEntry]) -> Verdict:
     return Verdict(INCOMPLETE, f"{folder or './'} shards present but {INDEX_FILE} not written yet")
 
 
-def weight_files(url: str, files: list[FileEntry]) -> dict[str, list[str]]:
-    """Safetensors file -> tensor names it must hold (empty list: whatever its header says)."""
+def unsafe_file_name(name: Any) -> str | None:
+    """Why ``name`` may not appear in a safetensors index (None when it is a plain, visible
+    ``.safetensors`` file name in the folder itself): index entries become paths, so they are not trusted."""
+    if not isinstance(name, str) or not name:
+        return "not a file name"
+    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
+        return "absolute path"
+    if "/" in name or "\\" in name:
+        return ".. or a sub-folder" if ".." in name.replace("\\", "/").split("/") else "sub-folder"
+    if name in (".", ".."):
+        return "path traversal"
+    if name.startswith("."):
+        return "hidden file"
+    if "\0" in name:
+        return "NUL byte"
+    if not name.endswith(".safetensors"):
+        return "not a .safetensors file"
+    return None
+
+
+@dataclass(frozen=True)
+class WeightIndex:
+    """Which safetensors files hold the weights: file -> tensor names the index puts there (empty
+    without an index: whatever the one file's header says), and the index's declared total size."""
+
+    files: dict[str, list[str]]
+    indexed: bool
+    declared_total_size: int | None = None
+
+
+def read_weight_index(url: str, files: Sequence[FileEntry]) -> WeightIndex:
+    """The folder's weight files from its index (or its one safetensors file), all present and non-empty.
+
+    Raises `CorruptShard` for an unreadable or empty index or an unsafe file name in it (the reason
+    named), `IncompleteCheckpoint` for a missing or empty file, or neither an index nor one file.
+    """
     top = {f.path: f for f in files if "/" not in f.path}
     if INDEX_FILE not in top:
         names = sorted(p for p in top if p.endswith(".safetensors"))
         if len(names) != 1:
-            raise IncompleteCheckpoint(f"{len(names)} safetensors files and no {INDEX_FILE}", url)
-        return {names[0]: []}
+            raise IncompleteCheckpoint(
+                f"neither {INDEX_FILE} nor a single safetensors file ({len(names)} found)", url)
+        return WeightIndex({names[0]: []}, indexed=False)
     index_url = storage.join(url, INDEX_FILE)
-    weight_map = (read_json_object(index_url) or {}).get("weight_map")
+    index = read_json_object(index_url) or {}
+    weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CorruptShard(f"index has no weight_map object (found {type(weight_map).__name__})", index_url)
+    metadata = index.get("metadata")
+    declared = metadata.get("total_size") if isinstance(metadata, dict) else None
+    try:
+        declared = None if declared is None else int(declared)
+    except (TypeError, ValueError):
+        raise CorruptShard(f"index metadata total_size {declared!r} is not a number", index_url) from None
     expected: dict[str, list[str]] = {}
     for tensor, filename in weight_map.items():
-        if not isinstance(filename, str) or "/" in filename or "\\" in filename or filename.startswith("."):
-            raise CorruptShard(f"index maps {tensor!r} to an unsafe file name {filename!r}", index_url)
+        why = unsafe_file_name(filename)
+        if why:
+            raise CorruptShard(f"index maps {tensor!r} to an unsafe file name {filename!r} ({why})", index_url)
         expected.setdefault(filename, []).append(tensor)
     for filename in expected:
         if filename not in top:
             raise IncompleteCheckpoint(f"index names {filename}, which is missing", storage.join(url, filename))
         if top[filename].size == 0:
             raise IncompleteCheckpoint("weight file is empty", storage.join(url, filename))
-    return expected
+    return WeightIndex(expected, indexed=True, declared_total_size=declared)
 
 
-def _open_files(url: str, files: list[FileEntry]) -> tuple[list[SafetensorsFile], dict]:
+def weight_files(url: str, files: list[FileEntry]) -> dict[str, list[str]]:
+    """Safetensors file -> tensor names it must hold (empty list: whatever its header says)."""
+    return read_weight_index(url, files).files
+
+
+def open_weight_files(url: str, files: Sequence[FileEntry], index: WeightIndex) -> list[SafetensorsFile]:
+    """Every weight file opened, its header parsed and checked (`SafetensorsFile`); closed again on failure."""
     sizes = {f.path: f.size for f in files}
-    opened, tensors = [], {}
+    opened: list[SafetensorsFile] = []
     try:
-        for filename, names in weight_files(url, files).items():
+        for filename in index.files:
             file_url = storage.join(url, filename)
-            handle = SafetensorsFile(file_url, storage.RangeReader(file_url, sizes.get(filename)))
-            opened.append(handle)
-            found = handle.tensors()
-            missing = [n for n in names if n not in found]
-            if missing:
-                raise CorruptShard(f"index says {missing[0]!r} is here, the header disagrees", file_url)
-            for name, tensor in found.items():
-                if name in tensors:
-                    raise CorruptShard(f"{name!r} is stored in two files", file_url)
-                tensors[name] = tensor
+            opened.append(SafetensorsFile(file_url, storage.RangeReader(file_url, sizes.get(filename))))
     except Exception:
         for handle in opened:
             handle.close()
         raise
-    return opened, tensors
+    return opened
+
+
+def tensors_by_name(index: WeightIndex, opened: Sequence[SafetensorsFile]) -> dict[str, StoredTensor]:
+    """Tensor name -> stored tensor; `CorruptShard` where the index and the headers disagree (a tensor
+    the index puts in a file whose header lacks it, one stored where the index does not put it) or a
+    tensor is stored twice."""
+    tensors: dict[str, StoredTensor] = {}
+    for handle, (filename, names) in zip(opened, index.files.items()):
+        found = handle.tensors()
+        missing = [n for n in names if n not in found]
+        if missing:
+            raise CorruptShard(f"index says {missing[0]!r} is here, the header disagrees", handle.url)
+        if index.indexed:
+            listed = set(names)
+            unlisted = [n for n in found if n not in listed]
+            if unlisted:
+                raise CorruptShard(f"{unlisted[0]!r} is stored here but the index does not put it here", handle.url)
+        for name, tensor in found.items():
+            if name in tensors:
+                raise CorruptShard(f"{name!r} is stored in two files", handle.url)
+            tensors[name] = tensor
+    return tensors
+
+
+def source_of(url: str, opened: Sequence[SafetensorsFile], tensors: dict[str, StoredTensor]) -> TensorSource:
+    """The folder's tensors as a `TensorSource` (closing it closes ``opened``)."""
+    assembled = {name: ConcatTensor(t.shape, t.dtype, 0, (t,)) for name, t in tensors.items()}
+    return AssembledSource(url, assembled, list(opened))
+
+
+def _open_files(url: str, files: list[FileEntry]) -> tuple[list[SafetensorsFile], dict[str, StoredTensor]]:
+    index = read_weight_index(url, files)
+    opened = open_weight_files(url, files, index)
+    try:
+        return opened, tensors_by_name(index, opened)
+    except Exception:
+        for handle in opened:
+            handle.close()
+        raise
 
 
 def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
@@ -121,5 +205,4 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
 
 def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb
     opened, tensors = _open_files(checkpoint.url, list(checkpoint.files))
-    assembled = {name: ConcatTensor(t.shape, t.dtype, 0, (t,)) for name, t in tensors.items()}
-    return AssembledSource(checkpoint.url, assembled, opened)
+    return source_of(checkpoint.url, opened, tensors)

@@ -13,5 +13,6 @@ Modules, one job each:
 - `extract`     checkpoint -> adapter + clean base (`ExtractJob`); SVD extraction (`SvdExtractJob`)
 - `target`      the adapter commands' input fingerprints and SVD report records
 (`combine` and `extract` are output jobs, `merge_engine.jobs`; the other modules sit below the planner)
-- `validate`    an adapter folder: loads with PEFT on its base, logits equal the fused model's
+Validating an adapter folder (PEFT loads it on its base, logits equal the fused model's) is
+`merge_engine.validate.adapter`, beside the other checks.
 """

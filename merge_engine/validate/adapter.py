@@ -1,5 +1,7 @@
 """Validation of a PEFT adapter folder -> a `ValidationReport` (what the publish step stores).
 
+Loads and forward passes are `merge_engine.validate.forward`'s (the one forward pass), in float32.
+
 Checks, each a named `Check`:
 - ``adapter_config``: ``adapter_config.json`` + ``adapter_model.safetensors`` read by the engine
   (`merge_engine.lora.adapter_io.read_adapter`: plain LoRA, alpha known, factors consistent);
@@ -29,82 +31,38 @@ apart (the detail says so).
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from merge_engine import storage
 from merge_engine.errors import StepmergeError
-from merge_engine.validate import (
-    Check,
-    ValidationReport,
-    default_device,
-    fixed_token_ids,
-    validate_structure,
-)
+from merge_engine.validate.compare import LOGIT_TOLERANCE
+from merge_engine.validate.forward import default_device, loaded_model, logits_of, model_logits
+from merge_engine.validate.report import Check, ValidationReport
+from merge_engine.validate.staging import local_folder
+from merge_engine.validate.structure import validate_structure
 
 BASE_DIR = "base"
 NOISE_FACTOR = 4.0  # rounding noise allowed, in units of eps * rms(fused logits) (measured: ~0.4 on tiny models)
 MAX_UNEXPLAINED = 0.5  # the adapter must reproduce at least half of the base -> fused change
 
 
-@contextlib.contextmanager
-def local_folder(url: str) -> Iterator[str]:
-    """A local path with the folder's files; a remote folder is staged into a temp dir."""
-    if storage.is_local(url):
-        yield storage.local_path(url)
-        return
-    with tempfile.TemporaryDirectory(prefix="stepmerge-adapter-check-") as tmp:
-        storage.stage_in(url, storage.list_files(url), tmp)
-        yield tmp
-
-
-def _load(path: str) -> Any:
-    import torch
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(path)
-    architecture = (getattr(config, "architectures", None) or ["AutoModelForCausalLM"])[0]
-    model_class = getattr(transformers, architecture, transformers.AutoModelForCausalLM)
-    return model_class.from_pretrained(path, dtype=torch.float32), config
-
-
-def _forward(model: Any, config: Any, device: str) -> Any:
-    import torch
-
-    ids = torch.tensor([fixed_token_ids(config.vocab_size)], device=device)
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float().cpu()
-
-
-def _model_logits(path: str, device: str) -> Any:
-    model, config = _load(path)
-    try:
-        model.to(device).eval()
-        return _forward(model, config, device)
-    finally:
-        del model
-        gc.collect()
-
-
 def _peft_logits(base_path: str, adapter_path: str, device: str) -> tuple[Any, Any]:
-    """(logits with the adapter, logits of the same model with the adapter disabled)."""
+    """(logits with the adapter, logits of the same model with the adapter disabled), in float32."""
+    import torch
     from peft import PeftModel
 
-    model, config = _load(base_path)
-    try:
-        model = PeftModel.from_pretrained(model, adapter_path)
-        model.to(device).eval()
-        with_adapter = _forward(model, config, device)
-        with model.disable_adapter():
-            without = _forward(model, config, device)
-        return with_adapter, without
-    finally:
-        del model
-        gc.collect()
+    with loaded_model(base_path, device, dtype=torch.float32) as (model, config):
+        peft_model = PeftModel.from_pretrained(model, adapter_path)
+        try:
+            peft_model.to(device).eval()
+            with_adapter = logits_of(peft_model, config, device)
+            with peft_model.disable_adapter():
+                without = logits_of(peft_model, config, device)
+            return with_adapter, without
+        finally:
+            del peft_model
 
 
 def _finite(source: Any) -> Check:
@@ -141,7 +99,8 @@ class LogitComparison:
     detail: str
 
 
-def compare_logits(peft: Any, fused: Any, base: Any, dtype: Any, *, atol: float = 1e-4, rtol: float = 1e-4,
+def compare_logits(peft: Any, fused: Any, base: Any, dtype: Any, *, atol: float = LOGIT_TOLERANCE.atol,
+                   rtol: float = LOGIT_TOLERANCE.rtol,
                    noise_factor: float = NOISE_FACTOR, max_unexplained: float = MAX_UNEXPLAINED) -> LogitComparison:
     """Judge ``peft`` against ``fused`` (``base``: the logits without the adapter; ``dtype``: the
     coarsest dtype the weights were stored in)."""
@@ -169,7 +128,8 @@ def compare_logits(peft: Any, fused: Any, base: Any, dtype: Any, *, atol: float 
 
 
 def validate_adapter(adapter_url: str, *, fused_model_url: Optional[str] = None, forward: bool = True,
-                     device: Optional[str] = None, atol: float = 1e-4, rtol: float = 1e-4) -> ValidationReport:
+                     device: Optional[str] = None, atol: float = LOGIT_TOLERANCE.atol,
+                     rtol: float = LOGIT_TOLERANCE.rtol) -> ValidationReport:
     """Validate the adapter folder at ``adapter_url`` (see the module docstring)."""
     from merge_engine.layouts import check_checkpoint, open_checkpoint
     from merge_engine.lora.adapter_io import check_fits_base, read_adapter
@@ -220,7 +180,7 @@ def validate_adapter(adapter_url: str, *, fused_model_url: Optional[str] = None,
                                                  + ("" if finite else " contain NaN/inf")))
         if fused_model_url is not None:
             with local_folder(fused_model_url) as fused_path:
-                fused = _model_logits(fused_path, device)
+                fused, _ = model_logits(fused_path, device, dtype=torch.float32)
             dtype = coarsest_dtype(dtypes | _folder_dtypes(fused_model_url))
             verdict = compare_logits(peft_logits, fused, base_logits, dtype, atol=atol, rtol=rtol)
             checks.append(Check("peft_logits", verdict.ok, verdict.detail))

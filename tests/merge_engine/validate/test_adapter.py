@@ -1,4 +1,4 @@
-"""Adapter validation (`merge_engine.lora.validate.validate_adapter`) is a real check in every dtype.
+"""Adapter validation (`merge_engine.validate.adapter.validate_adapter`) is a real check in every dtype.
 
 From one real LoRA checkpoint (verl FSDP2, 2 ranks) the engine writes, per output dtype (as
 stored = float32, bfloat16, float16), the PEFT adapter release (adapter + clean base under base/)
@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from merge_engine.lora.validate import validate_adapter
+from merge_engine.validate.adapter import validate_adapter
 from tests.fixtures_pipeline import LORA_STEP, ROLE
 
 DTYPES = [None, "bfloat16", "float16"]

@@ -1,0 +1,136 @@
+"""The structure of a Hugging Face model folder: config, weights (`weights.scan_weights`), the keys
+and shapes its config implies, and no NaN/inf.
+
+`expected_tensors` instantiates the config's model class on the ``meta`` device and keeps what
+``save_pretrained`` would write: tied aliases and ``_keys_to_ignore_on_save`` dropped, weight
+conversions reverted (transformers' own save-time rules). Tensor bytes are read in chunks of
+``chunk_bytes`` through the HF layout's `TensorSource`, never a whole tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from merge_engine import storage
+from merge_engine.validate.forward import architecture_of, model_class
+from merge_engine.validate.report import Check, ValidationReport
+from merge_engine.validate.staging import local_folder
+from merge_engine.validate.weights import CHUNK_BYTES, FolderWeights, few, scan_weights, top_level_listing
+
+CONFIG_FILE = "config.json"
+
+
+def expected_tensors(config: Any, trust_remote_code: bool = False) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of what ``save_pretrained`` writes for a model with this config (meta device).
+
+    Tied aliases (``lm_head.weight`` with ``tie_word_embeddings``) and ``_keys_to_ignore_on_save``
+    are dropped and transformers' weight conversions reverted, as ``save_pretrained`` does.
+    """
+    import torch
+
+    cls, via_auto = model_class(config)
+    with torch.device("meta"):
+        if via_auto:
+            model = cls.from_config(config, trust_remote_code=trust_remote_code)
+        else:
+            model = cls._from_config(config)
+    state = model.state_dict(keep_vars=True)
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    try:  # transformers >= 5: its own save-time rules
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+        state = revert_weight_conversion(model, remove_tied_weights_from_state_dict(state, model))
+    except ImportError:  # older transformers: a tied alias is the same Parameter under a later key
+        seen: set[int] = set()
+        for key in list(state):
+            if id(state[key]) in seen:
+                del state[key]
+            else:
+                seen.add(id(state[key]))
+    return {key: tuple(tensor.shape) for key, tensor in state.items()}
+
+
+def load_config(model_url: str, trust_remote_code: bool) -> Any:
+    """The folder's ``AutoConfig`` (a remote folder: only config.json and remote code are staged)."""
+    from transformers import AutoConfig
+
+    with local_folder(model_url, only=[CONFIG_FILE]) as path:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def _check_expected(config: Any, weights: FolderWeights, trust_remote_code: bool) -> list[Check]:
+    try:
+        expected = expected_tensors(config, trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - any failure to build the model is a failed check
+        return [Check("expected_keys", False, f"cannot instantiate {architecture_of(config)!r}: {exc}")]
+    on_disk = {name: entry.shape for name, entry in weights.entries.items()}
+    missing = sorted(set(expected) - set(on_disk))
+    unexpected = sorted(set(on_disk) - set(expected))
+    detail = []
+    if missing:
+        detail.append(f"missing {few(missing)}")
+    if unexpected:
+        tied = " (tied weights must be absent)" if getattr(config, "tie_word_embeddings", False) else ""
+        detail.append(f"unexpected {few(unexpected)}{tied}")
+    summary = "; ".join(detail) or f"{len(expected)} keys as {architecture_of(config)}"
+    checks = [Check("expected_keys", not detail, summary)]
+    wrong = [f"{k}: {list(on_disk[k])} != expected {list(s)}" for k, s in sorted(expected.items())
+             if k in on_disk and tuple(on_disk[k]) != s]
+    checks.append(Check("expected_shapes", not wrong, "; ".join(wrong[:5]) or "all shapes match"))
+    return checks
+
+
+def _check_finite(weights: FolderWeights, chunk_bytes: int) -> Check:
+    import torch
+
+    bad: list[str] = []
+    scanned = 0
+    for _, entries in weights.entries_by_file():
+        for name, entry in entries.items():
+            if not entry.dtype.is_floating_point or entry.end == entry.start:
+                continue
+            for chunk in weights.source.iter_chunks(name, chunk_bytes):
+                if chunk.dtype.itemsize == 1:  # float8: isfinite wants a wider type
+                    chunk = chunk.float()
+                if not bool(torch.isfinite(chunk).all()):
+                    bad.append(name)
+                    break
+            scanned += entry.end - entry.start
+    if bad:
+        return Check("finite", False, f"NaN/inf in {few(bad)}")
+    return Check("finite", True, f"{scanned} bytes scanned")
+
+
+def validate_structure(model_url: str, *, trust_remote_code: bool = False,
+                       chunk_bytes: int = CHUNK_BYTES) -> ValidationReport:
+    """Config, index, headers, total_size, expected keys/shapes and NaN/inf of a model folder.
+
+    Reads headers and tensor bytes with ranged reads (no staging); stages only ``config.json``
+    (and ``*.py`` remote code) of a remote folder to build the model class on the meta device.
+    """
+    listing = top_level_listing(model_url)
+    checks: list[Check] = []
+    config = None
+    if CONFIG_FILE not in listing:
+        checks.append(Check("config", False, f"{CONFIG_FILE} missing"))
+    else:
+        try:
+            raw = json.loads(storage.read_text(storage.join(model_url, CONFIG_FILE)))
+            if not isinstance(raw, dict):
+                raise ValueError("not a JSON object")
+            config = load_config(model_url, trust_remote_code)
+            checks.append(Check("config", True, f"{architecture_of(config) or '?'} ({raw.get('model_type', '?')})"))
+        except Exception as exc:  # noqa: BLE001 - unparsable or unknown config is a failed check
+            checks.append(Check("config", False, f"{CONFIG_FILE}: {exc}"))
+            config = None
+    weight_checks, weights = scan_weights(model_url, listing)
+    checks += weight_checks
+    if weights is not None:
+        with weights:
+            if config is not None:
+                checks += _check_expected(config, weights, trust_remote_code)
+            checks.append(_check_finite(weights, chunk_bytes))
+    return ValidationReport(model_url, tuple(checks))
