@@ -39,12 +39,11 @@ from merge_engine.storage.atomic_writer import AtomicWriter, open_write
 from merge_engine.storage.backend import clear_filesystems
 from merge_engine.storage.copies import STAGE_MANIFEST, copy_file, copy_tree, stage_in
 from merge_engine.storage.entries import FileEntry, fingerprint
-from merge_engine.storage.faults import is_transient
 from merge_engine.storage.files import (
     exists, filesystem, info, list_dirs, list_files, read_bytes, remove, size, write_bytes,
 )
 from merge_engine.storage.range_reader import RangeReader
-from merge_engine.storage.schemes import backend_for
+from merge_engine.storage.schemes import backend_for, is_transient
 from merge_engine.storage.urls import is_local, join, local_path, split_scheme
 
 __all__ = [

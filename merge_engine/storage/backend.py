@@ -93,7 +93,7 @@ class Backend:
 
     def info(self, url: str) -> dict[str, Any]:
         fs, path = self.filesystem(url)
-        return retrying(lambda: fs.info(path), f"info {url}")
+        return retrying(lambda: fs.info(path), f"info {url}", self.classify_fault)
 
     def size(self, url: str) -> int:
         return int(self.info(url)["size"])
@@ -203,7 +203,7 @@ class FsspecBackend(Backend):
             except FileNotFoundError:
                 return {}
 
-        found = retrying(listing, f"listing {url}")
+        found = retrying(listing, f"listing {url}", self.classify_fault)
         entries = []
         prefix = root + "/"
         for name, info in found.items():
@@ -225,24 +225,24 @@ class FsspecBackend(Backend):
             except FileNotFoundError:
                 return []
 
-        infos = retrying(listing, f"listing {url}")
+        infos = retrying(listing, f"listing {url}", self.classify_fault)
         return [posixpath.basename(i["name"].rstrip("/")) for i in infos if i.get("type") == "directory"]
 
     def exists(self, url: str) -> bool:
         fs, path = self.filesystem(url)
-        return retrying(lambda: fs.exists(path), f"exists {url}")
+        return retrying(lambda: fs.exists(path), f"exists {url}", self.classify_fault)
 
     def isfile(self, url: str) -> bool:
         fs, path = self.filesystem(url)
-        return retrying(lambda: fs.isfile(path), f"info {url}")
+        return retrying(lambda: fs.isfile(path), f"info {url}", self.classify_fault)
 
     def read_bytes(self, url: str) -> bytes:
         fs, path = self.filesystem(url)
-        return retrying(lambda: fs.cat_file(path), f"reading {url}")
+        return retrying(lambda: fs.cat_file(path), f"reading {url}", self.classify_fault)
 
     def write_bytes(self, url: str, data: bytes) -> None:
         fs, path = self.filesystem(url)
-        retrying(lambda: fs.pipe_file(path, data), f"writing {url}")
+        retrying(lambda: fs.pipe_file(path, data), f"writing {url}", self.classify_fault)
 
     def open_upload(self, url: str, block_size: int | None, size_hint: int | None) -> Upload:
         return FsspecUpload(self, url, block_size)
@@ -259,18 +259,18 @@ class FsspecBackend(Backend):
             except FileNotFoundError:
                 pass
 
-        retrying(delete, f"removing {url}")
+        retrying(delete, f"removing {url}", self.classify_fault)
 
     def upload_file(self, local_path: str, url: str) -> None:
         fs, path = self.filesystem(url)
-        retrying(lambda: fs.put_file(local_path, path), f"uploading {local_path} to {url}")
+        retrying(lambda: fs.put_file(local_path, path), f"uploading {local_path} to {url}", self.classify_fault)
 
     def copy_within(self, src: str, dst: str) -> bool:
         src_fs, src_path = self.filesystem(src)
         dst_fs, dst_path = self.filesystem(dst)
         if dst_fs is not src_fs:
             return False
-        retrying(lambda: src_fs.cp_file(src_path, dst_path), f"copying {src} to {dst}")
+        retrying(lambda: src_fs.cp_file(src_path, dst_path), f"copying {src} to {dst}", self.classify_fault)
         return True
 
 
@@ -311,9 +311,10 @@ class FsspecRangedFile:
     def __init__(self, backend: FsspecBackend, url: str, size: int | None) -> None:
         self.url = url
         self._fs, self._path = backend.filesystem(url)
+        self.classify_fault = backend.classify_fault  # this store's transient faults, for its retries
         if size is None:
             try:
-                size = int(retrying(lambda: self._fs.size(self._path), f"size of {url}"))
+                size = int(retrying(lambda: self._fs.size(self._path), f"size of {url}", self.classify_fault))
             except FileNotFoundError as exc:
                 raise IncompleteCheckpoint("file is missing", url) from exc
         self.size = int(size)
@@ -334,7 +335,7 @@ class FsspecRangedFile:
                     ) from exc
                 raise
 
-        data = retrying(get, f"bytes {start}-{end} of {self.url}")
+        data = retrying(get, f"bytes {start}-{end} of {self.url}", self.classify_fault)
         if len(data) != end - start:
             raise IncompleteCheckpoint(
                 f"got {len(data)} of bytes {start}-{end} (file shorter than the {self.size} bytes listed)",

@@ -2,10 +2,11 @@
 
 A fault is classified by the first link of its cause chain that says anything: the Python
 builtins first (a `StepmergeError` or a missing file is permanent, a timeout or a dropped
-connection transient), then each registered backend's own client errors
-(`Backend.classify_fault`: botocore for S3, gcsfs / google for GCS), then the HTTP libraries the
+connection transient), then the storage clients' own errors (the ``classifiers`` given: a
+backend retries with its own `Backend.classify_fault`, e.g. botocore's for S3; the public
+`merge_engine.storage.is_transient` asks every registered backend's), then the HTTP libraries the
 clients share (aiohttp, requests, urllib3, http.client) and network ``errno`` values.
-Anything not recognised is permanent.
+Anything not recognised is permanent. This module knows no backend: the registry sits above it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import logging
 import random
 import sys
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import Optional, TypeVar
 
 from merge_engine.errors import StepmergeError, StorageUnavailable
 from merge_engine.storage import tuning
@@ -24,6 +25,7 @@ from merge_engine.storage import tuning
 logger = logging.getLogger("merge_engine.storage")
 
 _T = TypeVar("_T")
+Classifier = Callable[[BaseException], Optional[bool]]  # True transient, False permanent, None: not its error
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})  # HTTP statuses worth a retry, on every store
 _NETWORK_ERRNOS = frozenset({
@@ -70,22 +72,20 @@ def _classify_http_libraries(exc: BaseException) -> bool | None:
     return None
 
 
-def _classify(exc: BaseException) -> bool | None:
+def _classify(exc: BaseException, classifiers: Sequence[Classifier]) -> bool | None:
     """True: transient; False: permanent; None: this link of the chain does not say."""
     verdict = _classify_builtin(exc)
     if verdict is not None:
         return verdict
-    from merge_engine.storage.schemes import registered_backends  # the registry sits above this module
-
-    for backend in registered_backends():
-        verdict = backend.classify_fault(exc)
+    for classify in classifiers:
+        verdict = classify(exc)
         if verdict is not None:
             return verdict
     return _classify_http_libraries(exc)
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Whether retrying the failed storage call may succeed.
+def transient_by(exc: BaseException, classifiers: Sequence[Classifier] = ()) -> bool:
+    """Whether retrying the failed storage call may succeed (``classifiers``: the clients' own rules).
 
     True for connection resets / refusals / drops, timeouts (incl. fsspec's ``FSTimeoutError``),
     throttling and server-side 5xx (S3 ``SlowDown`` / 503, GCS 429 / 503), aiohttp
@@ -100,7 +100,7 @@ def is_transient(exc: BaseException) -> bool:
     link: BaseException | None = exc
     while link is not None and id(link) not in seen and len(seen) < 16:
         seen.add(id(link))
-        verdict = _classify(link)
+        verdict = _classify(link, classifiers)
         if verdict is not None:
             return verdict
         link = link.__cause__ or (None if link.__suppress_context__ else link.__context__)
@@ -124,18 +124,20 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:300] if text else ""
 
 
-def retrying(call: Callable[[], _T], what: str) -> _T:
-    """``call()``, repeated on transient faults up to `tuning.TRANSIENT_ATTEMPTS` times in all.
+def retrying(call: Callable[[], _T], what: str, classify: Optional[Classifier] = None) -> _T:
+    """``call()``, repeated on transient faults (`transient_by` with ``classify``, the calling
+    backend's own rule) up to `tuning.TRANSIENT_ATTEMPTS` times in all.
 
     A transient fault still there after the last attempt is raised as `StorageUnavailable` (naming
     the URL in ``what``, the fault as its cause; still transient for the pipeline's task retries); a
     permanent one as it is."""
+    classifiers = (classify,) if classify is not None else ()
     attempts = tuning.TRANSIENT_ATTEMPTS
     for attempt in range(attempts):
         try:
             return call()
         except Exception as exc:
-            if not is_transient(exc) or isinstance(exc, StorageUnavailable):
+            if not transient_by(exc, classifiers) or isinstance(exc, StorageUnavailable):
                 raise
             if attempt + 1 >= attempts:
                 raise unavailable(exc, what) from exc

@@ -17,6 +17,7 @@ import pkgutil
 from merge_engine.errors import UnsupportedScheme
 from merge_engine.storage import backends as _backends_package
 from merge_engine.storage.backend import Backend
+from merge_engine.storage.faults import transient_by
 from merge_engine.storage.urls import split_scheme
 
 
@@ -78,3 +79,16 @@ def remote_schemes(canonical_only: bool = False) -> tuple[str, ...]:
         scheme for scheme, backend in _registry().items()
         if backend.shared and not backend.local and (not canonical_only or scheme == backend.canonical_scheme)
     )
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying the failed storage call may succeed, judged by every backend's client rules.
+
+    True for connection resets / refusals / drops, timeouts (incl. fsspec's ``FSTimeoutError``),
+    throttling and server-side 5xx (S3 ``SlowDown`` / 503, GCS 429 / 503), aiohttp
+    ``ClientPayloadError`` / ``ServerDisconnectedError``. False for ``FileNotFoundError``,
+    ``PermissionError`` and every `StepmergeError`, and for anything not recognised. The chain of
+    causes is followed (s3fs raises ``OSError`` *from* botocore's ``ClientError``): the first link
+    that is recognised decides (`faults.transient_by`).
+    """
+    return transient_by(exc, [backend.classify_fault for backend in registered_backends()])
