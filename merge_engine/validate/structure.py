@@ -9,16 +9,15 @@ conversions reverted (transformers' own save-time rules). Tensor bytes are read 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from merge_engine import storage
+from merge_engine.hf_metadata import CONFIG_FILE
+from merge_engine.json_file import read_json_object
 from merge_engine.validate.forward import architecture_of, model_class
 from merge_engine.validate.report import Check, ValidationReport
 from merge_engine.validate.staging import local_folder
 from merge_engine.validate.weights import CHUNK_BYTES, FolderWeights, few, scan_weights, top_level_listing
-
-CONFIG_FILE = "config.json"
 
 
 def expected_tensors(config: Any, trust_remote_code: bool = False) -> dict[str, tuple[int, ...]]:
@@ -118,9 +117,7 @@ def validate_structure(model_url: str, *, trust_remote_code: bool = False,
         checks.append(Check("config", False, f"{CONFIG_FILE} missing"))
     else:
         try:
-            raw = json.loads(storage.read_text(storage.join(model_url, CONFIG_FILE)))
-            if not isinstance(raw, dict):
-                raise ValueError("not a JSON object")
+            raw = read_json_object(storage.join(model_url, CONFIG_FILE)) or {}
             config = load_config(model_url, trust_remote_code)
             checks.append(Check("config", True, f"{architecture_of(config) or '?'} ({raw.get('model_type', '?')})"))
         except Exception as exc:  # noqa: BLE001 - unparsable or unknown config is a failed check
