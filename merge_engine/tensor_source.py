@@ -228,7 +228,43 @@ class ReplicatedTensor:
             torch.empty(self.shape, dtype=self.dtype)
 
 
-Assembly = ConcatTensor | ReplicatedTensor
+@dataclass(frozen=True)
+class StackedTensor:
+    """A full tensor = bands stacked along dim 0, each band an assembly of its own (a 2-D tiling:
+    FSDP rows x tensor-parallel columns). Streams band by band: memory is one band's chunk."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bands: tuple[ConcatTensor, ...]
+
+    def __post_init__(self) -> None:
+        rows = 0
+        for band in self.bands:
+            if band.dtype != self.dtype or tuple(band.shape[1:]) != tuple(self.shape[1:]):
+                where = band.pieces[0].archive.url if band.pieces else None
+                raise CorruptShard(f"band {band.shape} {band.dtype} does not fit {self.shape} {self.dtype}", where)
+            rows += band.shape[0]
+        if rows != self.shape[0]:
+            raise CorruptShard(f"bands cover {rows} of {self.shape[0]} rows", None)
+
+    def iter_chunks(self, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        for band in self.bands:
+            yield from band.iter_chunks(max_bytes)
+
+    def iter_range(self, start: int, count: int, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        at = 0
+        for band in self.bands:
+            n = math.prod(band.shape)
+            lo, hi = max(start, at), min(start + count, at + n)
+            if lo < hi:
+                yield from band.iter_range(lo - at, hi - lo, max_bytes)
+            at += n
+
+    def read(self) -> torch.Tensor:
+        return torch.cat([band.read() for band in self.bands], dim=0)
+
+
+Assembly = ConcatTensor | ReplicatedTensor | StackedTensor
 
 
 class AssembledSource:
@@ -256,6 +292,8 @@ class AssembledSource:
     def same_storage(self, a: str, b: str) -> bool:
         """True when two names are views of the very same stored bytes (tied weights saved once)."""
         ta, tb = self._tensors[a], self._tensors[b]
+        if isinstance(ta, StackedTensor) or isinstance(tb, StackedTensor):
+            return False
         parts_a = ta.pieces if isinstance(ta, ConcatTensor) else ta.copies
         parts_b = tb.pieces if isinstance(tb, ConcatTensor) else tb.copies
         return len(parts_a) == len(parts_b) and all(

@@ -56,7 +56,13 @@ from synthetic_runs.models import (
     write_hf_metadata,
 )
 
-STRATEGIES: tuple[str, ...] = ("fsdp1_mesh", "fsdp1_sharded_tensor", "fsdp2", "hsdp", "fsdp2_hsdp", "single")
+STRATEGIES: tuple[str, ...] = ("fsdp1_mesh", "fsdp1_sharded_tensor", "fsdp2", "hsdp", "fsdp2_hsdp", "single",
+                               "fsdp2_tp")
+# FSDP + tensor parallelism (torchtitan / VeOmni style): each decoder layer's projections sharded over
+# "tp" (column-wise: q/k/v, gate/up; row-wise: o, down), then fully_shard over "dp_shard"
+TP_PLAN: dict[str, str] = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                           "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+                           "mlp.down_proj": "rowwise"}
 ROLES: tuple[str, ...] = ("actor", "critic", "")
 SAVE_CONTENTS: tuple[str, ...] = ("model", "optimizer", "extra", "hf_model")
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -93,12 +99,16 @@ class FsdpSpec:
       "hsdp"                 FSDP1 HYBRID_SHARD on ("ddp", "fsdp") -> DTensor (Replicate(), Shard(0))
       "fsdp2_hsdp"           fully_shard on ("ddp", "fsdp") -> DTensor (Replicate(), Shard(0))
       "single"               world size 1 (FSDP1 falls back to NO_SHARD) -> plain tensors
+      "fsdp2_tp"             TP over ("dp_shard", "tp")[1] (`TP_PLAN`), then fully_shard over dp_shard ->
+                             2-D DTensors: (Shard(0), Shard(1)) row-wise, (_StridedShard(0), Shard(0))
+                             column-wise, the rest Shard(0) on the dp_shard mesh replicated over tp
     """
 
     model: ModelSpec = ModelSpec()
     world_size: int = 4
     strategy: str = "fsdp2"
     ddp_size: int = 2  # hsdp / fsdp2_hsdp only: number of replicas
+    tp_size: int = 2  # fsdp2_tp only: tensor-parallel degree
     shard_dim: int = 0  # fsdp2 only
     dtype: str = "float32"  # dtype of the saved model shards
     lora: LoraSpec | None = None
@@ -119,6 +129,8 @@ class FsdpSpec:
             self.ddp_size < 2 or self.world_size % self.ddp_size or self.world_size == self.ddp_size
         ):
             raise ValueError("HSDP needs ddp_size >= 2 dividing world_size, with at least 2 ranks per replica")
+        if self.strategy == "fsdp2_tp" and (self.tp_size < 2 or self.world_size % self.tp_size):
+            raise ValueError("fsdp2_tp needs tp_size >= 2 dividing world_size")
         if self.shard_dim not in (0, 1) or (self.shard_dim == 1 and self.strategy != "fsdp2"):
             raise ValueError("shard_dim is 0, or 1 with strategy 'fsdp2'")
         torch_dtype(self.dtype)
@@ -131,13 +143,15 @@ class FsdpSpec:
 
     @property
     def fsdp_version(self) -> int:
-        return 2 if self.strategy in ("fsdp2", "fsdp2_hsdp") else 1
+        return 2 if self.strategy in ("fsdp2", "fsdp2_hsdp", "fsdp2_tp") else 1
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...] | None:
         """Names of the device mesh the shards are laid on (None: no mesh, ShardedTensor)."""
         if self.strategy == "fsdp1_sharded_tensor":
             return None
+        if self.strategy == "fsdp2_tp":
+            return ("dp_shard", "tp")
         return ("ddp", "fsdp") if self.strategy in ("hsdp", "fsdp2_hsdp") else ("fsdp",)
 
     @property
@@ -146,6 +160,8 @@ class FsdpSpec:
             return None
         if self.strategy in ("hsdp", "fsdp2_hsdp"):
             return (self.ddp_size, self.world_size // self.ddp_size)
+        if self.strategy == "fsdp2_tp":
+            return (self.world_size // self.tp_size, self.tp_size)
         return (self.world_size,)
 
     def to_dict(self) -> dict:
@@ -341,8 +357,9 @@ def fixture_matrix() -> dict[str, FsdpSpec]:
 def family_matrix() -> dict[str, FsdpSpec]:
     """The architecture matrix (`model_families.FAMILIES`), written once per test session: every
     family on FSDP2 at world 2, the MoE and vision-language ones at world 3 too (4 experts over 3
-    ranks: uneven shards), Qwen3-MoE on FSDP1, verl's Shard(dim>0) placement on fused experts, and
-    GPT-NeoX saved under its transformers 4.x head name `embed_out`."""
+    ranks: uneven shards), Qwen3-MoE on FSDP1, verl's Shard(dim>0) placement on fused experts,
+    Qwen2 on FSDP2 + tensor parallelism (world 4 = 2 x 2), and GPT-NeoX saved under its
+    transformers 4.x head name `embed_out`."""
     from synthetic_runs.model_families import FAMILIES
 
     specs = {f"{family}_w2": FsdpSpec(model=ModelSpec(family=family), world_size=2, save_contents=("model",))
@@ -354,6 +371,9 @@ def family_matrix() -> dict[str, FsdpSpec]:
     # gate_up_proj (4, 120, 64) -> Shard(1), down_proj (4, 64, 60) -> Shard(2) under verl's placement
     specs["qwen3_moe_shard_dim1_w3"] = FsdpSpec(model=ModelSpec(family="qwen3_moe", intermediate_size=120),
                                                 world_size=3, shard_dim=1, save_contents=("model",))
+    # FSDP2 over tensor parallelism on a 2 x 2 (dp_shard, tp) mesh: real 2-D DTensor placements
+    specs["qwen2_tp_w4"] = FsdpSpec(model=ModelSpec(family="qwen2"), world_size=4, strategy="fsdp2_tp",
+                                    save_contents=("model",))
     specs["gpt_neox_embed_out_w2"] = FsdpSpec(model=ModelSpec(family="gpt_neox"), world_size=2,
                                               save_contents=("model",),
                                               key_renames=(("lm_head.weight", "embed_out.weight"),))
@@ -672,6 +692,9 @@ def _shard_fsdp2(spec: FsdpSpec, seed: int, mesh) -> tuple[torch.nn.Module, list
     unsharded_keys = list(model.state_dict().keys())
 
     kwargs = {"mesh": mesh}
+    if spec.strategy == "fsdp2_tp":
+        _parallelize_tp(model, spec, mesh["tp"])
+        kwargs = {"mesh": mesh["dp_shard"]}
     if spec.shard_dim == 1:
         kwargs["shard_placement_fn"] = verl_shard_placement_fn(mesh.shape[-1])
     layer_class = _decoder_layer_class(model, spec)
@@ -696,6 +719,17 @@ def _shard_fsdp2(spec: FsdpSpec, seed: int, mesh) -> tuple[torch.nn.Module, list
             local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             param.to_local().copy_(local.to_local())
     return model, unsharded_keys
+
+
+def _parallelize_tp(model: torch.nn.Module, spec: FsdpSpec, tp_mesh) -> None:
+    """Each decoder layer's projections over the "tp" mesh, as `TP_PLAN` says."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    layer_class = _decoder_layer_class(model, spec)
+    for module in list(model.modules()):
+        if isinstance(module, layer_class):
+            parallelize_module(module, tp_mesh, {name: styles[kind]() for name, kind in TP_PLAN.items()})
 
 
 def _is_tied(model: torch.nn.Module) -> bool:

@@ -1,10 +1,13 @@
 """verl FSDP checkpoints: ``model_world_size_{W}_rank_{R}.pt`` per rank, plus ``fsdp_config.json``.
 
 Each rank file is a ``torch.save`` of that rank's state dict. A value is one of:
-- a DTensor (FSDP2, or FSDP1 with a device mesh): its placements decide, whatever the mesh dims
-  are called (``fsdp``, ``dp_shard``, ``ddp``, ``dp``...): ``Shard(d)`` pieces are concatenated on
-  ``d`` in mesh-coordinate order (uneven and empty pieces included), ``Replicate`` mesh dims (HSDP)
-  are read at coordinate 0 only; ``Partial`` and strided shards are refused;
+- a DTensor (FSDP2, or FSDP1 with a device mesh, or FSDP2 over tensor parallelism on a
+  ``(dp_shard, tp)`` mesh): its placements decide, whatever the mesh dims are called. Each rank's
+  block (offset and shape in the global tensor) is what torch computes for its placements
+  (``Shard``, ``_StridedShard``, ``Replicate``, on any number of mesh dims) and mesh coordinate;
+  uneven and empty blocks included; ranks holding the same block are replicas (HSDP, parameters
+  replicated over ``tp``), read once. Blocks tile the tensor along one dim, or along dim 0 and one
+  other (FSDP rows x TP columns); ``Partial`` is refused;
 - a ShardedTensor (FSDP1 without a mesh): local shards with offsets into the global tensor;
 - a plain tensor (buffers, world size 1): identical on every rank, checked, taken once.
 
@@ -16,6 +19,7 @@ The watcher's rule (`listing_verdict`) is stricter: see there.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -26,7 +30,7 @@ from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedL
 from merge_engine.layouts.contract import ABSENT, DONE, HF_NAMES, INCOMPLETE, INVALID, Checkpoint, Verdict
 from merge_engine.json_file import read_json_object
 from merge_engine.storage import FileEntry
-from merge_engine.tensor_source import AssembledSource, ConcatTensor, ReplicatedTensor, TensorSource
+from merge_engine.tensor_source import AssembledSource, ConcatTensor, ReplicatedTensor, StackedTensor, TensorSource
 from merge_engine.torch_archive import StoredTensor, TorchArchive, WrapperTensor
 
 NAME = "fsdp"
@@ -240,25 +244,43 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
-def _placement(record: Any) -> tuple[str, int | None]:
+def _torch_placement(record: Any, key: str, url: str):
+    """The torch `Placement` a pickled placement record stands for (Shard, _StridedShard, Replicate)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     name = getattr(record, "qualname", type(record).__name__)
-    if name == "Shard":
-        return "shard", int(record.fields.get("dim", record.args[0] if record.args else 0))
+    fields = getattr(record, "fields", None) or {}
+    args = getattr(record, "args", None) or ()
     if name == "Replicate":
-        return "replicate", None
-    return name, None
+        return Replicate()
+    dim = fields.get("dim", args[0] if args else None)
+    if name in ("Shard", "_StridedShard") and isinstance(dim, int):
+        if name == "Shard":
+            return Shard(dim)
+        split = fields.get("split_factor")
+        if isinstance(split, int) and split >= 1:
+            return _StridedShard(dim, split_factor=split)
+    raise UnsupportedLayout(f"DTensor {key!r} has placement {name}; supported: Shard, _StridedShard, Replicate", url)
 
 
 def _assemble_dtensor(key: str, values: list[WrapperTensor], archives: list[TorchArchive]):
-    shape, dtype = values[0].shape, values[0].dtype
-    pieces: dict[int, StoredTensor] = {}
-    shard_dim = None
+    """Each rank's block of the global tensor from its placements and mesh coordinate (torch's own
+    `_compute_local_shape_and_global_offset`, so `Shard`, `_StridedShard` (FSDP2 over tensor
+    parallelism) and `Replicate` on any number of mesh dims mean what they mean to torch). Ranks
+    holding the same block are replicas (HSDP, a sub-mesh replicated over "tp"): each block must be
+    held the same number of times, and its first holder is read. The blocks must tile the tensor:
+    cut along one dim (`ConcatTensor`) or along dim 0 and one other (bands: `StackedTensor`)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    shape, dtype = tuple(values[0].shape), values[0].dtype
+    records = []
     for rank, (value, archive) in enumerate(zip(values, archives)):
         spec = value.state.get("_spec")
         local = value.state.get("_local_tensor")
         if spec is None or not isinstance(local, StoredTensor):
             raise CorruptShard(f"DTensor {key!r} without spec or local tensor", archive.url)
-        if value.shape != shape or value.dtype != dtype:
+        if tuple(value.shape) != shape or value.dtype != dtype:
             raise CorruptShard(f"DTensor {key!r} global shape {value.shape} differs from rank 0's {shape}", archive.url)
         mesh = spec.fields["mesh"].fields
         names = tuple(mesh.get("_mesh_dim_names") or ())
@@ -267,33 +289,58 @@ def _assemble_dtensor(key: str, values: list[WrapperTensor], archives: list[Torc
             if len(names) > 1:
                 raise UnsupportedLayout(f"DTensor {key!r}: mesh without recorded coordinates", archive.url)
             coordinate = (rank,)
-        placements = [_placement(p) for p in spec.fields["placements"]]
-        unknown = [(m, kind) for m, (kind, _) in enumerate(placements) if kind not in ("shard", "replicate")]
-        if unknown:
-            m, kind = unknown[0]
-            raise UnsupportedLayout(f"DTensor {key!r} has placement {kind} on mesh dim "
-                                    f"{names[m] if names else m}; supported: Shard, Replicate", archive.url)
-        sharded = [(m, dim) for m, (kind, dim) in enumerate(placements) if kind == "shard"]
-        if len(sharded) > 1:
-            raise UnsupportedLayout(f"DTensor {key!r} is sharded over several mesh dims {placements}", archive.url)
-        replica = all(coordinate[m] == 0 for m, (kind, _) in enumerate(placements) if kind == "replicate")
-        index = 0
-        if sharded:
-            mesh_dim, dim = sharded[0]
-            if shard_dim not in (None, dim):
-                raise CorruptShard(f"DTensor {key!r} sharded on dim {dim} here, {shard_dim} elsewhere", archive.url)
-            shard_dim, index = dim, coordinate[mesh_dim]
-        if not replica:
-            continue
-        if index in pieces:
-            raise CorruptShard(f"two ranks hold shard {index} of {key!r}", archive.url)
-        pieces[index] = local
-    if shard_dim is None:
-        return ReplicatedTensor(tuple(pieces.values()))
-    order = sorted(pieces)
-    if order != list(range(len(order))):
-        raise CorruptShard(f"shards of {key!r} found for mesh coordinates {order}", archives[0].url)
-    return ConcatTensor(shape, dtype, shard_dim, tuple(pieces[i] for i in order))
+        placements = tuple(_torch_placement(p, key, archive.url) for p in spec.fields["placements"])
+        if len(placements) != len(coordinate) or not all(isinstance(c, int) and c >= 0 for c in coordinate):
+            raise CorruptShard(f"DTensor {key!r}: {len(placements)} placements for mesh coordinate {coordinate}",
+                               archive.url)
+        records.append((archive, tuple(coordinate), placements, local))
+    if len({r[2] for r in records}) > 1:
+        raise CorruptShard(f"DTensor {key!r} is placed differently on different ranks", archives[0].url)
+    mesh_shape = tuple(max(r[1][m] for r in records) + 1 for m in range(len(records[0][1])))
+    blocks: dict[tuple[tuple[int, ...], tuple[int, ...]], list[StoredTensor]] = {}
+    for archive, coordinate, placements, local in records:
+        local_shape, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
+        local_shape, offset = tuple(int(n) for n in local_shape), tuple(int(o) for o in offset)
+        if tuple(local.shape) != local_shape:
+            raise CorruptShard(f"DTensor {key!r}: this rank holds {tuple(local.shape)} where its placement "
+                               f"{placements} at {coordinate} says {local_shape}", archive.url)
+        if math.prod(local_shape):
+            blocks.setdefault((offset, local_shape), []).append(local)
+    if len({len(held) for held in blocks.values()}) > 1:
+        raise CorruptShard(f"ranks hold the shards of {key!r} unevenly (a rank file copied or missing?)",
+                           archives[0].url)
+    pieces = sorted((offset, local_shape, held[0]) for (offset, local_shape), held in blocks.items())
+    if not pieces:
+        return ConcatTensor(shape, dtype, 0, ())
+    cut = [d for d in range(len(shape)) if len({p[0][d] for p in pieces}) > 1]
+    if not cut:
+        return ReplicatedTensor((pieces[0][2],))
+    if len(cut) == 1:
+        return ConcatTensor(shape, dtype, cut[0], _in_order(key, pieces, cut[0], archives[0].url))
+    if len(cut) == 2 and cut[0] == 0:
+        bands = []
+        for row in sorted({p[0][0] for p in pieces}):
+            band = [p for p in pieces if p[0][0] == row]
+            rows = {p[1][0] for p in band}
+            if len(rows) != 1:
+                raise CorruptShard(f"blocks of {key!r} at row {row} differ in height {sorted(rows)}", archives[0].url)
+            band_shape = (rows.pop(), *shape[1:])
+            bands.append(ConcatTensor(band_shape, dtype, cut[1], _in_order(key, band, cut[1], archives[0].url)))
+        _in_order(key, [((b_offset,), (band.shape[0],), None) for b_offset, band in
+                        zip(sorted({p[0][0] for p in pieces}), bands)], 0, archives[0].url)
+        return StackedTensor(shape, dtype, tuple(bands))
+    raise UnsupportedLayout(f"DTensor {key!r} is cut along dims {cut}; supported: one dim, or dim 0 and one other",
+                            archives[0].url)
+
+
+def _in_order(key: str, pieces: list, dim: int, url: str) -> tuple[StoredTensor, ...]:
+    """The pieces along ``dim`` in offset order, each starting where the previous one ends."""
+    at = 0
+    for offset, local_shape, _ in sorted(pieces, key=lambda p: p[0][dim]):
+        if offset[dim] != at:
+            raise CorruptShard(f"shards of {key!r} leave a gap or overlap at {at} along dim {dim}", url)
+        at += local_shape[dim]
+    return tuple(p[2] for p in sorted(pieces, key=lambda p: p[0][dim]))
 
 
 def _assemble_sharded_tensor(key: str, values: list[WrapperTensor], archives: list[TorchArchive]):
