@@ -143,7 +143,8 @@ def _rank_states(files: synthetic_runs.StepFiles) -> list[dict]:
 def test_matrix_covers_what_the_suite_needs():
     """fixture_matrix() spans strategies, families, tying, dtypes, buffers, roles, LoRA and Shard(1)."""
     specs = fixture_matrix().values()
-    assert {s.strategy for s in specs} == set(synthetic_runs.fsdp.STRATEGIES)
+    # FSDP + tensor parallelism is written by the architecture matrix (family_matrix)
+    assert {s.strategy for s in specs} == set(synthetic_runs.fsdp.STRATEGIES) - {"fsdp2_tp"}
     assert {s.model.family for s in specs} == {"qwen2", "llama"}
     assert {s.model.tie_word_embeddings for s in specs} == {True, False}
     assert {s.dtype for s in specs} == {"float32", "bfloat16"}
@@ -153,6 +154,20 @@ def test_matrix_covers_what_the_suite_needs():
     assert {s.fsdp_version for s in specs if s.lora} == {1, 2}
     assert any(s.lora and s.lora.r < s.world_size for s in specs)
     assert all(s.model.num_kv_heads < s.model.num_heads for s in specs)  # GQA everywhere
+
+
+def test_family_matrix_covers_every_family():
+    """family_matrix() spans every family of model_families at world 2, MoE/VL at world 3, FSDP1,
+    verl's Shard(dim>0) on fused experts, FSDP2 + TP on a 2 x 2 mesh, and GPT-NeoX's 4.x head name."""
+    from synthetic_runs.fsdp import family_matrix
+    from synthetic_runs.model_families import FAMILIES
+
+    specs = family_matrix().values()
+    assert {s.model.family for s in specs if s.world_size == 2} == set(FAMILIES)
+    assert {"mixtral", "qwen3_moe", "deepseek_v3", "qwen2_vl"} <= {s.model.family for s in specs if s.world_size == 3}
+    assert {s.strategy for s in specs} == {"fsdp2", "fsdp1_mesh", "fsdp2_tp"}
+    assert any(s.shard_dim == 1 and s.world_size == 3 for s in specs)
+    assert any(s.key_renames for s in specs)
 
 
 def test_every_variant_has_verls_files(fsdp_fixture_runs):
