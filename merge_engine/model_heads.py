@@ -11,6 +11,8 @@ Contract:
   device and asked (`get_input_embeddings`, `get_output_embeddings`); the Hub names come from
   transformers' own save-time conversion (`merge_engine.hub_format`). Cached by config content.
 - None for a model transformers cannot build (unknown or remote-code type).
+- `conv1d_modules(config)`: the model's Conv1D layers (weights stored (in, out)): a LoRA on them is
+  ``fan_in_fan_out``, as PEFT decides when it wraps them.
 `merge_engine.output_heads.find_heads` (the planner's tie rule) asks it when the common names
 (``lm_head.weight``, ``*embed_tokens.weight``...) do not settle which tensors are the heads.
 """
@@ -72,3 +74,22 @@ def _head_names(config_json: str) -> ModelHeadNames | None:
 def model_head_names(config: Mapping[str, Any]) -> ModelHeadNames | None:
     return _head_names(json.dumps(dict(config), sort_keys=True, default=str))
 
+
+
+@functools.lru_cache(maxsize=8)
+def _conv1d_modules(config_json: str) -> frozenset[str] | None:
+    from merge_engine.transformers_conversion import meta_model
+
+    try:
+        model = meta_model(json.loads(config_json))
+    except Exception:  # noqa: BLE001 - a class transformers cannot build: nothing known
+        return None
+    if model is None:
+        return None
+    return frozenset(name for name, module in model.named_modules() if type(module).__name__ == "Conv1D")
+
+
+def conv1d_modules(config: Mapping[str, Any]) -> frozenset[str] | None:
+    """The model's Conv1D layers (GPT-2 style, weight stored (in, out): a LoRA on them is
+    ``fan_in_fan_out``), by module name; None when transformers cannot build the model."""
+    return _conv1d_modules(json.dumps(dict(config), sort_keys=True, default=str))

@@ -374,6 +374,9 @@ def family_matrix() -> dict[str, FsdpSpec]:
     # FSDP2 over tensor parallelism on a 2 x 2 (dp_shard, tp) mesh: real 2-D DTensor placements
     specs["qwen2_tp_w4"] = FsdpSpec(model=ModelSpec(family="qwen2"), world_size=4, strategy="fsdp2_tp",
                                     save_contents=("model",))
+    # LoRA on GPT-2's Conv1D layers (weights stored (in, out): PEFT sets fan_in_fan_out)
+    specs["gpt2_lora_w2"] = FsdpSpec(model=ModelSpec(family="gpt2"), world_size=2, save_contents=("model",),
+                                     lora=LoraSpec(r=2, alpha=4, target_modules=("c_attn", "c_proj")))
     specs["gpt_neox_embed_out_w2"] = FsdpSpec(model=ModelSpec(family="gpt_neox"), world_size=2,
                                               save_contents=("model",),
                                               key_renames=(("lm_head.weight", "embed_out.weight"),))

@@ -13,6 +13,7 @@ trained copy in place of its original. `merge_engine.lora.extract` writes the ad
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -186,7 +187,11 @@ class CheckpointLora:
     alpha_from: str
 
 
-def resolve_checkpoint_lora(url: str, metas: Mapping[str, TensorMeta], lora_alpha: float | None) -> CheckpointLora:
+def resolve_checkpoint_lora(url: str, metas: Mapping[str, TensorMeta], lora_alpha: float | None,
+                            model_config: Mapping[str, Any] | None = None) -> CheckpointLora:
+    """The checkpoint's LoRA. ``model_config`` (the model's config.json) decides ``fan_in_fan_out``
+    when the run did not record it: PEFT sets it for LoRA on Conv1D layers (GPT-2), whatever the
+    LoRA config said, so the model's layer types are the truth (`merge_engine.model_heads`)."""
     keys = split_checkpoint(metas, url)
     if not keys.factors:
         raise AdapterError("no LoRA tensors in this checkpoint: nothing to extract", url)
@@ -195,9 +200,28 @@ def resolve_checkpoint_lora(url: str, metas: Mapping[str, TensorMeta], lora_alph
     ranks = {module: (metas[parts[LORA_A][0]].shape[0] if LORA_A in parts else metas[parts[LORA_B][0]].shape[-1])
              for module, parts in keys.factors.items()}
     settings, exact = checkpoint_settings(run, alpha, ranks, url)
+    settings = _with_fan_in_fan_out(settings, set(keys.factors), model_config, url)
     modules = lora_modules(keys.factors, metas, settings, url, config_ranks=exact)
     adapter = Adapter(url, settings, modules, dict(keys.trained_copies), dict(metas))
     return CheckpointLora(keys, adapter, run, alpha_from)
+
+
+def _with_fan_in_fan_out(settings: LoraSettings, modules: set[str], model_config: Mapping[str, Any] | None,
+                         where: str | None) -> LoraSettings:
+    if settings.fan_in_fan_out or not model_config:
+        return settings
+    from merge_engine.model_heads import conv1d_modules
+
+    conv1d = conv1d_modules(model_config)
+    if not conv1d:
+        return settings
+    on_conv1d = {m for m in modules if m in conv1d}
+    if not on_conv1d:
+        return settings
+    if on_conv1d != modules:
+        raise AdapterError(f"LoRA on Conv1D layers ({sorted(on_conv1d)[0]}) and on Linear layers "
+                           f"({sorted(modules - on_conv1d)[0]}): one PEFT adapter cannot hold both", where)
+    return dataclasses.replace(settings, fan_in_fan_out=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -214,7 +238,7 @@ def plan_trained_model(checkpoint: Checkpoint, source: TensorSource, config: Map
     Source names are the checkpoint's own keys. Reads only when the config ties embeddings and
     both copies are stored: the dropped lm_head must equal the embedding (`check_dropped_head`).
     """
-    lora = resolve_checkpoint_lora(checkpoint.url, source.metas(), lora_alpha)
+    lora = resolve_checkpoint_lora(checkpoint.url, source.metas(), lora_alpha, config)
     if not lora.keys.base:
         raise AdapterError("this checkpoint holds only LoRA adapter weights, no base model: run `stepmerge "
                            "extract-lora --local_dir CKPT --base-model BASE --target-dir ADAPTER`, then `stepmerge "

@@ -147,9 +147,9 @@ class ExtractJob:
 
     def _prepare(self, checkpoint: Checkpoint, options: OutputOptions, source: TensorSource,
                  opened: list[TensorSource]) -> PreparedJob:
-        lora = resolve_checkpoint_lora(checkpoint.url, source.metas(), options.lora_alpha)
         hf_dir = options.hf_model_path or checkpoint.hf_dir
         config = read_config(hf_dir)
+        lora = resolve_checkpoint_lora(checkpoint.url, source.metas(), options.lora_alpha, config)
         base_view = RenamedSource(source, lora.keys.base) if lora.keys.base else None
         if options.base_model is not None:
             given = open_checkpoint(check_checkpoint(options.base_model, "hf"))

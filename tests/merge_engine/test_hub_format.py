@@ -32,7 +32,7 @@ from merge_engine.transformers_conversion import TensorView, meta_model, trace_r
 from synthetic_runs.fsdp import family_matrix
 from synthetic_runs.models import build_config, build_model, torch_dtype
 
-FAMILY_CASES = sorted(family_matrix())
+FAMILY_CASES = sorted(name for name, spec in family_matrix().items() if spec.lora is None)
 
 
 def _load_folder(folder: str) -> dict[str, torch.Tensor]:
