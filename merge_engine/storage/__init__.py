@@ -28,10 +28,11 @@ Contract:
   reused only while those variables stay the same. Tunables (chunk size, attempts, backoff,
   read-ahead) live in `tuning`, read at run time.
 
-Modules: `urls` (spelling), `entries` (`FileEntry`, `fingerprint`), `faults` (`is_transient`,
-`retrying`), `backend` (the backend contract and the fsspec body), `backends/` (one per store),
-`schemes` (the registry), `files` (listings, metadata, small reads and writes), `range_reader`,
-`atomic_writer`, `copies` (`copy_file`, `copy_tree`, `stage_in`).
+Modules: `urls` (spelling), `entries` (`FileEntry`, `fingerprint`), `tuning`, `faults` (the
+classification chain, `retrying`; a persistent fault becomes `StorageUnavailable`), `backend` (the
+backend contract and the fsspec body), `backends/` (one per store, each with its client's faults),
+`schemes` (the registry; `is_transient` over every backend), `files` (listings, metadata, small
+reads and writes), `range_reader`, `atomic_writer`, `copies` (`copy_file`, `copy_tree`, `stage_in`).
 """
 
 from merge_engine.storage import tuning

@@ -1,4 +1,4 @@
-"""Which storage faults are transient (`is_transient`), and retrying a call on them (`retrying`).
+"""Which storage faults are transient (`transient_by`), and retrying a call on them (`retrying`).
 
 A fault is classified by the first link of its cause chain that says anything: the Python
 builtins first (a `StepmergeError` or a missing file is permanent, a timeout or a dropped
