@@ -17,8 +17,9 @@ Contract:
   `TargetOverlapsSource`): clearing it must never touch either.
 - Readers trust a release only when `is_released`: the marker is there, parses, and matches the
   manifest. `verify_release` re-hashes every file against the manifest.
-- Idempotent: a released folder whose manifest has the same fingerprint -> nothing is copied and
-  the existing release is returned (``already_published=True``). A released folder with another
+- Idempotent: a released folder whose manifest has the same fingerprint and whose files are intact
+  (`merge_engine.release.release_state`: sizes and checksums) -> nothing is copied and the existing
+  release is returned (``already_published=True``); a damaged one is published again. A released folder with another
   fingerprint -> `TargetExists` unless ``overwrite``. A folder without a valid marker is junk from
   a crash: it is cleared and published again.
 - A failed validation publishes nothing, removes the staging folder and raises `ValidationFailed`.
@@ -66,6 +67,7 @@ from typing import Any
 
 from merge_engine import process_identity, storage
 from merge_engine.errors import CorruptShard, InvalidOption, TargetExists, ValidationFailed
+from merge_engine.local_commit import LiveFolder, commit_folder, sweep_dead_siblings
 from merge_engine.release import (
     CLAIMS,
     MANIFEST,
@@ -73,10 +75,10 @@ from merge_engine.release import (
     RESERVED,
     Manifest,
     ManifestFile,
+    release_state,
     released_manifest,
     sha256_hex,
 )
-from merge_engine.local_commit import LiveFolder, commit_folder, sweep_dead_siblings
 from merge_engine.storage import FileEntry
 from merge_engine.target_guard import overlaps, refuse_overlap
 from merge_engine.validate import Check, ValidationReport
@@ -372,9 +374,10 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
         current = released_manifest(release_url)
         if current is not None:
             if current.fingerprint == fingerprint:
-                _drop_staging(staging_url, remove_staging)
-                return Release.from_manifest(release_url, current, already_published=True)
-            if not overwrite:
+                if release_state(release_url).intact:  # checksums too: a damaged one is rebuilt
+                    _drop_staging(staging_url, remove_staging)
+                    return Release.from_manifest(release_url, current, already_published=True)
+            elif not overwrite:
                 raise TargetExists(f"released from another checkpoint (fingerprint {current.fingerprint[:12]}…); "
                                    "pass overwrite to replace it", release_url)
         if _try_claim(release_url, attempt, fingerprint, claim_ttl_s):
@@ -387,10 +390,10 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
     try:
         # Someone may have finished between our look and our claim: they released before we listed.
         current = released_manifest(release_url)
-        if current is not None and current.fingerprint == fingerprint:
+        if current is not None and current.fingerprint == fingerprint and release_state(release_url).intact:
             _drop_staging(staging_url, remove_staging)
             return Release.from_manifest(release_url, current, already_published=True)
-        if current is not None and not overwrite:
+        if current is not None and current.fingerprint != fingerprint and not overwrite:
             raise TargetExists("released from another checkpoint meanwhile", release_url)
         validation_record = None if validation is None else {**validation.to_dict(), "summary": validation.summary()}
         with _Heartbeat(release_url, attempt, fingerprint, claim_ttl_s) as heartbeat:

@@ -5,6 +5,8 @@ Specification (`merge_engine.publish`, `merge_engine.local_commit`, `merge_engin
   marker included (an observer never sees the folder without ``_COMPLETE``);
 - a publisher SIGKILLed after copying a file leaves, locally, no folder at the release path, and
   on S3 (SeaweedFS) files without a marker, which readers do not trust;
+- publishing again over a damaged release of the same fingerprint (one flipped byte, same size)
+  publishes it again instead of answering "already published" (case 3, in the engine);
 - its claim names its process: the next publish on this host recognises the publisher as dead and
   proceeds at once (it used to wait the claim TTL, ten minutes); a claim from another host or PID
   namespace with a fresh heartbeat still blocks (decided by heartbeat age only).
@@ -120,3 +122,25 @@ def test_a_fresh_claim_from_elsewhere_still_blocks(tmp_path, other):
     with pytest.raises(ReleaseBusy):
         _publish(_stage(tmp_path), release, wait_s=0.5)
     assert not os.path.exists(release)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_damaged_release_of_the_same_input_is_published_again(tmp_path, where, request):
+    root = str(tmp_path / "out") if where == "local" else request.getfixturevalue("s3_bucket_url")
+    release = storage.join(root, "releases", "actor", "global_step_1")
+    first = _publish(_stage(tmp_path), release)
+    assert _publish(_stage(tmp_path, "again"), release).already_published  # intact: nothing copied
+    shard = storage.join(release, "model-00001-of-00002.safetensors")
+    data = bytearray(storage.read_bytes(shard))
+    data[100] ^= 0x01
+    if where == "local":
+        before = os.stat(storage.local_path(shard))
+        with open(storage.local_path(shard), "r+b") as f:
+            f.write(bytes(data))
+        os.utime(storage.local_path(shard), ns=(before.st_atime_ns, before.st_mtime_ns))
+    else:
+        storage.write_bytes(shard, bytes(data))
+    assert not verify_folder(release).ok
+    again = _publish(_stage(tmp_path, "third"), release)
+    assert not again.already_published and again.attempt != first.attempt
+    assert verify_folder(release).ok
