@@ -3,8 +3,9 @@
 - `extract_adapter` wraps `merge_engine.lora.extract.extract_lora` the way `tasks.merge` wraps
   the merge: cached on the step's and checkpoint's listing fingerprints + options (with the
   listings of ``hf_model_path`` and ``base_model``) + release + engine version; an adapter already
-  released with that fingerprint (`expected_adapter_fingerprint`) is not extracted again
-  (``released=True``); one released from something else is refused at once without ``overwrite``.
+  released with the engine's fingerprint of this extraction (`merge_engine.lora.extract.extract_fingerprint`:
+  the one fingerprint, also in its ``stepmerge.json``) is not extracted again (``released=True``); one
+  released from something else is refused at once without ``overwrite``.
 - `validate_adapter` runs `merge_engine.validate.adapter.validate_adapter` (PEFT loads it on its base, logits
   reproduce the released fused model's, allowing for the rounding of its dtype) and returns a
   `ValidationRecord`; a released adapter returns the validation its manifest recorded, reading nothing.
@@ -39,16 +40,6 @@ from tasks.retry import RETRY_OPTIONS
 from tasks.validate import already_released, recorded_validation
 
 
-def expected_adapter_fingerprint(step: StepRecord, checkpoint: CheckpointRecord, settings: AdapterSettings) -> str:
-    """The fingerprint an adapter release of this step is published under: the engine's own
-    (`merge_engine.lora.extract.extract_fingerprint`, the one its ``stepmerge.json`` records): the
-    checkpoint's listing, the run's LoRA metadata, the options (and the listings of ``base_model``
-    and ``hf_model_path``) and the engine version."""
-    from merge_engine.lora.extract import extract_fingerprint
-
-    return extract_fingerprint(checkpoint.to_checkpoint(), settings.to_options())
-
-
 @task(name="extract-adapter",
       cache_policy=stage_cache_policy("extract", ("step.fingerprint", "checkpoint", "settings", "release"),
                                       still_valid=output_available,
@@ -57,9 +48,9 @@ def expected_adapter_fingerprint(step: StepRecord, checkpoint: CheckpointRecord,
 def extract_adapter(step: StepRecord, checkpoint: CheckpointRecord, settings: AdapterSettings, release: str,
                     staging_root: Optional[str] = None, overwrite: bool = False) -> OutputRecord:
     """Extract the PEFT adapter of ``checkpoint`` into staging for ``release`` (or find it released)."""
-    from merge_engine.lora.extract import extract_lora
+    from merge_engine.lora.extract import extract_fingerprint, extract_lora
 
-    fingerprint = expected_adapter_fingerprint(step, checkpoint, settings)
+    fingerprint = extract_fingerprint(checkpoint.to_checkpoint(), settings.to_options())
     found = released_output(ADAPTER, checkpoint.url, release, fingerprint, overwrite)
     if found is not None:
         return found
@@ -72,12 +63,11 @@ def extract_adapter(step: StepRecord, checkpoint: CheckpointRecord, settings: Ad
     progress.finish()
     if settings.include_base:
         point_adapter_at_base(target, storage.join(release, BASE_DIR))
-    return OutputRecord(kind=ADAPTER, source_url=checkpoint.url, url=target, fingerprint=fingerprint,
+    return OutputRecord(kind=ADAPTER, source_url=checkpoint.url, url=target, fingerprint=result.fingerprint,
                         release=release, attempt=uuid.uuid4().hex, layout=checkpoint.layout,
                         tensors=result.tensors, tensor_bytes=result.tensor_bytes,
                         files=len(result.files), total_bytes=sum(size for _, size in result.files),
-                        seconds=result.seconds,
-                        notes=tuple(result.notes) + (f"engine fingerprint {result.fingerprint}",))
+                        seconds=result.seconds, notes=tuple(result.notes))
 
 
 @task(name="validate-adapter",

@@ -36,11 +36,6 @@ from tasks.records import CheckpointRecord, MergeSettings, OutputRecord
 from tasks.retry import RETRY_OPTIONS
 
 
-def expected_model_fingerprint(checkpoint: CheckpointRecord, settings: MergeSettings) -> str:
-    """The fingerprint a model merged from ``checkpoint`` with ``settings`` is published under."""
-    return merge_fingerprint(checkpoint.to_checkpoint(), settings.to_options())
-
-
 def output_available(output: OutputRecord) -> bool:
     """Is a cached output still somewhere: its staging folder, or its release (holding its fingerprint)?"""
     if not output.released and storage.list_files(output.url):
@@ -74,7 +69,7 @@ def released_output(kind: str, source_url: str, release: str, fingerprint: str,
 def merge_model(checkpoint: CheckpointRecord, settings: MergeSettings, release: str,
                 staging_root: Optional[str] = None, overwrite: bool = False) -> OutputRecord:
     """Merge ``checkpoint`` into a staging folder for ``release`` (or find it already released)."""
-    fingerprint = expected_model_fingerprint(checkpoint, settings)
+    fingerprint = merge_fingerprint(checkpoint.to_checkpoint(), settings.to_options())
     found = released_output(MODEL, checkpoint.url, release, fingerprint, overwrite)
     if found is not None:
         return found
