@@ -17,7 +17,7 @@ the MTP-only tensors and the two copies as extra outputs, and the renames to rea
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from merge_engine.architectures.mappings import ModelDims
@@ -104,3 +104,20 @@ def mtp_view(metas: Mapping[str, TensorMeta], dims: ModelDims, option: str | Non
     return MtpView(kept, reads, tuple(own), tuple(copies), wider, {CONFIG_KEY: len(layers)},
                    (f"{len(layers)} MTP layer(s) exported as model.layers.{dims.num_layers}.. with their own "
                     "embed_tokens / shared_head.head copies, as --mtp-layers export asks",))
+
+
+HUB_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def hub_mtp_names(config: object, names: Iterable[str]) -> set[str]:
+    """The names among ``names`` that belong to exported MTP layers of ``config`` (a transformers config
+    or a dict): ``model.layers.{L .. L+k-1}.*`` with ``L = num_hidden_layers`` and ``k`` its
+    ``num_nextn_predict_layers`` (or ``num_mtp_layers``). transformers builds no such layer (it skips
+    them on load), so a check of a merged folder against the model's own keys must allow these."""
+    def get(key: str) -> object:
+        return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+
+    layers, count = get("num_hidden_layers"), get(CONFIG_KEY) or get("num_mtp_layers")
+    if not isinstance(layers, int) or not isinstance(count, int) or count <= 0:
+        return set()
+    return {n for n in names if (m := HUB_LAYER.match(n)) and layers <= int(m.group(1)) < layers + count}

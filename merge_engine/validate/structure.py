@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from merge_engine import storage
+from merge_engine.architectures.mtp import hub_mtp_names
 from merge_engine.hf_metadata import CONFIG_FILE
 from merge_engine.json_file import read_json_object
 from merge_engine.validate.forward import architecture_of, model_class
@@ -67,14 +68,17 @@ def _check_expected(config: Any, weights: FolderWeights, trust_remote_code: bool
         return [Check("expected_keys", False, f"cannot instantiate {architecture_of(config)!r}: {exc}")]
     on_disk = {name: entry.shape for name, entry in weights.entries.items()}
     missing = sorted(set(expected) - set(on_disk))
-    unexpected = sorted(set(on_disk) - set(expected))
+    # exported multi-token-prediction layers (DeepSeek, GLM): Hub keys transformers builds no module for
+    mtp = hub_mtp_names(config, on_disk)
+    unexpected = sorted(set(on_disk) - set(expected) - mtp)
     detail = []
     if missing:
         detail.append(f"missing {few(missing)}")
     if unexpected:
         tied = " (tied weights must be absent)" if getattr(config, "tie_word_embeddings", False) else ""
         detail.append(f"unexpected {few(unexpected)}{tied}")
-    summary = "; ".join(detail) or f"{len(expected)} keys as {architecture_of(config)}"
+    summary = "; ".join(detail) or f"{len(expected)} keys as {architecture_of(config)}" + (
+        f" + {len(mtp)} keys of exported MTP layers" if mtp else "")
     checks = [Check("expected_keys", not detail, summary)]
     wrong = [f"{k}: {list(on_disk[k])} != expected {list(s)}" for k, s in sorted(expected.items())
              if k in on_disk and tuple(on_disk[k]) != s]

@@ -5,7 +5,8 @@ Specification: a canonical Megatron listing with ``mtp.layers.0.*`` is refused w
 ``export`` plans the Hub layout (``model.layers.L.*`` through the family table, enorm / hnorm /
 eh_proj / shared_head.norm, and the embed_tokens / shared_head.head copies of the first vocab_size
 rows) and counts the layers in config.json (also under transformers v5's GLM name
-``num_mtp_layers``); ``drop`` plans none and says so; an MTP layer missing a tensor, or an unknown
+``num_mtp_layers``), and validation allows exactly those layers beside the model's own keys;
+``drop`` plans none and says so; an MTP layer missing a tensor, or an unknown
 MTP tensor, is a `MappingError` naming it.
 """
 
@@ -17,6 +18,7 @@ import torch
 from merge_engine.architectures import model_dims, table_for_config
 from merge_engine.architectures.hf_to_megatron import MegatronViewOfHf
 from merge_engine.architectures.megatron_to_hf import plan_megatron_to_hf
+from merge_engine.architectures.mtp import hub_mtp_names
 from merge_engine.errors import MappingError
 from tests.merge_engine.architectures.test_tables import PADDED, DictSource, _saved_model
 
@@ -81,3 +83,12 @@ def test_damaged_mtp_layers_are_named(deepseek, change, match):
         damaged["mtp.layers.0.extra_norm.weight"] = torch.ones(2)
     with pytest.raises(MappingError, match=match):
         _plan(config, table, damaged, "export")
+
+
+def test_hub_mtp_names_are_the_layers_the_config_counts():
+    """What validation allows beside the model's own keys: layers L .. L+k-1, only when the config counts them."""
+    names = ["model.layers.1.mlp.gate.weight", "model.layers.2.enorm.weight", "model.layers.3.enorm.weight"]
+    assert hub_mtp_names({"num_hidden_layers": 2, "num_nextn_predict_layers": 1}, names) == {"model.layers.2.enorm.weight"}
+    assert hub_mtp_names({"num_hidden_layers": 2, "num_mtp_layers": 2}, names) == set(names[1:])
+    assert hub_mtp_names({"num_hidden_layers": 2, "num_nextn_predict_layers": 0}, names) == set()
+    assert hub_mtp_names({"num_hidden_layers": 2}, names) == set()

@@ -255,6 +255,9 @@ def test_mtp_layers_are_exported_or_dropped_never_silently(megatron_runs, merged
     assert set(ours) == set(expected) and "model.layers.4.shared_head.head.weight" in ours
     assert all(torch.equal(ours[k], v) for k, v in expected.items())
     assert json.loads(open(os.path.join(exported, "config.json")).read())["num_nextn_predict_layers"] == 1
+    from merge_engine.validate import validate_structure
+
+    assert all(check.ok for check in validate_structure(exported).checks)  # MTP keys allowed as the config counts them
     model, info = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and info["unexpected_keys"]
     assert all(k.startswith("model.layers.4.") for k in info["unexpected_keys"])
