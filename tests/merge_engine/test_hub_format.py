@@ -8,7 +8,8 @@ Specification:
   merged: bit for bit equal to the ``save_pretrained`` folder of the model it was sharded from,
   the same names, a transformers load with no missing or unexpected key, and equal logits.
 - ``--weights-format transformers`` writes the names as stored; the choice is in ``stepmerge.json``.
-- A per-expert tensor is planned as ranged reads: its bytes, not the fused tensor's, are read.
+- A per-expert tensor is planned as ranged reads: its bytes, not the fused tensor's, are read
+  (tests/merge_engine/test_tensor_source.py::TestRanges, test_transformers_conversion.py).
 """
 
 from __future__ import annotations
@@ -25,10 +26,6 @@ from merge_engine.errors import InvalidConfig
 from merge_engine.hub_format import hub_naming
 from merge_engine.merge import MergeOptions, merge_checkpoint
 from merge_engine.output_heads import find_heads
-from merge_engine.storage import RangeReader
-from merge_engine.tensor_source import ConcatTensor
-from merge_engine.torch_archive import TorchArchive
-from merge_engine.transformers_conversion import TensorView, meta_model, trace_reverse_conversion
 from synthetic_runs.fsdp import family_matrix
 from synthetic_runs.models import build_config, build_model, torch_dtype
 
@@ -148,54 +145,3 @@ class TestNaming:
         config = build_config(ModelSpec(family="mixtral")).to_dict()
         hub = {"model.layers.0.block_sparse_moe.experts.0.w1.weight": (112, 64), "lm_head.weight": (1003, 64)}
         assert hub_naming(hub, config) is None
-
-    def test_views_are_the_slices_save_pretrained_writes(self):
-        """Each per-expert Hub tensor is the traced view of the fused tensor it came from."""
-        from synthetic_runs.models import ModelSpec
-
-        model = meta_model(build_config(ModelSpec(family="qwen3_moe")).to_dict())
-        fused = torch.arange(4 * 112 * 64, dtype=torch.float32).reshape(4, 112, 64)
-        views = trace_reverse_conversion(model, {"model.layers.0.mlp.experts.gate_up_proj": (4, 112, 64)})
-        assert len(views) == 8
-        up = views["model.layers.0.mlp.experts.2.up_proj.weight"]
-        assert up.is_contiguous() and list(up.runs()) == [(2 * 112 * 64 + 56 * 64, 56 * 64)]
-        taken = torch.as_strided(fused.reshape(-1), up.shape, up.stride, up.offset)
-        assert torch.equal(taken, fused[2, 56:])
-
-
-class TestRangedReads:
-    @pytest.mark.parametrize("shape,stride,offset", [((3, 4), (4, 1), 5), ((2, 3), (12, 1), 2),
-                                                     ((2, 2, 2), (12, 4, 1), 1), ((3,), (2,), 0)])
-    def test_view_runs_cover_the_view(self, shape, stride, offset):
-        flat = torch.arange(40)
-        view = TensorView("x", offset, shape, stride)
-        runs = torch.cat([flat[a:a + n] for a, n in view.runs()])
-        assert torch.equal(runs, torch.as_strided(flat, shape, stride, offset).reshape(-1))
-
-    @pytest.mark.parametrize("dim", [0, 1, 2])
-    def test_concat_range_equals_the_slice(self, tmp_path, dim):
-        full = torch.randn(4, 6, 5)
-        parts = [p.contiguous() for p in torch.tensor_split(full, 3, dim=dim)]
-        path = str(tmp_path / "p.pt")
-        torch.save({f"p{i}": p for i, p in enumerate(parts)}, path)
-        tree = TorchArchive(path, RangeReader(path)).load()
-        assembled = ConcatTensor(tuple(full.shape), full.dtype, dim, tuple(tree[f"p{i}"] for i in range(3)))
-        for start, count in ((0, 120), (7, 33), (30, 30), (119, 1)):
-            for max_bytes in (4, 36, 10_000):
-                got = torch.cat(list(assembled.iter_range(start, count, max_bytes)))
-                assert torch.equal(got, full.reshape(-1)[start:start + count])
-
-    def test_one_expert_reads_only_its_bytes(self, tmp_path):
-        """A per-expert slice of a tensor sharded on dim 0 is one byte range: nothing else is read."""
-        from tests.merge_engine.test_tensor_source import CountingReader
-
-        full = torch.randn(4, 8, 16)
-        path = str(tmp_path / "e.pt")
-        torch.save({"a": full[:2].clone(), "b": full[2:].clone()}, path)
-        reader = CountingReader(path)
-        tree = TorchArchive(path, reader).load()
-        assembled = ConcatTensor((4, 8, 16), torch.float32, 0, (tree["a"], tree["b"]))
-        before = reader.bytes_read
-        got = torch.cat(list(assembled.iter_range(3 * 128 + 64, 64)))
-        assert torch.equal(got, full[3, 4:].reshape(-1))
-        assert 64 * 4 <= reader.bytes_read - before < 2 * 64 * 4  # the range (+ a zip entry header), of 2048

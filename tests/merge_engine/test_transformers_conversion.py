@@ -1,0 +1,38 @@
+"""transformers' own save-time conversion, traced: each Hub tensor is a view of one stored tensor.
+
+Specification: the traced reversal names what ``save_pretrained`` names (its per-expert tensors are
+the slices of the fused one that transformers' ops cut), and a view's element runs are exactly the
+elements ``torch.as_strided`` takes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from merge_engine.transformers_conversion import TensorView, meta_model, trace_reverse_conversion
+from synthetic_runs.models import ModelSpec, build_config
+
+
+class TestTrace:
+    def test_views_are_the_slices_save_pretrained_writes(self):
+        """Each per-expert Hub tensor is the traced view of the fused tensor it came from."""
+        model = meta_model(build_config(ModelSpec(family="qwen3_moe")).to_dict())
+        fused = torch.arange(4 * 112 * 64, dtype=torch.float32).reshape(4, 112, 64)
+        views = trace_reverse_conversion(model, {"model.layers.0.mlp.experts.gate_up_proj": (4, 112, 64)})
+        assert len(views) == 8
+        up = views["model.layers.0.mlp.experts.2.up_proj.weight"]
+        assert up.is_contiguous() and list(up.runs()) == [(2 * 112 * 64 + 56 * 64, 56 * 64)]
+        taken = torch.as_strided(fused.reshape(-1), up.shape, up.stride, up.offset)
+        assert torch.equal(taken, fused[2, 56:])
+
+
+class TestTensorView:
+    @pytest.mark.parametrize("shape,stride,offset", [((3, 4), (4, 1), 5), ((2, 3), (12, 1), 2),
+                                                     ((2, 2, 2), (12, 4, 1), 1), ((3,), (2,), 0)])
+    def test_view_runs_cover_the_view(self, shape, stride, offset):
+        flat = torch.arange(40)
+        view = TensorView("x", offset, shape, stride)
+        runs = torch.cat([flat[a:a + n] for a, n in view.runs()])
+        assert torch.equal(runs, torch.as_strided(flat, shape, stride, offset).reshape(-1))
+
