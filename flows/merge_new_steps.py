@@ -27,16 +27,17 @@ is reported, and re-merged only with ``overwrite``.
 
 import hashlib
 import time
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import deployment
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from flows.merge_step import merge_step
-from flows.params import WatchParams
 from flows.stages import StepOutcome
+from flows.credentials import storage_credentials
+from flows.params import DtypeName, LoraAlpha, Role, ShardSize, StorageUrl, WatchParams, described
+from flows.run_labels import label_flow_run, run_tags, watch_run_name
 from flows.step_keys import step_key
 from flows.submission import SubmittedRun, submit_step_run
 from flows.summaries import watch_summary
@@ -105,9 +106,33 @@ def submitted_action(step: StepRecord, run: SubmittedRun) -> StepAction:
                       detail=run.detail)
 
 
-@flow(name="merge-new-steps", log_prints=True)
-def merge_new_steps(params: WatchParams) -> WatchOutcome:
-    """Merge every complete, unpublished step of ``params.run_root`` (see the module docstring)."""
+@flow(name="merge-new-steps", flow_run_name=watch_run_name, log_prints=True)
+def merge_new_steps(
+    run_root: StorageUrl = described("run_root"),
+    release_root: Optional[StorageUrl] = described("release_root", None),
+    roles: List[Role] = described("roles", ["actor", ""]),
+    merge_deployment: str = described("merge_deployment", "merge-step/gpu"),
+    max_steps: Optional[Annotated[int, Field(ge=1)]] = described("max_steps", None),
+    dtype: DtypeName = described("dtype", None),
+    max_shard_size: ShardSize = described("max_shard_size", "5GB"),
+    hf_model_path: Optional[StorageUrl] = described("hf_model_path", None),
+    validate_forward: bool = described("validate_forward", True),
+    reference_url: Optional[StorageUrl] = described("reference_url", None),
+    release_adapter: bool = described("release_adapter", True),
+    adapter_include_base: bool = described("adapter_include_base", True),
+    lora_alpha: LoraAlpha = described("lora_alpha", None),
+    overwrite: bool = described("overwrite", False),
+    staging_root: Optional[StorageUrl] = described("staging_root", None),
+) -> WatchOutcome:
+    """Merge every complete, unpublished step of ``run_root`` (see the module docstring)."""
+    params = WatchParams(**locals())
+    label_flow_run(params.run_root)
+    with storage_credentials():
+        return watch(params)
+
+
+def watch(params: WatchParams) -> WatchOutcome:
+    """The body of `merge_new_steps` (inside a flow run)."""
     logger = get_run_logger()
     started = time.perf_counter()
     discovery = discover_steps(params.run_root)
@@ -123,8 +148,9 @@ def merge_new_steps(params: WatchParams) -> WatchOutcome:
         step_params = params.step_params(step)
         if deployed:
             try:
-                run = submit_step_run(params.merge_deployment, {"params": step_params.model_dump(mode="json")},
-                                      step_key(step.run_root, step.role, step.step), listing=step.fingerprint)
+                run = submit_step_run(params.merge_deployment, step_params.flow_parameters(),
+                                      step_key(step.run_root, step.role, step.step), listing=step.fingerprint,
+                                      tags=run_tags(step.run_root, step.role, step.step))
             except Exception as exc:  # noqa: BLE001 - one step's trouble must not stop the others
                 logger.warning("could not submit step %s (%s): %s", step.step, step.role or "sft", exc)
                 outcome.actions.append(StepAction(step=step.step, role=step.role, action="error",
@@ -132,7 +158,9 @@ def merge_new_steps(params: WatchParams) -> WatchOutcome:
                 continue
             outcome.actions.append(submitted_action(step, run))
             continue
-        state = merge_step(step_params, return_state=True)
+        from flows.merge_step import merge_step  # local mode only: a deployed watcher never imports torch
+
+        state = merge_step(**step_params.flow_parameters(), return_state=True)
         if state.is_failed():
             error = state.result(raise_on_failure=False)
             outcome.actions.append(StepAction(step=step.step, role=step.role, action="failed",

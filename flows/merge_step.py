@@ -1,9 +1,12 @@
 """Flow ``merge-step``: one step of a run -> a validated, published Hugging Face release (+ adapter).
 
     discover-step   (one listing of the step's folder, never the run root)
-                                   -> is the step there and complete? If not: "not ready", nothing done
+                                   -> is the step there (else Failed: `RunRootNotFound`, `StepNotFound`)
+                                      and complete? If not: "not ready", nothing done
     check-checkpoint               -> deep completeness check, cached on the listing fingerprint (a file
                                       found truncated while the step's files still change: "not ready")
+    "not ready" ends Completed only when a watcher will merge the step later, and the artifact names
+    it; otherwise the run fails saying so (`flows.watchers`). No green run that did nothing.
     model:   merge           -> validate         -> publish          (the chains of `flows.stages.CHAINS`)
     adapter: extract-adapter -> validate-adapter -> publish-adapter  (LoRA checkpoints only)
 
@@ -15,26 +18,34 @@ A re-run of a published step is a cache hit: one listing, a few marker/manifest 
 byte. A markdown artifact summarises the run (tensors, bytes, time, validation); the merge task
 moves a progress artifact while it writes. Named errors (corrupt shard, failed validation) fail
 the run without retries and publish nothing.
+
+Parameters are flat and typed (`flows.params`: ``step`` and ``run_root`` first); the run is named
+``<run> <role> step <N>`` and tagged ``run:``, ``role:``, ``step:`` (`flows.run_labels`).
 """
 
 import time
+from typing import Optional
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.runtime import flow_run
 
-from flows.params import MergeStepParams
+from flows.credentials import storage_credentials
+from flows.params import (
+    DtypeName,
+    LoraAlpha,
+    MergeStepParams,
+    Role,
+    ShardSize,
+    StepNumber,
+    StorageUrl,
+    described,
+)
+from flows.run_labels import label_flow_run, step_label, step_run_name
 from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_output
 from flows.summaries import step_summary
+from flows.watchers import not_ready_error, retrying_watcher
 from merge_engine.release import ADAPTER, MODEL, release_url
 from tasks.progress import artifact_key
-
-
-def _run_name() -> str:
-    params = flow_run.parameters.get("params") or {}
-    get = params.get if isinstance(params, dict) else lambda k, d=None: getattr(params, k, d)
-    role = get("role", "actor") or "sft"
-    return f"{role}-step-{get('step', '?')}"
 
 
 def summary_key(params: MergeStepParams) -> str:
@@ -51,7 +62,11 @@ def run_stages(params: MergeStepParams, timer: StageTimer) -> StepOutcome:
     merge = params.merge_settings()
     ready = ready_checkpoint(timer, params.run_root, params.step, params.role, merge.backend)
     if ready.checkpoint is None:
-        outcome.reason = ready.reason
+        watcher = retrying_watcher(params.run_root)
+        if watcher is None:
+            raise not_ready_error(params.run_root, params.step, params.role, ready.reason,
+                                  ready.step.url if ready.step else None)
+        outcome.reason = f"{ready.reason}; {watcher} merges it once it is complete"
         outcome.stages = timer.stages
         outcome.seconds = time.perf_counter() - started
         return outcome
@@ -74,13 +89,31 @@ def run_stages(params: MergeStepParams, timer: StageTimer) -> StepOutcome:
     return outcome
 
 
-@flow(name="merge-step", flow_run_name=_run_name, log_prints=True, persist_result=True)
-def merge_step(params: MergeStepParams) -> StepOutcome:
+@flow(name="merge-step", flow_run_name=step_run_name, log_prints=True, persist_result=True)
+def merge_step(
+    step: StepNumber = described("step"),
+    run_root: StorageUrl = described("run_root"),
+    role: Role = described("role", "actor"),
+    release_root: Optional[StorageUrl] = described("release_root", None),
+    dtype: DtypeName = described("dtype", None),
+    max_shard_size: ShardSize = described("max_shard_size", "5GB"),
+    hf_model_path: Optional[StorageUrl] = described("hf_model_path", None),
+    validate_forward: bool = described("validate_forward", True),
+    reference_url: Optional[StorageUrl] = described("reference_url", None),
+    release_adapter: bool = described("release_adapter", True),
+    adapter_include_base: bool = described("adapter_include_base", True),
+    lora_alpha: LoraAlpha = described("lora_alpha", None),
+    overwrite: bool = described("overwrite", False),
+    staging_root: Optional[StorageUrl] = described("staging_root", None),
+) -> StepOutcome:
     """Merge, validate and publish one step of a training run (see the module docstring)."""
+    params = MergeStepParams(**locals())
     logger = get_run_logger()
-    timer = StageTimer()
+    label_flow_run(params.run_root, params.role, params.step)
+    timer = StageTimer(label=step_label(params.step, params.role))
     try:
-        outcome = run_stages(params, timer)
+        with storage_credentials():
+            outcome = run_stages(params, timer)
     except Exception as exc:
         failed = StepOutcome(run_root=params.run_root, step=params.step, role=params.role, status="failed",
                              stages=timer.stages)
@@ -102,4 +135,4 @@ def merge_step(params: MergeStepParams) -> StepOutcome:
 if __name__ == "__main__":
     import sys
 
-    print(merge_step(MergeStepParams(run_root=sys.argv[1], step=int(sys.argv[2]))))
+    print(merge_step(run_root=sys.argv[1], step=int(sys.argv[2])))

@@ -1,97 +1,157 @@
-"""Flow parameters as pydantic models: the Prefect UI renders them as forms with defaults and checks.
+"""Flow parameters: flat, typed, the required ones first, checked by the Prefect server before a run exists.
+
+Every flow takes plain keyword parameters (``merge_step(step=40, run_root="s3://b/run")``), so the
+UI's form lists ``step`` and ``run_root`` first, each with its description and default, and
+``prefect deployment run 'merge-step/gpu' --param step=10`` works (the deployment supplies the run
+root). The types below carry JSON Schema constraints that the SERVER enforces when a run is created
+from a deployment (``enforce_parameter_schema``): a bad value is refused with HTTP 409 before
+anything is scheduled, never sent to a worker:
+
+- `StorageUrl`: a scheme from the storage scheme registry (`merge_engine.storage.schemes.url_schemes`), a
+  bucket for object stores, no ``..`` component (plain or percent-encoded), no backslash or control
+  character (`url_pattern`); in the flow, `flows.url_checks.checked_url` checks the same again and
+  `flows.step_keys.normalized_run_root` gives one spelling (no trailing slash, ``file:///x`` -> ``/x``),
+  so one run root has one key per step whatever route named it;
+- `ShardSize`: ``5GB``, ``500MiB``, ... (`merge_engine.option_values.SIZE_PATTERN`);
+- `DtypeName`: the spellings the command line accepts too (`merge_engine.option_values.DTYPE_SPELLINGS`),
+  recorded as the canonical name (``fp16`` -> ``float16``);
+- `StepNumber` (>= 0), `Role` (actor, critic, "" for SFT), positive ``lora_alpha``.
+
+Inside the flows the arguments become one model: `MergeStepParams`, `WatchParams` or `AdapterParams`
+(`RunLocation`: run root, release root, staging; `PipelineOptions`: what to do with a step). Each
+flow's signature lists exactly its model's fields (tests/flows/test_params.py holds them together).
 
 No ``from __future__ import annotations`` here or in any flow module: Prefect builds the parameter
 schema from real annotations, and string annotations break pydantic parameters in deployment runs.
-
-URLs are checked before anything runs (`flows.url_checks.checked_url`): a scheme on the allow-list
-(local paths, ``file://``, ``s3://``, ``gs://``), no ``..`` component, no backslash or control
-character; trailing slashes are dropped, so one run root has one spelling (and one key per step,
-`flows.step_keys`). The webhook applies the same check with its own, stricter, allow-list.
-
-`RunLocation` is where every flow's run is (run root, release root, staging); `PipelineOptions`
-what to do with a step; `MergeStepParams`, `WatchParams` and `AdapterParams` are the three forms.
+No torch import either: the listings-only watcher imports this module.
 """
 
-from typing import List, Literal, Optional
+import re
+from typing import Annotated, Any, Dict, List, Literal, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from flows.step_keys import step_key
+from flows.step_keys import normalized_run_root, step_key
 from flows.url_checks import checked_url
-from merge_engine.errors import StepmergeError
-from merge_engine.merge_plan import parse_size
-from merge_engine.release import default_release_root
-from tasks.records import AdapterSettings, MergeSettings, StepRecord, ValidationSettings
+from merge_engine.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, canonical_dtype, parse_size
+from merge_engine.storage.schemes import backend_for_scheme, url_schemes
+
+MAX_URL_LENGTH = 1024
+
+
+def url_pattern(schemes: Sequence[str]) -> str:
+    """The JSON Schema pattern of a safe storage URL with one of ``schemes`` (or a local path).
+
+    The server checks it before creating a run; `checked_url` is the same rule in Python. An object
+    store's URL must name a bucket; a local scheme's (``file://``) a path.
+    """
+    remote = "|".join(re.escape(s) for s in schemes if not backend_for_scheme(s).local)
+    local = "|".join(re.escape(s) for s in schemes if backend_for_scheme(s).local)
+    clean = r"(?!.*[\x00-\x1f\x7f\\])"  # no control character, no backslash
+    no_climb = r"(?!(.*/)?(\.|%2[eE]){2}(/|%2[fF]|$))"  # no ".." component, plain or percent-encoded
+    return rf"^{clean}{no_climb}(({remote})://[^/]+(/.*)?|({local})://.+|(?!.*://).+)$"
+
+
+URL_PATTERN = url_pattern(url_schemes())  # the storage scheme registry's list, when the flows are defined
+
+
+def _url(value: str) -> str:
+    return normalized_run_root(checked_url(value))
+
+
+def _dtype(value: Optional[str]) -> Optional[str]:
+    return canonical_dtype(value)
+
 
 Role = Literal["actor", "critic", ""]
+DtypeSpelling = Literal[tuple(DTYPE_SPELLINGS)]  # type: ignore[valid-type]
+# The pattern goes to the JSON schema only (the server's validator, and the UI's, read lookarounds;
+# pydantic's own regex engine does not): in Python, `checked_url` applies the same rule.
+StorageUrl = Annotated[str, Field(max_length=MAX_URL_LENGTH, json_schema_extra={"pattern": URL_PATTERN}),
+                       AfterValidator(_url)]
+StepNumber = Annotated[int, Field(ge=0)]
+ShardSize = Annotated[str, Field(pattern=SIZE_PATTERN)]
+DtypeName = Annotated[Optional[DtypeSpelling], AfterValidator(_dtype)]
+LoraAlpha = Optional[Annotated[float, Field(gt=0)]]
+
+# The form's texts, one per parameter name (every flow that has the parameter shows the same words).
+DESCRIPTIONS: Dict[str, str] = {
+    "step": "The global step to merge (its folder is global_step_N)",
+    "run_root": "The training run's checkpoint folder: a path, file://, s3://bucket/... or gs://bucket/...",
+    "role": "actor, critic, or empty for SFT runs (weights in the step folder)",
+    "release_root": "Where releases are published; default: the run root's releases/ folder",
+    "staging_root": "Local folder for staging merges; default: $STEPMERGE_STAGING_DIR or the temp dir",
+    "dtype": "Output dtype (bfloat16/bf16, float16/fp16/half, float32/fp32/float); default: as stored",
+    "max_shard_size": "Largest safetensors file, e.g. 5GB or 500MiB",
+    "hf_model_path": "Folder with config.json + tokenizer replacing the checkpoint's huggingface/",
+    "validate_forward": "Load the model and run a forward pass (GPU if present)",
+    "reference_url": "A Hugging Face folder to compare values and logits with",
+    "release_adapter": "For LoRA checkpoints, also release the PEFT adapter",
+    "adapter_include_base": "Put the clean base model in the adapter release (base/)",
+    "lora_alpha": "LoRA alpha when the run did not record it (lora_train_meta.json)",
+    "overwrite": "Replace a release that was built from a different checkpoint",
+    "roles": "Roles to merge (actor, critic, empty for SFT)",
+    "merge_deployment": "Deployment that merges one step, used when this flow runs from a deployment",
+    "max_steps": "Merge at most this many new steps per run (oldest first)",
+    "include_base": "Also release the clean base model under base/",
+    "base_model": "The base model of a LoRA-only checkpoint",
+    "compare_with_model_release": "Compare PEFT's logits with the step's released merged model, when it was "
+                                  "built from this checkpoint",
+}
 
 
-class RunLocation(BaseModel):
-    """Where a training run is, where its releases go and where merges are staged."""
+class FlowParams(BaseModel):
+    """Base of the three flows' parameter models: unknown names refused."""
 
     model_config = ConfigDict(extra="forbid")
 
-    run_root: str = Field(..., description="The training run's checkpoint folder (path, file://, s3://, gs://)")
-    release_root: Optional[str] = Field(
-        None, description="Where releases are published; default: <run_root>/releases")
-    staging_root: Optional[str] = Field(
-        None, description="Local folder for staging merges; default: $STEPMERGE_STAGING_DIR or the temp dir")
+    def flow_parameters(self) -> Dict[str, Any]:
+        """The flow's keyword arguments (JSON-ready): what a deployment run, a trigger or a test passes."""
+        return self.model_dump(mode="json")
 
-    @field_validator("run_root")
-    @classmethod
-    def _safe_root(cls, value: str) -> str:
-        return checked_url(value)
 
-    @field_validator("release_root", "staging_root")
-    @classmethod
-    def _safe_url(cls, value: Optional[str]) -> Optional[str]:
-        return None if value is None else checked_url(value)
+class RunLocation(FlowParams):
+    """Where a training run is, where its releases go and where merges are staged."""
+
+    run_root: StorageUrl
+    release_root: Optional[StorageUrl] = None
+    staging_root: Optional[StorageUrl] = None
 
     @property
     def release_root_url(self) -> str:
+        from merge_engine.release import default_release_root
+
         return self.release_root or default_release_root(self.run_root)
 
 
 class PipelineOptions(RunLocation):
     """What to do with a step: how to merge, validate and release adapters."""
 
-    dtype: Optional[Literal["bfloat16", "float16", "float32"]] = Field(
-        None, description="Output dtype; default: as stored in the checkpoint")
-    max_shard_size: str = Field("5GB", description="Largest safetensors file, e.g. 5GB or 500MiB")
-    hf_model_path: Optional[str] = Field(
-        None, description="Folder with config.json + tokenizer replacing the checkpoint's huggingface/")
-    validate_forward: bool = Field(True, description="Load the model and run a forward pass (GPU if present)")
-    reference_url: Optional[str] = Field(
-        None, description="A Hugging Face folder to compare values and logits with")
-    release_adapter: bool = Field(True, description="For LoRA checkpoints, also release the PEFT adapter")
-    adapter_include_base: bool = Field(True, description="Put the clean base model in the adapter release (base/)")
-    lora_alpha: Optional[float] = Field(
-        None, gt=0, description="LoRA alpha when the run did not record it (lora_train_meta.json)")
-    overwrite: bool = Field(False, description="Replace a release that was built from a different checkpoint")
+    dtype: DtypeName = None
+    max_shard_size: ShardSize = "5GB"
+    hf_model_path: Optional[StorageUrl] = None
+    validate_forward: bool = True
+    reference_url: Optional[StorageUrl] = None
+    release_adapter: bool = True
+    adapter_include_base: bool = True
+    lora_alpha: LoraAlpha = None
+    overwrite: bool = False
 
-    @field_validator("hf_model_path", "reference_url")
-    @classmethod
-    def _safe_source(cls, value: Optional[str]) -> Optional[str]:
-        return None if value is None else checked_url(value)
+    def merge_settings(self):
+        from tasks.records import MergeSettings
 
-    @field_validator("max_shard_size")
-    @classmethod
-    def _size(cls, value: str) -> str:
-        try:
-            parse_size(value)
-        except StepmergeError as exc:
-            raise ValueError(exc.message) from None
-        return value
-
-    def merge_settings(self) -> MergeSettings:
         return MergeSettings(dtype=self.dtype, max_shard_size=parse_size(self.max_shard_size),
                              hf_model_path=self.hf_model_path, lora_alpha=self.lora_alpha)
 
-    def adapter_settings(self) -> AdapterSettings:
+    def adapter_settings(self):
+        from tasks.records import AdapterSettings
+
         return AdapterSettings(include_base=self.adapter_include_base, lora_alpha=self.lora_alpha, dtype=self.dtype,
                                max_shard_size=parse_size(self.max_shard_size), hf_model_path=self.hf_model_path)
 
-    def validation_settings(self) -> ValidationSettings:
+    def validation_settings(self):
+        from tasks.records import ValidationSettings
+
         return ValidationSettings(forward=self.validate_forward, reference_url=self.reference_url)
 
     def options(self) -> dict:
@@ -107,8 +167,8 @@ class PipelineOptions(RunLocation):
 class MergeStepParams(PipelineOptions):
     """Merge, validate and publish one step of a run (and its LoRA adapter, if it has one)."""
 
-    step: int = Field(..., ge=0, description="The global step to merge (global_step_<N>)")
-    role: Role = Field("actor", description="actor, critic, or empty for SFT runs (weights in the step folder)")
+    step: StepNumber
+    role: Role = "actor"
 
     @property
     def key(self) -> str:
@@ -118,12 +178,12 @@ class MergeStepParams(PipelineOptions):
 class WatchParams(PipelineOptions):
     """Merge every complete step of a run that is not published yet (scheduled)."""
 
-    roles: List[Role] = Field(["actor", ""], description="Roles to merge (actor, critic, empty for SFT)")
-    merge_deployment: str = Field(
-        "merge-step/gpu", description="Deployment that merges one step, used when this flow runs from a deployment")
-    max_steps: Optional[int] = Field(None, ge=1, description="Merge at most this many new steps per run (oldest first)")
+    roles: List[Role] = ["actor", ""]
+    merge_deployment: str = "merge-step/gpu"
+    max_steps: Optional[Annotated[int, Field(ge=1)]] = None
 
-    def step_params(self, step: StepRecord) -> MergeStepParams:
+    def step_params(self, step: Any) -> MergeStepParams:
+        """The parameters of the merge of ``step`` (a `tasks.records.StepRecord`): this watcher's options."""
         return MergeStepParams(**{**self.options(), "release_root": self.release_root_url},
                                run_root=self.run_root, step=step.step, role=step.role)
 
@@ -131,29 +191,31 @@ class WatchParams(PipelineOptions):
 class AdapterParams(RunLocation):
     """Extract and publish the LoRA adapter of one step."""
 
-    step: int = Field(..., ge=0, description="The global step (global_step_<N>)")
-    role: Role = Field("actor", description="actor, critic, or empty for SFT runs")
-    include_base: bool = Field(True, description="Also release the clean base model under base/")
-    base_model: Optional[str] = Field(None, description="The base model of a LoRA-only checkpoint")
-    lora_alpha: Optional[float] = Field(None, gt=0, description="LoRA alpha when the run did not record it")
-    dtype: Optional[Literal["bfloat16", "float16", "float32"]] = Field(None, description="Output dtype")
-    validate_forward: bool = Field(True, description="Load base + adapter with PEFT and run a forward pass")
-    compare_with_model_release: bool = Field(
-        True, description="Compare PEFT's logits with the step's released merged model, when it was built from "
-                          "this checkpoint")
-    overwrite: bool = Field(False, description="Replace an adapter release built from a different checkpoint")
-
-    @field_validator("base_model")
-    @classmethod
-    def _safe_base(cls, value: Optional[str]) -> Optional[str]:
-        return None if value is None else checked_url(value)
+    step: StepNumber
+    role: Role = "actor"
+    include_base: bool = True
+    base_model: Optional[StorageUrl] = None
+    lora_alpha: LoraAlpha = None
+    dtype: DtypeName = None
+    validate_forward: bool = True
+    compare_with_model_release: bool = True
+    overwrite: bool = False
 
     def recorded_options(self) -> dict:
         return self.model_dump(include={"include_base", "base_model", "lora_alpha", "dtype", "validate_forward"})
 
-    def adapter_settings(self) -> AdapterSettings:
+    def adapter_settings(self):
+        from tasks.records import AdapterSettings
+
         return AdapterSettings(include_base=self.include_base, base_model=self.base_model,
                                lora_alpha=self.lora_alpha, dtype=self.dtype)
 
-    def validation_settings(self) -> ValidationSettings:
+    def validation_settings(self):
+        from tasks.records import ValidationSettings
+
         return ValidationSettings(forward=self.validate_forward)
+
+
+def described(name: str, default: Any = ...) -> Any:
+    """The default of flow parameter ``name`` with the form's description (``...``: required)."""
+    return Field(default, description=DESCRIPTIONS[name])

@@ -16,13 +16,17 @@ is for adapters alone (e.g. from the UI, or for a LoRA-only run).
 """
 
 import time
+from typing import Optional
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.params import AdapterParams
+from flows.credentials import storage_credentials
+from flows.params import AdapterParams, DtypeName, LoraAlpha, Role, StepNumber, StorageUrl, described
+from flows.run_labels import adapter_run_name, label_flow_run, step_label
 from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_output
 from flows.summaries import step_summary
+from flows.watchers import not_ready_error, retrying_watcher
 from merge_engine.errors import AdapterError
 from merge_engine.release import ADAPTER, MODEL, release_state, release_url
 from tasks.progress import release_artifact_key
@@ -36,15 +40,40 @@ def model_release_of(url: str, checkpoint: CheckpointRecord, params: AdapterPara
     return state.intact and state.provenance.is_trained_model_of(checkpoint.fingerprint, params.lora_alpha)
 
 
-@flow(name="release-adapter", log_prints=True, persist_result=True)
-def release_adapter(params: AdapterParams) -> StepOutcome:
+@flow(name="release-adapter", flow_run_name=adapter_run_name, log_prints=True, persist_result=True)
+def release_adapter(
+    step: StepNumber = described("step"),
+    run_root: StorageUrl = described("run_root"),
+    role: Role = described("role", "actor"),
+    release_root: Optional[StorageUrl] = described("release_root", None),
+    include_base: bool = described("include_base", True),
+    base_model: Optional[StorageUrl] = described("base_model", None),
+    lora_alpha: LoraAlpha = described("lora_alpha", None),
+    dtype: DtypeName = described("dtype", None),
+    validate_forward: bool = described("validate_forward", True),
+    compare_with_model_release: bool = described("compare_with_model_release", True),
+    overwrite: bool = described("overwrite", False),
+    staging_root: Optional[StorageUrl] = described("staging_root", None),
+) -> StepOutcome:
     """Extract, validate and publish the LoRA adapter of one step (see the module docstring)."""
+    params = AdapterParams(**locals())
+    label_flow_run(params.run_root, params.role, params.step)
+    with storage_credentials():
+        return adapter_stages(params)
+
+
+def adapter_stages(params: AdapterParams) -> StepOutcome:
+    """The body of `release_adapter` (inside a flow run)."""
     started = time.perf_counter()
-    timer = StageTimer()
+    timer = StageTimer(label=step_label(params.step, params.role))
     outcome = StepOutcome(run_root=params.run_root, step=params.step, role=params.role, status="not_ready")
     ready = ready_checkpoint(timer, params.run_root, params.step, params.role)
     if ready.checkpoint is None:
-        outcome.reason = ready.reason
+        watcher = retrying_watcher(params.run_root)
+        if watcher is None:
+            raise not_ready_error(params.run_root, params.step, params.role, ready.reason,
+                                  ready.step.url if ready.step else None)
+        outcome.reason = f"{ready.reason}; {watcher} releases its adapter once it is complete"
         outcome.stages, outcome.seconds = timer.stages, time.perf_counter() - started
         return outcome
     step, checkpoint = ready.step, ready.checkpoint

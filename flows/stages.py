@@ -24,8 +24,9 @@ deleted or damaged since) is not trusted: the tasks' cache policy moves to a new
 and the stage runs again (`tasks.cache`); with the cache lost but the release in place, the tasks
 find the release and read nothing.
 
-Not ready (never an error): no files for the step and role yet; the listing says incomplete; or the
-deep check finds a file incomplete or unreadable AND the step's listing changes meanwhile (checked
+Not there (an error): the run root holds no files (`RunRootNotFound`) or none for this step and
+role (`StepNotFound`). Not ready (an error only when no watcher will come back for it,
+`flows.watchers`): the listing says incomplete; or the deep check finds a file incomplete or unreadable AND the step's listing changes meanwhile (checked
 again after `SETTLE_S`): its files are still being written (a shared disk shows a rank file while
 it grows). A file that is broken and stays as it is fails the check, once.
 
@@ -43,11 +44,11 @@ from typing import Any, Dict, List, Optional, Tuple
 from pydantic import BaseModel
 
 from flows.step_keys import step_key
-from merge_engine.errors import CorruptShard, IncompleteCheckpoint
+from merge_engine.errors import CorruptShard, IncompleteCheckpoint, StepNotFound
 from merge_engine.release import ADAPTER, MODEL, ReleaseProvenance
 from tasks.adapter import extract_adapter, validate_adapter
 from tasks.check import check_step
-from tasks.discover import discover_step
+from tasks.discover import discover_step, discover_steps
 from tasks.merge import merge_model
 from tasks.publish import publish_release
 from tasks.records import (
@@ -119,14 +120,17 @@ class StageTimer:
     default, S3/GCS with ``STEPMERGE_RESULT_STORAGE``) to every task it runs.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, label: str = "") -> None:
         self.stages: List[StageRun] = []
         self.result_storage = configured_result_storage()
+        self.label = label  # appended to each task run's name (`flows.run_labels.step_label`)
 
     def call(self, name: str, task: Any, *args: Any, **kwargs: Any) -> Tuple[Any, StageRun]:
         """The task's result and its `StageRun` (recorded also when the task fails, then raised)."""
         if self.result_storage is not None:
             task = task.with_options(result_storage=self.result_storage)
+        if self.label:
+            task = task.with_options(task_run_name=f"{task.name} {self.label}")
         started = time.perf_counter()
         state = task(*args, return_state=True, **kwargs)
         run = StageRun(name=name, state=state.name, seconds=round(time.perf_counter() - started, 3))
@@ -150,11 +154,18 @@ def ready_checkpoint(timer: StageTimer, run_root: str, step: int, role: str,
                      backend: Optional[str] = None) -> ReadyCheckpoint:
     """Discover and deep-check one step (see the module docstring for "not ready").
 
-    Raises the check's error when the step is broken and its files are not changing.
+    Raises `RunRootNotFound` when the run root holds no files, `StepNotFound` (listing the steps
+    there) when it holds none for this step and role, and the check's error when the step is broken
+    and its files are not changing.
     """
     found = timer.run("discover", discover_step, run_root, step, role)
     if found is None:
-        return ReadyCheckpoint(None, None, "no checkpoint files for this step and role yet")
+        # Not there: only now is the whole run root listed, to say why (no files at all: RunRootNotFound)
+        discovery = timer.run("discover-run-root", discover_steps, run_root)
+        there = [f"{s.step} ({s.role or 'sft'})" for s in discovery.steps]
+        listed = ", ".join(there[-10:]) if there else "none"
+        raise StepNotFound(f"no checkpoint for step {step} ({role or 'sft'}) under this run root (steps there: "
+                           f"{'..., ' if len(there) > 10 else ''}{listed})", run_root)
     if found.status == "incomplete":  # "not yet", never an error; "invalid" fails in the check
         return ReadyCheckpoint(found, None, found.reason or "incomplete")
     try:

@@ -3,7 +3,8 @@
 Every route that starts or names a merge of a step uses `step_key`: the watcher's idempotency key
 (`flows.submission`), `MergeStepParams.key`, `StepOutcome.key`, the webhook's idempotency key
 (`deployments.webhook`) and the event's resource id (`flows.events`). The run root is normalised
-first (`normalized_run_root`: no trailing slash), so ``s3://b/run`` and ``s3://b/run/`` are one step.
+first (`normalized_run_root`: no trailing slash, ``file://`` dropped, one scheme spelling), so
+``s3://b/run`` and ``s3://b/run/``, ``file:///data/run`` and ``/data/run`` are one step.
 Later runs of the same step are keyed ``<step key>:after:<previous run id>`` (`resubmission_key`;
 the rule is in `flows.submission` and deployments/README.md).
 No heavy imports: the webhook receiver imports this module.
@@ -13,7 +14,22 @@ from typing import Union
 
 
 def normalized_run_root(run_root: str) -> str:
-    """``run_root`` without trailing slashes (a lone ``/`` stays)."""
+    """One spelling per run root: ``file:///x`` -> ``/x``, ``gcs://b/x`` -> ``gs://b/x`` (the scheme
+    registry's canonical spelling, `merge_engine.storage.schemes`), no trailing slashes (a lone ``/``
+    stays). A scheme the registry does not serve is left as it is (the URL checks refuse it)."""
+    if "://" in run_root:
+        from merge_engine.errors import UnsupportedScheme
+        from merge_engine.storage.schemes import backend_for_scheme
+
+        scheme, rest = run_root.split("://", 1)
+        try:
+            backend = backend_for_scheme(scheme)
+        except UnsupportedScheme:
+            backend = None
+        if backend is not None and backend.local and rest.startswith("/"):
+            run_root = rest
+        elif backend is not None:
+            run_root = f"{backend.canonical_scheme}://{rest}"
     stripped = run_root.rstrip("/")
     return stripped or run_root[:1]
 

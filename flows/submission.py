@@ -166,11 +166,11 @@ def submit_chain(create: Callable[[str], Any], key: str, listing: Optional[str] 
 
 
 def submit_step_run(deployment: str, parameters: dict, key: str, listing: Optional[str] = None,
-                    as_subflow: bool = True) -> SubmittedRun:
-    """The watcher's submission of one step to ``deployment`` (tagged with its ``listing``)."""
+                    as_subflow: bool = True, tags: Sequence[str] = ()) -> SubmittedRun:
+    """The watcher's submission of one step to ``deployment`` (tagged with its ``listing`` and ``tags``)."""
     from prefect.deployments import run_deployment
 
-    tags = [listing_tag(listing)] if listing else None
+    tags = [*tags, *([listing_tag(listing)] if listing else [])] or None
 
     def create(current: str) -> Any:
         return run_deployment(deployment, parameters=parameters, idempotency_key=current, timeout=0,

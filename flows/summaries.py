@@ -31,7 +31,7 @@ def step_summary(outcome: StepOutcome, error: Optional[str] = None) -> str:
     if error is not None:
         lines += [f"**Failed**: {error}", "", "Nothing was published for the failed stage.", ""]
     elif outcome.status == "not_ready":
-        lines += [f"**Not ready yet**: {outcome.reason}", "", "Nothing was merged; the watcher will try again.", ""]
+        lines += [f"**Not ready yet**: {outcome.reason}.", "", "Nothing was merged in this run.", ""]
     else:
         verdict = "cache hit: nothing was read or written" if outcome.cached else outcome.status.replace("_", " ")
         lines += [f"**{verdict}** in {outcome.seconds:.1f} s", ""]

@@ -11,12 +11,37 @@ underscores, plus stepmerge's own commands. Every `StepmergeError` becomes one l
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import time
 from collections.abc import Callable, Sequence
 
 from merge_engine.errors import InvalidOption, StepmergeError, StorageUnavailable
 
+class StepmergeParser(argparse.ArgumentParser):
+    """argparse without prefix abbreviations, and an unknown flag named with its closest spelling.
+
+    argparse alone reports ``--local-dri X`` as "the following arguments are required: --local_dir"
+    (the typo is silently taken for a stray value); here it is "unrecognized flag --local-dri (did you
+    mean --local-dir?)", before the required flags are counted.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        for token in sys.argv[1:] if args is None else args:
+            if token == "--":
+                break
+            flag = token.split("=", 1)[0]
+            if flag.startswith("--") and flag != "--" and flag not in self._option_string_actions:
+                known = [o for o in self._option_string_actions if o.startswith("--")]
+                close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+                self.error(f"unrecognized flag {flag}" + (f" (did you mean {close[0]}?)" if close else ""))
+            if not token.startswith("-") and token in getattr(self, "_commands", ()):
+                break  # the rest belongs to a subcommand's parser
+        return super().parse_known_args(args, namespace)
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
@@ -24,6 +49,20 @@ def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
     dashed, underscored = name.replace("_", "-"), name.replace("-", "_")
     names = [f"--{underscored}"] + ([f"--{dashed}"] if dashed != underscored else [])
     parser.add_argument(*names, **kwargs)
+
+
+_DTYPE_HELP = "bfloat16/bf16, float16/fp16/half, float32/fp32/float"
+
+
+def _dtype(text: str) -> str:
+    """argparse ``type=``: any spelling of `merge_engine.option_values.DTYPE_SPELLINGS` -> its canonical name
+    (what is recorded in stepmerge.json), the same words the Prefect form accepts."""
+    from merge_engine.option_values import canonical_dtype
+
+    try:
+        return canonical_dtype(text)
+    except InvalidOption as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
 
 
 def _source_flags(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +75,7 @@ def _source_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "is-value-model", action="store_true", help="verl compatibility: critics are detected anyway")
     _flag(parser, "use_cpu_initialization", action="store_true", help="verl compatibility: no effect (always CPU)")
     _flag(parser, "trust-remote-code", action="store_true", help="allow custom model code when validating")
-    _flag(parser, "dtype", default=None, help="output dtype (bfloat16, float16, float32); default: as stored")
+    _flag(parser, "dtype", default=None, type=_dtype, help=f"output dtype ({_DTYPE_HELP}); default: as stored")
     _flag(parser, "custom-mapping", default=None,
           help="Megatron: JSON file extending the model family's name table (see merge_engine/architectures/custom.py)")
     _flag(parser, "weights-format", default="hub", choices=("hub", "transformers"),
@@ -61,19 +100,20 @@ def _options(args: argparse.Namespace):
                          overwrite=getattr(args, "overwrite", False))
 
 
-def _progress(total: int, label: str):
+def _progress(total: int, label: str, file=None, disable: bool | None = None):
+    """A byte progress bar on stderr (off when stderr is not a terminal), in decimal MB like every message."""
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=label, disable=None,
-                file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=label, disable=disable,
+                file=file or sys.stderr, dynamic_ncols=True)
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
     from merge_engine.merge import merge_checkpoint
 
     if args.hf_upload_path:
-        raise InvalidOption("uploading to the Hugging Face Hub is not done by stepmerge; write to a target URL "
-                            "and publish it (see `stepmerge publish`)")
+        raise InvalidOption("--hf_upload_path: stepmerge does not upload to the Hugging Face Hub; merge to a folder "
+                            "(--target_dir), then upload it with `hf upload REPO_ID FOLDER` (huggingface_hub)")
     bar = None
 
     def on_plan(plan) -> None:
@@ -125,7 +165,16 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+CHECK_EXIT_CODES = """exit codes:
+  0  the checkpoint is complete (every file its layout requires, readable and consistent)
+  2  bad input: not a checkpoint, an unsupported layout, a bad option
+  3  incomplete: a file is missing or short, or the rank files disagree on the world size
+  4  corrupt: a file is there but cannot be read (truncated archive, bad header, unsafe pickle)"""
+
+
 def _add_check(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = CHECK_EXIT_CODES
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     _flag(parser, "backend", default=None, help="checkpoint layout; detected when omitted")
     _flag(parser, "local_dir", required=True, help="checkpoint folder URL")
     parser.set_defaults(run=cmd_check)
@@ -239,7 +288,8 @@ def _add_extract_lora(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "target-modules", default=None, help="SVD: modules to factor, e.g. q_proj,v_proj (default: all "
           "linear weights but embeddings and heads)")
     _flag(parser, "device", default=None, help="SVD: torch device (default: cuda when available, else cpu)")
-    _flag(parser, "dtype", default=None, help="output dtype (default: as stored; float32 for SVD factors)")
+    _flag(parser, "dtype", default=None, type=_dtype,
+          help=f"output dtype ({_DTYPE_HELP}; default: as stored; float32 for SVD factors)")
     _flag(parser, "max-shard-size", default=None, help="largest safetensors file of the base, e.g. 5GB")
     _flag(parser, "overwrite", action="store_true", help="replace a target that holds something else")
     parser.set_defaults(run=cmd_extract_lora)
@@ -288,7 +338,7 @@ def _add_merge_lora(parser: argparse.ArgumentParser) -> None:
           help="adapter output: keep this fraction of each update's squared singular values (capped by --rank)")
     _flag(parser, "lora-alpha", default=None,
           help="one lora_alpha per adapter, comma-separated: replaces a lost (0) alpha in adapter_config.json")
-    _flag(parser, "dtype", default=None, help="output dtype (default: as stored)")
+    _flag(parser, "dtype", default=None, type=_dtype, help=f"output dtype ({_DTYPE_HELP}; default: as stored)")
     _flag(parser, "device", default=None, help="SVD device (default: cuda when available, else cpu)")
     _flag(parser, "max-shard-size", default=None, help="largest safetensors file, e.g. 5GB (default)")
     _flag(parser, "overwrite", action="store_true", help="replace a target that holds something else")
@@ -326,7 +376,7 @@ def _add_split(parser: argparse.ArgumentParser) -> None:
           help="legacy: model/mp_rank_*/model.pt; dist: torch_dist dist_ckpt/")
     _flag(parser, "make-vocab-size-divisible-by", type=int, default=128,
           help="Megatron pads the vocabulary to a multiple of this times TP (default 128)")
-    _flag(parser, "dtype", default=None, help="dtype of the shards (default: as stored)")
+    _flag(parser, "dtype", default=None, type=_dtype, help=f"dtype of the shards ({_DTYPE_HELP}; default: as stored)")
     _flag(parser, "custom-mapping", default=None, help="JSON file extending the model family's name table")
     _flag(parser, "overwrite", action="store_true", help="replace a target that holds something else")
     parser.set_defaults(run=cmd_split)
@@ -367,12 +417,16 @@ SUBCOMMANDS: Commands = {
 
 def build_parser(commands: Commands = SUBCOMMANDS) -> argparse.ArgumentParser:
     """The parser of ``commands`` (name -> (help, add its arguments and ``run``)); by default the engine's."""
-    parser = argparse.ArgumentParser(
+    from merge_engine import __version__
+
+    parser = StepmergeParser(
         prog="stepmerge", description="Turn distributed training checkpoints (verl FSDP, Megatron) into exact, "
                                       "validated Hugging Face models and adapters, from any storage URL.")
-    subparsers = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"stepmerge {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=StepmergeParser)
     for name, (help_text, add) in commands.items():
         add(subparsers.add_parser(name, help=help_text, description=help_text))
+    parser._commands = tuple(commands)
     return parser
 
 

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from merge_engine import storage
+from merge_engine.errors import RunRootNotFound
 from merge_engine.layouts import listing_verdicts
 from merge_engine.layouts.contract import COMPLETE, INCOMPLETE, INVALID, Verdict
 from merge_engine.layouts.tracker import TRACKER_FILE, parse_tracker, read_tracker_hint
@@ -140,8 +141,15 @@ def steps_from_listing(run_root_url: str, entries: Iterable[FileEntry]) -> list[
 
 
 def discover(run_root_url: str) -> Discovery:
-    """Steps of a run root from one recursive listing, plus the tracker hint (read only if listed)."""
+    """Steps of a run root from one recursive listing, plus the tracker hint (read only if listed).
+
+    Raises `RunRootNotFound` when the run root holds no file at all (missing, or a typo): an empty
+    answer would look like "nothing to do" to everyone who asks.
+    """
     entries = storage.list_files(run_root_url, recursive=True)
+    if not entries:
+        raise RunRootNotFound("no files under this run root: it does not exist (a typo?) or nothing was "
+                              "written there yet", run_root_url)
     hint = None
     if any(e.path == TRACKER_FILE for e in entries):
         hint = read_tracker_hint(run_root_url)

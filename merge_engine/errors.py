@@ -113,3 +113,11 @@ class UnsupportedScheme(InvalidOption, ValueError):
 
 class TargetOverlapsSource(InvalidOption):
     """The target is an input, contains one, or lies inside one: writing there would destroy it."""
+
+
+class RunRootNotFound(StepmergeError):
+    """A run root holds no files: it does not exist (a typo?) or nothing was written there yet."""
+
+
+class StepNotFound(StepmergeError):
+    """The run root holds no checkpoint for the requested step and role (the message lists those it has)."""

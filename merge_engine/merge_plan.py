@@ -20,6 +20,7 @@ import torch
 
 from merge_engine.errors import InvalidOption, UnsupportedLayout
 from merge_engine.hf_metadata import INDEX_FILE, SINGLE_FILE
+from merge_engine.option_values import DTYPE_SPELLINGS, canonical_dtype, parse_size
 from merge_engine.safetensors_file import CODES
 from merge_engine.tensor_source import TensorSource
 
@@ -28,44 +29,19 @@ __all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPES", "INDEX_FILE", "SINGLE_FILE", "Mer
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3  # save_pretrained's historical default ("5GB")
 
-DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
+DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_SPELLINGS.items()}
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:
-    if name is None:
-        return None
-    try:
-        return DTYPES[name.lower()]
-    except KeyError:
-        raise InvalidOption(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+    """Any spelling of `merge_engine.option_values.DTYPE_SPELLINGS` -> its torch dtype; None stays None."""
+    canonical = canonical_dtype(name)
+    return None if canonical is None else getattr(torch, canonical)
 
 
 def output_dtype(stored: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
     """``--dtype`` casts floating-point tensors only (as save_pretrained does): integer and bool
     buffers keep their dtype, or a cast would change their values."""
     return requested if requested is not None and stored.is_floating_point else stored
-
-
-def parse_size(text: str | int) -> int:
-    """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, ``1024`` -> 1024."""
-    if isinstance(text, int):
-        return text
-    units = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
-             "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
-    value = text.strip().upper()
-    number = value.rstrip("KMGTIB")
-    unit = value[len(number):]
-    try:
-        size = int(float(number) * units[unit])
-    except (ValueError, KeyError):
-        raise InvalidOption(f"cannot read size {text!r} (e.g. 5GB, 500MiB)") from None
-    if size <= 0:
-        raise InvalidOption(f"size must be positive: {text!r}")
-    return size
 
 
 class TensorBuilder(Protocol):

@@ -152,5 +152,21 @@ def task_runs(flow_run: str) -> dict[str, list]:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run])))
     by_name: dict[str, list] = {}
     for run in runs:
-        by_name.setdefault(run.name.rsplit("-", 1)[0], []).append(run)  # "merge-model-3fa" -> "merge-model"
+        # "merge-model step 3 actor" (a stage, `flows.run_labels.step_label`) or "discover-steps-3fa" -> the task
+        name = run.name.split(" step ", 1)[0] if " step " in run.name else run.name.rsplit("-", 1)[0]
+        by_name.setdefault(name, []).append(run)
     return by_name
+
+
+def deploy_watcher(run_root: str, name: str, active: bool = True) -> str:
+    """A ``merge-new-steps/<name>`` deployment watching ``run_root`` every 600 s (``active``: its schedule
+    on), as `python -m deployments.deploy` makes one; returns its full name."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentScheduleCreate
+    from prefect.client.schemas.schedules import IntervalSchedule
+
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow_from_name("merge-new-steps")
+        client.create_deployment(flow_id, name, parameters={"run_root": run_root}, schedules=[
+            DeploymentScheduleCreate(schedule=IntervalSchedule(interval=600), active=active)])
+    return f"merge-new-steps/{name}"

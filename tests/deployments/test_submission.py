@@ -42,7 +42,7 @@ def _set_state(run_id: str, state) -> None:
 
 
 def _params(step: int) -> dict:
-    return {"params": MergeStepParams(run_root="s3://submit-bucket/run", step=step).model_dump(mode="json")}
+    return MergeStepParams(run_root="s3://submit-bucket/run", step=step).flow_parameters()
 
 
 def _fake(state, listing: str | None = None, ended: dt.datetime | None = None):
@@ -166,7 +166,7 @@ def test_one_step_that_cannot_be_submitted_does_not_stop_the_others(deployed, pr
         return real(deployment, parameters, key, **kwargs)
 
     monkeypatch.setattr(watcher, "submit_step_run", failing_for_step_1)
-    state = watcher.merge_new_steps(WatchParams(run_root=run_root), return_state=True)
+    state = watcher.merge_new_steps(**WatchParams(run_root=run_root).flow_parameters(), return_state=True)
     assert state.is_failed() and "the API refused the run" in str(state.result(raise_on_failure=False))
     assert len(_runs_with_key(step_key(run_root, "actor", 2))) == 1  # step 2 was submitted all the same
 
@@ -177,14 +177,14 @@ def test_the_deployed_watcher_submits_one_run_per_new_step(deployed, prefect, te
     monkeypatch.setattr(watcher, "deployment", SimpleNamespace(id="the-watch-deployment"))  # as if deployed
     params = WatchParams(run_root=run_root)
 
-    first = watcher.merge_new_steps(params)
+    first = watcher.merge_new_steps(**params.flow_parameters())
     assert [(a.step, a.action) for a in first.actions] == [(1, "submitted"), (2, "submitted")]
-    second = watcher.merge_new_steps(params)  # next tick: the merges have not run yet
+    second = watcher.merge_new_steps(**params.flow_parameters())  # next tick: the merges have not run yet
     assert [a.detail for a in second.actions] == [a.detail for a in first.actions]  # the same flow runs
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(first.actions[0].detail.split()[2])
     assert run.idempotency_key == f"{run_root}:actor:1"
-    assert MergeStepParams(**run.parameters["params"]).step == 1
+    assert MergeStepParams(**run.parameters).step == 1
 
 
 def test_a_watcher_tick_does_not_fail_for_runs_that_failed_before(deployed, prefect, template_run, tmp_path,
@@ -195,9 +195,9 @@ def test_a_watcher_tick_does_not_fail_for_runs_that_failed_before(deployed, pref
     copy_steps(template_run, run_root, [1])
     monkeypatch.setattr(watcher, "deployment", SimpleNamespace(id="the-watch-deployment"))
     params = WatchParams(run_root=run_root)
-    (submitted,) = watcher.merge_new_steps(params).actions
+    (submitted,) = watcher.merge_new_steps(**params.flow_parameters()).actions
     _set_state(submitted.detail.split()[2], Failed(message="CorruptShard"))
-    state = watcher.merge_new_steps(params, return_state=True)
+    state = watcher.merge_new_steps(**params.flow_parameters(), return_state=True)
     assert state.is_completed()
     (action,) = state.result().actions
     assert action.action == "failed earlier" and "resubmitted after" in action.detail

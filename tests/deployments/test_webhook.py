@@ -22,6 +22,7 @@ from deployments.webhook import (
     CHECKPOINT_SAVED_PATH,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
+    WebhookNotConfigured,
     WebhookSettings,
     create_app,
     sign,
@@ -63,10 +64,10 @@ def test_a_valid_call_creates_one_run_per_step_even_if_delivered_twice(client, d
 
     runs = {str(r.id): r for r in _runs(deployed)}
     run = runs[first.json()["flow_run_id"]]
-    assert run.parameters == {"params": {"run_root": "s3://hooks-bucket/run", "step": 30, "role": "actor"}}
+    assert run.parameters == {"run_root": "s3://hooks-bucket/run", "step": 30, "role": "actor"}
     assert run.idempotency_key == "s3://hooks-bucket/run:actor:30"
-    assert sum(1 for r in runs.values() if r.parameters["params"].get("step") == 30
-               and r.parameters["params"]["run_root"] == "s3://hooks-bucket/run") == 1
+    assert sum(1 for r in runs.values() if r.parameters.get("step") == 30
+               and r.parameters["run_root"] == "s3://hooks-bucket/run") == 1
 
 
 def test_hmac_signed_calls_are_accepted_and_bad_or_stale_signatures_refused(client):
@@ -80,7 +81,12 @@ def test_hmac_signed_calls_are_accepted_and_bad_or_stale_signatures_refused(clie
     assert _post(client, None, wrong_key, raw=body).status_code == 401
     old = str(int(time.time()) - 3600)
     stale = {TIMESTAMP_HEADER: old, SIGNATURE_HEADER: sign(SECRET, old, body)}
-    assert _post(client, None, stale, raw=body).status_code == 401
+    refused = _post(client, None, stale, raw=body)
+    assert refused.status_code == 401
+    detail = refused.json()["detail"]  # says what to fix, not "missing or invalid credentials"
+    assert detail.startswith("stale signature: X-Stepmerge-Timestamp is 3600 s behind this server's clock")
+    assert "check the sender's clock" in detail
+    assert _post(client, None, wrong_key, raw=body).json()["detail"] == "missing or invalid credentials"
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
@@ -96,7 +102,9 @@ def test_unauthenticated_calls_are_refused_and_create_nothing(client, deployed, 
 
 MALFORMED = {
     "negative step": {"run_root": "s3://hooks-bucket/run", "step": -1},
-    "step as text": {"run_root": "s3://hooks-bucket/run", "step": "3"},
+    "step as a decimal string": {"run_root": "s3://hooks-bucket/run", "step": "3.0"},
+    "step as padded text": {"run_root": "s3://hooks-bucket/run", "step": " 3"},
+    "step as a negative string": {"run_root": "s3://hooks-bucket/run", "step": "-3"},
     "fractional step": {"run_root": "s3://hooks-bucket/run", "step": 1.5},
     "boolean step": {"run_root": "s3://hooks-bucket/run", "step": True},
     "missing step": {"run_root": "s3://hooks-bucket/run"},
@@ -131,7 +139,7 @@ def test_not_json_or_too_large_bodies_are_refused(client):
 
 
 def test_the_receiver_refuses_to_start_without_authentication(prefect_api):
-    with pytest.raises(ValueError, match="STEPMERGE_WEBHOOK_TOKEN"):
+    with pytest.raises(WebhookNotConfigured, match="STEPMERGE_WEBHOOK_TOKEN"):
         create_app(WebhookSettings(prefect_api_url=prefect_api.url))
     assert TestClient(create_app(WebhookSettings(token=TOKEN, prefect_api_url=prefect_api.url))).get(
         "/healthz").json() == {"ok": True}
@@ -143,8 +151,8 @@ def test_a_trailing_slash_is_the_same_step_and_the_same_run(client, deployed):
     assert plain.status_code == slashed.status_code == 202, slashed.text
     assert slashed.json()["flow_run_id"] == plain.json()["flow_run_id"]
     assert slashed.json()["idempotency_key"] == "s3://hooks-bucket/slash-run:actor:40"
-    runs = [r for r in _runs(deployed) if r.parameters["params"].get("step") == 40]
-    assert len(runs) == 1 and runs[0].parameters["params"]["run_root"] == "s3://hooks-bucket/slash-run"
+    runs = [r for r in _runs(deployed) if r.parameters.get("step") == 40]
+    assert len(runs) == 1 and runs[0].parameters["run_root"] == "s3://hooks-bucket/slash-run"
 
 
 @pytest.mark.parametrize("timestamp", ["nan", "NaN", "inf", "-inf", "infinity", "fraction", "1e9", "+now"])
@@ -180,3 +188,43 @@ def test_redelivery_after_the_run_finished(client, deployed, monkeypatch):
     again = _post(client, {"run_root": "s3://hooks-bucket/run", "step": 61}).json()
     assert again["flow_run_id"] != failed["flow_run_id"]
     assert again["idempotency_key"] == f"s3://hooks-bucket/run:actor:61:after:{failed['flow_run_id']}"
+
+
+def test_uvicorn_without_a_credential_stops_with_one_line(prefect_api):
+    """The documented command, started without STEPMERGE_WEBHOOK_TOKEN: one line, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPMERGE_WEBHOOK_")}
+    env.update(PREFECT_API_URL=prefect_api.url)
+    done = subprocess.run([sys.executable, "-m", "uvicorn", "--factory", "deployments.webhook:create_app",
+                           "--port", "0"], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "stepmerge webhook: set STEPMERGE_WEBHOOK_TOKEN or STEPMERGE_WEBHOOK_HMAC_SECRET: the receiver does not "
+        "accept unauthenticated requests")
+
+
+def test_a_step_sent_as_a_string_of_digits_is_that_step(client, deployed):
+    response = _post(client, {"run_root": "s3://hooks-bucket/run", "step": "35"})
+    assert response.status_code == 202, response.text
+    assert response.json()["idempotency_key"] == "s3://hooks-bucket/run:actor:35"
+    assert _post(client, {"run_root": "s3://hooks-bucket/run", "step": 35}).json()["flow_run_id"] == \
+        response.json()["flow_run_id"]
+
+
+def test_a_run_root_is_one_step_however_it_is_spelled(client, deployed):
+    """``gcs://`` and ``gs://`` (the registry's canonical spelling), a trailing slash: one key, one run;
+    a shared-disk ``file:///shared/run`` and the watcher's ``/shared/run`` are one key too (the webhook
+    itself takes object stores only)."""
+    canonical = _post(client, {"run_root": "gs://hooks-bucket/spelled", "step": 71})
+    other = _post(client, {"run_root": "gcs://hooks-bucket/spelled/", "step": 71})
+    assert canonical.status_code == other.status_code == 202, other.text
+    assert other.json()["idempotency_key"] == "gs://hooks-bucket/spelled:actor:71"
+    assert other.json()["flow_run_id"] == canonical.json()["flow_run_id"]
+    from flows.params import MergeStepParams
+    from flows.step_keys import step_key
+
+    assert step_key("file:///shared/run/", "actor", 70) == step_key("/shared/run", "actor", 70) == "/shared/run:actor:70"
+    assert MergeStepParams(run_root="file:///shared/run", step=70).key == "/shared/run:actor:70"

@@ -35,13 +35,12 @@ def slow_merge(*args, **kwargs):  # widen the race: the other run arrives while 
 tasks.merge.merge_checkpoint = slow_merge
 
 from flows.merge_step import merge_step
-from flows.params import MergeStepParams
 
 run_root, staging, barrier, me = sys.argv[1:5]
 Path(barrier, f"ready-{me}").touch()
 while len(list(Path(barrier).glob("ready-*"))) < 2:
     time.sleep(0.01)
-outcome = merge_step(MergeStepParams(run_root=run_root, step=1, staging_root=staging))
+outcome = merge_step(run_root=run_root, step=1, staging_root=staging)
 print("RESULT " + json.dumps({"stages": {s.name: s.state for s in outcome.stages}, "merged": len(merged),
                                "release": outcome.releases[0].url, "status": outcome.status}))
 """

@@ -52,7 +52,7 @@ def test_an_outage_longer_than_the_engine_retries_is_retried_by_the_task(
         monkeypatch.setattr(stage, "retry_condition_fn", outage_ends_after_first_failure)
     s3_fault_proxy.set_fault(Fault.refuse(connections=10**6))  # every connection refused: S3 is down
 
-    state = merge_step(MergeStepParams(run_root=run_root, step=1, staging_root=str(tmp_path / "staging")),
+    state = merge_step(**MergeStepParams(run_root=run_root, step=1, staging_root=str(tmp_path / "staging")).flow_parameters(),
                        return_state=True)
     assert state.is_completed()
     assert s3_fault_proxy.fired > 0
@@ -71,7 +71,7 @@ def test_resets_and_stalls_during_the_merge_are_ridden_out(prefect, template_run
     run_root = f"{s3_bucket_url}/run"
     copy_steps(template_run, run_root, [2])
     s3_fault_proxy.set_fault(fault)
-    outcome = merge_step(MergeStepParams(run_root=run_root, step=2, staging_root=str(tmp_path / "staging")))
+    outcome = merge_step(**MergeStepParams(run_root=run_root, step=2, staging_root=str(tmp_path / "staging")).flow_parameters())
     assert s3_fault_proxy.fired == fault.connections  # every fault really happened
     assert outcome.status == "published"
     assert verify_release(outcome.releases[0].url).ok
@@ -84,7 +84,7 @@ def test_a_corrupted_shard_fails_without_retries_and_publishes_nothing(prefect, 
     shard.write_bytes(b"\x00garbage" * (shard.stat().st_size // 8) + b"\x00" * (shard.stat().st_size % 8))
     staging = tmp_path / "staging"
 
-    state = merge_new_steps(WatchParams(run_root=run_root, staging_root=str(staging)), return_state=True)
+    state = merge_new_steps(**WatchParams(run_root=run_root, staging_root=str(staging)).flow_parameters(), return_state=True)
     assert state.is_failed()
     assert "1 step(s) failed" in str(state.result(raise_on_failure=False))
     releases = str(tmp_path / "run" / "releases")
@@ -104,7 +104,7 @@ def test_a_corrupted_shard_fails_without_retries_and_publishes_nothing(prefect, 
     assert "merge-model" not in runs and "publish-release" not in runs
 
     params = MergeStepParams(run_root=run_root, step=2, staging_root=str(staging))
-    direct = merge_step(params, return_state=True)
+    direct = merge_step(**params.flow_parameters(), return_state=True)
     with pytest.raises(CorruptShard) as error:
         direct.result()
     assert str(shard) in str(error.value)  # the error names the file at fault

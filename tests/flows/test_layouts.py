@@ -27,7 +27,7 @@ def test_a_megatron_run_is_merged_and_published_like_any_other(prefect, megatron
     run_root = str(job.step_dir.parent)
     staging = str(tmp_path / "staging")
     releases = str(tmp_path / "releases")
-    watch = merge_new_steps(WatchParams(run_root=run_root, release_root=releases, staging_root=staging))
+    watch = merge_new_steps(**WatchParams(run_root=run_root, release_root=releases, staging_root=staging).flow_parameters())
     (outcome,) = watch.outcomes
     (release,) = outcome.releases
     assert outcome.status == "published" and release.validation_ok
@@ -36,5 +36,5 @@ def test_a_megatron_run_is_merged_and_published_like_any_other(prefect, megatron
     assert read_manifest(release.url).validation["ok"]
     assert storage.exists(storage.join(release.url, "config.json"))
 
-    again = merge_step(MergeStepParams(run_root=run_root, step=1, release_root=releases, staging_root=staging))
+    again = merge_step(**MergeStepParams(run_root=run_root, step=1, release_root=releases, staging_root=staging).flow_parameters())
     assert again.cached

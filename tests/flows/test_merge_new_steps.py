@@ -33,28 +33,28 @@ def test_an_incomplete_step_is_skipped_then_merged_once_complete(prefect, templa
     missing = rank_file(2, 1)
     copy_steps(template_run, run_root, [1, 2], omit=[missing])
 
-    first = merge_new_steps(_watch(run_root, tmp_path))
+    first = merge_new_steps(**_watch(run_root, tmp_path).flow_parameters())
     assert first.steps_with("merged") == [1]
     assert len(first.waiting) == 1 and first.waiting[0].startswith("2 ")
     releases = f"{run_root}/releases"
     assert is_released(release_url(releases, "actor", 1)) and not is_released(release_url(releases, "actor", 2))
 
     storage.copy_file(str(template_run.root / missing), storage.join(run_root, missing))  # the last rank lands
-    second = merge_new_steps(_watch(run_root, tmp_path))
+    second = merge_new_steps(**_watch(run_root, tmp_path).flow_parameters())
     assert [(a.step, a.action) for a in second.actions] == [(2, "merged")]  # step 1: no merge_step run at all
     assert second.waiting == [] and second.published_before == 1
     assert verify_release(release_url(releases, "actor", 2)).ok
 
-    third = merge_new_steps(_watch(run_root, tmp_path))
+    third = merge_new_steps(**_watch(run_root, tmp_path).flow_parameters())
     assert third.actions == [] and third.published_before == 2
 
 
 def test_a_late_lower_step_is_merged(prefect, template_run, tmp_path):
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [3])
-    assert merge_new_steps(_watch(run_root, tmp_path)).steps_with("merged") == [3]
+    assert merge_new_steps(**_watch(run_root, tmp_path).flow_parameters()).steps_with("merged") == [3]
     copy_steps(template_run, run_root, [1])  # written after step 3 was released (e.g. an async save)
-    late = merge_new_steps(_watch(run_root, tmp_path))
+    late = merge_new_steps(**_watch(run_root, tmp_path).flow_parameters())
     assert late.steps_with("merged") == [1]
     assert is_released(release_url(str(tmp_path / "run" / "releases"), "actor", 1))
 
@@ -62,7 +62,7 @@ def test_a_late_lower_step_is_merged(prefect, template_run, tmp_path):
 def test_a_lora_step_releases_the_trained_model_and_its_adapter(prefect, template_run, tmp_path):
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [4])
-    watch = merge_new_steps(_watch(run_root, tmp_path))
+    watch = merge_new_steps(**_watch(run_root, tmp_path).flow_parameters())
     (outcome,) = watch.outcomes
     kinds = {r.kind: r for r in outcome.releases}
     assert set(kinds) == {"model", "adapter"}
@@ -77,7 +77,7 @@ def test_a_lora_step_releases_the_trained_model_and_its_adapter(prefect, templat
 
     from flows.merge_step import merge_step
 
-    again = merge_step(watch_step_params(run_root, tmp_path))
+    again = merge_step(**watch_step_params(run_root, tmp_path).flow_parameters())
     assert again.cached  # the adapter's expected fingerprint is the one extract_lora wrote
 
 
@@ -92,12 +92,12 @@ def test_a_step_with_lora_metadata_but_no_lora_weights_is_merged_once(prefect, t
     copy_steps(template_run, run_root, [1])
     (tmp_path / "run" / "global_step_1" / "actor" / "lora_train_meta.json").write_text(
         json.dumps({"r": 4, "lora_alpha": 8, "task_type": "CAUSAL_LM"}))  # the run said LoRA; the weights say no
-    first = merge_new_steps(_watch(run_root, tmp_path))
+    first = merge_new_steps(**_watch(run_root, tmp_path).flow_parameters())
     assert first.steps_with("merged") == [1]
     (outcome,) = first.outcomes
     assert [r.kind for r in outcome.releases] == ["model"]
     assert read_manifest(outcome.releases[0].url).options["checkpoint_lora"] is False
-    second = merge_new_steps(_watch(run_root, tmp_path))
+    second = merge_new_steps(**_watch(run_root, tmp_path).flow_parameters())
     assert second.actions == []  # nothing expected that merge_step would not make
 
 
@@ -121,12 +121,12 @@ def test_a_rank_file_still_being_written_is_not_ready_then_merged(prefect, templ
             shard.write_bytes(whole)
 
     monkeypatch.setattr(tasks.check, "check_checkpoint", check_while_the_writer_finishes)
-    state = merge_new_steps(_watch(run_root, tmp_path), return_state=True)
+    state = merge_new_steps(**_watch(run_root, tmp_path).flow_parameters(), return_state=True)
     assert state.is_completed()
     first = state.result()
     assert [(a.step, a.action) for a in first.actions] == [(1, "not ready")]
     assert "still being written" in first.actions[0].detail
     assert not is_released(release_url(str(tmp_path / "run" / "releases"), "actor", 1))
-    second = merge_new_steps(_watch(run_root, tmp_path))
+    second = merge_new_steps(**_watch(run_root, tmp_path).flow_parameters())
     assert second.steps_with("merged") == [1]
     assert verify_release(release_url(str(tmp_path / "run" / "releases"), "actor", 1)).ok

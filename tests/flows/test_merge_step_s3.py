@@ -43,7 +43,7 @@ def _small_reads(monkeypatch) -> list[str]:
 
 def test_an_s3_step_is_merged_validated_and_published_to_s3(prefect, template_run, s3_bucket_url, tmp_path):
     copy_steps(template_run, f"{s3_bucket_url}/run", [1])
-    state = merge_step(_params(s3_bucket_url, tmp_path), return_state=True)
+    state = merge_step(**_params(s3_bucket_url, tmp_path).flow_parameters(), return_state=True)
     outcome = state.result()
 
     release = release_url(f"{s3_bucket_url}/run/releases", "actor", 1)
@@ -73,11 +73,11 @@ def test_an_s3_step_is_merged_validated_and_published_to_s3(prefect, template_ru
 def test_a_rerun_is_a_cache_hit_that_reads_no_weight_byte(prefect, template_run, s3_bucket_url, tmp_path,
                                                           weight_reads, monkeypatch):
     copy_steps(template_run, f"{s3_bucket_url}/run", [2])
-    first = merge_step(_params(s3_bucket_url, tmp_path, 2))
+    first = merge_step(**_params(s3_bucket_url, tmp_path, 2).flow_parameters())
     weight_reads.reads.clear()
     small = _small_reads(monkeypatch)
 
-    state = merge_step(_params(s3_bucket_url, tmp_path, 2), return_state=True)
+    state = merge_step(**_params(s3_bucket_url, tmp_path, 2).flow_parameters(), return_state=True)
     outcome = state.result()
     assert outcome.cached and outcome.status == "already_published"
     assert outcome.releases[0].url == first.releases[0].url
@@ -90,13 +90,13 @@ def test_a_rerun_is_a_cache_hit_that_reads_no_weight_byte(prefect, template_run,
 
 def test_deleting_the_release_makes_the_next_run_rebuild_it(prefect, template_run, s3_bucket_url, tmp_path):
     copy_steps(template_run, f"{s3_bucket_url}/run", [3])
-    first = merge_step(_params(s3_bucket_url, tmp_path, 3))
+    first = merge_step(**_params(s3_bucket_url, tmp_path, 3).flow_parameters())
     release = first.releases[0].url
     attempt = read_manifest(release).attempt
     storage.remove(release, recursive=True)
     assert not is_released(release)
 
-    state = merge_step(_params(s3_bucket_url, tmp_path, 3), return_state=True)
+    state = merge_step(**_params(s3_bucket_url, tmp_path, 3).flow_parameters(), return_state=True)
     outcome = state.result()
     assert outcome.status == "published" and not outcome.cached
     runs = task_runs(flow_run_id(state))
@@ -106,6 +106,6 @@ def test_deleting_the_release_makes_the_next_run_rebuild_it(prefect, template_ru
 
     # a damaged release (a file gone, marker still there) is rebuilt too
     storage.remove(storage.join(release, "tokenizer.json"))
-    again = merge_step(_params(s3_bucket_url, tmp_path, 3))
+    again = merge_step(**_params(s3_bucket_url, tmp_path, 3).flow_parameters())
     assert again.status == "published" and verify_release(release).ok
     assert json.loads(storage.read_text(storage.join(release, MARKER)))["attempt"] == read_manifest(release).attempt

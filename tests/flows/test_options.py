@@ -49,12 +49,12 @@ def _dtypes(folder: str) -> set[str]:
 def test_lora_alpha_reaches_the_merge_when_the_run_did_not_record_it(prefect, template_run, tmp_path):
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [LORA_STEP], omit=[f"global_step_{LORA_STEP}/{ROLE}/lora_train_meta.json"])
-    unknown = merge_step(_params(run_root, tmp_path, LORA_STEP), return_state=True)
+    unknown = merge_step(**_params(run_root, tmp_path, LORA_STEP).flow_parameters(), return_state=True)
     with pytest.raises(AdapterError):
         unknown.result()
     assert not storage.list_files(str(tmp_path / "run" / "releases"))
 
-    outcome = merge_step(_params(run_root, tmp_path, LORA_STEP, lora_alpha=8))
+    outcome = merge_step(**_params(run_root, tmp_path, LORA_STEP, lora_alpha=8).flow_parameters())
     kinds = {r.kind: r for r in outcome.releases}
     assert outcome.status == "published" and set(kinds) == {"model", "adapter"}
     assert read_manifest(kinds["model"].url).options["lora_alpha"] == 8
@@ -66,7 +66,7 @@ def test_lora_alpha_reaches_the_merge_when_the_run_did_not_record_it(prefect, te
 def test_a_bfloat16_release_of_a_lora_step_passes_adapter_validation(prefect, template_run, tmp_path):
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [LORA_STEP])
-    outcome = merge_step(_params(run_root, tmp_path, LORA_STEP, dtype="bfloat16"))
+    outcome = merge_step(**_params(run_root, tmp_path, LORA_STEP, dtype="bfloat16").flow_parameters())
     kinds = {r.kind: r for r in outcome.releases}
     assert outcome.status == "published" and all(r.validation_ok for r in outcome.releases)
     assert _dtypes(kinds["model"].url) == {"BF16"}
@@ -79,10 +79,10 @@ def test_release_adapter_false_releases_the_model_only(prefect, template_run, tm
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [LORA_STEP])
     watch = WatchParams(run_root=run_root, staging_root=str(tmp_path / "staging"), release_adapter=False)
-    (outcome,) = merge_new_steps(watch).outcomes
+    (outcome,) = merge_new_steps(**watch.flow_parameters()).outcomes
     assert [r.kind for r in outcome.releases] == ["model"]
     assert not storage.list_files(release_url(str(tmp_path / "run" / "releases"), ROLE, LORA_STEP, "adapter"))
-    assert merge_new_steps(watch).actions == []
+    assert merge_new_steps(**watch.flow_parameters()).actions == []
 
 
 def test_roles_and_max_steps_choose_what_the_watcher_merges(prefect, template_run, tmp_path):
@@ -91,13 +91,13 @@ def test_roles_and_max_steps_choose_what_the_watcher_merges(prefect, template_ru
     shutil.copytree(run_root / "global_step_1" / ROLE, run_root / "global_step_1" / "critic")
     staging = str(tmp_path / "staging")
 
-    critic = merge_new_steps(WatchParams(run_root=str(run_root), staging_root=staging, roles=["critic"]))
+    critic = merge_new_steps(**WatchParams(run_root=str(run_root), staging_root=staging, roles=["critic"]).flow_parameters())
     assert [(a.step, a.role, a.action) for a in critic.actions] == [(1, "critic", "merged")]
     assert is_released(release_url(str(run_root / "releases"), "critic", 1))
 
-    first = merge_new_steps(WatchParams(run_root=str(run_root), staging_root=staging, max_steps=1))
+    first = merge_new_steps(**WatchParams(run_root=str(run_root), staging_root=staging, max_steps=1).flow_parameters())
     assert [(a.step, a.role) for a in first.actions] == [(1, ROLE)]  # the oldest first, one per tick
-    second = merge_new_steps(WatchParams(run_root=str(run_root), staging_root=staging, max_steps=1))
+    second = merge_new_steps(**WatchParams(run_root=str(run_root), staging_root=staging, max_steps=1).flow_parameters())
     assert [(a.step, a.role) for a in second.actions] == [(2, ROLE)]
 
 
@@ -112,28 +112,28 @@ def test_a_rewritten_step_fails_fast_without_overwrite_and_is_replaced_with_it(p
                                                                                monkeypatch):
     run_root = tmp_path / "run"
     copy_steps(template_run, str(run_root), [1])
-    first = merge_step(_params(str(run_root), tmp_path, 1))
+    first = merge_step(**_params(str(run_root), tmp_path, 1).flow_parameters())
     release = first.releases[0].url
     _rewrite_step(template_run, run_root, 1, from_step=2)
 
     watch = WatchParams(run_root=str(run_root), staging_root=str(tmp_path / "staging"))
-    assert [(a.step, a.action) for a in merge_new_steps(watch).actions] == [(1, "changed since release")]
+    assert [(a.step, a.action) for a in merge_new_steps(**watch.flow_parameters()).actions] == [(1, "changed since release")]
 
     merged = []
     real_merge = tasks.merge.merge_checkpoint
     monkeypatch.setattr(tasks.merge, "merge_checkpoint", lambda *a, **k: merged.append(a) or real_merge(*a, **k))
-    refused = merge_step(_params(str(run_root), tmp_path, 1), return_state=True)
+    refused = merge_step(**_params(str(run_root), tmp_path, 1).flow_parameters(), return_state=True)
     with pytest.raises(TargetExists):
         refused.result()
     assert merged == []  # refused before merging: nothing read, nothing staged
     assert not storage.list_files(str(tmp_path / "staging"))
     assert read_manifest(release).fingerprint == first.releases[0].fingerprint  # the old release stands
 
-    replaced = merge_step(_params(str(run_root), tmp_path, 1, overwrite=True))
+    replaced = merge_step(**_params(str(run_root), tmp_path, 1, overwrite=True).flow_parameters())
     assert replaced.status == "published" and len(merged) == 1
     manifest = read_manifest(release)
     assert manifest.fingerprint != first.releases[0].fingerprint and verify_release(release).ok
-    assert merge_new_steps(watch).actions == []  # the release now records the new listing
+    assert merge_new_steps(**watch.flow_parameters()).actions == []  # the release now records the new listing
 
 
 def test_a_changed_hf_model_path_is_a_new_merge_not_a_cache_hit(prefect, template_run, tmp_path):
@@ -141,12 +141,12 @@ def test_a_changed_hf_model_path_is_a_new_merge_not_a_cache_hit(prefect, templat
     copy_steps(template_run, run_root, [1])
     metadata = tmp_path / "hf"
     shutil.copytree(template_run.step_dir(1) / ROLE / "huggingface", metadata)
-    first = merge_step(_params(run_root, tmp_path, 1, hf_model_path=str(metadata)))
+    first = merge_step(**_params(run_root, tmp_path, 1, hf_model_path=str(metadata)).flow_parameters())
     assert first.status == "published"
 
     config = json.loads((metadata / "config.json").read_text())
     (metadata / "config.json").write_text(json.dumps({**config, "stepmerge_test_note": "edited"}))
-    again = merge_step(_params(run_root, tmp_path, 1, hf_model_path=str(metadata), overwrite=True))
+    again = merge_step(**_params(run_root, tmp_path, 1, hf_model_path=str(metadata), overwrite=True).flow_parameters())
     assert again.status == "published" and not again.cached
     released = json.loads(storage.read_text(storage.join(again.releases[0].url, "config.json")))
     assert released["stepmerge_test_note"] == "edited"
@@ -155,13 +155,13 @@ def test_a_changed_hf_model_path_is_a_new_merge_not_a_cache_hit(prefect, templat
 def test_reference_url_compares_values_and_a_different_model_fails(prefect, template_run, tmp_path):
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [1, 2])
-    reference = merge_step(_params(run_root, tmp_path, 1, release_root=str(tmp_path / "first"))).releases[0].url
+    reference = merge_step(**_params(run_root, tmp_path, 1, release_root=str(tmp_path / "first")).flow_parameters()).releases[0].url
 
-    same = merge_step(_params(run_root, tmp_path, 1, release_root=str(tmp_path / "second"), reference_url=reference))
+    same = merge_step(**_params(run_root, tmp_path, 1, release_root=str(tmp_path / "second"), reference_url=reference).flow_parameters())
     checks = _checks(same.releases[0].url)
     assert checks["reference_values"]["ok"] and checks["reference_logits"]["ok"]
 
-    other = merge_step(_params(run_root, tmp_path, 2, release_root=str(tmp_path / "second"), reference_url=reference),
+    other = merge_step(**_params(run_root, tmp_path, 2, release_root=str(tmp_path / "second"), reference_url=reference).flow_parameters(),
                        return_state=True)
     with pytest.raises(ValidationFailed):
         other.result()

@@ -1,41 +1,87 @@
-"""Flow parameters: pydantic models the Prefect UI renders as forms with defaults, checked before any work.
+"""Flow parameters: flat, typed, the required ones first; the UI's form is made from them, the server
+checks them before a run exists (tests/deployments/test_prefect_yaml.py), the flow again before a task.
 
-The parameter schema Prefect builds for each flow (what the UI's form is made from) has the
-fields with their defaults and constraints; bad values (negative step, a scheme off the list, a
-``..`` path) are refused when the run is created, before a task runs.
+Each flow's signature lists exactly its parameter model's fields with the same defaults (one list,
+two spellings held together here); the JSON schema carries the URL pattern, the size pattern, the
+dtype spellings (the command line's), ``step >= 0``, and a description for every field.
 """
 
 from __future__ import annotations
+
+import inspect
+import re
 
 import pytest
 from pydantic import ValidationError
 
 from flows.merge_new_steps import merge_new_steps
 from flows.merge_step import merge_step
-from flows.params import AdapterParams, MergeStepParams, RunLocation, WatchParams
+from flows.params import URL_PATTERN, AdapterParams, MergeStepParams, RunLocation, WatchParams
 from flows.release_adapter import release_adapter
 from flows.url_checks import checked_url
+from merge_engine.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, parse_size
 from tests.fixtures_pipeline import flow_run_id, task_runs
 
-
-def _definition(flow, name: str) -> dict:
-    schema = flow.parameters.model_dump()
-    assert schema["required"] == ["params"]
-    return schema["definitions"][name]
+FLOWS = [(merge_step, MergeStepParams), (merge_new_steps, WatchParams), (release_adapter, AdapterParams)]
 
 
 def test_the_ui_form_has_every_option_with_its_default_and_constraints():
-    form = _definition(merge_step, "MergeStepParams")
-    props = form["properties"]
-    assert set(form["required"]) == {"run_root", "step"}
+    schema = merge_step.parameters.model_dump()
+    assert schema["required"] == ["step", "run_root"]
+    props = schema["properties"]
+    assert list(props)[:2] == ["step", "run_root"]  # the form lists the required values first
     assert props["step"]["minimum"] == 0
+    assert props["run_root"]["pattern"] == URL_PATTERN and props["max_shard_size"]["pattern"] == SIZE_PATTERN
     assert props["role"]["default"] == "actor" and set(props["role"]["enum"]) == {"actor", "critic", ""}
     assert props["max_shard_size"]["default"] == "5GB"
     assert props["validate_forward"]["default"] is True and props["overwrite"]["default"] is False
     assert all(p.get("description") for p in props.values())
-    watch = _definition(merge_new_steps, "WatchParams")["properties"]
-    assert watch["merge_deployment"]["default"] == "merge-step/gpu" and watch["roles"]["default"] == ["actor", ""]
-    assert "include_base" in _definition(release_adapter, "AdapterParams")["properties"]
+    watch = merge_new_steps.parameters.model_dump()
+    assert watch["required"] == ["run_root"]
+    assert watch["properties"]["merge_deployment"]["default"] == "merge-step/gpu"
+    assert watch["properties"]["roles"]["default"] == ["actor", ""]
+    assert "include_base" in release_adapter.parameters.model_dump()["properties"]
+
+
+@pytest.mark.parametrize("flow, model", FLOWS, ids=lambda x: getattr(x, "__name__", ""))
+def test_each_flow_signature_is_its_parameter_model(flow, model):
+    signature = inspect.signature(flow.fn).parameters
+    assert set(signature) == set(model.model_fields)
+    for name, field in model.model_fields.items():
+        declared = signature[name].default  # a pydantic Field carrying the form's description
+        assert declared.is_required() == field.is_required(), name
+        assert field.is_required() or declared.default == field.default, name
+
+
+def test_the_form_and_the_command_line_accept_the_same_dtype_spellings_and_record_one():
+    (enum,) = [a["enum"] for a in merge_step.parameters.model_dump()["properties"]["dtype"]["anyOf"] if "enum" in a]
+    assert set(enum) == set(DTYPE_SPELLINGS)
+    for spelling, canonical in DTYPE_SPELLINGS.items():
+        assert MergeStepParams(run_root="s3://b/run", step=1, dtype=spelling).recorded_options()["dtype"] == canonical
+
+
+@pytest.mark.parametrize("url, ok", [
+    ("s3://bucket/run", True), ("gs://bucket/run", True), ("/data/run", True), ("file:///data/run", True),
+    ("gs://b/a..b", True), ("ftp://host/run", False), ("s3://bucket/run/../x", False), ("s3://b/%2e%2e/x", False),
+    ("s3://b/.%2E/x", False), ("../run", False), ("s3://", False), ("s3:///x", False), ("s3://b/run\x00", False),
+    ("C:\\run", False), ("http://evil/x", False),
+])
+def test_the_servers_url_pattern_is_the_flows_url_check(url, ok):
+    assert bool(re.match(URL_PATTERN, url)) is ok
+    try:
+        checked_url(url)
+        checked = True
+    except ValueError:
+        checked = False
+    assert checked is ok
+
+
+@pytest.mark.parametrize("size, ok", [("5GB", True), ("500MiB", True), ("1.5 GB", True), ("1024", True),
+                                      ("5gb", True), ("lots", False), ("5 GiBB", False), ("", False), ("-1GB", False)])
+def test_the_size_pattern_admits_what_parse_size_reads(size, ok):
+    assert bool(re.match(SIZE_PATTERN, size)) is ok
+    if ok:
+        assert parse_size(size) > 0
 
 
 @pytest.mark.parametrize("bad", [
@@ -49,6 +95,7 @@ def test_the_ui_form_has_every_option_with_its_default_and_constraints():
     {"max_shard_size": "lots"},
     {"release_root": "http://evil/x"},
     {"unknown_option": 1},
+    {"dtype": "fp17"},
 ])
 def test_bad_parameters_are_refused(bad):
     with pytest.raises(ValidationError):
@@ -76,7 +123,7 @@ def test_url_allow_list_is_configurable():
 
 
 def test_a_bad_parameter_fails_the_run_before_any_task(prefect):
-    state = merge_step(params={"run_root": "s3://bucket/run", "step": -5}, return_state=True)
+    state = merge_step(run_root="s3://bucket/run", step=-5, return_state=True)
     assert state.is_failed()
     message = str(state.message)
     assert "step" in message and "greater than or equal to 0" in message  # names the field and the rule

@@ -7,7 +7,8 @@ finds the adapter already released. A step without LoRA is refused with a named 
 
 The adapter is compared with the step's released model only when that release was built from this
 very checkpoint (and alpha): a model release of another checkpoint at that place is not a reference.
-A rank file still being written makes the step "not ready", as for merge_step (the same rule).
+A rank file still being written makes the step "not ready", as for merge_step (the same rule: green
+only when a watcher of the run root will come back for it, tests/flows/test_watchers.py).
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from flows.release_adapter import release_adapter
 from merge_engine.errors import AdapterError
 from merge_engine.publish import verify_release
 from merge_engine.release import is_released, read_manifest, release_url
-from tests.fixtures_pipeline import LORA_STEP, ROLE, copy_steps, rank_file
+from tests.fixtures_pipeline import LORA_STEP, ROLE, copy_steps, deploy_watcher, rank_file
 
 
 def test_the_adapter_of_a_lora_step_is_released_and_loads_with_peft(prefect, template_run, tmp_path):
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [LORA_STEP])
     staging = str(tmp_path / "staging")
-    outcome = release_adapter(AdapterParams(run_root=run_root, step=LORA_STEP, staging_root=staging))
+    outcome = release_adapter(**AdapterParams(run_root=run_root, step=LORA_STEP, staging_root=staging).flow_parameters())
     (adapter,) = outcome.releases
     assert outcome.status == "published" and adapter.kind == "adapter"
     assert verify_release(adapter.url).ok
@@ -37,7 +38,7 @@ def test_the_adapter_of_a_lora_step_is_released_and_loads_with_peft(prefect, tem
     assert checks["peft_load"] and checks["adapter_fits_base"] and checks["adapter_finite"]
     assert "peft_logits" not in checks  # no merged model released yet to compare with
 
-    full = merge_step(MergeStepParams(run_root=run_root, step=LORA_STEP, staging_root=staging))
+    full = merge_step(**MergeStepParams(run_root=run_root, step=LORA_STEP, staging_root=staging).flow_parameters())
     kinds = {r.kind: r for r in full.releases}
     assert not kinds["model"].already_published and kinds["adapter"].already_published
     assert kinds["adapter"].url == adapter.url
@@ -46,7 +47,7 @@ def test_the_adapter_of_a_lora_step_is_released_and_loads_with_peft(prefect, tem
 def test_a_step_without_lora_is_refused(prefect, template_run, tmp_path):
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [1])
-    state = release_adapter(AdapterParams(run_root=run_root, step=1), return_state=True)
+    state = release_adapter(**AdapterParams(run_root=run_root, step=1).flow_parameters(), return_state=True)
     with pytest.raises(AdapterError):
         state.result()
 
@@ -58,11 +59,11 @@ def test_a_model_release_of_another_checkpoint_is_not_the_reference(prefect, tem
     copy_steps(template_run, run_root, [1, LORA_STEP])
     releases = tmp_path / "run" / "releases"
     staging = str(tmp_path / "staging")
-    step_1 = merge_step(MergeStepParams(run_root=run_root, step=1, staging_root=staging)).releases[0].url
+    step_1 = merge_step(**MergeStepParams(run_root=run_root, step=1, staging_root=staging).flow_parameters()).releases[0].url
     shutil.copytree(step_1, release_url(str(releases), ROLE, LORA_STEP))
     assert is_released(release_url(str(releases), ROLE, LORA_STEP))
 
-    outcome = release_adapter(AdapterParams(run_root=run_root, step=LORA_STEP, staging_root=staging))
+    outcome = release_adapter(**AdapterParams(run_root=run_root, step=LORA_STEP, staging_root=staging).flow_parameters())
     (adapter,) = outcome.releases
     assert outcome.status == "published" and adapter.validation_ok
     assert "peft_logits" not in {c["name"] for c in read_manifest(adapter.url).validation["checks"]}
@@ -72,8 +73,8 @@ def test_the_model_release_of_this_checkpoint_is_the_reference(prefect, template
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [LORA_STEP])
     staging = str(tmp_path / "staging")
-    merge_step(MergeStepParams(run_root=run_root, step=LORA_STEP, staging_root=staging, release_adapter=False))
-    outcome = release_adapter(AdapterParams(run_root=run_root, step=LORA_STEP, staging_root=staging))
+    merge_step(**MergeStepParams(run_root=run_root, step=LORA_STEP, staging_root=staging, release_adapter=False).flow_parameters())
+    outcome = release_adapter(**AdapterParams(run_root=run_root, step=LORA_STEP, staging_root=staging).flow_parameters())
     checks = {c["name"]: c["ok"] for c in read_manifest(outcome.releases[0].url).validation["checks"]}
     assert checks["peft_logits"]
 
@@ -95,6 +96,8 @@ def test_a_rank_file_still_being_written_is_not_ready(prefect, template_run, tmp
             shard.write_bytes(whole)
 
     monkeypatch.setattr(tasks.check, "check_checkpoint", check_while_the_writer_finishes)
-    outcome = release_adapter(AdapterParams(run_root=run_root, step=LORA_STEP, staging_root=str(tmp_path / "s")))
+    watcher = deploy_watcher(run_root, f"watch-{tmp_path.name}")
+    outcome = release_adapter(**AdapterParams(run_root=run_root, step=LORA_STEP, staging_root=str(tmp_path / "s")).flow_parameters())
     assert outcome.status == "not_ready" and "still being written" in outcome.reason
+    assert f"the watcher {watcher} (on its schedule)" in outcome.reason  # who comes back for it
     assert outcome.releases == []

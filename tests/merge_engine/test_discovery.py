@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from merge_engine import discovery, storage
+from merge_engine.errors import RunRootNotFound
 from merge_engine.discovery import (
     COMPLETE,
     INCOMPLETE,
@@ -126,9 +127,13 @@ class TestRunRoot:
         found = discover(root_url)
         assert found.tracker_hint == 9 and [s.step for s in found.steps] == [5]
 
-    def test_missing_or_empty_run_root(self, root_url):
-        assert discover_steps(storage.join(root_url, "nothing-here")) == []
-        assert latest_complete_step(storage.join(root_url, "nothing-here")) is None
+    def test_missing_or_empty_run_root_is_an_error_naming_it(self, root_url):
+        """A typo in the run root must not look like "no checkpoints yet" (issue 11, point 1)."""
+        missing = storage.join(root_url, "nothing-here")
+        for call in (discover, discover_steps, latest_complete_step):
+            with pytest.raises(RunRootNotFound) as caught:
+                call(missing)
+            assert caught.value.path == missing and "typo" in caught.value.message
 
     def test_unrelated_folders_are_ignored(self, root_url):
         write_tree(root_url, fsdp_files("global_step_x/actor/") | fsdp_files("tensorboard/actor/")

@@ -1,0 +1,115 @@
+"""``make deploy`` / ``python -m deployments.deploy``: deploy prefect.yaml, and run the watcher at once.
+
+    python -m deployments.deploy                                    # every deployment of prefect.yaml
+    python -m deployments.deploy --watcher exp2 --run-root s3://bucket/exp2   # one more watcher
+
+The first form checks the environment the deployments are made of (``STEPMERGE_HOME``: the checkout
+workers run from; ``STEPMERGE_RUN_ROOT``: the run the watcher watches), runs ``prefect deploy --all``
+on deployments/prefect.yaml (whose build step makes the same check, for a bare ``prefect deploy``),
+then creates the first run of ``merge-new-steps/watch`` NOW: an interval schedule's first run is one
+interval after the deploy, and a new deployment should show its first report in seconds, not in 10
+minutes.
+
+The second form deploys another watcher, ``merge-new-steps/<name>``, for another run root: the same
+entrypoint, pool (``cpu``), schedule (600 s) and pull step as ``watch``, through the documented
+command ``prefect deploy flows/merge_new_steps.py:merge_new_steps --name <name> --pool cpu --interval
+600 --param run_root=<URL> --prefect-file deployments/prefect.yaml`` (a deployment name that is not
+in prefect.yaml needs its entrypoint), then runs it once, now.
+
+Errors are one line on stderr: exit 2 for a missing or bad setting, 1 when ``prefect deploy`` failed
+(its last lines are shown).
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+WATCH_FLOW = "merge-new-steps"
+PREFECT_FILE = "deployments/prefect.yaml"
+WATCH_INTERVAL_S = 600
+
+
+class DeployError(Exception):
+    """What stops a deploy, in one line; ``exit_code`` 2 (settings) or 1 (``prefect deploy`` failed)."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def checked_environment(run_root: Optional[str]) -> Path:
+    """The checkout ``STEPMERGE_HOME`` names, after checking it and the run root; `DeployError` otherwise."""
+    home = os.environ.get("STEPMERGE_HOME", "").strip()
+    if not home:
+        raise DeployError("set STEPMERGE_HOME to the repository checkout the workers run from "
+                          "(export STEPMERGE_HOME=$PWD)")
+    if not (Path(home) / "flows" / "merge_step.py").is_file():
+        raise DeployError(f"STEPMERGE_HOME={home} is not a stepmerge checkout (no flows/merge_step.py there)")
+    if not run_root:
+        raise DeployError("set STEPMERGE_RUN_ROOT to the run root the watcher watches (e.g. s3://my-bucket/my-run)")
+    from flows.url_checks import checked_url
+
+    try:
+        checked_url(run_root)
+    except ValueError as exc:
+        raise DeployError(f"run root {run_root!r}: {exc}") from None
+    return Path(home)
+
+
+def prefect_deploy(home: Path, arguments: Sequence[str], run_root: str) -> None:
+    """``prefect --no-prompt deploy <arguments> --prefect-file deployments/prefect.yaml`` from ``home``."""
+    env = dict(os.environ, STEPMERGE_RUN_ROOT=run_root)
+    command = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", *arguments, "--prefect-file", PREFECT_FILE]
+    print("$ prefect --no-prompt deploy " + " ".join([*arguments, "--prefect-file", PREFECT_FILE]), flush=True)
+    done = subprocess.run(command, cwd=home, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+        raise DeployError("prefect deploy failed: " + " | ".join(lines[-3:]), exit_code=1)
+
+
+def first_watcher_run(name: str) -> str:
+    """Create a run of ``merge-new-steps/<name>`` now; its flow run id."""
+    from prefect.deployments import run_deployment
+
+    run = run_deployment(f"{WATCH_FLOW}/{name}", timeout=0)
+    return str(run.id)
+
+
+def deploy(watcher: Optional[str] = None, run_root: Optional[str] = None) -> List[str]:
+    """Deploy (see the module docstring); the lines printed."""
+    run_root = run_root or os.environ.get("STEPMERGE_RUN_ROOT", "").strip()
+    home = checked_environment(run_root)
+    if watcher is None:
+        prefect_deploy(home, ["--all"], run_root)
+        name = "watch"
+    else:
+        prefect_deploy(home, ["flows/merge_new_steps.py:merge_new_steps", "--name", watcher, "--pool", "cpu",
+                              "--interval", str(WATCH_INTERVAL_S), "--param", f"run_root={run_root}"], run_root)
+        name = watcher
+    run_id = first_watcher_run(name)
+    return [f"deployed; {WATCH_FLOW}/{name} watches {run_root} every {WATCH_INTERVAL_S} s, first run now "
+            f"(flow run {run_id})"]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deployments.deploy", description=__doc__.splitlines()[0],
+                                     allow_abbrev=False)
+    parser.add_argument("--watcher", help="deploy one more watcher, merge-new-steps/<WATCHER>, for --run-root")
+    parser.add_argument("--run-root", help="the run root to watch (default: $STEPMERGE_RUN_ROOT)")
+    args = parser.parse_args(argv)
+    if args.watcher is not None and not args.run_root:
+        parser.error("--watcher needs --run-root")
+    try:
+        for line in deploy(args.watcher, args.run_root):
+            print(line)
+    except DeployError as exc:
+        print(f"stepmerge deploy: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""``make demo`` on a busy machine (issue 11, point 3): Prefect's temporary server gets a start timeout
+that fits a slow machine, and when it still does not answer the demo says what to do in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _demo(cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "STEPMERGE_"))}
+    return subprocess.run([sys.executable, "-m", "flows.demo"], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**clean, "PYTHONPATH": str(REPO), **env})
+
+
+def test_a_server_that_does_not_start_in_time_is_one_line_and_nothing_else(tmp_path):
+    done = _demo(tmp_path, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="0")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("demo:")]
+    assert line.startswith("demo: Prefect's temporary server did not start within 0 s (a busy machine?): run it "
+                           "again with PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=300")
+    assert not (tmp_path / "demo" / "run").exists()  # it stopped before writing the training run
+
+
+def test_the_demo_waits_longer_than_prefects_20_s():
+    from flows import demo
+
+    saved = dict(os.environ)
+    try:  # _quiet_environment sets the demo's environment in this process: put everything back after
+        os.environ.pop("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", None)
+        demo._quiet_environment()
+        assert int(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]) == demo.SERVER_START_TIMEOUT_S
+        assert demo.SERVER_START_TIMEOUT_S >= 120
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

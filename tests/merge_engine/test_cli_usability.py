@@ -1,0 +1,104 @@
+"""The command line as a new user meets it (issue 11, point 11): typos named, no abbreviations,
+``--version``, exit codes in ``check --help``, one dtype vocabulary recorded canonically, MB everywhere.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from merge_engine.cli import _progress, build_parser, main
+from merge_engine.option_values import DTYPE_SPELLINGS
+
+VARIANT = "fsdp2_qwen2"
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "merge_engine", *argv], capture_output=True, text=True, timeout=120)
+
+
+def test_a_misspelled_flag_is_named_with_its_closest_spelling():
+    """argparse alone said "the following arguments are required: --local_dir" and never named the typo."""
+    proc = _run("merge", "--local-dri", "/ckpt", "--target_dir", "/out")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "stepmerge merge: error: unrecognized flag --local-dri (did you mean --local-dir?)"
+
+
+def test_flags_are_never_abbreviated(capsys):
+    """``--local`` is not silently taken for ``--local_dir`` (a later flag could make it ambiguous)."""
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["check", "--local", "/ckpt"])
+    assert exited.value.code == 2
+    assert "unrecognized flag --local" in capsys.readouterr().err
+
+
+def test_version():
+    from merge_engine import __version__
+
+    proc = _run("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"stepmerge {__version__}"
+
+
+def test_check_help_lists_its_exit_codes():
+    proc = _run("check", "--help")
+    assert proc.returncode == 0
+    codes = {line.split()[0] for line in proc.stdout.split("exit codes:", 1)[1].splitlines() if line.strip()}
+    assert codes == {"0", "2", "3", "4"}
+
+
+def test_hf_upload_path_points_to_a_command_that_exists(tmp_path, capsys):
+    assert main(["merge", "--local_dir", str(tmp_path), "--target_dir", str(tmp_path / "out"),
+                 "--hf_upload_path", "me/model"]) == 2
+    err = capsys.readouterr().err
+    assert "stepmerge publish" not in err and "`hf upload REPO_ID FOLDER`" in err
+    assert (Path(sys.executable).parent / "hf").exists()  # huggingface_hub's command, installed with transformers
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("spelling", sorted(DTYPE_SPELLINGS))
+def test_every_dtype_spelling_is_read_as_its_canonical_name(spelling):
+    for command in (["merge", "--target_dir", "/out", "--local_dir", "/c"], ["split", "--hf-dir", "/h",
+                                                                            "--target_dir", "/out"]):
+        args = build_parser().parse_args([*command, "--dtype", spelling.upper()])
+        assert args.dtype == DTYPE_SPELLINGS[spelling]
+
+
+def test_an_unknown_dtype_lists_the_spellings(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["merge", "--local_dir", "/c", "--target_dir", "/o", "--dtype", "fp17"])
+    err = capsys.readouterr().err
+    assert "unknown dtype 'fp17'" in err and "bf16" in err and "float32" in err
+
+
+def test_a_merge_records_the_canonical_dtype(fsdp_runs, tmp_path):
+    source = tmp_path / "actor"
+    shutil.copytree(fsdp_runs[VARIANT].latest.checkpoint_dir, source)
+    assert main(["merge", "--backend", "fsdp", "--local_dir", str(source), "--target_dir", str(tmp_path / "out"),
+                 "--dtype", "fp16"]) == 0
+    provenance = json.loads((tmp_path / "out" / "stepmerge.json").read_text())
+    assert provenance["options"]["dtype"] == "float16"
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "float16"
+
+
+def test_progress_counts_decimal_megabytes_like_the_messages():
+    """The bar said 1.43MB for 1.5 MB (MiB under an MB label) beside "1.5 MB" in the text."""
+    out = io.StringIO()
+    bar = _progress(3_000_000, "merge", file=out, disable=False)
+    bar.update(1_500_000)
+    bar.close()
+    assert "1.50MB/3.00MB" in out.getvalue()
+
+
+def test_discover_of_a_missing_run_root_fails_naming_it(tmp_path):
+    proc = _run("discover", "--run-root", str(tmp_path / "exp1n"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (f"stepmerge: error: RunRootNotFound: no files under this run root: it does not "
+                                   f"exist (a typo?) or nothing was written there yet [{tmp_path / 'exp1n'}]")
