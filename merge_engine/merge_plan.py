@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from merge_engine.errors import InvalidOption, UnsupportedLayout
+from merge_engine.errors import UnsupportedLayout
 from merge_engine.hf_metadata import INDEX_FILE, SINGLE_FILE
 from merge_engine.option_values import DTYPE_SPELLINGS, canonical_dtype, parse_size
 from merge_engine.safetensors_file import CODES
