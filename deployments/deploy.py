@@ -94,7 +94,7 @@ def deploy(watcher: Optional[str] = None, run_root: Optional[str] = None) -> Lis
             f"(flow run {run_id})"]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def deploy_command(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deployments.deploy", description=__doc__.splitlines()[0],
                                      allow_abbrev=False)
     parser.add_argument("--watcher", help="deploy one more watcher, merge-new-steps/<WATCHER>, for --run-root")
@@ -112,4 +112,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(deploy_command())

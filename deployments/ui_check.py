@@ -203,7 +203,7 @@ def check(out: Path) -> str:
         print(f"   logs: {logs}")
 
 
-def main() -> int:
+def run_ui_check() -> int:
     out = Path("ui-check").resolve()
     out.mkdir(exist_ok=True)
     try:
@@ -220,4 +220,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_ui_check())

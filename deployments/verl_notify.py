@@ -50,7 +50,7 @@ def canonical_run_root(run_root: str) -> str:
     return run_root.rstrip("/") or run_root[:1]
 
 
-def checkpoint_saved_event(run_root: str, step: int, role: str = "actor") -> dict:
+def saved_event_json(run_root: str, step: int, role: str = "actor") -> dict:
     """The event, with the fields the server requires (``id``, ``occurred``)."""
     run_root = canonical_run_root(run_root)
     step = int(step)
@@ -72,7 +72,7 @@ def notify_checkpoint_saved(api_url: str, run_root: str, step: int, role: str = 
 
     Raises `OSError` (``urllib.error.URLError`` / ``HTTPError``) when it was not delivered.
     """
-    event = checkpoint_saved_event(run_root, step, role)
+    event = saved_event_json(run_root, step, role)
     request = urllib.request.Request(api_url.rstrip("/") + "/events", data=json.dumps([event]).encode(),
                                      method="POST", headers={"Content-Type": "application/json"})
     auth_string = auth_string if auth_string is not None else os.environ.get("PREFECT_API_AUTH_STRING")
@@ -84,7 +84,7 @@ def notify_checkpoint_saved(api_url: str, run_root: str, step: int, role: str = 
     return event["id"]
 
 
-def main(argv: Optional[list] = None) -> int:
+def notify_command(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--api-url", default=os.environ.get("PREFECT_API_URL"),
                         help="the Prefect API, e.g. http://prefect:4200/api (default: $PREFECT_API_URL)")
@@ -106,4 +106,4 @@ def main(argv: Optional[list] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(notify_command())

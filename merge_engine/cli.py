@@ -39,8 +39,8 @@ class StepmergeParser(argparse.ArgumentParser):
                 known = [o for o in self._option_string_actions if o.startswith("--")]
                 close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
                 self.error(f"unrecognized flag {flag}" + (f" (did you mean {close[0]}?)" if close else ""))
-            if not token.startswith("-") and token in getattr(self, "_commands", ()):
-                break  # the rest belongs to a subcommand's parser
+            if not token.startswith("-") and hasattr(self, "_commands"):
+                break  # the command's name (known or not): the rest belongs to its parser
         return super().parse_known_args(args, namespace)
 
 

@@ -22,7 +22,7 @@ JOB = """
 import sys
 sys.path.insert(0, sys.argv[1])
 import verl_notify
-rc = verl_notify.main(["--api-url", sys.argv[2], "--run-root", "s3://training-bucket/verl-run/", "--step", "130"])
+rc = verl_notify.notify_command(["--api-url", sys.argv[2], "--run-root", "s3://training-bucket/verl-run/", "--step", "130"])
 heavy = sorted({m.split(".")[0] for m in sys.modules} & {"prefect", "flows", "merge_engine", "torch", "pydantic",
                                                           "httpx", "fsspec"})
 print("HEAVY", heavy)
@@ -61,7 +61,7 @@ def test_the_same_event_as_stepmerge_notify():
     finally:
         sys.path.pop(0)
     for run_root in ("s3://b/run/", "file:///shared/run", "/shared/run", "gcs://b/run"):
-        ours = verl_notify.checkpoint_saved_event(run_root, 7, "critic")
+        ours = verl_notify.saved_event_json(run_root, 7, "critic")
         theirs = stepmerge_event(run_root, 7, "critic")
         assert {k: ours[k] for k in theirs} == theirs
         assert set(ours) - set(theirs) == {"id", "occurred"}  # what POST /api/events requires besides

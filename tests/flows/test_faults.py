@@ -96,7 +96,7 @@ def test_a_corrupted_shard_fails_without_retries_and_publishes_nothing(prefect, 
     with get_client(sync_client=True) as client:
         (failed_run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id(state)]),
-            name=FlowRunFilterName(any_=["actor-step-2"])))
+            name=FlowRunFilterName(any_=["run actor step 2"])))  # `flows.run_labels.step_run_name`
     assert failed_run.state.is_failed()
     runs = task_runs(str(failed_run.id))
     (check,) = runs["check-checkpoint"]
