@@ -37,4 +37,4 @@ def deployed(prefect_api):
         deployments = client.read_deployments()
     # prefect.yaml's deployments (other tests of the session add watchers of their own run roots)
     return {f"{d.entrypoint.rsplit(':', 1)[1].replace('_', '-')}/{d.name}": d for d in deployments
-            if d.entrypoint and d.name in ("gpu", "watch")}
+            if d.entrypoint and d.name in ("gpu", "watch", "sweep")}
