@@ -76,6 +76,22 @@ class TestStructure:
         assert why in failed(report)["weights_index"]
         assert not report.ok
 
+    @pytest.mark.parametrize("weight_map", [["a"], "model-00001-of-00003.safetensors", {"a": ["x"]},
+                                            "[" * 100_000 + "]" * 100_000], ids=["list", "string", "unhashable",
+                                                                                 "nested"])
+    def test_unusable_weight_map_is_a_failed_check_not_a_traceback(self, root_url, qwen, weight_map):
+        """Issue 9 case 11: a weight_map given as a list, a string, with list values, or JSON nested
+        100 000 deep (RecursionError) was a traceback; it is a failed ``weights_index`` check."""
+        import json
+
+        url = write_hf_folder(storage.join(root_url, "m"), *qwen)
+        index = storage.join(url, "model.safetensors.index.json")
+        text = weight_map if isinstance(weight_map, str) and weight_map.startswith("[[") else \
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        storage.write_bytes(index, text.encode())
+        report = validate_structure(url)
+        assert not report.ok and "weights_index" in failed(report)
+
     def test_index_names_missing_file(self, root_url, qwen):
         def edit(index):
             index["weight_map"]["model.norm.weight"] = "model-00009-of-00009.safetensors"
