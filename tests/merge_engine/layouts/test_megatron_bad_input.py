@@ -305,3 +305,33 @@ def test_a_lying_dist_checkpoint_metadata_is_refused_by_check(megatron_runs, tmp
     assert main(["check", "--local_dir", url]) == 4
     err = capsys.readouterr().err
     assert "share bytes" in err and str(metadata_file) in err
+
+
+def test_rank_files_and_metadata_linking_out_of_the_checkpoint_are_refused(megatron_runs, tmp_path, capsys):
+    """Case 14, links: a Megatron rank file or a DCP ``.metadata`` that is a link out of the checkpoint
+    (here to a valid archive and to /etc/passwd), or a FIFO in its place, is refused by ``check`` and
+    ``merge`` with `UnsafeFile` naming it, before any byte is read — never merged, never a hang.
+    The rule is `merge_engine.source_files` (h2), applied by `layouts.check_checkpoint`."""
+    from merge_engine.errors import UnsafeFile
+
+    job, url = _copy(megatron_runs, "llama_tp1_pp1_legacy", tmp_path)
+    rank_file = job.step_dir / "actor" / "model" / "mp_rank_00" / "model.pt"
+    outside = tmp_path / "elsewhere.pt"
+    shutil.move(rank_file, outside)
+    rank_file.symlink_to(outside)
+    error = _merge_fails(url, tmp_path, UnsafeFile, "outside the folder")
+    assert error.path == str(rank_file)
+    assert main(["check", "--local_dir", url]) == 4
+    assert "UnsafeFile" in capsys.readouterr().err
+    rank_file.unlink()
+    os.mkfifo(rank_file)
+    _merge_fails(url, tmp_path, UnsafeFile, "FIFO")
+
+    job, url = _copy(megatron_runs, "mixtral_tp2_megatron_lm_dist", tmp_path)
+    (metadata_file,) = [p for p in job.step_dir.rglob(".metadata") if "optimizer" not in str(p)
+                        and "extra" not in str(p)]
+    metadata_file.unlink()
+    metadata_file.symlink_to("/etc/passwd")
+    assert main(["check", "--local_dir", url]) == 4
+    err = capsys.readouterr().err
+    assert "UnsafeFile" in err and str(metadata_file) in err
