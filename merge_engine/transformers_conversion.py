@@ -144,13 +144,15 @@ def meta_model(config: Mapping[str, Any]):
     return _meta_model(json.dumps(dict(config), sort_keys=True, default=str))
 
 
-def _reverse_transforms(model):
-    """transformers' save-time reversal of its load-time conversion for ``model``: (renamings,
-    converters, pattern -> converter), exactly as ``revert_weight_conversion`` builds them."""
+def _reverse_transforms(model, conversions=None):
+    """transformers' save-time reversal of its load-time conversion for ``model`` (or of the given
+    load-time ``conversions``): (renamings, converters, pattern -> converter), exactly as
+    ``revert_weight_conversion`` builds them."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
 
-    conversions = get_model_conversion_mapping(model, add_legacy=False)
+    if conversions is None:
+        conversions = get_model_conversion_mapping(model, add_legacy=False)
     conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
     reverse = [c.reverse_transform() for c in conversions[::-1]]
     renamings = [r for r in reverse if isinstance(r, WeightRenaming)]
@@ -158,7 +160,7 @@ def _reverse_transforms(model):
     return renamings, converters, {p: c for c in converters for p in c.source_patterns}
 
 
-def trace_reverse_conversion(model, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, TensorView]:
+def trace_reverse_conversion(model, shapes: Mapping[str, tuple[int, ...]], conversions=None) -> dict[str, TensorView]:
     """Run transformers' save-time conversion of ``model`` on meta tensors of ``shapes`` and return,
     for every output name, the view of the source tensor it is. `UnsupportedLayout` when an output is
     not a view of a single source (its values would have to be computed)."""
@@ -172,7 +174,7 @@ def trace_reverse_conversion(model, shapes: Mapping[str, tuple[int, ...]]) -> di
         dot_natural_key,
     )
 
-    renamings, converters, by_pattern = _reverse_transforms(model)
+    renamings, converters, by_pattern = _reverse_transforms(model, conversions)
     bases = {name: torch.empty(tuple(shape), device="meta").as_subclass(_Traced) for name, shape in shapes.items()}
     owner = {bases[name].untyped_storage()._cdata: name for name in bases}
     if len(owner) != len(bases):

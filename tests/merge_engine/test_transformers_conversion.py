@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from merge_engine.errors import UnsupportedLayout
 from merge_engine.transformers_conversion import TensorView, meta_model, trace_reverse_conversion
 from synthetic_runs.models import ModelSpec, build_config
 
@@ -25,6 +26,19 @@ class TestTrace:
         assert up.is_contiguous() and list(up.runs()) == [(2 * 112 * 64 + 56 * 64, 56 * 64)]
         taken = torch.as_strided(fused.reshape(-1), up.shape, up.stride, up.offset)
         assert torch.equal(taken, fused[2, 56:])
+
+    def test_a_hub_tensor_computed_from_several_is_refused(self):
+        """A load-time split (Chunk) saves as a concatenation of two stored tensors: not a view of
+        one, so it is refused (the user can keep the stored names), never computed wrongly."""
+        from transformers.core_model_loading import Chunk, WeightConverter
+
+        model = meta_model(build_config(ModelSpec(family="llama")).to_dict())
+        split = WeightConverter(source_patterns="mlp.gate_up_proj.weight",
+                                target_patterns=["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+                                operations=[Chunk(dim=0)])
+        shapes = {"model.layers.0.mlp.gate_proj.weight": (112, 64), "model.layers.0.mlp.up_proj.weight": (112, 64)}
+        with pytest.raises(UnsupportedLayout, match="several stored"):
+            trace_reverse_conversion(model, shapes, [split])
 
 
 class TestTensorView:
