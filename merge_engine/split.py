@@ -63,6 +63,9 @@ def _check_options(options: OutputOptions, view: MegatronViewOfHf) -> None:
     problems = []
     if options.fmt not in FORMATS:
         problems.append(f"--format must be one of {tuple(FORMATS)}")
+    if view.megatron_prefix and options.fmt != "dist":
+        problems.append(f"a model whose Megatron checkpoint keeps its language model under {view.megatron_prefix!r} "
+                        "(Megatron-Bridge's vision-language models) is written as --format dist only")
     if min(options.tp, options.pp, options.ep) < 1:
         problems.append("--tp, --pp and --ep must be >= 1")
     if options.vpp is not None and (options.vpp < 2 or options.pp < 2):

@@ -21,7 +21,7 @@ from merge_engine.errors import InvalidConfig, UnknownArchitecture
 from merge_engine.hf_metadata import tie_word_embeddings
 
 FAMILY_MODULES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                                   "deepseek_v3", "glm4_moe", "gemma3")
+                                   "deepseek_v3", "glm4_moe", "gemma3", "qwen2_5_vl")
 
 HOW_TO_ADD = ("to add one, write merge_engine/architectures/<family>.py with a TABLE (a dict of 1:1 names plus "
               "special mappings; see qwen2.py) and list it in FAMILY_MODULES, or pass --custom-mapping FILE.json "
@@ -79,13 +79,15 @@ def model_dims(config: Mapping[str, Any], table: FamilyTable, *, tied: bool | No
         head_dim = int(scope.get("head_dim") or hidden // heads)
         vocab = int(scope["vocab_size"])
         layers = int(scope["num_hidden_layers"])
+        vision_layers = int((config.get("vision_config") or {}).get("depth") or 0)
         experts = next((int(scope[k]) for k in table.experts_keys if scope.get(k)), 0)
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidConfig(f"config.json lacks a size the {table.name} table needs ({exc})") from None
     return ModelDims(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
                      num_layers=layers, tied=tie_word_embeddings(config) if tied is None else tied,
                      num_experts=experts, moe_layers=table.moe_layers(scope) if experts else frozenset(),
-                     padded_vocab_size=padded_vocab_size)
+                     padded_vocab_size=padded_vocab_size,
+                     vision_layers=vision_layers)
 
 
 __all__ = ["FAMILY_MODULES", "FamilyTable", "ModelDims", "family_tables", "find_table", "model_dims",

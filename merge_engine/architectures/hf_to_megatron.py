@@ -33,6 +33,7 @@ class MegatronViewOfHf:
         self.url = hf.url
         self.hf = hf
         self.dims = dims
+        self.megatron_prefix = table.megatron_prefix  # where the writer puts the language model
         hf_metas = hf.metas()
         bindings, self.tied_copies = bind_hf(hf_metas, table, config, dims)
         check_coverage(bindings, expected_bindings(table, config, dims), "hf_to_megatron")

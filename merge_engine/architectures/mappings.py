@@ -26,6 +26,7 @@ import torch
 from merge_engine.architectures import transforms
 
 Shape = tuple[int, ...]
+VISION_TOWER = "visual."  # a vision-language model's tower: the same names in Megatron-Bridge and Hugging Face
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class ModelDims:
     num_experts: int = 0
     moe_layers: frozenset[int] = frozenset()
     padded_vocab_size: int | None = None  # HF -> Megatron only: rows of the padded embedding
+    vision_layers: int = 0  # blocks of a vision tower (``vision_config.depth``), scope ``vision``
 
     @property
     def mixed_layers(self) -> bool:
@@ -54,6 +56,8 @@ class ModelDims:
             return sorted(self.moe_layers)
         if scope == "dense":
             return [i for i in range(self.num_layers) if i not in self.moe_layers]
+        if scope == "vision":
+            return range(self.vision_layers)
         return range(self.num_layers)
 
 
@@ -77,9 +81,12 @@ def fill(pattern: str, numbers: tuple[int, ...]) -> str:
 def scope_of(megatron_pattern: str) -> str:
     """Which layers a mapping covers, from Megatron's module names (the same in every family):
     ``global`` (no layer), ``experts`` (per MoE layer and expert), ``moe`` (router, shared experts),
-    ``dense`` (the dense MLP), ``layer`` (every layer)."""
+    ``dense`` (the dense MLP), ``layer`` (every layer), ``vision`` (every block of a vision tower,
+    ``visual.blocks.*``)."""
     if "*" not in megatron_pattern:
         return "global"
+    if megatron_pattern.startswith(VISION_TOWER):
+        return "vision"
     if ".mlp.experts." in megatron_pattern:
         return "experts"
     if ".mlp.router." in megatron_pattern or ".mlp.shared_experts." in megatron_pattern:
@@ -241,6 +248,8 @@ class FamilyTable:
     ``"all"``; ``"qwen"`` (``decoder_sparse_step`` and ``mlp_only_layers``); ``"first_k_dense"``
     (DeepSeek, GLM-4.5: layers from ``first_k_dense_replace`` on, every ``moe_layer_freq``-th).
     ``dense_layers``: layers with a dense MLP whatever the rule says (a custom mapping's override).
+    ``megatron_prefix``: where the checkpoint keeps the language model (Megatron-Bridge's
+    vision-language models: ``language_model.``); readers strip it, the split's writer adds it.
     """
 
     name: str
@@ -251,6 +260,7 @@ class FamilyTable:
     experts_keys: tuple[str, ...] = ()
     moe_layer_rule: str = "all"
     dense_layers: tuple[int, ...] = ()
+    megatron_prefix: str = ""
 
     def mappings(self) -> tuple[ParamMapping, ...]:
         return tuple(DirectMapping(m, hf_name=h) for m, h in self.direct.items()) + tuple(self.special)

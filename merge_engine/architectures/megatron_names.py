@@ -11,6 +11,10 @@ spec at TP = PP = EP = 1: global layer numbers, global expert numbers, full (pad
     decoder.final_layernorm.weight
     output_layer.weight
 
+A vision-language model saved by Megatron-Bridge keeps its language model under ``language_model.``
+(`LANGUAGE_MODEL_PREFIX`): `without_language_model_prefix` gives the canonical name, and
+`with_prefix` puts a table's prefix back on a language-model name for writing.
+
 `canonical_layer_name` maps a layer-relative name from either spec (and the torch_dist keys, which
 use TE names) to the local-spec name; `order_key` sorts canonical names in model order.
 """
@@ -25,6 +29,9 @@ MTP_TRANSFORMER_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer)\.(.+
 EXPERT_NAME = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 EXTRA_STATE = "._extra_state"
+LANGUAGE_MODEL_PREFIX = "language_model."
+# canonical names that belong to the language model (a vision tower's names are not prefixed)
+LANGUAGE_MODEL_ROOTS = ("embedding.", "decoder.", "output_layer.", "mtp.")
 
 # TransformerEngine fuses the layer norms into the next linear layer; the local spec keeps modules.
 _TE_RENAMES = {
@@ -46,6 +53,17 @@ def canonical_layer_name(name: str) -> str:
     if grouped:
         return f"mlp.experts.local_experts.{grouped.group(3)}.{grouped.group(1)}.{grouped.group(2)}"
     return name
+
+
+def without_language_model_prefix(key: str) -> str:
+    """``language_model.decoder.layers...`` -> ``decoder.layers...``; any other key unchanged."""
+    rest = key.removeprefix(LANGUAGE_MODEL_PREFIX)
+    return rest if rest != key and rest.startswith(LANGUAGE_MODEL_ROOTS) else key
+
+
+def with_prefix(name: str, prefix: str) -> str:
+    """A canonical language-model name under ``prefix`` (a table's ``megatron_prefix``); others unchanged."""
+    return prefix + name if prefix and name.startswith(LANGUAGE_MODEL_ROOTS) else name
 
 
 def is_extra_state(name: str) -> bool:

@@ -48,6 +48,8 @@ from merge_engine.architectures.megatron_names import (
     is_mla,
     layer_name,
     order_key,
+    with_prefix,
+    without_language_model_prefix,
 )
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout
 from merge_engine.json_file import read_json_object
@@ -227,7 +229,8 @@ def canonical_tensors(index: DcpIndex, files: DcpFiles) -> dict[str, DcpTensor]:
     for key, info in index.tensors.items():
         if not is_model_key(key):
             continue
-        mtp = MTP_TRANSFORMER_LAYER.match(key)
+        name = without_language_model_prefix(key)  # Megatron-Bridge's vision-language models
+        mtp = MTP_TRANSFORMER_LAYER.match(name)
         if mtp:  # a multi-token-prediction layer's decoder layer: keyed on its own, experts stacked on dim 0
             prefix, local = mtp.groups()
             if local.startswith(STACKED_EXPERTS):
@@ -237,7 +240,7 @@ def canonical_tensors(index: DcpIndex, files: DcpFiles) -> dict[str, DcpTensor]:
             else:
                 add(f"{prefix}.{canonical_layer_name(local)}", DcpTensor(key, info, files))
             continue
-        rest = key[len(STACKED):] if key.startswith(STACKED) else None
+        rest = name[len(STACKED):] if name.startswith(STACKED) else None
         per_layer = rest is not None and rest.split(".", 1)[0].isdigit()
         if rest is not None and not per_layer and not all(info.shape):
             # one entry per layer (and expert) is made below: only bytes on disk may decide how many
@@ -250,7 +253,7 @@ def canonical_tensors(index: DcpIndex, files: DcpFiles) -> dict[str, DcpTensor]:
             for expert in range(info.shape[0]):
                 add(layer_name(int(number), expert_name(expert, part)), DcpTensor(key, info, files, (expert,)))
         elif rest is None or per_layer:  # not stacked: a global or a per-layer key
-            add(key if rest is None else _unstacked(rest), DcpTensor(key, info, files))
+            add(name if rest is None else _unstacked(rest), DcpTensor(key, info, files))
         elif rest.startswith(STACKED_EXPERTS):
             part = rest[len(STACKED_EXPERTS):]
             if len(info.shape) < 2:
@@ -334,6 +337,7 @@ def write(view: MegatronViewOfHf, target_url: str, sizes: ParallelSizes, dtype: 
     try:
         for name, meta in view.metas().items():
             key, lead, lead_sizes = _dist_key(name, dims, renames)
+            key = with_prefix(key, view.megatron_prefix)
             tensor = view.read(name)
             if dtype is not None:
                 tensor = tensor.to(dtype)
