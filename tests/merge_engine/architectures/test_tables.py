@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from merge_engine.architectures import FAMILY_MODULES, family_tables, model_dims, table_for_config
 from merge_engine.architectures.binding import expected_bindings
@@ -49,8 +49,15 @@ CONFIGS = {
                      first_k_dense_replace=1, attention_bias=True, use_qk_norm=False, head_dim=8),
     # Gemma 3 text: sandwich norms, q/k norms, tied; no megatron-core writer (see gemma3.py / the note)
     "gemma3": dict(COMMON, head_dim=8, sliding_window=16, query_pre_attn_scalar=8),
+    # Qwen2.5-VL: Qwen2 language model + vision tower (3 blocks: not the 2 text layers) + merger;
+    # Megatron-Bridge naming, no megatron-core writer (see qwen2_5_vl.py / test_qwen2_5_vl.py)
+    "qwen2_5_vl": dict(text_config=dict(COMMON, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+                       vision_config=dict(depth=3, hidden_size=16, intermediate_size=24, num_heads=2,
+                                          out_hidden_size=32, patch_size=2, temporal_patch_size=1,
+                                          spatial_merge_size=2, fullatt_block_indexes=[1], window_size=8)),
 }
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # family table -> the model_type its tiny config gets, when they differ
+MODEL_CLASSES = {"qwen2_5_vl": AutoModelForImageTextToText}  # not a causal LM class in transformers
 
 
 class DictSource:
@@ -81,7 +88,7 @@ def _saved_model(family: str, tied: bool, tmp_path) -> tuple[dict, dict[str, tor
     """(config dict, state) as transformers saves a tiny random model of ``family``."""
     config = AutoConfig.for_model(MODEL_TYPES.get(family, family), tie_word_embeddings=tied, **CONFIGS[family])
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    model = MODEL_CLASSES.get(family, AutoModelForCausalLM).from_config(config)
     model.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         state = {k: f.get_tensor(k) for k in f.keys()}
