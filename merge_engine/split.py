@@ -102,7 +102,9 @@ def _rotary_percent(config: Mapping[str, Any]) -> float:
 
 
 def transformer_config(config: Mapping[str, Any], view: MegatronViewOfHf, options: OutputOptions) -> dict[str, Any]:
-    """The Megatron TransformerConfig / GPTModel values the shards must be loaded with."""
+    """The Megatron TransformerConfig / GPTModel values the shards must be loaded with (a
+    vision-language model's: those of its language model, ``text_config``)."""
+    config = config.get("text_config") or config
     dims = view.dims
     metas = view.metas()
     names = list(metas)
@@ -136,6 +138,9 @@ def transformer_config(config: Mapping[str, Any], view: MegatronViewOfHf, option
         "rotary_percent": _rotary_percent(config),
         "max_sequence_length": config.get("max_position_embeddings"),
     }
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if isinstance(rope, dict) and rope.get("mrope_section"):  # Qwen2.5-VL's multimodal RoPE
+        out.update(position_embedding_type="mrope", mrope_section=list(rope["mrope_section"]))
     if is_mla(names):
         out.update(multi_latent_attention=True, q_lora_rank=config.get("q_lora_rank"),
                    kv_lora_rank=config.get("kv_lora_rank"), qk_head_dim=config.get("qk_nope_head_dim"),

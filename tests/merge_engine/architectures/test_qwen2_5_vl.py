@@ -84,6 +84,10 @@ def test_split_in_megatron_bridge_names_and_merge_back_is_exact(qwen2_5_vl, tmp_
             "visual.merger.ln_q.weight", "visual.merger.mlp.0.weight", "visual.merger.mlp.2.bias"} <= keys
     assert not [k for k in keys if k.startswith(("decoder.", "embedding.", "output_layer."))]
     assert not [k for k in keys if k.startswith("visual.blocks.3.")]  # vision_config.depth blocks, no more
+    built_with = json.loads((megatron / "transformer_config.json").read_text())  # the language model's values
+    assert (built_with["num_layers"], built_with["ffn_hidden_size"], built_with["max_sequence_length"]) == (2, 48, 64)
+    assert (built_with["position_embedding_type"], built_with["mrope_section"]) == ("mrope", [1, 1, 2])
+    assert built_with["rotary_base"] == 1e6 and built_with["add_qkv_bias"]
 
     merged = tmp_path / "merged"
     merge_checkpoint(str(megatron), str(merged), MergeOptions(backend="megatron"))
