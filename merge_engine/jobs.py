@@ -14,13 +14,13 @@ Contract of `run_job`:
 - ``job.prepare()`` runs every check that can fail on metadata, opens the sources and plans; it reads
   weights only where a check or a factorisation must (tied copies, SVD). Nothing is written before.
 - the write: each `PlannedOutput` (a `MergePlan` over a source, into a folder of the target) is handed
-  to the `ShardExecutor` (`LOCAL`: this process); then the job's own files (configs, adapter config,
+  to the `ShardExecutor` (`merge_engine.executors`: threads here, or a Ray cluster); then the job's own files (configs, adapter config,
   Megatron files); then ``stepmerge.json`` (provenance), last. The target gets everything or nothing.
 - one result type, `OutputResult`, for every command.
 
 Scale-out plugs in at the executor: a plan's ``shards`` are independent units (each lists its tensors;
-the index is written from the plan), so an executor may write them in parallel, here or on a cluster,
-with the same bytes. Only `LOCAL` exists today.
+the index is written from the plan), so an executor writes them in parallel, here or on a cluster,
+with the same bytes; each shard job hashes what it writes (`OutputResult.checksums`).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from merge_engine.errors import InvalidOption
 from merge_engine.hub_format import DEFAULT_WEIGHTS_FORMAT, parse_weights_format
 from merge_engine.lora.svd import ModuleReport
 from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE, MergePlan
-from merge_engine.output_target import Files, read_provenance, target_state, write_target
+from merge_engine.output_target import read_provenance, target_state, write_target
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
-from merge_engine.writer import write_plan
+from merge_engine.executors import Files, PlannedOutput, ShardExecutor, WrittenFiles, executor_for
 
-__all__ = ["LOCAL", "OUTPUT_OPTION_KEYS", "LocalExecutor", "OutputJob", "OutputOptions", "OutputResult", "job_inputs",
+__all__ = ["OUTPUT_OPTION_KEYS", "OutputJob", "OutputOptions", "OutputResult", "job_inputs",
            "PlannedOutput", "PreparedJob", "ShardExecutor", "run_job"]
 
 
@@ -79,6 +79,8 @@ class OutputOptions:
     fmt: str = "legacy"  # split: legacy | dist
     make_vocab_size_divisible_by: int = 128
     # how to run
+    workers: int | None = None  # shard jobs at once on this machine; None: one per core, at most one per shard
+    ray_address: str | None = None  # run the shard jobs as tasks of this Ray cluster ("auto", "ray://host:port")
     overwrite: bool = False
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     device: str | None = None  # SVD: torch device; the GPU when there is one
@@ -140,21 +142,11 @@ class OutputResult:
     tensors: int = 0
     tensor_bytes: int = 0
     files: tuple[tuple[str, int], ...] = ()
+    checksums: tuple[tuple[str, str], ...] = ()  # (file, sha256) of every weight file and index, from the shard jobs
     seconds: float = 0.0
     skipped: bool = False
     notes: tuple[str, ...] = ()
     modules: tuple[ModuleReport, ...] = ()
-
-
-@dataclass
-class PlannedOutput:
-    """One safetensors folder of a job: ``plan`` over ``source``, written into ``folder`` of the target
-    ("" for the target itself); ``then(url)`` writes that folder's other files right after its shards."""
-
-    plan: MergePlan
-    source: TensorSource
-    folder: str = ""
-    then: Callable[[str], Files] | None = None
 
 
 @dataclass
@@ -208,35 +200,6 @@ class OutputJob(Protocol):
     def prepare(self) -> PreparedJob: ...
 
 
-class ShardExecutor(Protocol):
-    """Writes planned outputs under a folder URL; returns (name relative to that folder, size) per file.
-
-    The same plan gives the same bytes whatever the executor. ``on_bytes`` is called with the bytes
-    of each chunk written (progress)."""
-
-    def write(self, outputs: Sequence[PlannedOutput], url: str, *, chunk_bytes: int,
-              on_bytes: Callable[[int], None] | None) -> Files: ...
-
-
-class LocalExecutor:
-    """This process: each output's shards in plan order, a reader thread ahead of the writer (`write_plan`)."""
-
-    def write(self, outputs: Sequence[PlannedOutput], url: str, *, chunk_bytes: int,
-              on_bytes: Callable[[int], None] | None) -> Files:
-        files: Files = []
-        for output in outputs:
-            folder = storage.join(url, output.folder) if output.folder else url
-            written = list(write_plan(output.plan, output.source, folder, chunk_bytes=chunk_bytes,
-                                      on_bytes=on_bytes).files)
-            if output.then is not None:
-                written += output.then(folder)
-            files += [(f"{output.folder}/{name}" if output.folder else name, size) for name, size in written]
-        return files
-
-
-LOCAL = LocalExecutor()
-
-
 def job_inputs(job: OutputJob) -> tuple[str | None, ...]:
     """Every URL a job reads, which its target must never overlap (`merge_engine.target_guard`): the
     ``source_url`` (or each of ``adapter_urls``), a ``base_url``, and the options' ``hf_model_path``,
@@ -247,9 +210,13 @@ def job_inputs(job: OutputJob) -> tuple[str | None, ...]:
 
 
 def run_job(job: OutputJob, *, on_bytes: Callable[[int], None] | None = None,
-            on_plan: Callable[[MergePlan], None] | None = None, executor: ShardExecutor = LOCAL) -> OutputResult:
-    """Fingerprint, target state, prepare, write (see the module docstring)."""
+            on_plan: Callable[[MergePlan], None] | None = None,
+            executor: ShardExecutor | None = None) -> OutputResult:
+    """Fingerprint, target state, prepare, write (see the module docstring). ``executor``: where the shard
+    jobs run; by default the one ``job.options`` asks for (``ray_address``, else ``workers`` threads here)."""
     started = time.perf_counter()
+    if executor is None:
+        executor = executor_for(job.options.workers, job.options.ray_address)
     fingerprint = job.fingerprint()
     state = target_state(job.target_url, fingerprint, job.options.overwrite, sources=job_inputs(job))
     if state == "same":
@@ -267,8 +234,14 @@ def run_job(job: OutputJob, *, on_bytes: Callable[[int], None] | None = None,
         if on_plan is not None and plan is not None:
             on_plan(plan)
 
+        written = WrittenFiles()
+
         def write(url: str) -> Files:
-            files = executor.write(prepared.outputs, url, chunk_bytes=job.options.chunk_bytes, on_bytes=on_bytes)
+            written.checksums.clear()
+            shards = executor.write(job, prepared.outputs, url, chunk_bytes=job.options.chunk_bytes,
+                                    on_bytes=on_bytes)
+            written.checksums.update(shards.checksums)
+            files = list(shards.files)
             if prepared.write_files is not None:
                 files += prepared.write_files(url)
             return files
@@ -282,4 +255,5 @@ def run_job(job: OutputJob, *, on_bytes: Callable[[int], None] | None = None,
     return OutputResult(job.command, job.target_url, fingerprint, kind=prepared.kind, source_url=job.source_url,
                         layout=prepared.layout, fmt=job.options.fmt if job.command == "split" else "",
                         tensors=tensors, tensor_bytes=tensor_bytes, files=tuple(files),
+                        checksums=tuple(sorted(written.checksums.items())),
                         seconds=time.perf_counter() - started, notes=prepared.notes, modules=prepared.modules)

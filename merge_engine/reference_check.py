@@ -15,8 +15,8 @@ from merge_engine.merge import MergeOptions, plan_merge
 from merge_engine.merge_plan import MergePlan
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
 from merge_engine.validate import Check, ValidationReport
+from merge_engine.shard_job import tensor_chunks
 from merge_engine.validate.compare import WEIGHT_TOLERANCE, TensorSide, Tolerance, compare_tensors
-from merge_engine.writer import tensor_chunks
 
 
 def compare_plan_to_reference(plan: MergePlan, source: TensorSource, reference: TensorSource, *,

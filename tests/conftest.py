@@ -8,4 +8,4 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-pytest_plugins = ["tests.fixtures_storage", "tests.fixtures_checkpoints", "tests.fixtures_pipeline"]
+pytest_plugins = ["tests.fixtures_storage", "tests.fixtures_checkpoints", "tests.fixtures_pipeline", "tests.fixtures_ray"]

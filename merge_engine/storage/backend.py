@@ -304,7 +304,11 @@ class FsspecUpload:
 
 
 class FsspecRangedFile:
-    """Ranged GETs of at most `tuning.REMOTE_READ_CHUNK` bytes, each retried on transient faults.
+    """Ranged GETs, many in flight: one read is cut into up to `tuning.REQUESTS_IN_FLIGHT` parts of at
+    least `tuning.MIN_RANGE_PART` bytes (and at most `tuning.REMOTE_READ_CHUNK`), fetched concurrently
+    on the filesystem's event loop (fsspec ``cat_ranges``); a part that fails is fetched again alone,
+    retried on transient faults. One request at a time pays the round trip for every part; object
+    storage gives its throughput only to many requests in flight.
 
     ``size`` (from a listing) saves the HEAD request."""
 
@@ -320,9 +324,23 @@ class FsspecRangedFile:
         self.size = int(size)
 
     def read_some(self, offset: int, out: memoryview) -> int:
-        start = offset
-        end = start + min(len(out), tuning.REMOTE_READ_CHUNK)
+        want = min(len(out), tuning.REMOTE_READ_CHUNK * max(1, tuning.REQUESTS_IN_FLIGHT))
+        parts = range_parts(offset, want)
+        if len(parts) == 1:
+            fetched: list[Any] = [None]
+        else:
+            try:
+                fetched = self._fs.cat_ranges([self._path] * len(parts), [s for s, _ in parts],
+                                              [e for _, e in parts], on_error="return")
+            except Exception:  # the batch as a whole failed: every part is fetched again alone
+                fetched = [None] * len(parts)
+        for (start, end), data in zip(parts, fetched):
+            if not isinstance(data, (bytes, bytearray)) or len(data) != end - start:
+                data = self._get(start, end)
+            out[start - offset:end - offset] = data
+        return want
 
+    def _get(self, start: int, end: int) -> bytes:
         def get() -> bytes:
             try:
                 return self._fs.cat_file(self._path, start=start, end=end)
@@ -341,11 +359,21 @@ class FsspecRangedFile:
                 f"got {len(data)} of bytes {start}-{end} (file shorter than the {self.size} bytes listed)",
                 self.url,
             )
-        out[:len(data)] = data
-        return len(data)
+        return data
 
     def close(self) -> None:
         pass
+
+
+def range_parts(offset: int, length: int) -> list[tuple[int, int]]:
+    """``[offset, offset + length)`` cut into at most `tuning.REQUESTS_IN_FLIGHT` (start, end) parts of at
+    least `tuning.MIN_RANGE_PART` and at most `tuning.REMOTE_READ_CHUNK` bytes (the last may be shorter)."""
+    if length <= 0:
+        return [(offset, offset)]
+    count = max(1, min(tuning.REQUESTS_IN_FLIGHT, -(-length // max(1, tuning.MIN_RANGE_PART))))
+    count = max(count, -(-length // tuning.REMOTE_READ_CHUNK))
+    step = -(-length // count)
+    return [(start, min(start + step, offset + length)) for start in range(offset, offset + length, step)]
 
 
 def _is_range_error(exc: BaseException) -> bool:

@@ -4,7 +4,14 @@ Every module reads these as ``tuning.NAME`` when it runs, never copies them at i
 change made here is seen everywhere at once.
 """
 
-REMOTE_READ_CHUNK = 32 * 1024 * 1024  # one ranged GET; ranged GETs are retried, whole-object reads are not
+import os
+
+REMOTE_READ_CHUNK = 32 * 1024 * 1024  # the largest ranged GET; ranged GETs are retried, whole-object reads are not
+# Ranged GETs in flight per read of a remote file (a shard job's chunk): object storage gives ~5 Gbps per
+# connection and tens of Gbps per machine only with 32-64 requests in flight. STEPMERGE_REQUESTS_IN_FLIGHT
+# (or `--requests-in-flight`) changes it; 1 means one request at a time.
+REQUESTS_IN_FLIGHT = int(os.environ.get("STEPMERGE_REQUESTS_IN_FLIGHT", "32"))
+MIN_RANGE_PART = 256 * 1024  # a smaller part costs a request for too few bytes
 TRANSIENT_ATTEMPTS = 4  # attempts per retried call, on top of the storage library's own retries
 BACKOFF_BASE_S = 0.2
 BACKOFF_MAX_S = 5.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from merge_engine.storage import tuning
 from merge_engine.storage.backend import FsspecBackend, storage_timeout
 from merge_engine.storage.faults import RETRY_STATUSES, instance_of
 
@@ -40,9 +41,12 @@ class S3Backend(FsspecBackend):
         import fsspec
 
         options = self.portable_options()
+        # botocore keeps 10 connections by default: room for every ranged GET in flight, from several jobs
+        config: dict[str, Any] = {"max_pool_connections": max(10, 4 * tuning.REQUESTS_IN_FLIGHT)}
         timeout = storage_timeout()
         if timeout:
-            options["config_kwargs"] = {"connect_timeout": timeout, "read_timeout": timeout}
+            config.update(connect_timeout=timeout, read_timeout=timeout)
+        options["config_kwargs"] = config
         return fsspec.get_filesystem_class("s3")(**options, **common)
 
     def path_in(self, fs: Any, url: str, rest: str) -> str:

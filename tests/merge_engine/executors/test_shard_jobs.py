@@ -1,0 +1,170 @@
+"""Shard jobs, run by every executor, give the same bytes as one worker; failures leave nothing behind.
+
+Specification (issue 10, "Tests"):
+- `--workers 2` (threads here) and a Ray cluster (2 CPUs, started once per session) each write output
+  byte-identical to the one-worker merge, for an FSDP checkpoint, a Megatron TP x PP checkpoint and a
+  LoRA checkpoint (fused), from a local folder and from ``s3://`` (SeaweedFS) to ``s3://``;
+- the checksums the shard jobs return are the sha256 of the files at the target;
+- a source fault met mid-merge by one job (a rank file truncated after planning) fails the whole merge
+  with the named error, the other jobs stop, and the target is absent;
+- a Ray worker killed in the middle of a shard: Ray runs the task again, the output is still
+  byte-identical, and no half-written shard or temp file is left at the target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from merge_engine import storage
+from merge_engine.errors import IncompleteCheckpoint
+from merge_engine.executors.local import LocalExecutor
+from merge_engine.executors.ray import RayExecutor
+from merge_engine.jobs import OutputOptions, run_job
+from merge_engine.merge import MergeJob
+from tests.fault_proxy import FaultProxy, Network
+
+SHARD_BYTES = 120_000  # several shards from the tiny fixture models
+
+
+def _sources(fsdp_runs, megatron_runs) -> dict[str, tuple[str, OutputOptions]]:
+    megatron = megatron_runs["llama_tp2_pp2_te_legacy"]
+    return {
+        "fsdp": (fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir, OutputOptions(max_shard_size=SHARD_BYTES)),
+        "megatron_tp2_pp2": (str(megatron.step_dir / "actor"),
+                             OutputOptions(backend="megatron", max_shard_size=SHARD_BYTES)),
+        "lora_fused": (fsdp_runs["lora_fsdp2_qwen2_r2"].latest.checkpoint_dir,
+                       OutputOptions(max_shard_size=SHARD_BYTES, dtype="bfloat16")),
+    }
+
+
+def _files(url: str) -> dict[str, bytes]:
+    return {entry.path: storage.read_bytes(storage.join(url, entry.path)) for entry in storage.list_files(url)}
+
+
+def _merge(source: str, target: str, options: OutputOptions, executor, **kwargs):
+    return run_job(MergeJob(source, target, options), executor=executor, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def one_worker(fsdp_runs, megatron_runs, tmp_path_factory):
+    """Each source merged by one worker: the bytes every other executor must give."""
+    root = tmp_path_factory.mktemp("one_worker")
+    out = {}
+    for name, (source, options) in _sources(fsdp_runs, megatron_runs).items():
+        result = _merge(source, str(root / name), options, LocalExecutor(1))
+        assert len([f for f, _ in result.files if f.endswith(".safetensors")]) >= 3, name
+        out[name] = (result, _files(result.target_url))
+    return out
+
+
+@pytest.mark.parametrize("name", ["fsdp", "megatron_tp2_pp2", "lora_fused"])
+def test_two_workers_give_the_same_bytes(name, fsdp_runs, megatron_runs, one_worker, tmp_path):
+    source, options = _sources(fsdp_runs, megatron_runs)[name]
+    result = _merge(source, str(tmp_path / "out"), options, LocalExecutor(2))
+    assert _files(result.target_url) == one_worker[name][1]
+    assert result.checksums == one_worker[name][0].checksums
+
+
+@pytest.mark.parametrize("name", ["fsdp", "megatron_tp2_pp2", "lora_fused"])
+def test_ray_gives_the_same_bytes(name, fsdp_runs, megatron_runs, one_worker, ray_cluster, tmp_path):
+    source, options = _sources(fsdp_runs, megatron_runs)[name]
+    result = _merge(source, str(tmp_path / "out"), options, RayExecutor(ray_cluster))
+    assert _files(result.target_url) == one_worker[name][1]
+
+
+def test_checksums_are_the_sha256_of_the_written_files(one_worker):
+    for name, (result, files) in one_worker.items():
+        weights = {f for f in files if f.endswith(".safetensors") or f.endswith(".index.json")}
+        assert dict(result.checksums).keys() == weights, name
+        for file, digest in result.checksums:
+            assert hashlib.sha256(files[file]).hexdigest() == digest, (name, file)
+
+
+@pytest.mark.parametrize("executor", ["workers2", "ray"])
+def test_s3_to_s3_gives_the_same_bytes(executor, fsdp_runs, megatron_runs, one_worker, s3_bucket_url, request):
+    source, options = _sources(fsdp_runs, megatron_runs)["fsdp"]
+    remote_source = f"{s3_bucket_url}/run/actor"
+    storage.copy_tree(source, remote_source)
+    runner = LocalExecutor(2) if executor == "workers2" else RayExecutor(request.getfixturevalue("ray_cluster"))
+    result = _merge(remote_source, f"{s3_bucket_url}/merged", options, runner)
+    got = _files(result.target_url)
+    expected = one_worker["fsdp"][1]
+    assert got.keys() == expected.keys()
+    for file, data in expected.items():
+        if file != "stepmerge.json":  # it records the source URL
+            assert got[file] == data, file
+
+
+def _truncate_a_rank_file(source: str):
+    def on_plan(plan) -> None:
+        rank_file = sorted(f for f in os.listdir(source) if f.startswith("model_world_size"))[-1]
+        path = os.path.join(source, rank_file)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    return on_plan
+
+
+@pytest.mark.parametrize("executor", ["workers2", "ray"])
+def test_a_source_fault_mid_merge_fails_the_whole_merge(executor, fsdp_runs, tmp_path, request):
+    """The rank file is cut after the plan was made: a shard job meets the end of the file, the merge
+    fails with `IncompleteCheckpoint` naming it, and neither the target nor a temp folder is left."""
+    source = str(tmp_path / "actor")
+    shutil.copytree(fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir, source)
+    runner = LocalExecutor(2) if executor == "workers2" else RayExecutor(request.getfixturevalue("ray_cluster"))
+    target = tmp_path / "merged"
+    with pytest.raises(IncompleteCheckpoint) as info:
+        _merge(source, str(target), OutputOptions(max_shard_size=SHARD_BYTES), runner,
+               on_plan=_truncate_a_rank_file(source))
+    assert "model_world_size" in str(info.value)
+    assert not target.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["actor"]
+
+
+def _kill_a_shard_task_once_it_writes(target_parent, killed: list[int], stop: threading.Event) -> None:
+    """Wait for a shard temp file in the target's temp folder, then SIGKILL a worker running a shard task."""
+    while not stop.is_set():
+        writing = [p for p in target_parent.rglob(".model-*.tmp-*")]
+        tasks = [p for p in psutil.process_iter(["cmdline"]) if "stepmerge-shard" in " ".join(p.info["cmdline"] or [])]
+        if writing and tasks:
+            os.kill(tasks[0].pid, signal.SIGKILL)
+            killed.append(tasks[0].pid)
+            return
+        time.sleep(0.02)
+
+
+def test_a_ray_worker_killed_mid_shard_is_retried(fsdp_runs, one_worker, ray_cluster, s3_bucket_url, s3_env,
+                                                 tmp_path, monkeypatch):
+    """The source is read through a slow network (one request at a time, 300 KB/s per connection), so shard
+    tasks are caught mid-write; one is killed; Ray runs it again; the output is byte-identical."""
+    source = fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir
+    options = OutputOptions(max_shard_size=SHARD_BYTES)
+    remote_source = f"{s3_bucket_url}/slow/actor"
+    storage.copy_tree(source, remote_source)
+    killed: list[int] = []
+    stop = threading.Event()
+    with FaultProxy(s3_env.port, network=Network(latency=0.01, bandwidth=300_000)) as proxy:
+        monkeypatch.setenv("STEPMERGE_S3_ENDPOINT", proxy.url)
+        monkeypatch.setenv("STEPMERGE_REQUESTS_IN_FLIGHT", "1")
+        storage.clear_filesystems()
+        watcher = threading.Thread(target=_kill_a_shard_task_once_it_writes, args=(tmp_path, killed, stop))
+        watcher.start()
+        try:
+            result = _merge(remote_source, str(tmp_path / "merged"), options, RayExecutor(ray_cluster))
+        finally:
+            stop.set()
+            watcher.join()
+    assert killed, "no shard task was caught mid-write"
+    got = _files(result.target_url)
+    expected = one_worker["fsdp"][1]
+    assert {f: d for f, d in got.items() if f != "stepmerge.json"} == \
+        {f: d for f, d in expected.items() if f != "stepmerge.json"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
+    assert not [p for p in (tmp_path / "merged").rglob("*") if ".tmp-" in p.name]
