@@ -1,0 +1,176 @@
+"""Benchmark: shard jobs at the speed of the storage — local, S3 (with and without a simulated network), Ray.
+
+    python -m benchmarks.shard_jobs                       # everything below, medians of --repeats
+    python -m benchmarks.shard_jobs --parts local,s3      # a subset: local, s3, ray, rss
+
+Every figure is printed as a ratio against a baseline measured in the same run, on the same machine:
+- local: merge of the 4-rank fp32 FSDP2 Qwen2-0.5B-shaped checkpoint (2.5 GB, `benchmarks.fsdp_merge`'s)
+  to bf16, warm cache; wall / warm ``cp`` of the same rank files (the I/O floor), for ``--workers 1``
+  (the data path before shard jobs: one reader, one writer) and ``--workers 2``.
+- s3: the same checkpoint in SeaweedFS (local S3 server), merged to a local target and to an ``s3://``
+  target, with 1, 4, 16 and 64 ranged GETs in flight; directly and through a proxy that simulates a real
+  network (20 ms per request, 50 MB/s per connection: `tests.fault_proxy.Network`); wall / local merge
+  and the read rate in MB/s.
+- ray: a private Ray cluster of this machine (2 CPUs) vs ``--workers 2``: the cost of going distributed.
+- rss: peak RSS of one merge process at 1x and 2x model size (1.2B-shaped), 1 and 2 workers: flat when
+  memory is bounded by chunks, not by the model.
+Each run is a child process (wall time, and peak RSS from wait4); this parent never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.fsdp_merge import ensure_checkpoint
+from benchmarks.harness import BENCH, Run, measure, median
+
+IN_FLIGHT = (1, 4, 16, 64)
+
+
+def merge_command(source: str, target: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "merge_engine", "merge", "--backend", "fsdp", "--local_dir", source,
+            "--target_dir", target, "--dtype", "bfloat16", *extra]
+
+
+def timed(label: str, command: list[str], env: dict[str, str], repeats: int, clean: list[str],
+          before=None) -> Run:
+    runs = []
+    for _ in range(repeats):
+        for path in clean:
+            _remove(path, env)
+        if before is not None:
+            before()
+        runs.append(measure(label, command, env))
+    run = Run(label, median(runs, "wall_s"), median(runs, "peak_rss_mb"))
+    print(f"  {label:42s} wall {run.wall_s:7.2f} s   peak RSS {run.peak_rss_mb:6.0f} MB", flush=True)
+    return run
+
+
+def _remove(path: str, env: dict[str, str]) -> None:
+    if "://" in path:
+        subprocess.run([sys.executable, "-c", "import sys; from merge_engine import storage; "
+                        "storage.remove(sys.argv[1], recursive=True)", path], env=env, check=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def bench_local(actor: Path, repeats: int, env: dict[str, str]) -> dict[str, Run]:
+    ranks = sorted(str(p) for p in actor.glob("model_world_size_*_rank_*.pt"))
+
+    def warm() -> None:
+        subprocess.run(["cat", *ranks], stdout=subprocess.DEVNULL, check=True)
+
+    out = BENCH / "out" / "shard_jobs"
+    warm()
+    with tempfile.TemporaryDirectory(dir=BENCH) as tmp:
+        started = time.perf_counter()
+        subprocess.run(["cp", *ranks, tmp], check=True)
+        cp = time.perf_counter() - started
+    print(f"\n== local: {sum(os.path.getsize(r) for r in ranks) / 1e9:.2f} GB of rank files; warm cp {cp:.2f} s")
+    results = {"cp": Run("cp", cp, 0.0)}
+    for workers in (1, 2):
+        results[f"workers{workers}"] = timed(f"local merge --workers {workers}", merge_command(
+            str(actor), str(out), "--workers", str(workers)), env, repeats, [str(out)], warm)
+    shutil.rmtree(out, ignore_errors=True)
+    return results
+
+
+def bench_s3(actor: Path, repeats: int, env: dict[str, str], local: Run) -> dict[str, Run]:
+    from tests.fault_proxy import FaultProxy, Network
+    from tests.servers import SeaweedS3Server
+
+    total = sum(p.stat().st_size for p in actor.glob("model_world_size_*"))
+    results: dict[str, Run] = {}
+    with SeaweedS3Server() as s3:
+        s3_env = {**env, **s3.env()}
+        bucket = s3.make_bucket("bench")
+        source = f"{bucket}/run/global_step_1/actor"
+        print(f"\n== s3: uploading the checkpoint to SeaweedFS ({source}) ...", flush=True)
+        subprocess.run([sys.executable, "-c", "import sys; from merge_engine import storage; "
+                        "storage.copy_tree(sys.argv[1], sys.argv[2])", str(actor), source], env=s3_env, check=True)
+        local_target = str(BENCH / "out" / "from_s3")
+        for network in (None, Network(latency=0.02, bandwidth=50e6)):
+            label = "direct" if network is None else "20 ms + 50 MB/s per connection"
+            print(f"-- {label}")
+            with FaultProxy(s3.port, network=network) as proxy:
+                proxied = {**s3_env, "STEPMERGE_S3_ENDPOINT": proxy.url}
+                for n in IN_FLIGHT:
+                    for target in (local_target, f"{bucket}/merged"):
+                        kind = "local" if target == local_target else "s3"
+                        run = timed(f"s3 -> {kind}, {n:2d} in flight ({'net' if network else 'direct'})",
+                                    merge_command(source, target, "--requests-in-flight", str(n)),
+                                    proxied, repeats, [target])
+                        results[f"{label}|{kind}|{n}"] = run
+                        print(f"      / local merge {run.wall_s / local.wall_s:5.2f}   read rate "
+                              f"{total / run.wall_s / 1e6:6.0f} MB/s", flush=True)
+        shutil.rmtree(local_target, ignore_errors=True)
+    return results
+
+
+def bench_ray(actor: Path, repeats: int, env: dict[str, str], workers2: Run) -> Run:
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    root = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    port = "26380"
+    ray_env = {**env, "RAY_USAGE_STATS_ENABLED": "0"}
+    print("\n== ray: a private 2-CPU cluster of this machine", flush=True)
+    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+                    "--include-dashboard=false", f"--temp-dir={root}"], check=True, env=ray_env,
+                   stdout=subprocess.DEVNULL)
+    out = str(BENCH / "out" / "ray")
+    try:
+        run = timed("ray merge (2 workers)", merge_command(str(actor), out, "--ray-address", f"127.0.0.1:{port}"),
+                    ray_env, repeats, [out])
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=ray_env, stdout=subprocess.DEVNULL)
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+    print(f"      ray / --workers 2: {run.wall_s / workers2.wall_s:.2f}")
+    return run
+
+
+def bench_rss(repeats: int, env: dict[str, str]) -> None:
+    print("\n== rss: peak RSS of one merge process at 1x and 2x model size", flush=True)
+    out = str(BENCH / "out" / "rss")
+    table = {}
+    for size in ("0.5b", "1.2b"):
+        actor = ensure_checkpoint(size)
+        for workers in (1, 2):
+            table[size, workers] = timed(f"{size} --workers {workers}", merge_command(
+                str(actor), out, "--workers", str(workers)), env, repeats, [out])
+    shutil.rmtree(out, ignore_errors=True)
+    for workers in (1, 2):
+        ratio = table["1.2b", workers].peak_rss_mb / table["0.5b", workers].peak_rss_mb
+        print(f"  --workers {workers}: peak RSS 2x model / 1x model = {ratio:.2f}; per worker at 1x "
+              f"{table['0.5b', workers].peak_rss_mb / workers:.0f} MB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="local,s3,ray,rss")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    BENCH.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+    actor = ensure_checkpoint("0.5b")
+    local = bench_local(actor, args.repeats, env)
+    print(f"  ratios: --workers 1 / cp {local['workers1'].wall_s / local['cp'].wall_s:.2f}; "
+          f"--workers 2 / cp {local['workers2'].wall_s / local['cp'].wall_s:.2f}; "
+          f"--workers 2 / --workers 1 {local['workers2'].wall_s / local['workers1'].wall_s:.2f}")
+    if "s3" in parts:
+        bench_s3(actor, args.repeats, env, local["workers2"])
+    if "ray" in parts:
+        bench_ray(actor, args.repeats, env, local["workers2"])
+    if "rss" in parts:
+        bench_rss(args.repeats, env)
+
+
+if __name__ == "__main__":
+    main()
