@@ -118,9 +118,11 @@ def bench_ray(actor: Path, repeats: int, env: dict[str, str], workers2: Run) -> 
     ray_bin = str(Path(sys.executable).parent / "ray")
     root = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     port = "26380"
-    ray_env = {**env, "RAY_USAGE_STATS_ENABLED": "0"}
+    from tests.fixtures_ray import LOOPBACK_RAY_ENV
+
+    ray_env = {**env, **LOOPBACK_RAY_ENV}
     print("\n== ray: a private 2-CPU cluster of this machine", flush=True)
-    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2",
                     "--include-dashboard=false", f"--temp-dir={root}"], check=True, env=ray_env,
                    stdout=subprocess.DEVNULL)
     out = str(BENCH / "out" / "ray")

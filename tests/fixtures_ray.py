@@ -1,5 +1,10 @@
 """Session fixture: one real Ray cluster of this machine (``ray start --head``, 2 CPUs), shared by every test
-that needs one, connected to from the test process once, stopped at the end of the session."""
+that needs one, connected to from the test process once, stopped at the end of the session.
+
+`LOOPBACK_RAY_ENV` keeps the cluster on this machine's loopback: Ray otherwise advertises the address of
+the machine's network interface and connects to it, and these tests send traffic only to 127.0.0.1. Token
+authentication is off for the same private cluster (a token file left by another Ray version made the
+driver and the cluster disagree)."""
 
 from __future__ import annotations
 
@@ -20,6 +25,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+LOOPBACK_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+                    "RAY_USAGE_STATS_ENABLED": "0"}
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[str]:
     """The address of a running local Ray cluster; this process is connected to it."""
@@ -27,8 +36,9 @@ def ray_cluster() -> Iterator[str]:
     root = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's unix socket paths are length-limited
     port = _free_port()
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+    os.environ.update(LOOPBACK_RAY_ENV)  # this process is the driver: it must agree with the cluster
+    env = dict(os.environ)
+    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2",
                     "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={root}"],
                    check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
     address = f"127.0.0.1:{port}"
