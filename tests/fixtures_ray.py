@@ -27,17 +27,18 @@ def _free_port() -> int:
 
 LOOPBACK_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
                     "RAY_USAGE_STATS_ENABLED": "0"}
+os.environ.update(LOOPBACK_RAY_ENV)  # Ray reads them when it is imported: before any test imports it
 
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[str]:
     """The address of a running local Ray cluster; this process is connected to it."""
     import ray
+
     root = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's unix socket paths are length-limited
     port = _free_port()
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    os.environ.update(LOOPBACK_RAY_ENV)  # this process is the driver: it must agree with the cluster
-    env = dict(os.environ)
+    env = dict(os.environ)  # the cluster and this process (its driver) agree
     subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2",
                     "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={root}"],
                    check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)

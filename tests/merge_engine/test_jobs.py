@@ -15,7 +15,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from merge_engine.jobs import LOCAL, OUTPUT_OPTION_KEYS, OutputOptions, OutputResult, run_job
+from merge_engine.executors.local import LOCAL
+from merge_engine.jobs import OUTPUT_OPTION_KEYS, OutputOptions, OutputResult, run_job
 from merge_engine.merge import MergeJob
 
 TENSORS = {"model.embed_tokens.weight": torch.arange(24, dtype=torch.float32).reshape(6, 4),
@@ -43,9 +44,9 @@ class RecordingExecutor:
     def __init__(self) -> None:
         self.shards: list[str] = []
 
-    def write(self, outputs, url, *, chunk_bytes, on_bytes):
+    def write(self, job, outputs, url, *, chunk_bytes, on_bytes):
         self.shards += [shard.filename for output in outputs for shard in output.plan.shards]
-        return LOCAL.write(outputs, url, chunk_bytes=chunk_bytes, on_bytes=on_bytes)
+        return LOCAL.write(job, outputs, url, chunk_bytes=chunk_bytes, on_bytes=on_bytes)
 
 
 def test_the_executor_gets_the_plans_shards_and_bytes_do_not_depend_on_it(tmp_path):
