@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -87,6 +88,39 @@ def _source_flags(parser: argparse.ArgumentParser) -> None:
                "or dropped; a checkpoint with MTP layers is refused without this choice")
 
 
+def _run_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the shard jobs run (same bytes whatever is chosen)."""
+    _flag(parser, "workers", type=_positive_int, default=None,
+          help="shard jobs at once on this machine (default: one per core, at most one per output file)")
+    _flag(parser, "ray-address", default=None,
+          help="run the shard jobs as tasks of this Ray cluster: auto, HOST:PORT or ray://HOST:PORT "
+               "(pip install 'stepmerge[ray]'); every worker reads and writes the storage URLs itself")
+    _flag(parser, "requests-in-flight", type=_positive_int, default=None,
+          help="ranged GETs in flight per read of an s3:// or gs:// file (default 32, sized for object storage)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _run_options(args: argparse.Namespace) -> dict:
+    """``workers`` / ``ray_address`` for `OutputOptions`; ``--requests-in-flight`` set for this process and
+    (through its environment) for the Ray workers it starts."""
+    in_flight = getattr(args, "requests_in_flight", None)
+    if in_flight is not None:
+        from merge_engine.storage import tuning
+
+        tuning.REQUESTS_IN_FLIGHT = in_flight
+        os.environ["STEPMERGE_REQUESTS_IN_FLIGHT"] = str(in_flight)
+    return {"workers": getattr(args, "workers", None), "ray_address": getattr(args, "ray_address", None)}
+
+
 def _options(args: argparse.Namespace):
     from merge_engine.jobs import OutputOptions
     from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE, parse_size
@@ -97,7 +131,7 @@ def _options(args: argparse.Namespace):
                          custom_mapping=args.custom_mapping, lora_alpha=getattr(args, "lora_alpha", None),
                          weights_format=getattr(args, "weights_format", "hub"),
                          mtp_layers=getattr(args, "mtp_layers", None),
-                         overwrite=getattr(args, "overwrite", False))
+                         overwrite=getattr(args, "overwrite", False), **_run_options(args))
 
 
 def _progress(total: int, label: str, file=None, disable: bool | None = None):
@@ -146,6 +180,7 @@ def _add_merge(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "overwrite", action="store_true", help="replace a target that holds a different model")
     _flag(parser, "lora-alpha", type=float, default=None,
           help="LoRA checkpoints only: lora_alpha when the run recorded none (never guessed)")
+    _run_flags(parser)
     _flag(parser, "hf_upload_path", default=None, help=argparse.SUPPRESS)
     _flag(parser, "private", action="store_true", help=argparse.SUPPRESS)
     parser.set_defaults(run=cmd_merge)
@@ -263,7 +298,7 @@ def cmd_extract_lora(args: argparse.Namespace) -> int:
     options = OutputOptions(backend=args.backend, lora_alpha=args.lora_alpha, base_model=args.base_model,
                             write_base=not args.adapter_only, hf_model_path=args.hf_model_path, dtype=args.dtype,
                             max_shard_size=parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE),
-                            overwrite=args.overwrite)
+                            overwrite=args.overwrite, **_run_options(args))
     result = extract_lora(args.local_dir, args.target_dir, options)
     _print_lora_result(result, f"extracted LoRA from {args.local_dir}")
     return 0
@@ -292,6 +327,7 @@ def _add_extract_lora(parser: argparse.ArgumentParser) -> None:
           help=f"output dtype ({_DTYPE_HELP}; default: as stored; float32 for SVD factors)")
     _flag(parser, "max-shard-size", default=None, help="largest safetensors file of the base, e.g. 5GB")
     _flag(parser, "overwrite", action="store_true", help="replace a target that holds something else")
+    _run_flags(parser)
     parser.set_defaults(run=cmd_extract_lora)
 
 
@@ -305,7 +341,7 @@ def cmd_merge_lora(args: argparse.Namespace) -> int:
                             output=args.output, rank=args.rank, energy=args.energy,
                             lora_alpha=_floats(args.lora_alpha, "--lora-alpha"), dtype=args.dtype,
                             max_shard_size=parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE),
-                            device=args.device, overwrite=args.overwrite)
+                            device=args.device, overwrite=args.overwrite, **_run_options(args))
     bar = None
 
     def on_plan(plan) -> None:
@@ -342,6 +378,7 @@ def _add_merge_lora(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "device", default=None, help="SVD device (default: cuda when available, else cpu)")
     _flag(parser, "max-shard-size", default=None, help="largest safetensors file, e.g. 5GB (default)")
     _flag(parser, "overwrite", action="store_true", help="replace a target that holds something else")
+    _run_flags(parser)
     parser.set_defaults(run=cmd_merge_lora)
 
 

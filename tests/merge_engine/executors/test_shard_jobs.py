@@ -169,3 +169,24 @@ def test_a_ray_worker_killed_mid_shard_is_retried(fsdp_runs, one_worker, ray_clu
         {f: d for f, d in expected.items() if f != "stepmerge.json"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
     assert not [p for p in (tmp_path / "merged").rglob("*") if ".tmp-" in p.name]
+
+
+def test_the_command_line_runs_shard_jobs_where_it_is_told(fsdp_runs, one_worker, ray_cluster, tmp_path, capsys,
+                                                           monkeypatch):
+    """``--workers 2`` and ``--ray-address`` give the one-worker bytes; ``--workers 0`` is refused before anything."""
+    from merge_engine.cli import main
+
+    # --requests-in-flight sets both for the process: restored after the test
+    monkeypatch.setattr(storage.tuning, "REQUESTS_IN_FLIGHT", storage.tuning.REQUESTS_IN_FLIGHT)
+    monkeypatch.setenv("STEPMERGE_REQUESTS_IN_FLIGHT", str(storage.tuning.REQUESTS_IN_FLIGHT))
+
+    source = fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir
+    common = ["merge", "--local_dir", source, "--max-shard-size", str(SHARD_BYTES), "--requests-in-flight", "8"]
+    assert main([*common, "--target_dir", str(tmp_path / "threads"), "--workers", "2"]) == 0
+    assert main([*common, "--target_dir", str(tmp_path / "ray"), "--ray-address", ray_cluster]) == 0
+    for name in ("threads", "ray"):
+        assert _files(str(tmp_path / name)) == one_worker["fsdp"][1], name
+    with pytest.raises(SystemExit) as info:
+        main([*common, "--target_dir", str(tmp_path / "none"), "--workers", "0"])
+    assert info.value.code == 2 and "at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
