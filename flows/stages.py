@@ -54,6 +54,7 @@ from tasks.publish import publish_release
 from tasks.records import (
     AdapterSettings,
     CheckpointRecord,
+    ExecutionSettings,
     MergeSettings,
     StepRecord,
     ValidationSettings,
@@ -194,6 +195,7 @@ class ReleaseInputs:
     merge: Optional[MergeSettings] = None
     adapter: Optional[AdapterSettings] = None
     fused_model_url: Optional[str] = None  # adapters: the model release PEFT's logits must reproduce
+    execution: Optional[ExecutionSettings] = None  # models: where the shard jobs run (threads here, or Ray)
 
     def provenance(self) -> ReleaseProvenance:
         return ReleaseProvenance(kind=self.kind, source_listing=self.step.fingerprint,
@@ -227,7 +229,7 @@ def _publish_arguments(inputs: ReleaseInputs, done: Mapping[str, Any]) -> tuple:
 CHAINS: Dict[str, Tuple[StageSpec, ...]] = {
     MODEL: (
         StageSpec("merge", merge_model, lambda i, done: (i.checkpoint, i.merge, i.release, i.staging_root,
-                                                         i.overwrite), OUTPUT),
+                                                         i.overwrite, i.execution), OUTPUT),
         StageSpec("validate", validate_output, lambda i, done: (done[OUTPUT], i.validation, i.release), VALIDATION),
         StageSpec("publish", publish_release, _publish_arguments, RELEASE),
     ),
@@ -266,11 +268,12 @@ def run_chain(timer: StageTimer, chain: Tuple[StageSpec, ...], inputs: ReleaseIn
 def release_output(timer: StageTimer, kind: str, step: StepRecord, checkpoint: CheckpointRecord, release: str, *,
                    merge: Optional[MergeSettings] = None, adapter: Optional[AdapterSettings] = None,
                    validation: ValidationSettings, staging_root: Optional[str], options: dict,
-                   overwrite: bool = False, fused_model_url: Optional[str] = None) -> ReleaseOutcome:
+                   overwrite: bool = False, fused_model_url: Optional[str] = None,
+                   execution: Optional[ExecutionSettings] = None) -> ReleaseOutcome:
     """Build, validate and publish one output of ``checkpoint`` at ``release`` (the chain of ``kind``)."""
     inputs = ReleaseInputs(kind=kind, step=step, checkpoint=checkpoint, release=release, validation=validation,
                            staging_root=staging_root, options=options, overwrite=overwrite, merge=merge,
-                           adapter=adapter, fused_model_url=fused_model_url)
+                           adapter=adapter, fused_model_url=fused_model_url, execution=execution)
     chain = run_chain(timer, CHAINS[kind], inputs)
     output, report, released = (chain.results[name] for name in (OUTPUT, VALIDATION, RELEASE))
     return ReleaseOutcome(kind=kind, url=released.url, fingerprint=released.fingerprint,

@@ -69,6 +69,11 @@ class ReleaseIncomplete(IncompleteCheckpoint):
     """The folder has no valid ``_COMPLETE`` marker: it is not a release readers may trust."""
 
 
+class ChecksumMismatch(CorruptShard):
+    """A file's bytes differ from the sha256 its writer computed while writing it (a staged shard
+    changed between the merge and the publish); nothing is published."""
+
+
 class ReleaseDamaged(StepmergeError):
     """A release (or a merged folder with a manifest) differs from its manifest: a file is missing,
     resized, has other bytes, or is not listed; the message names each bad file."""

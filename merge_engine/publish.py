@@ -13,6 +13,12 @@ Contract:
   whole (`merge_engine.local_commit`): no folder without its marker is ever visible at the
   release path, and a kill leaves the old release or the new one. An object-store release is
   written in place, marker last; its readers trust only the marker.
+- ``checksums`` (the shard jobs' sha256 per staged weight file and index, computed while the merge
+  wrote them: `merge_engine.jobs.OutputResult.checksums`): every file they name must be staged and
+  the copy must hash to them, else `ChecksumMismatch` before the manifest is written (nothing
+  published; staging removed with ``remove_staging``: it holds bytes the merge did not write). The
+  manifest's sha256 are then the writer's, confirmed by the copy; files they do not name (configs,
+  provenance) are recorded as the copy hashed them.
 - The release must not overlap the staging folder or the source checkpoint (`InvalidOption`,
   `TargetOverlapsSource`): clearing it must never touch either.
 - Readers trust a release only when `is_released`: the marker is there, parses, and matches the
@@ -66,7 +72,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from merge_engine import process_identity, storage
-from merge_engine.errors import CorruptShard, InvalidOption, TargetExists, ValidationFailed
+from merge_engine.errors import ChecksumMismatch, CorruptShard, InvalidOption, TargetExists, ValidationFailed
 from merge_engine.local_commit import LiveFolder, commit_folder, sweep_dead_siblings
 from merge_engine.release import (
     CLAIMS,
@@ -310,8 +316,10 @@ def _copy_with_sha256(src_url: str, dst_url: str, size: int) -> str:
     return digest.hexdigest()
 
 
-def _copy_all(staging_url: str, release_url: str, files: Sequence[FileEntry], max_workers: int
-              ) -> tuple[ManifestFile, ...]:
+def _copy_all(staging_url: str, release_url: str, files: Sequence[FileEntry], max_workers: int,
+              checksums: Mapping[str, str]) -> tuple[ManifestFile, ...]:
+    """Copy every file; a file named in ``checksums`` whose copy hashed otherwise: `ChecksumMismatch`
+    (the caller discards what was copied: nothing is published without the manifest)."""
     done: list[ManifestFile] = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
         futures = {
@@ -321,7 +329,11 @@ def _copy_all(staging_url: str, release_url: str, files: Sequence[FileEntry], ma
         }
         for future in concurrent.futures.as_completed(futures):
             entry = futures[future]
-            done.append(ManifestFile(entry.path, entry.size, future.result()))
+            digest, expected = future.result(), checksums.get(entry.path)
+            if expected is not None and digest != expected:
+                raise ChecksumMismatch(f"{entry.path}: staged bytes hash to {digest[:16]}…, the merge wrote "
+                                       f"{expected[:16]}…", storage.join(staging_url, entry.path))
+            done.append(ManifestFile(entry.path, entry.size, digest))
     return tuple(sorted(done, key=lambda f: f.path))
 
 
@@ -341,7 +353,7 @@ def _drop_staging(staging_url: str, remove_staging: bool) -> None:
 def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str, options: Mapping[str, Any],
             validation: ValidationReport | None, engine_version: str, overwrite: bool = False,
             remove_staging: bool = True, wait_s: float = 600.0, claim_ttl_s: float = CLAIM_TTL_S,
-            max_workers: int = 4) -> Release:
+            max_workers: int = 4, checksums: Mapping[str, str] | None = None) -> Release:
     """Publish `staging_url` at `release_url` (see the module docstring for every rule).
 
     `validation` None publishes without a validation record (the manifest says ``null``).
@@ -350,7 +362,9 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
     (empty staging, staged names that collide with ``manifest.json``/``_COMPLETE``/``_PUBLISHING``, or
     staging and release nested in each other),
     `ReleaseBusy` (another publisher held the release longer than ``wait_s``), `ClaimLost` (a
-    `ReleaseBusy`: our claim vanished while we copied; no manifest or marker written, staging kept).
+    `ReleaseBusy`: our claim vanished while we copied; no manifest or marker written, staging kept),
+    `ChecksumMismatch` (a staged file differs from ``checksums`` or is gone; nothing published, staging
+    removed).
     """
     if overlaps(staging_url, release_url):
         raise InvalidOption(f"staging and release must not contain each other: {staging_url}, {release_url}")
@@ -365,6 +379,10 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
     clashing = [f.path for f in files if f.path.split("/")[0] in RESERVED]
     if clashing:
         raise InvalidOption(f"staged files use reserved names {clashing}", staging_url)
+    missing = sorted(set(checksums or {}) - {f.path for f in files})
+    if missing:
+        _drop_staging(staging_url, remove_staging)
+        raise ChecksumMismatch(f"the merge wrote {missing[:5]}, staging no longer holds them", staging_url)
     options = json.loads(json.dumps(dict(options), sort_keys=True, default=str))
 
     attempt = uuid.uuid4().hex
@@ -399,7 +417,7 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
         with _Heartbeat(release_url, attempt, fingerprint, claim_ttl_s) as heartbeat:
 
             def write_release(dest: str) -> Manifest:
-                copied = _copy_all(staging_url, dest, files, max_workers)
+                copied = _copy_all(staging_url, dest, files, max_workers, checksums or {})
                 listed = {e.path: e.version for e in storage.list_files(dest)}  # the store's own versions
                 manifest = Manifest(
                     source=source, fingerprint=fingerprint, engine_version=engine_version, options=options,
@@ -423,7 +441,14 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
                     commit_folder(folder.path, target)
             else:  # object stores: cleared, files, manifest, marker LAST; readers trust only the marker
                 _clear(release_url)
-                manifest = write_release(release_url)
+                try:
+                    manifest = write_release(release_url)
+                except ChecksumMismatch:
+                    _clear(release_url)  # no marker was written: what was copied is junk
+                    raise
+    except ChecksumMismatch:
+        _drop_staging(staging_url, remove_staging)  # bytes the merge did not write: merge again
+        raise
     finally:
         _remove_claim(release_url, attempt)
     _drop_staging(staging_url, remove_staging)

@@ -16,6 +16,11 @@
   It merges the checkpoint the check task checked (no second completeness check). A LoRA checkpoint
   gives the TRAINED model (adapters fused), as the engine defines it. Staging folders left by
   crashed runs are swept first (`merge_engine.release.sweep_stale_staging`).
+- Where the shard jobs run (``execution``, never part of the cache key: it changes no byte): Prefect
+  task runs on a Ray cluster when a Ray address is configured (the flow's ``ray_address``, else
+  ``STEPMERGE_RAY_ADDRESS`` in the worker's environment; `tasks.shard_runs`), else ``workers`` threads
+  here (None: one per core). The record carries the shard jobs' sha256 of every weight file and index
+  (``checksums``): publishing checks the bytes it copies against them.
 - Retries: transient storage faults only; named errors (corrupt shard, ...) fail at once.
 """
 
@@ -32,8 +37,9 @@ from merge_engine.merge import merge_checkpoint, merge_fingerprint, read_provena
 from merge_engine.release import MODEL, release_state, staging_url, sweep_stale_staging
 from tasks.cache import stage_cache_policy
 from tasks.progress import ProgressArtifact, release_artifact_key
-from tasks.records import CheckpointRecord, MergeSettings, OutputRecord
+from tasks.records import CheckpointRecord, ExecutionSettings, MergeSettings, OutputRecord
 from tasks.retry import RETRY_OPTIONS
+from tasks.shard_runs import shard_executor, step_label
 
 
 def output_available(output: OutputRecord) -> bool:
@@ -77,11 +83,13 @@ def merge_model(checkpoint: CheckpointRecord, settings: MergeSettings, release: 
     sweep_stale_staging(staging_root, keep=target)
     progress = ProgressArtifact(release_artifact_key("progress", release), f"Merging {checkpoint.url} -> {release}")
     options = dataclasses.replace(settings.to_options(), overwrite=True)  # staging is ours to replace
+    execution = execution or ExecutionSettings()
+    executor = shard_executor(execution.workers, execution.ray_address, step_label(checkpoint.url))
     result = merge_checkpoint(checkpoint.url, target, options, on_bytes=progress.on_bytes, on_plan=progress.on_plan,
-                              checkpoint=checkpoint.to_checkpoint())
+                              checkpoint=checkpoint.to_checkpoint(), executor=executor)
     progress.finish()
     return OutputRecord(kind=MODEL, source_url=checkpoint.url, url=target, fingerprint=result.fingerprint,
                         release=release, attempt=uuid.uuid4().hex, layout=result.layout, tensors=result.tensors,
                         tensor_bytes=result.tensor_bytes,
                         files=len(result.files), total_bytes=sum(size for _, size in result.files),
-                        seconds=result.seconds, notes=tuple(result.notes))
+                        seconds=result.seconds, notes=tuple(result.notes), checksums=tuple(result.checksums))

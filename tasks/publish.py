@@ -10,6 +10,10 @@ publishers never both write). The task adds:
 - a failed validation publishes nothing (the engine removes the staging folder and raises
   `ValidationFailed`: a named error, not retried); a release built from something else, without
   ``overwrite``, is refused (`TargetExists`) and the staging folder removed too: nothing is left behind.
+The shard jobs' sha256 of every weight file and index (``output.checksums``, from the merge) are
+what the manifest records: the copy checks the bytes it reads from staging against them and a
+mismatch is `ChecksumMismatch` (nothing published, the staging folder removed, so the next run
+merges again).
 The manifest's options record the merge options, the validation settings and the step listing's
 fingerprint (``source_listing``), so a watcher can tell a release whose checkpoint was rewritten.
 """
@@ -53,7 +57,8 @@ def publish_release(output: OutputRecord, validation: ValidationRecord, release:
     try:
         published = publish(output.url, release, source=output.source_url, fingerprint=output.fingerprint,
                             options=dict(options or {}), validation=validation.to_report(),
-                            engine_version=merge_engine.__version__, overwrite=overwrite)
+                            engine_version=merge_engine.__version__, overwrite=overwrite,
+                            checksums=dict(output.checksums))
     except TargetExists:
         storage.remove(output.url, recursive=True)  # refused: this staging folder will never be published
         raise

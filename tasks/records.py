@@ -135,6 +135,17 @@ class ValidationSettings(Record):
     device: Optional[str] = None
 
 
+class ExecutionSettings(Record):
+    """Where a merge's shard jobs run; never part of a cache key or a manifest (the bytes are the same).
+
+    ``ray_address``: Prefect task runs on that Ray cluster (`tasks.shard_runs`; None: the worker's
+    ``STEPMERGE_RAY_ADDRESS``, else none); otherwise ``workers`` threads here (None: one per core).
+    """
+
+    workers: Optional[int] = None
+    ray_address: Optional[str] = None
+
+
 class OutputRecord(Record):
     """A model or adapter folder a stage wrote, or found already released.
 
@@ -157,6 +168,7 @@ class OutputRecord(Record):
     seconds: float = 0.0
     released: bool = False
     notes: tuple[str, ...] = ()
+    checksums: tuple[tuple[str, str], ...] = ()  # (file, sha256) per weight file and index, from the shard jobs
 
 
 class ValidationRecord(Record):

@@ -16,7 +16,7 @@ import pytest
 
 from merge_engine import publish as publish_module
 from merge_engine import storage
-from merge_engine.errors import InvalidOption, TargetExists, ValidationFailed
+from merge_engine.errors import ChecksumMismatch, InvalidOption, TargetExists, ValidationFailed
 from merge_engine.publish import ReleaseBusy, publish, verify_release
 from merge_engine.release import CLAIMS, MANIFEST, MARKER, is_released, read_manifest
 from merge_engine.validate import Check, ValidationReport
@@ -173,6 +173,41 @@ class TestPublish:
         staging = stage(root_url)
         do_publish(staging, storage.join(root_url, "rel"), remove_staging=False)
         assert paths(staging) == set(FILES)
+
+
+class TestWritersChecksums:
+    """The shard jobs' sha256 (computed while the merge wrote each shard) are what a copy must match."""
+
+    SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json")
+
+    def _writers(self) -> dict[str, str]:
+        return {name: hashlib.sha256(FILES[name]).hexdigest() for name in self.SHARDS}
+
+    def test_the_manifest_holds_the_writers_checksums_confirmed_by_the_copy(self, root_url):
+        release_url = storage.join(root_url, "rel")
+        do_publish(stage(root_url), release_url, checksums=self._writers())
+        manifest = {f.path: f.sha256 for f in read_manifest(release_url).files}
+        assert {name: manifest[name] for name in self.SHARDS} == self._writers()
+        assert verify_release(release_url).ok
+
+    def test_staged_bytes_other_than_the_merge_wrote_publish_nothing(self, root_url):
+        release_url = storage.join(root_url, "rel")
+        staging = stage(root_url)
+        changed = bytearray(FILES["model-00002-of-00002.safetensors"])
+        changed[1234] ^= 1  # one bit flipped in staging after the shard job hashed it
+        storage.write_bytes(storage.join(staging, "model-00002-of-00002.safetensors"), bytes(changed))
+        with pytest.raises(ChecksumMismatch, match="model-00002-of-00002.safetensors"):
+            do_publish(staging, release_url, checksums=self._writers())
+        assert not is_released(release_url) and paths(release_url) == set()
+        assert paths(staging) == set()  # staging dropped: the next run merges again
+
+    def test_a_shard_the_merge_wrote_but_staging_lost_publishes_nothing(self, root_url):
+        release_url = storage.join(root_url, "rel")
+        staging = stage(root_url)
+        storage.remove(storage.join(staging, "model-00001-of-00002.safetensors"))
+        with pytest.raises(ChecksumMismatch, match="model-00001-of-00002"):
+            do_publish(staging, release_url, checksums=self._writers())
+        assert not is_released(release_url) and paths(release_url) == set()
 
 
 class TestVerifyRelease:

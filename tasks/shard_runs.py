@@ -1,0 +1,148 @@
+"""A merge's shard jobs as Prefect task runs on a Ray cluster (`prefect-ray`'s ``RayTaskRunner``).
+
+`PrefectRayExecutor` is the engine's `merge_engine.executors.remote.RemoteExecutor` with Prefect in
+charge: its `run_all` runs a small subflow, ``write-shards``, with a ``RayTaskRunner(address)``, that
+submits one ``write-shard`` task run per output shard, named after the step and the shard's file
+(``global_step_40/actor: model-00003-of-00012.safetensors``), so each shard is a task run in the UI with
+its own state and retries. Each task calls `merge_engine.executors.remote.run_shard_task` on a Ray worker:
+it reads straight from the checkpoint's storage and writes straight to the target URL; only the small
+`merge_engine.shard_job.ShardRecord` (file, size, sha256, tensor names) comes back to the driver, never a
+tensor. The engine itself never imports Prefect: this module plugs into it.
+
+- Retries: a shard task retries transient storage faults only (`tasks.retry.RETRY_OPTIONS`); Ray runs a
+  task again when its worker dies (``max_retries``), and the shard is written whole again. A named error
+  (a truncated rank file, ...) fails its task at once: the other shard tasks are cancelled and waited
+  for, the subflow fails with that error, and `merge_engine.jobs.run_job` leaves the target absent.
+- Workers get the coordinator's storage settings (`remote.storage_env`: endpoints, credentials,
+  timeouts) through Ray's ``runtime_env``; the Prefect API settings travel in the task runs' context.
+- ``address``: ``auto`` (the cluster this machine joined with ``ray start``), ``host:port``,
+  ``ray://host:port`` (Ray Client), or ``local`` (a private cluster of this machine for this merge). A
+  process already connected to Ray uses that connection.
+
+Ray and prefect-ray are the optional extra ``stepmerge[ray]``: imported only when a merge asks for Ray.
+`shard_executor` picks the executor of a merge task: this one when a Ray address is configured (the
+flow parameter, else ``STEPMERGE_RAY_ADDRESS`` in the worker's environment), else this machine's threads.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Optional
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from merge_engine.errors import InvalidOption
+from merge_engine.executors import ShardExecutor
+from merge_engine.executors.local import LocalExecutor
+from merge_engine.executors.remote import RemoteExecutor, ShardTask, run_shard_task, storage_env
+from merge_engine.shard_job import ShardRecord
+from tasks.retry import RETRY_OPTIONS
+
+__all__ = ["RAY_ADDRESS_ENV", "PrefectRayExecutor", "configured_ray_address", "ray_task_runner", "shard_executor",
+           "shard_run_name", "step_label", "write_shard_run"]
+
+RAY_ADDRESS_ENV = "STEPMERGE_RAY_ADDRESS"
+RAY_MAX_RETRIES = 3  # runs of a shard whose Ray worker died (node lost, OOM-killed)
+
+
+@task(name="write-shard", cache_policy=NO_CACHE, persist_result=False, **RETRY_OPTIONS)
+def write_shard_run(shard: ShardTask) -> ShardRecord:
+    """Write one shard (on a Ray worker): its record, never its bytes."""
+    return run_shard_task(shard)
+
+
+def step_label(source_url: str) -> str:
+    """What names a merge's shard runs: the checkpoint URL from its ``global_step_N`` folder on
+    (``global_step_40/actor``), else the URL's last component."""
+    parts = [p for p in source_url.rstrip("/").split("/") if p]
+    for position in range(len(parts) - 1, -1, -1):
+        if parts[position].startswith("global_step_"):
+            return "/".join(parts[position:])
+    return parts[-1] if parts else source_url
+
+
+def shard_run_name(label: str, shard: ShardTask) -> str:
+    return f"{label}: {shard.file}"
+
+
+def ray_task_runner(address: str) -> Any:
+    """``RayTaskRunner`` for ``address`` (see the module docstring); `InvalidOption` without the extra."""
+    try:
+        from prefect_ray import RayTaskRunner
+    except ImportError:
+        raise InvalidOption(f"ray_address {address!r} needs Ray: pip install 'stepmerge[ray]'") from None
+    init_kwargs = {"log_to_driver": False, "configure_logging": False}
+    if address == "local":
+        return RayTaskRunner(init_kwargs=init_kwargs)
+    if address == "auto":  # RayTaskRunner reads a bare "auto" as "start a local cluster"
+        return RayTaskRunner(init_kwargs={**init_kwargs, "address": "auto"})
+    return RayTaskRunner(address=address, init_kwargs=init_kwargs)
+
+
+class PrefectRayExecutor(RemoteExecutor):
+    """Shard jobs as Prefect task runs on a Ray cluster (see the module docstring)."""
+
+    def __init__(self, address: str, label: str = "shards", *, max_retries: int = RAY_MAX_RETRIES) -> None:
+        self.address = address
+        self.label = label
+        self.max_retries = max_retries
+
+    def run_all(self, tasks: list[ShardTask], on_record: Callable[[ShardRecord], None]) -> list[ShardRecord]:
+        runner = ray_task_runner(self.address)
+        label, max_retries = self.label, self.max_retries
+
+        @flow(name="write-shards", flow_run_name=f"write-shards {label}", task_runner=runner,
+              validate_parameters=False, persist_result=False, log_prints=True)
+        def write_shards(step: str, ray_address: str, files: list[str]) -> list[ShardRecord]:
+            """One task run per shard on the Ray cluster; records in the order of the shards."""
+            return _run_shard_tasks(tasks, label, max_retries, on_record)
+
+        return write_shards(label, self.address, [t.file for t in tasks])
+
+
+def _run_shard_tasks(tasks: list[ShardTask], label: str, max_retries: int,
+                     on_record: Callable[[ShardRecord], None]) -> list[ShardRecord]:
+    import ray
+    from prefect.futures import as_completed
+    from prefect_ray.context import remote_options
+
+    env = storage_env()
+    options: dict[str, Any] = {"max_retries": max_retries, "num_cpus": 1}
+    if env:
+        options["runtime_env"] = {"env_vars": env}
+    with remote_options(**options):
+        futures = [write_shard_run.with_options(task_run_name=shard_run_name(label, shard)).submit(shard)
+                   for shard in tasks]
+    records: dict[Any, ShardRecord] = {}
+    try:
+        for future in as_completed(futures):
+            record = future.result()  # raises the task's error (a named one as it is)
+            records[future.task_run_id] = record
+            on_record(record)
+    except BaseException:
+        pending = [f for f in futures if f.task_run_id not in records]
+        for future in pending:
+            ray.cancel(future.wrapped_future)
+        for future in pending:  # wait until they have stopped: nothing writes after the merge fails
+            try:
+                ray.get(future.wrapped_future)
+            except Exception:  # noqa: BLE001 - cancelled or failed: either way it has stopped
+                pass
+        raise
+    return [records[f.task_run_id] for f in futures]
+
+
+def configured_ray_address(ray_address: Optional[str]) -> Optional[str]:
+    """The Ray cluster a merge task uses: ``ray_address``, else ``STEPMERGE_RAY_ADDRESS``, else None."""
+    return ray_address or os.environ.get(RAY_ADDRESS_ENV) or None
+
+
+def shard_executor(workers: Optional[int], ray_address: Optional[str], label: str) -> ShardExecutor:
+    """Where a merge task's shard jobs run: Prefect task runs on Ray when an address is configured
+    (`configured_ray_address`), else ``workers`` threads of this process (None: one per core)."""
+    address = configured_ray_address(ray_address)
+    if address:
+        return PrefectRayExecutor(address, label)
+    return LocalExecutor(workers)
