@@ -36,7 +36,17 @@ from pydantic import BaseModel, Field
 
 from flows.stages import StepOutcome
 from flows.credentials import storage_credentials
-from flows.params import DtypeName, LoraAlpha, Role, ShardSize, StorageUrl, WatchParams, described
+from flows.params import (
+    DtypeName,
+    LoraAlpha,
+    RayAddress,
+    Role,
+    ShardSize,
+    StorageUrl,
+    WatchParams,
+    Workers,
+    described,
+)
 from flows.run_labels import label_flow_run, run_tags, watch_run_name
 from flows.step_keys import step_key
 from flows.submission import SubmittedRun, submit_step_run
@@ -123,6 +133,8 @@ def merge_new_steps(
     lora_alpha: LoraAlpha = described("lora_alpha", None),
     overwrite: bool = described("overwrite", False),
     staging_root: Optional[StorageUrl] = described("staging_root", None),
+    workers: Workers = described("workers", None),
+    ray_address: RayAddress = described("ray_address", None),
 ) -> WatchOutcome:
     """Merge every complete, unpublished step of ``run_root`` (see the module docstring)."""
     params = WatchParams(**locals())

@@ -34,10 +34,12 @@ from flows.params import (
     DtypeName,
     LoraAlpha,
     MergeStepParams,
+    RayAddress,
     Role,
     ShardSize,
     StepNumber,
     StorageUrl,
+    Workers,
     described,
 )
 from flows.run_labels import label_flow_run, step_label, step_run_name
@@ -75,7 +77,7 @@ def run_stages(params: MergeStepParams, timer: StageTimer) -> StepOutcome:
                   options=params.recorded_options(), overwrite=params.overwrite)
     root = params.release_root_url
     model = release_output(timer, MODEL, step, checkpoint, release_url(root, params.role, params.step, MODEL),
-                           merge=merge, **common)
+                           merge=merge, execution=params.execution_settings(), **common)
     releases = [model]
     if checkpoint.lora and params.release_adapter:
         adapter_release = release_url(root, params.role, params.step, ADAPTER)
@@ -105,6 +107,8 @@ def merge_step(
     lora_alpha: LoraAlpha = described("lora_alpha", None),
     overwrite: bool = described("overwrite", False),
     staging_root: Optional[StorageUrl] = described("staging_root", None),
+    workers: Workers = described("workers", None),
+    ray_address: RayAddress = described("ray_address", None),
 ) -> StepOutcome:
     """Merge, validate and publish one step of a training run (see the module docstring)."""
     params = MergeStepParams(**locals())

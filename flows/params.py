@@ -73,6 +73,9 @@ StepNumber = Annotated[int, Field(ge=0)]
 ShardSize = Annotated[str, Field(pattern=SIZE_PATTERN)]
 DtypeName = Annotated[Optional[DtypeSpelling], AfterValidator(_dtype)]
 LoraAlpha = Optional[Annotated[float, Field(gt=0)]]
+Workers = Optional[Annotated[int, Field(ge=1)]]
+RAY_ADDRESS_PATTERN = r"^(auto|local|(ray://)?[A-Za-z0-9.\-]+:[0-9]{1,5})$"
+RayAddress = Optional[Annotated[str, Field(max_length=MAX_URL_LENGTH, pattern=RAY_ADDRESS_PATTERN)]]
 
 # The form's texts, one per parameter name (every flow that has the parameter shows the same words).
 DESCRIPTIONS: Dict[str, str] = {
@@ -90,6 +93,9 @@ DESCRIPTIONS: Dict[str, str] = {
     "adapter_include_base": "Put the clean base model in the adapter release (base/)",
     "lora_alpha": "LoRA alpha when the run did not record it (lora_train_meta.json)",
     "overwrite": "Replace a release that was built from a different checkpoint",
+    "workers": "Shard jobs at once in the merge task's process; default: one per core",
+    "ray_address": "Run the shard jobs as task runs on this Ray cluster (auto, host:port, ray://host:port); "
+                   "default: the worker's $STEPMERGE_RAY_ADDRESS, else the merge task's own process",
     "roles": "Roles to merge (actor, critic, empty for SFT)",
     "merge_deployment": "Deployment that merges one step, used when this flow runs from a deployment",
     "max_steps": "Merge at most this many new steps per run (oldest first)",
@@ -136,6 +142,8 @@ class PipelineOptions(RunLocation):
     adapter_include_base: bool = True
     lora_alpha: LoraAlpha = None
     overwrite: bool = False
+    workers: Workers = None
+    ray_address: RayAddress = None
 
     def merge_settings(self):
         from tasks.records import MergeSettings
@@ -153,6 +161,12 @@ class PipelineOptions(RunLocation):
         from tasks.records import ValidationSettings
 
         return ValidationSettings(forward=self.validate_forward, reference_url=self.reference_url)
+
+    def execution_settings(self):
+        """Where the merge's shard jobs run (never recorded in a manifest: the bytes are the same)."""
+        from tasks.records import ExecutionSettings
+
+        return ExecutionSettings(workers=self.workers, ray_address=self.ray_address)
 
     def options(self) -> dict:
         """Every pipeline option (what a watcher passes on to each step), without the run root."""

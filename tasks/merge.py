@@ -39,7 +39,7 @@ from tasks.cache import stage_cache_policy
 from tasks.progress import ProgressArtifact, release_artifact_key
 from tasks.records import CheckpointRecord, ExecutionSettings, MergeSettings, OutputRecord
 from tasks.retry import RETRY_OPTIONS
-from tasks.shard_runs import shard_executor, step_label
+from tasks.shard_runs import shard_executor, checkpoint_label
 
 
 def output_available(output: OutputRecord) -> bool:
@@ -84,7 +84,7 @@ def merge_model(checkpoint: CheckpointRecord, settings: MergeSettings, release: 
     progress = ProgressArtifact(release_artifact_key("progress", release), f"Merging {checkpoint.url} -> {release}")
     options = dataclasses.replace(settings.to_options(), overwrite=True)  # staging is ours to replace
     execution = execution or ExecutionSettings()
-    executor = shard_executor(execution.workers, execution.ray_address, step_label(checkpoint.url))
+    executor = shard_executor(execution.workers, execution.ray_address, checkpoint_label(checkpoint.url))
     result = merge_checkpoint(checkpoint.url, target, options, on_bytes=progress.on_bytes, on_plan=progress.on_plan,
                               checkpoint=checkpoint.to_checkpoint(), executor=executor)
     progress.finish()

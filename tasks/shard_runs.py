@@ -41,7 +41,7 @@ from merge_engine.shard_job import ShardRecord
 from tasks.retry import RETRY_OPTIONS
 
 __all__ = ["RAY_ADDRESS_ENV", "PrefectRayExecutor", "configured_ray_address", "ray_task_runner", "shard_executor",
-           "shard_run_name", "step_label", "write_shard_run"]
+           "shard_run_name", "checkpoint_label", "write_shard_run"]
 
 RAY_ADDRESS_ENV = "STEPMERGE_RAY_ADDRESS"
 RAY_MAX_RETRIES = 3  # runs of a shard whose Ray worker died (node lost, OOM-killed)
@@ -53,7 +53,7 @@ def write_shard_run(shard: ShardTask) -> ShardRecord:
     return run_shard_task(shard)
 
 
-def step_label(source_url: str) -> str:
+def checkpoint_label(source_url: str) -> str:
     """What names a merge's shard runs: the checkpoint URL from its ``global_step_N`` folder on
     (``global_step_40/actor``), else the URL's last component."""
     parts = [p for p in source_url.rstrip("/").split("/") if p]
