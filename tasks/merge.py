@@ -39,7 +39,7 @@ from tasks.cache import stage_cache_policy
 from tasks.progress import ProgressArtifact, release_artifact_key
 from tasks.records import CheckpointRecord, ExecutionSettings, MergeSettings, OutputRecord
 from tasks.retry import RETRY_OPTIONS
-from tasks.shard_runs import shard_executor, checkpoint_label
+from tasks.shard_runs import checkpoint_label, shard_executor
 
 
 def output_available(output: OutputRecord) -> bool:

@@ -40,8 +40,8 @@ from merge_engine.executors.remote import RemoteExecutor, ShardTask, run_shard_t
 from merge_engine.shard_job import ShardRecord
 from tasks.retry import RETRY_OPTIONS
 
-__all__ = ["RAY_ADDRESS_ENV", "PrefectRayExecutor", "configured_ray_address", "ray_task_runner", "shard_executor",
-           "shard_run_name", "checkpoint_label", "write_shard_run"]
+__all__ = ["RAY_ADDRESS_ENV", "PrefectRayExecutor", "checkpoint_label", "configured_ray_address", "ray_task_runner",
+           "shard_executor", "shard_run_name", "write_shard_run"]
 
 RAY_ADDRESS_ENV = "STEPMERGE_RAY_ADDRESS"
 RAY_MAX_RETRIES = 3  # runs of a shard whose Ray worker died (node lost, OOM-killed)
