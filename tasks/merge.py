@@ -73,7 +73,8 @@ def released_output(kind: str, source_url: str, release: str, fingerprint: str,
                                       listed=("settings.hf_model_path",)),
       persist_result=True, **RETRY_OPTIONS)
 def merge_model(checkpoint: CheckpointRecord, settings: MergeSettings, release: str,
-                staging_root: Optional[str] = None, overwrite: bool = False) -> OutputRecord:
+                staging_root: Optional[str] = None, overwrite: bool = False,
+                execution: Optional[ExecutionSettings] = None) -> OutputRecord:
     """Merge ``checkpoint`` into a staging folder for ``release`` (or find it already released)."""
     fingerprint = merge_fingerprint(checkpoint.to_checkpoint(), settings.to_options())
     found = released_output(MODEL, checkpoint.url, release, fingerprint, overwrite)
