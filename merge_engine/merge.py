@@ -21,7 +21,7 @@ from merge_engine.config_shapes import check_config_against_tensors
 from merge_engine.errors import InvalidOption
 from merge_engine.hf_metadata import CONFIG_FILE, copy_metadata, read_config
 from merge_engine.hub_format import HUB, parse_weights_format, to_hub_format
-from merge_engine.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, run_job
+from merge_engine.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, ShardExecutor, run_job
 from merge_engine.layouts import Checkpoint, check_checkpoint, open_checkpoint
 from merge_engine.merge_plan import MergePlan, parse_dtype
 from merge_engine.output_heads import check_dropped_head
@@ -123,6 +123,9 @@ class MergeJob:
 def merge_checkpoint(source_url: str, target_url: str, options: OutputOptions = OutputOptions(), *,
                      on_bytes: Callable[[int], None] | None = None,
                      on_plan: Callable[[MergePlan], None] | None = None,
-                     checkpoint: Checkpoint | None = None) -> OutputResult:
-    """Merge the checkpoint at ``source_url`` into a Hugging Face folder at ``target_url`` (a `MergeJob`)."""
-    return run_job(MergeJob(source_url, target_url, options, checkpoint), on_bytes=on_bytes, on_plan=on_plan)
+                     checkpoint: Checkpoint | None = None,
+                     executor: ShardExecutor | None = None) -> OutputResult:
+    """Merge the checkpoint at ``source_url`` into a Hugging Face folder at ``target_url`` (a `MergeJob`).
+    ``executor``: where the shard jobs run (default: as ``options`` say, `merge_engine.executors.executor_for`)."""
+    return run_job(MergeJob(source_url, target_url, options, checkpoint), on_bytes=on_bytes, on_plan=on_plan,
+                   executor=executor)

@@ -46,11 +46,11 @@ def _fresh_sha256_matches_manifest(release: str, files: dict[str, bytes]) -> Non
 
 
 def _shard_runs(parent_flow_run: str) -> tuple[list, list]:
-    """The write-shards subflow runs under the merge task of ``parent_flow_run``, and their task runs."""
-    merge_task = task_runs(parent_flow_run)["merge-model"][0]
+    """The subflow runs started from ``parent_flow_run``'s tasks (write-shards), and their task runs."""
+    parents = [run.id for runs in task_runs(parent_flow_run).values() for run in runs]
     with get_client(sync_client=True) as client:
         subflows = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(parent_task_run_id=FlowRunFilterParentTaskRunId(any_=[merge_task.id])))
+            flow_run_filter=FlowRunFilter(parent_task_run_id=FlowRunFilterParentTaskRunId(any_=parents)))
         shard_tasks = client.read_task_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id for run in subflows]))) if subflows else []
     return subflows, shard_tasks
