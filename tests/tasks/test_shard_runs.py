@@ -1,0 +1,51 @@
+"""Which executor a merge task uses, and the names of its shard runs (no Ray needed here; the Ray path
+itself runs in tests/flows/test_merge_step_ray.py on the session's cluster).
+
+- a flow parameter ``ray_address`` wins; else ``STEPMERGE_RAY_ADDRESS`` (a deployment job variable); else
+  this process's threads with ``workers``;
+- the flows refuse a Ray address that is no address, and ``workers`` below 1, before anything runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from flows.params import MergeStepParams
+from merge_engine.executors.local import LocalExecutor
+from tasks.shard_runs import RAY_ADDRESS_ENV, PrefectRayExecutor, checkpoint_label, shard_executor
+
+
+def test_the_flow_parameter_wins_over_the_workers_environment(monkeypatch):
+    monkeypatch.setenv(RAY_ADDRESS_ENV, "ray://head:10001")
+    chosen = shard_executor(2, "127.0.0.1:6379", "global_step_3/actor")
+    assert isinstance(chosen, PrefectRayExecutor)
+    assert (chosen.address, chosen.label) == ("127.0.0.1:6379", "global_step_3/actor")
+    assert shard_executor(None, None, "x").address == "ray://head:10001"
+
+
+def test_without_an_address_the_shards_run_on_threads_here(monkeypatch):
+    monkeypatch.delenv(RAY_ADDRESS_ENV, raising=False)
+    chosen = shard_executor(3, None, "global_step_3/actor")
+    assert isinstance(chosen, LocalExecutor) and chosen.workers == 3
+
+
+@pytest.mark.parametrize("url, label", [
+    ("s3://bucket/run/global_step_40/actor", "global_step_40/actor"),
+    ("/data/run/global_step_7", "global_step_7"),
+    ("gs://bucket/some/model/", "model"),
+])
+def test_shard_runs_are_named_after_the_step(url, label):
+    assert checkpoint_label(url) == label
+
+
+@pytest.mark.parametrize("address", ["auto", "local", "127.0.0.1:6379", "ray://head-node.internal:10001"])
+def test_ray_addresses_the_flows_accept(address):
+    assert MergeStepParams(run_root="/r", step=1, ray_address=address).execution_settings().ray_address == address
+
+
+@pytest.mark.parametrize("field, value", [("ray_address", "ftp://head:1"), ("ray_address", "head"),
+                                          ("ray_address", "auto; rm -rf /"), ("workers", 0)])
+def test_bad_execution_parameters_are_refused(field, value):
+    with pytest.raises(ValidationError):
+        MergeStepParams(run_root="/r", step=1, **{field: value})
