@@ -2,6 +2,7 @@
 
     python -m benchmarks.shard_jobs                       # everything below, medians of --repeats
     python -m benchmarks.shard_jobs --parts local,s3      # a subset: local, s3, ray, rss
+    python -m benchmarks.shard_jobs --parts s3 --in-flight 1,16 --networks net --targets local
 
 Every figure is printed as a ratio against a baseline measured in the same run, on the same machine:
 - local: merge of the 4-rank fp32 FSDP2 Qwen2-0.5B-shaped checkpoint (2.5 GB, `benchmarks.fsdp_merge`'s)
@@ -82,7 +83,9 @@ def bench_local(actor: Path, repeats: int, env: dict[str, str]) -> dict[str, Run
     return results
 
 
-def bench_s3(actor: Path, repeats: int, env: dict[str, str], local: Run) -> dict[str, Run]:
+def bench_s3(actor: Path, repeats: int, env: dict[str, str], local: Run, in_flight: tuple[int, ...] = IN_FLIGHT,
+             networks: tuple[str, ...] = ("direct", "net"), targets: tuple[str, ...] = ("local", "s3")
+             ) -> dict[str, Run]:
     from tests.fault_proxy import FaultProxy, Network
     from tests.servers import SeaweedS3Server
 
@@ -96,14 +99,16 @@ def bench_s3(actor: Path, repeats: int, env: dict[str, str], local: Run) -> dict
         subprocess.run([sys.executable, "-c", "import sys; from merge_engine import storage; "
                         "storage.copy_tree(sys.argv[1], sys.argv[2])", str(actor), source], env=s3_env, check=True)
         local_target = str(BENCH / "out" / "from_s3")
-        for network in (None, Network(latency=0.02, bandwidth=50e6)):
+        shapes = {"direct": None, "net": Network(latency=0.02, bandwidth=50e6)}
+        for network in (shapes[name] for name in networks):
             label = "direct" if network is None else "20 ms + 50 MB/s per connection"
             print(f"-- {label}")
             with FaultProxy(s3.port, network=network) as proxy:
                 proxied = {**s3_env, "STEPMERGE_S3_ENDPOINT": proxy.url}
-                for n in IN_FLIGHT:
-                    for target in (local_target, f"{bucket}/merged"):
-                        kind = "local" if target == local_target else "s3"
+                for n in in_flight:
+                    for kind, target in (("local", local_target), ("s3", f"{bucket}/merged")):
+                        if kind not in targets:
+                            continue
                         run = timed(f"s3 -> {kind}, {n:2d} in flight ({'net' if network else 'direct'})",
                                     merge_command(source, target, "--requests-in-flight", str(n)),
                                     proxied, repeats, [target])
@@ -157,6 +162,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="local,s3,ray,rss")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--in-flight", default=",".join(map(str, IN_FLIGHT)), help="s3: requests in flight to try")
+    parser.add_argument("--networks", default="direct,net", help="s3: direct (loopback) and/or net (simulated)")
+    parser.add_argument("--targets", default="local,s3", help="s3: merge to a local and/or an s3:// target")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     BENCH.mkdir(exist_ok=True)
@@ -167,7 +175,8 @@ def main() -> None:
           f"--workers 2 / cp {local['workers2'].wall_s / local['cp'].wall_s:.2f}; "
           f"--workers 2 / --workers 1 {local['workers2'].wall_s / local['workers1'].wall_s:.2f}")
     if "s3" in parts:
-        bench_s3(actor, args.repeats, env, local["workers2"])
+        bench_s3(actor, args.repeats, env, local["workers2"], tuple(int(n) for n in args.in_flight.split(",")),
+                 tuple(args.networks.split(",")), tuple(args.targets.split(",")))
     if "ray" in parts:
         bench_ray(actor, args.repeats, env, local["workers2"])
     if "rss" in parts:

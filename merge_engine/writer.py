@@ -4,9 +4,9 @@ Each shard is one `merge_engine.shard_job.write_shard` job; ``workers`` of them 
 threads of this process. Threads, not processes: every stage of a shard job leaves the GIL while
 it works (file and network reads, the cast in torch, the write, sha256 over large buffers), the
 jobs share the open source (its readers, its parsed pickles) instead of re-opening it per process,
-and nothing is pickled. Measured on this 2-core machine (`python -m benchmarks.shard_jobs`),
-two threads merge the 2.5 GB FSDP benchmark at the speed of the storage; a process per job
-would add an interpreter and a torch import (~1.5 s, ~300 MB) per worker.
+and nothing is pickled; a process per job would add an interpreter and a torch import (~1.5 s,
+~300 MB) per worker. Measured (`python -m benchmarks.shard_jobs --parts local`, 2 busy cores):
+``--workers 2`` took 0.87x the time of ``--workers 1`` on the 2.5 GB FSDP benchmark.
 
 Contract of `write_plan`:
 - every shard of ``plan`` is written under ``target_url``, then the index when there are several
