@@ -72,6 +72,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from merge_engine import process_identity, storage
+from merge_engine.checksums import sha256_of
 from merge_engine.errors import ChecksumMismatch, CorruptShard, InvalidOption, TargetExists, ValidationFailed
 from merge_engine.local_commit import LiveFolder, commit_folder, sweep_dead_siblings
 from merge_engine.release import (
@@ -132,19 +133,6 @@ class Release:
 # Verifying a release
 
 
-def _hash_file(url: str, size: int) -> str:
-    digest = hashlib.sha256()
-    with storage.RangeReader(url, size) as reader:
-        buffer = bytearray(min(COPY_CHUNK, reader.size) or 1)
-        offset = 0
-        while offset < reader.size:
-            view = memoryview(buffer)[: min(len(buffer), reader.size - offset)]
-            reader.read_into(offset, view)
-            digest.update(view)
-            offset += len(view)
-    return digest.hexdigest()
-
-
 def verify_release(release_url: str) -> ValidationReport:
     """Re-hash every file against the manifest. Checks: marker, files, no_unlisted_files."""
     manifest = released_manifest(release_url)
@@ -159,7 +147,7 @@ def verify_release(release_url: str) -> ValidationReport:
             bad.append(f"{f.path}: missing")
         elif entry.size != f.size:
             bad.append(f"{f.path}: {entry.size} bytes, manifest says {f.size}")
-        elif _hash_file(storage.join(release_url, f.path), f.size) != f.sha256:
+        elif sha256_of(storage.join(release_url, f.path), f.size) != f.sha256:
             bad.append(f"{f.path}: sha256 differs")
     summary = f"{len(manifest.files)} files, {manifest.total_bytes} bytes"
     checks.append(Check("files", not bad, "; ".join(bad) or summary))
