@@ -16,7 +16,6 @@ import os
 import pytest
 
 from flows.merge_step import merge_step
-from flows.params import MergeStepParams
 from flows.verify_releases import verify_releases
 from merge_engine import storage
 from merge_engine.cli import main as stepmerge
@@ -27,8 +26,9 @@ from tests.fixtures_pipeline import copy_steps
 WEIGHTS = "model.safetensors"
 
 
-def _params(run_root: str, tmp_path, step: int) -> MergeStepParams:
-    return MergeStepParams(run_root=run_root, step=step, staging_root=str(tmp_path / "staging"))
+def _params(run_root: str, tmp_path, step: int) -> dict:
+    """merge_step's (flat) parameters for one step."""
+    return {"run_root": run_root, "step": step, "staging_root": str(tmp_path / "staging")}
 
 
 def _flip_one_byte(url: str) -> None:
@@ -52,7 +52,7 @@ def _flip_one_byte(url: str) -> None:
 def test_a_flipped_byte_is_caught_and_the_release_rebuilt(prefect, template_run, tmp_path, where, request, capsys):
     root = str(tmp_path / "run") if where == "local" else f"{request.getfixturevalue('s3_bucket_url')}/run"
     copy_steps(template_run, root, [1])
-    release = merge_step(_params(root, tmp_path, 1)).releases[0].url
+    release = merge_step(**_params(root, tmp_path, 1)).releases[0].url
     assert stepmerge(["verify", release]) == 0
     attempt = read_manifest(release).attempt
 
@@ -65,7 +65,7 @@ def test_a_flipped_byte_is_caught_and_the_release_rebuilt(prefect, template_run,
     assert quick.method == ("store versions" if where == "s3" else "sha256")
     assert stepmerge(["check", "--local_dir", release]) == 6
 
-    again = merge_step(_params(root, tmp_path, 1))
+    again = merge_step(**_params(root, tmp_path, 1))
     assert again.status == "published"  # not "already_published": the damage was seen and rebuilt
     assert read_manifest(release).attempt != attempt
     assert stepmerge(["verify", release]) == 0
@@ -74,7 +74,7 @@ def test_a_flipped_byte_is_caught_and_the_release_rebuilt(prefect, template_run,
 def test_verify_releases_flow_names_and_unmarks_damaged_releases(prefect, template_run, tmp_path):
     root = str(tmp_path / "run")
     copy_steps(template_run, root, [1, 2])
-    good, bad = (merge_step(_params(root, tmp_path, step)).releases[0].url for step in (1, 2))
+    good, bad = (merge_step(**_params(root, tmp_path, step)).releases[0].url for step in (1, 2))
     assert verify_releases(f"{root}/releases").damaged == []
 
     _flip_one_byte(storage.join(bad, "config.json"))
