@@ -171,8 +171,9 @@ def run_demo(run_root: str, release_root: str) -> None:
         print(f"   step {outcome.step}: {'cache hit' if outcome.cached else outcome.status} in {outcome.seconds:.2f} s "
               f"(cached: {', '.join(cached)}; ran: {', '.join(fresh)}: one listing)")
     print(f"   re-run of {len(STEPS)} steps: {again:.2f} s in all (Prefect's per-flow-run overhead included), "
-          f"{counter.bytes} bytes of checkpoints or models read ({counter.reads} ranged reads); the cache is "
-          f"trusted only after checking each release's marker, manifest and listing")
+          f"{counter.bytes} bytes read ({counter.reads} ranged reads: no checkpoint byte; a local release is "
+          f"re-hashed against its manifest before the cache is trusted, an object-store one is checked from "
+          f"its listing)")
 
 
 def main(argv: List[str] = None) -> int:
