@@ -60,6 +60,16 @@ GATHER_WINDOW_BYTES = 32 << 20  # non-contiguous reads: most storage bytes held 
 TORCH_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 
 
+def is_row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether ``stride`` lays ``shape`` out densely in row-major order (size-1 dims may have any stride)."""
+    expected = 1
+    for size, step in zip(reversed(shape), reversed(stride)):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
+
+
 @dataclass(frozen=True)
 class StorageMarker:
     """What a ``torch.FloatStorage``-style global unpickles to: only its element dtype."""
@@ -102,12 +112,7 @@ class StoredTensor:
         return n
 
     def is_contiguous(self) -> bool:
-        expected = 1
-        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
-            if size != 1 and stride != expected:
-                return False
-            expected *= size
-        return True
+        return is_row_major(self.shape, self.stride)
 
     def read_flat(self, start: int, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements ``[start, start+count)`` of the row-major flattening, read into ``out`` (1-D) if given."""

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from merge_engine.torch_archive import is_row_major
 from merge_engine.errors import UnsupportedLayout
 
 
@@ -43,12 +44,7 @@ class TensorView:
         return self.offset == 0 and self.shape == tuple(source_shape) and self.is_contiguous()
 
     def is_contiguous(self) -> bool:
-        expected = 1
-        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
-            if size != 1 and stride != expected:
-                return False
-            expected *= size
-        return True
+        return is_row_major(self.shape, self.stride)
 
     def runs(self) -> Iterator[tuple[int, int]]:
         """(start, count) element runs of the source whose concatenation is the view, coalesced."""
