@@ -236,8 +236,11 @@ def _add_verify(parser: argparse.ArgumentParser) -> None:
 
 def cmd_test(args: argparse.Namespace) -> int:
     from merge_engine.reference_check import check_against_reference
+    from merge_engine.validate.compare import WEIGHT_TOLERANCE
 
-    report = check_against_reference(args.local_dir, args.test_hf_dir, _options(args), atol=args.atol, rtol=args.rtol)
+    atol = WEIGHT_TOLERANCE.atol if args.atol is None else args.atol
+    rtol = WEIGHT_TOLERANCE.rtol if args.rtol is None else args.rtol
+    report = check_against_reference(args.local_dir, args.test_hf_dir, _options(args), atol=atol, rtol=rtol)
     print(report.summary())
     return 0 if report.ok else 5
 
@@ -245,8 +248,8 @@ def cmd_test(args: argparse.Namespace) -> int:
 def _add_test(parser: argparse.ArgumentParser) -> None:
     _source_flags(parser)
     _flag(parser, "test_hf_dir", required=True, help="reference Hugging Face folder to compare against")
-    _flag(parser, "atol", type=float, default=1e-6, help="absolute tolerance (verl: 1e-6)")
-    _flag(parser, "rtol", type=float, default=1e-6, help="relative tolerance (verl: 1e-6)")
+    _flag(parser, "atol", type=float, help="absolute tolerance (default: the engine's weight tolerance, verl's 1e-6)")
+    _flag(parser, "rtol", type=float, help="relative tolerance (default: the engine's weight tolerance, verl's 1e-6)")
     parser.set_defaults(run=cmd_test)
 
 

@@ -22,7 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from merge_engine import storage
-from merge_engine.errors import TargetExists
+from merge_engine.errors import StepmergeError, TargetExists
+from merge_engine.json_file import parse_json
 from merge_engine.local_commit import LiveFolder, commit_folder, sweep_dead_siblings
 from merge_engine.target_guard import check_target
 
@@ -33,11 +34,8 @@ Files = list[tuple[str, int]]
 
 
 def read_provenance(target_url: str) -> dict | None:
-    """The target's ``stepmerge.json``, or None when absent or unreadable."""
-    try:
-        return json.loads(storage.read_text(storage.join(target_url, PROVENANCE_FILE)))
-    except (FileNotFoundError, NotADirectoryError, ValueError):  # a file at the target holds no provenance
-        return None
+    """The target's ``stepmerge.json``, or None when absent, unreadable or not a JSON object."""
+    return _json_object(storage.join(target_url, PROVENANCE_FILE))
 
 
 def target_state(target_url: str, fingerprint: str, overwrite: bool, *, sources: Sequence[str | None]) -> str:
@@ -66,10 +64,17 @@ def target_state(target_url: str, fingerprint: str, overwrite: bool, *, sources:
 def _partial_fingerprint(target_url: str, listing: Mapping[str, int]) -> str | None:
     if PARTIAL_FILE not in listing:
         return None
+    partial = _json_object(storage.join(target_url, PARTIAL_FILE))
+    return partial.get("fingerprint") if partial else None
+
+
+def _json_object(url: str) -> dict | None:
+    """The JSON object in ``url``; None when absent or anything else (a file at the target holds no record)."""
     try:
-        return json.loads(storage.read_text(storage.join(target_url, PARTIAL_FILE))).get("fingerprint")
-    except (FileNotFoundError, ValueError, AttributeError):
+        value = parse_json(storage.read_bytes(url), url)
+    except (FileNotFoundError, NotADirectoryError, StepmergeError):
         return None
+    return value if isinstance(value, dict) else None
 
 
 def write_target(target_url: str, state: str, write: Callable[[str], Files], provenance: Mapping[str, Any]) -> Files:

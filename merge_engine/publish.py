@@ -22,7 +22,7 @@ Contract:
 - The release must not overlap the staging folder or the source checkpoint (`InvalidOption`,
   `TargetOverlapsSource`): clearing it must never touch either.
 - Readers trust a release only when `is_released`: the marker is there, parses, and matches the
-  manifest. `verify_release` re-hashes every file against the manifest.
+  manifest. `merge_engine.verify.verify_folder` re-hashes every file against it.
 - Idempotent: a released folder whose manifest has the same fingerprint and whose files are intact
   (`merge_engine.release.release_state`: sizes and checksums) -> nothing is copied and the existing
   release is returned (``already_published=True``); a damaged one is published again. A released folder with another
@@ -72,8 +72,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 from merge_engine import process_identity, storage
-from merge_engine.checksums import sha256_of
-from merge_engine.errors import ChecksumMismatch, CorruptShard, InvalidOption, TargetExists, ValidationFailed
+from merge_engine.errors import (
+    ChecksumMismatch, CorruptShard, InvalidOption, StepmergeError, TargetExists, ValidationFailed,
+)
+from merge_engine.json_file import parse_json
 from merge_engine.local_commit import LiveFolder, commit_folder, sweep_dead_siblings
 from merge_engine.release import (
     CLAIMS,
@@ -133,30 +135,6 @@ class Release:
 # Verifying a release
 
 
-def verify_release(release_url: str) -> ValidationReport:
-    """Re-hash every file against the manifest. Checks: marker, files, no_unlisted_files."""
-    manifest = released_manifest(release_url)
-    if manifest is None:
-        return ValidationReport(release_url, (Check("marker", False, "no valid _COMPLETE marker"),))
-    checks = [Check("marker", True, f"attempt {manifest.attempt}, {manifest.created}")]
-    listing = {e.path: e for e in storage.list_files(release_url)}
-    bad = []
-    for f in manifest.files:
-        entry = listing.get(f.path)
-        if entry is None:
-            bad.append(f"{f.path}: missing")
-        elif entry.size != f.size:
-            bad.append(f"{f.path}: {entry.size} bytes, manifest says {f.size}")
-        elif sha256_of(storage.join(release_url, f.path), f.size) != f.sha256:
-            bad.append(f"{f.path}: sha256 differs")
-    summary = f"{len(manifest.files)} files, {manifest.total_bytes} bytes"
-    checks.append(Check("files", not bad, "; ".join(bad) or summary))
-    known = {f.path for f in manifest.files} | {MARKER, MANIFEST}
-    extra = sorted(p for p in listing if p not in known and p.split("/")[0] != CLAIMS)
-    checks.append(Check("no_unlisted_files", not extra, f"unlisted: {extra[:5]}" if extra else ""))
-    return ValidationReport(release_url, tuple(checks))
-
-
 # --------------------------------------------------------------------------------------------------
 # Claims
 
@@ -184,8 +162,8 @@ def _write_claim(release_url: str, attempt: str, fingerprint: str) -> None:
 def _read_claim(release_url: str, attempt: str) -> dict[str, Any] | None:
     """Our claim's body, or None when it is gone (or unreadable: claims are written whole)."""
     try:
-        body = json.loads(storage.read_bytes(_claim_url(release_url, attempt)))
-    except (FileNotFoundError, ValueError):
+        body = parse_json(storage.read_bytes(_claim_url(release_url, attempt)), None)
+    except (FileNotFoundError, StepmergeError):
         return None
     return body if isinstance(body, dict) else None
 
@@ -260,11 +238,11 @@ def _live_claims(release_url: str, ttl_s: float) -> list[str]:
             continue  # a claim exists from the moment its .json name does (local temp names don't count)
         url = storage.join(claims_url(release_url), entry.path)
         try:
-            body = json.loads(storage.read_bytes(url))
+            body = parse_json(storage.read_bytes(url), url)
             heartbeat = float(body["heartbeat"])
         except FileNotFoundError:
             continue  # released between the listing and the read
-        except (ValueError, KeyError, TypeError):
+        except (StepmergeError, ValueError, KeyError, TypeError):
             body, heartbeat = {}, float("-inf")  # claims are written whole: an unreadable one is debris
         if time.time() - heartbeat > ttl_s or process_identity.certainly_dead(body if isinstance(body, dict) else {}):
             storage.remove(url)
@@ -443,4 +421,4 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
     return Release.from_manifest(release_url, manifest, already_published=False)
 
 
-__all__ = ["publish", "verify_release", "claims_url", "Release", "ReleaseBusy", "ClaimLost", "CLAIM_TTL_S"]
+__all__ = ["publish", "claims_url", "Release", "ReleaseBusy", "ClaimLost", "CLAIM_TTL_S"]

@@ -39,7 +39,6 @@ has written to for `STALE_STAGING_S` is removed by the next merge into the same 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -52,7 +51,8 @@ from typing import Any, Optional
 
 from merge_engine import storage
 from merge_engine.checksums import file_damage
-from merge_engine.errors import InvalidConfig, TargetExists
+from merge_engine.errors import InvalidConfig, StepmergeError, TargetExists
+from merge_engine.json_file import parse_json
 
 logger = logging.getLogger(__name__)
 
@@ -164,22 +164,24 @@ def read_manifest(release: str) -> Manifest:
     """The release's manifest. Raises `InvalidConfig` when it is missing or unparsable."""
     url = storage.join(release, MANIFEST)
     try:
-        return Manifest.from_dict(json.loads(storage.read_bytes(url)))
+        return Manifest.from_dict(parse_json(storage.read_bytes(url), url, error=InvalidConfig))
     except FileNotFoundError as exc:
         raise InvalidConfig("no manifest.json", url) from exc
-    except (ValueError, KeyError, TypeError) as exc:
+    except InvalidConfig:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise InvalidConfig(f"manifest.json unparsable: {exc}", url) from exc
 
 
 def released_manifest(release: str) -> Manifest | None:
     """The manifest when the marker is present, parses and names this manifest's sha256; else None."""
     try:
-        marker = json.loads(storage.read_bytes(storage.join(release, MARKER)))
+        marker = parse_json(storage.read_bytes(storage.join(release, MARKER)), None)
         manifest_bytes = storage.read_bytes(storage.join(release, MANIFEST))
         if marker.get("manifest_sha256") != sha256_hex(manifest_bytes):
             return None
-        return Manifest.from_dict(json.loads(manifest_bytes))
-    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
+        return Manifest.from_dict(parse_json(manifest_bytes, None))
+    except (FileNotFoundError, StepmergeError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

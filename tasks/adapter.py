@@ -59,7 +59,7 @@ def extract_adapter(step: StepRecord, checkpoint: CheckpointRecord, settings: Ad
     progress = ProgressArtifact(release_artifact_key("progress", release),
                                 f"Extracting the adapter of {checkpoint.url}")
     result = extract_lora(checkpoint.url, target, settings.to_options(overwrite=True),
-                          on_bytes=progress.on_bytes, on_plan=progress.on_plan)
+                          on_bytes=progress.on_bytes, on_plan=progress.on_plan, checkpoint=checkpoint.to_checkpoint())
     progress.finish()
     if settings.include_base:
         point_adapter_at_base(target, storage.join(release, BASE_DIR))

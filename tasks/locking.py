@@ -38,6 +38,9 @@ from typing import Optional
 import anyio
 from prefect.locking.protocol import LockManager
 
+from merge_engine.errors import StepmergeError
+from merge_engine.json_file import parse_json
+
 DEFAULT_HOLD_S = 24 * 3600.0
 POLL_S = 0.1
 GUARD_FILE = ".locks.guard"
@@ -79,11 +82,14 @@ class CrashSafeFileLockManager(LockManager):
     def _read(self, key: str) -> Optional[dict]:
         """The lock's info, or None when there is no lock."""
         try:
-            return json.loads(self._path(key).read_bytes())
+            info = parse_json(self._path(key).read_bytes(), str(self._path(key)))
         except FileNotFoundError:
             return None
-        except ValueError:  # never written partially; treat debris as an expired lock
+        except StepmergeError:
+            info = None
+        if not isinstance(info, dict):  # never written partially; treat debris as an expired lock
             return {"holder": "", "host": "", "pid": -1, "expires": 0.0}
+        return info
 
     @contextlib.contextmanager
     def _guard(self, blocking: bool = True) -> Iterator[bool]:

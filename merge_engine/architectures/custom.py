@@ -26,11 +26,9 @@ pattern must use the same number of ``*`` on both sides. Errors: `InvalidOption`
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
-from merge_engine import storage
 from merge_engine.architectures.mappings import (
     DirectMapping,
     MOE_LAYER_RULES,
@@ -41,6 +39,7 @@ from merge_engine.architectures.mappings import (
     VocabMapping,
 )
 from merge_engine.errors import InvalidOption
+from merge_engine.json_file import read_json_object
 
 KEYS = {"extends", "name", "model_types", "architectures", "direct", "qkv", "gated_mlp", "vocab", "experts_keys",
         "moe_layer_rule", "dense_layers"}
@@ -48,14 +47,9 @@ KEYS = {"extends", "name", "model_types", "architectures", "direct", "qkv", "gat
 
 def load_custom_mapping(url: str, tables: Mapping[str, FamilyTable], config: Mapping[str, Any]) -> FamilyTable:
     """The table of ``tables`` the file extends, with the file's entries applied."""
-    try:
-        spec = json.loads(storage.read_text(url))
-    except FileNotFoundError:
-        raise InvalidOption("custom mapping file not found", url) from None
-    except ValueError as exc:
-        raise InvalidOption(f"custom mapping is not valid JSON ({exc})", url) from None
-    if not isinstance(spec, dict):
-        raise InvalidOption("custom mapping must be a JSON object", url)
+    spec = read_json_object(url, error=InvalidOption)
+    if spec is None:
+        raise InvalidOption("custom mapping file not found", url)
     unknown = sorted(set(spec) - KEYS)
     if unknown:
         raise InvalidOption(f"unknown keys {unknown} in custom mapping; known: {sorted(KEYS)}", url)

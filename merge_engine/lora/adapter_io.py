@@ -18,6 +18,7 @@ from typing import Any
 
 from merge_engine import storage
 from merge_engine.errors import AdapterError
+from merge_engine.json_file import read_json_object
 from merge_engine.lora.config import LoraSettings, targets
 from merge_engine.lora.keys import (
     ADAPTER_CONFIG,
@@ -117,15 +118,9 @@ def open_safetensors(url: str) -> TensorSource:
 
 
 def read_adapter_config(url: str) -> dict[str, Any]:
-    config_url = storage.join(url, ADAPTER_CONFIG)
-    try:
-        config = json.loads(storage.read_text(config_url))
-    except FileNotFoundError:
-        raise AdapterError(f"no {ADAPTER_CONFIG}: not a PEFT adapter folder", url) from None
-    except ValueError as exc:
-        raise AdapterError(f"{ADAPTER_CONFIG} is not valid JSON ({exc})", config_url) from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"{ADAPTER_CONFIG} is not a JSON object", config_url)
+    config = read_json_object(storage.join(url, ADAPTER_CONFIG), error=AdapterError)
+    if config is None:
+        raise AdapterError(f"no {ADAPTER_CONFIG}: not a PEFT adapter folder", url)
     return config
 
 

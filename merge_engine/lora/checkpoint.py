@@ -14,7 +14,6 @@ trained copy in place of its original. `merge_engine.lora.extract` writes the ad
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 
 from merge_engine import storage
 from merge_engine.errors import AdapterError, CorruptShard, InvalidOption
+from merge_engine.json_file import read_json_object
 from merge_engine.layouts import Checkpoint, open_checkpoint
 from merge_engine.lora.adapter_io import Adapter, lora_modules
 from merge_engine.lora.config import LoraSettings
@@ -106,15 +106,7 @@ class RunLoraMetadata:
 
 
 def _read_json(url: str) -> dict | None:
-    try:
-        data = json.loads(storage.read_text(url))
-    except FileNotFoundError:
-        return None
-    except ValueError as exc:
-        raise AdapterError(f"not valid JSON ({exc})", url) from None
-    if not isinstance(data, dict):
-        raise AdapterError("not a JSON object", url)
-    return data
+    return read_json_object(url, error=AdapterError)
 
 
 def read_run_metadata(checkpoint_url: str) -> RunLoraMetadata:

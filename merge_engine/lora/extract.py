@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from merge_engine import __version__, storage
-from merge_engine.errors import AdapterError
+from merge_engine.errors import AdapterError, InvalidOption
 from merge_engine.hf_metadata import copy_metadata, read_config
 from merge_engine.hf_plan import plan_hf_merge
 from merge_engine.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, run_job
@@ -119,17 +119,17 @@ class ExtractJob:
     source_url: str
     target_url: str
     options: OutputOptions
+    checkpoint: Checkpoint | None = None  # already checked (the pipeline's check stage): not checked again
     command = "extract-lora"
     kind = "adapter"
 
-    def __post_init__(self) -> None:
-        self._checkpoint: Checkpoint | None = None
-
     def _checked(self) -> Checkpoint:
-        if self._checkpoint is None:
-            self._checkpoint = check_checkpoint(self.source_url, self.options.backend)
-            parse_dtype(self.options.dtype)
-        return self._checkpoint
+        if self.checkpoint is None:
+            self.checkpoint = check_checkpoint(self.source_url, self.options.backend)
+        elif self.checkpoint.url.rstrip("/") != self.source_url.rstrip("/"):
+            raise InvalidOption(f"the checked checkpoint is {self.checkpoint.url}, not the source", self.source_url)
+        parse_dtype(self.options.dtype)
+        return self.checkpoint
 
     def fingerprint(self) -> str:
         return extract_fingerprint(self._checked(), self.options)
@@ -188,9 +188,11 @@ class ExtractJob:
 
 def extract_lora(checkpoint_url: str, target_url: str, options: OutputOptions = OutputOptions(), *,
                  on_bytes: Callable[[int], None] | None = None,
-                 on_plan: Callable[[MergePlan], None] | None = None) -> OutputResult:
-    """Write the checkpoint's adapter at ``target_url`` (and its clean base under ``base/``): an `ExtractJob`."""
-    return run_job(ExtractJob(checkpoint_url, target_url, options), on_bytes=on_bytes, on_plan=on_plan)
+                 on_plan: Callable[[MergePlan], None] | None = None,
+                 checkpoint: Checkpoint | None = None) -> OutputResult:
+    """Write the checkpoint's adapter at ``target_url`` (and its clean base under ``base/``): an `ExtractJob`.
+    ``checkpoint``: the result of an earlier `check_checkpoint` of ``checkpoint_url``, not repeated."""
+    return run_job(ExtractJob(checkpoint_url, target_url, options, checkpoint), on_bytes=on_bytes, on_plan=on_plan)
 
 
 # ------------------------------------------------------------------------------------------------

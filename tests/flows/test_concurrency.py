@@ -14,8 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from merge_engine.publish import claims_url, verify_release
+from merge_engine.publish import claims_url
 from merge_engine.release import read_manifest, release_url
+from merge_engine.verify import verify_folder
 from tests.fixtures_pipeline import copy_steps
 
 WORKER = r"""
@@ -71,6 +72,6 @@ def test_two_concurrent_runs_of_one_step_publish_once(prefect, template_run, tmp
     assert sum(r["merged"] for r in results) == 1
     release = release_url(str(tmp_path / "run" / "releases"), "actor", 1)
     assert {r["release"] for r in results} == {release}
-    assert verify_release(release).ok
+    assert verify_folder(release).ok
     assert not list(Path(claims_url(str(tmp_path / "run" / "releases" / "actor" / "global_step_1"))).glob("*.json"))
     assert read_manifest(release).attempt

@@ -21,8 +21,8 @@ from flows.merge_step import merge_step, summary_key
 from flows.params import MergeStepParams, WatchParams
 from merge_engine import storage
 from merge_engine.errors import CorruptShard
-from merge_engine.publish import verify_release
 from merge_engine.release import is_released, release_url
+from merge_engine.verify import verify_folder
 from tasks.retry import failure_exception, transient_fault
 from tests.fault_proxy import Fault
 from tests.fixtures_pipeline import copy_steps, flow_run_id, rank_file, task_runs
@@ -59,7 +59,7 @@ def test_an_outage_longer_than_the_engine_retries_is_retried_by_the_task(
     assert len(verdicts) == 1 and verdicts[0][0] == "discover-step" and verdicts[0][2] is True
     (discover,) = task_runs(flow_run_id(state))["discover-step"]
     assert discover.run_count == 2 and discover.state.name == "Completed"
-    assert verify_release(release_url(f"{run_root}/releases", "actor", 1)).ok
+    assert verify_folder(release_url(f"{run_root}/releases", "actor", 1)).ok
 
 
 @pytest.mark.parametrize("fault", [
@@ -74,7 +74,7 @@ def test_resets_and_stalls_during_the_merge_are_ridden_out(prefect, template_run
     outcome = merge_step(**MergeStepParams(run_root=run_root, step=2, staging_root=str(tmp_path / "staging")).flow_parameters())
     assert s3_fault_proxy.fired == fault.connections  # every fault really happened
     assert outcome.status == "published"
-    assert verify_release(outcome.releases[0].url).ok
+    assert verify_folder(outcome.releases[0].url).ok
 
 
 def test_a_corrupted_shard_fails_without_retries_and_publishes_nothing(prefect, template_run, tmp_path):

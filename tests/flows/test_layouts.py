@@ -15,8 +15,8 @@ from flows.merge_step import merge_step
 from flows.params import MergeStepParams, WatchParams
 from merge_engine import storage
 from merge_engine.merge import read_provenance
-from merge_engine.publish import verify_release
 from merge_engine.release import read_manifest
+from merge_engine.verify import verify_folder
 
 MEGATRON = {"qwen2_tp2_pp1_tied_legacy": "megatron_legacy", "mistral_tp2_pp2_tied_dist_v2": "megatron_dist"}
 
@@ -31,7 +31,7 @@ def test_a_megatron_run_is_merged_and_published_like_any_other(prefect, megatron
     (outcome,) = watch.outcomes
     (release,) = outcome.releases
     assert outcome.status == "published" and release.validation_ok
-    assert verify_release(release.url).ok
+    assert verify_folder(release.url).ok
     assert read_provenance(release.url)["layout"] == MEGATRON[name]
     assert read_manifest(release.url).validation["ok"]
     assert storage.exists(storage.join(release.url, "config.json"))

@@ -19,8 +19,8 @@ import json
 from flows.merge_new_steps import merge_new_steps
 from flows.params import WatchParams
 from merge_engine import storage
-from merge_engine.publish import verify_release
 from merge_engine.release import is_released, read_manifest, release_url
+from merge_engine.verify import verify_folder
 from tests.fixtures_pipeline import copy_steps, rank_file
 
 
@@ -43,7 +43,7 @@ def test_an_incomplete_step_is_skipped_then_merged_once_complete(prefect, templa
     second = merge_new_steps(**_watch(run_root, tmp_path).flow_parameters())
     assert [(a.step, a.action) for a in second.actions] == [(2, "merged")]  # step 1: no merge_step run at all
     assert second.waiting == [] and second.published_before == 1
-    assert verify_release(release_url(releases, "actor", 2)).ok
+    assert verify_folder(release_url(releases, "actor", 2)).ok
 
     third = merge_new_steps(**_watch(run_root, tmp_path).flow_parameters())
     assert third.actions == [] and third.published_before == 2
@@ -67,7 +67,7 @@ def test_a_lora_step_releases_the_trained_model_and_its_adapter(prefect, templat
     kinds = {r.kind: r for r in outcome.releases}
     assert set(kinds) == {"model", "adapter"}
     adapter_release = kinds["adapter"].url
-    assert adapter_release.endswith("actor-adapter/global_step_4") and verify_release(adapter_release).ok
+    assert adapter_release.endswith("actor-adapter/global_step_4") and verify_folder(adapter_release).ok
     checks = {c["name"]: c for c in read_manifest(adapter_release).validation["checks"]}
     assert checks["peft_load"]["ok"] and checks["peft_logits"]["ok"]  # PEFT(base + adapter) == fused model
     config = json.loads(storage.read_text(storage.join(adapter_release, "adapter_config.json")))
@@ -129,4 +129,4 @@ def test_a_rank_file_still_being_written_is_not_ready_then_merged(prefect, templ
     assert not is_released(release_url(str(tmp_path / "run" / "releases"), "actor", 1))
     second = merge_new_steps(**_watch(run_root, tmp_path).flow_parameters())
     assert second.steps_with("merged") == [1]
-    assert verify_release(release_url(str(tmp_path / "run" / "releases"), "actor", 1)).ok
+    assert verify_folder(release_url(str(tmp_path / "run" / "releases"), "actor", 1)).ok

@@ -17,8 +17,8 @@ from prefect.client.orchestration import get_client
 from flows.merge_step import merge_step, summary_key
 from flows.params import MergeStepParams
 from merge_engine import storage
-from merge_engine.publish import verify_release
 from merge_engine.release import MARKER, is_released, read_manifest, release_url
+from merge_engine.verify import verify_folder
 from tests.fixtures_pipeline import copy_steps, flow_run_id, task_runs
 
 STAGE_TASKS = ("check-checkpoint", "merge-model", "validate-model", "publish-release")
@@ -49,7 +49,7 @@ def test_an_s3_step_is_merged_validated_and_published_to_s3(prefect, template_ru
     release = release_url(f"{s3_bucket_url}/run/releases", "actor", 1)
     assert outcome.status == "published" and [r.url for r in outcome.releases] == [release]
     assert release.startswith("s3://")
-    assert verify_release(release).ok  # every file re-hashed against the manifest
+    assert verify_folder(release).ok  # every file re-hashed against the manifest
     manifest = read_manifest(release)
     assert manifest.source == f"{s3_bucket_url}/run/global_step_1/actor"
     assert manifest.validation["ok"] and "forward" in {c["name"] for c in manifest.validation["checks"]}
@@ -102,10 +102,10 @@ def test_deleting_the_release_makes_the_next_run_rebuild_it(prefect, template_ru
     runs = task_runs(flow_run_id(state))
     assert runs["check-checkpoint"][0].state.name == "Cached"  # same listing: no need to re-check headers
     assert {runs[n][0].state.name for n in ("merge-model", "validate-model", "publish-release")} == {"Completed"}
-    assert verify_release(release).ok and read_manifest(release).attempt != attempt
+    assert verify_folder(release).ok and read_manifest(release).attempt != attempt
 
     # a damaged release (a file gone, marker still there) is rebuilt too
     storage.remove(storage.join(release, "tokenizer.json"))
     again = merge_step(**_params(s3_bucket_url, tmp_path, 3).flow_parameters())
-    assert again.status == "published" and verify_release(release).ok
+    assert again.status == "published" and verify_folder(release).ok
     assert json.loads(storage.read_text(storage.join(release, MARKER)))["attempt"] == read_manifest(release).attempt

@@ -28,8 +28,8 @@ from flows.merge_step import merge_step
 from flows.params import MergeStepParams, WatchParams
 from merge_engine import storage
 from merge_engine.errors import AdapterError, TargetExists, ValidationFailed
-from merge_engine.publish import verify_release
 from merge_engine.release import is_released, read_manifest, release_url
+from merge_engine.verify import verify_folder
 from tests.fixtures_pipeline import LORA_STEP, ROLE, copy_steps
 
 
@@ -70,7 +70,7 @@ def test_a_bfloat16_release_of_a_lora_step_passes_adapter_validation(prefect, te
     kinds = {r.kind: r for r in outcome.releases}
     assert outcome.status == "published" and all(r.validation_ok for r in outcome.releases)
     assert _dtypes(kinds["model"].url) == {"BF16"}
-    assert verify_release(kinds["adapter"].url).ok
+    assert verify_folder(kinds["adapter"].url).ok
     logits = _checks(kinds["adapter"].url)["peft_logits"]
     assert logits["ok"] and "bfloat16" in logits["detail"]
 
@@ -132,7 +132,7 @@ def test_a_rewritten_step_fails_fast_without_overwrite_and_is_replaced_with_it(p
     replaced = merge_step(**_params(str(run_root), tmp_path, 1, overwrite=True).flow_parameters())
     assert replaced.status == "published" and len(merged) == 1
     manifest = read_manifest(release)
-    assert manifest.fingerprint != first.releases[0].fingerprint and verify_release(release).ok
+    assert manifest.fingerprint != first.releases[0].fingerprint and verify_folder(release).ok
     assert merge_new_steps(**watch.flow_parameters()).actions == []  # the release now records the new listing
 
 

@@ -21,19 +21,29 @@ from flows.merge_step import merge_step
 from flows.params import AdapterParams, MergeStepParams
 from flows.release_adapter import release_adapter
 from merge_engine.errors import AdapterError
-from merge_engine.publish import verify_release
 from merge_engine.release import is_released, read_manifest, release_url
+from merge_engine.verify import verify_folder
 from tests.fixtures_pipeline import LORA_STEP, ROLE, copy_steps, deploy_watcher, rank_file
 
 
-def test_the_adapter_of_a_lora_step_is_released_and_loads_with_peft(prefect, template_run, tmp_path):
+def test_the_adapter_of_a_lora_step_is_released_and_loads_with_peft(prefect, template_run, tmp_path, monkeypatch):
+    """... and the checkpoint's deep check runs once: the extraction uses the check task's record."""
+    import merge_engine.lora.extract
+    import tasks.check
+
+    checked = []
+    for module in (tasks.check, merge_engine.lora.extract):
+        real = module.check_checkpoint
+        monkeypatch.setattr(module, "check_checkpoint",
+                            lambda url, backend=None, _real=real: checked.append(url) or _real(url, backend))
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [LORA_STEP])
     staging = str(tmp_path / "staging")
     outcome = release_adapter(**AdapterParams(run_root=run_root, step=LORA_STEP, staging_root=staging).flow_parameters())
     (adapter,) = outcome.releases
     assert outcome.status == "published" and adapter.kind == "adapter"
-    assert verify_release(adapter.url).ok
+    assert len(checked) == 1 and checked[0].endswith(f"global_step_{LORA_STEP}/{ROLE}")
+    assert verify_folder(adapter.url).ok
     checks = {c["name"]: c["ok"] for c in read_manifest(adapter.url).validation["checks"]}
     assert checks["peft_load"] and checks["adapter_fits_base"] and checks["adapter_finite"]
     assert "peft_logits" not in checks  # no merged model released yet to compare with

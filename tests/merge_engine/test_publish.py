@@ -17,9 +17,10 @@ import pytest
 from merge_engine import publish as publish_module
 from merge_engine import storage
 from merge_engine.errors import ChecksumMismatch, InvalidOption, TargetExists, ValidationFailed
-from merge_engine.publish import ReleaseBusy, publish, verify_release
+from merge_engine.publish import ReleaseBusy, publish
 from merge_engine.release import CLAIMS, MANIFEST, MARKER, is_released, read_manifest
 from merge_engine.validate import Check, ValidationReport
+from merge_engine.verify import verify_folder
 
 # "memory" is fsspec's in-process filesystem (remote code paths, no server). Add "s3", "gcs" once
 # tests/fixtures_storage.py is a plugin in conftest (the fixture asks for *_bucket_url).
@@ -84,7 +85,7 @@ class TestPublish:
         marker = json.loads(storage.read_bytes(storage.join(release_url, MARKER)))
         manifest_bytes = storage.read_bytes(storage.join(release_url, MANIFEST))
         assert marker["manifest_sha256"] == hashlib.sha256(manifest_bytes).hexdigest()
-        assert is_released(release_url) and verify_release(release_url).ok
+        assert is_released(release_url) and verify_folder(release_url).ok
         assert paths(storage.join(root_url, "staging")) == set()  # staging consumed
 
     def test_marker_is_written_last(self, root_url, monkeypatch):
@@ -124,7 +125,7 @@ class TestPublish:
                               release_url, fingerprint="fp-2", overwrite=True)
         assert not replaced.already_published
         assert paths(release_url) == {"config.json", "model.safetensors", MANIFEST, MARKER}  # old files gone
-        assert read_manifest(release_url).fingerprint == "fp-2" and verify_release(release_url).ok
+        assert read_manifest(release_url).fingerprint == "fp-2" and verify_folder(release_url).ok
 
     def test_folder_without_marker_is_junk_and_is_redone(self, root_url):
         """A crash mid-publish leaves files but no marker: readers ignore it, the next publish clears it."""
@@ -135,7 +136,7 @@ class TestPublish:
         release = do_publish(stage(root_url), release_url)
         assert not release.already_published
         assert paths(release_url) == set(FILES) | {MANIFEST, MARKER}
-        assert verify_release(release_url).ok
+        assert verify_folder(release_url).ok
 
     def test_marker_not_matching_the_manifest_is_not_trusted(self, root_url):
         release_url = storage.join(root_url, "rel")
@@ -188,7 +189,7 @@ class TestWritersChecksums:
         do_publish(stage(root_url), release_url, checksums=self._writers())
         manifest = {f.path: f.sha256 for f in read_manifest(release_url).files}
         assert {name: manifest[name] for name in self.SHARDS} == self._writers()
-        assert verify_release(release_url).ok
+        assert verify_folder(release_url).ok
 
     def test_staged_bytes_other_than_the_merge_wrote_publish_nothing(self, root_url):
         release_url = storage.join(root_url, "rel")
@@ -210,7 +211,7 @@ class TestWritersChecksums:
         assert not is_released(release_url) and paths(release_url) == set()
 
 
-class TestVerifyRelease:
+class TestVerifyFolder:
     def test_detects_changed_missing_and_extra_files(self, root_url):
         release_url = storage.join(root_url, "rel")
         do_publish(stage(root_url), release_url)
@@ -218,14 +219,15 @@ class TestVerifyRelease:
         storage.write_bytes(shard, b"\x02" * 3000)  # same size, other bytes
         storage.remove(storage.join(release_url, "config.json"))
         storage.write_bytes(storage.join(release_url, "stray.safetensors"), b"x")
-        report = verify_release(release_url)
-        detail = {c.name: c.detail for c in report.failures}
-        assert "model-00002-of-00002.safetensors: sha256 differs" in detail["files"]
-        assert "config.json: missing" in detail["files"]
-        assert "stray.safetensors" in detail["no_unlisted_files"]
+        report = verify_folder(release_url)
+        assert set(report.problems) == {"model-00002-of-00002.safetensors: sha256 differs from the manifest",
+                                        "config.json: missing", "stray.safetensors: not in the manifest"}
 
-    def test_unreleased_folder_fails(self, root_url):
-        assert not verify_release(storage.join(root_url, "nothing")).ok
+    def test_a_release_without_its_marker_fails(self, root_url):
+        release_url = storage.join(root_url, "rel")
+        do_publish(stage(root_url), release_url)
+        storage.remove(storage.join(release_url, MARKER))
+        assert not verify_folder(release_url).ok
 
 
 class TestConcurrency:
@@ -252,7 +254,7 @@ class TestConcurrency:
         winners = [r for r in results if not r.already_published]
         assert len(results) == 4 and len(winners) == 1
         assert {r.attempt for r in results} == {winners[0].attempt} == {read_manifest(release_url).attempt}
-        assert verify_release(release_url).ok
+        assert verify_folder(release_url).ok
         assert paths(publish_module.claims_url(release_url)) == set()
 
     def test_live_claim_of_another_publisher_blocks(self, root_url, monkeypatch):
@@ -280,7 +282,7 @@ class TestConcurrency:
         thread.join()
         # Either order is legal: whoever got the claim copied, the other one found the marker.
         assert read_manifest(release_url).attempt == waited.attempt
-        assert verify_release(release_url).ok
+        assert verify_folder(release_url).ok
 
     def test_stale_claim_of_a_crashed_publisher_is_ignored(self, root_url):
         release_url = storage.join(root_url, "rel")
@@ -289,7 +291,7 @@ class TestConcurrency:
         storage.write_bytes(storage.join(publish_module.claims_url(release_url), "debris.json"), b"{not json")
         assert not do_publish(stage(root_url), release_url, wait_s=1).already_published
         assert paths(publish_module.claims_url(release_url)) == set()
-        assert verify_release(release_url).ok
+        assert verify_folder(release_url).ok
 
 
 def test_a_local_release_keeps_no_claims_folder(tmp_path):
@@ -350,7 +352,7 @@ class TestClaimHeartbeat:
             thread.join(30)
         assert not errors and len(live) == 1
         assert result[0].attempt == live[0] == read_manifest(release_url).attempt
-        assert read_manifest(release_url).fingerprint == "fp-1" and verify_release(release_url).ok
+        assert read_manifest(release_url).fingerprint == "fp-1" and verify_folder(release_url).ok
 
     def test_a_publisher_whose_claim_was_taken_writes_no_manifest(self, root_url, monkeypatch):
         """If our claim disappears while we copy (we stalled past the TTL and another publisher

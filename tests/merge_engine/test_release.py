@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from merge_engine import storage
-from merge_engine.errors import TargetExists
+from merge_engine.errors import InvalidConfig, TargetExists
 from merge_engine.publish import publish
 from merge_engine.release import (
     ABSENT,
@@ -106,6 +106,21 @@ class TestState:
         storage.remove(storage.join(release, "config.json"))
         published(root_url, release)
         assert release_state(release).status == PUBLISHED
+
+    @pytest.mark.parametrize("hostile", [b"[" * 100_000, b"[1, 2]", b"\xff\xfe"])
+    def test_a_hostile_marker_or_manifest_is_not_trusted(self, root_url, hostile):
+        """A marker nested past Python's parser, a list, or bytes that are not UTF-8: never a crash,
+        never a published release; the manifest alone is refused with a named error."""
+        release = published(root_url, release_url(root_url, "actor", 1))
+        manifest = storage.read_bytes(storage.join(release, "manifest.json"))
+        storage.write_bytes(storage.join(release, MARKER), hostile)
+        assert release_state(release).status == IN_PROGRESS
+
+        storage.write_bytes(storage.join(release, "manifest.json"), hostile)
+        with pytest.raises(InvalidConfig) as caught:
+            read_manifest(release)
+        assert caught.value.path.endswith("manifest.json")
+        storage.write_bytes(storage.join(release, "manifest.json"), manifest)
 
     def test_a_release_from_other_input_is_refused_unless_overwrite(self, root_url):
         state = release_state(published(root_url, release_url(root_url, "actor", 1)))

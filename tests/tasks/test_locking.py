@@ -105,3 +105,15 @@ def test_two_breakers_of_one_stale_lock_never_both_win(tmp_path, monkeypatch):
     assert not (got_a and got_b[0]), "both hold the lock"
     holder = json.loads(lock.read_text())["holder"]
     assert holder == ("A" if got_a else "B")
+
+
+def test_lock_file_debris_is_an_expired_lock(tmp_path):
+    """A lock file that is not a JSON object (a list, bytes that are not UTF-8, nesting past the parser)
+    is debris: broken, never a crash of the run that finds it."""
+    locks = CrashSafeFileLockManager(tmp_path)
+    for debris in (b"[1]", b"\xff", b"[" * 100_000):
+        (tmp_path / "k.lock").write_bytes(debris)
+        assert not locks.is_locked("k")
+        assert locks.acquire_lock("k", "A", acquire_timeout=1)
+        assert locks.is_lock_holder("k", "A")
+        locks.release_lock("k", "A")

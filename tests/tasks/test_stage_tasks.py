@@ -19,8 +19,8 @@ from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_setti
 
 from flows.stages import StageTimer
 from merge_engine import storage
-from merge_engine.publish import verify_release
 from merge_engine.release import read_manifest, release_url
+from merge_engine.verify import verify_folder
 from tasks import check_step, discover_steps, merge_model, publish_release, validate_output
 from tasks.cache import stage_cache_policy
 from tasks.records import MergeSettings, ValidationSettings
@@ -57,7 +57,7 @@ def test_records_are_small_and_the_release_is_whole(prefect, template_run, tmp_p
 
     release = out["publish"][1]
     assert release.url == release_url(releases, "actor", 1) and not release.already_published
-    assert verify_release(release.url).ok
+    assert verify_folder(release.url).ok
     manifest = read_manifest(release.url)
     assert manifest.fingerprint == out["merge"][1].fingerprint
     assert manifest.source == str(tmp_path / "run" / "global_step_1" / "actor")
@@ -135,7 +135,7 @@ def test_the_deep_check_runs_once_per_merge(prefect, template_run, tmp_path, mon
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [1])
     out = chain(run_root, 1, str(tmp_path / "releases"), str(tmp_path / "staging"))
-    assert out["merge"][0] == "Completed" and verify_release(out["publish"][1].url).ok
+    assert out["merge"][0] == "Completed" and verify_folder(out["publish"][1].url).ok
     assert calls == [str(tmp_path / "run" / "global_step_1" / "actor")]
 
 
