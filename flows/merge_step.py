@@ -82,7 +82,8 @@ def run_stages(params: MergeStepParams, timer: StageTimer) -> StepOutcome:
     if checkpoint.lora and params.release_adapter:
         adapter_release = release_url(root, params.role, params.step, ADAPTER)
         adapter = release_output(timer, ADAPTER, step, checkpoint, adapter_release,
-                                 adapter=params.adapter_settings(), fused_model_url=model.url, **common)
+                                 adapter=params.adapter_settings(), fused_model_url=model.url,
+                                 execution=params.execution_settings(), **common)
         releases.append(adapter)
     outcome.releases = releases
     outcome.status = "already_published" if all(r.already_published for r in releases) else "published"

@@ -93,9 +93,9 @@ DESCRIPTIONS: Dict[str, str] = {
     "adapter_include_base": "Put the clean base model in the adapter release (base/)",
     "lora_alpha": "LoRA alpha when the run did not record it (lora_train_meta.json)",
     "overwrite": "Replace a release that was built from a different checkpoint",
-    "workers": "Shard jobs at once in the merge task's process; default: one per core",
+    "workers": "Shard jobs at once in the merge (or extraction) task's process; default: one per core",
     "ray_address": "Run the shard jobs as task runs on this Ray cluster (auto, host:port, ray://host:port); "
-                   "default: the worker's $STEPMERGE_RAY_ADDRESS, else the merge task's own process",
+                   "default: the worker's $STEPMERGE_RAY_ADDRESS, else the task's own process",
     "roles": "Roles to merge (actor, critic, empty for SFT)",
     "merge_deployment": "Deployment that merges one step, used when this flow runs from a deployment",
     "max_steps": "Merge at most this many new steps per run (oldest first)",
@@ -214,6 +214,10 @@ class AdapterParams(RunLocation):
     validate_forward: bool = True
     compare_with_model_release: bool = True
     overwrite: bool = False
+    workers: Workers = None
+    ray_address: RayAddress = None
+
+    execution_settings = PipelineOptions.execution_settings  # where the extraction's shard jobs run
 
     def recorded_options(self) -> dict:
         return self.model_dump(include={"include_base", "base_model", "lora_alpha", "dtype", "validate_forward"})

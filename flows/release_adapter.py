@@ -10,8 +10,10 @@ when the step's merged model is already released (merge_step) FROM THIS CHECKPOI
 provenance: this checkpoint's fingerprint, the same lora_alpha and no replaced config,
 `ReleaseProvenance.is_trained_model_of`), the logits must
 reproduce it; a model release of anything else there is no reference and is not used. LoRA-only
-checkpoints need ``base_model``. A step not ready yet is reported as such
-(`flows.stages.ready_checkpoint`). `merge_step` runs the same stages for LoRA checkpoints; this flow
+checkpoints need ``base_model``. ``workers`` / ``ray_address``: where the extraction's shard jobs run,
+as for `merge_step` (``STEPMERGE_RAY_ADDRESS`` in the worker's environment, e.g. a deployment job
+variable, when ``ray_address`` is not given); never recorded in the release (same bytes).
+A step not ready yet is reported as such (`flows.stages.ready_checkpoint`). `merge_step` runs the same stages for LoRA checkpoints; this flow
 is for adapters alone (e.g. from the UI, or for a LoRA-only run).
 """
 
@@ -22,7 +24,17 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from flows.credentials import storage_credentials
-from flows.params import AdapterParams, DtypeName, LoraAlpha, Role, StepNumber, StorageUrl, described
+from flows.params import (
+    AdapterParams,
+    DtypeName,
+    LoraAlpha,
+    RayAddress,
+    Role,
+    StepNumber,
+    StorageUrl,
+    Workers,
+    described,
+)
 from flows.run_labels import adapter_run_name, label_flow_run, step_label
 from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_output
 from flows.summaries import step_summary
@@ -54,6 +66,8 @@ def release_adapter(
     compare_with_model_release: bool = described("compare_with_model_release", True),
     overwrite: bool = described("overwrite", False),
     staging_root: Optional[StorageUrl] = described("staging_root", None),
+    workers: Workers = described("workers", None),
+    ray_address: RayAddress = described("ray_address", None),
 ) -> StepOutcome:
     """Extract, validate and publish the LoRA adapter of one step (see the module docstring)."""
     params = AdapterParams(**locals())
@@ -86,7 +100,7 @@ def adapter_stages(params: AdapterParams) -> StepOutcome:
     adapter = release_output(timer, ADAPTER, step, checkpoint, release, adapter=params.adapter_settings(),
                              validation=params.validation_settings(), staging_root=params.staging_root,
                              options=params.recorded_options(), overwrite=params.overwrite,
-                             fused_model_url=fused_url)
+                             fused_model_url=fused_url, execution=params.execution_settings())
     outcome.releases = [adapter]
     outcome.status = "already_published" if adapter.already_published else "published"
     outcome.stages, outcome.seconds = timer.stages, time.perf_counter() - started

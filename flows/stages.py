@@ -195,7 +195,7 @@ class ReleaseInputs:
     merge: Optional[MergeSettings] = None
     adapter: Optional[AdapterSettings] = None
     fused_model_url: Optional[str] = None  # adapters: the model release PEFT's logits must reproduce
-    execution: Optional[ExecutionSettings] = None  # models: where the shard jobs run (threads here, or Ray)
+    execution: Optional[ExecutionSettings] = None  # where the shard jobs run (threads here, or Ray)
 
     def provenance(self) -> ReleaseProvenance:
         return ReleaseProvenance(kind=self.kind, source_listing=self.step.fingerprint,
@@ -235,7 +235,8 @@ CHAINS: Dict[str, Tuple[StageSpec, ...]] = {
     ),
     ADAPTER: (
         StageSpec("extract-adapter", extract_adapter, lambda i, done: (i.step, i.checkpoint, i.adapter, i.release,
-                                                                       i.staging_root, i.overwrite), OUTPUT),
+                                                                       i.staging_root, i.overwrite, i.execution),
+                  OUTPUT),
         StageSpec("validate-adapter", validate_adapter,
                   lambda i, done: (done[OUTPUT], i.validation, i.fused_model_url, i.release), VALIDATION),
         StageSpec("publish-adapter", publish_release, _publish_arguments, RELEASE),

@@ -391,7 +391,7 @@ def cmd_split(args: argparse.Namespace) -> int:
 
     options = OutputOptions(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, fmt=args.format,
                             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, dtype=args.dtype,
-                            custom_mapping=args.custom_mapping, overwrite=args.overwrite)
+                            custom_mapping=args.custom_mapping, overwrite=args.overwrite, **_run_options(args))
     result = split_hf_to_megatron(args.hf_dir, args.target_dir, options)
     if result.skipped:
         print(f"{result.target_url} already holds this split; nothing to do")
@@ -419,6 +419,7 @@ def _add_split(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "dtype", default=None, type=_dtype, help=f"dtype of the shards ({_DTYPE_HELP}; default: as stored)")
     _flag(parser, "custom-mapping", default=None, help="JSON file extending the model family's name table")
     _flag(parser, "overwrite", action="store_true", help="replace a target that holds something else")
+    _run_flags(parser)  # each rank file (legacy) or layer's DCP data file (dist) is one job
     parser.set_defaults(run=cmd_split)
 
 

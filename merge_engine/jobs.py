@@ -38,7 +38,7 @@ from merge_engine.lora.svd import ModuleReport
 from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE, MergePlan
 from merge_engine.output_target import read_provenance, target_state, write_target
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
-from merge_engine.executors import Files, PlannedOutput, ShardExecutor, WrittenFiles, executor_for
+from merge_engine.executors import Files, PlannedFiles, PlannedOutput, ShardExecutor, WrittenFiles, executor_for
 
 __all__ = ["OUTPUT_OPTION_KEYS", "OutputJob", "OutputOptions", "OutputResult", "job_inputs",
            "PlannedOutput", "PreparedJob", "ShardExecutor", "run_job"]
@@ -157,7 +157,7 @@ class PreparedJob:
     command's record (the fingerprint, engine version and file list are added by `run_job`).
     """
 
-    outputs: list[PlannedOutput]
+    outputs: list[PlannedOutput | PlannedFiles]
     provenance: dict[str, Any]
     kind: str = "model"
     layout: str = ""
@@ -168,12 +168,13 @@ class PreparedJob:
     modules: tuple[ModuleReport, ...] = ()
     sources: list[TensorSource] = field(default_factory=list)
 
-    def plan(self) -> MergePlan:
-        """Every output's tensors and shards as one plan (for progress: ``on_plan``)."""
-        if len(self.outputs) == 1:
-            return self.outputs[0].plan
-        return MergePlan(tuple(t for o in self.outputs for t in o.plan.tensors),
-                         tuple(s for o in self.outputs for s in o.plan.shards))
+    def plan(self) -> MergePlan | None:
+        """Every safetensors output's tensors and shards as one plan (for progress: ``on_plan``); None
+        when the job writes none (split's file jobs)."""
+        plans = [o.plan for o in self.outputs if isinstance(o, PlannedOutput)]
+        if len(plans) <= 1:
+            return plans[0] if plans else None
+        return MergePlan(tuple(t for p in plans for t in p.tensors), tuple(s for p in plans for s in p.shards))
 
     def close(self) -> None:
         for source in self.sources:

@@ -17,8 +17,13 @@ multiple of ``make_vocab_size_divisible_by * tp``), then the layout of ``--forma
 Both write ``transformer_config.json``: the TransformerConfig / GPTModel values the Megatron model
 must be built with to match (sizes, head counts, norm epsilon, RoPE theta, padded vocabulary,
 parallel sizes), and ``stepmerge.json`` (provenance) last. The target gets everything or nothing
-(`merge_engine.output_target`). Memory: one rank file's tensors, i.e. one TP rank's share of a
-pipeline stage (legacy: a rank file is one ``torch.save``), one layer (dist).
+(`merge_engine.output_target`).
+
+Each file is one job (`merge_engine.layouts.contract.FileJob`: a rank file, or one layer's DCP data
+file), run by the executor like a merge's shard jobs: ``--workers N`` at once here, or as Ray tasks,
+byte-identical whatever runs them; each job hashes what it writes (`OutputResult.checksums`). Memory per
+job: one rank file's tensors, i.e. one TP rank's share of a pipeline stage (legacy: a rank file is one
+``torch.save``), one tensor (dist).
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ from merge_engine.errors import InvalidOption
 from merge_engine.hf_metadata import copy_metadata, read_config
 from merge_engine.jobs import OutputOptions, OutputResult, PreparedJob, run_job
 from merge_engine.layouts import Checkpoint, check_checkpoint, layout_named, open_checkpoint
-from merge_engine.layouts.contract import ParallelSizes, WritableLayout
+from merge_engine.executors import PlannedFiles
+from merge_engine.layouts.contract import FileJob, FileRecord, ParallelSizes, WritableLayout
 from merge_engine.merge_plan import parse_dtype
 
 
@@ -166,8 +172,9 @@ def split_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
 @dataclass
 class SplitJob:
     """``stepmerge split --to megatron``: the Hugging Face model at ``source_url`` as Megatron shards at
-    ``target_url``, written by the layout of ``options.fmt`` (its files are not safetensors shards:
-    the job has no `PlannedOutput`, the layout writes them as the job's own files)."""
+    ``target_url``, written by the layout of ``options.fmt``. Its files are not safetensors shards: the
+    job's one output is a `PlannedFiles`, one file job per rank file (``legacy``) or DCP data file
+    (``dist``), which the executor runs like shard jobs (``--workers``, ``--ray-address``: same bytes)."""
 
     source_url: str
     target_url: str
@@ -204,21 +211,23 @@ class SplitJob:
             view.close()
             raise
         sizes = ParallelSizes(tp=options.tp, pp=options.pp, vpp=options.vpp, ep=options.ep)
+        layout = writable_layout(options.fmt)
 
-        def write(url: str) -> list[tuple[str, int]]:
-            layout = writable_layout(options.fmt)
-            files = layout.write(view, url, sizes, dtype)
-            files += [(f"{layout.CONFIG_DIR}/{n}", s) for n, s in copy_metadata(
+        def write_file(file_job: FileJob, url: str, cancel: Any) -> FileRecord:
+            return layout.write_file(view, file_job, url, sizes, dtype, cancel)
+
+        def write_config(url: str) -> list[tuple[str, int]]:
+            files = [(f"{layout.CONFIG_DIR}/{n}", s) for n, s in copy_metadata(
                 hf_url, storage.join(url, layout.CONFIG_DIR), config)]
             data = (json.dumps(megatron_config, indent=2, sort_keys=True) + "\n").encode()
             storage.write_bytes(storage.join(url, TRANSFORMER_CONFIG), data)
-            files.append((TRANSFORMER_CONFIG, len(data)))
-            return files
+            return files + [(TRANSFORMER_CONFIG, len(data))]
 
+        rank_files = PlannedFiles(layout.file_jobs(view, sizes), write_file, layout.finish, then=write_config)
         provenance = {"source": hf_url, "kind": "megatron split", "options": options.output_options(self.command),
                       "tensors": len(view.metas())}
-        return PreparedJob([], provenance, kind=self.kind, layout=FORMATS[options.fmt], tensors=len(view.metas()),
-                           tensor_bytes=0, write_files=write, sources=[view])
+        return PreparedJob([rank_files], provenance, kind=self.kind, layout=FORMATS[options.fmt],
+                           tensors=len(view.metas()), tensor_bytes=0, sources=[view])
 
 
 def split_hf_to_megatron(hf_url: str, target_url: str, options: OutputOptions = OutputOptions()) -> OutputResult:

@@ -431,69 +431,136 @@ def _indices(lo: Sequence[int], counts: Sequence[int]) -> Iterator[tuple[int, ..
 # Writing
 
 
+@dataclass(frozen=True)
+class DcpItem:
+    """One item of a data file, as ``.metadata`` records it: a tensor chunk (``key``, its ``offsets`` in
+    the global tensor, the global ``shape``, ``dtype`` and the chunk's ``sizes``) or a bytes entry
+    (``offsets`` None), and where its bytes are (``file``, ``offset``, ``length``). Small, picklable:
+    what a worker that wrote a data file hands back to the one that writes ``.metadata``."""
+
+    key: str
+    offsets: tuple[int, ...] | None
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    sizes: tuple[int, ...] | None
+    file: str
+    offset: int
+    length: int
+
+
+class DcpDataFile:
+    """One data file of a DCP folder, items appended (`add_chunk`, `add_object`), hashed as written.
+
+    ``close()`` commits the file; ``items`` then lists what it holds (for `write_dcp_metadata`),
+    ``size`` and ``sha256()`` describe it. Leaving a ``with`` block by an exception (or ``abort()``)
+    leaves no file. Memory: one chunk's archive at a time.
+    """
+
+    def __init__(self, url: str, name: str = DATA_FILE) -> None:
+        from merge_engine.storage.hashing_writer import HashingWriter
+
+        self.name = name
+        self._out = HashingWriter(storage.join(url, name))
+        self.items: list[DcpItem] = []
+
+    @property
+    def size(self) -> int:
+        return self._out.size
+
+    def sha256(self) -> str:
+        return self._out.sha256()
+
+    def add_chunk(self, key: str, global_shape: Sequence[int], offsets: Sequence[int], tensor: torch.Tensor) -> None:
+        buffer = io.BytesIO()
+        torch.save(tensor.detach().contiguous().clone(), buffer)
+        at = self._out.size
+        self._out.write(buffer.getbuffer())
+        self.items.append(DcpItem(key, tuple(int(o) for o in offsets), tuple(int(s) for s in global_shape),
+                                  tensor.dtype, tuple(tensor.shape), self.name, at, self._out.size - at))
+
+    def add_object(self, key: str, data: bytes) -> None:
+        at = self._out.size
+        self._out.write(data)
+        self.items.append(DcpItem(key, None, None, None, None, self.name, at, len(data)))
+
+    def close(self) -> None:
+        self._out.close()
+
+    def abort(self) -> None:
+        self._out.abort()
+
+    def __enter__(self) -> DcpDataFile:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def dcp_metadata_bytes(items: Iterable[DcpItem]) -> bytes:
+    """``.metadata`` (torch's own record classes, pickled) for ``items`` of any data files, in their order.
+
+    Raises `ValueError` when two chunks of one key disagree on the global shape or dtype."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    items = list(items)
+    state: dict[str, Any] = {}
+    storage_data = {}
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype, list[DcpItem]]] = {}
+    for item in items:
+        index = MetadataIndex(item.key, torch.Size(item.offsets) if item.offsets is not None else None)
+        storage_data[index] = _StorageInfo(item.file, item.offset, item.length)
+        if item.offsets is None:
+            state[item.key] = BytesStorageMetadata()
+            continue
+        entry = tensors.setdefault(item.key, (item.shape, item.dtype, []))
+        if entry[0] != item.shape or entry[1] != item.dtype:
+            raise ValueError(f"{item.key}: chunks disagree on global shape or dtype")
+        entry[2].append(item)
+    for key, (shape, dtype, chunks) in tensors.items():
+        state[key] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=dtype), size=torch.Size(shape),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in chunks])
+    return pickle.dumps(Metadata(state_dict_metadata=state, storage_data=storage_data))
+
+
 class DcpWriter:
     """Write a DCP folder: tensor chunks and bytes entries into one data file, then ``.metadata``.
 
     `add_chunk(key, global_shape, offsets, tensor)` appends a chunk (its own ``torch.save``
     archive); `add_object(key, data)` a bytes entry; `close()` writes ``.metadata`` last and
-    returns the file names written. Memory: one chunk at a time.
+    returns the file names written. Memory: one chunk at a time. (A folder of several data files
+    written by several jobs: `DcpDataFile` each, then `dcp_metadata_bytes` of all their items.)
     """
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self._out = storage.open_write(storage.join(url, DATA_FILE))
-        self._at = 0
-        self._tensors: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[tuple[int, ...], tuple[int, ...]]]]] = {}
-        self._locations: dict[tuple[str, tuple[int, ...] | None], tuple[int, int]] = {}
-
-    def _append(self, data: bytes | memoryview) -> tuple[int, int]:
-        offset = self._at
-        self._out.write(data)
-        self._at += len(data)
-        return offset, len(data)
+        self._data = DcpDataFile(url)
+        self._shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
 
     def add_chunk(self, key: str, global_shape: Sequence[int], offsets: Sequence[int], tensor: torch.Tensor) -> None:
-        shape = tuple(int(s) for s in global_shape)
-        entry = self._tensors.setdefault(key, (shape, tensor.dtype, []))
-        if entry[0] != shape or entry[1] != tensor.dtype:
+        shape = (tuple(int(s) for s in global_shape), tensor.dtype)
+        if self._shapes.setdefault(key, shape) != shape:
             raise ValueError(f"{key}: chunks disagree on global shape or dtype")
-        buffer = io.BytesIO()
-        torch.save(tensor.detach().contiguous().clone(), buffer)
-        offsets = tuple(int(o) for o in offsets)
-        entry[2].append((offsets, tuple(tensor.shape)))
-        self._locations[(key, offsets)] = self._append(buffer.getbuffer())
+        self._data.add_chunk(key, global_shape, offsets, tensor)
 
     def add_object(self, key: str, data: bytes) -> None:
-        self._locations[(key, None)] = self._append(data)
+        self._data.add_object(key, data)
 
     def close(self) -> list[str]:
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-        from torch.distributed.checkpoint.metadata import (
-            BytesStorageMetadata,
-            ChunkStorageMetadata,
-            Metadata,
-            MetadataIndex,
-            TensorProperties,
-            TensorStorageMetadata,
-        )
-
-        self._out.close()
-        state: dict[str, Any] = {}
-        storage_data = {}
-        for (key, offsets), (offset, length) in self._locations.items():
-            index = MetadataIndex(key, torch.Size(offsets) if offsets is not None else None)
-            storage_data[index] = _StorageInfo(DATA_FILE, offset, length)
-            if offsets is None:
-                state[key] = BytesStorageMetadata()
-        for key, (shape, dtype, chunks) in self._tensors.items():
-            state[key] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=dtype), size=torch.Size(shape),
-                chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks])
-        metadata = Metadata(state_dict_metadata=state, storage_data=storage_data)
-        storage.write_bytes(storage.join(self.url, METADATA_FILE), pickle.dumps(metadata))
+        self._data.close()
+        storage.write_bytes(storage.join(self.url, METADATA_FILE), dcp_metadata_bytes(self._data.items))
         return [DATA_FILE, METADATA_FILE]
 
     def abort(self) -> None:
-        abort = getattr(self._out, "abort", None)
-        if abort is not None:
-            abort()
+        self._data.abort()

@@ -9,6 +9,10 @@
 - `validate_adapter` runs `merge_engine.validate.adapter.validate_adapter` (PEFT loads it on its base, logits
   reproduce the released fused model's, allowing for the rounding of its dtype) and returns a
   `ValidationRecord`; a released adapter returns the validation its manifest recorded, reading nothing.
+- Where the shard jobs of the adapter (and of the clean base under ``base/``) run (``execution``, never
+  part of the cache key: it changes no byte): as the merge task's (`tasks.shard_runs.shard_executor`),
+  Prefect task runs on a Ray cluster when a Ray address is configured (the flow parameter, else
+  ``STEPMERGE_RAY_ADDRESS``), else ``workers`` threads of this process.
 Retries: transient storage faults only.
 """
 
@@ -31,12 +35,14 @@ from tasks.progress import ProgressArtifact, release_artifact_key
 from tasks.records import (
     AdapterSettings,
     CheckpointRecord,
+    ExecutionSettings,
     OutputRecord,
     StepRecord,
     ValidationRecord,
     ValidationSettings,
 )
 from tasks.retry import RETRY_OPTIONS
+from tasks.shard_runs import checkpoint_label, shard_executor
 from tasks.validate import already_released, recorded_validation
 
 
@@ -46,8 +52,10 @@ from tasks.validate import already_released, recorded_validation
                                       listed=("settings.hf_model_path", "settings.base_model")),
       persist_result=True, **RETRY_OPTIONS)
 def extract_adapter(step: StepRecord, checkpoint: CheckpointRecord, settings: AdapterSettings, release: str,
-                    staging_root: Optional[str] = None, overwrite: bool = False) -> OutputRecord:
-    """Extract the PEFT adapter of ``checkpoint`` into staging for ``release`` (or find it released)."""
+                    staging_root: Optional[str] = None, overwrite: bool = False,
+                    execution: Optional[ExecutionSettings] = None) -> OutputRecord:
+    """Extract the PEFT adapter of ``checkpoint`` into staging for ``release`` (or find it released);
+    its shard jobs run where ``execution`` says (as the merge task's: `tasks.shard_runs.shard_executor`)."""
     from merge_engine.lora.extract import extract_fingerprint, extract_lora
 
     fingerprint = extract_fingerprint(checkpoint.to_checkpoint(), settings.to_options())
@@ -58,8 +66,11 @@ def extract_adapter(step: StepRecord, checkpoint: CheckpointRecord, settings: Ad
     sweep_stale_staging(staging_root, keep=target)
     progress = ProgressArtifact(release_artifact_key("progress", release),
                                 f"Extracting the adapter of {checkpoint.url}")
+    execution = execution or ExecutionSettings()
+    executor = shard_executor(execution.workers, execution.ray_address, checkpoint_label(checkpoint.url))
     result = extract_lora(checkpoint.url, target, settings.to_options(overwrite=True),
-                          on_bytes=progress.on_bytes, on_plan=progress.on_plan, checkpoint=checkpoint.to_checkpoint())
+                          on_bytes=progress.on_bytes, on_plan=progress.on_plan, checkpoint=checkpoint.to_checkpoint(),
+                          executor=executor)
     progress.finish()
     if settings.include_base:
         point_adapter_at_base(target, storage.join(release, BASE_DIR))

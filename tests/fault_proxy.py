@@ -144,6 +144,7 @@ class FaultProxy:
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self._open: set[asyncio.StreamWriter] = set()
+        self._links: set[_Link] = set()
 
     @property
     def url(self) -> str:
@@ -156,9 +157,13 @@ class FaultProxy:
             self._fault = fault
             self._fault_left = fault.connections if fault else 0
 
-    def set_network(self, network: Network | None) -> None:
-        """Shape the connections accepted from now on (``None``: pass through at loopback speed)."""
+    def set_network(self, network: Network | None, *, open_connections: bool = False) -> None:
+        """Shape the connections accepted from now on (``None``: pass through at loopback speed); with
+        ``open_connections``, also those already open (a client's pooled keep-alive connections)."""
         self.network = network
+        if open_connections:
+            for link in list(self._links):
+                link.network = network or Network()
 
     def close_connections(self) -> None:
         """Close every open connection cleanly (the client sees EOF, as from a server's idle timeout)."""
@@ -259,6 +264,8 @@ class FaultProxy:
         down_fault = fault if fault is not None and fault.direction == "down" else None
         up_fault = fault if fault is not None and fault.direction == "up" else None
         link = _Link(self.network) if self.network is not None else None
+        if link is not None:
+            self._links.add(link)
         down = asyncio.ensure_future(
             self._pipe(upstream_reader, client_writer, down_fault, client_writer, self._fire, link, "down"))
         up = asyncio.ensure_future(
@@ -275,6 +282,7 @@ class FaultProxy:
                 pending.cancel()
             await asyncio.gather(down, up, return_exceptions=True)
             self._open.difference_update((client_writer, upstream_writer))
+            self._links.discard(link)  # type: ignore[arg-type]
             upstream_writer.transport.abort()
             if not client_writer.is_closing():
                 client_writer.close()

@@ -1,13 +1,17 @@
 """Where shard jobs run. Same plans, same bytes, different engines.
 
+A job hands an executor its outputs: `PlannedOutput` (a safetensors folder: one shard job per output
+shard, `merge_engine.shard_job`) or `PlannedFiles` (files a layout writes whole, one file job each:
+``stepmerge split``'s Megatron rank files and DCP data files). Both are independent units of work.
+
 - `local.LocalExecutor`: this process, ``workers`` shard jobs at once on threads (`merge_engine.writer`).
 - `ray.RayExecutor`: a Ray cluster (the optional extra ``stepmerge[ray]``): each shard job is a Ray task
   that reads straight from the checkpoint's storage and writes straight to the target URL; only small
   `ShardRecord`s come back.
 
 Contract of a `ShardExecutor`: ``write(job, outputs, url, chunk_bytes=, on_bytes=)`` writes every
-`PlannedOutput` of ``job`` under the folder URL ``url`` (each output's shards, its index, then its
-``then`` files) and returns a `WrittenFiles`: (name relative to ``url``, size) per file and the sha256 of
+output of ``job`` under the folder URL ``url`` (each output's shards and index, or its file jobs and
+then their ``finish`` files; then its ``then`` files) and returns a `WrittenFiles`: (name relative to ``url``, size) per file and the sha256 of
 every weight file and index it wrote. ``job`` is the `merge_engine.jobs.OutputJob` the outputs were
 prepared from: an executor that runs shard jobs in other processes prepares it again there
 (metadata only) and checks that it gets the same plan.
@@ -19,12 +23,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from merge_engine.layouts.contract import FileJob, FileRecord
 from merge_engine.merge_plan import MergePlan
 from merge_engine.tensor_source import TensorSource
 
 Files = list[tuple[str, int]]
 
-__all__ = ["Files", "PlannedOutput", "ShardExecutor", "WrittenFiles", "executor_for"]
+__all__ = ["Files", "PlannedFiles", "PlannedOutput", "ShardExecutor", "WrittenFiles", "executor_for"]
 
 
 @dataclass
@@ -39,6 +44,25 @@ class PlannedOutput:
 
 
 @dataclass
+class PlannedFiles:
+    """Files of one folder of a job (``folder`` of the target, "" for the target itself), each written
+    whole by one independent file job: ``write_file(job, folder_url, cancel)`` writes one of ``jobs``
+    (`merge_engine.layouts.contract.WritableLayout.write_file`: atomic, hashed while written, stops
+    with `WriteCancelled` once the Event ``cancel`` is set) and returns its `FileRecord`;
+    ``finish(records, folder_url)`` then writes what needs every job's record (their order: ``jobs``'),
+    and ``then(url)`` the folder's other files."""
+
+    jobs: list[FileJob]
+    write_file: Callable[[FileJob, str, Any], FileRecord]
+    finish: Callable[[list[FileRecord], str], list[FileRecord]] | None = None
+    folder: str = ""
+    then: Callable[[str], Files] | None = None
+
+
+Output = PlannedOutput | PlannedFiles
+
+
+@dataclass
 class WrittenFiles:
     """What an executor wrote: (name, size) per file, and sha256 per weight file and index."""
 
@@ -47,7 +71,7 @@ class WrittenFiles:
 
 
 class ShardExecutor(Protocol):
-    def write(self, job: Any, outputs: Sequence[PlannedOutput], url: str, *, chunk_bytes: int,
+    def write(self, job: Any, outputs: Sequence[Output], url: str, *, chunk_bytes: int,
               on_bytes: Callable[[int], None] | None) -> WrittenFiles: ...
 
 

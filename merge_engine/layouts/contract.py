@@ -110,19 +110,58 @@ class Layout(Protocol):
     def open(self, checkpoint: Checkpoint) -> TensorSource: ...  # noqa: A003 - the contract's verb
 
 
+@dataclass(frozen=True)
+class FileJob:
+    """One file a `WritableLayout` writes whole, planned from metadata alone: ``file`` (relative to the
+    target), ``part`` (the layout's coordinates of it, e.g. (pp, ep, tp) of a rank file) and the
+    canonical tensors it is built from. Jobs are independent: any order, any process, same bytes."""
+
+    file: str
+    part: tuple[int, ...]
+    tensors: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One file a layout wrote: name relative to the target, size, sha256 computed while writing, the
+    tensors it holds and ``items``: what the layout's `WritableLayout.finish` needs to know of it (a DCP
+    data file's item locations); small and picklable, what a worker process hands back."""
+
+    file: str
+    size: int
+    sha256: str
+    tensors: tuple[str, ...] = ()
+    items: tuple[Any, ...] = ()
+
+
+class WriteCancelled(Exception):
+    """A file job stopped because another job of the same output failed (not a user-facing error)."""
+
+
 class WritableLayout(Layout, Protocol):
-    """A layout ``stepmerge split`` writes.
+    """A layout ``stepmerge split`` writes, as independent file jobs (the unit a `ShardExecutor` spreads).
 
     - ``CONFIG_DIR``: the folder (relative to the target) that receives config.json and tokenizer.
-    - ``write(view, target_url, sizes, dtype)``: the canonical Megatron tensors of ``view`` (a
-      `merge_engine.architectures.hf_to_megatron.MegatronViewOfHf`) laid out in ``sizes``, cast to
-      ``dtype`` (None: as stored), under ``target_url``; returns the files written. Memory: what one
-      file of the format holds. The caller owns the target (`merge_engine.output_target`).
+    - ``file_jobs(view, sizes)``: the files that hold the canonical Megatron tensors of ``view`` (a
+      `merge_engine.architectures.hf_to_megatron.MegatronViewOfHf`) laid out in ``sizes``, from
+      metadata alone, in a fixed order.
+    - ``write_file(view, job, target_url, sizes, dtype, cancel)``: writes one of them under
+      ``target_url``, cast to ``dtype`` (None: as stored), atomically (`merge_engine.storage.open_write`),
+      hashing while writing; its `FileRecord`. Its bytes depend on the job alone, never on which process
+      or in which order it runs. ``cancel`` (an Event) is checked between tensors: once set, the job
+      raises `WriteCancelled` and leaves no file. Memory: what one file of the format holds.
+    - ``finish(records, target_url)``: after every job, writes what needs all their records (a DCP
+      folder's ``.metadata``, last); its records. The caller owns the target (`merge_engine.output_target`).
     """
 
     CONFIG_DIR: str
 
-    def write(self, view: Any, target_url: str, sizes: ParallelSizes, dtype: Any) -> Files: ...
+    def file_jobs(self, view: Any, sizes: ParallelSizes) -> list[FileJob]: ...
+
+    def write_file(self, view: Any, job: FileJob, target_url: str, sizes: ParallelSizes, dtype: Any,
+                   cancel: Any = None) -> FileRecord: ...
+
+    def finish(self, records: Sequence[FileRecord], target_url: str) -> list[FileRecord]: ...
 
 
 def by_path(files: Sequence[FileEntry]) -> dict[str, FileEntry]:

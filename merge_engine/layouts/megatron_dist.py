@@ -28,10 +28,12 @@ RNG state gets an error saying so), the v2 marker present.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -60,15 +62,25 @@ from merge_engine.layouts.contract import (
     INCOMPLETE,
     MEGATRON_NAMES,
     Checkpoint,
-    Files,
+    FileJob,
+    FileRecord,
     ParallelSizes,
     Verdict,
+    WriteCancelled,
     by_path,
 )
 from merge_engine.layouts.megatron_lm_root import choose_iteration
 from merge_engine.storage import FileEntry
 from merge_engine.tensor_source import AssembledSource, TensorSource
-from merge_engine.torch_dcp import METADATA_FILE, DcpFiles, DcpIndex, DcpTensor, DcpWriter, read_index
+from merge_engine.torch_dcp import (
+    METADATA_FILE,
+    DcpDataFile,
+    DcpFiles,
+    DcpIndex,
+    DcpTensor,
+    dcp_metadata_bytes,
+    read_index,
+)
 
 NAME = "megatron_dist"
 TENSOR_NAMING = MEGATRON_NAMES
@@ -324,40 +336,71 @@ def _dist_key(name: str, dims, renames: Mapping[str, str] = _DIST_RENAMES
     return f"decoder.layers.{renames.get(rest, rest)}", (layer,), (dims.num_layers,)
 
 
-def write(view: MegatronViewOfHf, target_url: str, sizes: ParallelSizes, dtype: torch.dtype | None) -> Files:
-    """``dist_ckpt/``: torch_dist keys, one DCP chunk per layer (and expert), extra states as bytes
-    (`WritableLayout`). ``sizes`` are not needed: megatron-core reshards a dist checkpoint on load."""
+def _data_file(group: int) -> str:
+    return f"__{group}_0.distcp"
+
+
+def file_jobs(view: MegatronViewOfHf, sizes: ParallelSizes) -> list[FileJob]:
+    """One data file per decoder layer (``dist_ckpt/__<layer>_0.distcp``, its experts included), then one
+    for the tensors outside the layers (``__<num_layers>_0.distcp``), from metadata alone (`WritableLayout`).
+    ``sizes`` do not shape the files: megatron-core reshards a dist checkpoint on load."""
+    groups: dict[int, list[str]] = {}
+    outside = view.dims.num_layers
+    for name in view.metas():
+        match = LAYER_NAME.match(name)
+        groups.setdefault(int(match.group(1)) if match else outside, []).append(name)
+    return [FileJob(f"{DIST_DIR}/{_data_file(group)}", (group,), tuple(names))
+            for group, names in sorted(groups.items())]
+
+
+def write_file(view: MegatronViewOfHf, job: FileJob, target_url: str, sizes: ParallelSizes,
+               dtype: torch.dtype | None, cancel: Any = None) -> FileRecord:
+    """One data file (`WritableLayout`): torch_dist keys, one DCP chunk per layer (and expert), extra states
+    as bytes entries; its record carries the items' locations for `finish`. Memory: one tensor at a time."""
     dims = view.dims
-    folder = storage.join(target_url, DIST_DIR)
-    writer = DcpWriter(folder)
-    none_bytes = io.BytesIO()
-    torch.save([None], none_bytes)  # megatron-core saves a ShardedObject as a one-item list
-    extra_states = set()
     renames = {} if is_mla(view.metas()) else _DIST_RENAMES
-    try:
-        for name, meta in view.metas().items():
+    extra_states = set()
+    with DcpDataFile(storage.join(target_url, DIST_DIR), _data_file(job.part[0])) as data:
+        for name in job.tensors:
+            if cancel is not None and cancel.is_set():
+                raise WriteCancelled(job.file)
+            meta = view.metas()[name]
             key, lead, lead_sizes = _dist_key(name, dims, renames)
             key = with_prefix(key, view.megatron_prefix)
             tensor = view.read(name)
             if dtype is not None:
                 tensor = tensor.to(dtype)
-            writer.add_chunk(key, (*lead_sizes, *meta.shape), (*lead, *(0,) * len(meta.shape)),
-                             tensor.reshape((1,) * len(lead) + tuple(meta.shape)))
+            data.add_chunk(key, (*lead_sizes, *meta.shape), (*lead, *(0,) * len(meta.shape)),
+                           tensor.reshape((1,) * len(lead) + tuple(meta.shape)))
+            del tensor
             module, _, leaf = key.rpartition(".")
             if (lead or dims.mixed_layers) and leaf == "weight" and module.rsplit(".", 1)[-1] in EXTRA_STATE_MODULES:
                 # a per-layer key of mixed layers is a shard of one: megatron-core names it 0_1
                 shard = (".".join(map(str, lead)) + "_" + ".".join(map(str, lead_sizes))) if lead else "0_1"
                 extra = f"{module}._extra_state/shard_{shard}"
-                if extra not in extra_states:
+                if extra not in extra_states:  # each extra state's key names its layer: one file holds it
                     extra_states.add(extra)
-                    writer.add_object(extra, none_bytes.getvalue())
-        names = writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    storage.write_bytes(storage.join(folder, "metadata.json"), json.dumps(MEGATRON_DIST_METADATA).encode())
-    common = io.BytesIO()
-    torch.save({}, common)
-    storage.write_bytes(storage.join(folder, "common.pt"), common.getvalue())
-    files = [*names, "metadata.json", "common.pt"]
-    return [(f"{DIST_DIR}/{n}", storage.size(storage.join(folder, n))) for n in files]
+                    data.add_object(extra, _NONE_OBJECT)
+    return FileRecord(job.file, data.size, data.sha256(), job.tensors, tuple(data.items))
+
+
+def _torch_saved(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+_NONE_OBJECT = _torch_saved([None])  # megatron-core saves a ShardedObject as a one-item list
+
+
+def finish(records: Sequence[FileRecord], target_url: str) -> list[FileRecord]:
+    """``dist_ckpt/.metadata`` from every data file's items (last of the DCP files), then megatron-core's
+    ``metadata.json`` and ``common.pt`` (`WritableLayout`)."""
+    folder = storage.join(target_url, DIST_DIR)
+    out = []
+    for name, data in ((METADATA_FILE, dcp_metadata_bytes(item for r in records for item in r.items)),
+                       (MEGATRON_METADATA, json.dumps(MEGATRON_DIST_METADATA).encode()),
+                       ("common.pt", _torch_saved({}))):
+        storage.write_bytes(storage.join(folder, name), data)
+        out.append(FileRecord(f"{DIST_DIR}/{name}", len(data), hashlib.sha256(data).hexdigest()))
+    return out

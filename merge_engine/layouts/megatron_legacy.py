@@ -56,12 +56,15 @@ from merge_engine.layouts.contract import (
     INVALID,
     MEGATRON_NAMES,
     Checkpoint,
-    Files,
+    FileJob,
+    FileRecord,
     ParallelSizes,
     Verdict,
+    WriteCancelled,
 )
 from merge_engine.layouts.megatron_lm_root import choose_iteration
 from merge_engine.storage import FileEntry
+from merge_engine.storage.hashing_writer import HashingWriter
 from merge_engine.tensor_source import AssembledSource, ConcatTensor, ReplicatedTensor, TensorSource
 from merge_engine.torch_archive import Record, StoredTensor, TorchArchive
 
@@ -516,28 +519,47 @@ def _stage_names(view: MegatronViewOfHf, sizes: ParallelSizes, p: int, e: int) -
     return chunks
 
 
-def write(view: MegatronViewOfHf, target_url: str, sizes: ParallelSizes, dtype: torch.dtype | None) -> Files:
-    """``model/mp_rank_*/model.pt`` for every (tp, pp, ep) rank, one rank file at a time (`WritableLayout`).
+def _rank_folder(t: int, p: int, e: int, sizes: ParallelSizes) -> str:
+    return f"mp_rank_{t:02d}" + (f"_{p:03d}" if sizes.pp > 1 else "") + (f"_{e:03d}" if sizes.ep > 1 else "")
+
+
+def file_jobs(view: MegatronViewOfHf, sizes: ParallelSizes) -> list[FileJob]:
+    """One job per rank file ``model/mp_rank_*/model.pt`` ((pp, ep, tp) order), from metadata alone
+    (`WritableLayout`)."""
+    jobs = []
+    for p in range(sizes.pp):
+        for e in range(sizes.ep):
+            names = tuple(name for placed in _stage_names(view, sizes, p, e) for _, name in placed)
+            for t in range(sizes.tp):
+                jobs.append(FileJob(f"model/{_rank_folder(t, p, e, sizes)}/model.pt", (p, e, t), names))
+    return jobs
+
+
+def write_file(view: MegatronViewOfHf, job: FileJob, target_url: str, sizes: ParallelSizes,
+               dtype: torch.dtype | None, cancel: Any = None) -> FileRecord:
+    """One rank file (`WritableLayout`): TP rank t's pieces of stage p on EP rank e, one ``torch.save``.
 
     A rank file is one ``torch.save``, so its tensors are held while it is built: one TP rank's
     share of one pipeline stage, plus the full tensor being cut. Each tensor is read (and cut)
-    once per TP rank rather than all ranks' pieces being held at once.
+    once per rank file.
     """
-    written = []
-    for p in range(sizes.pp):
-        for e in range(sizes.ep):
-            chunks = _stage_names(view, sizes, p, e)
-            for t in range(sizes.tp):
-                states = [{local: _rank_piece(view, name, t, sizes.tp, dtype) for local, name in placed}
-                          for placed in chunks]
-                folder = f"mp_rank_{t:02d}" + (f"_{p:03d}" if sizes.pp > 1 else "") + (
-                    f"_{e:03d}" if sizes.ep > 1 else "")
-                path = f"model/{folder}/model.pt"
-                with storage.open_write(storage.join(target_url, path)) as out:
-                    torch.save([_with_extra_states(s) for s in states], out)
-                del states
-                written.append((path, storage.size(storage.join(target_url, path))))
-    return written
+    p, e, t = job.part
+    states = []
+    for placed in _stage_names(view, sizes, p, e):
+        state = {}
+        for local, name in placed:
+            if cancel is not None and cancel.is_set():
+                raise WriteCancelled(job.file)
+            state[local] = _rank_piece(view, name, t, sizes.tp, dtype)
+        states.append(_with_extra_states(state))
+    with HashingWriter(storage.join(target_url, job.file)) as out:
+        torch.save(states, out)
+    return FileRecord(job.file, out.size, out.sha256(), job.tensors)
+
+
+def finish(records: Sequence[FileRecord], target_url: str) -> list[FileRecord]:
+    """Nothing to add: each rank file stands alone (`WritableLayout`)."""
+    return []
 
 
 def _rank_piece(view: MegatronViewOfHf, name: str, rank: int, tp: int, dtype: torch.dtype | None) -> torch.Tensor:

@@ -28,7 +28,7 @@ from merge_engine import __version__, storage
 from merge_engine.errors import AdapterError, InvalidOption
 from merge_engine.hf_metadata import copy_metadata, read_config
 from merge_engine.hf_plan import plan_hf_merge
-from merge_engine.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, run_job
+from merge_engine.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, ShardExecutor, run_job
 from merge_engine.layouts import HF_NAMES, Checkpoint, check_checkpoint, layout_named, open_checkpoint
 from merge_engine.lora.adapter_io import adapter_plan, base_modules, check_fits_base, write_adapter_config
 from merge_engine.lora.checkpoint import (
@@ -189,10 +189,13 @@ class ExtractJob:
 def extract_lora(checkpoint_url: str, target_url: str, options: OutputOptions = OutputOptions(), *,
                  on_bytes: Callable[[int], None] | None = None,
                  on_plan: Callable[[MergePlan], None] | None = None,
-                 checkpoint: Checkpoint | None = None) -> OutputResult:
+                 checkpoint: Checkpoint | None = None,
+                 executor: ShardExecutor | None = None) -> OutputResult:
     """Write the checkpoint's adapter at ``target_url`` (and its clean base under ``base/``): an `ExtractJob`.
-    ``checkpoint``: the result of an earlier `check_checkpoint` of ``checkpoint_url``, not repeated."""
-    return run_job(ExtractJob(checkpoint_url, target_url, options, checkpoint), on_bytes=on_bytes, on_plan=on_plan)
+    ``checkpoint``: the result of an earlier `check_checkpoint` of ``checkpoint_url``, not repeated;
+    ``executor``: where the shard jobs run (default: the one the options ask for)."""
+    return run_job(ExtractJob(checkpoint_url, target_url, options, checkpoint), on_bytes=on_bytes, on_plan=on_plan,
+                   executor=executor)
 
 
 # ------------------------------------------------------------------------------------------------

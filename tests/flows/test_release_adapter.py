@@ -111,3 +111,38 @@ def test_a_rank_file_still_being_written_is_not_ready(prefect, template_run, tmp
     assert outcome.status == "not_ready" and "still being written" in outcome.reason
     assert f"the watcher {watcher} (on its schedule)" in outcome.reason  # who comes back for it
     assert outcome.releases == []
+
+
+def test_the_adapter_extraction_runs_its_shard_jobs_on_ray(prefect, template_run, ray_cluster, tmp_path):
+    """``ray_address``: the adapter and its clean base are written by one ``write-shard`` task run per
+    file on the Ray cluster, under a ``write-shards`` subflow of the extraction task; their weight files
+    are byte for byte those one worker writes (`extract_lora` with threads, outside Prefect)."""
+    from merge_engine import storage
+    from merge_engine.executors.local import LocalExecutor
+    from merge_engine.lora.extract import extract_lora
+    from tests.fixtures_pipeline import flow_run_id
+    from tests.flows.test_merge_step_ray import _shard_runs
+
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [LORA_STEP])
+    params = AdapterParams(run_root=run_root, step=LORA_STEP, staging_root=str(tmp_path / "staging"),
+                           validate_forward=False, ray_address=ray_cluster)
+    state = release_adapter(**params.flow_parameters(), return_state=True)
+    (adapter,) = state.result().releases
+    assert verify_release(adapter.url).ok
+
+    checkpoint = f"{run_root}/global_step_{LORA_STEP}/{ROLE}"
+    one = extract_lora(checkpoint, str(tmp_path / "one"), params.adapter_settings().to_options(),
+                       executor=LocalExecutor(1))
+    weights = sorted(f for f, _ in one.files if f.endswith((".safetensors", ".index.json")))
+    assert "adapter_model.safetensors" in weights and any(f.startswith("base/") for f in weights)
+    for file in weights:
+        assert storage.read_bytes(storage.join(adapter.url, file)) == \
+            storage.read_bytes(str(tmp_path / "one" / file)), file
+
+    subflows, shard_tasks = _shard_runs(flow_run_id(state))
+    assert [run.name for run in subflows] == [f"write-shards global_step_{LORA_STEP}/{ROLE}"]
+    expected = sorted(f"global_step_{LORA_STEP}/{ROLE}: {f.rsplit('/', 1)[-1]}" for f in weights
+                      if f.endswith(".safetensors"))
+    assert sorted(run.name for run in shard_tasks) == expected
+    assert all(run.state.name == "Completed" for run in shard_tasks)

@@ -184,7 +184,7 @@ def test_cli_split_then_merge_and_rerun(megatron_runs, tmp_path, capsys):
     hf = _reference_hf(megatron_runs["qwen2_tp2_pp1_tied_legacy"])
     target = str(tmp_path / "megatron")
     args = ["split", "--to", "megatron", "--tp", "2", "--pp", "2", "--format", "dist", "--hf-dir", hf,
-            "--target-dir", target]
+            "--target-dir", target, "--workers", "2"]
     assert main(args) == 0
     assert "split" in capsys.readouterr().out
     assert main(args) == 0
@@ -209,9 +209,9 @@ def _live_tensor_bytes() -> int:
 
 
 def test_legacy_writer_holds_one_rank_file_at_a_time(megatron_runs, tmp_path, monkeypatch):
-    """TP 2, PP 1 (a rank file is half of every tensor): while each rank file is saved, the live
-    tensors are about that rank's half of the model (plus the one tensor being cut), not both
-    ranks' pieces (the whole model) at once."""
+    """TP 2, PP 1 (a rank file is half of every tensor), one worker: while each rank file is saved, the
+    live tensors are about that rank's half of the model (plus the one tensor being cut), not both
+    ranks' pieces (the whole model) at once. (A rank file is one job: ``--workers N`` holds N of them.)"""
     hf = _reference_hf(megatron_runs["llama_tp1_pp1_legacy"])
     model_bytes = sum(t.numel() * t.element_size() for t in _tensors(hf).values())
     baseline = _live_tensor_bytes()
@@ -223,7 +223,7 @@ def test_legacy_writer_holds_one_rank_file_at_a_time(megatron_runs, tmp_path, mo
         return real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", measuring_save)
-    split_hf_to_megatron(hf, str(tmp_path / "split"), SplitOptions(tp=2))
+    split_hf_to_megatron(hf, str(tmp_path / "split"), SplitOptions(tp=2, workers=1))
     monkeypatch.undo()
     assert len(held) == 2
     assert max(held) < 0.7 * model_bytes, (held, model_bytes)

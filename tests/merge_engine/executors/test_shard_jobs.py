@@ -4,11 +4,14 @@ Specification (issue 10, "Tests"):
 - `--workers 2` (threads here) and a Ray cluster (2 CPUs, started once per session) each write output
   byte-identical to the one-worker merge, for an FSDP checkpoint, a Megatron TP x PP checkpoint and a
   LoRA checkpoint (fused), from a local folder and from ``s3://`` (SeaweedFS) to ``s3://``;
+- ``stepmerge split``: each Megatron rank file (legacy) or DCP data file (dist) is one file job; threads
+  and Ray write the same files, byte for byte, as one worker, with the same checksums;
 - the checksums the shard jobs return are the sha256 of the files at the target;
 - a source fault met mid-merge by one job (a rank file truncated after planning) fails the whole merge
   with the named error, the other jobs stop, and the target is absent;
 - a Ray worker killed in the middle of a shard: Ray runs the task again, the output is still
-  byte-identical, and no half-written shard or temp file is left at the target.
+  byte-identical, and no half-written shard or temp file is left at the target; the same under the
+  Prefect runner (`tasks.shard_runs.PrefectRayExecutor`: the shard's task run is run again).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -29,6 +33,8 @@ from merge_engine.executors.local import LocalExecutor
 from merge_engine.executors.ray import RayExecutor
 from merge_engine.jobs import OutputOptions, run_job
 from merge_engine.merge import MergeJob
+from merge_engine.split import SplitJob
+from synthetic_runs.megatron import REFERENCE_HF_DIR
 from tests.fault_proxy import FaultProxy, Network
 
 SHARD_BYTES = 120_000  # several shards from the tiny fixture models
@@ -90,17 +96,19 @@ def test_checksums_are_the_sha256_of_the_written_files(one_worker):
 
 @pytest.mark.parametrize("executor", ["workers2", "ray"])
 def test_s3_to_s3_gives_the_same_bytes(executor, fsdp_runs, megatron_runs, one_worker, s3_bucket_url, request):
-    source, options = _sources(fsdp_runs, megatron_runs)["fsdp"]
-    remote_source = f"{s3_bucket_url}/run/actor"
-    storage.copy_tree(source, remote_source)
+    """FSDP, Megatron TP x PP and LoRA fuse, each read from ``s3://`` and written to ``s3://``."""
     runner = LocalExecutor(2) if executor == "workers2" else RayExecutor(request.getfixturevalue("ray_cluster"))
-    result = _merge(remote_source, f"{s3_bucket_url}/merged", options, runner)
-    got = _files(result.target_url)
-    expected = one_worker["fsdp"][1]
-    assert got.keys() == expected.keys()
-    for file, data in expected.items():
-        if file != "stepmerge.json":  # it records the source URL
-            assert got[file] == data, file
+    for name, (source, options) in _sources(fsdp_runs, megatron_runs).items():
+        remote_source = f"{s3_bucket_url}/{name}/run/actor"
+        storage.copy_tree(source, remote_source)
+        result = _merge(remote_source, f"{s3_bucket_url}/{name}/merged", options, runner)
+        got = _files(result.target_url)
+        expected = one_worker[name][1]
+        assert got.keys() == expected.keys(), name
+        for file, data in expected.items():
+            if file != "stepmerge.json":  # it records the source URL
+                assert got[file] == data, (name, file)
+        assert result.checksums == one_worker[name][0].checksums, name
 
 
 def _truncate_a_rank_file(source: str):
@@ -129,22 +137,25 @@ def test_a_source_fault_mid_merge_fails_the_whole_merge(executor, fsdp_runs, tmp
     assert [p.name for p in tmp_path.iterdir()] == ["actor"]
 
 
-def _kill_a_shard_task_once_it_writes(target_parent, killed: list[int], stop: threading.Event) -> None:
-    """Wait for a shard temp file in the target's temp folder, then SIGKILL a worker running a shard task."""
+def _kill_a_shard_task_once_it_writes(target_parent, killed: list[int], stop: threading.Event,
+                                      task_name: str, then: Callable[[], None]) -> None:
+    """Wait for a shard temp file in the target's temp folder, then SIGKILL a Ray worker running a task
+    named ``task_name`` (Ray titles the process ``ray::<task name>``), then call ``then``."""
     while not stop.is_set():
         writing = [p for p in target_parent.rglob(".model-*.tmp-*")]
-        tasks = [p for p in psutil.process_iter(["cmdline"]) if "stepmerge-shard" in " ".join(p.info["cmdline"] or [])]
+        tasks = [p for p in psutil.process_iter(["cmdline"]) if f"ray::{task_name}" in " ".join(p.info["cmdline"] or [])]
         if writing and tasks:
             os.kill(tasks[0].pid, signal.SIGKILL)
             killed.append(tasks[0].pid)
+            then()
             return
         time.sleep(0.02)
 
 
-def test_a_ray_worker_killed_mid_shard_is_retried(fsdp_runs, one_worker, ray_cluster, s3_bucket_url, s3_env,
-                                                 tmp_path, monkeypatch):
-    """The source is read through a slow network (one request at a time, 300 KB/s per connection), so shard
-    tasks are caught mid-write; one is killed; Ray runs it again; the output is byte-identical."""
+def _merge_with_a_worker_killed(executor, task_name: str, fsdp_runs, s3_bucket_url, s3_env, tmp_path, monkeypatch):
+    """Merge the FSDP fixture from ``s3://`` through a slow network (one request at a time, 300 KB/s per
+    connection), so shard tasks are caught mid-write, and SIGKILL one Ray worker running a shard; the
+    network is back to loopback speed once the worker is killed (the rest of the merge runs fast)."""
     source = fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir
     options = OutputOptions(max_shard_size=SHARD_BYTES)
     remote_source = f"{s3_bucket_url}/slow/actor"
@@ -155,20 +166,59 @@ def test_a_ray_worker_killed_mid_shard_is_retried(fsdp_runs, one_worker, ray_clu
         monkeypatch.setenv("STEPMERGE_S3_ENDPOINT", proxy.url)
         monkeypatch.setenv("STEPMERGE_REQUESTS_IN_FLIGHT", "1")
         storage.clear_filesystems()
-        watcher = threading.Thread(target=_kill_a_shard_task_once_it_writes, args=(tmp_path, killed, stop))
+        watcher = threading.Thread(target=_kill_a_shard_task_once_it_writes, args=(
+            tmp_path, killed, stop, task_name, lambda: proxy.set_network(None, open_connections=True)))
         watcher.start()
         try:
-            result = _merge(remote_source, str(tmp_path / "merged"), options, RayExecutor(ray_cluster))
+            result = _merge(remote_source, str(tmp_path / "merged"), options, executor)
         finally:
             stop.set()
             watcher.join()
     assert killed, "no shard task was caught mid-write"
+    return result
+
+
+def _same_as_one_worker(result, one_worker, tmp_path) -> None:
     got = _files(result.target_url)
     expected = one_worker["fsdp"][1]
     assert {f: d for f, d in got.items() if f != "stepmerge.json"} == \
         {f: d for f, d in expected.items() if f != "stepmerge.json"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
+    assert result.checksums == one_worker["fsdp"][0].checksums
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "prefect-results") == ["merged"]
     assert not [p for p in (tmp_path / "merged").rglob("*") if ".tmp-" in p.name]
+
+
+def test_a_ray_worker_killed_mid_shard_is_retried(fsdp_runs, one_worker, ray_cluster, s3_bucket_url, s3_env,
+                                                 tmp_path, monkeypatch):
+    """One shard task's worker is killed mid-write; Ray runs it again; the output is byte-identical and
+    no temp file is left."""
+    result = _merge_with_a_worker_killed(RayExecutor(ray_cluster), "stepmerge-shard", fsdp_runs, s3_bucket_url,
+                                         s3_env, tmp_path, monkeypatch)
+    _same_as_one_worker(result, one_worker, tmp_path)
+
+
+def test_a_ray_worker_killed_mid_shard_under_prefect_is_retried(prefect, fsdp_runs, one_worker, ray_cluster,
+                                                                s3_bucket_url, s3_env, tmp_path, monkeypatch):
+    """The same under Prefect's Ray runner: the killed ``write-shard`` task run is run again by Ray (same
+    task run), the merge completes byte-identical, no temp file is left, and the API shows every shard's
+    task run Completed."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterName
+
+    from tasks.shard_runs import PrefectRayExecutor
+
+    label = f"killed-{tmp_path.name}"
+    result = _merge_with_a_worker_killed(PrefectRayExecutor(ray_cluster, label), "write-shard", fsdp_runs,
+                                         s3_bucket_url, s3_env, tmp_path, monkeypatch)
+    _same_as_one_worker(result, one_worker, tmp_path)
+    with get_client(sync_client=True) as client:
+        subflows = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"write-shards {label}"])))
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in subflows])))
+    shards = sorted(f for f in dict(result.checksums) if f.endswith(".safetensors"))
+    assert [r.state.name for r in subflows] == ["Completed"]
+    assert sorted(r.name for r in runs) == [f"{label}: {shard}" for shard in shards]
+    assert all(r.state.name == "Completed" for r in runs)
 
 
 def test_the_command_line_runs_shard_jobs_where_it_is_told(fsdp_runs, one_worker, ray_cluster, tmp_path, capsys,
@@ -190,3 +240,41 @@ def test_the_command_line_runs_shard_jobs_where_it_is_told(fsdp_runs, one_worker
         main([*common, "--target_dir", str(tmp_path / "none"), "--workers", "0"])
     assert info.value.code == 2 and "at least 1" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()
+
+
+# split: a Llama reference model (4 layers) -> TP 2 x PP 2 legacy rank files (4 file jobs), and dist (one
+# DCP data file per layer + one for the rest: 5 file jobs)
+SPLITS = {"legacy_tp2_pp2": OutputOptions(tp=2, pp=2), "dist": OutputOptions(fmt="dist", dtype="bfloat16")}
+
+
+def _split_source(megatron_runs) -> str:
+    return str(megatron_runs["llama_tp1_pp1_legacy"].reference_dir / REFERENCE_HF_DIR)
+
+
+@pytest.fixture(scope="module")
+def one_worker_splits(megatron_runs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("one_worker_splits")
+    out = {}
+    for name, options in SPLITS.items():
+        result = run_job(SplitJob(_split_source(megatron_runs), str(root / name), options), executor=LocalExecutor(1))
+        out[name] = (result, _files(result.target_url))
+    return out
+
+
+@pytest.mark.parametrize("executor", ["workers2", "ray"])
+def test_split_file_jobs_give_the_same_bytes(executor, megatron_runs, one_worker_splits, tmp_path, request):
+    """Each rank file (legacy) or DCP data file (dist) is one job: threads and Ray write every file byte
+    for byte as one worker does; each job's checksum is the sha256 of its file."""
+    runner = LocalExecutor(2) if executor == "workers2" else RayExecutor(request.getfixturevalue("ray_cluster"))
+    for name, options in SPLITS.items():
+        result = run_job(SplitJob(_split_source(megatron_runs), str(tmp_path / name), options), executor=runner)
+        expected_result, expected = one_worker_splits[name]
+        got = _files(result.target_url)
+        assert got == expected, name
+        jobs = [f for f in got if f.endswith(("model.pt", ".distcp"))]
+        assert len(jobs) == (4 if name == "legacy_tp2_pp2" else 5), (name, sorted(got))
+        checksums = dict(result.checksums)
+        assert checksums == dict(expected_result.checksums)
+        assert set(jobs) <= set(checksums)
+        for file, digest in checksums.items():
+            assert hashlib.sha256(got[file]).hexdigest() == digest, (name, file)
