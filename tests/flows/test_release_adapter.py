@@ -129,7 +129,7 @@ def test_the_adapter_extraction_runs_its_shard_jobs_on_ray(prefect, template_run
                            validate_forward=False, ray_address=ray_cluster)
     state = release_adapter(**params.flow_parameters(), return_state=True)
     (adapter,) = state.result().releases
-    assert verify_release(adapter.url).ok
+    assert verify_folder(adapter.url).ok
 
     checkpoint = f"{run_root}/global_step_{LORA_STEP}/{ROLE}"
     one = extract_lora(checkpoint, str(tmp_path / "one"), params.adapter_settings().to_options(),
