@@ -79,13 +79,17 @@ def _source_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "dtype", default=None, type=_dtype, help=f"output dtype ({_DTYPE_HELP}); default: as stored")
     _flag(parser, "custom-mapping", default=None,
           help="Megatron: JSON file extending the model family's name table (see merge_engine/architectures/custom.py)")
-    _flag(parser, "weights-format", default="hub", choices=("hub", "transformers"),
-          help="hub (default): the names and per-expert tensors of the model's Hub checkpoint, what save_pretrained "
-               "writes and vLLM/SGLang/PEFT read; transformers: the names as stored (transformers v5's in-memory "
-               "names: fused experts, model.language_model)")
+    _weights_format_flag(parser)
     _flag(parser, "mtp-layers", default=None, choices=("export", "drop"),
           help="Megatron: multi-token-prediction layers (DeepSeek-V3) written as the Hub checkpoint holds them, "
                "or dropped; a checkpoint with MTP layers is refused without this choice")
+
+
+def _weights_format_flag(parser: argparse.ArgumentParser, what: str = "") -> None:
+    _flag(parser, "weights-format", default="hub", choices=("hub", "transformers"),
+          help=f"hub (default): {what}the names and per-expert tensors of the model's Hub checkpoint, what "
+               "save_pretrained writes and vLLM/SGLang/PEFT read; transformers: the names as stored (transformers "
+               "v5's in-memory names: fused experts, model.language_model)")
 
 
 def _run_flags(parser: argparse.ArgumentParser) -> None:
@@ -300,6 +304,7 @@ def cmd_extract_lora(args: argparse.Namespace) -> int:
         raise InvalidOption("--rank / --energy / --target-modules / --device apply to --finetuned (SVD extraction)")
     options = OutputOptions(backend=args.backend, lora_alpha=args.lora_alpha, base_model=args.base_model,
                             write_base=not args.adapter_only, hf_model_path=args.hf_model_path, dtype=args.dtype,
+                            weights_format=args.weights_format,
                             max_shard_size=parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE),
                             overwrite=args.overwrite, **_run_options(args))
     result = extract_lora(args.local_dir, args.target_dir, options)
@@ -329,6 +334,7 @@ def _add_extract_lora(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "dtype", default=None, type=_dtype,
           help=f"output dtype ({_DTYPE_HELP}; default: as stored; float32 for SVD factors)")
     _flag(parser, "max-shard-size", default=None, help="largest safetensors file of the base, e.g. 5GB")
+    _weights_format_flag(parser, "the base/ folder and the adapter's module names: ")
     _flag(parser, "overwrite", action="store_true", help="replace a target that holds something else")
     _run_flags(parser)
     parser.set_defaults(run=cmd_extract_lora)
@@ -343,6 +349,7 @@ def cmd_merge_lora(args: argparse.Namespace) -> int:
     options = OutputOptions(method=args.merge_method, weights=_floats(args.adapter_weights, "--adapter-weights"),
                             output=args.output, rank=args.rank, energy=args.energy,
                             lora_alpha=_floats(args.lora_alpha, "--lora-alpha"), dtype=args.dtype,
+                            weights_format=args.weights_format,
                             max_shard_size=parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE),
                             device=args.device, overwrite=args.overwrite, **_run_options(args))
     bar = None
@@ -380,6 +387,7 @@ def _add_merge_lora(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "dtype", default=None, type=_dtype, help=f"output dtype ({_DTYPE_HELP}; default: as stored)")
     _flag(parser, "device", default=None, help="SVD device (default: cuda when available, else cpu)")
     _flag(parser, "max-shard-size", default=None, help="largest safetensors file, e.g. 5GB (default)")
+    _weights_format_flag(parser, "the fused model in ")
     _flag(parser, "overwrite", action="store_true", help="replace a target that holds something else")
     _run_flags(parser)
     parser.set_defaults(run=cmd_merge_lora)

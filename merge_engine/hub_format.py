@@ -47,6 +47,25 @@ WEIGHTS_FORMATS = (HUB, TRANSFORMERS)
 DEFAULT_WEIGHTS_FORMAT = HUB
 
 
+def in_memory_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]] | None:
+    """The state dict shapes of ``config``'s model as transformers v5 holds it in memory (built on the
+    meta device, no weight), or None when transformers has no class for it."""
+    try:
+        model = meta_model(config)
+    except Exception:  # noqa: BLE001 - an unbuildable config has no known shapes
+        return None
+    return None if model is None else {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def in_weights_format(plan: MergePlan, config: Mapping[str, Any], weights_format: str | None,
+                      max_shard_size: int) -> MergePlan:
+    """``hub`` (default): ``plan`` under the Hub checkpoint's names (`to_hub_format`); ``transformers``:
+    as it is. Every command that writes a model (merge, extract-lora's base, merge-lora) asks this."""
+    if parse_weights_format(weights_format) == HUB:
+        return to_hub_format(plan, config, max_shard_size)
+    return plan
+
+
 def parse_weights_format(name: str | None) -> str:
     value = (name or DEFAULT_WEIGHTS_FORMAT).lower()
     if value not in WEIGHTS_FORMATS:

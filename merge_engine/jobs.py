@@ -63,7 +63,8 @@ class OutputOptions:
     dtype: str | None = None  # output dtype; as stored when None (SVD factors: float32)
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     tie_word_embedding: bool | None = None  # verl's flag: may only confirm config.json
-    weights_format: str = DEFAULT_WEIGHTS_FORMAT  # merge: hub (the Hub checkpoint's names) | transformers (as stored)
+    weights_format: str = DEFAULT_WEIGHTS_FORMAT  # merge, extract-lora, merge-lora: hub (the Hub checkpoint's names)
+    # | transformers (as stored)
     lora_alpha: float | tuple[float, ...] | None = None  # merge/extract: the run's alpha; merge-lora: one per adapter
     write_base: bool = True  # extract: also write the clean base model under <target>/base/
     rank: int | None = None  # SVD: rank of each module (extract --finetuned, merge-lora --output adapter)
@@ -89,8 +90,9 @@ class OutputOptions:
         """The options that change the bytes ``command`` writes (for fingerprints and provenance)."""
         keys = OUTPUT_OPTION_KEYS[command]
         options = {name: getattr(self, field_name) for name, field_name in keys}
-        if command == "merge":
+        if "weights_format" in options:
             options["weights_format"] = parse_weights_format(self.weights_format)
+        if command == "merge":
             # only when set, so that the fingerprints of other merges stay as they were
             if self.lora_alpha is not None:
                 options["lora_alpha"] = self.lora_alpha
@@ -109,9 +111,10 @@ def _keys(*names: str) -> tuple[tuple[str, str], ...]:
 OUTPUT_OPTION_KEYS: dict[str, tuple[tuple[str, str], ...]] = {
     "merge": _keys("dtype", "max_shard_size", "hf_model_path", "weights_format"),  # + lora_alpha, custom_mapping when set
     "extract-lora": _keys("backend", "lora_alpha", "base_model", "write_base", "hf_model_path", "dtype",
-                          "max_shard_size"),
+                          "max_shard_size", "weights_format"),
     "extract-lora --finetuned": _keys("backend", "rank", "energy", "target_modules", "dtype"),
-    "merge-lora": _keys("method", "weights", "output", "rank", "energy", "lora_alpha", "dtype", "max_shard_size"),
+    "merge-lora": _keys("method", "weights", "output", "rank", "energy", "lora_alpha", "dtype", "max_shard_size",
+                        "weights_format"),
     "split": (*_keys("tp", "pp", "vpp", "ep"), ("format", "fmt"),
               *_keys("make_vocab_size_divisible_by", "dtype", "custom_mapping")),
 }

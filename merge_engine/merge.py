@@ -20,7 +20,7 @@ from merge_engine import __version__, storage
 from merge_engine.config_shapes import check_config_against_tensors
 from merge_engine.errors import InvalidOption
 from merge_engine.hf_metadata import CONFIG_FILE, copy_metadata, read_config
-from merge_engine.hub_format import HUB, parse_weights_format, to_hub_format
+from merge_engine import hub_format
 from merge_engine.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, ShardExecutor, run_job
 from merge_engine.layouts import Checkpoint, check_checkpoint, open_checkpoint
 from merge_engine.merge_plan import MergePlan, parse_dtype
@@ -52,9 +52,7 @@ def plan_merge(checkpoint: Checkpoint, source: TensorSource, config: dict, optio
 
 def in_weights_format(plan: MergePlan, config: dict, options: OutputOptions) -> MergePlan:
     """``--weights-format hub`` (default): the Hub checkpoint's names; ``transformers``: as stored."""
-    if parse_weights_format(options.weights_format) == HUB:
-        return to_hub_format(plan, config, options.max_shard_size)
-    return plan
+    return hub_format.in_weights_format(plan, config, options.weights_format, options.max_shard_size)
 
 
 def plan_stored_names(checkpoint: Checkpoint, source: TensorSource, config: dict,

@@ -80,11 +80,14 @@ class SyntheticRunError(RuntimeError):
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """LoRA applied with `peft.get_peft_model` before sharding (as verl does)."""
+    """LoRA applied with `peft.get_peft_model` before sharding (as verl does). ``target_parameters``:
+    PEFT's LoRA on parameters (``ParamWrapper``), how PEFT 0.21 adapts transformers v5's fused 3-D
+    expert tensors (``mlp.experts.gate_up_proj``); the first listed is the innermost wrapper."""
 
     r: int = 4
     alpha: int = 8
     target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    target_parameters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,7 @@ class FsdpSpec:
         if data.get("lora") is not None:
             lora = dict(data["lora"])
             lora["target_modules"] = tuple(lora["target_modules"])
+            lora["target_parameters"] = tuple(lora.get("target_parameters", ()))
             data["lora"] = LoraSpec(**lora)
         data["save_contents"] = tuple(data["save_contents"])
         data["key_renames"] = tuple(tuple(pair) for pair in data.get("key_renames", ()))
@@ -377,6 +381,11 @@ def family_matrix() -> dict[str, FsdpSpec]:
     # LoRA on GPT-2's Conv1D layers (weights stored (in, out): PEFT sets fan_in_fan_out)
     specs["gpt2_lora_w2"] = FsdpSpec(model=ModelSpec(family="gpt2"), world_size=2, save_contents=("model",),
                                      lora=LoraSpec(r=2, alpha=4, target_modules=("c_attn", "c_proj")))
+    # LoRA on Qwen3-MoE's fused experts (PEFT target_parameters: ParamWrapper on gate_up_proj and down_proj)
+    specs["qwen3_moe_lora_w2"] = FsdpSpec(
+        model=ModelSpec(family="qwen3_moe"), world_size=2, save_contents=("model",),
+        lora=LoraSpec(r=2, alpha=4, target_modules=("q_proj", "v_proj"),
+                      target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj")))
     specs["gpt_neox_embed_out_w2"] = FsdpSpec(model=ModelSpec(family="gpt_neox"), world_size=2,
                                               save_contents=("model",),
                                               key_renames=(("lm_head.weight", "embed_out.weight"),))
@@ -582,6 +591,7 @@ def _apply_lora(model: torch.nn.Module, lora: LoraSpec) -> torch.nn.Module:
         r=lora.r,
         lora_alpha=lora.alpha,
         target_modules=list(lora.target_modules),
+        target_parameters=list(lora.target_parameters) or None,
         bias="none",
     )
     return peft.get_peft_model(model, config)

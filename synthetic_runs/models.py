@@ -16,6 +16,7 @@ Contract:
 from __future__ import annotations
 
 import os
+import re
 import zlib
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ TASKS: tuple[str, ...] = ("causal_lm", "token_classification")
 EXTRA_BUFFER_NAME = "extra_persistent_buffer"
 
 _PEFT_PREFIX = "base_model.model."
+_WRAPPED = re.compile(r"(?:\.base_layer)+\.(?!lora_)")
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,9 @@ def canonical_name(name: str) -> str:
     """A state-dict key without PEFT's wrapping: the name `synthetic_value` is seeded with."""
     if name.startswith(_PEFT_PREFIX):
         name = name[len(_PEFT_PREFIX) :]
-    return name.replace(".base_layer.", ".")
+    # nested wrappers (PEFT's ParamWrapper on two parameters of one module) stack base_layer; a LoRA
+    # factor of an inner wrapper keeps its base_layer, so that it stays apart from the outer one's
+    return _WRAPPED.sub(".", name)
 
 
 def synthetic_value(name: str, shape: tuple[int, ...] | torch.Size, seed: int, dtype: torch.dtype) -> torch.Tensor:

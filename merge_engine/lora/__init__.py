@@ -5,6 +5,10 @@ Modules, one job each:
 - `config`      adapter_config.json semantics (scaling, rank/alpha patterns, target modules)
 - `adapter_io`  read an adapter folder, check it against a base, plan writing one
 - `sources`     renamed and namespaced views over tensor sources
+- `fused_experts` LoRA on transformers v5's fused 3-D expert tensors (PEFT target_parameters):
+                which wrapper adapts which tensor, each expert's A_e / B_e
+- `hub_names`   an extracted adapter under the Hub checkpoint's module names (renamed, row bands and
+                per-expert modules cut from fused ones), the form PEFT loads onto a Hub-format base
 - `fuse`        W + scale * B @ A as a streaming TensorBuilder; the fused-model plan
 - `checkpoint`  the LoRA of a PEFT-wrapped training checkpoint (keys, alpha from the run); the
                 trained-model plan the planner picks for a plain `merge`

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from merge_engine import storage
 from merge_engine.errors import AdapterError
 from merge_engine.json_file import read_json_object
 from merge_engine.lora.config import LoraSettings, targets
+from merge_engine.lora.fused_experts import check_experts_fit
 from merge_engine.lora.keys import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -73,13 +74,16 @@ class LoraModule:
 @dataclass(frozen=True)
 class Adapter:
     """An adapter's settings, its LoRA modules, and the whole tensors it replaces (modules to save,
-    saved embedding base layers): Hugging Face tensor name -> name in the adapter's source."""
+    saved embedding base layers): Hugging Face tensor name -> name in the adapter's source.
+    ``experts``: LoRAs on fused 3-D expert tensors (a training checkpoint's PEFT ``target_parameters``,
+    `merge_engine.lora.fused_experts.ExpertLora`), by parameter name."""
 
     url: str
     settings: LoraSettings
     modules: Mapping[str, LoraModule]
     overrides: Mapping[str, str]
     metas: Mapping[str, TensorMeta]
+    experts: Mapping[str, Any] = field(default_factory=dict)
 
 
 def lora_modules(factors: Mapping[str, Mapping[str, tuple[str, bool]]], metas: Mapping[str, TensorMeta],
@@ -174,6 +178,7 @@ def base_modules(base_metas: Mapping[str, TensorMeta]) -> set[str]:
 def check_fits_base(adapter: Adapter, base_metas: Mapping[str, TensorMeta], base_url: str | None = None) -> None:
     """Every LoRA module and replaced tensor exists in the base with the adapter's shape, and every
     ``target_modules`` entry selects some module of the base; else `AdapterError`."""
+    check_experts_fit(adapter.experts, base_metas, adapter.url, base_url)
     for module in adapter.modules.values():
         meta = base_metas.get(module.weight_name)
         if meta is None:

@@ -27,6 +27,7 @@ from merge_engine.layouts import Checkpoint, open_checkpoint
 from merge_engine.lora.adapter_io import Adapter, lora_modules
 from merge_engine.lora.config import LoraSettings
 from merge_engine.lora.fuse import WeightedAdapter, plan_fused_model
+from merge_engine.lora.fused_experts import find_expert_loras, transposed_expert_modules, with_scales
 from merge_engine.lora.keys import LORA_A, LORA_B, TRAINED_COPY, parse_key
 from merge_engine.lora.sources import RenamedSource
 from merge_engine.merge_plan import MergePlan
@@ -150,6 +151,8 @@ def checkpoint_settings(run: RunLoraMetadata, alpha: float, ranks: Mapping[str, 
     """The run's settings with ``alpha``; and whether the run's config fixes each module's rank."""
     config = dict(run.config or {})
     config["lora_alpha"] = alpha
+    # LoRA on fused expert tensors is read from the checkpoint itself (`merge_engine.lora.fused_experts`)
+    config.pop("target_parameters", None)
     config["r"] = run.r or config.get("r") or max(ranks.values())
     settings = LoraSettings.from_config(config, where)
     exact = bool(config.get("rank_pattern"))
@@ -189,13 +192,29 @@ def resolve_checkpoint_lora(url: str, metas: Mapping[str, TensorMeta], lora_alph
         raise AdapterError("no LoRA tensors in this checkpoint: nothing to extract", url)
     run = read_run_metadata(url)
     alpha, alpha_from = resolve_alpha(run, lora_alpha, url)
+    experts, factors = find_expert_loras(keys.factors, base_shapes(keys, metas, model_config), metas, url,
+                                         transposed_expert_modules(model_config))
     ranks = {module: (metas[parts[LORA_A][0]].shape[0] if LORA_A in parts else metas[parts[LORA_B][0]].shape[-1])
-             for module, parts in keys.factors.items()}
+             for module, parts in factors.items()}
+    ranks.update({name: lora.rank for name, lora in experts.items()})
     settings, exact = checkpoint_settings(run, alpha, ranks, url)
-    settings = _with_fan_in_fan_out(settings, set(keys.factors), model_config, url)
-    modules = lora_modules(keys.factors, metas, settings, url, config_ranks=exact)
-    adapter = Adapter(url, settings, modules, dict(keys.trained_copies), dict(metas))
+    settings = _with_fan_in_fan_out(settings, set(factors), model_config, url)
+    modules = lora_modules(factors, metas, settings, url, config_ranks=exact)
+    adapter = Adapter(url, settings, modules, dict(keys.trained_copies), dict(metas), with_scales(experts, settings))
     return CheckpointLora(keys, adapter, run, alpha_from)
+
+
+def base_shapes(keys: LoraCheckpointKeys, metas: Mapping[str, TensorMeta],
+                model_config: Mapping[str, Any] | None) -> dict[str, tuple[int, ...]]:
+    """The base model's tensor shapes under their stored names: the checkpoint's own base tensors, or
+    (a LoRA-only checkpoint) the config's model as transformers holds it in memory, when known."""
+    if keys.base:
+        return {name: tuple(metas[key].shape) for name, key in keys.base.items()}
+    if model_config:
+        from merge_engine.hub_format import in_memory_shapes
+
+        return in_memory_shapes(model_config) or {}
+    return {}
 
 
 def _with_fan_in_fan_out(settings: LoraSettings, modules: set[str], model_config: Mapping[str, Any] | None,

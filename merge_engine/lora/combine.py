@@ -25,6 +25,7 @@ import torch
 
 from merge_engine.errors import AdapterError, InvalidOption
 from merge_engine.hf_metadata import copy_metadata, read_config
+from merge_engine.hub_format import in_weights_format
 from merge_engine.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, run_job
 from merge_engine.layouts import check_checkpoint, open_checkpoint
 from merge_engine.lora.adapter_io import (
@@ -342,8 +343,9 @@ class CombineJob:
             dtype = parse_dtype(options.dtype)
             reports: list[ModuleReport] = []
             if options.output == "model":
-                plan = plan_fused_model(base_metas, config, inputs, dtype=dtype, max_shard_size=options.max_shard_size,
-                                        base_url=base_url)
+                plan = in_weights_format(plan_fused_model(base_metas, config, inputs, dtype=dtype,
+                                                          max_shard_size=options.max_shard_size, base_url=base_url),
+                                         config, options.weights_format, options.max_shard_size)
                 output = PlannedOutput(plan, source, then=lambda url: copy_metadata(base_url, url, config,
                                                                                    plan.config_updates))
             else:

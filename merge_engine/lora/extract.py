@@ -30,9 +30,11 @@ from merge_engine.hf_metadata import copy_metadata, read_config
 from merge_engine.hf_plan import plan_hf_merge
 from merge_engine.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, ShardExecutor, run_job
 from merge_engine.layouts import HF_NAMES, Checkpoint, check_checkpoint, layout_named, open_checkpoint
-from merge_engine.lora.adapter_io import adapter_plan, base_modules, check_fits_base, write_adapter_config
+from merge_engine.hub_format import in_weights_format
+from merge_engine.lora.adapter_io import adapter_plan, check_fits_base, write_adapter_config
 from merge_engine.lora.checkpoint import (
     CheckpointLora,
+    base_shapes,
     is_lora_checkpoint,
     plan_trained_model,
     read_run_metadata,
@@ -41,14 +43,15 @@ from merge_engine.lora.checkpoint import (
 )
 from merge_engine.lora.combine import TableFactor
 from merge_engine.lora.config import adapter_config, infer_target_modules, rank_layout, targets
-from merge_engine.lora.fuse import CheckedCopy, aligned, finite_or_raise
-from merge_engine.lora.keys import LORA_A, LORA_B, PEFT_PREFIX, adapter_file_key
+from merge_engine.lora.fuse import aligned, finite_or_raise
+from merge_engine.lora.hub_names import ExportedAdapter, check_exported_fits, export_adapter
+from merge_engine.lora.keys import LORA_A, LORA_B, adapter_file_key
 from merge_engine.lora.sources import RenamedSource
 from merge_engine.lora.svd import Factors, ModuleReport, check_targets, factor_dense, svd_device
 from merge_engine.lora.target import inputs_fingerprint, module_reports_json
 from merge_engine.merge_plan import MergePlan, PlannedTensor, parse_dtype
 from merge_engine.output_heads import check_dropped_head
-from merge_engine.tensor_source import TensorSource
+from merge_engine.tensor_source import TensorMeta, TensorSource
 
 BASE_DIR = "base"
 
@@ -61,39 +64,28 @@ BASE_DIR = "base"
 ExtractOptions = OutputOptions  # the engine's one options record, under the name extract's callers know
 
 
-def extracted_adapter_config(lora: CheckpointLora, candidates: set[str], task_type: str | None,
+def extracted_adapter_config(lora: CheckpointLora, exported: ExportedAdapter, task_type: str | None,
                              base_url: str | None) -> dict:
     """adapter_config.json of an extracted adapter: ranks from the tensors, alpha and the rest from
-    the run; the run's own target_modules when they select exactly the adapted modules."""
-    modules = lora.adapter.modules
-    r, pattern = rank_layout({m.module: m.rank for m in modules.values()})
+    the run; the run's own target_modules when they select exactly the adapted modules of the base
+    the adapter is named for (`merge_engine.lora.hub_names`)."""
+    modules, candidates = exported.ranks, set(exported.base_modules) | set(exported.ranks)
+    r, pattern = rank_layout(dict(modules))
     run_targets = (lora.run.config or {}).get("target_modules")
     if run_targets and {c for c in candidates if targets(run_targets, c)} == set(modules):
         target = run_targets
     else:
         target = infer_target_modules(modules, candidates)
-    saved = list((lora.run.config or {}).get("modules_to_save") or ()) or sorted(
-        {name.rsplit(".", 2)[-2] for name in lora.keys.trained_copies})
+    saved = sorted({name.rsplit(".", 2)[-2] for name in exported.trained_copies})
+    if lora.run.config and lora.run.config.get("modules_to_save") and exported.trained_copies.keys() == \
+            lora.keys.trained_copies.keys():
+        saved = list(lora.run.config["modules_to_save"])
     settings = lora.adapter.settings
     return adapter_config(r=r, lora_alpha=settings.lora_alpha, target_modules=target, rank_pattern=pattern,
                           alpha_pattern=dict(settings.alpha_pattern), use_rslora=settings.use_rslora,
                           fan_in_fan_out=settings.fan_in_fan_out, modules_to_save=saved or None,
                           bias=settings.bias, task_type=task_type, base_model_name_or_path=base_url,
                           lora_dropout=float((lora.run.config or {}).get("lora_dropout") or 0.0))
-
-
-def adapter_tensors(lora: CheckpointLora, dtype: torch.dtype | None) -> list[PlannedTensor]:
-    """adapter_model.safetensors under PEFT's names: every factor, then every trained copy."""
-    metas = lora.adapter.metas
-    tensors = []
-    for module in lora.adapter.modules.values():
-        for factor, key in ((LORA_A, module.a), (LORA_B, module.b)):
-            tensors.append(PlannedTensor(adapter_file_key(module.module, factor, module.embedding), metas[key].shape,
-                                         dtype or metas[key].dtype, key, CheckedCopy(key)))
-    for name, key in sorted(lora.keys.trained_copies.items()):
-        tensors.append(PlannedTensor(f"{PEFT_PREFIX}{name}", metas[key].shape, dtype or metas[key].dtype, key,
-                                     CheckedCopy(key)))
-    return tensors
 
 
 def extract_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
@@ -160,18 +152,27 @@ class ExtractJob:
         else:
             raise AdapterError("this checkpoint holds only LoRA weights: pass --base-model URL (the model it was "
                                "trained from) to check the adapter against", checkpoint.url)
-        check_fits_base(lora.adapter, check_base_metas, check_url)
+        if base_view is not None:
+            check_fits_base(lora.adapter, base_view.metas(), checkpoint.url)
         dtype = parse_dtype(options.dtype)
-        write_base = options.write_base and base_view is not None
+        base_plan = None
+        if base_view is not None:  # metadata only; written when asked
+            stored = plan_hf_merge(base_view.metas(), config, dtype=dtype, max_shard_size=options.max_shard_size,
+                                   config_url=hf_dir)
+            check_dropped_head(base_view, stored, options.chunk_bytes)
+            base_plan = in_weights_format(stored, config, options.weights_format, options.max_shard_size)
+        exported = export_adapter(lora.adapter.modules, lora.adapter.experts, lora.keys.trained_copies,
+                                  lora.adapter.metas, base_shapes(lora.keys, lora.adapter.metas, config), config,
+                                  options.weights_format, dtype, checkpoint.url)
+        if options.base_model is None:
+            check_base_metas = {t.name: TensorMeta(t.name, t.shape, t.dtype) for t in base_plan.tensors}
+        check_exported_fits(exported, check_base_metas, checkpoint.url, check_url)
+        write_base = options.write_base and base_plan is not None
         base_out = storage.join(self.target_url, BASE_DIR) if write_base else options.base_model
-        plan = adapter_plan(adapter_tensors(lora, dtype))
-        adapter_json = extracted_adapter_config(lora, base_modules(check_base_metas),
-                                                task_type_of(config, lora.run.task_type), base_out)
+        plan = adapter_plan(list(exported.tensors))
+        adapter_json = extracted_adapter_config(lora, exported, task_type_of(config, lora.run.task_type), base_out)
         outputs = [PlannedOutput(plan, source, then=lambda url: [write_adapter_config(url, adapter_json)])]
         if write_base:
-            base_plan = plan_hf_merge(base_view.metas(), config, dtype=dtype, max_shard_size=options.max_shard_size,
-                                      config_url=hf_dir)
-            check_dropped_head(base_view, base_plan, options.chunk_bytes)
             outputs.append(PlannedOutput(base_plan, base_view, BASE_DIR, then=lambda url: copy_metadata(
                 hf_dir, url, config, base_plan.config_updates)))
         count = sum(len(o.plan.tensors) for o in outputs)
@@ -180,8 +181,7 @@ class ExtractJob:
                       "options": options.output_options("extract-lora"), "lora_alpha_from": lora.alpha_from,
                       "tensors": count, "tensor_bytes": total}
         notes = (f"lora_alpha={lora.adapter.settings.lora_alpha:g} from {lora.alpha_from}",
-                 f"{len(lora.adapter.modules)} LoRA modules, ranks "
-                 f"{sorted({m.rank for m in lora.adapter.modules.values()})}")
+                 f"{len(exported.ranks)} LoRA modules, ranks {sorted(set(exported.ranks.values()))}") + exported.notes
         return PreparedJob(outputs, provenance, kind="adapter+base" if write_base else "adapter",
                            layout=checkpoint.layout, notes=notes, sources=opened)
 

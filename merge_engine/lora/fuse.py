@@ -18,6 +18,7 @@ whose tensors read ``base::<name>`` and ``<namespace>::<key>`` from a `Namespace
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ from merge_engine.lora.sources import qualified
 from merge_engine.hf_plan import plan_hf_merge
 from merge_engine.merge_plan import MergePlan
 from merge_engine.output_heads import EMBED_SUFFIXES, LM_HEAD, tie_word_embeddings
-from merge_engine.tensor_source import TensorMeta, TensorSource
+from merge_engine.tensor_source import TensorMeta, TensorSource, iter_flat_range
 
 BASE_NAMESPACE = "base"
 ROW_BLOCK_ELEMENTS = 1 << 20  # LoRA terms are computed in row blocks of about this many elements (4 MiB)
@@ -39,13 +40,16 @@ ROW_BLOCK_ELEMENTS = 1 << 20  # LoRA terms are computed in row blocks of about t
 
 @dataclass(frozen=True)
 class LoraTerm:
-    """``coefficient * (B @ A)``, added to the weight as is or transposed. ``label`` names it in errors."""
+    """``coefficient * (B @ A)``, added to the weight as is or transposed. ``label`` names it in errors.
+    ``experts`` > 1: a LoRA on a fused (experts, out, in) tensor, expert e's term being
+    ``B[:, e::E] @ A[e*r:(e+1)*r]`` (PEFT's layout, `merge_engine.lora.fused_experts`)."""
 
     a: str
     b: str
     coefficient: float
     transposed: bool = False
     label: str = ""
+    experts: int = 1
 
 
 def finite_or_raise(tensor: torch.Tensor, what: str, where: str | None) -> None:
@@ -87,17 +91,25 @@ class UpdatedTensor:
             b = source.read(term.b).to(torch.float32)
             finite_or_raise(a, f"lora_A of {term.label}", _source_url(source, term.a))
             finite_or_raise(b, f"lora_B of {term.label}", _source_url(source, term.b))
-            factors.append((term.coefficient, a, b, term.transposed))
+            factors.append((term.coefficient, a, b, term.transposed, term.experts))
         return factors
 
     def _block(self, factors: list, index: int) -> torch.Tensor:
-        """Rows [index * R, (index + 1) * R) of the summed LoRA terms, flat (R: `block_rows`)."""
-        rows, cols = self.shape
+        """Rows [index * R, (index + 1) * R) of the summed LoRA terms, flat (R: `block_rows`); a 3-D
+        (experts, out, in) weight counts its rows across experts."""
+        cols = self.shape[-1]
+        rows = math.prod(self.shape) // cols
         r0 = index * self.block_rows
         r1 = min(rows, r0 + self.block_rows)
         block = torch.zeros(r1 - r0, cols, dtype=torch.float32)
-        for coefficient, a, b, transposed in factors:
-            if transposed:  # weight (in, out) = (B @ A).T: its rows are A's columns
+        for coefficient, a, b, transposed, experts in factors:
+            if experts > 1:
+                out, rank = self.shape[-2], a.shape[0] // experts
+                for expert in range(r0 // out, (r1 - 1) // out + 1):
+                    lo, hi = max(r0, expert * out), min(r1, (expert + 1) * out)
+                    block[lo - r0:hi - r0].addmm_(b[lo - expert * out:hi - expert * out, expert::experts],
+                                                  a[expert * rank:(expert + 1) * rank], alpha=coefficient)
+            elif transposed:  # weight (in, out) = (B @ A).T: its rows are A's columns
                 block.addmm_(a[:, r0:r1].T, b.T, alpha=coefficient)
             else:
                 block.addmm_(b[r0:r1], a, alpha=coefficient)
@@ -124,14 +136,23 @@ class UpdatedTensor:
             index += 1
 
     def chunks(self, source: TensorSource, max_bytes: int) -> Iterator[torch.Tensor]:
+        return self._chunks(source, max_bytes, lambda name: source.iter_chunks(name, max_bytes), 0)
+
+    def chunks_range(self, source: TensorSource, start: int, count: int, max_bytes: int) -> Iterator[torch.Tensor]:
+        """Elements ``[start, start + count)`` of the flattened output, reading only that range of the
+        base (a per-expert Hub tensor cut from an updated fused tensor); same bits as `chunks`."""
+        return self._chunks(source, max_bytes,
+                            lambda name: iter_flat_range(source, name, start, count, max_bytes), start)
+
+    def _chunks(self, source: TensorSource, max_bytes: int, stream, start: int) -> Iterator[torch.Tensor]:
         factors = self._factors(source)
         replacements = list(self.replacements)
         main, main_is_copy = self.base, False
         if len(replacements) == 1 and replacements[0][1] == 1.0:
             (main, _), replacements, main_is_copy = replacements[0], [], True
-        streams = [source.iter_chunks(main, max_bytes)] + [source.iter_chunks(n, max_bytes) for n, _ in replacements]
+        streams = [stream(main)] + [stream(n) for n, _ in replacements]
         cache: dict[int, torch.Tensor] = {}
-        at = 0
+        at = start
         for pieces in aligned(streams):
             first = pieces[0]
             if main_is_copy:
@@ -185,6 +206,10 @@ def tensor_updates(inputs: Sequence[WeightedAdapter]) -> tuple[dict[str, list[Lo
             terms.setdefault(module.weight_name, []).append(LoraTerm(
                 qualified(item.namespace, module.a), qualified(item.namespace, module.b),
                 item.weight * module.scale, module.transposed, f"{module.module} in {item.adapter.url}"))
+        for name, expert in item.adapter.experts.items():
+            terms.setdefault(name, []).append(LoraTerm(
+                qualified(item.namespace, expert.a), qualified(item.namespace, expert.b), item.weight * expert.scale,
+                False, f"{name} in {item.adapter.url}", expert.num_experts))
         for name, key in item.adapter.overrides.items():
             replacements.setdefault(name, []).append((qualified(item.namespace, key), item.weight))
     return terms, replacements

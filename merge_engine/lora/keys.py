@@ -11,6 +11,12 @@ Two spellings of the same model exist (checked against peft 0.21):
       base_model.model.<module>.original_module.<param>             its frozen original
       base_model.model.<name>                              every other (frozen) tensor
 
+- LoRA on a parameter (PEFT ``target_parameters``: transformers v5's fused experts) nests a
+  ``ParamWrapper`` per parameter: ``<module>.base_layer.base_layer.<param>`` is the frozen tensor
+  (`BASE`, named ``<module>.<param>``), ``<module>.base_layer.lora_A.<adapter>.weight`` the inner
+  wrapper's factor (module ``<module>.base_layer``); `merge_engine.lora.fused_experts` tells which
+  parameter each wrapper adapts.
+
 - an adapter file (``adapter_model.safetensors``, PEFT's ``get_peft_model_state_dict``): the same
   names without the adapter name (``lora_A.weight``, ``lora_embedding_A``), modules to save under
   their plain name (``base_model.model.lm_head.weight``), and, when embeddings were saved,
@@ -40,6 +46,7 @@ _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?
 _LORA_EMBEDDING = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?$")
 _TRAINED_COPY = re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<param>.+)$")
 _ORIGINAL = re.compile(r"^(?P<module>.+)\.original_module\.(?P<param>.+)$")
+_WRAPPERS = re.compile(r"(?:\.base_layer)+\.")  # nested ParamWrappers stack base_layer (fused experts)
 _UNSUPPORTED = {
     "lora_magnitude_vector": "DoRA (use_dora) adapters",
     "lora_bias": "LoRA bias (lora_bias=True) adapters",
@@ -87,7 +94,7 @@ def parse_key(key: str, where: str | None = None) -> KeyRole:
                 raise AdapterError(f"{key!r}: {what} are not supported (only plain LoRA can be fused exactly)", where)
         if part.startswith("lora_"):
             raise AdapterError(f"{key!r}: unknown LoRA tensor kind {part!r}", where)
-    return KeyRole(BASE, name.replace(".base_layer.", "."))
+    return KeyRole(BASE, _WRAPPERS.sub(".", name))
 
 
 def adapter_file_key(module: str, factor: str, embedding: bool) -> str:

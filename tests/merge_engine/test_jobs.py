@@ -75,17 +75,19 @@ def test_a_target_holding_this_output_is_skipped_without_preparing(tmp_path):
 
 
 def test_each_commands_fingerprint_keys():
-    """The keys that shape each command's output, as they were before the options became one record."""
+    """The keys that shape each command's output, as they were before the options became one record, plus
+    the weights format of every command that writes a model (merge, extract-lora's base, merge-lora)."""
     options = OutputOptions()
     assert set(options.output_options("merge")) == {"dtype", "max_shard_size", "hf_model_path", "weights_format"}
     assert set(OutputOptions(lora_alpha=16.0).output_options("merge")) == {"dtype", "max_shard_size", "hf_model_path",
                                                                           "weights_format", "lora_alpha"}
     assert set(options.output_options("extract-lora")) == {"backend", "lora_alpha", "base_model", "write_base",
-                                                           "hf_model_path", "dtype", "max_shard_size"}
+                                                           "hf_model_path", "dtype", "max_shard_size",
+                                                           "weights_format"}
     assert set(options.output_options("extract-lora --finetuned")) == {"backend", "rank", "energy",
                                                                        "target_modules", "dtype"}
     assert set(options.output_options("merge-lora")) == {"method", "weights", "output", "rank", "energy",
-                                                         "lora_alpha", "dtype", "max_shard_size"}
+                                                         "lora_alpha", "dtype", "max_shard_size", "weights_format"}
     assert options.output_options("split") == {"tp": 1, "pp": 1, "vpp": None, "ep": 1, "format": "legacy",
                                                "make_vocab_size_divisible_by": 128, "dtype": None,
                                                "custom_mapping": None}

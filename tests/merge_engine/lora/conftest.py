@@ -192,3 +192,45 @@ def single_rank_lora_checkpoint(tmp_path_factory, base_spec) -> tuple[str, torch
     (checkpoint / "lora_train_meta.json").write_text(json.dumps({"r": 2, "lora_alpha": 3, "task_type": "CAUSAL_LM"}))
     write_hf_metadata(str(checkpoint / "huggingface"), base_spec)
     return str(checkpoint), model.eval(), base_dir
+
+
+@dataclass(frozen=True)
+class PeftCheckpoint:
+    """A world-size-1 verl checkpoint of a PEFT-wrapped model, and that trained model."""
+
+    checkpoint_dir: str
+    model: torch.nn.Module
+
+
+# family -> LoRA settings of the single-rank checkpoints (`single_rank_family_loras`)
+FAMILY_LORAS = {
+    # LoRA on Mixtral's fused experts (PEFT target_parameters): Hub names block_sparse_moe.experts.N.w1/w3/w2
+    "mixtral": dict(r=2, lora_alpha=6, target_modules=["k_proj"],
+                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    # a vision-language model: transformers v5 holds the language model under model.language_model
+    "qwen2_vl": dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]),
+}
+
+
+@pytest.fixture(scope="session")
+def single_rank_family_loras(tmp_path_factory) -> dict[str, PeftCheckpoint]:
+    """`FAMILY_LORAS` as world-size-1 checkpoints (a PEFT model's state dict, verl's small files)."""
+    import peft
+
+    from synthetic_runs.models import ModelSpec, build_model, write_hf_metadata
+
+    checkpoints = {}
+    for seed, (family, settings) in enumerate(sorted(FAMILY_LORAS.items())):
+        spec = ModelSpec(family=family)
+        model = peft.get_peft_model(build_model(spec, seed=31 + seed),
+                                    peft.LoraConfig(task_type="CAUSAL_LM", **settings))
+        fill_lora_(model, seed=41 + seed)
+        checkpoint = tmp_path_factory.mktemp(f"single_rank_{family}") / "actor"
+        checkpoint.mkdir()
+        torch.save(model.state_dict(), checkpoint / "model_world_size_1_rank_0.pt")
+        (checkpoint / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 1}))
+        meta = {"r": settings["r"], "lora_alpha": settings["lora_alpha"], "task_type": "CAUSAL_LM"}
+        (checkpoint / "lora_train_meta.json").write_text(json.dumps(meta))
+        write_hf_metadata(str(checkpoint / "huggingface"), spec)
+        checkpoints[family] = PeftCheckpoint(str(checkpoint), model.eval())
+    return checkpoints

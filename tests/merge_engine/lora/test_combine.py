@@ -264,3 +264,26 @@ def test_stacking_keeps_the_adapter_dtype_when_nothing_is_scaled(tmp_path):
                                                                        dtype="float16"))
     stored = load_file(str(tmp_path / "f16" / "adapter_model.safetensors"))
     assert {t.dtype for t in stored.values()} == {torch.float16}
+
+
+@pytest.mark.parametrize("weights_format", ["hub", "transformers"])
+def test_fused_model_is_written_in_the_weights_format(tmp_path, single_rank_family_loras, weights_format):
+    """merge-lora's model passes through the Hub-format step: a VL base and adapter under transformers v5's
+    in-memory names (model.language_model) fuse to the Hub names by default, as stored with
+    ``weights_format="transformers"``; recorded in stepmerge.json; logits equal the trained model's."""
+    from merge_engine.lora.extract import ExtractOptions, extract_lora
+
+    run = single_rank_family_loras["qwen2_vl"]
+    adapter = str(tmp_path / "adapter")
+    extract_lora(run.checkpoint_dir, adapter, ExtractOptions(weights_format="transformers"))
+    target = str(tmp_path / "fused")
+    merge_lora(os.path.join(adapter, "base"), [adapter], target, MergeLoraOptions(weights_format=weights_format))
+    names = set(load_file(os.path.join(target, "model.safetensors")))
+    assert ("model.language_model.layers.0.self_attn.q_proj.weight" in names) == (weights_format == "transformers")
+    assert ("model.layers.0.self_attn.q_proj.weight" in names) == (weights_format == "hub")
+    with open(os.path.join(target, "stepmerge.json")) as handle:
+        assert json.load(handle)["options"]["weights_format"] == weights_format
+    from transformers import Qwen2VLForConditionalGeneration
+
+    fused = Qwen2VLForConditionalGeneration.from_pretrained(target).eval()
+    torch.testing.assert_close(logits(fused), logits(run.model), rtol=RTOL, atol=ATOL)
