@@ -16,6 +16,13 @@ command ``prefect deploy flows/merge_new_steps.py:merge_new_steps --name <name> 
 600 --param run_root=<URL> --prefect-file deployments/prefect.yaml`` (a deployment name that is not
 in prefect.yaml needs its entrypoint), then runs it once, now.
 
+Both forms then close each deployment's parameter schema (`close_parameter_schemas`): Prefect builds
+it from the flow's signature without ``additionalProperties: false`` (and ``prefect deploy`` has no
+way to add it), so the server would create a run for ``--param stpe=10`` and the run would fail when
+it starts. Closed, the server refuses an unknown name (HTTP 409) before any run exists, as it refuses
+a bad value. A bare ``prefect deploy`` leaves the schema open: an unknown name then fails the run
+when it starts, before any task (Prefect binds the parameters to the flow's signature).
+
 Errors are one line on stderr: exit 2 for a missing or bad setting, 1 when ``prefect deploy`` failed
 (its last lines are shown).
 """
@@ -25,9 +32,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 WATCH_FLOW = "merge-new-steps"
+WATCH_ENTRYPOINT = "flows/merge_new_steps.py:merge_new_steps"
 PREFECT_FILE = "deployments/prefect.yaml"
 WATCH_INTERVAL_S = 600
 
@@ -70,6 +78,38 @@ def prefect_deploy(home: Path, arguments: Sequence[str], run_root: str) -> None:
         raise DeployError("prefect deploy failed: " + " | ".join(lines[-3:]), exit_code=1)
 
 
+def prefect_yaml_deployments(home: Path) -> List[Tuple[str, str]]:
+    """(entrypoint, deployment name) of every deployment of prefect.yaml (names repeat across flows)."""
+    import yaml
+
+    spec = yaml.safe_load((home / PREFECT_FILE).read_text())
+    return [(d["entrypoint"], d["name"]) for d in spec.get("deployments") or []]
+
+
+def close_parameter_schemas(entrypoints_and_names: Sequence[Tuple[str, str]]) -> List[str]:
+    """Set ``additionalProperties: false`` in the parameter schema of each deployment given by
+    (entrypoint, name) (see the module docstring); the ``flow/deployment`` names closed."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    wanted = set(entrypoints_and_names)
+    closed = []
+    with get_client(sync_client=True) as client:
+        found = client.read_deployments(deployment_filter=DeploymentFilter(
+            name=DeploymentFilterName(any_=sorted({name for _, name in wanted}))))
+        for deployment in found:
+            if (deployment.entrypoint, deployment.name) not in wanted:
+                continue
+            schema = dict(deployment.parameter_openapi_schema or {}, additionalProperties=False)
+            client.update_deployment(deployment.id, DeploymentUpdate(parameter_openapi_schema=schema))
+            closed.append(f"{client.read_flow(deployment.flow_id).name}/{deployment.name}")
+    missing = len(wanted) - len(closed)
+    if missing:
+        raise DeployError(f"{missing} deployment(s) not found after prefect deploy: {sorted(wanted)}", exit_code=1)
+    return sorted(closed)
+
+
 def first_watcher_run(name: str) -> str:
     """Create a run of ``merge-new-steps/<name>`` now; its flow run id."""
     from prefect.deployments import run_deployment
@@ -84,13 +124,15 @@ def deploy(watcher: Optional[str] = None, run_root: Optional[str] = None) -> Lis
     home = checked_environment(run_root)
     if watcher is None:
         prefect_deploy(home, ["--all"], run_root)
-        name = "watch"
+        name, deployed = "watch", prefect_yaml_deployments(home)
     else:
-        prefect_deploy(home, ["flows/merge_new_steps.py:merge_new_steps", "--name", watcher, "--pool", "cpu",
+        prefect_deploy(home, [WATCH_ENTRYPOINT, "--name", watcher, "--pool", "cpu",
                               "--interval", str(WATCH_INTERVAL_S), "--param", f"run_root={run_root}"], run_root)
-        name = watcher
+        name, deployed = watcher, [(WATCH_ENTRYPOINT, watcher)]
+    closed = close_parameter_schemas(deployed)
     run_id = first_watcher_run(name)
-    return [f"deployed; {WATCH_FLOW}/{name} watches {run_root} every {WATCH_INTERVAL_S} s, first run now "
+    return [f"unknown parameter names refused by the server: {', '.join(closed)}",
+            f"deployed; {WATCH_FLOW}/{name} watches {run_root} every {WATCH_INTERVAL_S} s, first run now "
             f"(flow run {run_id})"]
 
 

@@ -27,13 +27,18 @@ actor, critic, "" (SFT); ``run_root`` a URL whose scheme is on the allow-list
 (``STEPMERGE_WEBHOOK_SCHEMES``; default: one spelling per object store in the storage scheme registry,
 ``gs,s3``; a scheme the registry does not serve is refused when the app starts), without ``..``
 components (encoded or not), backslashes or control characters, and under one of
-``STEPMERGE_WEBHOOK_RUN_ROOTS`` (comma-separated prefixes) when that is set. 401 for a missing or
+``STEPMERGE_WEBHOOK_RUN_ROOTS`` (comma-separated prefixes) when that is set. A run root on a disk the
+training job and every worker mount at the same path (no object store) is accepted only when the
+deployment says so: ``STEPMERGE_WEBHOOK_SHARED_DISK_ROOTS`` (comma-separated absolute folders, ``/x``
+or ``file:///x``, never ``/`` itself) opts in, and then a plain absolute path or a ``file://`` URL
+under one of them is accepted; every other local path is refused. 401 for a missing or
 wrong credential, 503 when the Prefect API or the deployment cannot be reached.
 ``GET /healthz`` answers ``{"ok": true}``.
 A step may come as a string of digits (``"120"``); a stale HMAC timestamp gets a 401 that says
 so (and by how much the clocks differ). Run roots are compared in one spelling
-(`flows.step_keys.normalized_run_root`): ``file:///data/run`` and ``/data/run`` (when ``file`` is an
-allowed scheme) are one run root, one idempotency key, one run. Started without a credential or a
+(`flows.step_keys.normalized_run_root`): ``gcs://b/run/`` and ``gs://b/run`` are one run root, and on a
+shared disk ``file:///data/run`` and ``/data/run`` are one run root (the watcher's spelling), one
+idempotency key, one run. Started without a credential or a
 Prefect server, the receiver stops with one line (`WebhookNotConfigured`), no traceback.
 Serve it behind TLS (deployments/README.md): tokens and signatures must not cross a network in clear.
 """
@@ -88,6 +93,7 @@ class WebhookSettings(BaseModel):
     hmac_secret: Optional[SecretStr] = None
     allowed_schemes: tuple[str, ...] = Field(default_factory=lambda: remote_schemes(canonical_only=True))
     allowed_run_roots: tuple[str, ...] = ()
+    shared_disk_roots: tuple[str, ...] = ()  # opt-in: local run roots under these (workers mount them alike)
     max_skew_s: float = 300.0
     prefect_api_url: Optional[str] = None
 
@@ -100,7 +106,8 @@ class WebhookSettings(BaseModel):
                    token=os.environ.get("STEPMERGE_WEBHOOK_TOKEN") or None,
                    hmac_secret=os.environ.get("STEPMERGE_WEBHOOK_HMAC_SECRET") or None,
                    allowed_schemes=listed("STEPMERGE_WEBHOOK_SCHEMES", ",".join(remote_schemes(canonical_only=True))),
-                   allowed_run_roots=listed("STEPMERGE_WEBHOOK_RUN_ROOTS"))
+                   allowed_run_roots=listed("STEPMERGE_WEBHOOK_RUN_ROOTS"),
+                   shared_disk_roots=listed("STEPMERGE_WEBHOOK_SHARED_DISK_ROOTS"))
 
     @field_validator("allowed_schemes")
     @classmethod
@@ -110,6 +117,28 @@ class WebhookSettings(BaseModel):
             raise ValueError(f"schemes {unserved} are not object stores served by stepmerge "
                              f"(served: {', '.join(remote_schemes())})")
         return value
+
+    @field_validator("allowed_run_roots")
+    @classmethod
+    def _allowed_in_one_spelling(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(normalized_run_root(root) for root in value)
+
+    @field_validator("shared_disk_roots")
+    @classmethod
+    def _absolute_folders(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        roots = []
+        for root in value:
+            folder = normalized_run_root(root)  # file:///x -> /x
+            if "://" in folder or not folder.startswith("/") or folder == "/":
+                raise ValueError(f"shared disk root {root!r} must be an absolute folder (/x or file:///x), not /")
+            roots.append(checked_url(folder))
+        return tuple(roots)
+
+
+def under(run_root: str, roots: tuple[str, ...]) -> bool:
+    """``run_root`` is one of ``roots`` or inside one (whole path components: ``/data/runs2`` is not
+    under ``/data/runs``); all in one spelling."""
+    return any(run_root == root or run_root.startswith(root.rstrip("/") + "/") for root in roots)
 
 
 class CheckpointSaved(BaseModel):
@@ -215,13 +244,12 @@ def checked_payload(settings: WebhookSettings, body: bytes) -> CheckpointSaved:
         raise ValueError("body is nested too deeply") from None
     if not isinstance(data, dict):
         raise ValueError("body must be a JSON object")
-    payload = CheckpointSaved.model_validate(data)
-    checked_url(payload.run_root, schemes=settings.allowed_schemes,
-                allow_local_paths="file" in settings.allowed_schemes)  # file:///x arrives as /x
-    if settings.allowed_run_roots and not any(
-        payload.run_root == root.rstrip("/") or payload.run_root.startswith(root.rstrip("/") + "/")
-        for root in settings.allowed_run_roots
-    ):
+    payload = CheckpointSaved.model_validate(data)  # file:///x arrives as /x
+    local = "://" not in payload.run_root
+    checked_url(payload.run_root, schemes=settings.allowed_schemes, allow_local_paths=bool(settings.shared_disk_roots))
+    if local and not under(payload.run_root, settings.shared_disk_roots):
+        raise ValueError("run_root is a local path outside the shared disk roots (STEPMERGE_WEBHOOK_SHARED_DISK_ROOTS)")
+    if not local and settings.allowed_run_roots and not under(payload.run_root, settings.allowed_run_roots):
         raise ValueError("run_root is not under an allowed run root")
     return payload
 

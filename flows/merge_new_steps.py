@@ -34,7 +34,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import deployment
 from pydantic import BaseModel, Field
 
-from flows.stages import StepOutcome
+from flows.outcomes import StepOutcome
 from flows.credentials import storage_credentials
 from flows.params import (
     DtypeName,

@@ -41,9 +41,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from pydantic import BaseModel
-
-from flows.step_keys import step_key
+from flows.outcomes import ReleaseOutcome, StageRun, StepOutcome
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, StepNotFound
 from merge_engine.release import ADAPTER, MODEL, ReleaseProvenance
 from tasks.adapter import extract_adapter, validate_adapter
@@ -63,55 +61,6 @@ from tasks.results import configured_result_storage
 from tasks.validate import validate_output
 
 SETTLE_S = float(os.environ.get("STEPMERGE_SETTLE_S", "3"))  # pause before listing a failed step again
-
-
-class StageRun(BaseModel):
-    """One stage task call: its name, final state and wall time (Prefect overhead included)."""
-
-    name: str
-    state: str
-    seconds: float
-
-    @property
-    def cached(self) -> bool:
-        return self.state == "Cached"
-
-
-class ReleaseOutcome(BaseModel):
-    """What one output of a step became."""
-
-    kind: str
-    url: str
-    fingerprint: str
-    already_published: bool
-    cached: bool
-    validation_ok: Optional[bool]
-    validation_summary: str = ""
-    tensors: int = 0
-    tensor_bytes: int = 0
-    files: int = 0
-    total_bytes: int = 0
-
-
-class StepOutcome(BaseModel):
-    """What a merge_step run did: status, releases, and every stage with its state and time."""
-
-    run_root: str
-    step: int
-    role: str
-    status: str  # "published" | "already_published" | "not_ready"
-    reason: str = ""
-    releases: List[ReleaseOutcome] = []
-    stages: List[StageRun] = []
-    seconds: float = 0.0
-
-    @property
-    def key(self) -> str:
-        return step_key(self.run_root, self.role, self.step)
-
-    @property
-    def cached(self) -> bool:
-        return bool(self.releases) and all(r.cached for r in self.releases)
 
 
 class StageTimer:

@@ -6,7 +6,7 @@ what the UI shows is testable without a server.
 
 from typing import Iterable, List, Optional
 
-from flows.stages import StageRun, StepOutcome
+from flows.outcomes import StageRun, StepOutcome
 
 
 def human_size(n: float) -> str:

@@ -20,14 +20,13 @@ import torch
 
 from merge_engine.errors import UnsupportedLayout
 from merge_engine.hf_metadata import INDEX_FILE, SINGLE_FILE
-from merge_engine.option_values import DTYPE_SPELLINGS, canonical_dtype, parse_size
+from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE, DTYPE_SPELLINGS, canonical_dtype, parse_size
 from merge_engine.safetensors_file import CODES
 from merge_engine.tensor_source import TensorSource
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPES", "INDEX_FILE", "SINGLE_FILE", "MergePlan", "PlannedTensor", "ShardFile",
            "TensorBuilder", "assign_shards", "output_dtype", "parse_dtype", "parse_size", "stored_dtype_update"]
 
-DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3  # save_pretrained's historical default ("5GB")
 
 DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_SPELLINGS.items()}
 

@@ -5,6 +5,7 @@ fp16`` accept the same words and record the same canonical name (``float16``):
 
 - `DTYPE_SPELLINGS`: every accepted spelling -> its canonical dtype name (``bfloat16``,
   ``float16``, ``float32``); `canonical_dtype` turns one into the other or raises `InvalidOption`.
+- `DEFAULT_MAX_SHARD_SIZE`: the output shard size when none is given.
 - `SIZE_PATTERN`: a size such as ``5GB``, ``500MiB``, ``1.5 GB`` or ``1024`` (bytes), as a regular
   expression the Prefect server checks before it creates a run (JSON Schema ``pattern``), and
   `parse_size`, which reads exactly what the pattern admits.
@@ -24,6 +25,7 @@ DTYPE_SPELLINGS: dict[str, str] = {
     "float32": "float32", "fp32": "float32", "float": "float32",
 }
 
+DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3  # save_pretrained's historical default ("5GB")
 SIZE_UNITS: dict[str, int] = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
                               "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
 # JSON Schema patterns have no flags: the unit's letters are spelled out in both cases.

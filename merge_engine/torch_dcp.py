@@ -35,13 +35,12 @@ from typing import Any
 import torch
 
 from merge_engine import storage
+from merge_engine.dcp_file_names import DATA_FILE, METADATA_FILE
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES
 from merge_engine.torch_archive import Record, StoredTensor, TorchArchive, safe_unpickle
 
-METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 1 << 30  # an index of chunks and offsets; the weights live in the data files
-DATA_FILE = "__0_0.distcp"
 
 
 @dataclass(frozen=True)

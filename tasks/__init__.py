@@ -11,16 +11,26 @@ Each task is a decorator, a cache key (`tasks.cache`) and a release-state check 
 records (`merge_engine.release`); the work itself is the engine's.
 Records in and out (`tasks.records`), never tensors. Retries: transient storage faults only
 (`tasks.retry`). Result storage: local by default, S3/GCS when configured (`tasks.results`).
+Importing ``tasks`` (or a light module of it: `tasks.discover`, `tasks.records`, `tasks.progress`)
+imports no torch: each task below is imported from its module on first use (PEP 562), so the
+listings-only watcher (`flows.merge_new_steps` on a deployment) runs without torch or transformers.
 """
 
-from tasks.adapter import extract_adapter, validate_adapter
-from tasks.check import check_step
-from tasks.discover import discover_step, discover_steps, find_published
-from tasks.merge import merge_model
-from tasks.publish import publish_release
-from tasks.validate import validate_output
+import importlib
+from typing import Any
 
-__all__ = [
-    "discover_steps", "discover_step", "find_published", "check_step", "merge_model", "extract_adapter",
-    "validate_output", "validate_adapter", "publish_release",
-]
+# task name -> the module that defines it
+TASK_MODULES = {
+    "discover_steps": "tasks.discover", "discover_step": "tasks.discover", "find_published": "tasks.discover",
+    "check_step": "tasks.check", "merge_model": "tasks.merge", "extract_adapter": "tasks.adapter",
+    "validate_output": "tasks.validate", "validate_adapter": "tasks.adapter", "publish_release": "tasks.publish",
+}
+
+__all__ = list(TASK_MODULES)
+
+
+def __getattr__(name: str) -> Any:
+    """``tasks.merge_model`` and ``from tasks import merge_model``: the task, its module imported now."""
+    if name not in TASK_MODULES:
+        raise AttributeError(f"module 'tasks' has no attribute {name!r}")
+    return getattr(importlib.import_module(TASK_MODULES[name]), name)

@@ -3,21 +3,25 @@
 Each is a pydantic model (Prefect caches it, pickles it and shows it in the UI). They carry URLs,
 fingerprints, counts, timings and reports; the bytes stay in storage. `from_*` constructors turn
 the engine's dataclasses into records, `to_*` turn them back where an engine call needs one.
+This module imports no torch (the engine classes are imported inside the `to_*` methods): the
+listings-only watcher reads `StepRecord` s.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from merge_engine.discovery import Step
-from merge_engine.layouts import Checkpoint
-from merge_engine.merge import MergeOptions
-from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE
-from merge_engine.publish import Release
+from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE
 from merge_engine.storage import FileEntry
-from merge_engine.validate import ValidationReport
+
+if TYPE_CHECKING:  # the engine's classes: imported where a record is turned into one (they import torch)
+    from merge_engine.discovery import Step
+    from merge_engine.layouts import Checkpoint
+    from merge_engine.merge import MergeOptions
+    from merge_engine.publish import Release
+    from merge_engine.validate import ValidationReport
 
 
 class Record(BaseModel):
@@ -81,6 +85,8 @@ class CheckpointRecord(Record):
                    total_bytes=sum(f.size for f in checkpoint.files))
 
     def to_checkpoint(self) -> Checkpoint:
+        from merge_engine.layouts.contract import Checkpoint
+
         return Checkpoint(url=self.url, layout=self.layout, files=tuple(FileEntry(*f) for f in self.files),
                           parallel=dict(self.parallel), hf_dir=self.hf_dir, fingerprint=self.fingerprint)
 
@@ -99,6 +105,8 @@ class MergeSettings(Record):
     lora_alpha: Optional[float] = None
 
     def to_options(self, overwrite: bool = False) -> MergeOptions:
+        from merge_engine.merge import MergeOptions
+
         return MergeOptions(backend=self.backend, dtype=self.dtype, max_shard_size=self.max_shard_size,
                             hf_model_path=self.hf_model_path, lora_alpha=self.lora_alpha, overwrite=overwrite)
 
@@ -188,6 +196,8 @@ class ValidationRecord(Record):
                    checks=tuple(data["checks"]), reference_url=report.reference_url, seconds=seconds)
 
     def to_report(self) -> ValidationReport:
+        from merge_engine.validate import ValidationReport
+
         return ValidationReport.from_dict({"model_url": self.model_url, "reference_url": self.reference_url,
                                            "checks": list(self.checks)})
 

@@ -22,7 +22,7 @@ PACKAGES = ("merge_engine", "tasks", "flows", "deployments")
 
 # layer -> module prefixes (a prefix names a module or a package and everything under it)
 LAYERS: dict[int, tuple[str, ...]] = {
-    0: ("merge_engine", "merge_engine.errors", "merge_engine.storage", "merge_engine.direct_io"),
+    0: ("merge_engine", "merge_engine.errors", "merge_engine.storage", "merge_engine.direct_io", "merge_engine.dcp_file_names"),
     1: ("merge_engine.chunks", "merge_engine.json_file", "merge_engine.hf_metadata",
         "merge_engine.safetensors_file", "merge_engine.torch_archive", "merge_engine.torch_dcp",
         "merge_engine.tensor_source", "merge_engine.merge_plan", "merge_engine.output_heads",

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from merge_engine.architectures.mappings import FamilyTable, ModelDims
 from merge_engine.errors import InvalidConfig, UnknownArchitecture
 from merge_engine.hf_metadata import tie_word_embeddings
+
+if TYPE_CHECKING:  # the mappings import torch; the package itself does not (layouts import its name modules)
+    from merge_engine.architectures.mappings import FamilyTable, ModelDims
 
 FAMILY_MODULES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
                                    "deepseek_v3", "glm4_moe", "gemma3", "qwen2_5_vl")
@@ -83,6 +85,8 @@ def model_dims(config: Mapping[str, Any], table: FamilyTable, *, tied: bool | No
         experts = next((int(scope[k]) for k in table.experts_keys if scope.get(k)), 0)
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidConfig(f"config.json lacks a size the {table.name} table needs ({exc})") from None
+    from merge_engine.architectures.mappings import ModelDims
+
     return ModelDims(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
                      num_layers=layers, tied=tie_word_embeddings(config) if tied is None else tied,
                      num_experts=experts, moe_layers=table.moe_layers(scope) if experts else frozenset(),
@@ -90,5 +94,5 @@ def model_dims(config: Mapping[str, Any], table: FamilyTable, *, tied: bool | No
                      vision_layers=vision_layers)
 
 
-__all__ = ["FAMILY_MODULES", "FamilyTable", "ModelDims", "family_tables", "find_table", "model_dims",
+__all__ = ["FAMILY_MODULES", "family_tables", "find_table", "model_dims",
            "table_for_config"]

@@ -15,11 +15,17 @@ Helpers with no format of their own: `contract` (the protocol and its records), 
 
 Entry points: `layout_named`, `find_layout`, `listing_verdicts` (discovery), `check_checkpoint`,
 `open_checkpoint`. Adding a format is one module plus one line in `LAYOUTS`.
+
+Importing the registry imports no torch (nor transformers): a layout module holds its names,
+detection and listing verdict at module level and imports its readers (torch archives, safetensors,
+DCP, family tables) inside `check_complete` / `open` / `write`, so discovery and a listings-only
+watcher run without them (``tests/merge_engine/layouts/test_registry_imports.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from merge_engine import storage
 from merge_engine.errors import IncompleteCheckpoint, UnsupportedLayout
@@ -34,7 +40,9 @@ from merge_engine.layouts.contract import (
 )
 from merge_engine.source_files import check_local_tree
 from merge_engine.storage import FileEntry
-from merge_engine.tensor_source import TensorSource
+
+if TYPE_CHECKING:
+    from merge_engine.tensor_source import TensorSource
 
 # THE registry, in priority order (detection and discovery's primary layout)
 LAYOUTS: tuple[Layout, ...] = (fsdp, megatron_legacy, megatron_bridge, megatron_dist, hf)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from merge_engine.storage import FileEntry
-from merge_engine.tensor_source import TensorSource
+
+if TYPE_CHECKING:  # `Layout.open`'s result; the contract itself imports no torch (the registry is read torch-free)
+    from merge_engine.tensor_source import TensorSource
 
 # listing verdicts (`Verdict.status`)
 COMPLETE, INCOMPLETE, INVALID = "complete", "incomplete", "invalid"

@@ -8,14 +8,15 @@ goes in stages (`read_weight_index` -> `open_weight_files` -> `tensors_by_name` 
 which `merge_engine.validate` also walks, one check per stage. From a listing alone (`listing_verdict`, also for
 the weights a training step saves in ``huggingface/`` or verl v2's ``model/huggingface/``): the index
 present (transformers writes it after every shard) or a single non-empty ``model.safetensors``; in
-``model/huggingface/`` verl v2's marker, written last.
+``model/huggingface/`` verl v2's marker, written last. Importing this module imports no torch: the
+readers are imported by the stages that open files.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint
@@ -23,10 +24,12 @@ from merge_engine.hf_metadata import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from merge_engine.json_file import read_json_object
 from merge_engine.layouts import verl_v2
 from merge_engine.layouts.contract import ABSENT, DONE, HF_NAMES, INCOMPLETE, Checkpoint, Verdict, by_path
-from merge_engine.safetensors_file import SafetensorsFile
 from merge_engine.storage import FileEntry
-from merge_engine.tensor_source import AssembledSource, ConcatTensor, TensorSource
-from merge_engine.torch_archive import StoredTensor
+
+if TYPE_CHECKING:  # the readers import torch: imported when a folder is checked or opened, not with the registry
+    from merge_engine.safetensors_file import SafetensorsFile
+    from merge_engine.tensor_source import TensorSource
+    from merge_engine.torch_archive import StoredTensor
 
 NAME = "hf"
 TENSOR_NAMING = HF_NAMES
@@ -142,6 +145,8 @@ def weight_files(url: str, files: list[FileEntry]) -> dict[str, list[str]]:
 
 def open_weight_files(url: str, files: Sequence[FileEntry], index: WeightIndex) -> list[SafetensorsFile]:
     """Every weight file opened, its header parsed and checked (`SafetensorsFile`); closed again on failure."""
+    from merge_engine.safetensors_file import SafetensorsFile
+
     sizes = {f.path: f.size for f in files}
     opened: list[SafetensorsFile] = []
     try:
@@ -179,6 +184,8 @@ def tensors_by_name(index: WeightIndex, opened: Sequence[SafetensorsFile]) -> di
 
 def source_of(url: str, opened: Sequence[SafetensorsFile], tensors: dict[str, StoredTensor]) -> TensorSource:
     """The folder's tensors as a `TensorSource` (closing it closes ``opened``)."""
+    from merge_engine.tensor_source import AssembledSource, ConcatTensor
+
     assembled = {name: ConcatTensor(t.shape, t.dtype, 0, (t,)) for name, t in tensors.items()}
     return AssembledSource(url, assembled, list(opened))
 

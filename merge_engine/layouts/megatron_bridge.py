@@ -12,16 +12,17 @@ every header parsed); and every tensor the config implies present, by the family
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from merge_engine import storage
-from merge_engine.architectures import model_dims, table_for_config
-from merge_engine.architectures.binding import expected_bindings
 from merge_engine.errors import IncompleteCheckpoint, UnknownArchitecture
 from merge_engine.hf_metadata import read_config
 from merge_engine.layouts import hf, megatron_dist, verl_v2
 from merge_engine.layouts.contract import ABSENT, HF_NAMES, Checkpoint, Verdict
 from merge_engine.storage import FileEntry
-from merge_engine.tensor_source import TensorSource
+
+if TYPE_CHECKING:
+    from merge_engine.tensor_source import TensorSource
 
 NAME = "megatron_bridge"
 TENSOR_NAMING = HF_NAMES
@@ -80,6 +81,9 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
 
 def _check_tensor_set(inner: Checkpoint) -> tuple[str, ...]:
     """Every Hugging Face tensor the family table expects for this config is in the export."""
+    from merge_engine.architectures import model_dims, table_for_config  # the family tables import torch
+    from merge_engine.architectures.binding import expected_bindings
+
     config = read_config(inner.hf_dir)
     try:
         table = table_for_config(config)

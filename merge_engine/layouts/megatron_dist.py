@@ -24,6 +24,9 @@ tensor: a layer's bytes are read only when that layer is written.
 Completeness: ``.metadata`` and ``metadata.json`` (torch_dist backend) present, every data file the
 metadata names present and long enough, model tensors present (a folder holding only optimizer or
 RNG state gets an error saying so), the v2 marker present.
+
+Importing this module imports no torch (the registry and discovery read names and sizes only): the
+DCP reader and writer are imported by `check_complete`, `open` and the writers.
 """
 
 from __future__ import annotations
@@ -33,12 +36,10 @@ import io
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import torch
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 from merge_engine import storage
-from merge_engine.architectures.hf_to_megatron import MegatronViewOfHf
 from merge_engine.architectures.megatron_names import (
     EXPERT_NAME,
     EXTRA_STATE_MODULES,
@@ -53,6 +54,7 @@ from merge_engine.architectures.megatron_names import (
     with_prefix,
     without_language_model_prefix,
 )
+from merge_engine.dcp_file_names import DATA_SUFFIX, METADATA_FILE
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout
 from merge_engine.json_file import read_json_object
 from merge_engine.layouts import verl_v2
@@ -71,16 +73,13 @@ from merge_engine.layouts.contract import (
 )
 from merge_engine.layouts.megatron_lm_root import choose_iteration
 from merge_engine.storage import FileEntry
-from merge_engine.tensor_source import AssembledSource, TensorSource
-from merge_engine.torch_dcp import (
-    METADATA_FILE,
-    DcpDataFile,
-    DcpFiles,
-    DcpIndex,
-    DcpTensor,
-    dcp_metadata_bytes,
-    read_index,
-)
+
+if TYPE_CHECKING:  # the reader and writer import torch: imported by check_complete / open / the writers, not with the registry
+    import torch
+
+    from merge_engine.architectures.hf_to_megatron import MegatronViewOfHf
+    from merge_engine.tensor_source import TensorSource
+    from merge_engine.torch_dcp import DcpFiles, DcpIndex, DcpTensor
 
 NAME = "megatron_dist"
 TENSOR_NAMING = MEGATRON_NAMES
@@ -105,7 +104,7 @@ def _in_folder(path: str, folder: str) -> bool:
 
 
 def _has_shards(files: list[FileEntry], folder: str) -> bool:
-    return any(_in_folder(f.path, folder) and (f.path.endswith(".distcp") or f.path.endswith(METADATA_FILE))
+    return any(_in_folder(f.path, folder) and (f.path.endswith(DATA_SUFFIX) or f.path.endswith(METADATA_FILE))
                for f in files)
 
 
@@ -190,6 +189,8 @@ def parallel_sizes(url: str, files: list[FileEntry]) -> dict[str, int]:
 
 def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     """See the module docstring; reads ``.metadata`` and the small JSON files, no weights."""
+    from merge_engine.torch_dcp import read_index
+
     root, files = _choose_root(url, files)
     folder = _model_folder(root, files)
     paths = {f.path: f for f in files}
@@ -231,6 +232,8 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
 
 def canonical_tensors(index: DcpIndex, files: DcpFiles) -> dict[str, DcpTensor]:
     """Canonical Megatron name -> lazy box of its global tensor, in model order."""
+    from merge_engine.torch_dcp import DcpTensor
+
     out: dict[str, DcpTensor] = {}
 
     def add(name: str, tensor: DcpTensor) -> None:
@@ -292,6 +295,9 @@ def _folder_url(checkpoint: Checkpoint) -> tuple[str, str]:
 
 def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb
     """The canonical Megatron tensors, lazily (``.metadata`` read; chunk headers on first use)."""
+    from merge_engine.tensor_source import AssembledSource
+    from merge_engine.torch_dcp import DcpFiles, read_index
+
     folder, folder_url = _folder_url(checkpoint)
     index = read_index(folder_url)
     sizes = {f.path[len(folder):]: f.size for f in checkpoint.files if _in_folder(f.path, folder)}
@@ -337,7 +343,7 @@ def _dist_key(name: str, dims, renames: Mapping[str, str] = _DIST_RENAMES
 
 
 def _data_file(group: int) -> str:
-    return f"__{group}_0.distcp"
+    return f"__{group}_0{DATA_SUFFIX}"
 
 
 def file_jobs(view: MegatronViewOfHf, sizes: ParallelSizes) -> list[FileJob]:
@@ -357,6 +363,8 @@ def write_file(view: MegatronViewOfHf, job: FileJob, target_url: str, sizes: Par
                dtype: torch.dtype | None, cancel: Any = None) -> FileRecord:
     """One data file (`WritableLayout`): torch_dist keys, one DCP chunk per layer (and expert), extra states
     as bytes entries; its record carries the items' locations for `finish`. Memory: one tensor at a time."""
+    from merge_engine.torch_dcp import DcpDataFile
+
     dims = view.dims
     renames = {} if is_mla(view.metas()) else _DIST_RENAMES
     extra_states = set()
@@ -380,22 +388,29 @@ def write_file(view: MegatronViewOfHf, job: FileJob, target_url: str, sizes: Par
                 extra = f"{module}._extra_state/shard_{shard}"
                 if extra not in extra_states:  # each extra state's key names its layer: one file holds it
                     extra_states.add(extra)
-                    data.add_object(extra, _NONE_OBJECT)
+                    data.add_object(extra, _none_object())
     return FileRecord(job.file, data.size, data.sha256(), job.tensors, tuple(data.items))
 
 
 def _torch_saved(value: Any) -> bytes:
+    import torch
+
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()
 
 
-_NONE_OBJECT = _torch_saved([None])  # megatron-core saves a ShardedObject as a one-item list
+@cache
+def _none_object() -> bytes:
+    """An extra state's bytes: megatron-core saves a ShardedObject as a one-item list."""
+    return _torch_saved([None])
 
 
 def finish(records: Sequence[FileRecord], target_url: str) -> list[FileRecord]:
     """``dist_ckpt/.metadata`` from every data file's items (last of the DCP files), then megatron-core's
     ``metadata.json`` and ``common.pt`` (`WritableLayout`)."""
+    from merge_engine.torch_dcp import dcp_metadata_bytes
+
     folder = storage.join(target_url, DIST_DIR)
     out = []
     for name, data in ((METADATA_FILE, dcp_metadata_bytes(item for r in records for item in r.items)),

@@ -22,6 +22,9 @@ tensors (also a critic's one-row value head) are checked identical while read.
 Completeness: one kind of rank file; every (tp, pp, ep) cell the names span present, non-empty and
 a readable archive; the same number of VPP chunks everywhere; the same keys on every TP rank of a
 stage; a stage holding the final norm; Megatron-LM ``args`` agreeing with the folders.
+
+Importing this module imports no torch (the registry and discovery read names and sizes only): the
+archive reader, lazy tensors and TP rules are imported by the functions that open or write files.
 """
 
 from __future__ import annotations
@@ -30,12 +33,9 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from merge_engine import storage
-import torch
-
-from merge_engine.architectures.hf_to_megatron import MegatronViewOfHf
 from merge_engine.architectures.megatron_names import (
     EXPERT_NAME,
     EXTRA_STATE_MODULES,
@@ -47,7 +47,6 @@ from merge_engine.architectures.megatron_names import (
     layer_name,
     order_key,
 )
-from merge_engine.architectures.parallel import TPKind, is_gated_fc1, split_tp, tp_kind
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout, WorldSizeMismatch
 from merge_engine.layouts.contract import (
     ABSENT,
@@ -65,8 +64,14 @@ from merge_engine.layouts.contract import (
 from merge_engine.layouts.megatron_lm_root import choose_iteration
 from merge_engine.storage import FileEntry
 from merge_engine.storage.hashing_writer import HashingWriter
-from merge_engine.tensor_source import AssembledSource, ConcatTensor, ReplicatedTensor, TensorSource
-from merge_engine.torch_archive import Record, StoredTensor, TorchArchive
+
+if TYPE_CHECKING:  # readers, lazy tensors, TP rules: they import torch
+    import torch
+
+    from merge_engine.architectures.hf_to_megatron import MegatronViewOfHf
+    from merge_engine.architectures.parallel import TPKind
+    from merge_engine.tensor_source import TensorSource
+    from merge_engine.torch_archive import StoredTensor, TorchArchive
 
 NAME = "megatron_legacy"
 TENSOR_NAMING = MEGATRON_NAMES
@@ -140,6 +145,8 @@ def _choose_root(url: str, files: list[FileEntry]) -> tuple[str, list[FileEntry]
 
 
 def _open_archive(url: str, entry: FileEntry) -> TorchArchive:
+    from merge_engine.torch_archive import TorchArchive
+
     file_url = storage.join(url, entry.path)
     if entry.size == 0:
         raise IncompleteCheckpoint("rank file is empty (0 bytes)", file_url)
@@ -148,6 +155,8 @@ def _open_archive(url: str, entry: FileEntry) -> TorchArchive:
 
 def chunk_states(tree: Any, archive: TorchArchive) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """A rank file's object tree -> (one state dict per VPP chunk, Megatron-LM ``args`` fields or {})."""
+    from merge_engine.torch_archive import Record
+
     if isinstance(tree, list):
         states = tree
         args = {}
@@ -334,12 +343,18 @@ def _states_by_rank(grid: RankGrid, archives: dict[tuple[int, int, int], TorchAr
 
 
 def _row_slice(piece: StoredTensor, start: int, stop: int) -> StoredTensor:
+    from merge_engine.torch_archive import StoredTensor
+
     return StoredTensor(piece.archive, piece.storage, piece.offset + start * piece.stride[0],
                         (stop - start, *piece.shape[1:]), piece.stride)
 
 
 def gather(pieces: list[StoredTensor], kind: TPKind, name: str):
     """The lazy full tensor from TP rank 0..n-1's pieces (see `merge_engine.architectures.parallel`)."""
+    from merge_engine.architectures.parallel import TPKind
+    from merge_engine.tensor_source import ConcatTensor, ReplicatedTensor
+    from merge_engine.torch_archive import StoredTensor
+
     if any(not isinstance(p, StoredTensor) for p in pieces):
         bad = next(p for p in pieces if not isinstance(p, StoredTensor))
         raise UnsupportedLayout(f"{name!r} holds a {type(bad).__name__}, not a tensor", None)
@@ -363,6 +378,9 @@ def gather(pieces: list[StoredTensor], kind: TPKind, name: str):
 
 
 def _fc1_gated(state: dict[str, Any], key: str) -> bool:
+    from merge_engine.architectures.parallel import is_gated_fc1
+    from merge_engine.torch_archive import StoredTensor
+
     fc2 = state.get(key.replace("linear_fc1", "linear_fc2").replace(".bias", ".weight"))
     fc1 = state.get(key.replace(".bias", ".weight"))
     if not isinstance(fc2, StoredTensor) or not isinstance(fc1, StoredTensor):
@@ -388,6 +406,9 @@ def _layer_counts(states: dict[tuple[int, int, int], list[dict[str, Any]]], grid
 
 def canonical_tensors(grid: RankGrid, archives: dict[tuple[int, int, int], TorchArchive]) -> dict[str, Any]:
     """Canonical Megatron name -> lazy full tensor, in model order (see module docstring)."""
+    from merge_engine.architectures.parallel import tp_kind
+    from merge_engine.torch_archive import StoredTensor
+
     states = _states_by_rank(grid, archives)
     offsets = _layer_counts(states, grid)
     tensors: dict[str, Any] = {}
@@ -444,6 +465,8 @@ def _canonical(key: str, first_layer: int, ep_rank: int, local_experts: int) -> 
 
 def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb
     """The canonical Megatron tensors of the checkpoint, lazily (headers read, no weights)."""
+    from merge_engine.tensor_source import AssembledSource
+
     grid = _grid(checkpoint.url, list(checkpoint.files))
     archives = _open_all(checkpoint.url, grid)
     try:
@@ -543,6 +566,8 @@ def write_file(view: MegatronViewOfHf, job: FileJob, target_url: str, sizes: Par
     share of one pipeline stage, plus the full tensor being cut. Each tensor is read (and cut)
     once per rank file.
     """
+    import torch
+
     p, e, t = job.part
     states = []
     for placed in _stage_names(view, sizes, p, e):
@@ -565,6 +590,8 @@ def finish(records: Sequence[FileRecord], target_url: str) -> list[FileRecord]:
 def _rank_piece(view: MegatronViewOfHf, name: str, rank: int, tp: int, dtype: torch.dtype | None) -> torch.Tensor:
     """TP rank ``rank``'s piece of the canonical tensor ``name``, in its own storage (the full
     tensor it was cut from is freed)."""
+    from merge_engine.architectures.parallel import split_tp, tp_kind
+
     tensor = view.read(name)
     if dtype is not None:
         tensor = tensor.to(dtype)

@@ -132,9 +132,10 @@ def test_the_watcher_runs_at_deploy_time(deployed):
 
 BAD_VALUES = [{"run_root": "ftp://host/run"}, {"run_root": "s3://bucket/run/../../other"},
               {"run_root": "s3://bucket/%2e%2e/x"}, {"run_root": "/data/../etc"}, {"max_shard_size": "lots"},
-              {"step": -1}, {"dtype": "fp17"}, {"role": "ref"}, {"release_root": "http://evil/x"}]
-# (an unknown parameter name is not in the server's schema check: the flow refuses it when the run
-# starts, before any task, tests/flows/test_params.py)
+              {"step": -1}, {"dtype": "fp17"}, {"role": "ref"}, {"release_root": "http://evil/x"},
+              {"stpe": 11}, {"run-root": "s3://bucket/run"}, {"params": {"step": 11}}]  # unknown names
+# (unknown names: `deployments.deploy` closes each schema, additionalProperties false; a bare `prefect
+# deploy` leaves it open, and the flow refuses them when the run starts, tests/flows/test_params.py)
 
 
 def test_a_step_number_alone_starts_a_merge_and_bad_values_never_make_a_run(deployed):
@@ -150,6 +151,10 @@ def test_a_step_number_alone_starts_a_merge_and_bad_values_never_make_a_run(depl
                 client.create_flow_run_from_deployment(merge.id, parameters={"step": 10, **bad})
             assert "409" in str(refused.value) or "Validation failed" in str(refused.value), (bad, refused.value)
         assert len(_runs_of(client, merge.id)) == before
+        with pytest.raises(Exception, match="'stpe' was unexpected"):
+            client.create_flow_run_from_deployment(merge.id, parameters={"step": 10, "stpe": 11})
+    for name in ("merge-new-steps/watch", "release-adapter/gpu", "verify-releases/sweep"):
+        assert deployed[name].parameter_openapi_schema["additionalProperties"] is False, name
 
 
 @pytest.mark.parametrize("missing", ["STEPMERGE_HOME", "STEPMERGE_RUN_ROOT"])
@@ -180,6 +185,7 @@ def test_another_watcher_is_one_command(deployed, prefect_api):
         runs = _runs_of(client, second.id)
     first = deployed["merge-new-steps/watch"]
     assert second.parameters["run_root"] == "s3://stepmerge-watched/exp2"
+    assert second.parameter_openapi_schema["additionalProperties"] is False
     assert (second.work_pool_name, second.pull_steps) == (first.work_pool_name, first.pull_steps)
     assert second.schedules[0].schedule.interval == first.schedules[0].schedule.interval
     assert any(r.expected_start_time <= second.created + dt.timedelta(seconds=60) for r in runs)

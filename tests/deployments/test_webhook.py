@@ -217,8 +217,8 @@ def test_a_step_sent_as_a_string_of_digits_is_that_step(client, deployed):
 
 def test_a_run_root_is_one_step_however_it_is_spelled(client, deployed):
     """``gcs://`` and ``gs://`` (the registry's canonical spelling), a trailing slash: one key, one run;
-    a shared-disk ``file:///shared/run`` and the watcher's ``/shared/run`` are one key too (the webhook
-    itself takes object stores only)."""
+    a shared-disk ``file:///shared/run`` and the watcher's ``/shared/run`` are one key too (through the
+    webhook only where the deployment opted in: the next test)."""
     canonical = _post(client, {"run_root": "gs://hooks-bucket/spelled", "step": 71})
     other = _post(client, {"run_root": "gcs://hooks-bucket/spelled/", "step": 71})
     assert canonical.status_code == other.status_code == 202, other.text
@@ -229,3 +229,24 @@ def test_a_run_root_is_one_step_however_it_is_spelled(client, deployed):
 
     assert step_key("file:///shared/run/", "actor", 70) == step_key("/shared/run", "actor", 70) == "/shared/run:actor:70"
     assert MergeStepParams(run_root="file:///shared/run", step=70).key == "/shared/run:actor:70"
+
+
+def test_a_shared_disk_run_root_is_accepted_once_opted_in_in_either_spelling(deployed, prefect_api):
+    """``STEPMERGE_WEBHOOK_SHARED_DISK_ROOTS`` says the workers mount that disk at the same path: a run root
+    under it is accepted as ``file:///x`` or ``/x`` — one key, one run, the watcher's spelling — and any other
+    local path is still refused (the default receiver refuses them all: ``MALFORMED``)."""
+    settings = WebhookSettings(token=TOKEN, prefect_api_url=prefect_api.url, shared_disk_roots=("file:///shared/",))
+    assert settings.shared_disk_roots == ("/shared",)
+    with TestClient(create_app(settings)) as shared:
+        as_url = _post(shared, {"run_root": "file:///shared/run/", "step": 72})
+        as_path = _post(shared, {"run_root": "/shared/run", "step": 72})
+        assert as_url.status_code == as_path.status_code == 202, as_url.text
+        assert as_url.json()["flow_run_id"] == as_path.json()["flow_run_id"]
+        assert as_path.json()["idempotency_key"] == "/shared/run:actor:72"
+        for outside in ("/etc/passwd", "/shared2/run", "file:///sharedx", "/shared/run/../../etc", "file://host/run"):
+            assert _post(shared, {"run_root": outside, "step": 72}).status_code == 422, outside
+    (run,) = [r for r in _runs(deployed) if str(r.id) == as_path.json()["flow_run_id"]]
+    assert run.parameters["run_root"] == "/shared/run"
+    for bad in ("/", "file:///", "relative/run", "s3://bucket/run", "/data/../etc"):
+        with pytest.raises(ValueError):
+            WebhookSettings(token=TOKEN, shared_disk_roots=(bad,))

@@ -1,0 +1,64 @@
+"""What a step's run did, as records: each stage call, each output, the step as a whole.
+
+`StageRun` (a stage task call: name, final state, wall time), `ReleaseOutcome` (one output of a
+step: where it was published, cached or not, the validation verdict) and `StepOutcome` (a
+``merge_step`` / ``release_adapter`` run: status, releases, stages). Pydantic models: they are flow
+results Prefect stores and the watcher's report embeds. No task, engine or torch import here: the
+listings-only watcher (`flows.merge_new_steps`) and the summaries import them; the stage chains
+that produce them are `flows.stages`.
+"""
+
+from typing import List, Optional
+
+from pydantic import BaseModel
+
+from flows.step_keys import step_key
+
+
+class StageRun(BaseModel):
+    """One stage task call: its name, final state and wall time (Prefect overhead included)."""
+
+    name: str
+    state: str
+    seconds: float
+
+    @property
+    def cached(self) -> bool:
+        return self.state == "Cached"
+
+
+class ReleaseOutcome(BaseModel):
+    """What one output of a step became."""
+
+    kind: str
+    url: str
+    fingerprint: str
+    already_published: bool
+    cached: bool
+    validation_ok: Optional[bool]
+    validation_summary: str = ""
+    tensors: int = 0
+    tensor_bytes: int = 0
+    files: int = 0
+    total_bytes: int = 0
+
+
+class StepOutcome(BaseModel):
+    """What a merge_step run did: status, releases, and every stage with its state and time."""
+
+    run_root: str
+    step: int
+    role: str
+    status: str  # "published" | "already_published" | "not_ready"
+    reason: str = ""
+    releases: List[ReleaseOutcome] = []
+    stages: List[StageRun] = []
+    seconds: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return step_key(self.run_root, self.role, self.step)
+
+    @property
+    def cached(self) -> bool:
+        return bool(self.releases) and all(r.cached for r in self.releases)

@@ -1,0 +1,43 @@
+"""The layout registry and discovery import no torch and no transformers (issue 11, point 10).
+
+A listings-only process (the deployed watcher) asks every layout for its verdict on a listing; the
+readers (torch archives, safetensors, DCP, family tables) are imported only by ``check_complete``,
+``open`` and ``write``. Checked in a fresh interpreter: every layout module imported, each one's
+verdict on a listing of its own format computed, and then neither module is in ``sys.modules``.
+The deployed watcher end to end: ``tests/deployments/test_watcher_imports.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+LISTING = """
+import json, sys
+from merge_engine import discovery, layouts
+from merge_engine.storage import FileEntry
+
+listing = [FileEntry(p, 10, "v") for p in (
+    "model_world_size_2_rank_0.pt", "fsdp_config.json",                      # FSDP: rank 1 missing
+    "model/mp_rank_00/model.pt", "model/mp_rank_01/model.pt",                # Megatron legacy, TP 2
+    "dist_ckpt/.metadata", "dist_ckpt/__0_0.distcp",                         # torch_dist without metadata.json
+    "huggingface/model.safetensors", "huggingface/config.json", "transformer_config.json")]
+verdicts = {name: verdict.status for name, verdict in layouts.listing_verdicts(listing)}
+print(json.dumps({"verdicts": verdicts, "modules": [m.NAME for m in layouts.LAYOUTS],
+                  "imported": [m for m in ("torch", "transformers") if m in sys.modules]}))
+"""
+
+
+def test_the_registry_judges_listings_without_torch():
+    done = subprocess.run([sys.executable, "-c", LISTING], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["modules"] == ["fsdp", "megatron_legacy", "megatron_bridge", "megatron_dist", "hf"]
+    assert report["verdicts"] == {"fsdp": "incomplete", "megatron_legacy": "complete",
+                                  "megatron_bridge": "incomplete", "megatron_dist": "incomplete", "hf": "complete"}
+    assert report["imported"] == []
