@@ -1,6 +1,7 @@
 """No dead code in the Prefect layer: every top-level function and class of flows/, tasks/ and
 deployments/ is used by the project's code (its own module counts, its definition does not), by
-``deployments/prefect.yaml`` (flow entry points) or is exported in ``__all__``."""
+``deployments/prefect.yaml`` (flow entry points) or is exported in ``__all__`` (module hooks such as
+``__getattr__``, which Python itself calls, are not counted)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def _definitions() -> list[tuple[str, str]]:
         for path in sorted((REPO / package).glob("*.py")):
             tree = ast.parse(path.read_text())
             for node in tree.body:
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and \
+                        not (node.name.startswith("__") and node.name.endswith("__")):  # a module's __getattr__: Python calls it
                     found.append((str(path.relative_to(REPO)), node.name))
     return found
 
