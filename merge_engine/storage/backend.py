@@ -263,7 +263,13 @@ class FsspecBackend(Backend):
 
     def upload_file(self, local_path: str, url: str) -> None:
         fs, path = self.filesystem(url)
-        retrying(lambda: fs.put_file(local_path, path), f"uploading {local_path} to {url}", self.classify_fault)
+        options = self.upload_options(os.path.getsize(local_path))
+        retrying(lambda: fs.put_file(local_path, path, **options), f"uploading {local_path} to {url}",
+                 self.classify_fault)
+
+    def upload_options(self, size: int) -> dict[str, Any]:
+        """Keyword arguments of the client's ``put_file`` that bound the memory one upload holds."""
+        return {}
 
     def copy_within(self, src: str, dst: str) -> bool:
         src_fs, src_path = self.filesystem(src)

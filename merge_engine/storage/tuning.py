@@ -12,6 +12,11 @@ REMOTE_READ_CHUNK = 32 * 1024 * 1024  # the largest ranged GET; ranged GETs are 
 # (or `--requests-in-flight`) changes it; 1 means one request at a time.
 REQUESTS_IN_FLIGHT = int(os.environ.get("STEPMERGE_REQUESTS_IN_FLIGHT", "32"))
 MIN_RANGE_PART = 256 * 1024  # a smaller part costs a request for too few bytes
+# Uploads of local files (publishing a staged release, stage-out): parts of UPLOAD_PART bytes, at most
+# UPLOAD_PARTS_IN_FLIGHT of them held and sent at once per file. s3fs's own defaults hold 10 parts of
+# 50 MiB per file, and a whole file under 100 MiB: 8 files copied in parallel held ~9 GB here.
+UPLOAD_PART = 16 * 1024 * 1024
+UPLOAD_PARTS_IN_FLIGHT = 4
 TRANSIENT_ATTEMPTS = 4  # attempts per retried call, on top of the storage library's own retries
 BACKOFF_BASE_S = 0.2
 BACKOFF_MAX_S = 5.0

@@ -24,6 +24,8 @@ _THROTTLE_CODES = frozenset({
     "408", "429", "500", "502", "503", "504",
 })
 
+MAX_PARTS = 10_000  # S3's limit on the parts of one multipart upload
+
 
 class S3Backend(FsspecBackend):
     schemes = ("s3", "s3a")
@@ -48,6 +50,12 @@ class S3Backend(FsspecBackend):
             config.update(connect_timeout=timeout, read_timeout=timeout)
         options["config_kwargs"] = config
         return fsspec.get_filesystem_class("s3")(**options, **common)
+
+    def upload_options(self, size: int) -> dict[str, Any]:
+        # `tuning.UPLOAD_PARTS_IN_FLIGHT` parts held at once (s3fs reads a file under two parts whole);
+        # parts grow only as S3's 10,000-part limit needs
+        return {"chunksize": max(tuning.UPLOAD_PART, -(-size // MAX_PARTS)),
+                "max_concurrency": max(1, tuning.UPLOAD_PARTS_IN_FLIGHT)}
 
     def path_in(self, fs: Any, url: str, rest: str) -> str:
         return rest

@@ -100,3 +100,39 @@ def test_copy_file_between_every_pair_of_backends(src_kind, dst_kind, request, t
     with pytest.raises(FileNotFoundError):
         storage.copy_file(src + ".missing", dst + ".2")
 
+
+
+
+UPLOAD_RSS = """
+import sys
+from merge_engine import storage
+from merge_engine.storage import tuning
+tuning.UPLOAD_PART, tuning.UPLOAD_PARTS_IN_FLIGHT = 5 * 1024 * 1024, 1  # S3's smallest part, one at a time
+storage.write_bytes(sys.argv[2] + ".warm", b"x")  # the client and its connections exist before the baseline
+
+def rss_kib(field):
+    return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith(field)))
+
+before = rss_kib("VmRSS:")
+open("/proc/self/clear_refs", "w").write("5")  # Linux: the peak (VmHWM) starts again from here
+storage.copy_file(sys.argv[1], sys.argv[2])
+print((rss_kib("VmHWM:") - before) // 1024)
+"""
+
+
+def test_an_upload_holds_a_bounded_number_of_parts(s3_bucket_url, tmp_path):
+    """Publishing a staged file to S3 holds `UPLOAD_PARTS_IN_FLIGHT` parts, not s3fs's default ten of
+    50 MiB per file (nor the whole file, which s3fs reads in one piece under 100 MiB): a 128 MiB file
+    uploaded one 5 MiB part at a time raises the peak RSS by a few parts (s3fs's defaults: by the whole file).
+    The copy is exact."""
+    import subprocess
+    import sys
+
+    data = os.urandom(128 * 1024 * 1024 + 12345)
+    source = tmp_path / "model.safetensors"
+    source.write_bytes(data)
+    target = f"{s3_bucket_url}/upload/model.safetensors"
+    grown_mib = int(subprocess.run([sys.executable, "-c", UPLOAD_RSS, str(source), target], check=True,
+                                   capture_output=True, text=True, env=dict(os.environ)).stdout.split()[-1])
+    assert grown_mib < 64, f"peak RSS grew by {grown_mib} MiB while uploading"
+    assert storage.read_bytes(target) == data
