@@ -39,6 +39,7 @@ from flows.params import (
     ShardSize,
     StepNumber,
     StorageUrl,
+    WeightsFormat,
     Workers,
     described,
 )
@@ -101,6 +102,7 @@ def merge_step(
     dtype: DtypeName = described("dtype", None),
     max_shard_size: ShardSize = described("max_shard_size", "5GB"),
     hf_model_path: Optional[StorageUrl] = described("hf_model_path", None),
+    weights_format: WeightsFormat = described("weights_format", "hub"),
     validate_forward: bool = described("validate_forward", True),
     reference_url: Optional[StorageUrl] = described("reference_url", None),
     release_adapter: bool = described("release_adapter", True),

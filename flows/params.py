@@ -15,6 +15,8 @@ anything is scheduled, never sent to a worker:
 - `ShardSize`: ``5GB``, ``500MiB``, ... (`merge_engine.option_values.SIZE_PATTERN`);
 - `DtypeName`: the spellings the command line accepts too (`merge_engine.option_values.DTYPE_SPELLINGS`),
   recorded as the canonical name (``fp16`` -> ``float16``);
+- `WeightsFormat`: ``hub`` (the names and per-expert tensors of the model's Hub checkpoint) or
+  ``transformers`` (as stored), the command line's ``--weights-format`` (`merge_engine.option_values.WEIGHTS_FORMATS`);
 - `StepNumber` (>= 0), `Role` (actor, critic, "" for SFT), positive ``lora_alpha``.
 
 Inside the flows the arguments become one model: `MergeStepParams`, `WatchParams` or `AdapterParams`
@@ -33,7 +35,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from flows.step_keys import normalized_run_root, step_key
 from flows.url_checks import checked_url
-from merge_engine.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, canonical_dtype, parse_size
+from merge_engine.option_values import (
+    DEFAULT_WEIGHTS_FORMAT, DTYPE_SPELLINGS, SIZE_PATTERN, WEIGHTS_FORMATS, canonical_dtype, parse_size,
+)
 from merge_engine.storage.schemes import backend_for_scheme, url_schemes
 
 MAX_URL_LENGTH = 1024
@@ -73,6 +77,7 @@ StepNumber = Annotated[int, Field(ge=0)]
 ShardSize = Annotated[str, Field(pattern=SIZE_PATTERN)]
 DtypeName = Annotated[Optional[DtypeSpelling], AfterValidator(_dtype)]
 LoraAlpha = Optional[Annotated[float, Field(gt=0)]]
+WeightsFormat = Literal[WEIGHTS_FORMATS]  # type: ignore[valid-type]
 Workers = Optional[Annotated[int, Field(ge=1)]]
 RAY_ADDRESS_PATTERN = r"^(auto|local|(ray://)?[A-Za-z0-9.\-]+:[0-9]{1,5})$"
 RayAddress = Optional[Annotated[str, Field(max_length=MAX_URL_LENGTH, pattern=RAY_ADDRESS_PATTERN)]]
@@ -87,6 +92,8 @@ DESCRIPTIONS: Dict[str, str] = {
     "dtype": "Output dtype (bfloat16/bf16, float16/fp16/half, float32/fp32/float); default: as stored",
     "max_shard_size": "Largest safetensors file, e.g. 5GB or 500MiB",
     "hf_model_path": "Folder with config.json + tokenizer replacing the checkpoint's huggingface/",
+    "weights_format": "Tensor names written: hub (the model's Hub checkpoint: per-expert MoE tensors, what vLLM, "
+                      "SGLang and PEFT read) or transformers (as the training job stored them)",
     "validate_forward": "Load the model and run a forward pass (GPU if present)",
     "reference_url": "A Hugging Face folder to compare values and logits with",
     "release_adapter": "For LoRA checkpoints, also release the PEFT adapter",
@@ -136,6 +143,7 @@ class PipelineOptions(RunLocation):
     dtype: DtypeName = None
     max_shard_size: ShardSize = "5GB"
     hf_model_path: Optional[StorageUrl] = None
+    weights_format: WeightsFormat = DEFAULT_WEIGHTS_FORMAT
     validate_forward: bool = True
     reference_url: Optional[StorageUrl] = None
     release_adapter: bool = True
@@ -149,7 +157,8 @@ class PipelineOptions(RunLocation):
         from tasks.records import MergeSettings
 
         return MergeSettings(dtype=self.dtype, max_shard_size=parse_size(self.max_shard_size),
-                             hf_model_path=self.hf_model_path, lora_alpha=self.lora_alpha)
+                             hf_model_path=self.hf_model_path, lora_alpha=self.lora_alpha,
+                             weights_format=self.weights_format)
 
     def adapter_settings(self):
         from tasks.records import AdapterSettings
@@ -174,8 +183,8 @@ class PipelineOptions(RunLocation):
 
     def recorded_options(self) -> dict:
         """The options that decide a release's content: recorded in its manifest."""
-        return self.model_dump(include={"dtype", "max_shard_size", "hf_model_path", "validate_forward",
-                                        "reference_url", "adapter_include_base", "lora_alpha"})
+        return self.model_dump(include={"dtype", "max_shard_size", "hf_model_path", "weights_format",
+                                        "validate_forward", "reference_url", "adapter_include_base", "lora_alpha"})
 
 
 class MergeStepParams(PipelineOptions):

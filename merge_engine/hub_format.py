@@ -31,7 +31,10 @@ from typing import Any
 
 import torch
 
-from merge_engine.errors import InvalidOption, UnsupportedLayout
+from merge_engine.errors import UnsupportedLayout
+from merge_engine.option_values import (  # noqa: F401 - the format names live with the other option values
+    DEFAULT_WEIGHTS_FORMAT, HUB, TRANSFORMERS, WEIGHTS_FORMATS, parse_weights_format,
+)
 from merge_engine.merge_plan import MergePlan, PlannedTensor, assign_shards
 from merge_engine.tensor_source import TensorSource, iter_flat_range
 from merge_engine.transformers_conversion import (
@@ -40,11 +43,6 @@ from merge_engine.transformers_conversion import (
     meta_model,
     trace_reverse_conversion,
 )
-
-HUB = "hub"
-TRANSFORMERS = "transformers"
-WEIGHTS_FORMATS = (HUB, TRANSFORMERS)
-DEFAULT_WEIGHTS_FORMAT = HUB
 
 
 def in_memory_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]] | None:
@@ -64,13 +62,6 @@ def in_weights_format(plan: MergePlan, config: Mapping[str, Any], weights_format
     if parse_weights_format(weights_format) == HUB:
         return to_hub_format(plan, config, max_shard_size)
     return plan
-
-
-def parse_weights_format(name: str | None) -> str:
-    value = (name or DEFAULT_WEIGHTS_FORMAT).lower()
-    if value not in WEIGHTS_FORMATS:
-        raise InvalidOption(f"unknown weights format {name!r}; choose one of {', '.join(WEIGHTS_FORMATS)}")
-    return value
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@ fp16`` accept the same words and record the same canonical name (``float16``):
 - `DTYPE_SPELLINGS`: every accepted spelling -> its canonical dtype name (``bfloat16``,
   ``float16``, ``float32``); `canonical_dtype` turns one into the other or raises `InvalidOption`.
 - `DEFAULT_MAX_SHARD_SIZE`: the output shard size when none is given.
+- `WEIGHTS_FORMATS`: the names a merged folder's tensors are written under (``--weights-format``,
+  the flows' ``weights_format``): ``hub`` (default; `merge_engine.hub_format`) or ``transformers``
+  (as stored); `parse_weights_format` checks one.
 - `SIZE_PATTERN`: a size such as ``5GB``, ``500MiB``, ``1.5 GB`` or ``1024`` (bytes), as a regular
   expression the Prefect server checks before it creates a run (JSON Schema ``pattern``), and
   `parse_size`, which reads exactly what the pattern admits.
@@ -26,6 +29,11 @@ DTYPE_SPELLINGS: dict[str, str] = {
 }
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3  # save_pretrained's historical default ("5GB")
+HUB = "hub"
+TRANSFORMERS = "transformers"
+WEIGHTS_FORMATS = (HUB, TRANSFORMERS)
+DEFAULT_WEIGHTS_FORMAT = HUB
+
 SIZE_UNITS: dict[str, int] = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
                               "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
 # JSON Schema patterns have no flags: the unit's letters are spelled out in both cases.
@@ -41,6 +49,14 @@ def canonical_dtype(name: str | None) -> str | None:
         return DTYPE_SPELLINGS[str(name).strip().lower()]
     except KeyError:
         raise InvalidOption(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_SPELLINGS)}") from None
+
+
+def parse_weights_format(name: str | None) -> str:
+    """``"Hub"`` -> ``"hub"``; None -> the default (``hub``); `InvalidOption` for any other name."""
+    value = (name or DEFAULT_WEIGHTS_FORMAT).lower()
+    if value not in WEIGHTS_FORMATS:
+        raise InvalidOption(f"unknown weights format {name!r}; choose one of {', '.join(WEIGHTS_FORMATS)}")
+    return value
 
 
 def parse_size(text: str | int) -> int:

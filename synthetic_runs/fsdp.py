@@ -368,7 +368,7 @@ def family_matrix() -> dict[str, FsdpSpec]:
 
     specs = {f"{family}_w2": FsdpSpec(model=ModelSpec(family=family), world_size=2, save_contents=("model",))
              for family in FAMILIES}
-    for family in ("mixtral", "qwen3_moe", "deepseek_v3", "qwen2_vl"):
+    for family in ("mixtral", "qwen3_moe", "deepseek_v3", "qwen2_vl", "gpt_oss", "qwen3_vl_moe"):
         specs[f"{family}_w3"] = FsdpSpec(model=ModelSpec(family=family), world_size=3, save_contents=("model",))
     specs["qwen3_moe_fsdp1_w2"] = FsdpSpec(model=ModelSpec(family="qwen3_moe"), world_size=2,
                                            strategy="fsdp1_mesh", save_contents=("model",))

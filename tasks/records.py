@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE
+from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE, DEFAULT_WEIGHTS_FORMAT
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:  # the engine's classes: imported where a record is turned into one (they import torch)
@@ -103,12 +103,14 @@ class MergeSettings(Record):
     hf_model_path: Optional[str] = None
     backend: Optional[str] = None
     lora_alpha: Optional[float] = None
+    weights_format: str = DEFAULT_WEIGHTS_FORMAT  # hub | transformers (`merge_engine.option_values`)
 
     def to_options(self, overwrite: bool = False) -> MergeOptions:
         from merge_engine.merge import MergeOptions
 
         return MergeOptions(backend=self.backend, dtype=self.dtype, max_shard_size=self.max_shard_size,
-                            hf_model_path=self.hf_model_path, lora_alpha=self.lora_alpha, overwrite=overwrite)
+                            hf_model_path=self.hf_model_path, lora_alpha=self.lora_alpha, overwrite=overwrite,
+                            weights_format=self.weights_format)
 
 
 class AdapterSettings(Record):

@@ -5,7 +5,9 @@ Contract:
   (`merge_engine.layouts.hf`, one check per stage: index with safe, existing file names; every
   safetensors header (`merge_engine.safetensors_file`); index and headers agree; ``total_size``);
   the keys and shapes the config implies (its model class on the ``meta`` device, saved the way
-  ``save_pretrained`` would save it) are exactly the keys and shapes on disk; no NaN/inf.
+  ``save_pretrained`` would save it; under the names of the weights format ``stepmerge.json``
+  records: ``hub`` by default, ``transformers`` = as stored) are exactly the keys and shapes on
+  disk; no NaN/inf.
 - `compare_to_reference`: the one comparison (`compare.compare_tensors`, verl's ``test``
   semantics): same keys, shapes, dtypes, and values within ``atol + rtol * |reference|`` with
   the one set of tolerances (`WEIGHT_TOLERANCE` 1e-6 / 1e-6); NaN never equal; the first failing

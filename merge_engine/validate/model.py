@@ -17,8 +17,10 @@ def validate_model(model_url: str, reference_url: str | None = None, *, forward:
                    atol: float = WEIGHT_TOLERANCE.atol, rtol: float = WEIGHT_TOLERANCE.rtol,
                    logits_atol: float = LOGIT_TOLERANCE.atol, logits_rtol: float = LOGIT_TOLERANCE.rtol,
                    device: str | None = None, trust_remote_code: bool = False,
-                   chunk_bytes: int = CHUNK_BYTES) -> ValidationReport:
+                   chunk_bytes: int = CHUNK_BYTES, weights_format: str | None = None) -> ValidationReport:
     """Structure, then (with a reference) values, then (with `forward`) load + forward + logits.
+
+    ``weights_format``: the names the structure check expects (None: as ``stepmerge.json`` records).
 
     A remote folder is staged once into a temp dir when a forward pass needs it, and every check
     then reads the staged copy; the report names the original URLs.
@@ -29,7 +31,8 @@ def validate_model(model_url: str, reference_url: str | None = None, *, forward:
             model_path = stack.enter_context(local_folder(model_url))
         if forward and reference_url is not None and not storage.is_local(reference_url):
             reference_path = stack.enter_context(local_folder(reference_url))
-        report = validate_structure(model_path, trust_remote_code=trust_remote_code, chunk_bytes=chunk_bytes)
+        report = validate_structure(model_path, trust_remote_code=trust_remote_code, chunk_bytes=chunk_bytes,
+                                    weights_format=weights_format)
         if reference_path is not None:
             report = report.extended(compare_to_reference(model_path, reference_path, atol, rtol,
                                                           chunk_bytes=chunk_bytes))

@@ -5,6 +5,12 @@ and shapes its config implies, and no NaN/inf.
 ``save_pretrained`` would write: tied aliases and ``_keys_to_ignore_on_save`` dropped, weight
 conversions reverted (transformers' own save-time rules). Tensor bytes are read in chunks of
 ``chunk_bytes`` through the HF layout's `TensorSource`, never a whole tensor.
+
+The names are those of the format the folder was written in: ``stepmerge.json``'s
+``options.weights_format`` (`merge_engine.hub_format`; absent: ``hub``). ``hub``: what
+``save_pretrained`` writes. ``transformers`` (the names as stored by the training job): the model's
+in-memory names (transformers v5's fused experts, ``model.language_model``) or, for a checkpoint
+saved under transformers 4.x, the Hub names; the key set must equal one of the two exactly.
 """
 
 from __future__ import annotations
@@ -13,20 +19,26 @@ from typing import Any
 
 from merge_engine import storage
 from merge_engine.architectures.mtp import hub_mtp_names
+from merge_engine.errors import InvalidOption
 from merge_engine.hf_metadata import CONFIG_FILE
+from merge_engine.option_values import HUB, TRANSFORMERS, parse_weights_format
 from merge_engine.json_file import read_json_object
+from merge_engine.output_target import PROVENANCE_FILE, read_provenance
 from merge_engine.validate.forward import architecture_of, model_class
 from merge_engine.validate.report import Check, ValidationReport
 from merge_engine.validate.staging import local_folder
 from merge_engine.validate.weights import CHUNK_BYTES, FolderWeights, few, scan_weights, top_level_listing
 
 
-def expected_tensors(config: Any, trust_remote_code: bool = False) -> dict[str, tuple[int, ...]]:
+def expected_tensors(config: Any, trust_remote_code: bool = False,
+                     weights_format: str = HUB) -> dict[str, tuple[int, ...]]:
     """Key -> shape of what ``save_pretrained`` writes for a model with this config (meta device).
 
     Tied aliases (``lm_head.weight`` with ``tie_word_embeddings``) and ``_keys_to_ignore_on_save``
-    are dropped and transformers' weight conversions reverted, as ``save_pretrained`` does.
+    are dropped and, for ``weights_format="hub"``, transformers' weight conversions reverted, as
+    ``save_pretrained`` does; ``"transformers"``: the in-memory names (no conversion reverted).
     """
+    weights_format = parse_weights_format(weights_format)
     import torch
 
     cls, via_auto = model_class(config)
@@ -42,8 +54,10 @@ def expected_tensors(config: Any, trust_remote_code: bool = False) -> dict[str, 
         from transformers.core_model_loading import revert_weight_conversion
         from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-        state = revert_weight_conversion(model, remove_tied_weights_from_state_dict(state, model))
-    except ImportError:  # older transformers: a tied alias is the same Parameter under a later key
+        state = remove_tied_weights_from_state_dict(state, model)
+        if weights_format == HUB:
+            state = revert_weight_conversion(model, state)
+    except ImportError:  # (transformers 4.x converts no names)  # older transformers: a tied alias is the same Parameter under a later key
         seen: set[int] = set()
         for key in list(state):
             if id(state[key]) in seen:
@@ -61,12 +75,43 @@ def load_config(model_url: str, trust_remote_code: bool) -> Any:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
-def _check_expected(config: Any, weights: FolderWeights, trust_remote_code: bool) -> list[Check]:
+def recorded_weights_format(model_url: str, listing: Any) -> str:
+    """The weights format ``stepmerge.json`` records for the folder (``hub`` when there is none).
+
+    `InvalidOption` naming the file when it records a format this version does not know."""
+    if PROVENANCE_FILE not in listing:
+        return HUB
+    options = (read_provenance(model_url) or {}).get("options")
+    recorded = options.get("weights_format") if isinstance(options, dict) else None
     try:
-        expected = expected_tensors(config, trust_remote_code)
+        return parse_weights_format(recorded if recorded is None or isinstance(recorded, str) else repr(recorded))
+    except InvalidOption as exc:
+        raise InvalidOption(f"{PROVENANCE_FILE}: {exc}", storage.join(model_url, PROVENANCE_FILE)) from None
+
+
+def _expected_in_format(config: Any, on_disk: dict[str, Any], trust_remote_code: bool,
+                        weights_format: str) -> tuple[dict[str, tuple[int, ...]], str]:
+    """The expected key -> shape for ``weights_format``, and the words naming those names."""
+    hub = expected_tensors(config, trust_remote_code, HUB)
+    if weights_format == HUB:
+        return hub, "Hub names"
+    memory = expected_tensors(config, trust_remote_code, TRANSFORMERS)
+    if memory == hub:
+        return hub, "stored names (= Hub names)"
+    # as stored: the in-memory names (written under transformers v5) or the Hub names (under 4.x)
+    difference = {id(names): len(set(names) ^ set(on_disk)) for names in (memory, hub)}
+    if difference[id(hub)] < difference[id(memory)]:
+        return hub, "stored names (Hub names, as transformers 4.x saves them)"
+    return memory, "stored names (transformers' in-memory names)"
+
+
+def _check_expected(config: Any, weights: FolderWeights, trust_remote_code: bool,
+                    weights_format: str) -> list[Check]:
+    on_disk = {name: entry.shape for name, entry in weights.entries.items()}
+    try:
+        expected, naming = _expected_in_format(config, on_disk, trust_remote_code, weights_format)
     except Exception as exc:  # noqa: BLE001 - any failure to build the model is a failed check
         return [Check("expected_keys", False, f"cannot instantiate {architecture_of(config)!r}: {exc}")]
-    on_disk = {name: entry.shape for name, entry in weights.entries.items()}
     missing = sorted(set(expected) - set(on_disk))
     # exported multi-token-prediction layers (DeepSeek, GLM): Hub keys transformers builds no module for
     mtp = hub_mtp_names(config, on_disk)
@@ -77,7 +122,9 @@ def _check_expected(config: Any, weights: FolderWeights, trust_remote_code: bool
     if unexpected:
         tied = " (tied weights must be absent)" if getattr(config, "tie_word_embeddings", False) else ""
         detail.append(f"unexpected {few(unexpected)}{tied}")
-    summary = "; ".join(detail) or f"{len(expected)} keys as {architecture_of(config)}" + (
+    if detail:
+        detail.append(f"compared with the {naming} of weights_format={weights_format}")
+    summary = "; ".join(detail) or f"{len(expected)} keys as {architecture_of(config)}, {naming}" + (
         f" + {len(mtp)} keys of exported MTP layers" if mtp else "")
     checks = [Check("expected_keys", not detail, summary)]
     wrong = [f"{k}: {list(on_disk[k])} != expected {list(s)}" for k, s in sorted(expected.items())
@@ -107,9 +154,12 @@ def _check_finite(weights: FolderWeights, chunk_bytes: int) -> Check:
     return Check("finite", True, f"{scanned} bytes scanned")
 
 
-def validate_structure(model_url: str, *, trust_remote_code: bool = False,
-                       chunk_bytes: int = CHUNK_BYTES) -> ValidationReport:
+def validate_structure(model_url: str, *, trust_remote_code: bool = False, chunk_bytes: int = CHUNK_BYTES,
+                       weights_format: str | None = None) -> ValidationReport:
     """Config, index, headers, total_size, expected keys/shapes and NaN/inf of a model folder.
+
+    The expected names are those of ``weights_format`` (None: what the folder's ``stepmerge.json``
+    records, ``hub`` without one; a format it records that is unknown fails ``expected_keys``).
 
     Reads headers and tensor bytes with ranged reads (no staging); stages only ``config.json``
     (and ``*.py`` remote code) of a remote folder to build the model class on the meta device.
@@ -132,6 +182,12 @@ def validate_structure(model_url: str, *, trust_remote_code: bool = False,
     if weights is not None:
         with weights:
             if config is not None:
-                checks += _check_expected(config, weights, trust_remote_code)
+                try:
+                    fmt = parse_weights_format(weights_format) if weights_format is not None else \
+                        recorded_weights_format(model_url, listing)
+                except InvalidOption as exc:
+                    checks.append(Check("expected_keys", False, str(exc)))
+                else:
+                    checks += _check_expected(config, weights, trust_remote_code, fmt)
             checks.append(_check_finite(weights, chunk_bytes))
     return ValidationReport(model_url, tuple(checks))

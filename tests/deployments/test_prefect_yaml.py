@@ -133,6 +133,7 @@ def test_the_watcher_runs_at_deploy_time(deployed):
 BAD_VALUES = [{"run_root": "ftp://host/run"}, {"run_root": "s3://bucket/run/../../other"},
               {"run_root": "s3://bucket/%2e%2e/x"}, {"run_root": "/data/../etc"}, {"max_shard_size": "lots"},
               {"step": -1}, {"dtype": "fp17"}, {"role": "ref"}, {"release_root": "http://evil/x"},
+              {"weights_format": "gguf"},
               {"stpe": 11}, {"run-root": "s3://bucket/run"}, {"params": {"step": 11}}]  # unknown names
 # (unknown names: `deployments.deploy` closes each schema, additionalProperties false; a bare `prefect
 # deploy` leaves it open, and the flow refuses them when the run starts, tests/flows/test_params.py)

@@ -10,7 +10,10 @@
   merge_step fails at once (before merging anything: no staging left); with it the release is
   replaced and records the new listing;
 - ``hf_model_path``: a changed folder content (same URL) is a new merge, not a cache hit;
-- ``reference_url``: values and logits compared; a different model fails validation, publishes nothing.
+- ``reference_url``: values and logits compared; a different model fails validation, publishes nothing;
+- ``weights_format="transformers"`` on a MoE run (Mixtral, FSDP2): the release holds the stored, fused
+  expert tensors, records the format, and passes validation against those names (the default ``hub``
+  release of the same step holds the per-expert Hub names).
 """
 
 from __future__ import annotations
@@ -167,3 +170,20 @@ def test_reference_url_compares_values_and_a_different_model_fails(prefect, temp
         other.result()
     assert not storage.list_files(release_url(str(tmp_path / "second"), ROLE, 2))
     assert not storage.list_files(str(tmp_path / "staging"))
+
+
+def test_weights_format_transformers_releases_the_stored_moe_names_and_validates(prefect, family_runs, tmp_path):
+    run_root = str(tmp_path / "run")
+    shutil.copytree(family_runs["mixtral_w2"].root, run_root)
+    step = int(Path(family_runs["mixtral_w2"].latest.step_dir).name.rsplit("_", 1)[1])
+    outcome = merge_step(**MergeStepParams(run_root=run_root, step=step, staging_root=str(tmp_path / "staging"),
+                                           weights_format="transformers", release_adapter=False).flow_parameters())
+    (release,) = outcome.releases
+    assert outcome.status == "published" and release.validation_ok
+    assert read_manifest(release.url).options["weights_format"] == "transformers"
+    checks = _checks(release.url)
+    assert "in-memory names" in checks["expected_keys"]["detail"] and checks["forward"]["ok"]
+    with safe_open(str(Path(release.url) / "model.safetensors"), "pt") as weights:
+        names = set(weights.keys())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names
+    assert not any("block_sparse_moe" in name for name in names)

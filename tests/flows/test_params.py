@@ -19,7 +19,7 @@ from flows.merge_step import merge_step
 from flows.params import URL_PATTERN, AdapterParams, MergeStepParams, RunLocation, WatchParams
 from flows.release_adapter import release_adapter
 from flows.url_checks import checked_url
-from merge_engine.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, parse_size
+from merge_engine.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, WEIGHTS_FORMATS, parse_size
 from tests.fixtures_pipeline import flow_run_id, task_runs
 
 FLOWS = [(merge_step, MergeStepParams), (merge_new_steps, WatchParams), (release_adapter, AdapterParams)]
@@ -36,7 +36,10 @@ def test_the_ui_form_has_every_option_with_its_default_and_constraints():
     assert props["max_shard_size"]["default"] == "5GB"
     assert props["validate_forward"]["default"] is True and props["overwrite"]["default"] is False
     assert all(p.get("description") for p in props.values())
+    assert props["weights_format"]["default"] == "hub" and props["weights_format"]["enum"] == list(WEIGHTS_FORMATS)
     watch = merge_new_steps.parameters.model_dump()
+    assert {k: v for k, v in watch["properties"]["weights_format"].items() if k != "position"} == \
+        {k: v for k, v in props["weights_format"].items() if k != "position"}
     assert watch["required"] == ["run_root"]
     assert watch["properties"]["merge_deployment"]["default"] == "merge-step/gpu"
     assert watch["properties"]["roles"]["default"] == ["actor", ""]
@@ -96,6 +99,8 @@ def test_the_size_pattern_admits_what_parse_size_reads(size, ok):
     {"release_root": "http://evil/x"},
     {"unknown_option": 1},
     {"dtype": "fp17"},
+    {"weights_format": "gguf"},
+    {"weights_format": None},
 ])
 def test_bad_parameters_are_refused(bad):
     with pytest.raises(ValidationError):
@@ -137,6 +142,25 @@ def test_lora_alpha_reaches_the_merge_and_its_cache_key():
     assert params.merge_settings().to_options().lora_alpha == 16
     assert params.adapter_settings().lora_alpha == 16
     assert params.merge_settings() != MergeStepParams(run_root="s3://bucket/run", step=3).merge_settings()
+
+
+def test_weights_format_reaches_the_merge_its_cache_key_and_the_manifest():
+    """The form's weights_format is the command line's --weights-format (default hub)."""
+    default = MergeStepParams(run_root="s3://bucket/run", step=3)
+    stored = MergeStepParams(run_root="s3://bucket/run", step=3, weights_format="transformers")
+    assert default.merge_settings().to_options().weights_format == "hub"
+    assert stored.merge_settings().to_options().weights_format == "transformers"
+    assert stored.merge_settings() != default.merge_settings()  # another merge, not a cache hit
+    assert stored.recorded_options()["weights_format"] == "transformers"
+    watch = WatchParams(run_root="s3://bucket/run", weights_format="transformers")
+    assert watch.step_params(type("Step", (), {"step": 3, "role": "actor"})()).weights_format == "transformers"
+
+
+def test_a_bad_weights_format_fails_the_run_before_any_task(prefect):
+    state = merge_step(run_root="s3://bucket/run", step=5, weights_format="gguf", return_state=True)
+    assert state.is_failed()
+    assert "weights_format" in str(state.message)
+    assert task_runs(flow_run_id(state)) == {}
 
 
 @pytest.mark.parametrize("model", [MergeStepParams, WatchParams, AdapterParams])

@@ -7,7 +7,8 @@ Specification:
 - Every family of the architecture matrix (FSDP1/FSDP2, world 2 and 3, uneven and dim>0 shards),
   merged: bit for bit equal to the ``save_pretrained`` folder of the model it was sharded from,
   the same names, a transformers load with no missing or unexpected key, and equal logits.
-- ``--weights-format transformers`` writes the names as stored; the choice is in ``stepmerge.json``.
+- ``--weights-format transformers`` writes the names as stored; the choice is in ``stepmerge.json``,
+  and validation expects the names of the recorded format.
 - A per-expert tensor is planned as ranged reads: its bytes, not the fused tensor's, are read
   (tests/merge_engine/test_tensor_source.py::TestRanges, test_transformers_conversion.py).
 """
@@ -109,6 +110,12 @@ def test_transformers_format_keeps_the_stored_names(family_runs, tmp_path):
     assert all(torch.equal(written[k], stored[k]) for k in stored)
     with open(target / "stepmerge.json") as handle:
         assert json.load(handle)["options"]["weights_format"] == "transformers"
+    from merge_engine.validate import validate_structure
+
+    report = validate_structure(str(target))  # judged by the names it was written in (stepmerge.json)
+    assert report.ok, report.summary()
+    assert "in-memory names" in report.check("expected_keys").detail
+    assert not validate_structure(str(target), weights_format="hub").ok  # as Hub names they are wrong
 
 
 def test_gpt_neox_head_named_by_the_model(family_runs):

@@ -164,7 +164,8 @@ def test_family_matrix_covers_every_family():
 
     specs = family_matrix().values()
     assert {s.model.family for s in specs if s.world_size == 2} == set(FAMILIES)
-    assert {"mixtral", "qwen3_moe", "deepseek_v3", "qwen2_vl"} <= {s.model.family for s in specs if s.world_size == 3}
+    assert {"mixtral", "qwen3_moe", "deepseek_v3", "qwen2_vl", "gpt_oss", "qwen3_vl_moe"} <= \
+        {s.model.family for s in specs if s.world_size == 3}
     assert {s.strategy for s in specs} == {"fsdp2", "fsdp1_mesh", "fsdp2_tp"}
     assert any(s.shard_dim == 1 and s.world_size == 3 for s in specs)
     assert any(s.key_renames for s in specs)

@@ -20,6 +20,10 @@ QWEN = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_lay
 LLAMA = dict(vocab_size=103, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
 
+MIXTRAL = dict(vocab_size=107, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2, tie_word_embeddings=False,
+               architectures=["MixtralForCausalLM"])
+
 
 def model_tensors(config) -> dict[str, torch.Tensor]:
     """What save_pretrained writes for a freshly initialised model (tied aliases dropped)."""
@@ -32,10 +36,13 @@ def model_tensors(config) -> dict[str, torch.Tensor]:
 
 
 def write_hf_folder(url: str, config, tensors: dict[str, torch.Tensor], *, shards: int = 3,
-                    index_edit=None, config_text: str | None = None) -> str:
+                    index_edit=None, config_text: str | None = None, provenance: dict | None = None) -> str:
     """A Hugging Face folder: config.json, `shards` safetensors files (1: model.safetensors, no index)
-    and an index with the true total_size unless `index_edit` changes it."""
+    and an index with the true total_size unless `index_edit` changes it; ``provenance``: a
+    ``stepmerge.json`` as a merge writes it."""
     storage.write_bytes(storage.join(url, "config.json"), (config_text or config.to_json_string()).encode())
+    if provenance is not None:
+        storage.write_bytes(storage.join(url, "stepmerge.json"), json.dumps(provenance).encode())
     names = sorted(tensors)
     if shards == 1:
         storage.write_bytes(storage.join(url, "model.safetensors"), safetensors_bytes(tensors))

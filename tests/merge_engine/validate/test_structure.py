@@ -146,3 +146,88 @@ class TestExpectedTensors:
         for name in ("..", "../a.safetensors", "a/../../b.safetensors", "C:\\x.safetensors", "", None, 3):
             assert unsafe_file_name(name) is not None
 
+
+
+def _provenance(weights_format: object) -> dict:
+    return {"fingerprint": "f", "options": {"weights_format": weights_format}}
+
+
+class TestWeightsFormat:
+    """The expected names are those of the format the folder was written in (``stepmerge.json``)."""
+
+    def test_transformers_format_moe_passes_with_its_stored_names(self, root_url, mixtral_names):
+        """A `--weights-format transformers` Mixtral (fused experts, v5's in-memory names) is complete."""
+        config, memory, _ = mixtral_names
+        assert "model.layers.0.mlp.experts.gate_up_proj" in memory
+        url = write_hf_folder(storage.join(root_url, "m"), config, memory, provenance=_provenance("transformers"))
+        report = validate_structure(url)
+        assert report.ok, report.summary()
+        assert "in-memory names" in report.check("expected_keys").detail
+
+    def test_the_same_folder_without_its_record_is_judged_by_hub_names(self, root_url, mixtral_names):
+        """Without stepmerge.json the folder must hold the Hub names: fused experts are unexpected there."""
+        config, memory, _ = mixtral_names
+        report = validate_structure(write_hf_folder(storage.join(root_url, "m"), config, memory))
+        assert set(failed(report)) == {"expected_keys"}
+        detail = failed(report)["expected_keys"]
+        assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in detail and "gate_up_proj" in detail
+
+    def test_hub_format_passes_and_still_fails_on_a_wrong_name(self, root_url, mixtral_names):
+        config, _, hub = mixtral_names
+        good = validate_structure(write_hf_folder(storage.join(root_url, "good"), config, hub,
+                                                  provenance=_provenance("hub")))
+        assert good.ok, good.summary()
+        renamed = dict(hub)
+        renamed["model.layers.1.block_sparse_moe.experts.2.w9.weight"] = renamed.pop(
+            "model.layers.1.block_sparse_moe.experts.2.w1.weight")
+        bad = validate_structure(write_hf_folder(storage.join(root_url, "bad"), config, renamed,
+                                                 provenance=_provenance("hub")))
+        assert set(failed(bad)) == {"expected_keys"}
+        assert "experts.2.w9.weight" in failed(bad)["expected_keys"]
+        assert "experts.2.w1.weight" in failed(bad)["expected_keys"]
+
+    def test_transformers_format_fails_on_a_wrong_name(self, root_url, mixtral_names):
+        config, memory, _ = mixtral_names
+        renamed = dict(memory)
+        renamed["model.layers.1.mlp.experts.gate_up"] = renamed.pop("model.layers.1.mlp.experts.gate_up_proj")
+        report = validate_structure(write_hf_folder(storage.join(root_url, "m"), config, renamed,
+                                                    provenance=_provenance("transformers")))
+        assert set(failed(report)) == {"expected_keys"}
+        assert "model.layers.1.mlp.experts.gate_up_proj" in failed(report)["expected_keys"]
+
+    def test_transformers_format_of_a_4x_checkpoint_holds_hub_names(self, root_url, mixtral_names):
+        """A checkpoint saved under transformers 4.x stores the Hub names: as stored, they are complete."""
+        config, _, hub = mixtral_names
+        report = validate_structure(write_hf_folder(storage.join(root_url, "m"), config, hub,
+                                                    provenance=_provenance("transformers")))
+        assert report.ok, report.summary()
+        assert "Hub names" in report.check("expected_keys").detail
+
+    def test_mixed_names_fail_in_either_format(self, root_url, mixtral_names):
+        """One layer fused, the other per expert: equal to neither key set."""
+        config, memory, hub = mixtral_names
+        mixed = {k: v for k, v in memory.items() if not k.startswith("model.layers.1.")}
+        mixed |= {k: v for k, v in hub.items() if k.startswith("model.layers.1.")}
+        for fmt in ("transformers", "hub"):
+            report = validate_structure(write_hf_folder(storage.join(root_url, fmt), config, mixed,
+                                                        provenance=_provenance(fmt)))
+            assert set(failed(report)) == {"expected_keys"}, fmt
+
+    @pytest.mark.parametrize("recorded", ["gguf", 3])
+    def test_an_unknown_recorded_format_fails_naming_the_record(self, root_url, mixtral_names, recorded):
+        config, memory, _ = mixtral_names
+        report = validate_structure(write_hf_folder(storage.join(root_url, "m"), config, memory,
+                                                    provenance=_provenance(recorded)))
+        assert set(failed(report)) == {"expected_keys"}
+        assert "stepmerge.json" in failed(report)["expected_keys"] and "weights format" in failed(report)["expected_keys"]
+
+    def test_an_explicit_format_wins_over_the_record(self, root_url, mixtral_names):
+        config, memory, _ = mixtral_names
+        url = write_hf_folder(storage.join(root_url, "m"), config, memory, provenance=_provenance("transformers"))
+        assert not validate_structure(url, weights_format="hub").ok
+        assert validate_structure(url, weights_format="transformers").ok
+
+    def test_expected_in_memory_names(self, mixtral_names):
+        config, memory, hub = mixtral_names
+        assert expected_tensors(config, weights_format="transformers") == {k: tuple(v.shape) for k, v in memory.items()}
+        assert expected_tensors(config) == {k: tuple(v.shape) for k, v in hub.items()}
