@@ -236,10 +236,8 @@ class MegatronSpec:
                 p.append("MLA has one key and value per head: num_kv_heads must equal num_heads")
             if self.legacy_names == "te":
                 p.append("TE names of MLA modules are not written (local spec names only)")
-            if self.tp != 1:
-                # the local spec's MLA down-projections are column-parallel, TE's are duplicated: a
-                # per-rank file written here would not be what a GPU run writes
-                p.append("MLA fixtures are written with tp=1")
+            if self.tp != 1 and self.mtp_layers:
+                p.append("MTP layers are written with tp=1 (their tensors are not cut over TP ranks here)")
         if fam.router_sigmoid and (self.shared_expert_size is None
                                    or self.shared_expert_size % (self.moe_ffn_hidden_size or 1)):
             p.append("DeepSeek's / GLM's shared expert size is n_shared_experts * moe_ffn_hidden_size")
@@ -437,6 +435,13 @@ def _split(t: torch.Tensor, parts: int, rank: int, dim: int) -> torch.Tensor:
     return torch.chunk(t, parts, dim=dim)[rank].contiguous()
 
 
+# Multi-latent attention in the local spec: every projection but linear_proj is a ColumnParallelLinear,
+# the low-rank down-projections too (their outputs are gathered before the norms); TransformerEngine's
+# spec duplicates the down-projections instead (TELinear, parallel_mode="duplicated"), which needs a GPU.
+MLA_COLUMN_PARALLEL = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight", "linear_q_up_proj.weight",
+                       "linear_kv_up_proj.weight", "linear_q_proj.weight")
+
+
 def _tp_slice(layer_name: str, t: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
     """The TP rank's part of one per-layer tensor (expert tensor parallel = tp)."""
     if tp == 1:
@@ -450,6 +455,8 @@ def _tp_slice(layer_name: str, t: torch.Tensor, tp: int, tp_rank: int) -> torch.
         return torch.cat([_split(gate, tp, tp_rank, 0), _split(up, tp, tp_rank, 0)], dim=0)
     if layer_name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return _split(t, tp, tp_rank, 1)  # row parallel
+    if layer_name.endswith(MLA_COLUMN_PARALLEL):
+        return _split(t, tp, tp_rank, 0)
     return t  # norms, router, shared-expert gate: replicated
 
 
@@ -1085,7 +1092,7 @@ def megatron_fixture_matrix() -> dict[str, MegatronSpec]:
     Covers TP x PP in {1x1, 2x1, 1x2, 2x2}, VPP 2 (legacy, megatron_lm and dist), GQA with
     TP > KV heads (tp=2, kv=1), tied (PP=1 and PP>1) and untied, MoE with EP 2 (also with PP 2,
     with expert TP 2, and with shared experts), mixed dense / MoE layers (torch_dist and TE-named
-    legacy), DeepSeek-V3 (MLA), GLM-4.5, TE-style legacy names, every family, every format.
+    legacy), DeepSeek-V3 (MLA; also at TP 2), GLM-4.5, TE-style legacy names, every family, every format.
     """
     s = MegatronSpec
     return {
@@ -1121,6 +1128,11 @@ def megatron_fixture_matrix() -> dict[str, MegatronSpec]:
                                          moe_layer_freq=(0, 1, 1, 1), mtp_layers=1, fmt="dist_v2"),
         "deepseek_v3_ep2_legacy": s(family="deepseek_v3", num_kv_heads=4, ep=2, moe_layer_freq=(0, 0, 1, 1),
                                     mtp_layers=1, fmt="legacy"),
+        # DeepSeek-V3 at TP 2 (local spec: the MLA down-projections are column-parallel, cut in row pieces)
+        "deepseek_v3_tp2_ep2_legacy": s(family="deepseek_v3", num_kv_heads=4, tp=2, ep=2, moe_layer_freq=(0, 1, 1, 1),
+                                        fmt="legacy"),
+        "deepseek_v3_tp2_pp2_dist_v1": s(family="deepseek_v3", num_kv_heads=4, tp=2, pp=2, moe_layer_freq=(0, 1, 1, 1),
+                                         fmt="dist_v1"),
         # GLM-4.5: q/k/v bias + q/k norms, half-rotary RoPE, sigmoid router + bias, shared experts, layer 0 dense
         "glm4_moe_tp2_ep2_dist_v1": s(family="glm4_moe", tp=2, ep=2, moe_layer_freq=(0, 1, 1, 1), fmt="dist_v1"),
     }

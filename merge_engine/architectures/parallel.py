@@ -11,8 +11,12 @@ linear_fc1 (gated MLP)         gated column   each rank holds [its gate rows; it
                                               all gates, then all ups
 linear_fc1 (plain MLP)         column         concatenate rows
 linear_q_up_proj,              column         concatenate rows (whole heads; multi-latent
-  linear_kv_up_proj, linear_q_proj              attention; the low-rank down-projections are
-                                              duplicated on every rank, as TransformerEngine's)
+  linear_kv_up_proj, linear_q_proj              attention)
+linear_q_down_proj,            column         concatenate rows: megatron-core's local spec
+  linear_kv_down_proj           (local) or    (ColumnParallelLinear, outputs gathered), what
+                                replicated     `split_tp` writes; TransformerEngine's spec
+                                (TE)           duplicates them on every rank (TELinear
+                                               "duplicated"): `mla_down_projection_kind`
 eh_proj (MTP layers)           column         concatenate rows
 linear_proj, linear_fc2        row            concatenate columns (dim 1)
 anything else                  replicated     identical on every rank (norms, router, biases
@@ -53,6 +57,8 @@ TP_RULES: tuple[tuple[str, TPKind], ...] = (
     ("eh_proj.weight", TPKind.COLUMN),  # an MTP layer's projection of [embedding; hidden]
     ("linear_q_up_proj.weight", TPKind.COLUMN),
     ("linear_kv_up_proj.weight", TPKind.COLUMN),
+    ("linear_q_down_proj.weight", TPKind.COLUMN),  # local spec; TE duplicates: `mla_down_projection_kind`
+    ("linear_kv_down_proj.weight", TPKind.COLUMN),
     ("linear_fc1.weight", TPKind.GATED_COLUMN),
     ("linear_fc1.bias", TPKind.GATED_COLUMN),
     ("linear_proj.weight", TPKind.ROW),
@@ -74,6 +80,33 @@ def tp_kind(name: str, gated: bool = True, piece_rows: Sequence[int] = ()) -> TP
                 return TPKind.COLUMN
             return kind
     return TPKind.REPLICATED
+
+
+MLA_Q_DOWN = "linear_q_down_proj.weight"
+MLA_KV_DOWN = "linear_kv_down_proj.weight"
+MLA_Q_UP = "linear_q_up_proj.weight"
+MLA_TE_NORMS = ("linear_q_up_proj.layer_norm_weight", "linear_kv_up_proj.layer_norm_weight")
+
+
+def mla_down_projection_kind(q_down_rows: Sequence[int] | None, q_lora_rank: int | None, te_names: bool) -> TPKind:
+    """How one layer's MLA down-projections (q and kv alike: one spec built both) are held by the TP
+    ranks of a per-rank checkpoint: cut in row pieces (megatron-core's local spec) or duplicated
+    (TransformerEngine's).
+
+    Decided from shapes when the layer has a q down-projection: each rank's rows (``q_down_rows``)
+    against ``q_lora_rank`` (the in-features of ``linear_q_up_proj``): all of them -> REPLICATED, a
+    1/TP share -> COLUMN, anything else `ValueError`. Without one (no q low-rank), from the names:
+    TE's fused low-rank norms (``te_names``, `MLA_TE_NORMS`) -> REPLICATED, else COLUMN.
+    """
+    if q_down_rows and q_lora_rank:
+        tp = len(q_down_rows)
+        if all(rows == q_lora_rank for rows in q_down_rows):
+            return TPKind.REPLICATED
+        if all(rows * tp == q_lora_rank for rows in q_down_rows):
+            return TPKind.COLUMN
+        raise ValueError(f"q down-projection pieces of {list(q_down_rows)} rows fit neither q_lora_rank={q_lora_rank} "
+                         f"on every TP rank (duplicated) nor 1/{tp} of it on each (column-parallel)")
+    return TPKind.REPLICATED if te_names else TPKind.COLUMN
 
 
 def is_gated_fc1(fc1_rows: int, fc2_cols: int) -> bool:

@@ -406,7 +406,7 @@ def _layer_counts(states: dict[tuple[int, int, int], list[dict[str, Any]]], grid
 
 def canonical_tensors(grid: RankGrid, archives: dict[tuple[int, int, int], TorchArchive]) -> dict[str, Any]:
     """Canonical Megatron name -> lazy full tensor, in model order (see module docstring)."""
-    from merge_engine.architectures.parallel import tp_kind
+    from merge_engine.architectures.parallel import MLA_KV_DOWN, MLA_Q_DOWN, tp_kind
     from merge_engine.torch_archive import StoredTensor
 
     states = _states_by_rank(grid, archives)
@@ -430,8 +430,31 @@ def canonical_tensors(grid: RankGrid, archives: dict[tuple[int, int, int], Torch
                     if name in tensors:
                         raise CorruptShard(f"{name} is stored twice (stage {p}, chunk {v})", archives[(0, p, e)].url)
                     rows = [piece.shape[0] if isinstance(piece, StoredTensor) and piece.shape else 0 for piece in pieces]
-                    tensors[name] = gather(pieces, tp_kind(name, gated, rows), name)
+                    kind = tp_kind(name, gated, rows)
+                    if grid.tp > 1 and key.endswith((MLA_Q_DOWN, MLA_KV_DOWN)):
+                        kind = _mla_down_kind(key, [states[(t, p, e)][v] for t in range(grid.tp)],
+                                              archives[(0, p, e)].url)
+                    tensors[name] = gather(pieces, kind, name)
     return dict(sorted(tensors.items(), key=lambda item: order_key(item[0])))
+
+
+def _mla_down_kind(key: str, tp_states: list[dict[str, Any]], url: str) -> TPKind:
+    """Duplicated (TransformerEngine) or column-parallel (local spec) MLA down-projection ``key``,
+    from its layer's q pieces and names (`mla_down_projection_kind`); `CorruptShard` when they fit neither."""
+    from merge_engine.architectures.parallel import (
+        MLA_KV_DOWN, MLA_Q_DOWN, MLA_Q_UP, MLA_TE_NORMS, mla_down_projection_kind,
+    )
+    from merge_engine.torch_archive import StoredTensor
+
+    prefix = key[: -len(MLA_KV_DOWN if key.endswith(MLA_KV_DOWN) else MLA_Q_DOWN)]
+    q_pieces = [state.get(prefix + MLA_Q_DOWN) for state in tp_states]
+    q_up = tp_states[0].get(prefix + MLA_Q_UP)
+    q_rows = [p.shape[0] for p in q_pieces] if all(isinstance(p, StoredTensor) and p.shape for p in q_pieces) else None
+    q_rank = q_up.shape[1] if isinstance(q_up, StoredTensor) and len(q_up.shape) == 2 else None
+    try:
+        return mla_down_projection_kind(q_rows, q_rank, any(prefix + n in tp_states[0] for n in MLA_TE_NORMS))
+    except ValueError as exc:
+        raise CorruptShard(f"{key}: {exc}", url) from None
 
 
 def _local_expert_count(state: dict[str, Any]) -> int:

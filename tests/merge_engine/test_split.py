@@ -53,6 +53,7 @@ CASES = {
     "qwen2_moe_mixed_tp2_ep2_te_legacy": SplitOptions(pp=2, ep=2),
     "deepseek_v3_pp2_ep2_dist_v2": SplitOptions(ep=4),
     "deepseek_v3_ep2_legacy": SplitOptions(pp=2, ep=2, fmt="dist"),
+    "deepseek_v3_tp2_pp2_dist_v1": SplitOptions(tp=2, pp=2),  # MLA down-projections cut in TP row pieces
     "glm4_moe_tp2_ep2_dist_v1": SplitOptions(pp=2, ep=2),
 }
 
