@@ -10,17 +10,20 @@ retries (`faults.retrying`) of transient faults wherever a call can be repeated 
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import posixpath
 import threading
 from collections.abc import Mapping
+from concurrent.futures import Future
 from typing import Any, ClassVar, Protocol
 
 from merge_engine.errors import IncompleteCheckpoint
 from merge_engine.storage import tuning
 from merge_engine.storage.entries import FileEntry
 from merge_engine.storage.faults import logger, retrying
+from merge_engine.storage.read_ahead import ReadAhead
 from merge_engine.storage.urls import split_scheme
 
 
@@ -310,11 +313,13 @@ class FsspecUpload:
 
 
 class FsspecRangedFile:
-    """Ranged GETs, many in flight: one read is cut into up to `tuning.REQUESTS_IN_FLIGHT` parts of at
-    least `tuning.MIN_RANGE_PART` bytes (and at most `tuning.REMOTE_READ_CHUNK`), fetched concurrently
-    on the filesystem's event loop (fsspec ``cat_ranges``); a part that fails is fetched again alone,
-    retried on transient faults. One request at a time pays the round trip for every part; object
-    storage gives its throughput only to many requests in flight.
+    """Ranged GETs, many in flight. On an async client (S3, GCS), reads that move forward are served by
+    `read_ahead.ReadAhead`: the bytes ahead are fetched in parts, concurrently, on the filesystem's
+    event loop. Any other read is cut into up to `tuning.REQUESTS_IN_FLIGHT` parts of at least
+    `tuning.MIN_RANGE_PART` bytes (and at most `tuning.REMOTE_READ_CHUNK`), fetched concurrently
+    (fsspec ``cat_ranges``). A part that fails is fetched again alone, retried on transient faults.
+    One request at a time pays the round trip for every part; object storage gives its throughput
+    only to many requests in flight.
 
     ``size`` (from a listing) saves the HEAD request."""
 
@@ -328,8 +333,17 @@ class FsspecRangedFile:
             except FileNotFoundError as exc:
                 raise IncompleteCheckpoint("file is missing", url) from exc
         self.size = int(size)
+        self._ahead = ReadAhead(self.size, self._fetch, self._get) \
+            if getattr(self._fs, "async_impl", False) and tuning.READ_AHEAD_BUDGET > 0 else None
+
+    def _fetch(self, start: int, end: int) -> Future:
+        return asyncio.run_coroutine_threadsafe(self._fs._cat_file(self._path, start=start, end=end), self._fs.loop)
 
     def read_some(self, offset: int, out: memoryview) -> int:
+        if self._ahead is not None:
+            served = self._ahead.read(offset, out)
+            if served:
+                return served
         want = min(len(out), tuning.REMOTE_READ_CHUNK * max(1, tuning.REQUESTS_IN_FLIGHT))
         parts = range_parts(offset, want)
         if len(parts) == 1:
@@ -368,7 +382,8 @@ class FsspecRangedFile:
         return data
 
     def close(self) -> None:
-        pass
+        if self._ahead is not None:
+            self._ahead.close()
 
 
 def range_parts(offset: int, length: int) -> list[tuple[int, int]]:

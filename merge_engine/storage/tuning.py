@@ -11,7 +11,12 @@ REMOTE_READ_CHUNK = 32 * 1024 * 1024  # the largest ranged GET; ranged GETs are 
 # connection and tens of Gbps per machine only with 32-64 requests in flight. STEPMERGE_REQUESTS_IN_FLIGHT
 # (or `--requests-in-flight`) changes it; 1 means one request at a time.
 REQUESTS_IN_FLIGHT = int(os.environ.get("STEPMERGE_REQUESTS_IN_FLIGHT", "32"))
-MIN_RANGE_PART = 256 * 1024  # a smaller part costs a request for too few bytes
+MIN_RANGE_PART = 1024 * 1024  # a smaller part costs a request (and its CPU: signing, parsing) for too few bytes
+# Remote reads ahead of a reader that moves forward (`storage.read_ahead`): parts of READ_PART_BYTES (the
+# 8-16 MB object stores recommend per ranged GET), up to REQUESTS_IN_FLIGHT per stream, all of a process's
+# held parts within READ_AHEAD_BUDGET bytes (STEPMERGE_READ_AHEAD_BYTES); 0 turns read-ahead off.
+READ_PART_BYTES = 8 * 1024 * 1024
+READ_AHEAD_BUDGET = int(os.environ.get("STEPMERGE_READ_AHEAD_BYTES", str(256 * 1024 * 1024)))
 # Uploads of local files (publishing a staged release, stage-out): parts of UPLOAD_PART bytes, at most
 # UPLOAD_PARTS_IN_FLIGHT of them held and sent at once per file. s3fs's own defaults hold 10 parts of
 # 50 MiB per file, and a whole file under 100 MiB: 8 files copied in parallel held ~9 GB here.
