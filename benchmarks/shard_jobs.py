@@ -7,7 +7,9 @@
 Every figure is printed as a ratio against a baseline measured in the same run, on the same machine:
 - local: merge of the 4-rank fp32 FSDP2 Qwen2-0.5B-shaped checkpoint (2.5 GB, `benchmarks.fsdp_merge`'s)
   to bf16, warm cache; wall / warm ``cp`` of the same rank files (the I/O floor), for ``--workers 1``
-  (the data path before shard jobs: one reader, one writer) and ``--workers 2``.
+  (the data path before shard jobs: one reader, one writer) and ``--workers 2``. ``cp`` neither
+  casts nor hashes, so two more floors (`benchmarks.data_path_floor`): the same read + cast + sha256
+  + write in the tightest loop (hash overlapped, and serial), and the imports a merge needs.
 - s3: the same checkpoint in SeaweedFS (local S3 server), merged to a local target and to an ``s3://``
   target, with 1, 4, 16 and 64 ranged GETs in flight; directly and through a proxy that simulates a real
   network (20 ms per request, 50 MB/s per connection: `tests.fault_proxy.Network`); wall / local merge
@@ -76,11 +78,30 @@ def bench_local(actor: Path, repeats: int, env: dict[str, str]) -> dict[str, Run
         cp = time.perf_counter() - started
     print(f"\n== local: {sum(os.path.getsize(r) for r in ranks) / 1e9:.2f} GB of rank files; warm cp {cp:.2f} s")
     results = {"cp": Run("cp", cp, 0.0)}
+    floor_out = str(BENCH / "out" / "floor.bin")
+    floor = [sys.executable, "-m", "benchmarks.data_path_floor"]
+    results["loop"] = timed("floor: read+cast+sha256+write loop", [*floor, "loop", floor_out, *ranks], env,
+                            repeats, [floor_out], warm)
+    results["serial"] = timed("floor: the same, sha256 not overlapped", [*floor, "loop", floor_out, *ranks,
+                              "--serial"], env, repeats, [floor_out], warm)
+    results["imports"] = timed("floor: a merge's imports, nothing run", [*floor, "imports"], env, repeats, [])
+    _remove(floor_out, env)
     for workers in (1, 2):
         results[f"workers{workers}"] = timed(f"local merge --workers {workers}", merge_command(
             str(actor), str(out), "--workers", str(workers)), env, repeats, [str(out)], warm)
     shutil.rmtree(out, ignore_errors=True)
     return results
+
+
+def print_local_ratios(local: dict[str, Run]) -> None:
+    cp, loop = local["cp"].wall_s, local["loop"].wall_s
+    for workers in (1, 2):
+        wall = local[f"workers{workers}"].wall_s
+        print(f"  --workers {workers}: {wall:.2f} s = {wall / cp:.2f}x cp, {wall / loop:.2f}x the read+cast+sha256+write "
+              f"loop")
+    print(f"  the loop itself: {loop / cp:.2f}x cp ({local['serial'].wall_s / cp:.2f}x with sha256 not overlapped); "
+          f"a merge's imports alone: {local['imports'].wall_s / cp:.2f}x cp")
+    print(f"  --workers 2 / --workers 1: {local['workers2'].wall_s / local['workers1'].wall_s:.2f}")
 
 
 def bench_s3(actor: Path, repeats: int, env: dict[str, str], local: Run, in_flight: tuple[int, ...] = IN_FLIGHT,
@@ -152,10 +173,12 @@ def bench_rss(repeats: int, env: dict[str, str]) -> None:
             table[size, workers] = timed(f"{size} --workers {workers}", merge_command(
                 str(actor), out, "--workers", str(workers)), env, repeats, [out])
     shutil.rmtree(out, ignore_errors=True)
+    print(f"  {'':12s} {'1x (0.5b)':>12s} {'2x (1.2b)':>12s} {'2x / 1x':>8s}   peak RSS of the merge process, MB")
     for workers in (1, 2):
-        ratio = table["1.2b", workers].peak_rss_mb / table["0.5b", workers].peak_rss_mb
-        print(f"  --workers {workers}: peak RSS 2x model / 1x model = {ratio:.2f}; per worker at 1x "
-              f"{table['0.5b', workers].peak_rss_mb / workers:.0f} MB")
+        one, two = table["0.5b", workers].peak_rss_mb, table["1.2b", workers].peak_rss_mb
+        print(f"  --workers {workers}  {one:12.0f} {two:12.0f} {two / one:8.2f}")
+    print("  (one interpreter with torch for every worker: threads of one process; per worker is the "
+          "process's RSS for --workers 1)")
 
 
 def main() -> None:
@@ -171,9 +194,7 @@ def main() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
     actor = ensure_checkpoint("0.5b")
     local = bench_local(actor, args.repeats, env)
-    print(f"  ratios: --workers 1 / cp {local['workers1'].wall_s / local['cp'].wall_s:.2f}; "
-          f"--workers 2 / cp {local['workers2'].wall_s / local['cp'].wall_s:.2f}; "
-          f"--workers 2 / --workers 1 {local['workers2'].wall_s / local['workers1'].wall_s:.2f}")
+    print_local_ratios(local)
     if "s3" in parts:
         bench_s3(actor, args.repeats, env, local["workers2"], tuple(int(n) for n in args.in_flight.split(",")),
                  tuple(args.networks.split(",")), tuple(args.targets.split(",")))

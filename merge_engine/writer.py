@@ -14,7 +14,8 @@ Contract of `write_plan`:
 - the same plan gives the same bytes whatever ``workers``.
 - the first job to fail cancels the others (they stop at their next chunk) and its error is raised
   once every job has stopped; the caller owns cleaning the partial target (`output_target`).
-- memory: ``workers`` x (`PREFETCH_CHUNKS` + 1) chunks of ``chunk_bytes``.
+- memory: ``workers`` x (`PREFETCH_CHUNKS` + `HASH_QUEUE_CHUNKS` + 3) chunks of ``chunk_bytes``
+  (`merge_engine.shard_job`), plus the storage layer's read-ahead budget for remote sources.
 - ``on_bytes`` (progress) is called from the worker threads, one call at a time.
 """
 

@@ -8,8 +8,9 @@ smaller requests. `ReadAhead` gives a remote file what the kernel gives a local 
 of reads moves forward (each read starts at, or a little after, where the last one ended), the
 bytes ahead are fetched in parts of `part_bytes` (at most `tuning.READ_PART_BYTES`), up to
 `tuning.REQUESTS_IN_FLIGHT` parts per stream, concurrently, by the caller's ``fetch`` (the
-filesystem's event loop). A stream's window doubles with every forward read (1, 2, 4, ... parts),
-so a reader that jumps around (a zip directory, a pickle) fetches little it does not use.
+filesystem's event loop). A stream holds ahead at most twice what it has read forward so far (one
+part at least), so a reader that jumps around (a zip directory, a pickle) fetches little it does
+not use, and one that streams gigabytes soon has every request in flight.
 
 Contract:
 - ``read(offset, out)`` fills a prefix of ``out`` from a window and returns how many bytes (> 0),
@@ -19,7 +20,9 @@ Contract:
   read joins the stream whose window holds it or that expects it, else starts a new one (the least
   recently used stream is dropped).
 - Memory: the parts held by every window of the process are at most `tuning.READ_AHEAD_BUDGET`
-  bytes (one process-wide budget; a part that does not fit is not fetched ahead).
+  bytes (one process-wide budget; a part that does not fit is not fetched ahead), shared equally
+  between the streams holding parts; a stream not read for `STALE_READS` reads gives its parts to
+  one that needs them (a reader that moved on, or was never closed, cannot starve the others).
 - Faults: when a part's fetch failed, came back short or was cancelled, the bytes a read wants
   from it are read again by ``fetch_again(start, end)`` (the caller's retried read, which names a
   truncated file); a part fetched ahead but never read never raises.
@@ -29,6 +32,7 @@ Contract:
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -41,6 +45,7 @@ __all__ = ["STREAMS", "ReadAhead", "budget_in_use", "part_bytes"]
 STREAMS = 8  # read positions followed per file (a few shard jobs, plus a jump or two)
 FORWARD_GAP = 4096  # a read this far past the stream's last one still continues it (zip record headers)
 MIN_PART_BYTES = 1024 * 1024
+STALE_READS = 256  # reads (process-wide) after which a stream not read since may lose its parts to another
 
 
 def part_bytes() -> int:
@@ -51,22 +56,34 @@ def part_bytes() -> int:
 
 
 class _Budget:
-    """The process-wide count of read-ahead bytes held."""
+    """What every window of the process shares, under one lock: the bytes held, the streams holding
+    them, a clock of reads, and the open windows (to take parts back from a stream left idle)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self.used = 0
+        self.holders = 0
+        self.clock = 0
+        self.windows: weakref.WeakSet[ReadAhead] = weakref.WeakSet()
 
-    def take(self, n: int) -> bool:
-        with self._lock:
-            if self.used + n > tuning.READ_AHEAD_BUDGET:
+    def share(self, part: int) -> int:
+        """Parts one stream may hold: an equal share of the budget between the streams holding parts
+        (one stream racing ahead would leave the others none, and their reads unserved)."""
+        return max(1, tuning.READ_AHEAD_BUDGET // part // max(1, self.holders))
+
+    def take(self, n: int, taker: _Stream) -> bool:
+        """Reserve ``n`` bytes (the lock held), taking parts back from the stream idle longest if the
+        budget is spent and some stream has not been read for `STALE_READS` reads (a reader that
+        moved on, or was never closed)."""
+        while self.used + n > tuning.READ_AHEAD_BUDGET:
+            idle = [(s.used, window, s) for window in list(self.windows) for s in window.streams
+                    if s.parts and s is not taker and self.clock - s.used > STALE_READS]
+            if not idle:
                 return False
-            self.used += n
-            return True
-
-    def give(self, n: int) -> None:
-        with self._lock:
-            self.used -= n
+            _, window, stream = min(idle, key=lambda item: item[0])
+            window.drop_all(stream)
+        self.used += n
+        return True
 
 
 _BUDGET = _Budget()
@@ -84,12 +101,13 @@ class _Part:
     future: Future
 
 
-@dataclass
+@dataclass(eq=False)
 class _Stream:
     expected: int  # where the next forward read starts (the end of the last one)
-    depth: int = 1
+    run: int = 0  # bytes read forward in this stream so far
     parts: deque[_Part] = field(default_factory=deque)
-    used: int = 0  # clock of the last read, for dropping the least recently used stream
+    used: int = 0  # the budget's clock at its last read, for taking back the parts of an idle stream
+    holding: bool = False  # counted in the budget's holders
 
     def holds(self, offset: int) -> bool:
         return bool(self.parts) and self.parts[0].start <= offset < self.parts[-1].end
@@ -109,14 +127,14 @@ class ReadAhead:
         self.size = size
         self._fetch = fetch
         self._fetch_again = fetch_again
-        self._streams: list[_Stream] = []
-        self._lock = threading.Lock()
-        self._clock = 0
+        self.streams: list[_Stream] = []
         self._closed = False
+        with _BUDGET.lock:
+            _BUDGET.windows.add(self)
 
     def read(self, offset: int, out: memoryview) -> int:
         end = min(offset + len(out), self.size)
-        with self._lock:
+        with _BUDGET.lock:
             serving = self._plan_read(offset, end)
         filled = 0
         for part in serving:
@@ -130,19 +148,19 @@ class ReadAhead:
         return filled
 
     def _plan_read(self, offset: int, end: int) -> list[_Part]:
-        """Under the lock: the stream of this read, its window topped up, and the parts that serve it."""
-        self._clock += 1
-        stream = next((s for s in self._streams if s.holds(offset)), None) or \
-            next((s for s in self._streams if s.continues(offset)), None)
+        """Under the budget's lock: the stream of this read, its window topped up, the parts serving it."""
+        _BUDGET.clock += 1
+        stream = next((s for s in self.streams if s.holds(offset)), None) or \
+            next((s for s in self.streams if s.continues(offset)), None)
         if stream is None or self._closed:
             self._start_stream(end)
             return []
-        stream.used = self._clock
+        stream.used = _BUDGET.clock
         while stream.parts and stream.parts[0].end <= offset:
             self._drop(stream.parts.popleft())
         if stream.parts and stream.parts[0].start > offset:  # a forward gap past the window's start
-            self._drop_all(stream)
-        stream.depth = min(max(1, tuning.REQUESTS_IN_FLIGHT), stream.depth * 2)
+            self.drop_all(stream)
+        stream.run += end - offset
         self._top_up(stream, offset)
         serving = []
         for part in stream.parts:
@@ -158,34 +176,48 @@ class ReadAhead:
     def _top_up(self, stream: _Stream, offset: int) -> None:
         size = part_bytes()
         start = stream.parts[-1].end if stream.parts else offset
-        while len(stream.parts) < stream.depth and start < self.size:
+        self._account(stream, True)
+        # ahead: twice what the stream has read forward so far, in parts, up to the requests in flight
+        depth = min(max(1, tuning.REQUESTS_IN_FLIGHT), max(1, -(-2 * stream.run // size)))
+        limit = min(depth, _BUDGET.share(size))
+        while len(stream.parts) < limit and start < self.size:
             stop = min(start + size, self.size)
-            if not _BUDGET.take(stop - start):
+            if not _BUDGET.take(stop - start, stream):
                 break
             try:
                 future = self._fetch(start, stop)
             except BaseException:
-                _BUDGET.give(stop - start)
+                _BUDGET.used -= stop - start
                 raise
             stream.parts.append(_Part(start, stop, future))
             start = stop
+        self._account(stream, bool(stream.parts))
+
+    @staticmethod
+    def _account(stream: _Stream, holding: bool) -> None:
+        if holding != stream.holding:
+            _BUDGET.holders += 1 if holding else -1
+            stream.holding = holding
 
     def _start_stream(self, expected: int) -> None:
         if self._closed:
             return
-        if len(self._streams) >= STREAMS:
-            oldest = min(self._streams, key=lambda s: s.used)
-            self._drop_all(oldest)
-            self._streams.remove(oldest)
-        self._streams.append(_Stream(expected=expected, used=self._clock))
+        if len(self.streams) >= STREAMS:
+            oldest = min(self.streams, key=lambda s: s.used)
+            self.drop_all(oldest)
+            self.streams.remove(oldest)
+        self.streams.append(_Stream(expected=expected, used=_BUDGET.clock))  # read by the caller: no run yet
 
-    def _drop(self, part: _Part) -> None:
+    @staticmethod
+    def _drop(part: _Part) -> None:
         part.future.cancel()
-        _BUDGET.give(part.end - part.start)
+        _BUDGET.used -= part.end - part.start
 
-    def _drop_all(self, stream: _Stream) -> None:
+    def drop_all(self, stream: _Stream) -> None:
+        """Give back every part of ``stream`` (the budget's lock held)."""
         while stream.parts:
             self._drop(stream.parts.popleft())
+        self._account(stream, False)
 
     @staticmethod
     def _result(part: _Part) -> bytes | None:
@@ -199,8 +231,15 @@ class ReadAhead:
         return data
 
     def close(self) -> None:
-        with self._lock:
+        with _BUDGET.lock:
             self._closed = True
-            for stream in self._streams:
-                self._drop_all(stream)
-            self._streams.clear()
+            for stream in self.streams:
+                self.drop_all(stream)
+            self.streams.clear()
+            _BUDGET.windows.discard(self)
+
+    def __del__(self) -> None:  # a reader never closed gives its budget back when it goes
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

@@ -160,7 +160,7 @@ class TestWindows:
             offset += n
             peak = max(peak, read_ahead.budget_in_use())
         assert peak <= storage.tuning.READ_AHEAD_BUDGET
-        assert max(len(s.parts) for s in ahead._streams) <= storage.tuning.REQUESTS_IN_FLIGHT
+        assert max(len(s.parts) for s in ahead.streams) <= storage.tuning.REQUESTS_IN_FLIGHT
         assert len(log) == -(-(SIZE - 100) // PART)  # every byte fetched once, in parts
         ahead.close()
         assert read_ahead.budget_in_use() == 0
@@ -177,7 +177,7 @@ class TestWindows:
                 n = ahead.read(position, memoryview(out))
                 assert n > 0 and bytes(out[:n]) == data[position:position + n]
                 positions[i] += n
-        assert len(ahead._streams) == 2
+        assert len(ahead.streams) == 2
         assert len(log) <= 2 * (40 * 500 // PART + storage.tuning.REQUESTS_IN_FLIGHT + 1)
         ahead.close()
 
