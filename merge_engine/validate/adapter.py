@@ -8,7 +8,7 @@ Checks, each a named `Check`:
 - ``adapter_finite``: no NaN/inf in any adapter tensor (read in chunks);
 - with a ``base/`` folder (``include_base``): the base's structure (``base:<check>``, the same
   checks as a merged model) and ``adapter_fits_base`` (every target module exists with its shape);
-- with ``forward``: ``peft_load`` (``PeftModel.from_pretrained(base, adapter)``, finite logits on
+- with ``forward``: ``peft_load`` (``base.load_adapter(adapter)``, PEFT through transformers, finite logits on
   fixed tokens) and, given the fused model, ``peft_logits``: PEFT(base + adapter) reproduces the
   fused model (see `compare_logits`).
 A failed check is a result (the report says which); nothing here raises for bad content.
@@ -49,20 +49,19 @@ MAX_UNEXPLAINED = 0.5  # the adapter must reproduce at least half of the base ->
 
 
 def _peft_logits(base_path: str, adapter_path: str, device: str) -> tuple[Any, Any]:
-    """(logits with the adapter, logits of the same model with the adapter disabled), in float32."""
+    """(logits with the adapter, logits of the same model without it), in float32.
+
+    The adapter is loaded as transformers loads one onto a model (``model.load_adapter``: PEFT, with
+    the model's own checkpoint-name mapping). PEFT 0.21's ``PeftModel.from_pretrained`` maps only MoE
+    names for transformers v5, so a Hub-named vision-language adapter (``model.layers...``) would load
+    as nothing there; on every other adapter both give the same logits."""
     import torch
-    from peft import PeftModel
 
     with loaded_model(base_path, device, dtype=torch.float32) as (model, config):
-        peft_model = PeftModel.from_pretrained(model, adapter_path)
-        try:
-            peft_model.to(device).eval()
-            with_adapter = logits_of(peft_model, config, device)
-            with peft_model.disable_adapter():
-                without = logits_of(peft_model, config, device)
-            return with_adapter, without
-        finally:
-            del peft_model
+        without = logits_of(model, config, device)
+        model.load_adapter(adapter_path)
+        model.to(device).eval()
+        return logits_of(model, config, device), without
 
 
 def _finite(source: Any) -> Check:
@@ -176,7 +175,7 @@ def validate_adapter(adapter_url: str, *, fused_model_url: Optional[str] = None,
                 checks.append(Check("peft_load", False, f"{type(exc).__name__}: {exc}"))
                 return ValidationReport(adapter_url, tuple(checks), fused_model_url)
         finite = bool(torch.isfinite(peft_logits).all())
-        checks.append(Check("peft_load", finite, f"PeftModel on {device}: logits {list(peft_logits.shape)}"
+        checks.append(Check("peft_load", finite, f"adapter loaded on {device}: logits {list(peft_logits.shape)}"
                                                  + ("" if finite else " contain NaN/inf")))
         if fused_model_url is not None:
             with local_folder(fused_model_url) as fused_path:

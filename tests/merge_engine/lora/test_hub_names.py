@@ -89,3 +89,19 @@ def test_transformers_format_keeps_stored_names(single_rank_family_loras, tmp_pa
         assert json.load(handle)["options"]["weights_format"] == "transformers"
     model = _peft_on_base(target, "Qwen2VLForConditionalGeneration")
     assert torch.equal(logits(model), logits(run.model))
+
+
+def test_validation_of_hub_named_adapters(single_rank_family_loras, tmp_path):
+    """validate_adapter (what the pipeline runs before publishing) passes the Hub-named VL and MoE adapters
+    against the fused model of the same checkpoint: the adapter reproduces it (``peft_logits``)."""
+    from merge_engine.merge import merge_checkpoint
+    from merge_engine.validate.adapter import validate_adapter
+
+    for family in ("qwen2_vl", "mixtral"):
+        run = single_rank_family_loras[family]
+        adapter, fused = str(tmp_path / family / "adapter"), str(tmp_path / family / "fused")
+        extract_lora(run.checkpoint_dir, adapter, ExtractOptions())
+        merge_checkpoint(run.checkpoint_dir, fused)
+        report = validate_adapter(adapter, fused_model_url=fused, device="cpu")
+        checks = {c.name: c for c in report.checks}
+        assert report.ok and checks["peft_logits"].ok, [c for c in report.checks if not c.ok]
