@@ -78,7 +78,7 @@ def extract_adapter(step: StepRecord, checkpoint: CheckpointRecord, settings: Ad
                         release=release, attempt=uuid.uuid4().hex, layout=checkpoint.layout,
                         tensors=result.tensors, tensor_bytes=result.tensor_bytes,
                         files=len(result.files), total_bytes=sum(size for _, size in result.files),
-                        seconds=result.seconds, notes=tuple(result.notes))
+                        seconds=result.seconds, notes=tuple(result.notes), checksums=tuple(result.checksums))
 
 
 @task(name="validate-adapter",

@@ -13,6 +13,7 @@ only when a watcher of the run root will come back for it, tests/flows/test_watc
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 
 import pytest
@@ -116,7 +117,8 @@ def test_a_rank_file_still_being_written_is_not_ready(prefect, template_run, tmp
 def test_the_adapter_extraction_runs_its_shard_jobs_on_ray(prefect, template_run, ray_cluster, tmp_path):
     """``ray_address``: the adapter and its clean base are written by one ``write-shard`` task run per
     file on the Ray cluster, under a ``write-shards`` subflow of the extraction task; their weight files
-    are byte for byte those one worker writes (`extract_lora` with threads, outside Prefect)."""
+    are byte for byte those one worker writes (`extract_lora` with threads, outside Prefect), and the
+    release manifest's sha256 of each is the shard job's, equal to a fresh sha256 of the published file."""
     from merge_engine import storage
     from merge_engine.executors.local import LocalExecutor
     from merge_engine.lora.extract import extract_lora
@@ -136,9 +138,12 @@ def test_the_adapter_extraction_runs_its_shard_jobs_on_ray(prefect, template_run
                        executor=LocalExecutor(1))
     weights = sorted(f for f, _ in one.files if f.endswith((".safetensors", ".index.json")))
     assert "adapter_model.safetensors" in weights and any(f.startswith("base/") for f in weights)
+    manifest = {f.path: f.sha256 for f in read_manifest(adapter.url).files}
     for file in weights:
-        assert storage.read_bytes(storage.join(adapter.url, file)) == \
-            storage.read_bytes(str(tmp_path / "one" / file)), file
+        data = storage.read_bytes(storage.join(adapter.url, file))
+        assert data == storage.read_bytes(str(tmp_path / "one" / file)), file
+        # the manifest holds the shard jobs' checksums (publish checked the copies against them): fresh sha256
+        assert manifest[file] == dict(one.checksums)[file] == hashlib.sha256(data).hexdigest(), file
 
     subflows, shard_tasks = _shard_runs(flow_run_id(state))
     assert [run.name for run in subflows] == [f"write-shards global_step_{LORA_STEP}/{ROLE}"]
