@@ -236,8 +236,6 @@ class MegatronSpec:
                 p.append("MLA has one key and value per head: num_kv_heads must equal num_heads")
             if self.legacy_names == "te":
                 p.append("TE names of MLA modules are not written (local spec names only)")
-            if self.tp != 1 and self.mtp_layers:
-                p.append("MTP layers are written with tp=1 (their tensors are not cut over TP ranks here)")
         if fam.router_sigmoid and (self.shared_expert_size is None
                                    or self.shared_expert_size % (self.moe_ffn_hidden_size or 1)):
             p.append("DeepSeek's / GLM's shared expert size is n_shared_experts * moe_ffn_hidden_size")
@@ -455,7 +453,7 @@ def _tp_slice(layer_name: str, t: torch.Tensor, tp: int, tp_rank: int) -> torch.
         return torch.cat([_split(gate, tp, tp_rank, 0), _split(up, tp, tp_rank, 0)], dim=0)
     if layer_name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return _split(t, tp, tp_rank, 1)  # row parallel
-    if layer_name.endswith(MLA_COLUMN_PARALLEL):
+    if layer_name.endswith(MLA_COLUMN_PARALLEL + ("eh_proj.weight",)):  # + an MTP layer's [embedding; hidden] projection
         return _split(t, tp, tp_rank, 0)
     return t  # norms, router, shared-expert gate: replicated
 
@@ -507,7 +505,7 @@ def rank_state_dict(
                     if expert // experts_per_rank != ep_rank:
                         continue
                     local = f"transformer_layer.mlp.experts.local_experts.{expert % experts_per_rank}.{m.group(2)}"
-                out[f"mtp.layers.{i}.{local}"] = reference[f"mtp.layers.{i}.{name}"]
+                out[f"mtp.layers.{i}.{local}"] = _tp_slice(name, reference[f"mtp.layers.{i}.{name}"], spec.tp, tp_rank)
         head = "embedding.word_embeddings.weight" if spec.tie_word_embeddings else "output_layer.weight"
         if not (spec.tie_word_embeddings and first):  # PP=1 tied: the head reuses the embedding
             out["output_layer.weight"] = _split(reference[head], spec.tp, tp_rank, 0)
@@ -1128,9 +1126,10 @@ def megatron_fixture_matrix() -> dict[str, MegatronSpec]:
                                          moe_layer_freq=(0, 1, 1, 1), mtp_layers=1, fmt="dist_v2"),
         "deepseek_v3_ep2_legacy": s(family="deepseek_v3", num_kv_heads=4, ep=2, moe_layer_freq=(0, 0, 1, 1),
                                     mtp_layers=1, fmt="legacy"),
-        # DeepSeek-V3 at TP 2 (local spec: the MLA down-projections are column-parallel, cut in row pieces)
+        # DeepSeek-V3 at TP 2 (local spec: the MLA down-projections are column-parallel, cut in row pieces;
+        # the MTP layer's too, and its eh_proj)
         "deepseek_v3_tp2_ep2_legacy": s(family="deepseek_v3", num_kv_heads=4, tp=2, ep=2, moe_layer_freq=(0, 1, 1, 1),
-                                        fmt="legacy"),
+                                        mtp_layers=1, fmt="legacy"),
         "deepseek_v3_tp2_pp2_dist_v1": s(family="deepseek_v3", num_kv_heads=4, tp=2, pp=2, moe_layer_freq=(0, 1, 1, 1),
                                          fmt="dist_v1"),
         # GLM-4.5: q/k/v bias + q/k norms, half-rotary RoPE, sigmoid router + bias, shared experts, layer 0 dense

@@ -231,7 +231,7 @@ def test_written_names_are_what_save_pretrained_writes(merged, name, tmp_path):
     assert set(_tensors(merged[name])) == save_pretrained_names(merged[name], tmp_path)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3_pp2_ep2_dist_v2", "deepseek_v3_ep2_legacy"])
+@pytest.mark.parametrize("name", ["deepseek_v3_pp2_ep2_dist_v2", "deepseek_v3_ep2_legacy", "deepseek_v3_tp2_ep2_legacy"])
 def test_mtp_layers_are_exported_or_dropped_never_silently(megatron_runs, merged, name, tmp_path):
     """No choice: a MappingError naming --mtp-layers, nothing written. ``drop``: the reference model
     (test_merge_is_bit_exact), num_nextn_predict_layers 0. ``export``: the reference conversion WITH

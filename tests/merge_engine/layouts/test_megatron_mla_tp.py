@@ -9,7 +9,8 @@ are gathered before the low-rank norms); TransformerEngine's spec duplicates the
   merge bit for bit with logits equal to megatron-core's (the matrix tests in
   ``test_megatron_merge.py``; the split of TP 2 loads back into megatron-core in ``test_split.py``);
 - the same checkpoint in TransformerEngine's layout (down-projections duplicated on both ranks, fused
-  norm names) merges to the same bytes;
+  norm names; the MTP layer's too) merges to the same bytes (the MTP layer dropped: the reference
+  model has none; its TP 2 export is checked in ``test_megatron_merge.py``);
 - which of the two a file holds is decided from the q down-projection's row count against
   ``q_lora_rank`` (`mla_down_projection_kind`): pieces that fit neither are a `CorruptShard`
   naming the file, nothing is written; duplicated pieces that differ are refused while read.
@@ -85,7 +86,7 @@ def test_transformer_engine_layout_merges_to_the_same_bytes(megatron_runs, check
     _rewrite(checkpoint_copy, _as_transformer_engine)
     state = torch.load(_rank_files(checkpoint_copy)["mp_rank_01_000"], weights_only=True)[0]
     assert "decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_weight" in state
-    merge_checkpoint(str(checkpoint_copy), str(tmp_path / "merged"), MergeOptions(backend="megatron"))
+    merge_checkpoint(str(checkpoint_copy), str(tmp_path / "merged"), MergeOptions(backend="megatron", mtp_layers="drop"))
     reference = _tensors(str(megatron_runs[FIXTURE].reference_dir / REFERENCE_HF_DIR))
     merged = _tensors(str(tmp_path / "merged"))
     assert set(merged) == set(reference)
@@ -100,7 +101,7 @@ def test_down_projection_pieces_that_fit_neither_layout_are_refused(checkpoint_c
 
     _rewrite(checkpoint_copy, cut)
     with pytest.raises(CorruptShard, match="linear_q_down_proj") as refused:
-        merge_checkpoint(str(checkpoint_copy), str(tmp_path / "merged"), MergeOptions(backend="megatron"))
+        merge_checkpoint(str(checkpoint_copy), str(tmp_path / "merged"), MergeOptions(backend="megatron", mtp_layers="drop"))
     assert "mp_rank_00" in str(refused.value.path)
     assert not (tmp_path / "merged").exists()
 
@@ -112,7 +113,7 @@ def test_duplicated_pieces_that_differ_are_refused(checkpoint_copy, tmp_path):
 
     _rewrite(checkpoint_copy, diverge)
     with pytest.raises(CorruptShard, match="differs between ranks"):
-        merge_checkpoint(str(checkpoint_copy), str(tmp_path / "merged"), MergeOptions(backend="megatron"))
+        merge_checkpoint(str(checkpoint_copy), str(tmp_path / "merged"), MergeOptions(backend="megatron", mtp_layers="drop"))
     assert not (tmp_path / "merged").exists()
 
 
