@@ -164,7 +164,8 @@ class PipelineOptions(RunLocation):
         from tasks.records import AdapterSettings
 
         return AdapterSettings(include_base=self.adapter_include_base, lora_alpha=self.lora_alpha, dtype=self.dtype,
-                               max_shard_size=parse_size(self.max_shard_size), hf_model_path=self.hf_model_path)
+                               max_shard_size=parse_size(self.max_shard_size), hf_model_path=self.hf_model_path,
+                               weights_format=self.weights_format)
 
     def validation_settings(self):
         from tasks.records import ValidationSettings

@@ -128,13 +128,15 @@ class AdapterSettings(Record):
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     hf_model_path: Optional[str] = None
     backend: Optional[str] = None
+    weights_format: str = DEFAULT_WEIGHTS_FORMAT  # names of base/ and of the adapter's modules (hub | transformers)
 
     def to_options(self, overwrite: bool = False):
         from merge_engine.lora.extract import ExtractOptions
 
         return ExtractOptions(backend=self.backend, lora_alpha=self.lora_alpha, base_model=self.base_model,
                               write_base=self.include_base, hf_model_path=self.hf_model_path, dtype=self.dtype,
-                              max_shard_size=self.max_shard_size, overwrite=overwrite)
+                              max_shard_size=self.max_shard_size, overwrite=overwrite,
+                              weights_format=self.weights_format)
 
 
 class ValidationSettings(Record):

@@ -152,6 +152,9 @@ def test_weights_format_reaches_the_merge_its_cache_key_and_the_manifest():
     assert stored.merge_settings().to_options().weights_format == "transformers"
     assert stored.merge_settings() != default.merge_settings()  # another merge, not a cache hit
     assert stored.recorded_options()["weights_format"] == "transformers"
+    # the step's adapter release names its base/ and modules the same way (extract-lora --weights-format)
+    assert default.adapter_settings().to_options().weights_format == "hub"
+    assert stored.adapter_settings().to_options().weights_format == "transformers"
     watch = WatchParams(run_root="s3://bucket/run", weights_format="transformers")
     assert watch.step_params(type("Step", (), {"step": 3, "role": "actor"})()).weights_format == "transformers"
 
