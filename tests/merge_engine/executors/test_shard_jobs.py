@@ -124,7 +124,8 @@ def _truncate_a_rank_file(source: str):
 def test_a_source_fault_mid_merge_fails_the_whole_merge(executor, fsdp_runs, tmp_path, request):
     """The rank file is cut after the plan was made: a shard job meets the end of the file (a Ray worker,
     which re-reads the archive's index, finds it unreadable), the merge fails with a named error naming
-    the file, and neither the target nor a temp folder is left."""
+    the file, the other jobs have stopped when it is raised, and neither the target nor a temp folder
+    is left (then or a second later)."""
     source = str(tmp_path / "actor")
     shutil.copytree(fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir, source)
     runner = LocalExecutor(2) if executor == "workers2" else RayExecutor(request.getfixturevalue("ray_cluster"))
@@ -135,6 +136,8 @@ def test_a_source_fault_mid_merge_fails_the_whole_merge(executor, fsdp_runs, tmp
     assert "model_world_size" in str(info.value)
     assert not target.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["actor"]
+    time.sleep(1.0)  # the other jobs have stopped: none writes a shard (re-creating a folder) after the failure
+    assert [p.name for p in tmp_path.iterdir()] == ["actor"] and not target.exists()
 
 
 def _kill_a_shard_task_once_it_writes(target_parent, killed: list[int], stop: threading.Event,
