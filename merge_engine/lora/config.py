@@ -144,9 +144,11 @@ def adapter_config(*, r: int, lora_alpha: float, target_modules: list[str] | str
                    rank_pattern: Mapping[str, int] | None = None, alpha_pattern: Mapping[str, float] | None = None,
                    use_rslora: bool = False, fan_in_fan_out: bool = False, modules_to_save: list[str] | None = None,
                    bias: str = "none", task_type: str | None = "CAUSAL_LM", base_model_name_or_path: str | None = None,
-                   lora_dropout: float = 0.0) -> dict[str, Any]:
-    """An adapter_config.json dict that ``PeftModel.from_pretrained`` reads as a plain LoRA."""
-    return {
+                   lora_dropout: float = 0.0, target_parameters: list[str] | None = None) -> dict[str, Any]:
+    """An adapter_config.json dict that ``PeftModel.from_pretrained`` reads as a plain LoRA (``target_parameters``:
+    LoRA on fused expert tensors too, written only when there are some)."""
+    extra = {"target_parameters": list(target_parameters)} if target_parameters else {}
+    return {**extra,
         "peft_type": "LORA",
         "task_type": task_type,
         "base_model_name_or_path": base_model_name_or_path,

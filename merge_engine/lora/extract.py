@@ -70,12 +70,12 @@ def extracted_adapter_config(lora: CheckpointLora, exported: ExportedAdapter, ta
     the run; the run's own target_modules when they select exactly the adapted modules of the base
     the adapter is named for (`merge_engine.lora.hub_names`)."""
     modules, candidates = exported.ranks, set(exported.base_modules) | set(exported.ranks)
-    r, pattern = rank_layout(dict(modules))
+    r, pattern = rank_layout({**modules, **{name: rank for name, (rank, _) in exported.fused_parameters.items()}})
     run_targets = (lora.run.config or {}).get("target_modules")
     if run_targets and {c for c in candidates if targets(run_targets, c)} == set(modules):
         target = run_targets
     else:
-        target = infer_target_modules(modules, candidates)
+        target = infer_target_modules(modules, candidates) if modules else []
     saved = sorted({name.rsplit(".", 2)[-2] for name in exported.trained_copies})
     if lora.run.config and lora.run.config.get("modules_to_save") and exported.trained_copies.keys() == \
             lora.keys.trained_copies.keys():
@@ -85,7 +85,8 @@ def extracted_adapter_config(lora: CheckpointLora, exported: ExportedAdapter, ta
                           alpha_pattern=dict(settings.alpha_pattern), use_rslora=settings.use_rslora,
                           fan_in_fan_out=settings.fan_in_fan_out, modules_to_save=saved or None,
                           bias=settings.bias, task_type=task_type, base_model_name_or_path=base_url,
-                          lora_dropout=float((lora.run.config or {}).get("lora_dropout") or 0.0))
+                          lora_dropout=float((lora.run.config or {}).get("lora_dropout") or 0.0),
+                          target_parameters=exported.target_parameters)
 
 
 def extract_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:

@@ -17,8 +17,9 @@ re-typed:
 Anything else (a Hub tensor cut across the input dimension, a transposed view) raises `AdapterError`.
 The factors are cut as they are written (`FactorRange`: a ranged read of A_e or of a band of B;
 `ExpertColumns`: B_e's columns, from one read of the fused B kept while its experts are written).
-With ``--weights-format transformers``, or when no name changes, the names stay as stored; a LoRA on
-fused experts has no per-module form then and is refused.
+With ``--weights-format transformers``, or when no name changes, the names stay as stored, and a LoRA on
+fused experts stays in PEFT's own ``target_parameters`` form (the factors as trained; PEFT loads it onto
+a base that keeps the fused tensors).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from merge_engine.hub_format import HUB, hub_naming, parse_weights_format
 from merge_engine.lora.adapter_io import LoraModule
 from merge_engine.lora.fuse import CheckedCopy, finite_or_raise
 from merge_engine.lora.fused_experts import ExpertLora
-from merge_engine.lora.keys import LORA_A, LORA_B, PEFT_PREFIX, adapter_file_key
+from merge_engine.lora.keys import LORA_A, LORA_B, PEFT_PREFIX, adapter_file_key, parse_key
 from merge_engine.merge_plan import PlannedTensor
 from merge_engine.tensor_source import TensorMeta, TensorSource, iter_flat_range
 from merge_engine.transformers_conversion import TensorView
@@ -118,6 +119,23 @@ class ExportedAdapter:
     trained_copies: Mapping[str, str]  # output tensor name -> source key
     base_modules: frozenset[str]  # the modules of the base the adapter is named for
     notes: tuple[str, ...] = field(default=())
+    # LoRAs kept on fused expert tensors (PEFT target_parameters): tensor name -> (rank, its shape)
+    fused_parameters: Mapping[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+
+    @property
+    def target_parameters(self) -> list[str]:
+        """adapter_config's ``target_parameters``: each fused tensor's name below its layer number
+        (``mlp.experts.gate_up_proj``), which PEFT matches as a suffix; PEFT nests the wrappers of one
+        module in the order the module registers its tensors, as it did when training."""
+        return sorted({_below_layer(name) for name in self.fused_parameters})
+
+
+def _below_layer(name: str) -> str:
+    """``model.layers.3.mlp.experts.gate_up_proj`` -> ``mlp.experts.gate_up_proj`` (the whole name when
+    no part is a number)."""
+    parts = name.split(".")
+    numbers = [i for i, part in enumerate(parts) if part.isdigit()]
+    return ".".join(parts[numbers[0] + 1:]) if numbers else name
 
 
 def _module(weight_name: str) -> str:
@@ -195,14 +213,16 @@ def export_adapter(modules: Mapping[str, LoraModule], experts: Mapping[str, Expe
             out.add(_module(hub_name), lora.rank, (rows, lora.in_features), False,
                     ((lora.rank, lora.in_features), lora.a, CheckedCopy(lora.a)),
                     ((rows, lora.rank), lora.b, FactorRange(lora.b, first * lora.rank, rows * lora.rank)))
+    fused: dict[str, tuple[int, tuple[int, ...]]] = {}
     for lora in experts.values():
         views = pieces.get(lora.parameter)
-        if not views:
-            raise AdapterError(f"the LoRA adapts the fused expert tensor {lora.parameter} (PEFT target_parameters), "
-                               "which an adapter file can only hold as per-expert modules of the Hub checkpoint: "
-                               + ("not with --weights-format transformers" if naming is None and
-                                  parse_weights_format(weights_format) != HUB
-                                  else "transformers has no Hub naming for it"), where)
+        if not views:  # the base keeps the fused tensor: PEFT's own target_parameters form, as trained
+            fused[lora.parameter] = (lora.rank, lora.weight_shape)
+            for factor, key in ((LORA_A, lora.a), (LORA_B, lora.b)):
+                out.tensors.append(PlannedTensor(adapter_file_key(parse_key(key, where).name, factor, False),
+                                                 tuple(metas[key].shape), dtype or metas[key].dtype, key,
+                                                 CheckedCopy(key)))
+            continue
         b_cache = ExpertColumns(lora.b, 0, 1, 0, 0).cache  # one fused B read for all its experts
         for hub_name, view in sorted(views, key=lambda item: (item[1].offset, item[0])):
             band = _row_band(view, lora.out_features, lora.in_features)
@@ -230,7 +250,7 @@ def export_adapter(modules: Mapping[str, LoraModule], experts: Mapping[str, Expe
     notes = (f"adapter under the Hub names: {renamed} modules renamed or split "
              f"({len(experts)} fused expert tensors as per-expert modules)",) if renamed else ()
     return ExportedAdapter(tuple(out.tensors), out.ranks, out.shapes, frozenset(out.embeddings), copies,
-                           frozenset(base_modules), notes)
+                           frozenset(base_modules), notes, fused)
 
 
 def check_exported_fits(exported: ExportedAdapter, base_metas: Mapping[str, TensorMeta], adapter_url: str,
@@ -244,6 +264,11 @@ def check_exported_fits(exported: ExportedAdapter, base_metas: Mapping[str, Tens
         if tuple(meta.shape) != tuple(shape):
             raise AdapterError(f"{module}: the adapter updates a {tuple(shape)} weight but the base's is "
                                f"{tuple(meta.shape)}", adapter_url)
+    for name, (_, shape) in exported.fused_parameters.items():
+        meta = base_metas.get(name)
+        if meta is None or tuple(meta.shape) != tuple(shape):
+            raise AdapterError(f"the adapter's LoRA on {name} {tuple(shape)} needs that fused tensor in the base "
+                               f"model {base_url}, which does not hold it with that shape", adapter_url)
     by_name = {t.name: t for t in exported.tensors}
     for name in exported.trained_copies:
         meta = base_metas.get(name)

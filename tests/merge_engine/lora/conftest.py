@@ -207,6 +207,9 @@ FAMILY_LORAS = {
     # LoRA on Mixtral's fused experts (PEFT target_parameters): Hub names block_sparse_moe.experts.N.w1/w3/w2
     "mixtral": dict(r=2, lora_alpha=6, target_modules=["k_proj"],
                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    # Qwen2-MoE: shared expert + fused experts (PEFT 0.21 does not convert its per-expert adapters under v5)
+    "qwen2_moe": dict(r=2, lora_alpha=4, target_modules=["o_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
     # a vision-language model: transformers v5 holds the language model under model.language_model
     "qwen2_vl": dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]),
 }

@@ -11,7 +11,8 @@ Specification:
   factors) and its ``base/`` in the Hub format; PEFT loads the adapter onto that base with no missing
   or unexpected key and reproduces the trained model's logits exactly;
 - a plain ``merge`` fuses the expert LoRA into the trained model (Hub names, logits equal);
-- ``--weights-format transformers`` cannot hold such an adapter as modules: refused, nothing written.
+- ``--weights-format transformers`` keeps PEFT's fused form (``target_parameters``), which PEFT loads onto the
+  transformers-format base exactly.
 """
 
 from __future__ import annotations
@@ -168,9 +169,30 @@ def test_merge_fuses_the_expert_lora(moe_run, tmp_path):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_transformers_format_refuses_fused_expert_lora(moe_run, tmp_path):
-    """--weights-format transformers keeps fused experts: no per-module adapter exists; refused first."""
-    checkpoint, _ = moe_run
-    with pytest.raises(AdapterError, match="per-expert modules"):
-        extract_lora(checkpoint, str(tmp_path / "adapter"), ExtractOptions(weights_format="transformers"))
-    assert not (tmp_path / "adapter").exists()
+def test_transformers_format_keeps_peft_fused_form(moe_run, tmp_path):
+    """--weights-format transformers: base/ keeps the fused tensors and the adapter PEFT's own
+    target_parameters form (the trained factors, bit for bit); PEFT loads it with no missing or
+    unexpected key and reproduces the trained model's logits."""
+    import peft
+
+    checkpoint, trained = moe_run
+    target = str(tmp_path / "adapter")
+    extract_lora(checkpoint, target, ExtractOptions(weights_format="transformers"))
+    adapter = _tensors(os.path.join(target, "adapter_model.safetensors"))
+    state = trained.state_dict()
+    for wrapper in (f"{LAYER}.base_layer", LAYER):
+        for factor in ("lora_A", "lora_B"):
+            assert torch.equal(adapter[f"{wrapper}.{factor}.weight"], state[f"{wrapper}.{factor}.default.weight"])
+    with open(os.path.join(target, "adapter_config.json")) as handle:
+        config = json.load(handle)
+    assert config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+    assert "model.layers.0.mlp.experts.gate_up_proj" in _keys(os.path.join(target, "base", "model.safetensors"))
+    from transformers import AutoModelForCausalLM
+
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(os.path.join(target, "base")).eval(),
+                                           target)
+    check = model.load_adapter(target, adapter_name="check")
+    assert not check.missing_keys and not check.unexpected_keys
+    model.set_adapter("default")
+    assert torch.equal(logits(model), logits(trained))

@@ -105,3 +105,12 @@ def test_validation_of_hub_named_adapters(single_rank_family_loras, tmp_path):
         report = validate_adapter(adapter, fused_model_url=fused, device="cpu")
         checks = {c.name: c for c in report.checks}
         assert report.ok and checks["peft_logits"].ok, [c for c in report.checks if not c.ok]
+
+
+def test_qwen2_moe_in_peft_fused_form(single_rank_family_loras, tmp_path):
+    """Qwen2-MoE: PEFT 0.21 cannot load per-expert adapters onto it under transformers v5; the
+    transformers weights format gives the fused form, which PEFT loads exactly (no missing key)."""
+    run = single_rank_family_loras["qwen2_moe"]
+    target = str(tmp_path / "adapter")
+    extract_lora(run.checkpoint_dir, target, ExtractOptions(weights_format="transformers"))
+    assert torch.equal(logits(_peft_on_base(target)), logits(run.model))
