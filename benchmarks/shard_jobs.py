@@ -79,6 +79,7 @@ def bench_local(actor: Path, repeats: int, env: dict[str, str]) -> dict[str, Run
     print(f"\n== local: {sum(os.path.getsize(r) for r in ranks) / 1e9:.2f} GB of rank files; warm cp {cp:.2f} s")
     results = {"cp": Run("cp", cp, 0.0)}
     floor_out = str(BENCH / "out" / "floor.bin")
+    os.makedirs(os.path.dirname(floor_out), exist_ok=True)
     floor = [sys.executable, "-m", "benchmarks.data_path_floor"]
     results["loop"] = timed("floor: read+cast+sha256+write loop", [*floor, "loop", floor_out, *ranks], env,
                             repeats, [floor_out], warm)
@@ -191,6 +192,7 @@ def main() -> None:
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     BENCH.mkdir(exist_ok=True)
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
     actor = ensure_checkpoint("0.5b")
     local = bench_local(actor, args.repeats, env)
@@ -202,6 +204,7 @@ def main() -> None:
         bench_ray(actor, args.repeats, env, local["workers2"])
     if "rss" in parts:
         bench_rss(args.repeats, env)
+    print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

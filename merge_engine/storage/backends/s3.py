@@ -13,6 +13,7 @@ from typing import Any
 
 from merge_engine.storage import tuning
 from merge_engine.storage.backend import FsspecBackend, storage_timeout
+from merge_engine.storage.s3_upload import MAX_PARTS, S3PartsUpload
 from merge_engine.storage.faults import RETRY_STATUSES, instance_of
 
 _THROTTLE_CODES = frozenset({
@@ -24,7 +25,6 @@ _THROTTLE_CODES = frozenset({
     "408", "429", "500", "502", "503", "504",
 })
 
-MAX_PARTS = 10_000  # S3's limit on the parts of one multipart upload
 
 
 class S3Backend(FsspecBackend):
@@ -56,6 +56,10 @@ class S3Backend(FsspecBackend):
         # parts grow only as S3's 10,000-part limit needs
         return {"chunksize": max(tuning.UPLOAD_PART, -(-size // MAX_PARTS)),
                 "max_concurrency": max(1, tuning.UPLOAD_PARTS_IN_FLIGHT)}
+
+    def open_upload(self, url: str, block_size: int | None, size_hint: int | None) -> S3PartsUpload:
+        fs, path = self.filesystem(url)
+        return S3PartsUpload(fs, path, url, self.classify_fault, block_size, size_hint)
 
     def path_in(self, fs: Any, url: str, rest: str) -> str:
         return rest

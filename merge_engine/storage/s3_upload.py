@@ -1,0 +1,124 @@
+"""`S3PartsUpload`: a streamed S3 multipart upload whose parts travel in the background, several at once.
+
+s3fs's own file object sends each part when its buffer fills, and waits for it: the writer (a
+shard job: read, cast, hash, write) stands still for every part's round trip and transfer, so a
+merge to ``s3://`` ran at one connection's speed (measured here: 3x the time of the same merge to
+a local folder, on loopback). Here a full part is handed to a small thread pool and the writer
+goes on; at most `tuning.UPLOAD_PARTS_IN_FLIGHT` parts are held (sent or waiting), so memory is
+(that + 1) x the part size per upload.
+
+Contract (the storage layer's `Upload`):
+- ``write`` streams bytes; the object appears only on `commit`, whole (CompleteMultipartUpload),
+  or as one PUT when it is smaller than a part. `discard` aborts the multipart upload: nothing
+  appears, and no part is left stored.
+- parts are ``block_size`` bytes (default `tuning.UPLOAD_PART`; larger when S3's 10,000-part limit
+  needs it for ``size_hint``); every part but the last is full, as S3 requires.
+- each request is retried on transient faults (`faults.retrying` with the backend's rule); a part
+  that fails for good fails the next ``write`` or the `commit`, with that error.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from merge_engine.storage import tuning
+from merge_engine.storage.faults import logger, retrying
+
+__all__ = ["MAX_PARTS", "S3PartsUpload"]
+
+MAX_PARTS = 10_000  # S3's limit on the parts of one multipart upload
+
+
+class S3PartsUpload:
+    """One object written through an s3fs filesystem ``fs`` at ``path`` (see the module docstring)."""
+
+    def __init__(self, fs: Any, path: str, url: str, classify: Any, block_size: int | None,
+                 size_hint: int | None) -> None:
+        self.url = url
+        self._fs = fs
+        self._path = path
+        self._bucket, self._key, _ = fs.split_path(path)
+        self._classify = classify
+        part = block_size or tuning.UPLOAD_PART
+        if size_hint:
+            part = max(part, -(-size_hint // MAX_PARTS))
+        self._part = part
+        self._buffer = bytearray()
+        self._upload_id: str | None = None
+        self._sent: list[Future] = []
+        in_flight = max(1, tuning.UPLOAD_PARTS_IN_FLIGHT)
+        self._slots = threading.BoundedSemaphore(in_flight)
+        self._pool: ThreadPoolExecutor | None = None
+        self._in_flight = in_flight
+
+    def _call(self, method: str, what: str, **kwargs: Any) -> Any:
+        return retrying(lambda: self._fs.call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs),
+                        f"{what} of {self.url}", self._classify)
+
+    def write(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            take = min(len(view), self._part - len(self._buffer))
+            self._buffer += view[:take]
+            view = view[take:]
+            if len(self._buffer) == self._part:
+                self._send(bytes(self._buffer))
+                self._buffer.clear()
+
+    def flush(self) -> None:
+        pass  # a part is sent when it is full, never early
+
+    def _send(self, body: bytes) -> None:
+        self._raise_failed()
+        if self._upload_id is None:
+            self._upload_id = self._call("create_multipart_upload", "starting the upload")["UploadId"]
+            self._pool = ThreadPoolExecutor(self._in_flight, thread_name_prefix="stepmerge-upload")
+        self._slots.acquire()  # at most UPLOAD_PARTS_IN_FLIGHT parts held
+        number = len(self._sent) + 1
+        try:
+            future = self._pool.submit(self._put_part, number, body)
+        except BaseException:
+            self._slots.release()
+            raise
+        future.add_done_callback(lambda _: self._slots.release())
+        self._sent.append(future)
+
+    def _put_part(self, number: int, body: bytes) -> dict[str, Any]:
+        answer = self._call("upload_part", f"part {number}", PartNumber=number, UploadId=self._upload_id, Body=body)
+        return {"PartNumber": number, "ETag": answer["ETag"]}
+
+    def _raise_failed(self) -> None:
+        for future in self._sent:
+            if future.done() and future.exception() is not None:
+                raise future.exception()
+
+    def commit(self) -> None:
+        if self._upload_id is None:  # smaller than a part: one PUT
+            body = bytes(self._buffer)
+            retrying(lambda: self._fs.pipe_file(self._path, body), f"writing {self.url}", self._classify)
+            return
+        if self._buffer:
+            self._send(bytes(self._buffer))
+            self._buffer.clear()
+        parts = [future.result() for future in self._sent]
+        self._call("complete_multipart_upload", "completing the upload", UploadId=self._upload_id,
+                   MultipartUpload={"Parts": parts})
+        self._close_pool()
+
+    def discard(self) -> None:
+        for future in self._sent:
+            future.cancel()
+        self._close_pool()
+        if self._upload_id is not None:
+            try:
+                self._call("abort_multipart_upload", "aborting the upload", UploadId=self._upload_id)
+            except Exception as exc:  # the upload is abandoned either way: its parts expire
+                logger.warning("could not abort the upload to %s: %s", self.url, exc)
+            self._upload_id = None
+
+    def _close_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

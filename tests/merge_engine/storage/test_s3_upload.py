@@ -1,0 +1,64 @@
+"""`S3PartsUpload` (``s3://`` streamed writes): parts sent in the background, a bounded number at once.
+
+Specification (on top of `test_atomic_writer`'s, which every backend meets):
+- while the writer goes on, at most `tuning.UPLOAD_PARTS_IN_FLIGHT` parts are held; the object is
+  byte-exact, one S3 part per ``block_size``;
+- a discarded upload leaves no multipart upload open on the server (no stored parts).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from merge_engine import storage
+from merge_engine.storage.s3_upload import S3PartsUpload
+from merge_engine.storage.schemes import backend_for
+from tests.merge_engine.storage.patterned import MiB, patterned_bytes
+
+
+def test_parts_in_flight_are_bounded_and_the_object_is_exact(s3_bucket_url, monkeypatch):
+    monkeypatch.setattr(storage.tuning, "UPLOAD_PARTS_IN_FLIGHT", 2)
+    held, peak, lock = [0], [0], threading.Lock()
+    put_part = S3PartsUpload._put_part
+
+    def slow_put_part(self, number, body):
+        with lock:
+            held[0] += 1
+            peak[0] = max(peak[0], held[0])
+        time.sleep(0.2)  # a slow network: the writer must not run ahead of the bound
+        try:
+            return put_part(self, number, body)
+        finally:
+            with lock:
+                held[0] -= 1
+
+    monkeypatch.setattr(S3PartsUpload, "_put_part", slow_put_part)
+    url = storage.join(s3_bucket_url, "parts.bin")
+    data = patterned_bytes(MiB, seed=3) * 26  # 5 full parts of 5 MiB and a 1 MiB tail
+    with storage.open_write(url, block_size=5 * MiB) as out:
+        for at in range(0, len(data), 3 * MiB):
+            out.write(data[at:at + 3 * MiB])
+    assert peak[0] == 2
+    assert storage.read_bytes(url) == data
+    (entry,) = storage.list_files(url.rsplit("/", 1)[0])
+    assert entry.version.endswith("-6")
+
+
+def test_a_discarded_upload_leaves_no_parts(s3_bucket_url):
+    url = storage.join(s3_bucket_url, "discarded.bin")
+    fs, path = backend_for(url).filesystem(url)
+    bucket = path.split("/", 1)[0]
+
+    def open_uploads() -> list:
+        return fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+
+    with pytest.raises(RuntimeError):
+        with storage.open_write(url, block_size=5 * MiB) as out:
+            out.write(b"x" * (11 * MiB))  # two parts sent
+            assert len(open_uploads()) == 1
+            raise RuntimeError("writer crashed")
+    assert open_uploads() == []
+    assert not storage.exists(url)
