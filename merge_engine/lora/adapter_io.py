@@ -11,6 +11,7 @@ does not target, modules or shapes the base model does not have.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from merge_engine import storage
 from merge_engine.errors import AdapterError
 from merge_engine.json_file import read_json_object
 from merge_engine.lora.config import LoraSettings, targets
-from merge_engine.lora.fused_experts import check_experts_fit
+from merge_engine.lora.fused_experts import check_experts_fit, find_expert_loras, with_scales, wrapper_owner
 from merge_engine.lora.keys import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -84,6 +85,8 @@ class Adapter:
     overrides: Mapping[str, str]
     metas: Mapping[str, TensorMeta]
     experts: Mapping[str, Any] = field(default_factory=dict)
+    # an adapter file's target_parameters wrappers (module -> factors), resolved against a base (`with_base`)
+    wrapped: Mapping[str, Mapping[str, tuple[str, bool]]] = field(default_factory=dict)
 
 
 def lora_modules(factors: Mapping[str, Mapping[str, tuple[str, bool]]], metas: Mapping[str, TensorMeta],
@@ -162,13 +165,42 @@ def describe_adapter(url: str, settings: LoraSettings, metas: Mapping[str, Tenso
             overrides[role.name] = key
     if not factors:
         raise AdapterError("adapter_model.safetensors holds no lora_A/lora_B tensors", url)
+    wrapped = {m: parts for m, parts in factors.items() if _wraps_a_parameter(m, settings.target_parameters)}
+    factors = {m: parts for m, parts in factors.items() if m not in wrapped}
     modules = lora_modules(factors, metas, settings, url, config_ranks=True)
     if settings.target_modules is not None:
         stray = [m for m in modules if not targets(settings.target_modules, m)]
         if stray:
             raise AdapterError(f"the adapter holds weights for {stray[0]}, which its target_modules "
                                f"{settings.target_modules!r} do not select (PEFT would ignore them)", url)
-    return Adapter(url, settings, modules, overrides, dict(metas))
+    return Adapter(url, settings, modules, overrides, dict(metas), wrapped=wrapped)
+
+
+def _wraps_a_parameter(module: str, target_parameters: tuple[str, ...]) -> bool:
+    """Is ``module`` (``model.layers.0.mlp.experts.base_layer``) a ParamWrapper of a ``target_parameters``
+    entry (``mlp.experts.gate_up_proj``)?"""
+    owner = wrapper_owner(module)
+    holders = {t.rpartition(".")[0] for t in target_parameters}
+    return any(owner == h or owner.endswith(f".{h}") for h in holders if h)
+
+
+def with_base(adapter: Adapter, base_metas: Mapping[str, TensorMeta], base_url: str | None = None) -> Adapter:
+    """``adapter`` with its target_parameters wrappers resolved into `ExpertLora`s against the base's fused
+    tensors (which wrapper adapts which tensor is told by the shapes); `AdapterError` when one fits none,
+    or its rank is not the config's."""
+    if not adapter.wrapped:
+        return adapter
+    shapes = {name: tuple(meta.shape) for name, meta in base_metas.items()}
+    experts, rest = find_expert_loras(adapter.wrapped, shapes, adapter.metas, adapter.url)
+    if rest:
+        raise AdapterError(f"{sorted(rest)[0]}: LoRA factors of a target_parameters wrapper, but the base model "
+                           f"{base_url} has no fused tensor there", adapter.url)
+    for name, lora in experts.items():
+        if lora.rank != adapter.settings.rank_of(name):
+            raise AdapterError(f"{name}: the config gives r={adapter.settings.rank_of(name)} but its factors have "
+                               f"rank {lora.rank} per expert", adapter.url)
+    return dataclasses.replace(adapter, experts={**adapter.experts, **with_scales(experts, adapter.settings)},
+                               wrapped={})
 
 
 def base_modules(base_metas: Mapping[str, TensorMeta]) -> set[str]:
@@ -178,6 +210,7 @@ def base_modules(base_metas: Mapping[str, TensorMeta]) -> set[str]:
 def check_fits_base(adapter: Adapter, base_metas: Mapping[str, TensorMeta], base_url: str | None = None) -> None:
     """Every LoRA module and replaced tensor exists in the base with the adapter's shape, and every
     ``target_modules`` entry selects some module of the base; else `AdapterError`."""
+    adapter = with_base(adapter, base_metas, base_url)
     check_experts_fit(adapter.experts, base_metas, adapter.url, base_url)
     for module in adapter.modules.values():
         meta = base_metas.get(module.weight_name)

@@ -242,6 +242,10 @@ def plan_combined_adapter(inputs: Sequence[WeightedAdapter], source: TensorSourc
     if base_metas is not None:
         for item in inputs:
             check_fits_base(item.adapter, base_metas, base_url)
+    fused = [item.adapter.url for item in inputs if item.adapter.wrapped or item.adapter.experts]
+    if fused:
+        raise AdapterError("combining adapters with LoRA on fused expert tensors (target_parameters) into one "
+                           "adapter is not supported; fuse them into the model (--output model)", fused[0])
     groups = module_groups(inputs)
     refactor = rank is not None or energy is not None
     table: dict[str, Factors] = {}

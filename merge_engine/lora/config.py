@@ -10,7 +10,8 @@ Semantics follow peft's source (``tuners/lora/layer.py``, ``utils/other.py::get_
 - ``fan_in_fan_out``: the base weight is stored (in, out) and the update is (B @ A).T.
 
 `LoraSettings.from_config` refuses the variants whose update is not ``scale * B @ A`` (DoRA, LoRA
-bias, target_parameters, ...) with an `AdapterError`.
+bias, ...) with an `AdapterError`. ``target_parameters`` (LoRA on fused expert tensors) is read: each
+expert's update is ``scale * B_e @ A_e`` (`merge_engine.lora.fused_experts`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from merge_engine.errors import AdapterError
 
 # settings that change what the update is; any truthy value means "not plain LoRA"
 UNSUPPORTED_SETTINGS = {
-    "use_dora": "DoRA", "lora_bias": "LoRA bias", "target_parameters": "LoRA on nn.Parameter (target_parameters)",
+    "use_dora": "DoRA", "lora_bias": "LoRA bias",
     "layer_replication": "layer replication", "trainable_token_indices": "trainable tokens",
     "alora_invocation_tokens": "activated LoRA (aLoRA)", "use_qalora": "QA-LoRA", "use_bdlora": "BD-LoRA",
     "arrow_config": "Arrow routing",
@@ -68,6 +69,7 @@ class LoraSettings:
     modules_to_save: tuple[str, ...] = ()
     bias: str = "none"
     task_type: str | None = None
+    target_parameters: tuple[str, ...] = ()  # LoRA on fused expert tensors (`merge_engine.lora.fused_experts`)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], where: str | None = None) -> LoraSettings:
@@ -93,7 +95,8 @@ class LoraSettings:
                    use_rslora=bool(config.get("use_rslora", False)),
                    fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
                    modules_to_save=tuple(config.get("modules_to_save") or ()),
-                   bias=str(config.get("bias") or "none"), task_type=config.get("task_type"))
+                   bias=str(config.get("bias") or "none"), task_type=config.get("task_type"),
+                   target_parameters=tuple(config.get("target_parameters") or ()))
 
     def rank_of(self, module: str) -> int:
         key = pattern_key(self.rank_pattern, module)

@@ -27,7 +27,7 @@ import torch
 
 from merge_engine.chunks import aligned_chunks
 from merge_engine.errors import AdapterError
-from merge_engine.lora.adapter_io import Adapter, check_fits_base
+from merge_engine.lora.adapter_io import Adapter, check_fits_base, with_base
 from merge_engine.lora.sources import qualified
 from merge_engine.hf_plan import plan_hf_merge
 from merge_engine.merge_plan import MergePlan
@@ -236,6 +236,7 @@ def plan_fused_model(base_metas: Mapping[str, TensorMeta], config: Mapping[str, 
     ``<namespace>::<key>`` for each adapter. Checks each adapter against the base first
     (`check_fits_base`).
     """
+    inputs = [dataclasses.replace(item, adapter=with_base(item.adapter, base_metas, base_url)) for item in inputs]
     for item in inputs:
         check_fits_base(item.adapter, base_metas, base_url)
     terms, replacements = tensor_updates(inputs)

@@ -41,7 +41,8 @@ from merge_engine.validate.compare import LOGIT_TOLERANCE
 from merge_engine.validate.forward import default_device, loaded_model, logits_of, model_logits
 from merge_engine.validate.report import Check, ValidationReport
 from merge_engine.validate.staging import local_folder
-from merge_engine.validate.structure import validate_structure
+from merge_engine.validate.structure import recorded_weights_format, validate_structure
+from merge_engine.validate.weights import top_level_listing
 
 BASE_DIR = "base"
 NOISE_FACTOR = 4.0  # rounding noise allowed, in units of eps * rms(fused logits) (measured: ~0.4 on tiny models)
@@ -150,7 +151,9 @@ def validate_adapter(adapter_url: str, *, fused_model_url: Optional[str] = None,
     base_url = storage.join(adapter_url, BASE_DIR)
     has_base = bool(storage.list_files(base_url))
     if has_base:
-        base_report = validate_structure(base_url)
+        # base/ is named as the adapter's extraction recorded (its stepmerge.json is the adapter folder's)
+        base_report = validate_structure(base_url, weights_format=recorded_weights_format(
+            adapter_url, top_level_listing(adapter_url)))
         checks += [Check(f"base:{c.name}", c.ok, c.detail) for c in base_report.checks]
         base = open_checkpoint(check_checkpoint(base_url, "hf"))
         try:

@@ -196,3 +196,25 @@ def test_transformers_format_keeps_peft_fused_form(moe_run, tmp_path):
     assert not check.missing_keys and not check.unexpected_keys
     model.set_adapter("default")
     assert torch.equal(logits(model), logits(trained))
+
+
+def test_fused_form_adapter_is_read_back(moe_run, tmp_path):
+    """The fused-form adapter is read by stepmerge too: validate_adapter passes it against the trained
+    model (merged in the same format), merge-lora fuses it into its base/ to that model (bit for bit),
+    and combining it into one adapter is refused with a named error."""
+    from merge_engine.lora.combine import MergeLoraOptions, merge_lora
+    from merge_engine.validate.adapter import validate_adapter
+
+    checkpoint, trained = moe_run
+    adapter, merged = str(tmp_path / "adapter"), str(tmp_path / "merged")
+    extract_lora(checkpoint, adapter, ExtractOptions(weights_format="transformers"))
+    merge_checkpoint(checkpoint, merged, ExtractOptions(weights_format="transformers"))
+    report = validate_adapter(adapter, fused_model_url=merged, device="cpu")
+    assert report.ok, [c for c in report.checks if not c.ok]
+    fused = str(tmp_path / "fused")
+    merge_lora(os.path.join(adapter, "base"), [adapter], fused, MergeLoraOptions(weights_format="transformers"))
+    got, expected = _tensors(os.path.join(fused, "model.safetensors")), _tensors(os.path.join(merged, "model.safetensors"))
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    with pytest.raises(AdapterError, match="fused expert tensors"):
+        merge_lora(os.path.join(adapter, "base"), [adapter], str(tmp_path / "combined"),
+                   MergeLoraOptions(output="adapter"))

@@ -87,11 +87,16 @@ def test_scaling_is_alpha_over_r_or_sqrt_r():
     assert settings.scale_of("model.layers.1.self_attn.q_proj", 4) == 0.5
 
 
-@pytest.mark.parametrize("field, value", [("use_dora", True), ("lora_bias", True), ("peft_type", "IA3"),
-                                          ("target_parameters", ["experts.gate_up_proj"])])
+@pytest.mark.parametrize("field, value", [("use_dora", True), ("lora_bias", True), ("peft_type", "IA3")])
 def test_unsupported_settings_are_refused(field, value):
     with pytest.raises(AdapterError):
         LoraSettings.from_config({"r": 4, "lora_alpha": 8, field: value})
+
+
+def test_target_parameters_are_read():
+    """LoRA on fused expert tensors is plain LoRA per expert (tests/merge_engine/lora/test_fused_experts.py)."""
+    settings = LoraSettings.from_config({"r": 4, "lora_alpha": 8, "target_parameters": ["mlp.experts.gate_up_proj"]})
+    assert settings.target_parameters == ("mlp.experts.gate_up_proj",)
 
 
 def test_rank_layout_round_trips_through_peft(tiny_base):
