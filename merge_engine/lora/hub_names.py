@@ -154,6 +154,20 @@ def _row_band(view: TensorView, rows_before: int, columns: int) -> tuple[int, in
     return block, first, view.shape[0]
 
 
+def _check_covered(views: list[tuple[str, TensorView]], numel: int, name: str, where: str | None) -> None:
+    """The Hub tensors cut from ``name`` hold each of its elements once (else a part of its LoRA would be
+    dropped or doubled without a word): `AdapterError`."""
+    starts = sorted((view.offset, view.numel) for _, view in views)
+    at = 0
+    for offset, count in starts:
+        if offset != at:
+            break
+        at += count
+    if at != numel:
+        raise AdapterError(f"the Hub tensors cut from {name} do not cover it exactly once; pass --weights-format "
+                           "transformers", where)
+
+
 class _Builder:
     def __init__(self, metas: Mapping[str, TensorMeta], dtype: torch.dtype | None) -> None:
         self.metas, self.dtype = metas, dtype
@@ -202,6 +216,7 @@ def export_adapter(modules: Mapping[str, LoraModule], experts: Mapping[str, Expe
                     (tuple(metas[lora.a].shape), lora.a, CheckedCopy(lora.a)),
                     (tuple(metas[lora.b].shape), lora.b, CheckedCopy(lora.b)))
             continue
+        _check_covered(views, lora.out_features * lora.in_features, lora.weight_name, where)
         for hub_name, view in views:
             band = None if lora.transposed else _row_band(view, lora.out_features, lora.in_features)
             if band is None:
@@ -223,6 +238,7 @@ def export_adapter(modules: Mapping[str, LoraModule], experts: Mapping[str, Expe
                                                  tuple(metas[key].shape), dtype or metas[key].dtype, key,
                                                  CheckedCopy(key)))
             continue
+        _check_covered(views, lora.num_experts * lora.out_features * lora.in_features, lora.parameter, where)
         b_cache = ExpertColumns(lora.b, 0, 1, 0, 0).cache  # one fused B read for all its experts
         for hub_name, view in sorted(views, key=lambda item: (item[1].offset, item[0])):
             band = _row_band(view, lora.out_features, lora.in_features)
@@ -248,7 +264,9 @@ def export_adapter(modules: Mapping[str, LoraModule], experts: Mapping[str, Expe
         out.tensors.append(PlannedTensor(f"{PEFT_PREFIX}{target}", tuple(metas[key].shape), dtype or metas[key].dtype,
                                          key, CheckedCopy(key)))
     notes = (f"adapter under the Hub names: {renamed} modules renamed or split "
-             f"({len(experts)} fused expert tensors as per-expert modules)",) if renamed else ()
+             f"({len(experts) - len(fused)} fused expert tensors as per-expert modules)",) if renamed else ()
+    if fused:
+        notes += (f"{len(fused)} fused expert tensors kept in PEFT's target_parameters form",)
     return ExportedAdapter(tuple(out.tensors), out.ranks, out.shapes, frozenset(out.embeddings), copies,
                            frozenset(base_modules), notes, fused)
 

@@ -114,3 +114,21 @@ def test_qwen2_moe_in_peft_fused_form(single_rank_family_loras, tmp_path):
     target = str(tmp_path / "adapter")
     extract_lora(run.checkpoint_dir, target, ExtractOptions(weights_format="transformers"))
     assert torch.equal(logits(_peft_on_base(target)), logits(run.model))
+
+
+def test_hub_tensors_must_cover_the_fused_tensor_once():
+    """A conversion that left an expert out (or cut one twice) would drop (or double) part of the LoRA:
+    refused, never written."""
+    import pytest
+
+    from merge_engine.errors import AdapterError
+    from merge_engine.lora.hub_names import _check_covered
+    from merge_engine.transformers_conversion import TensorView
+
+    def expert(e: int) -> tuple[str, TensorView]:
+        return f"experts.{e}.down_proj.weight", TensorView("experts.down_proj", e * 12, (3, 4), (4, 1))
+
+    _check_covered([expert(1), expert(0)], 24, "experts.down_proj", "ckpt")
+    for views in ([expert(0)], [expert(0), expert(0), expert(1)], [expert(1)]):
+        with pytest.raises(AdapterError, match="exactly once"):
+            _check_covered(views, 24, "experts.down_proj", "ckpt")
