@@ -5,8 +5,9 @@ threads of this process. Threads, not processes: every stage of a shard job leav
 it works (file and network reads, the cast in torch, the write, sha256 over large buffers), the
 jobs share the open source (its readers, its parsed pickles) instead of re-opening it per process,
 and nothing is pickled; a process per job would add an interpreter and a torch import (~1.5 s,
-~300 MB) per worker. Measured (`python -m benchmarks.shard_jobs --parts local`, 2 busy cores):
-``--workers 2`` took 0.87x the time of ``--workers 1`` on the 2.5 GB FSDP benchmark.
+~300 MB) per worker. Measured (`python -m benchmarks.shard_jobs`, 2 loaded cores, the 2.5 GB FSDP
+benchmark, whose 1.26 GB output is one shard, so one job): ``--workers 2`` / ``--workers 1`` was
+0.58-1.03 (docs/scaling.md); a Ray cluster of the same 2 cores took 1.00x ``--workers 2``.
 
 Contract of `write_plan`:
 - every shard of ``plan`` is written under ``target_url``, then the index when there are several

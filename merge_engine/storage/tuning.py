@@ -7,9 +7,11 @@ change made here is seen everywhere at once.
 import os
 
 REMOTE_READ_CHUNK = 32 * 1024 * 1024  # the largest ranged GET; ranged GETs are retried, whole-object reads are not
-# Ranged GETs in flight per read of a remote file (a shard job's chunk): object storage gives ~5 Gbps per
-# connection and tens of Gbps per machine only with 32-64 requests in flight. STEPMERGE_REQUESTS_IN_FLIGHT
-# (or `--requests-in-flight`) changes it; 1 means one request at a time.
+# Ranged GETs in flight per stream of forward reads of a remote file (`storage.read_ahead`), and per read
+# that is not served ahead: object storage gives ~5 Gbps per connection and tens of Gbps per machine only
+# with 32-64 requests in flight. STEPMERGE_REQUESTS_IN_FLIGHT (or `--requests-in-flight`) changes it; 1
+# means one request at a time. More in flight never means smaller requests below MIN_RANGE_PART /
+# read_ahead.MIN_PART_BYTES (1 MiB): the request count, and its CPU, stays that of the bytes read.
 REQUESTS_IN_FLIGHT = int(os.environ.get("STEPMERGE_REQUESTS_IN_FLIGHT", "32"))
 MIN_RANGE_PART = 1024 * 1024  # a smaller part costs a request (and its CPU: signing, parsing) for too few bytes
 # Remote reads ahead of a reader that moves forward (`storage.read_ahead`): parts of READ_PART_BYTES (the
