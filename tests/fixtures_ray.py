@@ -105,6 +105,16 @@ def worker_peak_rss_mb(head: subprocess.Popen) -> list[float]:
 
 
 @pytest.fixture(scope="session")
+def ray_cluster_session(ray_cluster: str) -> int:
+    """The session id of every process of the `ray_cluster` (its GCS, raylet, workers): what a test that
+    signals a worker filters on, so that it never touches another Ray cluster of the machine."""
+    return _SESSIONS[ray_cluster]
+
+
+_SESSIONS: dict[str, int] = {}  # address -> session id (= pid of its ``ray start``)
+
+
+@pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[str]:
     """The address of a running local Ray cluster; this process is connected to it."""
     import ray
@@ -113,6 +123,7 @@ def ray_cluster() -> Iterator[str]:
     port = _free_port()
     head = start_ray_head(root, port)  # the cluster and this process (its driver) agree on the environment
     address = f"127.0.0.1:{port}"
+    _SESSIONS[address] = head.pid
     try:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
         yield address

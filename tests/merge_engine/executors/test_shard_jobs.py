@@ -140,22 +140,34 @@ def test_a_source_fault_mid_merge_fails_the_whole_merge(executor, fsdp_runs, tmp
     assert [p.name for p in tmp_path.iterdir()] == ["actor"] and not target.exists()
 
 
+def _in_session(process: psutil.Process, session: int) -> bool:
+    try:
+        return os.getsid(process.pid) == session
+    except OSError:
+        return False
+
+
 def _kill_a_shard_task_once_it_writes(target_parent, killed: list[int], stop: threading.Event,
-                                      task_name: str, then: Callable[[], None]) -> None:
-    """Wait for a shard temp file in the target's temp folder, then SIGKILL a Ray worker running a task
-    named ``task_name`` (Ray titles the process ``ray::<task name>``), then call ``then``."""
+                                      task_name: str, session: int, then: Callable[[], None]) -> None:
+    """Once a shard temp file has appeared in the target's temp folder (writing has begun), SIGKILL a worker
+    of the test's Ray cluster (process session ``session``: never another cluster of the machine) while
+    it runs a task named ``task_name`` (Ray titles a worker ``ray::<task name>`` while it runs that task,
+    ``ray::IDLE`` between tasks), then call ``then``."""
+    writing = False
     while not stop.is_set():
-        writing = [p for p in target_parent.rglob(".model-*.tmp-*")]
-        tasks = [p for p in psutil.process_iter(["cmdline"]) if f"ray::{task_name}" in " ".join(p.info["cmdline"] or [])]
-        if writing and tasks:
-            os.kill(tasks[0].pid, signal.SIGKILL)
-            killed.append(tasks[0].pid)
-            then()
-            return
-        time.sleep(0.02)
+        writing = writing or any(target_parent.rglob(".model-*.tmp-*"))
+        if writing:
+            for process in psutil.process_iter(["cmdline"]):
+                if f"ray::{task_name}" in " ".join(process.info["cmdline"] or []) and _in_session(process, session):
+                    os.kill(process.pid, signal.SIGKILL)
+                    killed.append(process.pid)
+                    then()
+                    return
+        time.sleep(0.01)
 
 
-def _merge_with_a_worker_killed(executor, task_name: str, fsdp_runs, s3_bucket_url, s3_env, tmp_path, monkeypatch):
+def _merge_with_a_worker_killed(executor, task_name: str, session: int, fsdp_runs, s3_bucket_url, s3_env, tmp_path,
+                                monkeypatch):
     """Merge the FSDP fixture from ``s3://`` through a slow network (one request at a time, 300 KB/s per
     connection), so shard tasks are caught mid-write, and SIGKILL one Ray worker running a shard; the
     network is back to loopback speed once the worker is killed (the rest of the merge runs fast)."""
@@ -170,7 +182,7 @@ def _merge_with_a_worker_killed(executor, task_name: str, fsdp_runs, s3_bucket_u
         monkeypatch.setenv("STEPMERGE_REQUESTS_IN_FLIGHT", "1")
         storage.clear_filesystems()
         watcher = threading.Thread(target=_kill_a_shard_task_once_it_writes, args=(
-            tmp_path, killed, stop, task_name, lambda: proxy.set_network(None, open_connections=True)))
+            tmp_path, killed, stop, task_name, session, lambda: proxy.set_network(None, open_connections=True)))
         watcher.start()
         try:
             result = _merge(remote_source, str(tmp_path / "merged"), options, executor)
@@ -191,17 +203,18 @@ def _same_as_one_worker(result, one_worker, tmp_path) -> None:
     assert not [p for p in (tmp_path / "merged").rglob("*") if ".tmp-" in p.name]
 
 
-def test_a_ray_worker_killed_mid_shard_is_retried(fsdp_runs, one_worker, ray_cluster, s3_bucket_url, s3_env,
-                                                 tmp_path, monkeypatch):
+def test_a_ray_worker_killed_mid_shard_is_retried(fsdp_runs, one_worker, ray_cluster, ray_cluster_session,
+                                                 s3_bucket_url, s3_env, tmp_path, monkeypatch):
     """One shard task's worker is killed mid-write; Ray runs it again; the output is byte-identical and
     no temp file is left."""
-    result = _merge_with_a_worker_killed(RayExecutor(ray_cluster), "stepmerge-shard", fsdp_runs, s3_bucket_url,
-                                         s3_env, tmp_path, monkeypatch)
+    result = _merge_with_a_worker_killed(RayExecutor(ray_cluster), "stepmerge-shard", ray_cluster_session, fsdp_runs,
+                                         s3_bucket_url, s3_env, tmp_path, monkeypatch)
     _same_as_one_worker(result, one_worker, tmp_path)
 
 
 def test_a_ray_worker_killed_mid_shard_under_prefect_is_retried(prefect, fsdp_runs, one_worker, ray_cluster,
-                                                                s3_bucket_url, s3_env, tmp_path, monkeypatch):
+                                                                ray_cluster_session, s3_bucket_url, s3_env, tmp_path,
+                                                                monkeypatch):
     """The same under Prefect's Ray runner: the killed ``write-shard`` task run is run again by Ray (same
     task run), the merge completes byte-identical, no temp file is left, and the API shows every shard's
     task run Completed."""
@@ -211,8 +224,8 @@ def test_a_ray_worker_killed_mid_shard_under_prefect_is_retried(prefect, fsdp_ru
     from tasks.shard_runs import PrefectRayExecutor
 
     label = f"killed-{tmp_path.name}"
-    result = _merge_with_a_worker_killed(PrefectRayExecutor(ray_cluster, label), "write-shard", fsdp_runs,
-                                         s3_bucket_url, s3_env, tmp_path, monkeypatch)
+    result = _merge_with_a_worker_killed(PrefectRayExecutor(ray_cluster, label), "write-shard", ray_cluster_session,
+                                         fsdp_runs, s3_bucket_url, s3_env, tmp_path, monkeypatch)
     _same_as_one_worker(result, one_worker, tmp_path)
     with get_client(sync_client=True) as client:
         subflows = client.read_flow_runs(
