@@ -142,22 +142,19 @@ def bench_s3(actor: Path, repeats: int, env: dict[str, str], local: Run, in_flig
 
 
 def bench_ray(actor: Path, repeats: int, env: dict[str, str], workers2: Run) -> Run:
-    ray_bin = str(Path(sys.executable).parent / "ray")
-    root = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-    port = "26380"
-    from tests.fixtures_ray import LOOPBACK_RAY_ENV
+    from tests.fixtures_ray import LOOPBACK_RAY_ENV, free_port, start_ray_head, stop_ray_head
 
+    root = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    port = free_port()
     ray_env = {**env, **LOOPBACK_RAY_ENV}
     print("\n== ray: a private 2-CPU cluster of this machine", flush=True)
-    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2",
-                    "--include-dashboard=false", f"--temp-dir={root}"], check=True, env=ray_env,
-                   stdout=subprocess.DEVNULL)
+    head = start_ray_head(root, port, ray_env)  # stopped alone: never `ray stop`, which stops every cluster here
     out = str(BENCH / "out" / "ray")
     try:
         run = timed("ray merge (2 workers)", merge_command(str(actor), out, "--ray-address", f"127.0.0.1:{port}"),
                     ray_env, repeats, [out])
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=ray_env, stdout=subprocess.DEVNULL)
+        stop_ray_head(head)
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
     print(f"      ray / --workers 2: {run.wall_s / workers2.wall_s:.2f}")

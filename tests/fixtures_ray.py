@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import pytest
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -120,7 +120,7 @@ def ray_cluster() -> Iterator[str]:
     import ray
 
     root = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's unix socket paths are length-limited
-    port = _free_port()
+    port = free_port()
     head = start_ray_head(root, port)  # the cluster and this process (its driver) agree on the environment
     address = f"127.0.0.1:{port}"
     _SESSIONS[address] = head.pid
