@@ -447,7 +447,7 @@ class DcpItem:
     length: int
 
 
-class DcpDataFile:
+class DcpDataFile(storage.CommitOnExit):
     """One data file of a DCP folder, items appended (`add_chunk`, `add_object`), hashed as written.
 
     ``close()`` commits the file; ``items`` then lists what it holds (for `write_dcp_metadata`),
@@ -487,15 +487,6 @@ class DcpDataFile:
 
     def abort(self) -> None:
         self._out.abort()
-
-    def __enter__(self) -> DcpDataFile:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 def dcp_metadata_bytes(items: Iterable[DcpItem]) -> bytes:

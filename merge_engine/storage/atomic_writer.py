@@ -8,7 +8,21 @@ from typing import IO, Any
 from merge_engine.storage.schemes import backend_for
 
 
-class AtomicWriter(io.RawIOBase):
+class CommitOnExit:
+    """``with`` protocol of an all-or-nothing writer: a clean exit commits (``close()``), leaving by an
+    exception throws the writing away (``abort()``)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class AtomicWriter(CommitOnExit, io.RawIOBase):
     """A streaming binary writer whose file appears whole or not at all.
 
     ``close()`` commits: a local temp file is fsynced and renamed onto the target; a remote
@@ -65,14 +79,6 @@ class AtomicWriter(io.RawIOBase):
         finally:
             super().close()
 
-    def __enter__(self) -> AtomicWriter:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
     def __del__(self) -> None:
         try:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from merge_engine.storage.atomic_writer import open_write
+from merge_engine.storage.atomic_writer import CommitOnExit, open_write
 
 
-class HashingWriter:
+class HashingWriter(CommitOnExit):
     """Writes ``url`` through `open_write` (committed on a clean ``with`` exit, aborted on an exception)
     and hashes every byte written: ``size`` and ``sha256()`` once done. Write-only (what ``torch.save``
     and a DCP data file need: ``write``, ``flush``, ``tell``)."""
@@ -43,12 +43,3 @@ class HashingWriter:
     def abort(self) -> None:
         """Throw away what was written (idempotent)."""
         self._out.abort()  # type: ignore[attr-defined]
-
-    def __enter__(self) -> HashingWriter:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
