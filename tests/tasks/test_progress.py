@@ -9,13 +9,16 @@ from types import SimpleNamespace
 
 from prefect import flow
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterId
 
 from tasks.progress import ProgressArtifact, artifact_key, release_artifact_key
 
 
 def _value(artifact_id) -> float:
+    """The artifact's current value, asked for by id (a listing is one page: the session's server holds many)."""
     with get_client(sync_client=True) as client:
-        return float(next(a for a in client.read_artifacts() if a.id == artifact_id).data)
+        (artifact,) = client.read_artifacts(artifact_filter=ArtifactFilter(id=ArtifactFilterId(any_=[artifact_id])))
+        return float(artifact.data)
 
 
 def test_the_progress_artifact_moves_with_the_bytes_written(prefect):
