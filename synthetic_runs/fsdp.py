@@ -82,11 +82,13 @@ class SyntheticRunError(RuntimeError):
 class LoraSpec:
     """LoRA applied with `peft.get_peft_model` before sharding (as verl does). ``target_parameters``:
     PEFT's LoRA on parameters (``ParamWrapper``), how PEFT 0.21 adapts transformers v5's fused 3-D
-    expert tensors (``mlp.experts.gate_up_proj``); the first listed is the innermost wrapper."""
+    expert tensors (``mlp.experts.gate_up_proj``); the first listed is the innermost wrapper.
+    ``target_modules`` may be a string, as PEFT takes it: ``"all-linear"`` is verl's default
+    (`VERL_DEFAULT_LORA`), which PEFT 0.21 turns into ``target_parameters`` on a v5 MoE model."""
 
     r: int = 4
     alpha: int = 8
-    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    target_modules: str | tuple[str, ...] = ("q_proj", "v_proj")
     target_parameters: tuple[str, ...] = ()
 
 
@@ -176,7 +178,8 @@ class FsdpSpec:
         data["model"] = ModelSpec(**data["model"])
         if data.get("lora") is not None:
             lora = dict(data["lora"])
-            lora["target_modules"] = tuple(lora["target_modules"])
+            if not isinstance(lora["target_modules"], str):
+                lora["target_modules"] = tuple(lora["target_modules"])
             lora["target_parameters"] = tuple(lora.get("target_parameters", ()))
             data["lora"] = LoraSpec(**lora)
         data["save_contents"] = tuple(data["save_contents"])
@@ -392,6 +395,21 @@ def family_matrix() -> dict[str, FsdpSpec]:
     return specs
 
 
+# verl's default LoRA (trainer config `lora_rank` 4 as tried in issue 16, `lora_alpha` 16, `target_modules`
+# all-linear): on a transformers-5 MoE model PEFT adapts the fused experts and the router as parameters and gives
+# the fused gate/up rank 2r AND alpha 2 * alpha (scale alpha / r unchanged)
+VERL_DEFAULT_LORA = LoraSpec(r=4, alpha=16, target_modules="all-linear")
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_vl_moe")
+
+
+def verl_lora_matrix() -> dict[str, FsdpSpec]:
+    """verl's default LoRA (`VERL_DEFAULT_LORA`) on every MoE family of the architecture matrix, FSDP2 at
+    world 2, model files only (what a LoRA run's ``actor/`` holds), named ``<family>_verl_lora_w2``."""
+    return {f"{family}_verl_lora_w2": FsdpSpec(model=ModelSpec(family=family), world_size=2, save_contents=("model",),
+                                               lora=VERL_DEFAULT_LORA)
+            for family in MOE_FAMILIES}
+
+
 def write_fixture_matrix(
     root: str | os.PathLike[str],
     reference_root: str | os.PathLike[str] | None = None,
@@ -590,7 +608,7 @@ def _apply_lora(model: torch.nn.Module, lora: LoraSpec) -> torch.nn.Module:
         task_type=peft.TaskType.CAUSAL_LM,
         r=lora.r,
         lora_alpha=lora.alpha,
-        target_modules=list(lora.target_modules),
+        target_modules=lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules),
         target_parameters=list(lora.target_parameters) or None,
         bias="none",
     )

@@ -4,6 +4,7 @@
 `fsdp_runs`: every variant of `synthetic_runs.fixture_matrix()` (FSDP1 with and without a mesh,
 FSDP2, HSDP, one rank, tied/untied, Qwen2/Llama, fp32/bf16, buffers, critic, SFT, LoRA) as a verl
 run root with one step, plus the exact reference weights each was sharded from.
+`verl_lora_runs`: verl's default LoRA (all-linear) on every MoE family (`synthetic_runs.fsdp.verl_lora_matrix()`).
 """
 
 from __future__ import annotations
@@ -37,3 +38,15 @@ def family_runs(tmp_path_factory) -> dict[str, synthetic_runs.RunFiles]:
     root = tmp_path_factory.mktemp("synthetic_families")
     return synthetic_runs.write_fixture_matrix(root / "runs", reference_root=root / "references", steps=(1,),
                                                specs=family_matrix())
+
+
+@pytest.fixture(scope="session")
+def verl_lora_runs(tmp_path_factory) -> dict[str, synthetic_runs.RunFiles]:
+    """verl's default LoRA (all-linear, r 4, alpha 16; `synthetic_runs.fsdp.verl_lora_matrix()`) on every MoE
+    family, FSDP2 world 2 on gloo, with references: ``build_reference_model(spec, seed)`` is the trained
+    PeftModel, built by PEFT itself."""
+    from synthetic_runs.fsdp import verl_lora_matrix
+
+    root = tmp_path_factory.mktemp("synthetic_verl_lora")
+    return synthetic_runs.write_fixture_matrix(root / "runs", reference_root=root / "references", steps=(1,),
+                                               specs=verl_lora_matrix())
