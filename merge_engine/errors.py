@@ -30,6 +30,13 @@ class WorldSizeMismatch(IncompleteCheckpoint):
     """The rank files disagree with each other or with the recorded world / parallel sizes."""
 
 
+class SourceChanged(IncompleteCheckpoint):
+    """A source file changed after its listing was taken (replaced, rewritten or resized while the job
+    ran): its reads are pinned to the version listed (S3 ETag, GCS generation, local inode + size +
+    mtime), so the bytes read are exactly those the fingerprint names, or this is raised and nothing
+    is written. Running again reads (and fingerprints) the new version."""
+
+
 class CorruptShard(StepmergeError):
     """A file exists but cannot be read: truncated, not a zip, bad header, inconsistent shards."""
 

@@ -293,9 +293,10 @@ class _Window:
 class DcpFiles:
     """The data files of one DCP folder, opened on first use; chunk archives cached by location."""
 
-    def __init__(self, url: str, sizes: Mapping[str, int]) -> None:
+    def __init__(self, url: str, sizes: Mapping[str, int], versions: Mapping[str, str] | None = None) -> None:
         self.url = url
         self._sizes = dict(sizes)
+        self._versions = dict(versions or {})  # listed versions: reads pinned to them (`storage.RangeReader`)
         self._readers: dict[str, storage.RangeReader] = {}
         self._chunks: dict[ItemLocation, StoredTensor] = {}
 
@@ -305,7 +306,7 @@ class DcpFiles:
             file_url = storage.join(self.url, location.file)
             reader = self._readers.get(location.file)
             if reader is None:
-                reader = self._readers[location.file] = storage.RangeReader(file_url, self._sizes.get(location.file))
+                reader = self._readers[location.file] = self._open(file_url, location.file)
             archive = TorchArchive(f"{file_url}@{location.offset}", _Window(reader, location.offset, location.length))
             stored = archive.load()
             if not isinstance(stored, StoredTensor) or stored.shape != info.sizes or stored.dtype != dtype:
@@ -314,11 +315,15 @@ class DcpFiles:
             self._chunks[location] = stored
         return stored
 
+    def _open(self, file_url: str, name: str) -> storage.RangeReader:
+        size, version = self._sizes.get(name), self._versions.get(name)
+        return storage.RangeReader(file_url, size, version if size is not None else None)
+
     def read_object(self, location: ItemLocation) -> bytes:
         reader = self._readers.get(location.file)
         if reader is None:
             file_url = storage.join(self.url, location.file)
-            reader = self._readers[location.file] = storage.RangeReader(file_url, self._sizes.get(location.file))
+            reader = self._readers[location.file] = self._open(file_url, location.file)
         return reader.read(location.offset, location.length)
 
     def close(self) -> None:

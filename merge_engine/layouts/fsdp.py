@@ -190,7 +190,7 @@ def _open_archives(url: str, files: list[FileEntry], world_size: int) -> list[To
         for rank in range(world_size):
             entry = ranks[rank]
             file_url = storage.join(url, entry.path)
-            archive = TorchArchive(file_url, storage.RangeReader(file_url, entry.size))
+            archive = TorchArchive(file_url, storage.RangeReader.listed(file_url, entry))
             archives.append(archive)
             archive.load()
     except Exception:

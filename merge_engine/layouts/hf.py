@@ -147,12 +147,14 @@ def open_weight_files(url: str, files: Sequence[FileEntry], index: WeightIndex) 
     """Every weight file opened, its header parsed and checked (`SafetensorsFile`); closed again on failure."""
     from merge_engine.safetensors_file import SafetensorsFile
 
-    sizes = {f.path: f.size for f in files}
+    listed = {f.path: f for f in files}
     opened: list[SafetensorsFile] = []
     try:
         for filename in index.files:
             file_url = storage.join(url, filename)
-            opened.append(SafetensorsFile(file_url, storage.RangeReader(file_url, sizes.get(filename))))
+            entry = listed.get(filename)
+            reader = storage.RangeReader.listed(file_url, entry) if entry is not None else storage.RangeReader(file_url)
+            opened.append(SafetensorsFile(file_url, reader))
     except Exception:
         for handle in opened:
             handle.close()

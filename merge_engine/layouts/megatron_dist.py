@@ -300,8 +300,9 @@ def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout con
 
     folder, folder_url = _folder_url(checkpoint)
     index = read_index(folder_url)
-    sizes = {f.path[len(folder):]: f.size for f in checkpoint.files if _in_folder(f.path, folder)}
-    files = DcpFiles(folder_url, sizes)
+    listed = [f for f in checkpoint.files if _in_folder(f.path, folder)]
+    files = DcpFiles(folder_url, {f.path[len(folder):]: f.size for f in listed},
+                     {f.path[len(folder):]: f.version for f in listed})
     return AssembledSource(checkpoint.url, canonical_tensors(index, files), [files])
 
 

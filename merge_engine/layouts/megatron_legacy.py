@@ -150,7 +150,7 @@ def _open_archive(url: str, entry: FileEntry) -> TorchArchive:
     file_url = storage.join(url, entry.path)
     if entry.size == 0:
         raise IncompleteCheckpoint("rank file is empty (0 bytes)", file_url)
-    return TorchArchive(file_url, storage.RangeReader(file_url, entry.size))
+    return TorchArchive(file_url, storage.RangeReader.listed(file_url, entry))
 
 
 def chunk_states(tree: Any, archive: TorchArchive) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -111,8 +111,9 @@ class Backend:
     def open_upload(self, url: str, block_size: int | None, size_hint: int | None) -> Upload:
         raise NotImplementedError
 
-    def open_range(self, url: str, size: int | None) -> RangedFile:
-        """Open for ranged reads; a missing file raises `IncompleteCheckpoint`."""
+    def open_range(self, url: str, size: int | None, version: str | None = None) -> RangedFile:
+        """Open for ranged reads; a missing file raises `IncompleteCheckpoint`. With ``version`` (a
+        listing's), every read is of that version or raises `SourceChanged` (see `RangeReader`)."""
         raise NotImplementedError
 
     def remove(self, url: str, recursive: bool) -> None:
@@ -250,8 +251,14 @@ class FsspecBackend(Backend):
     def open_upload(self, url: str, block_size: int | None, size_hint: int | None) -> Upload:
         return FsspecUpload(self, url, block_size)
 
-    def open_range(self, url: str, size: int | None) -> RangedFile:
-        return FsspecRangedFile(self, url, size)
+    def open_range(self, url: str, size: int | None, version: str | None = None) -> RangedFile:
+        return FsspecRangedFile(self, url, size, version)
+
+    async def read_range(self, fs: Any, path: str, start: int, end: int, version: str | None, url: str) -> bytes:
+        """Bytes ``[start, end)`` of ``path`` (one ranged GET, on the filesystem's event loop). A backend
+        that can pin a read to the ``version`` listed overrides this and raises `SourceChanged` when the
+        store holds another version; this default cannot (an in-process store: nobody else writes it)."""
+        return await fs._cat_file(path, start=start, end=end)
 
     def remove(self, url: str, recursive: bool) -> None:
         fs, path = self.filesystem(url)
@@ -316,16 +323,20 @@ class FsspecRangedFile:
     """Ranged GETs, many in flight. On an async client (S3, GCS), reads that move forward are served by
     `read_ahead.ReadAhead`: the bytes ahead are fetched in parts, concurrently, on the filesystem's
     event loop. Any other read is cut into up to `tuning.REQUESTS_IN_FLIGHT` parts of at least
-    `tuning.MIN_RANGE_PART` bytes (and at most `tuning.REMOTE_READ_CHUNK`), fetched concurrently
-    (fsspec ``cat_ranges``). A part that fails is fetched again alone, retried on transient faults.
-    One request at a time pays the round trip for every part; object storage gives its throughput
-    only to many requests in flight.
+    `tuning.MIN_RANGE_PART` bytes (and at most `tuning.REMOTE_READ_CHUNK`), fetched concurrently.
+    A part that fails is fetched again alone, retried on transient faults. One request at a time
+    pays the round trip for every part; object storage gives its throughput only to many requests
+    in flight. Every GET goes through the backend's `FsspecBackend.read_range`, pinned to
+    ``version`` where the backend can (S3 ``If-Match``, GCS ``generation``): `SourceChanged`.
 
     ``size`` (from a listing) saves the HEAD request."""
 
-    def __init__(self, backend: FsspecBackend, url: str, size: int | None) -> None:
+    def __init__(self, backend: FsspecBackend, url: str, size: int | None, version: str | None = None) -> None:
         self.url = url
+        self._backend = backend
+        self._version = version
         self._fs, self._path = backend.filesystem(url)
+        self._async = bool(getattr(self._fs, "async_impl", False))
         self.classify_fault = backend.classify_fault  # this store's transient faults, for its retries
         if size is None:
             try:
@@ -334,10 +345,16 @@ class FsspecRangedFile:
                 raise IncompleteCheckpoint("file is missing", url) from exc
         self.size = int(size)
         self._ahead = ReadAhead(self.size, self._fetch, self._get) \
-            if getattr(self._fs, "async_impl", False) and tuning.READ_AHEAD_BUDGET > 0 else None
+            if self._async and tuning.READ_AHEAD_BUDGET > 0 else None
+
+    def _request(self, start: int, end: int) -> Future:
+        """One ranged GET started on the filesystem's event loop (async clients only)."""
+        coroutine = self._backend.read_range(self._fs, self._path, start, end, self._version, self.url)
+        return asyncio.run_coroutine_threadsafe(coroutine, self._fs.loop)
 
     def _fetch(self, start: int, end: int) -> Future:
-        return asyncio.run_coroutine_threadsafe(self._fs._cat_file(self._path, start=start, end=end), self._fs.loop)
+        """A part fetched ahead (`ReadAhead`'s ``fetch``)."""
+        return self._request(start, end)
 
     def read_some(self, offset: int, out: memoryview) -> int:
         if self._ahead is not None:
@@ -346,23 +363,26 @@ class FsspecRangedFile:
                 return served
         want = min(len(out), tuning.REMOTE_READ_CHUNK * max(1, tuning.REQUESTS_IN_FLIGHT))
         parts = range_parts(offset, want)
-        if len(parts) == 1:
-            fetched: list[Any] = [None]
-        else:
-            try:
-                fetched = self._fs.cat_ranges([self._path] * len(parts), [s for s, _ in parts],
-                                              [e for _, e in parts], on_error="return")
-            except Exception:  # the batch as a whole failed: every part is fetched again alone
-                fetched = [None] * len(parts)
-        for (start, end), data in zip(parts, fetched):
-            if not isinstance(data, (bytes, bytearray)) or len(data) != end - start:
-                data = self._get(start, end)
-            out[start - offset:end - offset] = data
+        pending: list[Future | None] = [None] * len(parts)
+        if len(parts) > 1 and self._async:
+            pending = [self._request(start, end) for start, end in parts]
+        try:
+            for index, (start, end) in enumerate(parts):
+                data = _result_or_none(pending[index])
+                if data is None or len(data) != end - start:  # failed or short: fetched again alone, retried
+                    data = self._get(start, end)
+                out[start - offset:end - offset] = data
+        finally:
+            for future in pending:
+                if future is not None:
+                    future.cancel()
         return want
 
     def _get(self, start: int, end: int) -> bytes:
         def get() -> bytes:
             try:
+                if self._async:
+                    return self._request(start, end).result()
                 return self._fs.cat_file(self._path, start=start, end=end)
             except FileNotFoundError as exc:
                 raise IncompleteCheckpoint("file disappeared while being read", self.url) from exc
@@ -384,6 +404,18 @@ class FsspecRangedFile:
     def close(self) -> None:
         if self._ahead is not None:
             self._ahead.close()
+
+
+def _result_or_none(future: Future | None) -> bytes | None:
+    """A part's bytes, or None when it was not fetched or its fetch failed (the caller fetches it again,
+    with retries, and raises the storage layer's named errors)."""
+    if future is None:
+        return None
+    try:
+        data = future.result()
+    except Exception:  # noqa: BLE001 - fetched again by the caller
+        return None
+    return data if isinstance(data, (bytes, bytearray)) else None
 
 
 def range_parts(offset: int, length: int) -> list[tuple[int, int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from merge_engine.errors import IncompleteCheckpoint
+from merge_engine.storage.entries import FileEntry
 from merge_engine.storage.schemes import backend_for
 
 
@@ -15,12 +16,26 @@ class RangeReader:
     ``size`` is always its real one. A missing file, a read past the end,
     or a file shorter than its metadata promised raises `IncompleteCheckpoint`.
     Thread-safe: concurrent ``read_into`` calls on one reader are fine.
+
+    Pinned reads: with ``version`` (a listing's, `FileEntry.version`; then ``size`` is the listed
+    one too) every read is of that version or raises `SourceChanged` naming the file: S3 sends
+    ``If-Match: <ETag>`` with every ranged GET, GCS reads ``?generation=<listed>`` and checks the
+    generation served, a local file must keep its inode, size and mtime (``fstat`` on the open
+    descriptor, at open and after every read). So a file replaced or rewritten after it was listed
+    can never give bytes of two versions, nor bytes of a version the fingerprint does not name.
+    `listed` opens one from its `FileEntry`.
     """
 
-    def __init__(self, url: str, size: int | None = None) -> None:
+    def __init__(self, url: str, size: int | None = None, version: str | None = None) -> None:
         self.url = url
-        self._file = backend_for(url).open_range(url, size)
+        self.version = version or None
+        self._file = backend_for(url).open_range(url, size, self.version)
         self.size = self._file.size
+
+    @classmethod
+    def listed(cls, url: str, entry: FileEntry) -> RangeReader:
+        """A reader pinned to the size and version a listing recorded for the file at ``url``."""
+        return cls(url, entry.size, entry.version)
 
     def read_into(self, offset: int, buffer: memoryview | bytearray) -> None:
         buffer = memoryview(buffer).cast("B")

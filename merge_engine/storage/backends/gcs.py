@@ -3,7 +3,10 @@
 An emulator from ``STORAGE_EMULATOR_HOST`` (then anonymous, and gcsfs's plain client class);
 ``STEPMERGE_STORAGE_TIMEOUT`` bounds connecting and each socket read (gcsfs's own ``timeout=``
 does not bound a stalled response). A file's version is its generation, which changes exactly
-when the content is rewritten. Transient: 408/429/5xx, transport errors.
+when the content is rewritten. A read pinned to it asks for that generation (``?generation=``: the
+bytes of that version or 404 once it is gone) and checks the ``x-goog-generation`` served. Why not
+``ifGenerationMatch``: fake-gcs-server ignores it on media downloads (it served the new object's
+bytes, seen here); the generation in the URL it honours, as GCS does. Transient: 408/429/5xx, transport errors.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from merge_engine.errors import SourceChanged
 from merge_engine.storage.backend import FsspecBackend, storage_timeout
 from merge_engine.storage.faults import RETRY_STATUSES, instance_of
 
@@ -40,6 +44,24 @@ class GcsBackend(FsspecBackend):
 
     def path_in(self, fs: Any, url: str, rest: str) -> str:
         return rest
+
+    async def read_range(self, fs: Any, path: str, start: int, end: int, version: str | None, url: str) -> bytes:
+        if end <= start:
+            return b""
+        pinned = version if version and version.isdigit() else None  # a generation (not an md5 fallback)
+        headers = {"Range": f"bytes={start}-{end - 1}"}
+        try:
+            served_headers, data = await fs._call("GET", fs.url(path, generation=pinned), headers=headers)
+        except FileNotFoundError:
+            if pinned:
+                raise SourceChanged(f"generation {pinned}, the one listed, is gone: the object was replaced or "
+                                    "deleted since it was listed", url) from None
+            raise
+        served = served_headers.get("x-goog-generation")
+        if pinned and served and served != pinned:
+            raise SourceChanged(f"changed since it was listed: generation {served} served where {pinned} was "
+                                "listed", url)
+        return data
 
     def classify_fault(self, exc: BaseException) -> bool | None:
         if instance_of(exc, "gcsfs.retry", "HttpError"):

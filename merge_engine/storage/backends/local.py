@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 from merge_engine.direct_io import DirectFile
-from merge_engine.errors import IncompleteCheckpoint
+from merge_engine.errors import IncompleteCheckpoint, SourceChanged
 from merge_engine.storage import tuning
 from merge_engine.storage.backend import Backend
 from merge_engine.storage.entries import FileEntry
@@ -33,6 +33,11 @@ def unlink_quietly(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int, int]:
+    # not ctime: unlinking the name (a rename over it) moves the open inode's ctime, its bytes stay
+    return stat.st_size, stat.st_mtime_ns, stat.st_ino
 
 
 def _local_version(stat: os.stat_result) -> str:
@@ -107,8 +112,8 @@ class LocalBackend(Backend):
     def open_upload(self, url: str, block_size: int | None, size_hint: int | None) -> LocalUpload:
         return LocalUpload(local_path(url), size_hint)
 
-    def open_range(self, url: str, size: int | None) -> LocalRangedFile:
-        return LocalRangedFile(url)
+    def open_range(self, url: str, size: int | None, version: str | None = None) -> LocalRangedFile:
+        return LocalRangedFile(url, size if version else None, version)
 
     def remove(self, url: str, recursive: bool) -> None:
         path = local_path(url)
@@ -174,20 +179,41 @@ class LocalUpload:
 class LocalRangedFile:
     """``os.preadv`` into the caller's buffer, with the kernel asked to read ahead of the reader.
 
-    ``size`` is always the file's real one, whatever a listing said."""
+    ``size`` is always the file's real one, whatever a listing said. Pinned (``version``, a listing's
+    ``mtime_ns-inode``, with its ``size``): the open descriptor's ``fstat`` must show that inode, size
+    and mtime at open, and the same after every read (a write in place moves mtime before its bytes
+    land, so a read that raced one is caught after it), else
+    `SourceChanged`. A file replaced by a rename keeps its old inode open here: its reads stay those
+    of the version listed. The limit: a change within one tick of the filesystem's timestamps that
+    keeps the size is invisible to any stat (ext4, xfs: nanosecond fields, jiffy-grained updates)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, size: int | None = None, version: str | None = None) -> None:
         self.url = url
         try:
             self._fd: int | None = os.open(local_path(url), os.O_RDONLY)
         except FileNotFoundError as exc:
             raise IncompleteCheckpoint("file is missing", url) from exc
-        self.size = os.fstat(self._fd).st_size
+        stat = os.fstat(self._fd)
+        self.size = stat.st_size
+        self._pinned: tuple[int, int, int] | None = None
+        if version:
+            if _local_version(stat) != version or (size is not None and stat.st_size != size):
+                listed = f"{size} bytes, version {version}" if size is not None else f"version {version}"
+                self.close()
+                raise SourceChanged(f"changed since it was listed ({listed}; now {stat.st_size} bytes, version "
+                                    f"{_local_version(stat)}): replaced or rewritten", url)
+            self._pinned = _identity(stat)
         self._hinted_until = 0
 
     def read_some(self, offset: int, out: memoryview) -> int:
         self._read_ahead(offset + len(out))
-        return os.preadv(self._fd, [out], offset)
+        count = os.preadv(self._fd, [out], offset)
+        if self._pinned is not None:
+            now = _identity(os.fstat(self._fd))
+            if now != self._pinned:
+                raise SourceChanged(f"changed while being read (size, mtime_ns, inode went from "
+                                    f"{self._pinned} to {now}): rewritten in place", self.url)
+        return count
 
     def _read_ahead(self, end: int) -> None:
         """Ask the kernel to fetch the next `tuning.READ_AHEAD_BYTES` past ``end`` while the caller works.

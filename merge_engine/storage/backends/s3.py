@@ -2,7 +2,8 @@
 
 Endpoint from ``STEPMERGE_S3_ENDPOINT`` or ``AWS_ENDPOINT_URL``, credentials from the usual AWS
 variables; ``STEPMERGE_STORAGE_TIMEOUT`` bounds connecting and each socket read. A file's version
-is its ETag. Transient: throttling codes (``SlowDown``, ...) and 408/429/5xx statuses, botocore's
+is its ETag; a read pinned to it sends ``If-Match`` (the server answers 412 for any other version)
+and checks the ETag served, so a store that ignored the header still cannot hand over other bytes. Transient: throttling codes (``SlowDown``, ...) and 408/429/5xx statuses, botocore's
 connection and streaming errors.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from merge_engine.errors import SourceChanged
 from merge_engine.storage import tuning
 from merge_engine.storage.backend import FsspecBackend, storage_timeout
 from merge_engine.storage.s3_upload import MAX_PARTS, S3PartsUpload
@@ -64,6 +66,31 @@ class S3Backend(FsspecBackend):
     def path_in(self, fs: Any, url: str, rest: str) -> str:
         return rest
 
+    async def read_range(self, fs: Any, path: str, start: int, end: int, version: str | None, url: str) -> bytes:
+        if end <= start:
+            return b""
+        bucket, key, version_id = fs.split_path(path)
+        request: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
+        if version_id:
+            request["VersionId"] = version_id
+        if version:
+            request["IfMatch"] = f'"{version}"'
+        try:
+            response = await fs._call_s3("get_object", **request)
+        except Exception as exc:
+            if version and _precondition_failed(exc):
+                raise SourceChanged(f"changed since it was listed: its ETag is no longer {version} (If-Match "
+                                    "refused); nothing is read from another version", url) from None
+            raise
+        try:
+            served = str(response.get("ETag") or "").strip('"')
+            if version and served and served != version:
+                raise SourceChanged(f"changed since it was listed: ETag {served} served where {version} was "
+                                    "listed", url)
+            return await response["Body"].read()
+        finally:
+            response["Body"].close()
+
     def classify_fault(self, exc: BaseException) -> bool | None:
         if instance_of(exc, "botocore.exceptions", "ClientError"):
             response = getattr(exc, "response", None) or {}
@@ -77,6 +104,20 @@ class S3Backend(FsspecBackend):
         ):
             return True
         return None
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` (s3fs's OSError, or botocore's ClientError behind it) is a 412 Precondition Failed."""
+    link: BaseException | None = exc
+    for _ in range(8):
+        if link is None:
+            return False
+        response = getattr(link, "response", None)
+        if isinstance(response, dict) and (response.get("Error", {}).get("Code") == "PreconditionFailed" or
+                                           response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412):
+            return True
+        link = link.__cause__ or link.__context__
+    return False
 
 
 BACKEND = S3Backend()
