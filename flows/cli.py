@@ -4,11 +4,15 @@
 pipeline, and the engine imports nothing above it, so the engine's own command line
 (``python -m merge_engine``) offers every command but this one, and this program adds it.
 ``python -m flows.cli`` is the same program as ``stepmerge``. Prefect is imported only when
-``notify`` runs: the engine's commands start as fast as before.
+``notify`` runs, or when a command names an ``s3://`` / ``gs://`` URL and a Prefect API is
+configured: then the storage credentials come from the saved blocks, as in every flow
+(`flows.credentials.command_credentials`); otherwise from the environment. Without either, the
+command fails in one line naming what to set (the engine's `CredentialsMissing`, exit 1).
 """
 
 import argparse
-from typing import Optional, Sequence
+import sys
+from typing import Callable, Optional, Sequence
 
 from merge_engine import cli as engine_cli
 from merge_engine.errors import InvalidOption
@@ -41,7 +45,33 @@ def add_notify(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=cmd_notify)
 
 
-COMMANDS: engine_cli.Commands = {**engine_cli.SUBCOMMANDS, "notify": (NOTIFY_HELP, add_notify)}
+def _warn(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def run_with_credentials(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """``run(args)`` with the storage credentials every flow uses (`flows.credentials.command_credentials`)."""
+    from flows.credentials import command_credentials
+
+    with command_credentials(vars(args).values(), warn=_warn):
+        return run(args)
+
+
+def with_credentials(add: Callable[[argparse.ArgumentParser], None]) -> Callable[[argparse.ArgumentParser], None]:
+    """An engine command's parser setup whose ``run`` resolves credentials first."""
+
+    def add_command(parser: argparse.ArgumentParser) -> None:
+        add(parser)
+        run = parser.get_default("run")
+        parser.set_defaults(run=lambda args: run_with_credentials(run, args))
+
+    return add_command
+
+
+COMMANDS: engine_cli.Commands = {
+    **{name: (help_text, with_credentials(add)) for name, (help_text, add) in engine_cli.SUBCOMMANDS.items()},
+    "notify": (NOTIFY_HELP, add_notify),
+}
 
 
 def run_command(argv: Optional[Sequence[str]] = None) -> int:

@@ -17,7 +17,14 @@ service account file, or its service account info written to a private temp file
 and ``GOOGLE_CLOUD_PROJECT``. What a block sets wins over the worker's environment during the run;
 everything is put back afterwards. With no block under the default names, the environment is used
 as it is (the variables keep working as before). A block named explicitly but missing, or of
-another type, fails the run at once with `BlockNotUsable`.
+another type, fails the run at once with `BlockNotUsable`. When neither a block nor the environment
+holds credentials for a store the run reads, the engine's `CredentialsMissing` (one line, before any
+request) is raised again with both ways out named: the variables and the block.
+
+The ``stepmerge`` command line (`flows.cli`) resolves credentials the same way (`command_credentials`):
+the blocks when a Prefect API is configured (``PREFECT_API_URL`` in the environment or the active
+profile of ``~/.prefect/profiles.toml``) and the command names an object-store URL; else the
+environment. A server that cannot be reached is named in one line on stderr and the environment used.
 
 The engine never imports Prefect: this module turns blocks into what it already reads.
 """
@@ -26,9 +33,9 @@ import contextlib
 import json
 import os
 import tempfile
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
-from merge_engine.errors import StepmergeError
+from merge_engine.errors import CredentialsMissing, StepmergeError
 
 DEFAULT_S3_BLOCK = "aws-credentials/stepmerge"
 DEFAULT_GCS_BLOCK = "gcp-credentials/stepmerge"
@@ -119,6 +126,27 @@ def applied_variables(variables: Dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def block_hint(store: str) -> str:
+    """The block that would hold ``store``'s credentials (``s3`` / ``gs``), in words."""
+    if store == "s3":
+        slug, kind, variable = os.environ.get("STEPMERGE_S3_BLOCK") or DEFAULT_S3_BLOCK, "AwsCredentials", "S3"
+    else:
+        slug, kind, variable = os.environ.get("STEPMERGE_GCS_BLOCK") or DEFAULT_GCS_BLOCK, "GcpCredentials", "GCS"
+    return (f"or save the Prefect block {slug} ({kind}) on the server of PREFECT_API_URL "
+            f"(STEPMERGE_{variable}_BLOCK names another)")
+
+
+@contextlib.contextmanager
+def hinted_credentials_error() -> Iterator[None]:
+    """`CredentialsMissing` raised in the block names the Prefect block too (one line still)."""
+    try:
+        yield
+    except CredentialsMissing as exc:
+        if exc.store and "Prefect block" not in exc.message:
+            raise CredentialsMissing(f"{exc.message}, {block_hint(exc.store)}", exc.path, exc.store) from None
+        raise
+
+
 @contextlib.contextmanager
 def storage_credentials() -> Iterator[Dict[str, str]]:
     """Apply the credentials blocks (see the module docstring) while a flow runs; yields what was set
@@ -133,5 +161,56 @@ def storage_credentials() -> Iterator[Dict[str, str]]:
         gcs_block = _load(gcs_slug or DEFAULT_GCS_BLOCK, GCS_BLOCK_TYPES, explicit=bool(gcs_slug))
         if gcs_block is not None:
             variables.update(gcs_variables(gcs_block, scratch))
-        with applied_variables(variables):
+        with applied_variables(variables), hinted_credentials_error():
             yield variables
+
+
+def prefect_api_url() -> Optional[str]:
+    """The Prefect API this process would use: ``PREFECT_API_URL``, else the active profile's (read from
+    the profiles file without importing Prefect, so commands that need no server start as fast)."""
+    url = os.environ.get("PREFECT_API_URL", "").strip()
+    if url:
+        return url
+    import tomllib
+
+    home = os.path.expanduser(os.environ.get("PREFECT_HOME", "~/.prefect"))
+    path = os.path.expanduser(os.environ.get("PREFECT_PROFILES_PATH", os.path.join(home, "profiles.toml")))
+    try:
+        with open(path, "rb") as handle:
+            profiles = tomllib.load(handle)
+    except (OSError, ValueError):
+        return None
+    active = os.environ.get("PREFECT_PROFILE") or profiles.get("active") or "ephemeral"
+    found = (profiles.get("profiles") or {}).get(active, {}).get("PREFECT_API_URL")
+    return str(found).strip() or None if found else None
+
+
+def names_remote_url(argv: Any) -> bool:
+    """Whether a command's arguments name an object-store URL (the blocks are worth loading)."""
+    from merge_engine.storage.schemes import remote_schemes
+
+    prefixes = tuple(f"{scheme}://" for scheme in remote_schemes())
+    return any(prefix in str(token).lower() for token in argv for prefix in prefixes)
+
+
+@contextlib.contextmanager
+def command_credentials(argv: Any, warn: Optional[Callable[[str], None]] = None) -> Iterator[Dict[str, str]]:
+    """The credentials of one ``stepmerge`` command (see the module docstring); yields what a block set.
+
+    ``warn``: called with one line when the configured server cannot be reached (the environment is
+    used then). `BlockNotUsable` (a block named explicitly but missing) is raised as in a flow."""
+    with contextlib.ExitStack() as stack:
+        applied: Dict[str, str] = {}
+        api = prefect_api_url()
+        if api and names_remote_url(argv):
+            try:
+                applied = stack.enter_context(storage_credentials())
+            except BlockNotUsable:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the server is down or refuses us: say so, use the environment
+                if warn is not None:
+                    first = (str(exc).strip().splitlines() or [""])[0][:200]
+                    warn(f"stepmerge: note: credential blocks not read from {api} ({type(exc).__name__}: {first}); "
+                         "using the environment")
+        stack.enter_context(hinted_credentials_error())
+        yield applied

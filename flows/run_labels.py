@@ -2,7 +2,7 @@
 
 - Flow run names (`step_run_name`, `watch_run_name`, `adapter_run_name`, Prefect's ``flow_run_name``
   callables, from the run's own parameters): ``exp1 actor step 40`` (the run root's last folder,
-  role, step), ``watch exp1``, ``exp1 actor step 40 adapter``.
+  role, step), ``watch exp1``, ``exp1 actor step 40 adapter``, ``verify exp1/releases`` (the sweep).
 - Tags (`run_tags`, added to the flow run when it starts, whatever created it: the UI, the watcher,
   the trigger, the webhook): ``run:<run root>``, ``role:<role or sft>``, ``step:<N>``. Filter the
   UI's runs by ``run:s3://bucket/exp1`` to see one training run's merges.
@@ -62,12 +62,22 @@ def watch_run_name() -> str:
     return f"watch {short_run_name(_parameters().get('run_root', '?'))}"
 
 
+def verify_run_name() -> str:
+    """``verify-releases``' run name: ``verify exp1/releases`` (the release root's last two folders)."""
+    root = normalized_run_root(str(_parameters().get("release_root", "?")))
+    return "verify " + "/".join(part for part in root.split("://", 1)[-1].rsplit("/", 2)[-2:] if part)
+
+
 def label_flow_run(run_root: str, role: Optional[str] = None, step: Optional[int] = None) -> List[str]:
     """Add `run_tags` to the current flow run (keeping its own tags); returns the tags added."""
+    return label_flow_run_with(run_tags(run_root, role, step))
+
+
+def label_flow_run_with(tags: List[str]) -> List[str]:
+    """Add ``tags`` to the current flow run (keeping its own tags); returns them."""
     from prefect.client.orchestration import get_client
     from prefect.runtime import flow_run
 
-    tags = run_tags(run_root, role, step)
     if flow_run.id is None:
         return tags
     with get_client(sync_client=True) as client:

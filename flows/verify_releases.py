@@ -11,6 +11,11 @@ marker is removed, so readers stop trusting it and the watcher (``merge-new-step
 step on its next run; the files stay until then. The run FAILS when any release was damaged, so a
 sweep that found damage never ends green. Verification errors of one release (storage down) are
 reported and fail the run too, without stopping the others.
+
+Like every flow, the sweep reads storage with the saved credential blocks (`flows.credentials`),
+is named ``verify <release root's last folder>`` and tagged ``releases:<release root>`` and
+``sweep`` (`flows.run_labels`), and leaves a markdown artifact (key ``verify-<root>``) whatever the
+outcome: the table of releases, or the error that stopped the sweep before any was verified.
 """
 
 import time
@@ -20,9 +25,12 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
+from flows.credentials import storage_credentials
+from flows.run_labels import label_flow_run_with, short_run_name, verify_run_name
 from merge_engine import storage
 from merge_engine.release import MARKER, published_releases
 from merge_engine.verify import MODES, verify_folder
+from tasks.progress import artifact_key
 from tasks.retry import RETRY_OPTIONS
 
 
@@ -71,13 +79,35 @@ def _table(sweep: VerifySweep) -> str:
                       "| release | status | method | problems |", "|---|---|---|---|", *rows])
 
 
-@flow(name="verify-releases")
+def sweep_key(release_root: str) -> str:
+    """The summary artifact's key (lower-case letters, digits and dashes, as Prefect requires)."""
+    import hashlib
+
+    digest = hashlib.sha256(release_root.encode()).hexdigest()[:8]
+    return artifact_key("verify", short_run_name(release_root), digest)
+
+
+@flow(name="verify-releases", flow_run_name=verify_run_name, log_prints=True)
 def verify_releases(release_root: str, mode: str = "quick", unmark_damaged: bool = True) -> VerifySweep:
     """Verify every published release under ``release_root`` (see the module docstring)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    logger = get_run_logger()
+    label_flow_run_with([f"releases:{release_root.rstrip('/')}", "sweep"])
     started = time.perf_counter()
+    try:
+        with storage_credentials():
+            return _sweep(release_root, mode, unmark_damaged, started)
+    except ReleasesDamaged:
+        raise
+    except Exception as exc:
+        create_markdown_artifact(f"# Releases under {release_root} ({mode})\n\n**Failed** before any release "
+                                 f"was verified: {type(exc).__name__}: {exc}\n", key=sweep_key(release_root),
+                                 description="verify-releases failed")
+        raise
+
+
+def _sweep(release_root: str, mode: str, unmark_damaged: bool, started: float) -> VerifySweep:
+    logger = get_run_logger()
     results: List[VerifiedRelease] = []
     for (_, _step), url in sorted(published_releases(release_root).items()):
         try:
@@ -89,7 +119,8 @@ def verify_releases(release_root: str, mode: str = "quick", unmark_damaged: bool
         results.append(verdict)
     sweep = VerifySweep(release_root=release_root, mode=mode, releases=results,
                         seconds=time.perf_counter() - started)
-    create_markdown_artifact(_table(sweep), description="verify-releases")
+    create_markdown_artifact(_table(sweep), key=sweep_key(release_root),
+                             description=f"verify-releases: {len(results)} verified, {len(sweep.damaged)} damaged")
     logger.info("%d release(s) verified, %d damaged, in %.1f s", len(results), len(sweep.damaged), sweep.seconds)
     if sweep.damaged:
         raise ReleasesDamaged(f"{len(sweep.damaged)} damaged release(s) under {release_root}: "

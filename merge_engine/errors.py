@@ -114,6 +114,17 @@ class StorageUnavailable(Exception):
         super().__init__(f"{message} [{path}]" if path else message)
 
 
+class CredentialsMissing(StorageUnavailable):
+    """No credentials for an object store were found (environment, config files, instance metadata):
+    the message names what to set. Raised before any request, so nothing waits on retries or logs a
+    traceback; permanent (`merge_engine.storage.is_transient` says False: a retry finds none either).
+    ``store``: the canonical scheme (``s3``, ``gs``), so a layer above can add its own hint."""
+
+    def __init__(self, message: str, path: str | None = None, store: str = "") -> None:
+        super().__init__(message, path)
+        self.store = store
+
+
 class InvalidOption(StepmergeError):
     """A command-line option or parameter is invalid or contradicts the checkpoint."""
 

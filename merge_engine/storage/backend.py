@@ -175,6 +175,10 @@ class FsspecBackend(Backend):
 
         return fsspec.filesystem(self.canonical_scheme, **common)
 
+    def check_credentials(self, url: str) -> None:
+        """Raise `CredentialsMissing` (naming what to set) when the client would find no credentials,
+        before it is built: a client without them fails each request only after its retries."""
+
     def path_in(self, fs: Any, url: str, rest: str) -> str:
         """The path inside ``fs`` that ``url`` (``<scheme>://<rest>``) names."""
         return fs._strip_protocol(url)  # e.g. memory://x -> /x, as the filesystem stores it
@@ -185,6 +189,7 @@ class FsspecBackend(Backend):
         with _FS_LOCK:
             fs = _FS_CACHE.get(key)
             if fs is None:
+                self.check_credentials(url)
                 fs = _FS_CACHE[key] = self.make_client(skip_instance_cache=True, use_listings_cache=False)
         return fs, self.path_in(fs, url, rest)
 

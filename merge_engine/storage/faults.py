@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Optional, TypeVar
 
-from merge_engine.errors import StepmergeError, StorageUnavailable
+from merge_engine.errors import CredentialsMissing, StepmergeError, StorageUnavailable
 from merge_engine.storage import tuning
 
 logger = logging.getLogger("merge_engine.storage")
@@ -49,7 +49,7 @@ def instance_of(exc: BaseException, module: str, *names: str) -> bool:
 
 
 def _classify_builtin(exc: BaseException) -> bool | None:
-    if isinstance(exc, StepmergeError) or isinstance(exc, _PERMANENT):
+    if isinstance(exc, (StepmergeError, CredentialsMissing)) or isinstance(exc, _PERMANENT):
         return False
     if isinstance(exc, (TimeoutError, ConnectionError, StorageUnavailable)):  # incl. socket/asyncio timeouts, FSTimeoutError
         return True
@@ -94,7 +94,7 @@ def transient_by(exc: BaseException, classifiers: Sequence[Classifier] = ()) -> 
     causes is followed (s3fs raises ``OSError`` *from* botocore's ``ClientError``): the first link
     that is recognised decides.
     """
-    if isinstance(exc, StepmergeError):
+    if isinstance(exc, (StepmergeError, CredentialsMissing)):
         return False
     seen: set[int] = set()
     link: BaseException | None = exc

@@ -122,3 +122,121 @@ def test_result_storage_on_an_s3_bucket_block(prefect, template_run, s3_env, s3_
     assert outcome.status == "published"
     stored = storage.list_files(f"{s3_bucket_url}/prefect-results")
     assert len(stored) >= 3  # check, merge, validate and publish records (a few KB each)
+
+
+# --- issue 20, point 1: one credential path for every flow and every command -------------------------------------
+
+
+def _flow_run(state):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(state.state_details.flow_run_id)
+
+
+def _artifacts_of(state) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    return [a for a in found if a.type == "markdown"]  # not Prefect's result records
+
+
+def test_the_sweep_reads_s3_with_the_credentials_block_and_is_named_tagged_and_summarised(
+        prefect, s3_env, s3_bucket_url, monkeypatch):
+    """The daily verify-releases sweep uses the block like every other flow (it failed every day with a raw
+    NoCredentialsError), has a run name, tags and a summary artifact."""
+    from flows.verify_releases import verify_releases
+
+    storage.write_bytes(f"{s3_bucket_url}/run/releases/README", b"not a release")  # the root exists
+    name = f"stepmerge-test-{uuid.uuid4().hex[:8]}"
+    slug = _aws_block(s3_env, name)
+    _without_credentials_in_the_environment(monkeypatch)
+    monkeypatch.setenv("STEPMERGE_S3_BLOCK", slug)
+    state = verify_releases(release_root=f"{s3_bucket_url}/run/releases", return_state=True)
+    assert state.is_completed(), state.message
+    run = _flow_run(state)
+    assert run.name == "verify run/releases"
+    assert {f"releases:{s3_bucket_url}/run/releases", "sweep"} <= set(run.tags)
+    (artifact,) = _artifacts_of(state)
+    assert "Releases under" in artifact.data and artifact.key.startswith("verify-releases-")
+
+
+def test_the_sweep_without_any_credentials_fails_in_one_line_naming_what_to_set(prefect, s3_env, s3_bucket_url,
+                                                                                monkeypatch):
+    from flows.verify_releases import verify_releases
+
+    _without_credentials_in_the_environment(monkeypatch)
+    state = verify_releases(release_root=f"{s3_bucket_url}/run/releases", return_state=True)
+    assert state.is_failed()
+    assert "CredentialsMissing" in state.message or "no S3 credentials" in state.message
+    for words in ("AWS_ACCESS_KEY_ID", "aws-credentials/stepmerge"):
+        assert words in state.message
+    (artifact,) = _artifacts_of(state)  # the failure is summarised too
+    assert "no S3 credentials" in artifact.data
+
+
+def test_the_command_line_uses_the_saved_block_when_a_prefect_api_is_configured(prefect, template_run, s3_env,
+                                                                                 s3_bucket_url, monkeypatch, capsys):
+    """`stepmerge discover` (and every engine command) resolves credentials like the flows: the block."""
+    from flows.cli import run_command
+
+    copy_steps(template_run, f"{s3_bucket_url}/run", [1])
+    slug = _aws_block(s3_env, f"stepmerge-test-{uuid.uuid4().hex[:8]}")
+    _without_credentials_in_the_environment(monkeypatch)
+    monkeypatch.setenv("STEPMERGE_S3_BLOCK", slug)
+    monkeypatch.setenv("PREFECT_API_URL", prefect.url)
+    assert run_command(["discover", "--run-root", f"{s3_bucket_url}/run"]) == 0
+    assert "1 checkpoint(s)" in capsys.readouterr().out
+    assert not any(key in os.environ for key in SECRETS)  # put back as they were
+    # the control: the same command with no API configured finds no credential and says what to set
+    monkeypatch.delenv("PREFECT_API_URL")
+    monkeypatch.setenv("PREFECT_PROFILES_PATH", os.devnull)
+    assert run_command(["discover", "--run-root", f"{s3_bucket_url}/run"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no S3 credentials" in err[0] and "AWS_ACCESS_KEY_ID" in err[0], err
+
+
+COMMANDS_ON = {  # every engine command that reads a URL, as a user types it
+    "discover": lambda url, out: ["discover", "--run-root", url],
+    "check": lambda url, out: ["check", "--local_dir", url],
+    "verify": lambda url, out: ["verify", url],
+    "merge": lambda url, out: ["merge", "--local_dir", url, "--target_dir", out],
+}
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run", "gs://bucket/run"])
+def test_every_command_without_credentials_fails_fast_in_one_line(tmp_path, url):
+    """No botocore traceback (60 lines) and no gcsfs retries (216 lines over 2.5 minutes): one line, exit 1,
+    for discover, check, verify and merge (one fresh process runs the four, timing each)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import contextlib, io, json, sys, time\n"
+        "from flows.cli import run_command\n"
+        "found = {}\n"
+        "for name, argv in json.loads(sys.argv[1]).items():\n"
+        "    err = io.StringIO(); started = time.perf_counter()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        code = run_command(argv)\n"
+        "    found[name] = [code, err.getvalue(), time.perf_counter() - started]\n"
+        "print(json.dumps(found))\n")
+    commands = {name: argv(url, str(tmp_path / "out")) for name, argv in COMMANDS_ON.items()}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("AWS_", "GOOGLE_", "STORAGE_EMULATOR", "PREFECT_API", "STEPMERGE_S3", "CLOUDSDK"))}
+    env.update(PREFECT_PROFILES_PATH=os.devnull, HOME=str(tmp_path), AWS_EC2_METADATA_DISABLED="true",
+               NO_GCE_CHECK="true", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(commands)], env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0 and not done.stderr.strip(), done.stderr[-3000:]  # nothing logged around them
+    for name, (code, err, seconds) in json.loads(done.stdout).items():
+        lines = err.strip().splitlines()
+        assert code == 1 and len(lines) == 1, (name, err[-3000:])
+        assert "StorageUnavailable: no " in lines[0] and url in lines[0], (name, lines)
+        assert ("AWS_ACCESS_KEY_ID" if url.startswith("s3") else "GOOGLE_APPLICATION_CREDENTIALS") in lines[0]
+        assert seconds < 20, (name, seconds)

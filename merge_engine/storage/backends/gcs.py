@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from merge_engine.errors import SourceChanged
+from merge_engine.errors import CredentialsMissing, SourceChanged
 from merge_engine.storage.backend import FsspecBackend, storage_timeout
 from merge_engine.storage.faults import RETRY_STATUSES, instance_of
 
@@ -32,6 +32,22 @@ class GcsBackend(FsspecBackend):
         if not emulator.startswith(("http://", "https://")):
             emulator = "http://" + emulator
         return {"token": "anon", "endpoint_url": emulator}
+
+    def check_credentials(self, url: str) -> None:
+        """Google's own lookup (GOOGLE_APPLICATION_CREDENTIALS, gcloud's default credentials, the
+        metadata server): when it finds nothing, gcsfs falls back to anonymous access and retries every
+        refused request for minutes. An emulator (STORAGE_EMULATOR_HOST) needs none."""
+        if "endpoint_url" in self.portable_options():
+            return
+        import google.auth
+        from google.auth.exceptions import DefaultCredentialsError
+
+        try:
+            google.auth.default()
+        except DefaultCredentialsError:
+            raise CredentialsMissing("no Google Cloud credentials: set GOOGLE_APPLICATION_CREDENTIALS to a "
+                                     "service account key file (or run `gcloud auth application-default login`)",
+                                     url, store="gs") from None
 
     def make_client(self, **common: Any) -> Any:
         options = self.portable_options()

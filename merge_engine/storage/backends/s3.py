@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from merge_engine.errors import SourceChanged
+from merge_engine.errors import CredentialsMissing, SourceChanged
 from merge_engine.storage import tuning
 from merge_engine.storage.backend import FsspecBackend, storage_timeout
 from merge_engine.storage.s3_upload import MAX_PARTS, S3PartsUpload
@@ -40,6 +40,15 @@ class S3Backend(FsspecBackend):
     def portable_options(self) -> dict[str, Any]:
         endpoint = os.environ.get("STEPMERGE_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
         return {"endpoint_url": endpoint} if endpoint else {}
+
+    def check_credentials(self, url: str) -> None:
+        """botocore's own lookup (environment, profile and config files, container and instance
+        metadata): when it finds nothing, s3fs would fail every request with ``NoCredentialsError``."""
+        import botocore.session
+
+        if botocore.session.Session().get_credentials() is None:
+            raise CredentialsMissing("no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                                     "(or AWS_PROFILE)", url, store="s3")
 
     def make_client(self, **common: Any) -> Any:
         import fsspec
