@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, WorldSizeMismatch
@@ -161,7 +161,7 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     world_size = world_size_of(url, files)
     archives = _open_archives(url, files, world_size)
     try:
-        key_sets = [set(a.load()) for a in archives]
+        key_sets = [set(state_dict(a)) for a in archives]
         for rank, keys in enumerate(key_sets[1:], start=1):
             if keys != key_sets[0]:
                 diff = sorted(keys ^ key_sets[0])[:3]
@@ -181,6 +181,22 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
                       fingerprint=storage.fingerprint(entries))
 
 
+def state_dict(archive: TorchArchive) -> dict[str, Any]:
+    """A rank file's object tree, which must be what ``model.state_dict()`` saves: a dict of tensor names
+    (strings). Anything else (a list, a bare tensor, an int, a dict keyed by numbers) is `CorruptShard`
+    naming the rank file, in ``check`` and ``merge`` alike."""
+    tree = archive.load()
+    if not isinstance(tree, dict):
+        kind = "a tensor" if type(tree).__name__ == "StoredTensor" else f"a {type(tree).__name__}"
+        raise CorruptShard(f"the rank file's pickle is {kind}, not a state dict (tensor names -> tensors)",
+                           archive.url)
+    bad = next((k for k in tree if not isinstance(k, str)), None)
+    if bad is not None:
+        raise CorruptShard(f"the rank file's state dict has a key {bad!r} of type {type(bad).__name__}: "
+                           "tensor names are strings", archive.url)
+    return tree
+
+
 def _open_archives(url: str, files: list[FileEntry], world_size: int) -> list[TorchArchive]:
     from merge_engine.torch_archive import TorchArchive
 
@@ -192,7 +208,7 @@ def _open_archives(url: str, files: list[FileEntry], world_size: int) -> list[To
             file_url = storage.join(url, entry.path)
             archive = TorchArchive(file_url, storage.RangeReader.listed(file_url, entry))
             archives.append(archive)
-            archive.load()
+            state_dict(archive)
     except Exception:
         for archive in archives:
             archive.close()
@@ -214,7 +230,7 @@ def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout con
     world_size = checkpoint.parallel["world_size"]
     archives = _open_archives(checkpoint.url, list(checkpoint.files), world_size)
     try:
-        trees = [a.load() for a in archives]
+        trees = [state_dict(a) for a in archives]
         tensors = {}
         for key in trees[0]:
             values = [tree[key] for tree in trees]

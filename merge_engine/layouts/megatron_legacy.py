@@ -174,6 +174,10 @@ def chunk_states(tree: Any, archive: TorchArchive) -> tuple[list[dict[str, Any]]
         raise CorruptShard(f"rank file holds a {type(tree).__name__}, not Megatron state dicts", archive.url)
     if not states or not all(isinstance(s, dict) for s in states):
         raise CorruptShard("rank file holds no model state dict", archive.url)
+    bad = next((k for s in states for k in s if not isinstance(k, str)), None)
+    if bad is not None:
+        raise CorruptShard(f"a state dict of the rank file has a key {bad!r} of type {type(bad).__name__}: "
+                           "tensor names are strings", archive.url)
     return states, args
 
 

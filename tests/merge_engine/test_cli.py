@@ -15,6 +15,7 @@ import sys
 import zipfile
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from merge_engine.cli import main
@@ -155,10 +156,27 @@ def _config_claims_more_layers(checkpoint):
     return path, "InvalidConfig"
 
 
+def _pickle_of(name, value):
+    """Issue 17 point 13: a rank file whose pickle is not a state dict was a TypeError / AttributeError."""
+
+    def damage(checkpoint):
+        torch.save(value, _rank(checkpoint))
+        return _rank(checkpoint), "CorruptShard"
+
+    damage.__name__ = name
+    return damage
+
+
+_pickle_is_a_list = _pickle_of("pickle_is_a_list", [torch.ones(3), torch.zeros(2)])
+_pickle_is_a_tensor = _pickle_of("pickle_is_a_tensor", torch.ones(3))
+_pickle_is_an_int = _pickle_of("pickle_is_an_int", 7)
+_pickle_has_int_keys = _pickle_of("pickle_has_int_keys", {1: torch.ones(3), 2: torch.zeros(2)})
+NOT_A_STATE_DICT = [_pickle_is_a_list, _pickle_is_a_tensor, _pickle_is_an_int, _pickle_has_int_keys]
+
 DAMAGE = [_truncate, _missing, _zero_bytes, _world_size_contradiction, _mixed_world_sizes, _code_in_pickle,
           _broken_config, _config_lies_about_tying, _zero_stride_tensor, _short_storage_record,
           _fsdp_version_not_a_number, _fsdp_config_a_list, _deeply_nested_config, _config_contradicts_weights,
-          _config_claims_more_layers]
+          _config_claims_more_layers, *NOT_A_STATE_DICT]
 
 
 @pytest.mark.parametrize("damage", DAMAGE, ids=lambda f: f.__name__.strip("_"))
@@ -176,8 +194,8 @@ def test_bad_input_named_error_nonzero_exit_nothing_written(damage, checkpoint, 
     assert not (tmp_path / "pwned").exists()
 
 
-@pytest.mark.parametrize("damage", [_zero_stride_tensor, _short_storage_record, _fsdp_version_not_a_number],
-                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("damage", [_zero_stride_tensor, _short_storage_record, _fsdp_version_not_a_number,
+                                    *NOT_A_STATE_DICT], ids=lambda f: f.__name__.strip("_"))
 def test_check_refuses_what_merge_refuses(damage, checkpoint, capsys):
     """Issue 9 case 12: ``check`` is the pipeline's gate, so it reads every record's bounds and every
     view as ``merge`` does: it never calls complete a checkpoint that ``merge`` then rejects."""
