@@ -134,7 +134,7 @@ def _options(args: argparse.Namespace):
                          hf_model_path=args.hf_model_path, tie_word_embedding=args.tie_word_embedding,
                          custom_mapping=args.custom_mapping, lora_alpha=getattr(args, "lora_alpha", None),
                          weights_format=getattr(args, "weights_format", "hub"),
-                         mtp_layers=getattr(args, "mtp_layers", None),
+                         mtp_layers=getattr(args, "mtp_layers", None), base_model=getattr(args, "base_model", None),
                          overwrite=getattr(args, "overwrite", False), **_run_options(args))
 
 
@@ -184,6 +184,9 @@ def _add_merge(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "overwrite", action="store_true", help="replace a target that holds a different model")
     _flag(parser, "lora-alpha", type=float, default=None,
           help="LoRA checkpoints only: lora_alpha when the run recorded none (never guessed)")
+    _flag(parser, "base-model", default=None,
+          help="a Megatron LoRA step saved without its base (verl + Megatron-Bridge PEFT): the Hugging Face model "
+               "the run trained from, to fuse the adapter into")
     _run_flags(parser)
     _flag(parser, "hf_upload_path", default=None, help=argparse.SUPPRESS)
     _flag(parser, "private", action="store_true", help=argparse.SUPPRESS)

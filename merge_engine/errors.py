@@ -129,6 +129,12 @@ class InvalidOption(StepmergeError):
     """A command-line option or parameter is invalid or contradicts the checkpoint."""
 
 
+class BaseModelRequired(InvalidOption):
+    """The step holds a LoRA adapter only (its base weights were not saved): a fused model needs the base
+    the run trained from (``--base-model``, the flow's ``base_model``). Permanent: the same step without a
+    base fails the same way, so a watcher must not submit it again."""
+
+
 class UnsupportedScheme(InvalidOption, ValueError):
     """A URL's scheme has no storage backend; the message lists the schemes served
     (`merge_engine.storage.schemes`). Also a ValueError: a URL that cannot be used."""

@@ -23,6 +23,7 @@ from merge_engine.hf_metadata import CONFIG_FILE, copy_metadata, read_config
 from merge_engine import hub_format
 from merge_engine.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, ShardExecutor, run_job
 from merge_engine.layouts import Checkpoint, check_checkpoint, open_checkpoint
+from merge_engine.lora import megatron_step
 from merge_engine.merge_plan import MergePlan, parse_dtype
 from merge_engine.output_heads import check_dropped_head
 from merge_engine.output_target import PROVENANCE_FILE, read_provenance
@@ -40,6 +41,9 @@ def merge_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
     """The cache key of a merge: the checkpoint's listing digest + output options + engine version, and the
     listing of ``hf_model_path`` when one replaces the checkpoint's config (its content decides the output)."""
     extra = {}
+    if options.base_model is not None:  # a LoRA step's base: its listing decides the output
+        extra["base_model"] = {"url": options.base_model,
+                               "listing": storage.fingerprint(storage.list_files(options.base_model, recursive=False))}
     if options.hf_model_path is not None:
         extra["hf_model_listing"] = storage.fingerprint(storage.list_files(options.hf_model_path, recursive=False))
     return storage.fingerprint(checkpoint.files, **options.output_options("merge"), **extra, engine=__version__)
@@ -88,6 +92,9 @@ class MergeJob:
                 self.checkpoint = check_checkpoint(self.source_url, self.options.backend)
             elif self.checkpoint.url.rstrip("/") != self.source_url.rstrip("/"):
                 raise InvalidOption(f"the checked checkpoint is {self.checkpoint.url}, not the source", self.source_url)
+            if megatron_step.is_adapter_only(self.checkpoint) or megatron_step.is_trained_in_step(self.checkpoint):
+                self._config, hf_dir = megatron_step.step_config(self.checkpoint, self.options)
+                return self.checkpoint, hf_dir, self._config
             self._config = read_config(self.options.hf_model_path or self.checkpoint.hf_dir)
         return self.checkpoint, self.options.hf_model_path or self.checkpoint.hf_dir, self._config
 
@@ -97,7 +104,15 @@ class MergeJob:
 
     def prepare(self) -> PreparedJob:
         checkpoint, hf_dir, config = self._checked()
+        if megatron_step.is_adapter_only(checkpoint):  # the adapter fused into the base the user names
+            return megatron_step.prepare_fused_model(checkpoint, self.options, self.source_url)
         source = open_checkpoint(checkpoint)
+        if megatron_step.is_trained_in_step(checkpoint):  # base and adapter in model/dist_ckpt
+            try:
+                source = megatron_step.trained_megatron_source(checkpoint, source, self.options)
+            except BaseException:
+                source.close()
+                raise
         try:
             stored = plan_stored_names(checkpoint, source, config, self.options)
             check_config_against_tensors({**config, **stored.config_updates},  # the config is copied beside them

@@ -38,7 +38,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     5: ("merge_engine.output_target", "merge_engine.writer", "merge_engine.shard_job", "merge_engine.executors"),
     # jobs: every command that writes or checks an output
     6: ("merge_engine.jobs", "merge_engine.merge", "merge_engine.split", "merge_engine.lora.extract",
-        "merge_engine.lora.combine",
+        "merge_engine.lora.combine", "merge_engine.lora.megatron_step",
         "merge_engine.reference_check", "merge_engine.validate", "merge_engine.publish", "merge_engine.release",
         "merge_engine.verify"),
     7: ("merge_engine.cli", "merge_engine.__main__"),

@@ -4,6 +4,9 @@ all listed once in `LAYOUTS` (in priority order: the first that detects a listin
 - ``fsdp``: verl FSDP rank files;
 - ``megatron_legacy``: Megatron per-rank ``mp_rank_*`` files (verl's ``model.pt``, Megatron-LM's
   ``model_optim_rng.pt``); written by ``stepmerge split --format legacy``;
+- ``megatron_lora``: verl Megatron LoRA steps (Megatron-Bridge PEFT): the adapter in ``model/dist_ckpt``
+  (+ the PEFT folder ``model/huggingface/adapter``), the base there too only with
+  ``use_dist_checkpointing``; before ``megatron_bridge`` and ``megatron_dist``;
 - ``megatron_bridge``: Hugging Face weights a Megatron run saved through a bridge (before
   ``megatron_dist``: when both are there, the Hugging Face weights are read);
 - ``megatron_dist``: Megatron ``torch_dist`` checkpoints; written by ``split --format dist``;
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from merge_engine import storage
 from merge_engine.errors import IncompleteCheckpoint, UnsupportedLayout
-from merge_engine.layouts import fsdp, hf, megatron_bridge, megatron_dist, megatron_legacy
+from merge_engine.layouts import fsdp, hf, megatron_bridge, megatron_dist, megatron_legacy, megatron_lora
 from merge_engine.layouts.contract import (
     HF_NAMES,
     MEGATRON_NAMES,
@@ -45,11 +48,11 @@ if TYPE_CHECKING:
     from merge_engine.tensor_source import TensorSource
 
 # THE registry, in priority order (detection and discovery's primary layout)
-LAYOUTS: tuple[Layout, ...] = (fsdp, megatron_legacy, megatron_bridge, megatron_dist, hf)
+LAYOUTS: tuple[Layout, ...] = (fsdp, megatron_legacy, megatron_lora, megatron_bridge, megatron_dist, hf)
 BY_NAME: dict[str, Layout] = {layout.NAME: layout for layout in LAYOUTS}
 # backend names that stand for several layouts (verl's ``--backend megatron``), tried in this order
 ALIASES: dict[str, tuple[str, ...]] = {
-    "megatron": ("megatron_legacy", "megatron_bridge", "megatron_dist"),
+    "megatron": ("megatron_legacy", "megatron_lora", "megatron_bridge", "megatron_dist"),
     "megatron_lm": ("megatron_legacy", "megatron_dist"),  # an accepted spelling: Megatron-LM's own files
 }
 
@@ -104,7 +107,12 @@ def check_checkpoint(url: str, backend: str | None = None) -> Checkpoint:
         layout_named(backend)  # an unknown name is refused before the listing is judged
     check_local_tree(url)
     files = storage.list_files(url)
-    return find_layout(url, files, backend).check_complete(url, files)
+    checkpoint = find_layout(url, files, backend).check_complete(url, files)
+    if checkpoint.layout == megatron_dist.NAME and megatron_dist.HOLDS_LORA in checkpoint.notes:
+        # a LoRA run's dist checkpoint (use_dist_checkpointing, or no PEFT export): its own layout
+        same = checkpoint.url == url
+        return megatron_lora.check_complete(checkpoint.url, files if same else storage.list_files(checkpoint.url))
+    return checkpoint
 
 
 def open_checkpoint(checkpoint: Checkpoint) -> TensorSource:

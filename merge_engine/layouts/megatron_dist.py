@@ -96,6 +96,9 @@ ITER_METADATA = re.compile(r"^(iter_\d+)/\.metadata$")
 NON_MODEL_KEY = re.compile(r"^(?:chained_\d+\.)?(?:optimizer|rng_state|lr_scheduler|opt_param_scheduler"
                            r"|num_floating_point_operations)")
 STACKED = "decoder.layers."
+# Megatron-Bridge PEFT's adapter keys (``...linear_qkv.adapter.linear_in.weight``): a LoRA run's step
+ADAPTER_KEY = ".adapter.linear_"
+HOLDS_LORA = "holds a Megatron-Bridge LoRA adapter"
 STACKED_EXPERTS = "mlp.experts.experts."
 
 
@@ -158,7 +161,7 @@ def is_model_key(key: str) -> bool:
     return not NON_MODEL_KEY.match(key) and not is_extra_state(key)
 
 
-def _check_files(index: DcpIndex, folder_url: str, files: dict[str, FileEntry]) -> None:
+def check_files(index: DcpIndex, folder_url: str, files: dict[str, FileEntry]) -> None:
     ends: dict[str, int] = {}
     for info in index.tensors.values():
         for chunk in info.chunks:
@@ -213,7 +216,7 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
         raise UnsupportedLayout(f"sharded_backend {backend!r}: only torch_dist checkpoints are read; re-save with "
                                 "--ckpt-format torch_dist", storage.join(folder_url, MEGATRON_METADATA))
     index = read_index(folder_url)
-    _check_files(index, folder_url, {f.path[len(folder):]: f for f in files if _in_folder(f.path, folder)})
+    check_files(index, folder_url, {f.path[len(folder):]: f for f in files if _in_folder(f.path, folder)})
     if not any(is_model_key(k) for k in index.tensors):
         kinds = sorted({k.split("/")[0].split(".")[0] for k in list(index.tensors) + list(index.objects)})
         raise IncompleteCheckpoint(f"this dist checkpoint holds no model weights, only {', '.join(kinds) or 'nothing'} "
@@ -226,6 +229,8 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     entries = tuple(sorted(keep, key=lambda f: f.path))
     notes = ({"model/dist_ckpt/": "verl v2 dist_ckpt", "dist_ckpt/": "verl v1 dist_ckpt",
               "": "Megatron-LM torch_dist"}[folder],)
+    if any(ADAPTER_KEY in k for k in index.tensors):  # the registry hands it to `megatron_lora`
+        notes += (HOLDS_LORA,)
     return Checkpoint(url=root, layout=NAME, files=entries, parallel=parallel_sizes(root, files), hf_dir=hf_dir,
                       fingerprint=storage.fingerprint(entries), notes=notes)
 

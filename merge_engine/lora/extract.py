@@ -41,7 +41,9 @@ from merge_engine.lora.checkpoint import (
     resolve_checkpoint_lora,
     task_type_of,
 )
+from merge_engine.layouts import megatron_lora
 from merge_engine.lora.combine import TableFactor
+from merge_engine.lora.megatron_step import prepare_adapter_release
 from merge_engine.lora.config import adapter_config, infer_target_modules, rank_layout, targets
 from merge_engine.lora.fuse import aligned, finite_or_raise
 from merge_engine.lora.hub_names import ExportedAdapter, check_exported_fits, export_adapter
@@ -129,6 +131,8 @@ class ExtractJob:
 
     def prepare(self) -> PreparedJob:
         checkpoint, options = self._checked(), self.options
+        if checkpoint.layout == megatron_lora.NAME:  # verl Megatron LoRA: the adapter as the run saved it
+            return prepare_adapter_release(checkpoint, options, self.source_url)
         source = open_checkpoint(checkpoint)
         opened: list[TensorSource] = [source]
         try:

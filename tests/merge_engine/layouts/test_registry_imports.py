@@ -37,7 +37,8 @@ def test_the_registry_judges_listings_without_torch():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    assert report["modules"] == ["fsdp", "megatron_legacy", "megatron_bridge", "megatron_dist", "hf"]
+    assert report["modules"] == ["fsdp", "megatron_legacy", "megatron_lora", "megatron_bridge", "megatron_dist",
+                                 "hf"]
     assert report["verdicts"] == {"fsdp": "incomplete", "megatron_legacy": "complete",
                                   "megatron_bridge": "incomplete", "megatron_dist": "incomplete", "hf": "complete"}
     assert report["imported"] == []
