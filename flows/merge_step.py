@@ -12,6 +12,8 @@
 
 The merged model of a LoRA checkpoint is the trained model (adapters fused, as the engine defines
 it); with ``release_adapter`` its PEFT adapter is released beside it, validated against that model.
+Both are also validated against the TRAINED model, PEFT's own model of the run rebuilt from the
+checkpoint (`merge_engine.validate.trained`): a release that is not the trained model is not published.
 Whatever layout the step has (FSDP, Megatron, Hugging Face weights), the tasks are the same.
 
 A re-run of a published step is a cache hit: one listing, a few marker/manifest reads, no weight

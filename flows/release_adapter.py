@@ -9,7 +9,10 @@ rank_pattern from the tensors, lora_alpha from the run's metadata, never guessed
 when the step's merged model is already released (merge_step) FROM THIS CHECKPOINT (its manifest's
 provenance: this checkpoint's fingerprint, the same lora_alpha and no replaced config,
 `ReleaseProvenance.is_trained_model_of`), the logits must
-reproduce it; a model release of anything else there is no reference and is not used. LoRA-only
+reproduce it; a model release of anything else there is no reference and is not used. Whatever the
+model release, PEFT(base + adapter) must reproduce the trained model, PEFT's own model of the run rebuilt
+from the checkpoint (`merge_engine.validate.trained`; reported skipped for a LoRA-only checkpoint or a
+model over the worker's memory budget). LoRA-only
 checkpoints need ``base_model``. ``workers`` / ``ray_address``: where the extraction's shard jobs run,
 as for `merge_step` (``STEPMERGE_RAY_ADDRESS`` in the worker's environment, e.g. a deployment job
 variable, when ``ray_address`` is not given); never recorded in the release (same bytes).

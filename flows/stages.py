@@ -10,7 +10,8 @@ named `StageSpec` s: a name (shown in outcomes and summaries), a task, how the t
 from the chain's `ReleaseInputs` and the earlier stages' results, and what its result is called::
 
     model:   merge            -> output       (staging, or "already released": nothing read)
-             validate         -> validation   (report)
+             validate         -> validation   (report; a LoRA checkpoint's output is also compared with
+                                               the trained model PEFT rebuilds from it)
              publish          -> release      (manifest and _COMPLETE marker)
     adapter: extract-adapter  -> output
              validate-adapter -> validation
@@ -146,6 +147,12 @@ class ReleaseInputs:
     fused_model_url: Optional[str] = None  # adapters: the model release PEFT's logits must reproduce
     execution: Optional[ExecutionSettings] = None  # where the shard jobs run (threads here, or Ray)
 
+    def trained_model_arguments(self) -> tuple:
+        """(checkpoint, lora_alpha, config_url) of the trained-model check: the checkpoint PEFT's model is
+        rebuilt from, with the alpha and the config the build got (`merge_engine.validate.trained`)."""
+        settings = self.merge or self.adapter
+        return (self.checkpoint, getattr(settings, "lora_alpha", None), getattr(settings, "hf_model_path", None))
+
     def provenance(self) -> ReleaseProvenance:
         return ReleaseProvenance(kind=self.kind, source_listing=self.step.fingerprint,
                                  checkpoint_fingerprint=self.checkpoint.fingerprint,
@@ -179,7 +186,8 @@ CHAINS: Dict[str, Tuple[StageSpec, ...]] = {
     MODEL: (
         StageSpec("merge", merge_model, lambda i, done: (i.checkpoint, i.merge, i.release, i.staging_root,
                                                          i.overwrite, i.execution), OUTPUT),
-        StageSpec("validate", validate_output, lambda i, done: (done[OUTPUT], i.validation, i.release), VALIDATION),
+        StageSpec("validate", validate_output, lambda i, done: (done[OUTPUT], i.validation, i.release,
+                                                                *i.trained_model_arguments()), VALIDATION),
         StageSpec("publish", publish_release, _publish_arguments, RELEASE),
     ),
     ADAPTER: (
@@ -187,7 +195,8 @@ CHAINS: Dict[str, Tuple[StageSpec, ...]] = {
                                                                        i.staging_root, i.overwrite, i.execution),
                   OUTPUT),
         StageSpec("validate-adapter", validate_adapter,
-                  lambda i, done: (done[OUTPUT], i.validation, i.fused_model_url, i.release), VALIDATION),
+                  lambda i, done: (done[OUTPUT], i.validation, i.fused_model_url, i.release,
+                                   *i.trained_model_arguments()), VALIDATION),
         StageSpec("publish-adapter", publish_release, _publish_arguments, RELEASE),
     ),
 }

@@ -9,6 +9,8 @@
 - `validate_adapter` runs `merge_engine.validate.adapter.validate_adapter` (PEFT loads it on its base, logits
   reproduce the released fused model's, allowing for the rounding of its dtype) and returns a
   `ValidationRecord`; a released adapter returns the validation its manifest recorded, reading nothing.
+  Given the checkpoint, it also compares PEFT(base/ + adapter) with the trained model PEFT rebuilds from
+  the checkpoint (`merge_engine.validate.trained`): an adapter that is not the trained LoRA is not published.
 - Where the shard jobs of the adapter (and of the clean base under ``base/``) run (``execution``, never
   part of the cache key: it changes no byte): as the merge task's (`tasks.shard_runs.shard_executor`),
   Prefect task runs on a Ray cluster when a Ray address is configured (the flow parameter, else
@@ -43,7 +45,7 @@ from tasks.records import (
 )
 from tasks.retry import RETRY_OPTIONS
 from tasks.shard_runs import checkpoint_label, shard_executor
-from tasks.validate import already_released, recorded_validation
+from tasks.validate import already_released, recorded_validation, trained_check
 
 
 @task(name="extract-adapter",
@@ -87,12 +89,16 @@ def extract_adapter(step: StepRecord, checkpoint: CheckpointRecord, settings: Ad
                                       listed=("fused_model_url",)),
       persist_result=True, **RETRY_OPTIONS)
 def validate_adapter(output: OutputRecord, settings: ValidationSettings, fused_model_url: Optional[str] = None,
-                     release: Optional[str] = None) -> ValidationRecord:
-    """Check the adapter: config, fits its base, finite, PEFT loads it; logits reproduce ``fused_model_url``'s."""
+                     release: Optional[str] = None, checkpoint: Optional[CheckpointRecord] = None,
+                     lora_alpha: Optional[float] = None, config_url: Optional[str] = None) -> ValidationRecord:
+    """Check the adapter: config, fits its base, finite, PEFT loads it; logits reproduce ``fused_model_url``'s;
+    with ``checkpoint``, PEFT(base/ + adapter) reproduces the trained model (`tasks.validate.trained_check`)."""
     released = already_released(output, release)
     if released is not None:
         return recorded_validation(released)
     started = time.perf_counter()
     report = adapter_validation.validate_adapter(output.url, fused_model_url=fused_model_url,
                                                  forward=settings.forward, device=settings.device)
+    report = report.extended(trained_check(checkpoint, settings, adapter_url=output.url, lora_alpha=lora_alpha,
+                                           config_url=config_url))
     return ValidationRecord.from_report(report, seconds=time.perf_counter() - started)

@@ -18,13 +18,18 @@ Contract:
 - `validate_model`: all of the above in one report.
 - `validate_adapter` (`adapter`): a PEFT adapter folder: config, finite factors, its ``base/``,
   PEFT loads it, and PEFT(base + adapter) reproduces the fused model's logits (dtype-aware).
+- `check_against_trained` (`trained`): against the TRAINED model, not against stepmerge's own outputs:
+  PEFT's model of the run (its LoraConfig, ``all-linear`` when verl recorded no targets, PEFT's own
+  rank/alpha patterns) rebuilt strictly from the checkpoint's un-merged tensors; the fused model and
+  the adapter (on its ``base/``) must reproduce its logits. Over the memory budget: reported skipped.
 Memory: tensors are read from their byte ranges (`storage.RangeReader`, local or remote) in chunks of
 `CHUNK_BYTES`, never a whole model or even a whole tensor. A failed check is a result, not an
 exception: only `ValidationReport.raise_for_failure` raises (`ValidationFailed`).
 
 Modules: `report` (Check, ValidationReport), `weights` (an HF folder's weights, stage by stage),
 `structure`, `compare` (the comparison and its tolerances), `forward` (the forward pass), `model`
-(`validate_model`), `adapter` (`validate_adapter`), `staging` (a local copy for transformers / PEFT).
+(`validate_model`), `adapter` (`validate_adapter`), `trained` (`check_against_trained`), `staging`
+(a local copy for transformers / PEFT).
 """
 
 from __future__ import annotations

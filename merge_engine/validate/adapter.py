@@ -101,22 +101,23 @@ class LogitComparison:
 
 def compare_logits(peft: Any, fused: Any, base: Any, dtype: Any, *, atol: float = LOGIT_TOLERANCE.atol,
                    rtol: float = LOGIT_TOLERANCE.rtol,
-                   noise_factor: float = NOISE_FACTOR, max_unexplained: float = MAX_UNEXPLAINED) -> LogitComparison:
+                   noise_factor: float = NOISE_FACTOR, max_unexplained: float = MAX_UNEXPLAINED,
+                   ours: str = "PEFT(base+adapter)", reference: str = "fused") -> LogitComparison:
     """Judge ``peft`` against ``fused`` (``base``: the logits without the adapter; ``dtype``: the
-    coarsest dtype the weights were stored in)."""
+    coarsest dtype the weights were stored in; ``ours`` / ``reference``: what the detail calls the two)."""
     import torch
 
     error, change = peft - fused, fused - base
     rms = lambda t: float(t.pow(2).mean().sqrt())  # noqa: E731
     max_error, rms_error, rms_change = float(error.abs().max()), rms(error), rms(change)
     explained = 1.0 - rms_error / rms_change if rms_change > 0 else (1.0 if rms_error == 0 else 0.0)
-    numbers = (f"max |PEFT(base+adapter) - fused| = {max_error:.3g}, rms {rms_error:.3g}; the adapter reproduces "
-               f"{100 * explained:.1f}% of the base->fused change (rms {rms_change:.3g})")
+    numbers = (f"max |{ours} - {reference}| = {max_error:.3g}, rms {rms_error:.3g}; {ours} reproduces "
+               f"{100 * explained:.1f}% of the base->{reference} change (rms {rms_change:.3g})")
     if bool(torch.allclose(peft, fused, atol=atol, rtol=rtol)):
         return LogitComparison(True, f"{numbers}; equal within atol={atol:g}, rtol={rtol:g}")
     eps = torch.finfo(dtype).eps
     noise = noise_factor * eps * rms(fused)
-    rule = f"{str(dtype).removeprefix('torch.')} rounding allows rms {noise:.3g} ({noise_factor:g} eps x rms(fused))"
+    rule = f"{str(dtype).removeprefix('torch.')} rounding allows rms {noise:.3g} ({noise_factor:g} eps x rms({reference}))"
     if rms_error > noise:
         return LogitComparison(False, f"{numbers}; more than rounding: {rule}")
     if rms_change <= noise:

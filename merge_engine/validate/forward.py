@@ -45,6 +45,7 @@ def auto_class(architecture: str) -> Any:
 
     for suffix, auto in (
         ("ForCausalLM", "AutoModelForCausalLM"),
+        ("LMHeadModel", "AutoModelForCausalLM"),  # GPT-2's GPT2LMHeadModel
         ("ForTokenClassification", "AutoModelForTokenClassification"),
         ("ForSequenceClassification", "AutoModelForSequenceClassification"),
         ("ForConditionalGeneration", "AutoModelForImageTextToText"),

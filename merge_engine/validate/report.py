@@ -15,11 +15,15 @@ from merge_engine.errors import ValidationFailed
 
 @dataclass(frozen=True)
 class Check:
-    """One named check: passed or not, and what a person needs to know (the failing key, the size)."""
+    """One named check: passed or not, and what a person needs to know (the failing key, the size).
+
+    ``skipped``: the check could not run here (``ok`` stays True so it does not block a publish, but the
+    summary says SKIP and why: a skipped check is never shown as passed)."""
 
     name: str
     ok: bool
     detail: str = ""
+    skipped: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,14 +52,17 @@ class ValidationReport:
 
     def summary(self) -> str:
         """Markdown: a verdict line, then one bullet per check."""
-        passed = sum(c.ok for c in self.checks)
+        passed = sum(c.ok and not c.skipped for c in self.checks)
+        skipped = sum(c.skipped for c in self.checks)
         verdict = "PASSED" if self.ok else "FAILED"
-        lines = [f"**Validation {verdict}** ({passed}/{len(self.checks)} checks) of `{self.model_url}`"]
+        lines = [f"**Validation {verdict}** ({passed}/{len(self.checks)} checks"
+                 + (f", {skipped} skipped" if skipped else "") + f") of `{self.model_url}`"]
         if self.reference_url:
             lines.append(f"against reference `{self.reference_url}`")
         lines.append("")
         for c in self.checks:
-            lines.append(f"- {'PASS' if c.ok else '**FAIL**'} `{c.name}`" + (f": {c.detail}" if c.detail else ""))
+            verdict = "SKIP" if c.skipped else ("PASS" if c.ok else "**FAIL**")
+            lines.append(f"- {verdict} `{c.name}`" + (f": {c.detail}" if c.detail else ""))
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -64,12 +71,14 @@ class ValidationReport:
             "ok": self.ok,
             "model_url": self.model_url,
             "reference_url": self.reference_url,
-            "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks],
+            "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail, **({"skipped": True} if c.skipped else {})}
+                       for c in self.checks],
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ValidationReport:
-        checks = tuple(Check(c["name"], bool(c["ok"]), c.get("detail", "")) for c in data.get("checks", ()))
+        checks = tuple(Check(c["name"], bool(c["ok"]), c.get("detail", ""), bool(c.get("skipped", False)))
+                       for c in data.get("checks", ()))
         return cls(data["model_url"], checks, data.get("reference_url"))
 
     def raise_for_failure(self) -> None:

@@ -49,10 +49,48 @@ def test_the_adapter_of_a_lora_step_is_released_and_loads_with_peft(prefect, tem
     assert checks["peft_load"] and checks["adapter_fits_base"] and checks["adapter_finite"]
     assert "peft_logits" not in checks  # no merged model released yet to compare with
 
+    assert checks["trained_model"] and checks["trained_vs_adapter"]  # PEFT's trained model of the checkpoint
+
     full = merge_step(**MergeStepParams(run_root=run_root, step=LORA_STEP, staging_root=staging).flow_parameters())
     kinds = {r.kind: r for r in full.releases}
     assert not kinds["model"].already_published and kinds["adapter"].already_published
     assert kinds["adapter"].url == adapter.url
+    model_checks = {c["name"]: c for c in read_manifest(kinds["model"].url).validation["checks"]}
+    assert model_checks["trained_vs_fused"]["ok"] and not model_checks["trained_vs_fused"].get("skipped")
+
+
+def test_a_fused_model_that_is_not_the_trained_model_is_not_published(prefect, template_run, tmp_path, monkeypatch):
+    """The merge's staging folder is altered after the merge (layer 0's q_proj, a LoRA module, 2 % off):
+    structure, finite values and the forward pass all pass; only the trained model tells. The run fails
+    naming trained_vs_fused, and neither the model nor its adapter is published."""
+    import tasks.merge
+    from safetensors.torch import load_file, save_file
+
+    from merge_engine.errors import ValidationFailed
+
+    tampered = "model.layers.0.self_attn.q_proj.weight"
+
+    def wrong_merge(url, target, *args, _real=tasks.merge.merge_checkpoint, **kwargs):
+        result = _real(url, target, *args, **kwargs)
+        for path in sorted((tmp_path / "staging").rglob("*.safetensors")):
+            tensors = load_file(str(path))
+            if tampered in tensors:
+                tensors[tampered] = tensors[tampered] * 0.98
+                save_file(tensors, str(path), metadata={"format": "pt"})
+                return result
+        raise AssertionError(f"{tampered} not found in the staged merge")
+
+    monkeypatch.setattr(tasks.merge, "merge_checkpoint", wrong_merge)
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [LORA_STEP])
+    state = merge_step(**MergeStepParams(run_root=run_root, step=LORA_STEP, staging_root=str(tmp_path / "staging"),
+                                         ).flow_parameters(), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ValidationFailed, match="trained_vs_fused: largest logit difference"):
+        state.result()
+    releases = str(tmp_path / "run" / "releases")
+    assert not is_released(release_url(releases, ROLE, LORA_STEP))
+    assert not is_released(release_url(releases, ROLE, LORA_STEP, "adapter"))
 
 
 def test_a_step_without_lora_is_refused(prefect, template_run, tmp_path):
