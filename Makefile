@@ -31,7 +31,10 @@ demo: $(VENV)/.runtime
 demo-s3: $(VENV)/.test
 	$(PY) -m flows.demo --s3
 
+# The readers' environment (transformers 4.57 + peft 0.17, tests/readers_env.py) is built once per machine
+# and cached; the tests that load outputs there would build it too, this step only makes its cost visible.
 test: $(VENV)/.test
+	$(PY) -m tests.readers_env
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Deploy deployments/prefect.yaml (needs PREFECT_API_URL, STEPMERGE_HOME, STEPMERGE_RUN_ROOT), then run the watcher once.

@@ -20,7 +20,9 @@ Contract:
 - `to_hub_format(plan, config)` -> the plan with the Hub names; every output is planned as ranged
   reads of its source (a per-expert slice of a tensor fused on dim 0 is one contiguous byte range),
   so no fused tensor is ever held whole.
-- ``--weights-format transformers`` keeps the stored names (`WEIGHTS_FORMATS`).
+- ``config.json`` in the Hub's form too (`with_hub_config`, `merge_engine.hub_config`): the keys
+  transformers 4.x reads added beside transformers 5's, recorded in the plan's ``config_changes``.
+- ``--weights-format transformers`` keeps the stored names and config (`WEIGHTS_FORMATS`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from merge_engine.errors import UnsupportedLayout
+from merge_engine.hub_config import hub_config
 from merge_engine.option_values import (  # noqa: F401 - the format names live with the other option values
     DEFAULT_WEIGHTS_FORMAT, HUB, TRANSFORMERS, WEIGHTS_FORMATS, parse_weights_format,
 )
@@ -57,11 +60,20 @@ def in_memory_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]] | 
 
 def in_weights_format(plan: MergePlan, config: Mapping[str, Any], weights_format: str | None,
                       max_shard_size: int) -> MergePlan:
-    """``hub`` (default): ``plan`` under the Hub checkpoint's names (`to_hub_format`); ``transformers``:
-    as it is. Every command that writes a model (merge, extract-lora's base, merge-lora) asks this."""
+    """``hub`` (default): ``plan`` under the Hub checkpoint's names (`to_hub_format`) and its config in
+    the Hub's form (`with_hub_config`); ``transformers``: as it is, the stored config kept. Every
+    command that writes a model (merge, extract-lora's base, merge-lora) asks this."""
     if parse_weights_format(weights_format) == HUB:
-        return to_hub_format(plan, config, max_shard_size)
+        return with_hub_config(to_hub_format(plan, config, max_shard_size), config)
     return plan
+
+
+def with_hub_config(plan: MergePlan, config: Mapping[str, Any]) -> MergePlan:
+    """``plan`` whose ``config_updates`` also write the keys transformers 4.x readers need
+    (`merge_engine.hub_config`); what was added is in ``config_changes`` and a note."""
+    translated = hub_config({**dict(config), **plan.config_updates})
+    return replace(plan, config_updates={**plan.config_updates, **translated.updates},
+                   config_changes=translated.changes, notes=plan.notes + (translated.describe(),))
 
 
 @dataclass(frozen=True)

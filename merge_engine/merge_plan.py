@@ -77,6 +77,8 @@ class MergePlan:
     shards: tuple[ShardFile, ...]
     config_updates: dict[str, Any] = field(default_factory=dict, hash=False)
     notes: tuple[str, ...] = ()
+    # the keys config_updates adds for transformers 4.x readers (`merge_engine.hub_config.ConfigChange`)
+    config_changes: tuple[Any, ...] = field(default=(), hash=False)
 
     @property
     def total_size(self) -> int:

@@ -26,7 +26,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     1: ("merge_engine.chunks", "merge_engine.json_file", "merge_engine.hf_metadata",
         "merge_engine.safetensors_file", "merge_engine.torch_archive", "merge_engine.torch_dcp",
         "merge_engine.tensor_source", "merge_engine.merge_plan", "merge_engine.output_heads",
-        "merge_engine.transformers_conversion", "merge_engine.model_heads"),
+        "merge_engine.transformers_conversion", "merge_engine.model_heads", "merge_engine.hub_config"),
     # formats and model families
     2: ("merge_engine.layouts", "merge_engine.architectures"),
     # planners of one kind of source, and the LoRA records they plan from

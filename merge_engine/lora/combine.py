@@ -365,6 +365,8 @@ class CombineJob:
                       "weights": weights, "options": options.output_options(self.command),
                       "tensors": len(plan.tensors), "tensor_bytes": plan.total_size,
                       "svd": module_reports_json(reports) or None}
+        if options.output == "model":  # config.json in the Hub's form: the keys added for 4.x readers
+            provenance["config_translation"] = [change.to_json() for change in plan.config_changes]
         return PreparedJob([output], provenance, kind=options.output, notes=plan.notes, modules=tuple(reports),
                            sources=list(sources.values()))
 

@@ -185,6 +185,8 @@ class ExtractJob:
         provenance = {"command": "extract-lora", "source": self.source_url, "layout": checkpoint.layout,
                       "options": options.output_options("extract-lora"), "lora_alpha_from": lora.alpha_from,
                       "tensors": count, "tensor_bytes": total}
+        if write_base:  # base/config.json in the Hub's form: the keys added for transformers 4.x readers
+            provenance["base_config_translation"] = [change.to_json() for change in base_plan.config_changes]
         notes = (f"lora_alpha={lora.adapter.settings.lora_alpha:g} from {lora.alpha_from}",
                  f"{len(exported.ranks)} LoRA modules, ranks {sorted(set(exported.ranks.values()))}") + exported.notes
         return PreparedJob(outputs, provenance, kind="adapter+base" if write_base else "adapter",

@@ -7,8 +7,9 @@ Specification:
 - Every family of the architecture matrix (FSDP1/FSDP2, world 2 and 3, uneven and dim>0 shards),
   merged: bit for bit equal to the ``save_pretrained`` folder of the model it was sharded from,
   the same names, a transformers load with no missing or unexpected key, and equal logits.
-- ``--weights-format transformers`` writes the names as stored; the choice is in ``stepmerge.json``,
-  and validation expects the names of the recorded format.
+- ``config.json`` in the Hub's form (test_hub_config.py), what was added listed in ``stepmerge.json``.
+- ``--weights-format transformers`` writes the names and the config as stored; the choice is in
+  ``stepmerge.json``, and validation expects the names of the recorded format.
 - A per-expert tensor is planned as ranged reads: its bytes, not the fused tensor's, are read
   (tests/merge_engine/test_tensor_source.py::TestRanges, test_transformers_conversion.py).
 """
@@ -25,7 +26,6 @@ from safetensors import safe_open
 from merge_engine.cli import main
 from merge_engine.errors import InvalidConfig
 from merge_engine.hub_format import hub_naming
-from merge_engine.merge import MergeOptions, merge_checkpoint
 from merge_engine.output_heads import find_heads
 from synthetic_runs.fsdp import family_matrix
 from synthetic_runs.models import build_config, build_model, torch_dtype
@@ -47,17 +47,6 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
     ids = torch.tensor([[(7919 * i + 13) % 1003 for i in range(12)]])
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-
-
-@pytest.fixture(scope="module")
-def merged_families(family_runs, tmp_path_factory) -> dict[str, str]:
-    """Every family run merged once with the default options (Hub format)."""
-    root = tmp_path_factory.mktemp("hub_merged")
-    out = {}
-    for name, run in family_runs.items():
-        out[name] = str(root / name)
-        merge_checkpoint(run.latest.checkpoint_dir, out[name])
-    return out
 
 
 class TestFamilyMatrix:
@@ -88,6 +77,22 @@ class TestFamilyMatrix:
         with open(os.path.join(merged_families["mixtral_w2"], "stepmerge.json")) as handle:
             assert json.load(handle)["options"]["weights_format"] == "hub"
 
+    def test_config_is_in_the_hub_form_and_recorded(self, merged_families):
+        """config.json holds the keys transformers 4.x reads (merge_engine.hub_config), beside 5.x's;
+        stepmerge.json lists each one with the transformers code it comes from."""
+        folder = merged_families["qwen3_moe_w2"]
+        with open(os.path.join(folder, "config.json")) as handle:
+            config = json.load(handle)
+        assert config["num_experts"] == config["num_local_experts"] == 4
+        assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] and config["rope_scaling"] is None
+        with open(os.path.join(folder, "stepmerge.json")) as handle:
+            translation = {c["key"]: c for c in json.load(handle)["config_translation"]}
+        assert set(translation) == {"num_experts", "rope_theta", "rope_scaling"}
+        assert "attribute_map" in translation["num_experts"]["from"]
+        with open(os.path.join(merged_families["qwen2_vl_w2"], "config.json")) as handle:
+            text = json.load(handle)["text_config"]
+        assert text["rope_scaling"]["mrope_section"] and text["tie_word_embeddings"] is False
+
     def test_validation_expects_the_hub_names(self, merged_families):
         from merge_engine.validate import validate_structure
 
@@ -109,7 +114,14 @@ def test_transformers_format_keeps_the_stored_names(family_runs, tmp_path):
     assert "model.layers.0.mlp.experts.gate_up_proj" in written
     assert all(torch.equal(written[k], stored[k]) for k in stored)
     with open(target / "stepmerge.json") as handle:
-        assert json.load(handle)["options"]["weights_format"] == "transformers"
+        provenance = json.load(handle)
+    assert provenance["options"]["weights_format"] == "transformers"
+    assert provenance["config_translation"] == []  # the stored config, as it is
+    with open(target / "config.json") as handle, open(os.path.join(step.checkpoint_dir, "huggingface",
+                                                                   "config.json")) as stored:
+        written, stored = json.load(handle), json.load(stored)
+    assert "num_experts" not in written and "rope_theta" not in written
+    assert {k: v for k, v in written.items() if k in stored} == stored
     from merge_engine.validate import validate_structure
 
     report = validate_structure(str(target))  # judged by the names it was written in (stepmerge.json)

@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 from merge_engine.cli import main
 from merge_engine.layouts import check_checkpoint, open_checkpoint
 from merge_engine.merge import MergeOptions, merge_checkpoint
+from tests.fixtures_merged import megatron_checkpoint_url, megatron_hf_model_path
 from synthetic_runs.megatron import (
     REFERENCE_HF_DIR,
     REFERENCE_INPUT_IDS_FILE,
@@ -48,14 +49,8 @@ EXPECTED_LAYOUT = {"legacy": "megatron_legacy", "megatron_lm": "megatron_legacy"
                    "dist_v1": "megatron_dist", "dist_v2": "megatron_dist", "bridge_v2": "megatron_bridge"}
 
 
-def checkpoint_url(job) -> str:
-    """Where a user points stepmerge: verl's ``global_step_N/actor``, Megatron-LM's ``iter_N``."""
-    return str(job.step_dir / "actor") if job.spec.fmt not in ("megatron_lm", "megatron_lm_dist") else str(job.step_dir)
-
-
-def hf_model_path(job) -> str | None:
-    """Megatron-LM saves no Hugging Face config: the user passes one (here the reference's)."""
-    return str(job.reference_dir / REFERENCE_HF_DIR) if job.spec.fmt.startswith("megatron_lm") else None
+checkpoint_url = megatron_checkpoint_url  # the names the Megatron tests import
+hf_model_path = megatron_hf_model_path
 
 
 def _tensors(folder: str) -> dict[str, torch.Tensor]:
@@ -67,19 +62,9 @@ def _tensors(folder: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def merged(megatron_runs, tmp_path_factory) -> dict[str, str]:
-    """Every fixture merged once with ``--backend megatron``."""
-    root = tmp_path_factory.mktemp("megatron_merged")
-    out = {}
-    for name in NAMES:
-        job = megatron_runs[name]
-        target = str(root / name)
-        # DeepSeek fixtures hold one MTP layer: the reference Hugging Face model is the model without it
-        mtp = "drop" if job.spec.mtp_layers else None
-        merge_checkpoint(checkpoint_url(job), target, MergeOptions(backend="megatron", hf_model_path=hf_model_path(job),
-                                                                   mtp_layers=mtp))
-        out[name] = target
-    return out
+def merged(merged_megatron) -> dict[str, str]:
+    """Every fixture merged once with ``--backend megatron`` (the session's `merged_megatron`)."""
+    return merged_megatron
 
 
 @pytest.mark.parametrize("name", MEGATRON_SOURCES)

@@ -1,0 +1,314 @@
+"""The ``config.json`` of a Hub folder: the stored config plus the keys transformers 4.x reads.
+
+transformers 5 reads a 4.x config and standardises it in memory, and ``save_pretrained`` writes the
+5.x spelling: the rope settings as one ``rope_parameters`` dict (4.x: ``rope_theta``, ``rope_scaling``,
+and a family's own names such as GPT-NeoX's ``rotary_emb_base`` / ``rotary_pct``), Qwen3-MoE's
+``num_experts`` as ``num_local_experts``, a vision-language model's tie flag only at the top (4.x
+reads the text config's). A 4.x reader (transformers 4.57, SGLang, TGI, older vLLM, llama.cpp's
+converter) given the 5.x file builds another model: 128 experts, no mrope, gpt-oss's default yarn
+rope, GPT-NeoX's default rotary fraction, an lm_head left untied. The Hub holds the 4.x spelling.
+
+Contract:
+- `hub_config(config)` -> `HubConfig`: the 4.x keys ADDED beside what ``config`` holds, each a
+  `ConfigChange` (dotted key, value, the transformers code it was derived from); ``updates`` holds
+  the changed top-level keys (a nested config whole), to lay over ``config``. Nothing is removed, so
+  a 5.x reader sees its own keys; that 5.x reads the result exactly as it read ``config`` is checked
+  (both built by transformers 5, every value of the first ``to_dict()`` equal in the second), else
+  `InvalidConfig` (``--weights-format transformers`` writes the stored config).
+- Every rule is read from transformers' own classes, per config and per sub-config, never from a
+  list of families:
+  1. ``attribute_map``: an alias that the class also declares as a field is a spelling its
+     constructor takes (the Hub's: ``Qwen3MoeConfig.num_experts`` -> ``num_local_experts``); it is
+     written with its target's value. An alias that is not a field is attribute sugar: not written.
+  2. rope: the class's own ``convert_rope_params_to_dict`` (transformers' 4.x -> 5.x standardisation)
+     is run on probes, one candidate key at a time (the string constants of the method and of the
+     methods it overrides), to learn which legacy key feeds which ``rope_parameters`` entry and which
+     one carries the whole dict (``rope_scaling``); the inverse writes them. ``rope_scaling`` is the
+     rest of ``rope_parameters``, written ``null`` when that is the default rope (explicit: a 4.x class
+     may default to a scaled rope, gpt-oss's yarn). Rope parameters per layer type have no 4.x form:
+     left as they are.
+  3. the tie flag: a config with a nested text config (``get_text_config(decoder=True)`` is a
+     sub-config) gets the top-level ``tie_word_embeddings`` copied into it, where 4.x's
+     ``tie_weights`` reads it (5.x reads the top one). This is the one rule transformers 5 does not
+     state in a class, hence written here.
+- A config transformers cannot build (a model type it does not know, remote code) is returned as it
+  is, with no change; ``unread`` says why (and the plan's note).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import json
+import logging
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from merge_engine.errors import InvalidConfig
+
+TIE_FLAG = "tie_word_embeddings"
+ROPE_PARAMETERS = "rope_parameters"
+ROPE_METHOD = "convert_rope_params_to_dict"
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    """One key written for 4.x readers: ``key`` dotted (``text_config.rope_scaling``), its value, and
+    the transformers code that says so (``source``)."""
+
+    key: str
+    value: Any
+    source: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "value": self.value, "from": self.source}
+
+
+@dataclass(frozen=True)
+class HubConfig:
+    """The translation of one config: ``updates`` (top-level key -> value) laid over the config give
+    the Hub form; ``changes`` says what each added or changed key is."""
+
+    updates: dict[str, Any] = field(default_factory=dict)
+    changes: tuple[ConfigChange, ...] = ()
+    unread: str | None = None  # why transformers could not build the config (then nothing is added)
+
+    def describe(self) -> str:
+        if self.unread:
+            return f"config.json: written as stored ({self.unread})"
+        if not self.changes:
+            return "config.json: already in the Hub form (nothing to add for transformers 4.x readers)"
+        return "config.json: keys added for transformers 4.x readers: " + ", ".join(c.key for c in self.changes)
+
+
+def _plain(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep, JSON-clean copy (transformers' config classes mutate the dicts they are given)."""
+    return json.loads(json.dumps(dict(config), default=str))
+
+
+def _build(config: Mapping[str, Any]):
+    """``config`` as transformers 5's config object; a str saying why when transformers cannot build it
+    (no model type, a type it does not know: remote code, a value its class refuses)."""
+    import transformers
+    from transformers import AutoConfig
+
+    data = _plain(config)
+    model_type = data.pop("model_type", None)
+    if not model_type:
+        return "no model_type"
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except Exception as exc:  # noqa: BLE001 - any refusal: the stored config is kept, and the note says why
+        return f"transformers {transformers.__version__} cannot build a {model_type!r} config: {exc}"[:300]
+
+
+def _fields(cls: type) -> set[str]:
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    return set(inspect.signature(cls.__init__).parameters)
+
+
+def _alias_changes(cfg: Any, scope: dict[str, Any], prefix: str) -> Iterator[ConfigChange]:
+    cls = type(cfg)
+    fields = _fields(cls)
+    for alias, target in getattr(cls, "attribute_map", {}).items():
+        if alias in fields and target in scope and scope.get(alias) != scope[target]:
+            yield ConfigChange(prefix + alias, scope[target],
+                               f"{cls.__name__}.attribute_map: the field {alias!r} is saved as {target!r}")
+
+
+def _code_strings(code: Any) -> Iterator[str]:
+    for const in code.co_consts:
+        if isinstance(const, str) and const.isidentifier():
+            yield const
+        elif inspect.iscode(const):
+            yield from _code_strings(const)
+
+
+def _rope_candidates(cls: type) -> list[str]:
+    """Keys the class's rope standardisation may read: the string constants of every
+    ``convert_rope_params_to_dict`` in its MRO (an override names its family's legacy keys)."""
+    names: dict[str, None] = {}
+    for klass in cls.__mro__:
+        method = klass.__dict__.get(ROPE_METHOD)
+        if method is not None:
+            names.update(dict.fromkeys(_code_strings(method.__code__)))
+    names.pop(ROPE_PARAMETERS, None)
+    return list(names)
+
+
+_PROBE = "__stepmerge_probe__"
+
+
+def _probe_rope(cfg: Any, key: str, value: Any) -> dict[str, Any] | None:
+    """``rope_parameters`` after the class's standardisation saw only ``key=value``; None if it failed."""
+    probe = copy.deepcopy(cfg)
+    try:
+        object.__setattr__(probe, ROPE_PARAMETERS, None)
+        for name in ("rope_theta", "partial_rotary_factor"):  # the 5.x object keeps no legacy attributes,
+            if name in vars(probe):                          # but a remote class might
+                object.__delattr__(probe, name)
+        getattr(probe, ROPE_METHOD)(**{key: value})
+    except Exception:  # noqa: BLE001 - a key the method cannot take is not one of its legacy keys
+        return None
+    result = getattr(probe, ROPE_PARAMETERS, None)
+    return result if isinstance(result, dict) else None
+
+
+@dataclass(frozen=True)
+class RopeSpelling:
+    """How a config class reads pre-5 rope settings: legacy key -> ``rope_parameters`` entry, and the
+    key whose dict becomes ``rope_parameters`` (``rope_scaling``)."""
+
+    keys: dict[str, str]
+    carrier: str | None
+
+
+def rope_spelling(cfg: Any) -> RopeSpelling:
+    """Found by running the class's own ``convert_rope_params_to_dict`` (see the module docstring)."""
+    keys: dict[str, str] = {}
+    carrier = None
+    logger = logging.getLogger("transformers.modeling_rope_utils")
+    previous = logger.level
+    logger.setLevel(logging.ERROR)  # a probe with one key makes the standardisation warn
+    try:
+        for i, name in enumerate(_rope_candidates(type(cfg))):
+            marker = 7919.0 + i / 64  # distinct from any default
+            found = _probe_rope(cfg, name, marker)
+            hits = [k for k, v in (found or {}).items() if isinstance(v, float) and v == marker]
+            if len(hits) == 1:
+                keys[name] = hits[0]
+                continue
+            found = _probe_rope(cfg, name, {"rope_type": "default", _PROBE: marker})
+            if found is not None and found.get(_PROBE) == marker:
+                carrier = name
+    finally:
+        logger.setLevel(previous)
+    return RopeSpelling(keys, carrier)
+
+
+def _is_default_rope(rest: Mapping[str, Any], default_type: str) -> bool:
+    return set(rest) <= {"rope_type"} and rest.get("rope_type", default_type) == default_type
+
+
+def _rope_changes(cfg: Any, scope: dict[str, Any], prefix: str) -> Iterator[ConfigChange]:
+    params = scope.get(ROPE_PARAMETERS)
+    if not isinstance(params, dict) or not params or not hasattr(cfg, ROPE_METHOD):
+        return
+    if cfg.nested_rope_parameter_keys(params):
+        return  # per layer type: no 4.x form
+    spelling = rope_spelling(cfg)
+    source = f"{type(cfg).__name__}.{ROPE_METHOD}"
+    used = set()
+    for legacy, entry in spelling.keys.items():
+        if entry in params:
+            used.add(entry)
+            if scope.get(legacy, _PROBE) != params[entry]:
+                yield ConfigChange(prefix + legacy, params[entry], f"{source}: {legacy} -> rope_parameters[{entry!r}]")
+    if spelling.carrier is not None:
+        rest = {k: v for k, v in params.items() if k not in used}
+        value = None if _is_default_rope(rest, getattr(cfg, "default_rope_type", "default")) else rest
+        if scope.get(spelling.carrier, _PROBE) != value:
+            yield ConfigChange(prefix + spelling.carrier, value,
+                               f"{source}: {spelling.carrier} -> rope_parameters (the rest of it)")
+
+
+def _text_config_key(cfg: Any) -> str | None:
+    """The sub-config key of the decoder's text config, or None when the config is its own."""
+    try:
+        text = cfg.get_text_config(decoder=True)
+    except Exception:  # noqa: BLE001 - ambiguous text configs: no rule applies
+        return None
+    if text is cfg:
+        return None
+    return next((key for key in getattr(type(cfg), "sub_configs", {}) if getattr(cfg, key, None) is text), None)
+
+
+def _scope_changes(cfg: Any, scope: dict[str, Any], prefix: str) -> list[ConfigChange]:
+    return list(_alias_changes(cfg, scope, prefix)) + list(_rope_changes(cfg, scope, prefix))
+
+
+def _apply(config: dict[str, Any], change: ConfigChange) -> None:
+    *path, last = change.key.split(".")
+    scope = config
+    for part in path:
+        scope = scope[part]
+    scope[last] = copy.deepcopy(change.value)
+
+
+def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _flatten(item, f"{prefix}{key}.")
+    else:
+        yield prefix.rstrip("."), value
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def _check_read_alike(before: Any, config: dict[str, Any], mirrored: set[str]) -> None:
+    """`InvalidConfig` unless transformers 5 reads ``config`` as it read the original (``before``)."""
+    after = _build(config)
+    if isinstance(after, str):
+        raise InvalidConfig("transformers 5 cannot read the Hub form of config.json; "
+                            "pass --weights-format transformers")
+    old, new = dict(_flatten(before.to_dict())), dict(_flatten(after.to_dict()))
+    for key, value in old.items():
+        if key == "transformers_version" or key in mirrored:
+            continue
+        if key not in new or not _same(new[key], value):
+            raise InvalidConfig(f"the Hub form of config.json would change what transformers 5 reads: {key} "
+                                f"{value!r} -> {new.get(key)!r}; pass --weights-format transformers")
+
+
+def hub_config(config: Mapping[str, Any]) -> HubConfig:
+    """``config`` in the Hub form: see the module docstring."""
+    cfg = _build(config)
+    if isinstance(cfg, str):
+        return HubConfig(unread=cfg)
+    stored = _plain(config)
+    memory = cfg.to_dict()  # what transformers 5 holds: every value is read from here
+    changes = _scope_changes(cfg, {**memory, **{k: v for k, v in stored.items() if k not in memory}}, "")
+    mirrored: set[str] = set()
+    for key in getattr(type(cfg), "sub_configs", {}):
+        sub, sub_memory = getattr(cfg, key, None), memory.get(key)
+        if sub is None or not isinstance(sub_memory, dict) or not isinstance(stored.get(key), dict):
+            continue
+        changes += _scope_changes(sub, {**sub_memory, **{k: v for k, v in stored[key].items() if k not in sub_memory}},
+                                  key + ".")
+    text_key = _text_config_key(cfg)
+    if text_key is not None and isinstance(stored.get(text_key), dict) and TIE_FLAG in memory:
+        if stored[text_key].get(TIE_FLAG) != memory[TIE_FLAG]:
+            changes.append(ConfigChange(f"{text_key}.{TIE_FLAG}", memory[TIE_FLAG],
+                                        f"{type(cfg).__name__}.get_text_config(decoder=True): transformers 4.x "
+                                        "ties the embeddings by the text config's flag"))
+            mirrored.add(f"{text_key}.{TIE_FLAG}")
+    # a change whose stored value is already the one written is no change
+    changes = [c for c in changes if _lookup(stored, c.key) != c.value]
+    if not changes:
+        return HubConfig()
+    result = copy.deepcopy(stored)
+    for change in changes:
+        _apply(result, change)
+    _check_read_alike(cfg, result, mirrored)
+    top = {change.key.split(".")[0] for change in changes}
+    return HubConfig({key: result[key] for key in sorted(top)}, tuple(changes))
+
+
+_MISSING = object()
+
+
+def _lookup(config: Mapping[str, Any], dotted: str) -> Any:
+    scope: Any = config
+    for part in dotted.split("."):
+        if not isinstance(scope, Mapping) or part not in scope:
+            return _MISSING
+        scope = scope[part]
+    return scope
