@@ -1,53 +1,22 @@
 """Small JSON metadata files (``ckpt_contents.json``, ``metadata.json``, ``config.json``, indexes, ...).
 
-One parser, so every caller reports a broken file the same way, with the file's URL:
+One parser (`merge_engine.json_text.parse_json`, re-exported here: bounded size and depth, a named
+error for anything else), so every caller reports a broken file the same way, with the file's URL:
 
 - `parse_json(data, url, error=...)`: the JSON value in ``data`` (str or bytes); ``error(message,
-  url)`` (a `StepmergeError` class, `CorruptShard` unless the caller names its own) when it is not
-  valid UTF-8 JSON — including JSON nested so deeply that Python's parser gives up
-  (``RecursionError``), which a crafted file can do in a few kilobytes;
+  url)`` (a `StepmergeError` class, `CorruptShard` unless the caller names its own) when it is too
+  large, nested too deeply, or not valid UTF-8 JSON;
 - `read_json(url, error=...)`: the same for a file; None when the file does not exist;
 - `read_json_object(url, error=...)`: `read_json`, and ``error`` unless the value is an object.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, StepmergeError
-
-
-def parse_json(data: str | bytes, url: str | None, *, error: type[StepmergeError] = CorruptShard,
-               unique_keys: bool = False) -> Any:
-    """The JSON value in ``data``; ``error`` naming ``url`` if it is not valid (or too deeply nested) JSON.
-
-    ``unique_keys``: an object naming a key twice is ``error`` too. Python keeps the last value,
-    other parsers (the safetensors library's) refuse or keep the first: a file two readers read
-    differently is refused where that matters (tensor headers).
-    """
-    try:
-        text = data.decode("utf-8") if isinstance(data, bytes) else data
-        return json.loads(text, object_pairs_hook=_unique_object) if unique_keys else json.loads(text)
-    except RecursionError:
-        raise error("JSON nested too deeply to be metadata", url) from None
-    except _DuplicateKey as exc:
-        raise error(f"JSON object names {exc.args[0]!r} twice", url) from None
-    except ValueError as exc:  # also UnicodeDecodeError
-        raise error(f"not valid JSON ({exc})", url) from None
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
-    return out
+from merge_engine.json_text import parse_json
 
 
 def read_json(url: str, *, error: type[StepmergeError] = CorruptShard) -> Any:
@@ -65,3 +34,6 @@ def read_json_object(url: str, *, error: type[StepmergeError] = CorruptShard) ->
     if data is not None and not isinstance(data, dict):
         raise error(f"not a JSON object (a {type(data).__name__})", url)
     return data
+
+
+__all__ = ["parse_json", "read_json", "read_json_object"]

@@ -1,12 +1,14 @@
 """Local folders that appear whole or not at all: temp siblings with a live owner, committed by rename.
 
 - `LiveFolder`: a sibling temp folder ``.<name>.stepmerge-<kind>-<id>`` of a target, with an owner
-  record ``<temp>.owner.json`` (`merge_engine.process_identity` + a heartbeat that a daemon thread
+  record ``<temp>.owner.json`` (`merge_engine.owner_record`: identity + a heartbeat that a daemon thread
   refreshes every `HEARTBEAT_S` while the folder is in use).
 - `sweep_dead_siblings`: removes temp siblings of a target whose owner is certainly dead (same host,
   boot and PID namespace, process gone) or whose heartbeat is older than `STALE_S` (any other
-  host or namespace: decided by heartbeat age only, never by a pid). A sibling without an owner
-  record is judged by its own modification time.
+  host or namespace: decided by heartbeat age only, never by a pid; a heartbeat more than `STALE_S`
+  in the future counts as stale too). A sibling without an owner record is judged by its own
+  modification time; one whose record is malformed (not JSON, too big or deep, a field of the wrong
+  type: never a live writer's, records are written whole) by the record file's modification time.
 - `commit_folder`: puts a complete folder at the target in one step. If nothing is there, a
   rename; if something is (an older output being replaced, a concurrent writer's output), the two
   are swapped atomically (``renameat2(RENAME_EXCHANGE)``), so at every instant the target is either
@@ -27,7 +29,9 @@ import time
 import uuid
 from typing import Any
 
-from merge_engine import process_identity
+from merge_engine import owner_record
+from merge_engine.errors import StepmergeError
+from merge_engine.json_text import read_local_json
 
 HEARTBEAT_S = float(os.environ.get("STEPMERGE_TEMP_HEARTBEAT_S", "30"))
 STALE_S = float(os.environ.get("STEPMERGE_TEMP_STALE_S", "600"))
@@ -42,7 +46,7 @@ def temp_prefix(target: str) -> str:
 
 
 def _write_owner(path: str) -> None:
-    body = {**process_identity.current(), "heartbeat": time.time()}
+    body = owner_record.new_record()
     tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
     with open(tmp, "w") as f:
         json.dump(body, f)
@@ -97,20 +101,20 @@ def _abandoned(path: str, now: float, dated: str | None = None) -> bool:
     modification time of ``dated`` (default ``path``) against `STALE_S`."""
     owner_file = path + OWNER_SUFFIX
     try:
-        with open(owner_file) as f:
-            owner = json.load(f)
-        heartbeat = float(owner["heartbeat"])
+        owner = owner_record.Owner.parse(read_local_json(owner_file))
     except FileNotFoundError:
         try:
             return now - os.lstat(dated or path).st_mtime > STALE_S
         except FileNotFoundError:
             return False
-    except (ValueError, KeyError, TypeError):
+    except (OSError, StepmergeError):  # unreadable, not a regular file, not acceptable JSON
+        owner = None
+    if owner is None:
         try:
-            owner, heartbeat = {}, os.stat(owner_file).st_mtime  # being rewritten, or debris
+            return now - os.lstat(owner_file).st_mtime > STALE_S  # debris (records are written whole)
         except FileNotFoundError:
             return False
-    return process_identity.certainly_dead(owner) or now - heartbeat > STALE_S
+    return owner.stale(now, STALE_S)
 
 
 def sweep_dead_siblings(target: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""Who wrote a claim or a temp folder, precisely enough to know when that writer is certainly dead.
+"""Who wrote a claim, a temp folder or a lock, precisely enough to know when that writer is certainly dead.
 
 A process id alone names a process only inside one PID namespace on one boot of one machine:
 another container (another PID namespace), another host on a shared disk, or the same host after a
@@ -7,7 +7,8 @@ the PID namespace, the pid and the process start time (clock ticks since boot, f
 ``/proc/<pid>/stat``), and `certainly_dead` says True only when all of host, boot and namespace
 are this process's own and the pid is gone or now belongs to a process started at another time.
 Everywhere else (another namespace, host or boot; no ``/proc``) it says False and the caller must
-decide by heartbeat age alone: a live writer refreshes its heartbeat, a dead one stops.
+decide by heartbeat age alone: a live writer refreshes its heartbeat, a dead one stops. The records
+that carry this identity are `merge_engine.owner_record`'s (type-checked there before they get here).
 """
 
 from __future__ import annotations

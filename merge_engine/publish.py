@@ -71,11 +71,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from merge_engine import process_identity, storage
+from merge_engine import owner_record, storage
 from merge_engine.errors import (
-    ChecksumMismatch, CorruptShard, InvalidOption, StepmergeError, TargetExists, ValidationFailed,
+    ChecksumMismatch, CorruptShard, InvalidOption, TargetExists, ValidationFailed,
 )
-from merge_engine.json_file import parse_json
 from merge_engine.local_commit import LiveFolder, commit_folder, sweep_dead_siblings
 from merge_engine.release import (
     CLAIMS,
@@ -153,19 +152,18 @@ def _claim_url(release_url: str, attempt: str) -> str:
 
 
 def _write_claim(release_url: str, attempt: str, fingerprint: str) -> None:
-    """A claim names its publisher (`merge_engine.process_identity`: host, boot, PID namespace, pid
-    and start time), so a dead one on this host and namespace is recognised at once."""
-    body = {"attempt": attempt, "fingerprint": fingerprint, "heartbeat": time.time(), **process_identity.current()}
+    """A claim is an owner record (`merge_engine.owner_record`: host, boot, PID namespace, pid, start
+    time, heartbeat), so a dead publisher on this host and namespace is recognised at once."""
+    body = owner_record.new_record(attempt=attempt, fingerprint=fingerprint)
     storage.write_bytes(_claim_url(release_url, attempt), json.dumps(body).encode())
 
 
 def _read_claim(release_url: str, attempt: str) -> dict[str, Any] | None:
     """Our claim's body, or None when it is gone (or unreadable: claims are written whole)."""
     try:
-        body = parse_json(storage.read_bytes(_claim_url(release_url, attempt)), None)
-    except (FileNotFoundError, StepmergeError):
+        return owner_record.read_record(storage.read_bytes(_claim_url(release_url, attempt)), None)
+    except FileNotFoundError:
         return None
-    return body if isinstance(body, dict) else None
 
 
 class _Heartbeat:
@@ -231,20 +229,18 @@ def _remove_claim(release_url: str, attempt: str) -> None:
 def _live_claims(release_url: str, ttl_s: float) -> list[str]:
     """Attempts holding a claim with a fresh heartbeat whose publisher is not certainly dead; the
     others are deleted on the way (a dead publisher on this host and PID namespace at once, one
-    elsewhere once its heartbeat is older than ``ttl_s``)."""
+    elsewhere once its heartbeat is older than ``ttl_s``, or more than ``ttl_s`` in the future; a
+    malformed claim at once: `merge_engine.owner_record`)."""
     live = []
     for entry in storage.list_files(claims_url(release_url)):
         if "/" in entry.path or not entry.path.endswith(".json"):
             continue  # a claim exists from the moment its .json name does (local temp names don't count)
         url = storage.join(claims_url(release_url), entry.path)
         try:
-            body = parse_json(storage.read_bytes(url), url)
-            heartbeat = float(body["heartbeat"])
+            owner = owner_record.Owner.parse(owner_record.read_record(storage.read_bytes(url), url))
         except FileNotFoundError:
             continue  # released between the listing and the read
-        except (StepmergeError, ValueError, KeyError, TypeError):
-            body, heartbeat = {}, float("-inf")  # claims are written whole: an unreadable one is debris
-        if time.time() - heartbeat > ttl_s or process_identity.certainly_dead(body if isinstance(body, dict) else {}):
+        if owner is None or owner.stale(time.time(), ttl_s):  # claims are written whole: a malformed one is debris
             storage.remove(url)
             continue
         live.append(entry.path.removesuffix(".json"))

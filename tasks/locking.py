@@ -4,12 +4,21 @@ Why not Prefect's own `FileSystemLockManager`: a transaction acquires its lock w
 timeout, so a merge process killed by the OOM killer leaves its lock file forever and every later
 run of that step waits forever; and its lock file is created empty, then written, so a reader can
 see an empty file. Here:
-- a lock is a file ``<dir>/<key>.lock`` holding JSON {holder, host, pid, expires}, created whole
-  and atomically (written under a temp name, then hard-linked into place: the link fails if the
-  lock exists, so exactly one of two racing acquirers wins);
-- a lock is stale, and is broken by the next acquirer, when its holder's process is gone (same
-  host, pid not alive) or it expired (``hold_timeout``, default `DEFAULT_HOLD_S`: longer than any
-  merge). A live holder on another host is waited for;
+- a lock is a file ``<dir>/<key>.lock`` holding an owner record (`merge_engine.owner_record`, the
+  same record publish claims and temp folders carry: host, boot id, PID namespace, pid, process
+  start time, heartbeat = when it was taken) plus ``holder`` and ``expires``, created whole and
+  atomically (written under a temp name, then hard-linked into place: the link fails if the lock
+  exists, so exactly one of two racing acquirers wins);
+- a lock is stale, and is broken by the next acquirer, when its holder is certainly dead (this very
+  host, boot and PID namespace, process gone or its pid reused: a holder in another container is
+  never judged by a pid that means another process here), or it expired (``hold_timeout``, default
+  `DEFAULT_HOLD_S`: longer than any merge). Every field is type-checked and every time clamped: a
+  record that is not one (``expires: "soon"``, ``pid: "abc"``, ``pid: 10**30``, ``expires: 1e999``,
+  which parses to infinity, a deeply nested file) is debris: locks are written whole, so no live
+  holder wrote it, and it is stale (broken, never raised). A lock's life counts from its heartbeat
+  and is at most the larger of this manager's ``hold_timeout_s`` and `DEFAULT_HOLD_S`, whatever its
+  ``expires`` says; a heartbeat further in the future than that life is stale at once. A live
+  holder elsewhere (another host or namespace) is waited for until its lock expires;
 - every removal of a lock file (breaking a stale lock, releasing one's own) happens under an
   exclusive ``flock`` on ``<dir>/.locks.guard``, after reading the lock again under it. Creation
   needs no guard (the hard link fails while any lock file exists), so under the guard the lock
@@ -28,7 +37,6 @@ import contextlib
 import fcntl
 import json
 import os
-import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -39,7 +47,8 @@ import anyio
 from prefect.locking.protocol import LockManager
 
 from merge_engine.errors import StepmergeError
-from merge_engine.json_file import parse_json
+from merge_engine.json_text import read_local_json
+from merge_engine.owner_record import Owner, finite_number, new_record
 
 DEFAULT_HOLD_S = 24 * 3600.0
 POLL_S = 0.1
@@ -53,16 +62,6 @@ def default_lock_directory() -> Path:
     from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH
 
     return Path(PREFECT_RESULTS_LOCAL_STORAGE_PATH.value()).expanduser() / ".locks"
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 class CrashSafeFileLockManager(LockManager):
@@ -80,16 +79,15 @@ class CrashSafeFileLockManager(LockManager):
         return self.directory / f"{key}.lock"
 
     def _read(self, key: str) -> Optional[dict]:
-        """The lock's info, or None when there is no lock."""
+        """The lock's record, or None when there is no lock; ``{}`` for debris (stale: see `_stale`)."""
+        path = self._path(key)
         try:
-            info = parse_json(self._path(key).read_bytes(), str(self._path(key)))
+            info = read_local_json(str(path))
         except FileNotFoundError:
             return None
-        except StepmergeError:
-            info = None
-        if not isinstance(info, dict):  # never written partially; treat debris as an expired lock
-            return {"holder": "", "host": "", "pid": -1, "expires": 0.0}
-        return info
+        except (OSError, StepmergeError):  # not a regular file, unreadable, not acceptable JSON
+            return {}
+        return info if isinstance(info, dict) else {}  # never written partially: debris is an expired lock
 
     @contextlib.contextmanager
     def _guard(self, blocking: bool = True) -> Iterator[bool]:
@@ -107,17 +105,20 @@ class CrashSafeFileLockManager(LockManager):
         finally:
             os.close(fd)  # releases the flock
 
-    @staticmethod
-    def _stale(info: dict) -> bool:
-        if float(info.get("expires") or 0.0) < time.time():
+    def _stale(self, info: dict) -> bool:
+        """Debris, expired, or its holder certainly dead (see the module docstring)."""
+        owner, expires = Owner.parse(info), finite_number(info.get("expires"))
+        if owner is None or expires is None or not isinstance(info.get("holder"), str):
             return True
-        return info.get("host") == socket.gethostname() and not _process_alive(int(info.get("pid", -1)))
+        life = min(expires - owner.heartbeat, max(self.hold_timeout_s, DEFAULT_HOLD_S))
+        return life <= 0 or owner.stale(time.time(), life)
 
     def _create(self, key: str, holder: str, hold_timeout: Optional[float]) -> bool:
         directory = self.directory
         directory.mkdir(parents=True, exist_ok=True)
         hold = self.hold_timeout_s if hold_timeout is None else hold_timeout
-        body = {"holder": holder, "host": socket.gethostname(), "pid": os.getpid(), "expires": time.time() + hold}
+        body = new_record(holder=holder)
+        body["expires"] = body["heartbeat"] + hold
         temp = directory / f".{key}.{uuid.uuid4().hex}.tmp"
         temp.write_bytes(json.dumps(body).encode())
         try:

@@ -10,7 +10,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from merge_engine.errors import IncompleteCheckpoint
+from merge_engine.errors import IncompleteCheckpoint, StepmergeError
+from merge_engine.json_text import read_local_json
 from merge_engine.storage import tuning
 from merge_engine.storage.atomic_writer import open_write
 from merge_engine.storage.backends.local import temp_name, unlink_quietly
@@ -91,11 +92,10 @@ def copy_file(src: str, dst: str) -> None:
 
 def _load_stage_manifest(cache_dir: str) -> dict[str, dict[str, Any]]:
     try:
-        with open(os.path.join(cache_dir, STAGE_MANIFEST)) as f:
-            loaded = json.load(f)
-        return loaded if isinstance(loaded, dict) else {}
-    except (FileNotFoundError, ValueError):
+        loaded = read_local_json(os.path.join(cache_dir, STAGE_MANIFEST))
+    except (OSError, StepmergeError):  # absent, or debris (the guarded parser: bounded, never a traceback)
         return {}
+    return loaded if isinstance(loaded, dict) else {}
 
 
 def stage_in(url: str, files: Iterable[FileEntry], cache_dir: str, max_workers: int = 8) -> dict[str, str]:

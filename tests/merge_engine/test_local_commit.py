@@ -187,3 +187,41 @@ def test_a_live_temp_folder_in_another_pid_namespace_survives(checkpoint, tmp_pa
     finally:
         inner.communicate("done\n", timeout=60)
     assert not os.path.exists(live) and _whole(target)
+
+
+def test_a_malformed_owner_record_beside_a_target_never_breaks_a_merge(checkpoint, tmp_path):
+    """Issue 17 point 12: an owner record nested 100 000 deep (Python's parser: RecursionError) used to make
+    every merge to the target a traceback. Records go through the guarded parser; a malformed one was no
+    live writer's (records are written whole) and its folder is judged by the record file's age: kept
+    while fresh, swept once older than STALE_S. Fields of the wrong type are the same."""
+    target = tmp_path / "out"
+    prefix = os.path.join(str(tmp_path), local_commit.temp_prefix(str(target)))
+    _fake_owner(prefix + "tmp-nested")
+    with open(prefix + "tmp-nested" + local_commit.OWNER_SUFFIX, "w") as f:
+        f.write("[" * 100_000 + "]" * 100_000)
+    _fake_owner(prefix + "tmp-badpid", pid=10**30, heartbeat="soon")
+    merge_checkpoint(str(checkpoint), str(target))  # sweeps the target's siblings first
+    assert _whole(target)
+    assert os.path.isdir(prefix + "tmp-nested") and os.path.isdir(prefix + "tmp-badpid")  # fresh: kept
+    old = time.time() - local_commit.STALE_S - 5
+    for name in ("tmp-nested", "tmp-badpid"):
+        os.utime(prefix + name + local_commit.OWNER_SUFFIX, (old, old))
+    removed = {os.path.basename(p).rsplit("-", 1)[-1] for p in sweep_dead_siblings(str(target))}
+    assert removed == {"nested", "badpid"}
+    assert not os.path.exists(prefix + "tmp-nested") and not os.path.exists(prefix + "tmp-badpid")
+
+
+def test_an_owner_record_that_is_a_fifo_is_never_waited_on(tmp_path):
+    """A FIFO named like an owner record: the sweep opens it non-blocking and refuses it (judged by its age)."""
+    target = str(tmp_path / "out")
+    prefix = os.path.join(str(tmp_path), local_commit.temp_prefix(target))
+    os.makedirs(prefix + "tmp-fifo")
+    os.mkfifo(prefix + "tmp-fifo" + local_commit.OWNER_SUFFIX)
+    sweep = threading.Thread(target=sweep_dead_siblings, args=(target,), daemon=True)
+    sweep.start()
+    sweep.join(30)
+    hung = sweep.is_alive()
+    if hung:  # release the old code's blocking open, so the thread ends
+        os.close(os.open(prefix + "tmp-fifo" + local_commit.OWNER_SUFFIX, os.O_WRONLY | os.O_NONBLOCK))
+    assert not hung, "the sweep waited on a FIFO"
+    assert os.path.isdir(prefix + "tmp-fifo")  # fresh: kept

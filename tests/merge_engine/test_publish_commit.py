@@ -124,6 +124,36 @@ def test_a_fresh_claim_from_elsewhere_still_blocks(tmp_path, other):
     assert not os.path.exists(release)
 
 
+@pytest.mark.parametrize("heartbeat", ["3600 s ahead", "1e999"])
+def test_a_claim_from_the_far_future_does_not_block_for_ever(tmp_path, heartbeat):
+    """Issue 17 point 10: a claim whose heartbeat lies more than a TTL ahead of this clock (a skewed or
+    forged clock) or is ``1e999`` (JSON for infinity) used to be fresh for ever: every publish of the
+    release waited ``wait_s`` and failed. It is stale: the publish proceeds at once and deletes it."""
+    release = str(tmp_path / "releases" / "actor" / "global_step_1")
+    claim = {"attempt": "skewed", "fingerprint": "fp-9", **process_identity.current(), "host": "another-host",
+             "heartbeat": time.time() + 3600}
+    text = json.dumps(claim)
+    if heartbeat == "1e999":
+        text = text.replace(repr(claim["heartbeat"]), "1e999")
+    storage.write_bytes(storage.join(claims_url(release), "skewed.json"), text.encode())
+    started = time.monotonic()
+    result = _publish(_stage(tmp_path), release, wait_s=5)
+    assert time.monotonic() - started < 5 and not result.already_published
+    assert verify_folder(release).ok and storage.list_files(claims_url(release)) == []
+
+
+def test_a_claim_a_little_ahead_still_blocks(tmp_path):
+    """Clamped, not ignored: a heartbeat a minute ahead (within the TTL) is a live writer whose clock runs
+    ahead; it counts as written now and blocks."""
+    release = str(tmp_path / "releases" / "actor" / "global_step_1")
+    claim = {"attempt": "ahead", "fingerprint": "fp-9", **process_identity.current(), "host": "another-host",
+             "heartbeat": time.time() + 60}
+    storage.write_bytes(storage.join(claims_url(release), "ahead.json"), json.dumps(claim).encode())
+    with pytest.raises(ReleaseBusy):
+        _publish(_stage(tmp_path), release, wait_s=0.5)
+    assert not os.path.exists(release)
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_damaged_release_of_the_same_input_is_published_again(tmp_path, where, request):
     root = str(tmp_path / "out") if where == "local" else request.getfixturevalue("s3_bucket_url")
