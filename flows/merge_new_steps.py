@@ -11,6 +11,10 @@ adapters are released, its adapter release too: one rule, the one merge_step fol
 never submitted again for a release merge_step would not make. (A model release from before that
 record: the model alone.)
 
+A verl Megatron LoRA step saved without its base weights (layout ``megatron_lora``) is merged only with
+``base_model``: without it the step is not submitted (every merge would raise ``BaseModelRequired``), it is
+reported as "needs base_model", and the run fails saying so, each run, until the parameter is given.
+
 One merge per step:
 - from a deployment (the watcher deployed on the ``cpu`` pool), each step is a run of the
   ``merge_deployment`` (``merge-step/gpu``) submitted with the idempotency key
@@ -66,7 +70,8 @@ class StepAction(BaseModel):
     step: int
     role: str
     # "merged" | "already published" | "not ready" | "failed" (this run) | "error" (could not submit) |
-    # "submitted" | "resubmitted" | "running" | "failed earlier" | "given up" | "changed since release"
+    # "submitted" | "resubmitted" | "running" | "failed earlier" | "given up" | "changed since release" |
+    # "needs base_model" (an adapter-only step and no base_model: not submitted)
     action: str
     detail: str = ""
 
@@ -112,6 +117,19 @@ def plan_steps(steps: List[StepRecord], published: List[PublishedRelease], param
     return todo, changed, waiting
 
 
+NEEDS_BASE = "needs base_model"
+
+
+def missing_base(step: StepRecord, params: WatchParams) -> Optional[str]:
+    """Why ``step`` cannot be merged with these parameters, or None: a verl Megatron LoRA step saved without
+    its base weights (layout ``megatron_lora``) needs ``base_model``. Such a step is not submitted (its merge
+    would raise `BaseModelRequired` on every try): it is reported, and fails this run, until one is given."""
+    if step.layout == "megatron_lora" and params.base_model is None:
+        return ("a LoRA adapter step (Megatron-Bridge PEFT, base weights not saved): pass base_model, the Hugging "
+                "Face model the run trained from")
+    return None
+
+
 def submitted_action(step: StepRecord, run: SubmittedRun) -> StepAction:
     return StepAction(step=step.step, role=step.role, action=SUBMITTED.get(run.action, run.action),
                       detail=run.detail)
@@ -133,6 +151,7 @@ def merge_new_steps(
     release_adapter: bool = described("release_adapter", True),
     adapter_include_base: bool = described("adapter_include_base", True),
     lora_alpha: LoraAlpha = described("lora_alpha", None),
+    base_model: Optional[StorageUrl] = described("base_model", None),
     overwrite: bool = described("overwrite", False),
     staging_root: Optional[StorageUrl] = described("staging_root", None),
     workers: Workers = described("workers", None),
@@ -159,6 +178,10 @@ def watch(params: WatchParams) -> WatchOutcome:
                                                  "run with overwrite to replace the release"))
     deployed = deployment.id is not None
     for step in todo:
+        reason = missing_base(step, params)
+        if reason is not None:
+            outcome.actions.append(StepAction(step=step.step, role=step.role, action=NEEDS_BASE, detail=reason))
+            continue
         step_params = params.step_params(step)
         if deployed:
             try:
@@ -192,7 +215,7 @@ def watch(params: WatchParams) -> WatchOutcome:
                                               hashlib.sha256(params.run_root.encode()).hexdigest()[:8]),
                              description=f"{len(todo)} new step(s) of {params.run_root}")
     logger.info("%d new step(s), %d not ready, %d already published", len(todo), len(waiting), len(published))
-    failed = [a for a in outcome.actions if a.action in ("failed", "error")]
+    failed = [a for a in outcome.actions if a.action in ("failed", "error", NEEDS_BASE)]
     if failed:
         raise RuntimeError(f"{len(failed)} step(s) failed: " + ", ".join(f"{a.step} ({a.detail})" for a in failed))
     return outcome

@@ -110,6 +110,7 @@ def merge_step(
     release_adapter: bool = described("release_adapter", True),
     adapter_include_base: bool = described("adapter_include_base", True),
     lora_alpha: LoraAlpha = described("lora_alpha", None),
+    base_model: Optional[StorageUrl] = described("base_model", None),
     overwrite: bool = described("overwrite", False),
     staging_root: Optional[StorageUrl] = described("staging_root", None),
     workers: Workers = described("workers", None),

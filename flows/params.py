@@ -107,7 +107,8 @@ DESCRIPTIONS: Dict[str, str] = {
     "merge_deployment": "Deployment that merges one step, used when this flow runs from a deployment",
     "max_steps": "Merge at most this many new steps per run (oldest first)",
     "include_base": "Also release the clean base model under base/",
-    "base_model": "The base model of a LoRA-only checkpoint",
+    "base_model": "The base model of a LoRA-only checkpoint (a verl Megatron LoRA step saves no base weights: its "
+                  "fused model is this model plus the adapter; the run's adapter_config.json name is never used alone)",
     "compare_with_model_release": "Compare PEFT's logits with the step's released merged model, when it was "
                                   "built from this checkpoint",
 }
@@ -149,6 +150,7 @@ class PipelineOptions(RunLocation):
     release_adapter: bool = True
     adapter_include_base: bool = True
     lora_alpha: LoraAlpha = None
+    base_model: Optional[StorageUrl] = None
     overwrite: bool = False
     workers: Workers = None
     ray_address: RayAddress = None
@@ -158,14 +160,14 @@ class PipelineOptions(RunLocation):
 
         return MergeSettings(dtype=self.dtype, max_shard_size=parse_size(self.max_shard_size),
                              hf_model_path=self.hf_model_path, lora_alpha=self.lora_alpha,
-                             weights_format=self.weights_format)
+                             weights_format=self.weights_format, base_model=self.base_model)
 
     def adapter_settings(self):
         from tasks.records import AdapterSettings
 
         return AdapterSettings(include_base=self.adapter_include_base, lora_alpha=self.lora_alpha, dtype=self.dtype,
                                max_shard_size=parse_size(self.max_shard_size), hf_model_path=self.hf_model_path,
-                               weights_format=self.weights_format)
+                               weights_format=self.weights_format, base_model=self.base_model)
 
     def validation_settings(self):
         from tasks.records import ValidationSettings
@@ -185,7 +187,8 @@ class PipelineOptions(RunLocation):
     def recorded_options(self) -> dict:
         """The options that decide a release's content: recorded in its manifest."""
         return self.model_dump(include={"dtype", "max_shard_size", "hf_model_path", "weights_format",
-                                        "validate_forward", "reference_url", "adapter_include_base", "lora_alpha"})
+                                        "validate_forward", "reference_url", "adapter_include_base", "lora_alpha",
+                                        "base_model"})
 
 
 class MergeStepParams(PipelineOptions):

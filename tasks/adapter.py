@@ -74,7 +74,7 @@ def extract_adapter(step: StepRecord, checkpoint: CheckpointRecord, settings: Ad
                           on_bytes=progress.on_bytes, on_plan=progress.on_plan, checkpoint=checkpoint.to_checkpoint(),
                           executor=executor)
     progress.finish()
-    if settings.include_base:
+    if settings.include_base and storage.list_files(storage.join(target, BASE_DIR)):
         point_adapter_at_base(target, storage.join(release, BASE_DIR))
     return OutputRecord(kind=ADAPTER, source_url=checkpoint.url, url=target, fingerprint=result.fingerprint,
                         release=release, attempt=uuid.uuid4().hex, layout=checkpoint.layout,

@@ -65,7 +65,8 @@ class CheckpointRecord(Record):
     """A checkpoint found complete by its layout's deep check (`merge_engine.layouts.Checkpoint`).
 
     ``files`` is the listing the check used, as (path, size, version): the merge fingerprint is
-    computed from it without listing again. ``lora`` says the weights hold LoRA factors.
+    computed from it without listing again. ``lora`` says the weights hold LoRA factors; ``notes`` are
+    the layout's findings (what a verl Megatron LoRA step holds: `merge_engine.layouts.megatron_lora`).
     """
 
     url: str
@@ -76,19 +77,21 @@ class CheckpointRecord(Record):
     hf_dir: Optional[str] = None
     lora: bool = False
     total_bytes: int = 0
+    notes: tuple[str, ...] = ()
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, lora: bool) -> CheckpointRecord:
         return cls(url=checkpoint.url, layout=checkpoint.layout, fingerprint=checkpoint.fingerprint,
                    files=tuple((f.path, f.size, f.version) for f in checkpoint.files),
                    parallel=dict(checkpoint.parallel), hf_dir=checkpoint.hf_dir, lora=lora,
-                   total_bytes=sum(f.size for f in checkpoint.files))
+                   total_bytes=sum(f.size for f in checkpoint.files), notes=tuple(checkpoint.notes))
 
     def to_checkpoint(self) -> Checkpoint:
         from merge_engine.layouts.contract import Checkpoint
 
         return Checkpoint(url=self.url, layout=self.layout, files=tuple(FileEntry(*f) for f in self.files),
-                          parallel=dict(self.parallel), hf_dir=self.hf_dir, fingerprint=self.fingerprint)
+                          parallel=dict(self.parallel), hf_dir=self.hf_dir, fingerprint=self.fingerprint,
+                          notes=tuple(self.notes))
 
 
 class MergeSettings(Record):
@@ -104,13 +107,14 @@ class MergeSettings(Record):
     backend: Optional[str] = None
     lora_alpha: Optional[float] = None
     weights_format: str = DEFAULT_WEIGHTS_FORMAT  # hub | transformers (`merge_engine.option_values`)
+    base_model: Optional[str] = None  # the base of an adapter-only step (verl Megatron LoRA)
 
     def to_options(self, overwrite: bool = False) -> MergeOptions:
         from merge_engine.merge import MergeOptions
 
         return MergeOptions(backend=self.backend, dtype=self.dtype, max_shard_size=self.max_shard_size,
                             hf_model_path=self.hf_model_path, lora_alpha=self.lora_alpha, overwrite=overwrite,
-                            weights_format=self.weights_format)
+                            weights_format=self.weights_format, base_model=self.base_model)
 
 
 class AdapterSettings(Record):

@@ -4,6 +4,8 @@
 `fsdp_runs`: every variant of `synthetic_runs.fixture_matrix()` (FSDP1 with and without a mesh,
 FSDP2, HSDP, one rank, tied/untied, Qwen2/Llama, fp32/bf16, buffers, critic, SFT, LoRA) as a verl
 run root with one step, plus the exact reference weights each was sharded from.
+`lora_steps`: verl Megatron LoRA steps (Megatron-Bridge PEFT) of a tiny Qwen2 and Qwen3-MoE at TP 2, PP 2,
+TP 2 x EP 2, both ``use_dist_checkpointing`` settings (`synthetic_runs.megatron_lora`: a writer of our own).
 `verl_lora_runs`: verl's default LoRA (all-linear) on every MoE family (`synthetic_runs.fsdp.verl_lora_matrix()`).
 """
 
@@ -50,3 +52,30 @@ def verl_lora_runs(tmp_path_factory) -> dict[str, synthetic_runs.RunFiles]:
     root = tmp_path_factory.mktemp("synthetic_verl_lora")
     return synthetic_runs.write_fixture_matrix(root / "runs", reference_root=root / "references", steps=(1,),
                                                specs=verl_lora_matrix())
+
+
+LORA_ALPHA = 8.0
+LORA_STEPS = {  # name -> (family, tp, pp, ep, use_dist_checkpointing, PEFT export)
+    "dense_tp2": ("qwen2", 2, 1, 1, False, True),
+    "dense_pp2": ("qwen2", 1, 2, 1, False, True),
+    "dense_tp2_dist": ("qwen2", 2, 1, 1, True, False),
+    "moe_tp2_ep2": ("qwen3_moe", 2, 1, 2, False, True),
+    "moe_ep2_dist": ("qwen3_moe", 1, 1, 2, True, False),
+}
+
+
+@pytest.fixture(scope="session")
+def lora_steps(tmp_path_factory):
+    """name -> `synthetic_runs.megatron_lora.LoraStep`, each a run root with one step (``global_step_1/actor``)."""
+    from synthetic_runs.megatron_lora import LoraRunSpec, write_base, write_lora_step
+    from synthetic_runs.models import ModelSpec
+
+    root = tmp_path_factory.mktemp("megatron_lora")
+    bases = {family: write_base(root / f"base_{family}", ModelSpec(family=family), seed=0)
+             for family in ("qwen2", "qwen3_moe")}
+    steps = {}
+    for name, (family, tp, pp, ep, dist, export) in LORA_STEPS.items():
+        spec = LoraRunSpec(ModelSpec(family=family), tp=tp, pp=pp, ep=ep, use_dist_checkpointing=dist,
+                           peft_folder=export, alpha=LORA_ALPHA)
+        steps[name] = write_lora_step(root / name / "global_step_1" / "actor", spec, bases[family])
+    return steps

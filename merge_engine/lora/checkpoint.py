@@ -50,7 +50,10 @@ def is_lora_checkpoint(metas: Mapping[str, TensorMeta]) -> bool:
 
 
 def checkpoint_holds_lora(checkpoint: Checkpoint) -> bool:
-    """Does a checked checkpoint hold LoRA factors? From its tensor names (headers only, no weight)."""
+    """Does a checked checkpoint hold LoRA factors? From its tensor names (headers only, no weight); a verl
+    Megatron LoRA step (`merge_engine.layouts.megatron_lora`) always does."""
+    if checkpoint.layout == "megatron_lora":
+        return True
     source = open_checkpoint(checkpoint)
     try:
         return is_lora_checkpoint(source.metas())

@@ -12,7 +12,8 @@ The step's adapter (`step_adapter`), under PEFT's Hugging Face names:
 Outputs:
 - `prepare_adapter_release` (``extract-lora``, the pipeline's adapter stage): the adapter folder,
   ``adapter_config.json`` as the run wrote it (``base_model_name_or_path``: the ``--base-model`` given,
-  else the run's, a hint); checked against ``--base-model``'s shapes when one is given;
+  else the run's, a hint); checked against ``--base-model``'s shapes when one is given, and that base
+  copied under ``base/`` (``write_base``, the release's ``include_base``) so PEFT can load the release alone;
 - `prepare_fused_model` (``merge`` of an adapter-only step): the adapter fused into the base the user
   names (``--base-model``; the run's ``base_model_name_or_path`` is never used on its own), whose
   config must agree with the step's; `BaseModelRequired` without one;
@@ -57,6 +58,7 @@ from merge_engine.merge_plan import PlannedTensor, parse_dtype
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
 
 ADAPTER_NAMESPACE = "adapter0"
+BASE_DIR = "base"  # the clean base inside an adapter release (as `merge_engine.lora.extract` writes it)
 # config.json keys a base must share with the step's config to be the base the run trained from
 SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "intermediate_size", "moe_intermediate_size", "vocab_size", "num_experts",
@@ -159,6 +161,7 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
         tensors = [PlannedTensor(name, tuple(meta.shape), dtype or meta.dtype, name)
                    for name, meta in source.metas().items()]
         plan = adapter_plan(tensors)
+        base_output = _base_copy(options, opened[1], dtype) if options.write_base and len(opened) > 1 else None
     except BaseException:
         for handle in opened:
             handle.close()
@@ -175,8 +178,21 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
                   "tensors": len(plan.tensors), "tensor_bytes": plan.total_size}
     notes = (f"adapter from {origin}", f"{len(adapter.modules)} LoRA modules, ranks {ranks}, "
              f"lora_alpha={adapter.settings.lora_alpha:g}")
-    return PreparedJob([PlannedOutput(plan, source, then=config_file)], provenance, kind="adapter",
+    outputs = [PlannedOutput(plan, source, then=config_file)] + ([base_output] if base_output else [])
+    return PreparedJob(outputs, provenance, kind="adapter+base" if base_output else "adapter",
                        layout=checkpoint.layout, notes=notes, sources=opened)
+
+
+def _base_copy(options: OutputOptions, base: TensorSource, dtype: Any) -> PlannedOutput:
+    """``--base-model`` under ``base/`` of the adapter release (its tensors as the Hub names them)."""
+    from merge_engine.hf_plan import plan_hf_merge
+
+    config = read_config(options.base_model, what="base model")
+    stored = plan_hf_merge(base.metas(), config, dtype=dtype, max_shard_size=options.max_shard_size,
+                           config_url=options.base_model)
+    plan = in_weights_format(stored, config, options.weights_format, options.max_shard_size)
+    return PlannedOutput(plan, base, BASE_DIR, then=lambda url: copy_metadata(options.base_model, url, config,
+                                                                             plan.config_updates))
 
 
 def prepare_fused_model(checkpoint: Checkpoint, options: OutputOptions, source_url: str) -> PreparedJob:

@@ -36,32 +36,9 @@ from merge_engine.jobs import OutputOptions
 from merge_engine.layouts import check_checkpoint
 from merge_engine.lora.extract import extract_lora
 from merge_engine.merge import merge_checkpoint
-from synthetic_runs.megatron_lora import LoraRunSpec, reference_fused_state, write_base, write_lora_step
-from synthetic_runs.models import ModelSpec
+from synthetic_runs.megatron_lora import reference_fused_state
+from tests.fixtures_checkpoints import LORA_ALPHA as ALPHA
 from tests.merge_engine.lora.conftest import load_causal_lm, logits
-
-ALPHA = 8.0
-STEPS = {  # name -> (family, tp, pp, ep, use_dist_checkpointing, PEFT export)
-    "dense_tp2": ("qwen2", 2, 1, 1, False, True),
-    "dense_pp2": ("qwen2", 1, 2, 1, False, True),
-    "dense_tp2_dist": ("qwen2", 2, 1, 1, True, False),
-    "moe_tp2_ep2": ("qwen3_moe", 2, 1, 2, False, True),
-    "moe_ep2_dist": ("qwen3_moe", 1, 1, 2, True, False),
-}
-
-
-@pytest.fixture(scope="session")
-def lora_steps(tmp_path_factory):
-    """name -> `LoraStep`, each a run root with one step (``global_step_1/actor``)."""
-    root = tmp_path_factory.mktemp("megatron_lora")
-    bases = {family: write_base(root / f"base_{family}", ModelSpec(family=family), seed=0)
-             for family in ("qwen2", "qwen3_moe")}
-    steps = {}
-    for name, (family, tp, pp, ep, dist, export) in STEPS.items():
-        spec = LoraRunSpec(ModelSpec(family=family), tp=tp, pp=pp, ep=ep, use_dist_checkpointing=dist,
-                           peft_folder=export, alpha=ALPHA)
-        steps[name] = write_lora_step(root / name / "global_step_1" / "actor", spec, bases[family])
-    return steps
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -220,3 +197,18 @@ def test_peft_on_the_base_gives_the_fused_release_and_the_trained_models_logits(
     assert (trained - base).abs().max() > 1e-2  # the adapter changes the model
     torch.testing.assert_close(fused, trained, rtol=0, atol=0)
     torch.testing.assert_close(peft, trained, rtol=1e-5, atol=1e-5)
+
+
+def test_the_adapter_release_carries_the_named_base_and_peft_loads_it_alone(lora_steps, tmp_path):
+    """With write_base (the pipeline's include_base) the base named by --base-model is copied under base/, so
+    the release is self-contained: PEFT on <release>/base gives the trained model's logits."""
+    from peft import PeftModel
+
+    step = lora_steps["dense_tp2"]
+    release = tmp_path / "adapter"
+    extract_lora(str(step.step_dir), str(release), OutputOptions(base_model=str(step.base_dir), write_base=True))
+    assert _tensors(release / "base").keys() == _tensors(step.base_dir).keys()
+    peft = logits(PeftModel.from_pretrained(load_causal_lm(str(release / "base")), str(release)).eval())
+    reference = load_causal_lm(str(step.base_dir))
+    reference.load_state_dict(reference_fused_state(step), strict=True)
+    torch.testing.assert_close(peft, logits(reference), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,55 @@
+"""The watcher and merge-step on verl Megatron LoRA steps (adapter only: base weights not saved).
+
+Specification:
+- without ``base_model`` the watcher does not submit such a step (every merge would raise
+  BaseModelRequired): it reports "needs base_model" saying what to pass, publishes nothing, and the
+  run fails; the next run does the same (no merge is attempted, nothing loops);
+- with ``base_model`` it releases the fused model (the trained weights, exactly) and the adapter
+  (the run's export, base/ beside it; PEFT loads it and reproduces the fused model's logits).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flows.merge_new_steps import merge_new_steps
+from flows.params import WatchParams
+from merge_engine import storage
+from merge_engine.release import read_manifest
+from merge_engine.verify import verify_folder
+from synthetic_runs.megatron_lora import reference_fused_state
+
+
+def _run_root(lora_steps, tmp_path) -> str:
+    step = lora_steps["dense_tp2"]
+    run_root = tmp_path / "run"
+    shutil.copytree(step.step_dir.parent.parent, run_root)
+    return str(run_root)
+
+
+def test_without_base_model_the_step_is_not_submitted_and_the_watch_says_what_to_pass(prefect, lora_steps, tmp_path):
+    run_root = _run_root(lora_steps, tmp_path)
+    params = WatchParams(run_root=run_root, staging_root=str(tmp_path / "staging"))
+    for _ in range(2):  # a second run does the same: nothing merged, nothing looping
+        with pytest.raises(RuntimeError, match="base weights not saved.*pass base_model"):
+            merge_new_steps(**params.flow_parameters())
+    assert not storage.list_files(params.release_root_url, recursive=True)
+
+
+def test_with_base_model_the_fused_model_and_the_adapter_are_released(prefect, lora_steps, tmp_path):
+    step = lora_steps["dense_tp2"]
+    run_root = _run_root(lora_steps, tmp_path)
+    params = WatchParams(run_root=run_root, staging_root=str(tmp_path / "staging"), base_model=str(step.base_dir))
+    (outcome,) = merge_new_steps(**params.flow_parameters()).outcomes
+    kinds = {r.kind: r.url for r in outcome.releases}
+    assert set(kinds) == {"model", "adapter"}
+    assert verify_folder(kinds["model"]).ok and verify_folder(kinds["adapter"]).ok
+    want = reference_fused_state(step)
+    got = load_file(storage.join(kinds["model"], "model.safetensors"))
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    checks = {c["name"]: c for c in read_manifest(kinds["adapter"]).validation["checks"]}
+    assert checks["peft_load"]["ok"] and checks["peft_logits"]["ok"]
