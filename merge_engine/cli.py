@@ -6,6 +6,9 @@ its job. Accepts verl's model-merger spellings (``merge --backend fsdp --local_d
 ``test --test_hf_dir Z``, ``--tie-word-embedding``, ``--trust-remote-code``, ...) with dashes or
 underscores, plus stepmerge's own commands. Every `StepmergeError` becomes one line on stderr
 (``stepmerge: error: <Kind>: message [path]``) and its exit code; nothing is printed as a traceback.
+SIGINT and SIGTERM stop a command cleanly (`merge_engine.interrupts`: the shard jobs stop, their
+uploads are aborted, the target is cleaned up), then ``stepmerge: interrupted (SIGINT) after N s`` is
+the last thing it does; exit code 130 / 143.
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 
+from merge_engine import interrupts
 from merge_engine.errors import InvalidOption, StepmergeError, StorageUnavailable
 
 class StepmergeParser(argparse.ArgumentParser):
@@ -489,21 +494,24 @@ def main(argv: Sequence[str] | None = None, commands: Commands = SUBCOMMANDS) ->
     parser = build_parser(commands)
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    try:
-        return args.run(args)
-    except StepmergeError as exc:
-        print(f"stepmerge: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except StorageUnavailable as exc:  # the store, not the checkpoint: down through every retry
-        print(f"stepmerge: error: StorageUnavailable: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:  # the machine, not the checkpoint: a full disk, a path that is a file, no access
-        where = f" [{exc.filename}]" if exc.filename else ""
-        print(f"stepmerge: error: {type(exc).__name__}: {exc.strerror or exc}{where}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"stepmerge: interrupted after {time.perf_counter() - started:.1f} s", file=sys.stderr)
-        return 130
+    with interrupts.handling_signals():
+        try:
+            return args.run(args)
+        except StepmergeError as exc:
+            print(f"stepmerge: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return exc.exit_code
+        except StorageUnavailable as exc:  # the store, not the checkpoint: down through every retry
+            print(f"stepmerge: error: StorageUnavailable: {exc}", file=sys.stderr)
+            return 1
+        except OSError as exc:  # the machine, not the checkpoint: a full disk, a path that is a file, no access
+            where = f" [{exc.filename}]" if exc.filename else ""
+            print(f"stepmerge: error: {type(exc).__name__}: {exc.strerror or exc}{where}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: every job has stopped and the target is clean
+            signum = exc.signum if isinstance(exc, interrupts.Interrupted) else signal.SIGINT
+            print(f"stepmerge: interrupted ({signal.Signals(signum).name}) after "
+                  f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+            return 128 + signum
 
 
 if __name__ == "__main__":

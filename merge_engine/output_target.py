@@ -9,19 +9,22 @@ Shared by every command that writes a model or an adapter (`merge`, `extract-lor
 - `write_target`: runs the writer into a live sibling temp folder and commits it whole, by an
   atomic swap with whatever is there (local; `merge_engine.local_commit`: temp folders of dead
   writers are swept by owner identity or heartbeat age, never by a pid alone), or writes in place behind a
-  ``.stepmerge-partial.json`` marker and cleans up on failure (remote: a run killed mid-write
-  leaves debris its retry recognises and rebuilds). ``stepmerge.json`` (provenance) is written
-  last, so a folder with it is complete.
+  ``.stepmerge-partial.json`` marker and cleans up on failure or interrupt (remote: the files
+  written, then the run's own unfinished multipart uploads, then the marker; a run killed outright
+  leaves debris its retry recognises and clears the same way before it rebuilds). ``stepmerge.json``
+  (provenance) is written last, so a folder with it is complete. SIGINT / SIGTERM
+  (`merge_engine.interrupts`): every shard job stops, the cleanup runs whole, then `Interrupted`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from merge_engine import storage
+from merge_engine import interrupts, process_identity, storage
 from merge_engine.errors import StepmergeError, TargetExists
 from merge_engine.json_file import parse_json
 from merge_engine.local_commit import LiveFolder, commit_folder, sweep_dead_siblings
@@ -78,30 +81,63 @@ def _json_object(url: str) -> dict | None:
 
 
 def write_target(target_url: str, state: str, write: Callable[[str], Files], provenance: Mapping[str, Any]) -> Files:
-    """Run ``write(url)`` so that the target holds its whole output or nothing, then ``stepmerge.json``."""
+    """Run ``write(url)`` so that the target holds its whole output or nothing, then ``stepmerge.json``.
+
+    The write and its cleanup form one `interrupts.deferred` section: on SIGINT / SIGTERM the shard
+    jobs stop, the cleanup runs whole, and `Interrupted` is raised after it (nothing is written then)."""
 
     def write_all(url: str) -> Files:
         files = list(write(url))
+        interrupts.check()  # interrupted while the last jobs finished: no provenance, the cleanup runs
         record = {**provenance, "files": {name: size for name, size in files}}
         data = (json.dumps(record, indent=2, sort_keys=True, default=str) + "\n").encode()
         storage.write_bytes(storage.join(url, PROVENANCE_FILE), data)
         files.append((PROVENANCE_FILE, len(data)))
         return files
 
-    if storage.is_local(target_url):
-        return _write_local(storage.local_path(target_url).rstrip(os.sep), state, write_all,
-                            provenance.get("fingerprint"))
-    if state in ("other", "damaged"):
-        storage.remove(target_url, recursive=True)
+    with interrupts.deferred():
+        if storage.is_local(target_url):
+            return _write_local(storage.local_path(target_url).rstrip(os.sep), state, write_all,
+                                provenance.get("fingerprint"))
+        return _write_remote(target_url, state, write_all, provenance.get("fingerprint"))
+
+
+def _write_remote(target_url: str, state: str, write_all: Callable[[str], Files], fingerprint: str | None) -> Files:
+    """In place, behind the partial marker (written first, removed last, the owner record of the
+    unfinished write): a failure or an interrupt removes every file written and aborts the run's
+    unfinished uploads (those begun since its marker) before the marker goes; a run killed outright
+    leaves the marker, which the next run of the same command recognises (`target_state`:
+    "damaged"), clearing the debris the same way before it writes."""
     marker = storage.join(target_url, PARTIAL_FILE)
-    storage.write_bytes(marker, json.dumps({"fingerprint": provenance.get("fingerprint")}).encode())
+    if state in ("other", "damaged"):
+        debris = _json_object(marker)
+        _clear_remote(target_url, own_marker=debris is not None and debris.get("fingerprint") == fingerprint)
+    record = {"fingerprint": fingerprint, "owner": process_identity.current(), "started": time.time()}
+    storage.write_bytes(marker, json.dumps(record).encode())
     try:
         files = write_all(target_url)
+        interrupts.check()
     except BaseException:
-        storage.remove(target_url, recursive=True)
+        _clear_remote(target_url, own_marker=True)
         raise
     storage.remove(marker)
     return files
+
+
+def _clear_remote(target_url: str, *, own_marker: bool) -> None:
+    """Remove every file of the target, the partial marker last (a run killed meanwhile leaves it, so the
+    next one finishes the job); with ``own_marker`` (the marker is this command's), first abort the
+    multipart uploads under the target begun since the marker was written: stepmerge's own."""
+    marker = storage.join(target_url, PARTIAL_FILE)
+    if own_marker:
+        try:
+            storage.abort_uploads(target_url, not_before=marker)
+        except FileNotFoundError:
+            pass  # no marker after all: nothing begun under it
+    for entry in storage.list_files(target_url):
+        if entry.path != PARTIAL_FILE:
+            storage.remove(storage.join(target_url, entry.path))
+    storage.remove(marker)
 
 
 def _write_local(target: str, state: str, write_all: Callable[[str], Files], fingerprint: str | None) -> Files:
@@ -114,6 +150,7 @@ def _write_local(target: str, state: str, write_all: Callable[[str], Files], fin
     sweep_dead_siblings(target)
     with LiveFolder(target) as tmp:
         files = write_all(tmp.path)
+        interrupts.check()  # interrupted: the temp folder leaves with LiveFolder, nothing is committed
         if state != "other" and not _replaceable(target, fingerprint, state):
             raise TargetExists("another writer put a different output at the target meanwhile; pass --overwrite "
                                "to replace it", target)

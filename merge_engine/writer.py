@@ -14,7 +14,8 @@ Contract of `write_plan`:
   shards; the returned `WrittenModel` lists (name, size) and a `ShardRecord` (with sha256) per file.
 - the same plan gives the same bytes whatever ``workers``.
 - the first job to fail cancels the others (they stop at their next chunk) and its error is raised
-  once every job has stopped; the caller owns cleaning the partial target (`output_target`).
+  once every job has stopped; so does an interrupt (`merge_engine.interrupts`: jobs not started never
+  start); the caller owns cleaning the partial target (`output_target`).
 - memory: ``workers`` x (`PREFETCH_CHUNKS` + `HASH_QUEUE_CHUNKS` + 3) chunks of ``chunk_bytes``
   (`merge_engine.shard_job`), plus the storage layer's read-ahead budget for remote sources.
 - ``on_bytes`` (progress) is called from the worker threads, one call at a time.
@@ -26,16 +27,20 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
+from merge_engine import interrupts
 from merge_engine.merge_plan import MergePlan
 from merge_engine.shard_job import ShardCancelled, ShardRecord, write_index, write_shard
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
 
-__all__ = ["WrittenModel", "default_workers", "serialised", "write_plan"]
+__all__ = ["WrittenModel", "default_workers", "run_jobs", "serialised", "stop_jobs", "write_plan"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,7 @@ def write_plan(plan: MergePlan, source: TensorSource, target_url: str, *,
     ``workers``: shard jobs at once (None: `default_workers`)."""
     workers = default_workers(len(plan.shards)) if workers is None else max(1, workers)
     progress = serialised(on_bytes) if workers > 1 else on_bytes
-    cancel = threading.Event()
+    cancel = interrupts.cancel_event()
 
     def job(shard_index: int) -> ShardRecord:
         return write_shard(plan, plan.shards[shard_index], source, target_url, chunk_bytes=chunk_bytes,
@@ -83,27 +88,57 @@ def write_plan(plan: MergePlan, source: TensorSource, target_url: str, *,
         if workers == 1:
             records = [job(i) for i in range(len(plan.shards))]
         else:
-            records = _run_all(job, len(plan.shards), workers, cancel)
+            records = run_jobs(job, len(plan.shards), workers, cancel, stopped=ShardCancelled,
+                               name="stepmerge-shard")
     index = write_index(plan, target_url)
     if index is not None:
         records.append(index)
     return WrittenModel(tuple((r.file, r.size) for r in records), plan.total_size, tuple(records))
 
 
-def _run_all(job: Callable[[int], ShardRecord], count: int, workers: int, cancel: threading.Event) -> list[ShardRecord]:
-    """Run ``job(0..count-1)`` on ``workers`` threads; the first failure cancels the rest and is raised."""
-    with ThreadPoolExecutor(min(workers, count), thread_name_prefix="stepmerge-shard") as pool:
-        futures = [pool.submit(job, i) for i in range(count)]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = next((f for f in futures if f.done() and f.exception() is not None
-                       and not isinstance(f.exception(), ShardCancelled)), None)
-        if failed is not None:
-            cancel.set()
-            for future in futures:
-                future.cancel()
-            wait(futures)
-            raise failed.exception()
+def run_jobs(job: Callable[[int], T], count: int, workers: int, cancel: threading.Event, *,
+             stopped: type[BaseException], name: str) -> list[T]:
+    """``job(0..count-1)`` on ``workers`` threads; their results in order.
+
+    The first failure, or an interrupt (`merge_engine.interrupts`: a signal, or a `KeyboardInterrupt`
+    raised in this thread), sets ``cancel`` and stops the rest: jobs not started never start, running
+    ones stop at their next check (raising ``stopped``). Only once every job has stopped is the
+    failure raised (an interrupt: `Interrupted` / the `KeyboardInterrupt`), so nothing a job writes
+    outlives the call."""
+    with ThreadPoolExecutor(min(workers, count), thread_name_prefix=name) as pool:
+        futures: list[Future] = []
+        try:
+            for i in range(count):
+                futures.append(pool.submit(job, i))
+            wait(futures, return_when=FIRST_EXCEPTION)
+        except BaseException:  # interrupted while waiting: stop every job before it propagates
+            stop_jobs(futures, cancel)
+            raise
+        if any(_failed(f) for f in futures):
+            stop_jobs(futures, cancel)
+            interrupts.check()  # jobs stopped by an interrupt: the interrupt is what is reported
+            failures = [f for f in futures if _failed(f)]
+            failed = next((f for f in failures if not isinstance(f.exception(), stopped)), failures[0])
+            raise failed.exception()  # type: ignore[misc]
         return [f.result() for f in futures]
+
+
+def _failed(future: Future) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is not None
+
+
+def stop_jobs(futures: list[Future], cancel: threading.Event) -> None:
+    """Set ``cancel``, drop the jobs not started, and wait until the running ones have stopped (a second
+    interrupt does not cut the wait short: what they write must be cleaned up after them)."""
+    cancel.set()
+    for future in futures:
+        future.cancel()
+    while True:
+        try:
+            wait(futures)
+            return
+        except KeyboardInterrupt:
+            continue
 
 
 @contextlib.contextmanager

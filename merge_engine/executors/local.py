@@ -7,15 +7,13 @@ of a `PlannedFiles` (split's rank files) run the same way, ``workers`` at once.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
-from merge_engine import storage
+from merge_engine import interrupts, storage
 from merge_engine.executors import Output, PlannedFiles, WrittenFiles
 from merge_engine.layouts.contract import FileRecord, WriteCancelled
-from merge_engine.writer import default_workers, serialised, write_plan
+from merge_engine.writer import default_workers, run_jobs, serialised, write_plan
 
 
 def relative(folder: str, name: str) -> str:
@@ -27,11 +25,11 @@ def write_files(output: PlannedFiles, folder_url: str, workers: int | None,
     """Every file job of ``output`` under ``folder_url``, ``workers`` at once (None: one per core, at most
     one per job), then its ``finish`` files; the records in job order, then finish's.
 
-    The first failure stops the rest (jobs not started are dropped, running ones stop at their next
-    tensor) and is raised once they have stopped."""
+    The first failure, or an interrupt (`merge_engine.interrupts`), stops the rest (jobs not started
+    are dropped, running ones stop at their next tensor) and is raised once they have stopped."""
     count = default_workers(len(output.jobs)) if workers is None else max(1, workers)
     progress = serialised(on_bytes)
-    cancel = threading.Event()
+    cancel = interrupts.cancel_event()
 
     def run(position: int) -> FileRecord:
         record = output.write_file(output.jobs[position], folder_url, cancel)
@@ -42,18 +40,7 @@ def write_files(output: PlannedFiles, folder_url: str, workers: int | None,
     if count == 1 or len(output.jobs) <= 1:
         records = [run(position) for position in range(len(output.jobs))]
     else:
-        with ThreadPoolExecutor(min(count, len(output.jobs)), thread_name_prefix="stepmerge-file") as pool:
-            futures = [pool.submit(run, position) for position in range(len(output.jobs))]
-            wait(futures, return_when=FIRST_EXCEPTION)
-            failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception() is not None
-                           and not isinstance(f.exception(), WriteCancelled)), None)
-            if failed is not None:
-                cancel.set()
-                for future in futures:
-                    future.cancel()
-                wait(futures)
-                raise failed.exception()  # type: ignore[misc]
-            records = [f.result() for f in futures]
+        records = run_jobs(run, len(output.jobs), count, cancel, stopped=WriteCancelled, name="stepmerge-file")
     if output.finish is not None:
         records += output.finish(records, folder_url)
     return records

@@ -7,7 +7,7 @@ through the coordinator or Ray's object store: only `ShardRecord`s come back.
 - Retries: a task whose worker dies (node lost, OOM-killed, SIGKILL) is run again by Ray
   (``max_retries``); the shard is written whole again (`write_shard` is atomic per file). A named error
   (a truncated rank file, ...) is not retried: the first one cancels the other tasks and is raised once
-  they have stopped.
+  they have stopped. An interrupt (`merge_engine.interrupts`) cancels every task the same way.
 - The storage settings of the coordinator (`remote.storage_env`) travel with every task (``runtime_env``).
 - ``address``: "auto" (a cluster started with ``ray start``), ``host:port``, ``ray://host:port`` (Ray
   Client), or "local" (a private cluster of this machine). When this process is already connected to Ray,
@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from merge_engine import interrupts
 from merge_engine.errors import InvalidOption, StepmergeError
 from merge_engine.executors.remote import RemoteExecutor, ShardTask, run_shard_task, storage_env
 from merge_engine.shard_job import ShardRecord
@@ -26,6 +27,7 @@ from merge_engine.shard_job import ShardRecord
 __all__ = ["DEFAULT_MAX_RETRIES", "RayExecutor"]
 
 DEFAULT_MAX_RETRIES = 3
+POLL_S = 0.2  # how often the coordinator looks for an interrupt while it waits for tasks
 
 
 def import_ray() -> Any:
@@ -57,25 +59,42 @@ class RayExecutor(RemoteExecutor):
         remote = ray.remote(run_shard_task).options(
             max_retries=self.max_retries, retry_exceptions=False, num_cpus=1, name="stepmerge-shard",
             runtime_env={"env_vars": storage_env()})
-        refs = [remote.remote(task) for task in tasks]
-        pending = {ref: position for position, ref in enumerate(refs)}
+        refs: list[Any] = []
         records: dict[int, ShardRecord] = {}
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            position = pending.pop(done[0])
-            try:
-                records[position] = ray.get(done[0])
-            except Exception as exc:
-                for ref in pending:
-                    ray.cancel(ref)
-                for ref in pending:  # wait until they have stopped: nothing writes after we return
-                    try:
-                        ray.get(ref)
-                    except Exception:
-                        pass
-                raise _named(exc) from None
-            on_record(records[position])
+        try:
+            for task in tasks:
+                refs.append(remote.remote(task))
+            pending = {ref: position for position, ref in enumerate(refs)}
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+                if not done:
+                    interrupts.check()  # a signal: stop every task (below), then raise it
+                    continue
+                position = pending.pop(done[0])
+                try:
+                    records[position] = ray.get(done[0])
+                except Exception as exc:
+                    raise _named(exc) from None
+                on_record(records[position])
+        except BaseException:  # a task failed, or an interrupt: nothing writes after we return
+            _stop(ray, [ref for position, ref in enumerate(refs) if position not in records])
+            raise
         return [records[position] for position in range(len(tasks))]
+
+
+def _stop(ray: Any, refs: list[Any]) -> None:
+    """Cancel ``refs`` and wait until each has stopped (a second interrupt does not cut the wait short)."""
+    for ref in refs:
+        ray.cancel(ref)
+    for ref in refs:
+        while True:
+            try:
+                ray.get(ref)
+            except KeyboardInterrupt:
+                continue
+            except Exception:  # cancelled or failed: either way it has stopped
+                pass
+            break
 
 
 def _named(exc: BaseException) -> BaseException:

@@ -41,14 +41,14 @@ from merge_engine.storage.backend import clear_filesystems
 from merge_engine.storage.copies import STAGE_MANIFEST, copy_file, copy_tree, stage_in
 from merge_engine.storage.entries import FileEntry, fingerprint
 from merge_engine.storage.files import (
-    exists, filesystem, info, list_dirs, list_files, read_bytes, remove, size, write_bytes,
+    abort_uploads, exists, filesystem, info, list_dirs, list_files, read_bytes, remove, size, write_bytes,
 )
 from merge_engine.storage.range_reader import RangeReader
 from merge_engine.storage.schemes import backend_for, is_transient
 from merge_engine.storage.urls import is_local, join, local_path, split_scheme
 
 __all__ = [
-    "STAGE_MANIFEST", "AtomicWriter", "CommitOnExit", "FileEntry", "RangeReader", "backend_for", "clear_filesystems",
+    "STAGE_MANIFEST", "AtomicWriter", "abort_uploads", "CommitOnExit", "FileEntry", "RangeReader", "backend_for", "clear_filesystems",
     "copy_file", "copy_tree", "exists", "filesystem", "fingerprint", "info", "is_local", "is_transient",
     "join", "list_dirs", "list_files", "local_path", "open_write", "read_bytes", "read_text", "remove",
     "size", "split_scheme", "stage_in", "tuning", "write_bytes",

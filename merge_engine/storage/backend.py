@@ -119,6 +119,13 @@ class Backend:
     def remove(self, url: str, recursive: bool) -> None:
         raise NotImplementedError
 
+    def abort_uploads(self, url: str, not_before: str) -> list[str]:
+        """Abort the unfinished uploads of files under the folder ``url`` begun no earlier than the file
+        ``not_before`` (of the same store) was written; their paths relative to ``url``. Stores whose
+        unfinished uploads leave nothing to list abort nothing: local writes go to temp files (swept
+        with their temp folders), GCS resumable sessions cannot be listed and expire."""
+        return []
+
     # copies (the storage layer's `copy_file` picks among these)
     def upload_file(self, local_path: str, url: str) -> None:
         """Copy a local file to ``url`` (this backend's) whole."""

@@ -65,3 +65,11 @@ def remove(url: str, recursive: bool = False) -> None:
     `list_dirs` for a while (SeaweedFS); its files are gone at once.
     """
     backend_for(url).remove(url, recursive)
+
+
+def abort_uploads(url: str, not_before: str) -> list[str]:
+    """Abort the unfinished uploads (S3 multipart uploads) of files under the folder ``url`` begun no
+    earlier than the file ``not_before`` was written (same store, the server's clock); their paths
+    relative to ``url``. Uploads outside ``url`` are never touched; stores without listable
+    unfinished uploads abort nothing (`Backend.abort_uploads`)."""
+    return backend_for(url).abort_uploads(url, not_before)

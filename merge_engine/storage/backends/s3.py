@@ -9,6 +9,7 @@ connection and streaming errors.
 
 from __future__ import annotations
 
+import datetime
 import os
 from typing import Any
 
@@ -16,7 +17,7 @@ from merge_engine.errors import CredentialsMissing, SourceChanged
 from merge_engine.storage import tuning
 from merge_engine.storage.backend import FsspecBackend, storage_timeout
 from merge_engine.storage.s3_upload import MAX_PARTS, S3PartsUpload
-from merge_engine.storage.faults import RETRY_STATUSES, instance_of
+from merge_engine.storage.faults import RETRY_STATUSES, instance_of, retrying
 
 _THROTTLE_CODES = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
@@ -71,6 +72,44 @@ class S3Backend(FsspecBackend):
     def open_upload(self, url: str, block_size: int | None, size_hint: int | None) -> S3PartsUpload:
         fs, path = self.filesystem(url)
         return S3PartsUpload(fs, path, url, self.classify_fault, block_size, size_hint)
+
+    def abort_uploads(self, url: str, not_before: str) -> list[str]:
+        """Multipart uploads under ``url``'s prefix (whole path components: ``out/`` never matches
+        ``out2/``) initiated at or after ``not_before``'s LastModified (the server's clock, whole
+        seconds); each aborted, retried on transient faults."""
+        fs, path = self.filesystem(url)
+        bucket, key, _ = fs.split_path(path)
+        prefix = key.strip("/") + "/" if key.strip("/") else ""
+        since = self.info(not_before).get("LastModified")
+        if not isinstance(since, datetime.datetime):
+            return []  # no date to tell this run's uploads from anyone else's: abort none
+        since = since.replace(microsecond=0)
+        aborted = []
+        for upload in self._uploads(fs, bucket, prefix, url):
+            initiated = upload.get("Initiated")
+            if not upload.get("Key", "").startswith(prefix) or not isinstance(initiated, datetime.datetime) \
+                    or initiated < since:
+                continue
+            try:
+                retrying(lambda: fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"],
+                                            UploadId=upload["UploadId"]),
+                         f"aborting the upload of {upload['Key']}", self.classify_fault)
+            except FileNotFoundError:  # NoSuchUpload: finished or aborted meanwhile
+                continue
+            aborted.append(upload["Key"][len(prefix):])
+        return aborted
+
+    def _uploads(self, fs: Any, bucket: str, prefix: str, url: str) -> list[dict[str, Any]]:
+        """Every multipart upload in progress under ``prefix`` (all pages)."""
+        uploads: list[dict[str, Any]] = []
+        markers: dict[str, str] = {}
+        while True:
+            page = retrying(lambda: fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers),
+                            f"listing the uploads under {url}", self.classify_fault)
+            uploads += page.get("Uploads", [])
+            if not page.get("IsTruncated"):
+                return uploads
+            markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
 
     def path_in(self, fs: Any, url: str, rest: str) -> str:
         return rest
