@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from merge_engine import interrupts, process_identity, storage
+from merge_engine import interrupts, owner_record, storage
 from merge_engine.errors import StepmergeError, TargetExists
 from merge_engine.json_file import parse_json
 from merge_engine.local_commit import LiveFolder, commit_folder, sweep_dead_siblings
@@ -112,8 +111,7 @@ def _write_remote(target_url: str, state: str, write_all: Callable[[str], Files]
     if state in ("other", "damaged"):
         debris = _json_object(marker)
         _clear_remote(target_url, own_marker=debris is not None and debris.get("fingerprint") == fingerprint)
-    record = {"fingerprint": fingerprint, "owner": process_identity.current(), "started": time.time()}
-    storage.write_bytes(marker, json.dumps(record).encode())
+    storage.write_bytes(marker, json.dumps(owner_record.new_record(fingerprint=fingerprint)).encode())
     try:
         files = write_all(target_url)
         interrupts.check()
