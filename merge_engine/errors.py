@@ -43,6 +43,11 @@ class CorruptShard(StepmergeError):
     exit_code = 4
 
 
+class AliasedTensors(CorruptShard):
+    """Several names share one stored tensor's bytes where the config ties none of them: each would be
+    written whole, so the output would exceed what the input's distinct bytes justify; refused."""
+
+
 class UnsafePickle(CorruptShard):
     """A pickle asks for a callable outside the allow-list; it was not run."""
 

@@ -6,6 +6,8 @@ Decided once, here, from metadata alone:
 - Hugging Face names holding LoRA factors: the TRAINED model, every update fused into its base
   (`merge_engine.lora.checkpoint.plan_trained_model`; never the base alone);
 - other Hugging Face names: each tensor under its own name (`merge_engine.hf_plan`).
+Names sharing one stored tensor are allowed only as the tied embedding and head
+(`merge_engine.stored_aliases`: the output never exceeds what the input's distinct bytes justify).
 Every planner applies the same output-head rules (`merge_engine.output_heads`: one tied-embedding
 rule, one critic rule), re-exported here for the checks that need them (`merge_engine.validate`).
 ``--custom-mapping`` applies to Megatron names only (`InvalidOption` otherwise).
@@ -23,6 +25,7 @@ from merge_engine.hf_plan import plan_hf_merge
 from merge_engine.layouts import MEGATRON_NAMES, Checkpoint, layout_named
 from merge_engine.lora.checkpoint import is_lora_checkpoint, plan_trained_model
 from merge_engine.merge_plan import MergePlan
+from merge_engine.stored_aliases import check_aliases
 from merge_engine.output_heads import (
     check_dropped_head,
     check_tie_flag,
@@ -42,7 +45,9 @@ def plan_checkpoint(checkpoint: Checkpoint, source: TensorSource, config: dict[s
                     lora_alpha: float | None = None, custom_mapping: str | None = None,
                     chunk_bytes: int = DEFAULT_CHUNK_BYTES, mtp_layers: str | None = None) -> MergePlan:
     """The plan of the model ``checkpoint`` holds (see the module docstring). Reads no weight, except
-    a LoRA checkpoint's stored tied head, compared with its embedding before it is dropped."""
+    a LoRA checkpoint's stored tied head, compared with its embedding before it is dropped. Names that
+    share stored bytes other than the tied embedding and head are refused first (`check_aliases`)."""
+    check_aliases(source, config)
     if layout_named(checkpoint.layout).TENSOR_NAMING == MEGATRON_NAMES:
         extra = {"custom_mapping": custom_mapping} if custom_mapping is not None else {}
         return plan_megatron_merge(source, config, dtype=dtype, max_shard_size=max_shard_size, tie_flag=tie_flag,

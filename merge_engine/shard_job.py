@@ -20,7 +20,9 @@ Contract of `write_shard`:
   a Ray task or a Prefect task hands back.
 - ``cancel``: checked before every chunk; once set, the job stops with `ShardCancelled` (another job
   of the same output failed: its error is the one reported).
-- errors of the source propagate as they are (the named errors of `merge_engine.errors`).
+- errors of the source propagate as they are (the named errors of `merge_engine.errors`); the
+  source's own checksums (zip CRC-32, `TensorSource.verify_reads`) are checked in the reader thread
+  before the last chunk is written, so a damaged record fails the job before its file is committed.
 """
 
 from __future__ import annotations
@@ -187,6 +189,9 @@ def write_shard(plan: MergePlan, shard: ShardFile, source: TensorSource, folder_
     def chunks() -> Iterator[torch.Tensor]:
         for name in shard.tensors:
             yield from tensor_chunks(by_name[name], source, chunk_bytes)
+        verify = getattr(source, "verify_reads", None)
+        if verify is not None:  # the zip CRC-32 of every record this job read from, before the shard counts
+            verify()
 
     remaining = shard.size
     prefetched = _Prefetcher(chunks(), PREFETCH_CHUNKS)

@@ -26,6 +26,15 @@ MATERIALISE_BYTES = 4 * DEFAULT_CHUNK_BYTES  # a non-contiguous stored piece up 
 
 
 @dataclass(frozen=True)
+class AliasGroup:
+    """Names whose stored bytes are (in part) the same bytes of one file: ``url``, and ``nbytes`` shared."""
+
+    names: tuple[str, ...]
+    url: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class TensorMeta:
     """Name, shape and dtype of a full tensor."""
 
@@ -50,6 +59,8 @@ class TensorSource(Protocol):
       ``max_bytes`` (unless a single row of a sharded dimension is larger), whose concatenation
       is ``read(name).reshape(-1)``. Values are exactly those stored: no cast, no copy of the model.
     - Errors: `CorruptShard` / `IncompleteCheckpoint` naming the file at fault.
+    - ``verify_reads()`` (optional): check what was read so far against the files' own checksums (zip
+      CRC-32), reading what is left of any record begun; a shard job calls it before its output counts.
     """
 
     url: str
@@ -267,6 +278,12 @@ class StackedTensor:
 Assembly = ConcatTensor | ReplicatedTensor | StackedTensor
 
 
+def _pieces(tensor: Assembly) -> tuple[StoredTensor, ...]:
+    if isinstance(tensor, StackedTensor):
+        return tuple(piece for band in tensor.bands for piece in band.pieces)
+    return tensor.pieces if isinstance(tensor, ConcatTensor) else tensor.copies
+
+
 class AssembledSource:
     """A `TensorSource` over a name -> assembly table (what sharded layouts build)."""
 
@@ -299,6 +316,38 @@ class AssembledSource:
         return len(parts_a) == len(parts_b) and all(
             x.archive is y.archive and x.storage == y.storage and x.offset == y.offset and x.shape == y.shape
             and x.stride == y.stride for x, y in zip(parts_a, parts_b))
+
+    def alias_groups(self) -> list[AliasGroup]:
+        """Groups of names whose stored pieces are the same bytes of one file (a storage pickled once and
+        named several times), with that file and the bytes shared; metadata only. Two distinct views
+        of one record never overlap in part (`TorchArchive` refuses that), so sharing is identity.
+        `merge_engine.stored_aliases` decides which groups a config allows."""
+        owner: dict[tuple, str] = {}
+        groups: dict[str, list[str]] = {}
+        where: dict[str, tuple[str, int]] = {}
+        for name, tensor in self._tensors.items():
+            for piece in _pieces(tensor):
+                if not piece.numel:
+                    continue
+                size = piece.dtype.itemsize
+                span = piece.span
+                key = (piece.archive.url, piece.storage.key, piece.offset * size, span * size,
+                       None if span == piece.numel else (piece.shape, piece.stride))
+                first = owner.setdefault(key, name)
+                if first != name:
+                    root = next((r for r, members in groups.items() if first in members), first)
+                    members = groups.setdefault(root, [root])
+                    if name not in members:
+                        members.append(name)
+                    where.setdefault(root, (piece.archive.url, span * size))
+        return [AliasGroup(tuple(members), *where[root]) for root, members in groups.items()]
+
+    def verify_reads(self) -> None:
+        """Check every zip record read from so far against its CRC-32 (`TorchArchive.verify_reads`)."""
+        for archive in self._archives:
+            verify = getattr(archive, "verify_reads", None)
+            if verify is not None:
+                verify()
 
     def close(self) -> None:
         for archive in self._archives:

@@ -5,6 +5,11 @@ one record ``<archive>/data/<key>`` per storage. `TorchArchive` parses the zip d
 pickle — kilobytes — and returns the object tree with every tensor replaced by a `StoredTensor`:
 the file, byte offset, dtype, shape and strides of its data. Nothing of the tensors is read.
 
+Integrity: every byte of a record read is folded into that record's CRC-32 as it is read
+(`merge_engine.zip_crc`); a record read whole is checked then, one read in part is completed and
+checked by `TorchArchive.verify_reads`. A mismatch is `CorruptShard` naming the file and the record
+(``torch.load`` checks none of this). ``data.pkl`` is read by ``zipfile``, which checks its CRC.
+
 Safety: the pickle is read with an unpickler whose ``find_class`` answers from an allow-list of
 *stand-ins written here*: no function or class of torch (or anything else) is ever called while
 unpickling. Distributed-tensor classes (DTensor, DeviceMesh, placements, ShardedTensor, ...)
@@ -29,6 +34,7 @@ import torch
 
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsafePickle
 from merge_engine.storage import RangeReader
+from merge_engine.zip_crc import RecordChecks
 
 # --- stand-ins the unpickler may return ---------------------------------------------------
 
@@ -557,6 +563,7 @@ class TorchArchive:
         self._checked_records: set[tuple[str, int]] = set()
         self._views: list[StoredTensor] = []
         self._loaded: Any = None
+        self._crc = RecordChecks(url)
 
     def load(self) -> Any:
         """The object tree with `StoredTensor` leaves (parsed once, then cached)."""
@@ -680,8 +687,31 @@ class TorchArchive:
             raise ValueError("out must be contiguous and of the storage dtype")
         if element_offset + out.numel() > storage.numel:
             raise CorruptShard(f"tensor view runs past its storage {storage.key}", self.url)
-        start = self._data_offset(storage) + element_offset * storage.dtype.itemsize
-        self.reader.read_into(start, memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b""))
+        record_offset = element_offset * storage.dtype.itemsize
+        start = self._data_offset(storage) + record_offset
+        data = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        self.reader.read_into(start, data)
+        info = self._infos[f"{self._prefix}data/{storage.key}"]
+        self._crc.add(info.filename, info.file_size, info.CRC, record_offset, data)
+
+    def verify_reads(self) -> None:
+        """Check the CRC-32 of every record read from so far: what was left unread of each is read now
+        (bounded chunks). `CorruptShard` naming the file and the record on a mismatch. Records read
+        whole were checked as their last piece arrived (`merge_engine.zip_crc`)."""
+        def read(name: str, offset: int, length: int) -> memoryview:
+            key = name[len(f"{self._prefix}data/"):]
+            return memoryview(self.reader.read(self._data_offsets[key] + offset, length))
+
+        def describe(name: str) -> tuple[int, int]:
+            info = self._infos[name]
+            return info.file_size, info.CRC
+
+        self._crc.finish(read, describe)
+
+    @property
+    def records_checked(self) -> frozenset[str]:
+        """The zip records read whole and found to match their CRC-32."""
+        return self._crc.checked
 
     def close(self) -> None:
         self.reader.close()

@@ -326,6 +326,11 @@ class DcpFiles:
             reader = self._readers[location.file] = self._open(file_url, location.file)
         return reader.read(location.offset, location.length)
 
+    def verify_reads(self) -> None:
+        """The CRC-32 of every item record read from (each item is a ``torch.save`` archive)."""
+        for stored in list(self._chunks.values()):
+            stored.archive.verify_reads()
+
     def close(self) -> None:
         for reader in self._readers.values():
             reader.close()

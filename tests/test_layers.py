@@ -24,13 +24,14 @@ PACKAGES = ("merge_engine", "tasks", "flows", "deployments")
 LAYERS: dict[int, tuple[str, ...]] = {
     0: ("merge_engine", "merge_engine.errors", "merge_engine.storage", "merge_engine.direct_io", "merge_engine.dcp_file_names"),
     1: ("merge_engine.chunks", "merge_engine.json_file", "merge_engine.hf_metadata",
-        "merge_engine.safetensors_file", "merge_engine.torch_archive", "merge_engine.torch_dcp",
+        "merge_engine.safetensors_file", "merge_engine.torch_archive", "merge_engine.zip_crc", "merge_engine.torch_dcp",
         "merge_engine.tensor_source", "merge_engine.merge_plan", "merge_engine.output_heads",
         "merge_engine.transformers_conversion", "merge_engine.model_heads", "merge_engine.hub_config"),
     # formats and model families
     2: ("merge_engine.layouts", "merge_engine.architectures"),
     # planners of one kind of source, and the LoRA records they plan from
-    3: ("merge_engine.architectures.megatron_to_hf", "merge_engine.hf_plan", "merge_engine.lora",
+    3: ("merge_engine.architectures.megatron_to_hf", "merge_engine.hf_plan", "merge_engine.stored_aliases",
+        "merge_engine.lora",
         "merge_engine.hub_format"),
     # the planner (picks a plan) and discovery (run root -> steps)
     4: ("merge_engine.planner", "merge_engine.discovery"),

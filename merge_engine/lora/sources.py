@@ -42,6 +42,11 @@ class RenamedSource:
         same = getattr(self._source, "same_storage", None)
         return bool(same and same(self._names[a], self._names[b]))
 
+    def verify_reads(self) -> None:
+        verify = getattr(self._source, "verify_reads", None)
+        if verify is not None:
+            verify()
+
     def close(self) -> None:
         self._source.close()
 
@@ -75,6 +80,12 @@ class NamespacedSource:
 
     def url_of(self, name: str) -> str:
         return self._split(name)[0].url
+
+    def verify_reads(self) -> None:
+        for source in self._sources.values():
+            verify = getattr(source, "verify_reads", None)
+            if verify is not None:
+                verify()
 
     def close(self) -> None:
         for source in self._sources.values():

@@ -10,6 +10,13 @@ nesting (JSON brackets, pickled tuples and lists). Mutations are applied both to
 inside its structure (the pickle re-zipped with a valid CRC, the safetensors header re-framed), so
 the parsers past the first checksum are reached too.
 
+Issue 17 adds three kinds whose outcome is fixed, not just "named": rank files whose pickle is not a
+state dict (a list, a bare tensor, an int, a dict keyed by numbers or tuples, nested lists), read
+through the FSDP layout's check and open, must be `CorruptShard`; single bit flips inside tensor
+records (CRC-32 left as written) must be `CorruptShard` (the record's CRC); an archive rewritten in
+place, between its listing and its reads, with a same-size valid archive of other tensor bytes must
+be `SourceChanged`.
+
 Every input is read to the end in one worker process (tensors streamed in small ranges), with
 `PER_INPUT_SECONDS` per input (SIGALRM), the worker's data segment capped at its start size +
 `MEMORY_HEADROOM_BYTES` (an unbounded allocation fails there instead of taking the machine), and
@@ -38,7 +45,9 @@ PER_INPUT_SECONDS = 10
 MEMORY_HEADROOM_BYTES = 1 << 30
 RSS_GROWTH_LIMIT_MB = 400
 COUNTS = {"torch_raw": 70, "torch_pickle": 80, "safetensors_raw": 50, "safetensors_header": 60,
-          "dcp_metadata": 70, "dcp_data": 30, "json": 60}
+          "dcp_metadata": 70, "dcp_data": 30, "json": 60, "rank_pickle": 12, "crc_flip": 24, "replaced": 6}
+# kinds whose every input must end in this named error (issue 17)
+EXPECTED = {"rank": "named CorruptShard", "crc": "named CorruptShard", "replaced": "named SourceChanged"}
 HUGE = [2**31 - 1, 2**32 - 1, 2**40, 2**63 - 1, 2**64 - 1]
 
 
@@ -141,6 +150,29 @@ def _rezip_pickle(archive: bytes, pickle_bytes: bytes) -> bytes:
     return out.getvalue()
 
 
+def not_a_state_dict(rng: random.Random) -> object:
+    import torch
+
+    tensor = torch.arange(rng.randint(1, 6), dtype=torch.float32)
+    return rng.choice([
+        [tensor, tensor * 2],
+        tensor,
+        rng.choice([0, 7, -1, 2**40]),
+        {1: tensor, 2: tensor},
+        {("a", 1): tensor},
+        {"ok": tensor, 3: tensor},
+        [[tensor]],
+        None,
+        "model.layers.0.weight",
+    ])
+
+
+def _rank_folder(path: Path, data: bytes) -> None:
+    path.mkdir(parents=True)
+    (path / "model_world_size_1_rank_0.pt").write_bytes(data)
+    (path / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 1}))
+
+
 def _reframe(header: bytes, rest: bytes) -> bytes:
     return struct.pack("<Q", len(header)) + header + rest
 
@@ -154,7 +186,12 @@ def generate_inputs(seeds: dict[str, Path], folder: Path) -> list[dict]:
     def add(kind: str, how: str, data: bytes, name: str) -> None:
         index = len(inputs)
         path = folder / f"{index:04d}-{name}"
-        if kind == "dcp":
+        if kind == "rank":
+            _rank_folder(path, data)
+        elif kind == "replaced":  # the original, and beside it what replaces it while it is read
+            path.write_bytes(archive)
+            Path(str(path) + ".next").write_bytes(data)
+        elif kind == "dcp":
             path.mkdir(parents=True)
             for item in seeds["dcp"].iterdir():
                 (path / item.name).write_bytes(data if item.name == how.split(":")[0] else item.read_bytes())
@@ -170,6 +207,24 @@ def generate_inputs(seeds: dict[str, Path], folder: Path) -> list[dict]:
     for i in range(COUNTS["torch_pickle"]):
         mutate = [truncate, flip, huge_integer, splice, nest_pickle][i % 5]
         add("torch", f"pickle-{mutate.__name__}", _rezip_pickle(archive, mutate(pickle_bytes, rng)), "state.pt")
+
+    import torch
+
+    from tests.merge_engine.zip_records import data_records, flip_bit, rewrite_records
+
+    for i in range(COUNTS["rank_pickle"]):
+        buffer = io.BytesIO()
+        value = not_a_state_dict(rng)
+        torch.save(value, buffer)
+        add("rank", f"not-a-state-dict:{type(value).__name__}", buffer.getvalue(), "actor")
+    records = data_records(archive)
+    for i in range(COUNTS["crc_flip"]):
+        record = records[i % len(records)]
+        add("crc", f"crc-flip:{record}", flip_bit(archive, record, rng.randrange(1 << 20)), "state.pt")
+    for i in range(COUNTS["replaced"]):
+        seed = rng.randrange(1, 255)
+        add("replaced", f"replaced:{seed}", rewrite_records(archive, lambda b, s=seed: bytes(x ^ s for x in b)),
+            "state.pt")
 
     tensors = seeds["safetensors"].read_bytes()
     (length,) = struct.unpack("<Q", tensors[:8])
@@ -219,6 +274,7 @@ def read_torch(path: str) -> str:
             if isinstance(tree, dict) else {}
         for view in archive._views:  # every tensor anywhere in the tree
             _read_all(view)
+        archive.verify_reads()  # the CRC-32 of every record read from (its unread bytes read now)
     finally:
         archive.close()
     try:
@@ -294,7 +350,43 @@ def read_json(path: str) -> str:
     return "ok"
 
 
-READERS = {"torch": read_torch, "safetensors": read_safetensors, "dcp": read_dcp, "json": read_json}
+def read_rank_folder(path: str) -> str:
+    """An FSDP folder of one rank file, through the layout as ``check`` and ``merge`` read it."""
+    from merge_engine.layouts import check_checkpoint, open_checkpoint
+
+    source = open_checkpoint(check_checkpoint(path, "fsdp"))
+    try:
+        for name in source.metas():
+            for _ in source.iter_chunks(name, 1 << 10):
+                pass
+    finally:
+        source.close()
+    return "ok"
+
+
+def read_replaced(path: str) -> str:
+    """The archive listed and opened (pinned to its listing), then rewritten in place with the
+    same-size archive saved beside it, then read: the bytes of the listed version or nothing."""
+    from merge_engine import storage
+    from merge_engine.torch_archive import TorchArchive
+
+    folder, name = os.path.split(path)
+    entry = next(e for e in storage.list_files(folder, recursive=False) if e.path == name)
+    replacement = Path(path + ".next").read_bytes()
+    archive = TorchArchive(path, storage.RangeReader.listed(path, entry))
+    try:
+        archive.load()
+        time.sleep(0.01)  # past the filesystem's timestamp tick
+        with open(path, "r+b") as f:
+            f.write(replacement)
+        for view in archive._views:
+            _read_all(view)
+    finally:
+        archive.close()
+    return "ok"
+
+
+READERS = {"torch": read_torch, "crc": read_torch, "rank": read_rank_folder, "replaced": read_replaced, "safetensors": read_safetensors, "dcp": read_dcp, "json": read_json}
 
 
 def _data_segment_bytes() -> int:
@@ -361,6 +453,9 @@ def test_readers_survive_malformed_inputs(tmp_path):
     bad = [(inputs[i]["how"], inputs[i]["path"], r["outcome"]) for i, r in results.items()
            if not (r["outcome"].startswith("ok") or r["outcome"].startswith("named ")) or "WITHOUT PATH" in r["outcome"]]
     assert not bad, f"{len(bad)} inputs escaped as tracebacks: {bad[:10]}"
+    wrong = [(inputs[i]["how"], inputs[i]["path"], r["outcome"]) for i, r in results.items()
+             if inputs[i]["kind"] in EXPECTED and r["outcome"] != EXPECTED[inputs[i]["kind"]]]
+    assert not wrong, f"{len(wrong)} issue-17 inputs did not end in their named error: {wrong[:10]}"
     assert len(results) == len(inputs)
     slowest = max(results.values(), key=lambda r: r["seconds"])
     assert slowest["seconds"] < PER_INPUT_SECONDS

@@ -1,0 +1,119 @@
+"""Benchmark: what the read checks of issue 17 cost a merge: the zip CRC-32 of every record read, and
+reads pinned to the version listed (local fstat per read; S3 If-Match on every ranged GET).
+
+    python -m benchmarks.read_checks                  # the 0.5b FSDP2 benchmark checkpoint, local and S3
+    python -m benchmarks.read_checks --repeats 5 --no-s3
+
+What it does: merges the benchmark checkpoint of `benchmarks.fsdp_merge` (4-rank fp32 FSDP2, Qwen2-0.5B
+shape, ~2 GB of rank files; written once under ./.bench/fsdp/0.5b) to bfloat16, each merge in a child
+process, in rounds that alternate the variants (so a change of the machine's load hits each alike):
+- ``checked``: as shipped (CRC-32 and pinned reads);
+- ``no-crc``: `merge_engine.zip_crc.RecordChecks.add` / ``finish`` replaced by no-ops in the child;
+- ``unpinned``: `RangeReader.listed` replaced by an unpinned reader (no version) in the child.
+Local runs start from a warm page cache (the rank files are read first). With S3 (unless ``--no-s3``),
+the checkpoint is uploaded once to a SeaweedFS server started for the run and merged from there to a
+local folder. Prints each run's wall and CPU (user + system of the child), the medians, and each
+variant's cost against ``checked``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.fsdp_merge import ensure_checkpoint
+from benchmarks.harness import BENCH
+
+PATCHES = {
+    "checked": "",
+    "no-crc": ("from merge_engine import zip_crc; zip_crc.RecordChecks.add = lambda *a, **k: None; "
+               "zip_crc.RecordChecks.finish = lambda *a, **k: None; "),
+    "unpinned": ("from merge_engine.storage import RangeReader; "
+                 "RangeReader.listed = classmethod(lambda cls, url, entry: cls(url, entry.size)); "),
+}
+
+
+def merge_child(variant: str, source: str, target: str) -> list[str]:
+    code = (PATCHES[variant] + "import sys; from merge_engine.merge import MergeOptions, merge_checkpoint; "
+            "merge_checkpoint(sys.argv[1], sys.argv[2], MergeOptions(dtype='bfloat16', overwrite=True))")
+    return [sys.executable, "-c", code, source, target]
+
+
+def run_once(command: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(wall, cpu) seconds of one child; exits with its stderr when it fails."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - started
+    stderr = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"merge failed:\n{stderr[-3000:]}")
+    return wall, usage.ru_utime + usage.ru_stime
+
+
+def rounds(label: str, variants: list[str], source: str, target: Path, env: dict[str, str], repeats: int,
+           before=None) -> dict[str, tuple[float, float]]:
+    seen: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+    for round_ in range(repeats):
+        for variant in variants:
+            shutil.rmtree(target, ignore_errors=True)
+            if before is not None:
+                before()
+            wall, cpu = run_once(merge_child(variant, source, str(target)), env)
+            seen[variant].append((wall, cpu))
+            print(f"  {label} round {round_ + 1} {variant:9s} wall {wall:6.2f} s   cpu {cpu:6.2f} s", flush=True)
+    shutil.rmtree(target, ignore_errors=True)
+    medians = {v: (statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs))
+               for v, runs in seen.items()}
+    base_wall, base_cpu = medians["checked"]
+    for variant, (wall, cpu) in medians.items():
+        print(f"  {label} median {variant:9s} wall {wall:6.2f} s   cpu {cpu:6.2f} s", flush=True)
+    for variant, (wall, cpu) in medians.items():
+        if variant != "checked":
+            print(f"  {label} checked vs {variant}: wall {base_wall - wall:+.2f} s ({base_wall / wall - 1:+.1%}), "
+                  f"cpu {base_cpu - cpu:+.2f} s ({base_cpu / cpu - 1:+.1%})", flush=True)
+    return medians
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="0.5b")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-s3", action="store_true")
+    args = parser.parse_args()
+    actor = ensure_checkpoint(args.size)
+    ranks = sorted(str(p) for p in actor.glob("model_world_size_*_rank_*.pt"))
+    total = sum(os.path.getsize(p) for p in ranks)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    print(f"== {args.size}: {total / 1e9:.2f} GB of rank files, {os.cpu_count()} cores, load "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
+
+    def warm() -> None:
+        subprocess.run(["cat", *ranks], stdout=subprocess.DEVNULL, check=True)
+
+    rounds("local", ["checked", "no-crc", "unpinned"], str(actor), BENCH / "out" / "read_checks", env,
+           args.repeats, warm)
+    if args.no_s3:
+        return
+    from tests.servers import SeaweedS3Server
+
+    with SeaweedS3Server() as s3:
+        s3_env = {**env, **s3.env()}
+        for key in s3.unset_env():
+            s3_env.pop(key, None)
+        source = f"{s3.make_bucket('bench')}/run/global_step_1/actor"
+        print(f"== s3: uploading the checkpoint to SeaweedFS ({source}) ...", flush=True)
+        subprocess.run([sys.executable, "-c", "import sys; from merge_engine import storage; "
+                        "storage.copy_tree(sys.argv[1], sys.argv[2])", str(actor), source], env=s3_env, check=True)
+        rounds("s3", ["checked", "no-crc", "unpinned"], source, BENCH / "out" / "read_checks_s3", s3_env,
+               args.repeats)
+
+
+if __name__ == "__main__":
+    main()
