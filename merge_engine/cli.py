@@ -175,11 +175,49 @@ def cmd_merge(args: argparse.Namespace) -> int:
             bar.close()
     if result.skipped:
         print(f"{result.target_url} already holds this merge (fingerprint {result.fingerprint[:12]}); nothing to do")
-        return 0
+        return _check_trained(args, fused_model_url=result.target_url) if args.check_trained else 0
     rate = result.tensor_bytes / max(result.seconds, 1e-9) / 1e6
     print(f"merged {result.layout} checkpoint {result.source_url} -> {result.target_url}: {result.tensors} tensors, "
           f"{result.tensor_bytes / 1e6:.1f} MB in {result.seconds:.2f} s ({rate:.0f} MB/s)")
+    if args.check_trained:
+        return _check_trained(args, fused_model_url=result.target_url)
     return 0
+
+
+def _check_trained(args: argparse.Namespace, *, fused_model_url: str | None = None,
+                   adapter_url: str | None = None) -> int:
+    """Run `merge_engine.validate.trained.check_against_trained`, print its report; 0 when it passed (a skip is
+    printed as SKIP), else `ValidationFailed` (exit 5) naming the first failed check."""
+    from merge_engine.validate.trained import check_against_trained
+
+    report = check_against_trained(args.local_dir, fused_model_url=fused_model_url, adapter_url=adapter_url,
+                                   lora_alpha=args.lora_alpha, config_url=args.hf_model_path,
+                                   device=getattr(args, "device", None), backend=args.backend)
+    print(report.summary())
+    report.raise_for_failure()
+    return 0
+
+
+def cmd_check_trained(args: argparse.Namespace) -> int:
+    if not args.fused_model and not args.adapter:
+        raise InvalidOption("give --fused-model and/or --adapter: what to compare with the trained model")
+    return _check_trained(args, fused_model_url=args.fused_model, adapter_url=args.adapter)
+
+
+_CHECK_TRAINED_HELP = ("LoRA checkpoints: after writing, compare the output with the trained model PEFT rebuilds from "
+                       "the checkpoint (its LoraConfig; all-linear when the run recorded no targets); exit 5 when it "
+                       "is not that model")
+
+
+def _add_check_trained(parser: argparse.ArgumentParser) -> None:
+    _flag(parser, "local_dir", required=True, help="the LoRA training checkpoint URL (PEFT-wrapped model)")
+    _flag(parser, "backend", default=None, help="layout of --local_dir; detected when omitted")
+    _flag(parser, "fused-model", default=None, help="a Hugging Face folder that should be the trained model")
+    _flag(parser, "adapter", default=None, help="a PEFT adapter folder with its base under base/")
+    _flag(parser, "lora-alpha", type=float, default=None, help="lora_alpha when the run recorded none")
+    _flag(parser, "hf_model_path", default=None, help="folder with the model's config.json instead of huggingface/")
+    _flag(parser, "device", default=None, help="torch device of the forward passes (default: cuda when available)")
+    parser.set_defaults(run=cmd_check_trained)
 
 
 def _add_merge(parser: argparse.ArgumentParser) -> None:
@@ -192,6 +230,7 @@ def _add_merge(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "base-model", default=None,
           help="a Megatron LoRA step saved without its base (verl + Megatron-Bridge PEFT): the Hugging Face model "
                "the run trained from, to fuse the adapter into")
+    _flag(parser, "check-trained", action="store_true", help=_CHECK_TRAINED_HELP)
     _run_flags(parser)
     _flag(parser, "hf_upload_path", default=None, help=argparse.SUPPRESS)
     _flag(parser, "private", action="store_true", help=argparse.SUPPRESS)
@@ -300,8 +339,8 @@ def cmd_extract_lora(args: argparse.Namespace) -> int:
     if args.finetuned is not None:
         if args.base_model is None:
             raise InvalidOption("--finetuned needs --base-model (the model it was fine-tuned from)")
-        if args.lora_alpha is not None or args.adapter_only:
-            raise InvalidOption("--lora-alpha / --adapter-only apply to --local_dir checkpoints")
+        if args.lora_alpha is not None or args.adapter_only or args.check_trained:
+            raise InvalidOption("--lora-alpha / --adapter-only / --check-trained apply to --local_dir checkpoints")
         targets = tuple(t for t in args.target_modules.split(",") if t) if args.target_modules else None
         options = OutputOptions(backend=args.backend, rank=args.rank, energy=args.energy, target_modules=targets,
                                 dtype=args.dtype, device=args.device, overwrite=args.overwrite)
@@ -317,6 +356,8 @@ def cmd_extract_lora(args: argparse.Namespace) -> int:
                             overwrite=args.overwrite, **_run_options(args))
     result = extract_lora(args.local_dir, args.target_dir, options)
     _print_lora_result(result, f"extracted LoRA from {args.local_dir}")
+    if args.check_trained:
+        return _check_trained(args, adapter_url=result.target_url)
     return 0
 
 
@@ -344,6 +385,7 @@ def _add_extract_lora(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "max-shard-size", default=None, help="largest safetensors file of the base, e.g. 5GB")
     _weights_format_flag(parser, "the base/ folder and the adapter's module names: ")
     _flag(parser, "overwrite", action="store_true", help="replace a target that holds something else")
+    _flag(parser, "check-trained", action="store_true", help=_CHECK_TRAINED_HELP)
     _run_flags(parser)
     parser.set_defaults(run=cmd_extract_lora)
 
@@ -469,6 +511,8 @@ SUBCOMMANDS: Commands = {
                      _add_extract_lora),
     "merge-lora": ("fuse LoRA adapters into a base model, or combine them into one adapter", _add_merge_lora),
     "split": ("write a Hugging Face model as Megatron TP/PP/EP shards (the reverse of merge)", _add_split),
+    "check-trained": ("compare a fused model and/or an adapter with the model a LoRA checkpoint trained (PEFT's own "
+                      "model of the run, rebuilt from the checkpoint); exit 5 when they differ", _add_check_trained),
 }
 
 

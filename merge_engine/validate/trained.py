@@ -34,9 +34,10 @@ output with the model that training ran, built by PEFT alone, never from stepmer
 
 Checks: ``trained_model`` (rebuilt, or why not), ``trained_vs_fused``, ``trained_vs_adapter``.
 Cost: one forward pass of `FORWARD_SEQ_LEN` tokens per model, one model in memory at a time
-(two while localising a mismatch). A model whose float32 size (parameter count x 4 bytes) exceeds
-`memory_budget` (``STEPMERGE_TRAINED_CHECK_MAX_BYTES``, default half the machine's memory) is not
-run: every check is reported SKIPPED with the sizes (`Check.skipped`), never passed silently; so
+(two while localising a mismatch); measured on a Qwen2-0.5B-shaped LoRA checkpoint (2 GB):
+peak RSS 3.4 GB (`benchmarks/trained_check.py`). A model whose rebuild needs more than
+`memory_budget` (parameter count x 4 bytes x `PEAK_FACTOR`; ``STEPMERGE_TRAINED_CHECK_MAX_BYTES``,
+default half the machine's memory) is not run: every check is reported SKIPPED with the sizes (`Check.skipped`), never passed silently; so
 is a checkpoint this check cannot rebuild for a reason that says nothing about the output (no
 base weights in it, names of another transformers version, no LoRA). A LoRA that fits no PEFT model
 of the run's r/alpha FAILS (``trained_model``): the release could not be the trained model.
@@ -64,6 +65,9 @@ from merge_engine.validate.report import Check, ValidationReport
 from merge_engine.validate.staging import local_folder
 
 MAX_BYTES_ENV = "STEPMERGE_TRAINED_CHECK_MAX_BYTES"
+# peak RSS / float32 bytes of the values: 3.4 GB for 2.56 GB measured on a Qwen2-0.5B-shaped checkpoint
+# (benchmarks/trained_check.py: the state read whole, the interpreter, torch and transformers)
+PEAK_FACTOR = 1.5
 ALL_LINEAR = "all-linear"
 TRAINED, VS_FUSED, VS_ADAPTER = "trained_model", "trained_vs_fused", "trained_vs_adapter"
 # LoraConfig fields a run's recorded adapter config may set (everything else: PEFT's defaults)
@@ -255,22 +259,29 @@ def rebuilt_model(checkpoint: Checkpoint, *, lora_alpha: float | None = None, co
     import torch
 
     from merge_engine.lora.checkpoint import read_run_metadata, resolve_alpha, split_checkpoint, task_type_of
+    from merge_engine.lora.keys import PEFT_PREFIX
 
     source = open_checkpoint(checkpoint)
     try:
         metas = dict(source.metas())
-        keys = split_checkpoint(metas, checkpoint.url)
+        if not any(key.startswith(PEFT_PREFIX) for key in metas):
+            raise NotRebuildable(f"the checkpoint's tensor names are not a PEFT model's state dict ({checkpoint.layout} "
+                                 "layout): this check rebuilds PEFT-wrapped checkpoints (verl FSDP)")
+        try:
+            keys = split_checkpoint(metas, checkpoint.url)
+        except StepmergeError as exc:
+            raise NotRebuildable(f"the checkpoint's names are not PEFT's: {exc}") from None
         if not keys.factors:
             raise NotRebuildable("the checkpoint holds no LoRA factors")
         if not keys.base:
             raise NotRebuildable("the checkpoint holds only LoRA factors (no base weights): the trained model "
                                  "cannot be rebuilt from it alone")
         parameters = sum(_numel(m.shape) for m in metas.values())
-        needed = parameters * 4
+        needed = int(parameters * 4 * PEAK_FACTOR)
         budget = memory_budget() if max_bytes is None else max_bytes
         if needed > budget:
-            raise NotRebuildable(f"the trained model takes {needed / 1e9:.2f} GB in float32 ({parameters} values), "
-                                 f"over this worker's budget of {budget / 1e9:.2f} GB ({MAX_BYTES_ENV})")
+            raise NotRebuildable(f"the trained model takes about {needed / 1e9:.2f} GB to rebuild in float32 "
+                                 f"({parameters} values x 4 bytes x {PEAK_FACTOR:g}), over this worker's budget of {budget / 1e9:.2f} GB ({MAX_BYTES_ENV})")
         config_url = config_url or checkpoint.hf_dir
         if not config_url or not storage.exists(storage.join(config_url, CONFIG_FILE)):
             raise NotRebuildable(f"no {CONFIG_FILE} beside the checkpoint (huggingface/): no model class to build")
@@ -327,36 +338,40 @@ def trained_logits(checkpoint: Checkpoint, device: str, **kwargs: Any) -> Traine
 def localise(checkpoint: Checkpoint, fused_path: str, *, lora_alpha: float | None, config_url: str | None,
              max_bytes: int) -> str:
     """The fused-model tensor (in-memory name) farthest from PEFT's ``merge_and_unload`` of the trained
-    model, and its update as a multiple of the trained one. Needs two models in memory."""
+    model (relative to its largest value), and its update as a multiple of the trained one (the base
+    tensor read from the checkpoint). Holds two models: the merged trained one and the fused one."""
     import torch
 
+    from merge_engine.lora.checkpoint import split_checkpoint
     from merge_engine.validate.forward import loaded_model
 
+    worst, worst_rel, ours, trained = None, 0.0, None, None
     with rebuilt_model(checkpoint, lora_alpha=lora_alpha, config_url=config_url, max_bytes=max_bytes // 2) as (
             model, _, _):
-        base = {k: v.detach().clone() for k, v in model.get_base_model().state_dict().items()
-                if ".lora_" not in k}
-        base = {k.replace(".base_layer", ""): v for k, v in base.items()}
         merged = model.merge_and_unload().state_dict()
         with loaded_model(fused_path, "cpu", dtype=torch.float32) as (fused_model, _):
             fused = fused_model.state_dict()
-            worst, worst_rel, ratio = None, 0.0, None
-            for name, trained in merged.items():
-                ours = fused.get(name)
-                if ours is None or ours.shape != trained.shape:
+            for name, value in merged.items():
+                theirs = fused.get(name)
+                if theirs is None or theirs.shape != value.shape:
                     continue
-                diff = float((ours.float() - trained.float()).abs().max())
-                rel = diff / max(float(trained.float().abs().max()), 1e-30)
+                rel = float((theirs.float() - value.float()).abs().max()) / max(float(value.abs().max()), 1e-30)
                 if rel > worst_rel:
                     worst, worst_rel = name, rel
-                    delta = trained.float() - base[name].float() if name in base else None
-                    if delta is not None and float(delta.pow(2).sum()) > 0:
-                        ratio = float(((ours.float() - base[name].float()) * delta).sum() / delta.pow(2).sum())
-                    else:
-                        ratio = None
+                    ours, trained = theirs.detach().float().clone(), value.detach().float().clone()
     if worst is None:
         return "no tensor of the fused model differs from PEFT's merged trained model"
-    what = f"; its update is {ratio:.2f}x the trained update" if ratio is not None else ""
+    what = ""
+    source = open_checkpoint(checkpoint)
+    try:
+        key = split_checkpoint(source.metas(), checkpoint.url).base.get(worst)
+        if key is not None:
+            base = source.read(key).float()
+            delta = trained - base
+            if float(delta.pow(2).sum()) > 0:
+                what = f"; its update is {float(((ours - base) * delta).sum() / delta.pow(2).sum()):.2f}x the trained update"
+    finally:
+        source.close()
     return f"largest weight difference in {worst} ({100 * worst_rel:.3g}% of its largest value{what})"
 
 
@@ -434,7 +449,7 @@ def check_against_trained(checkpoint: Checkpoint | str, *, fused_model_url: Opti
                 dtype = coarsest_dtype(set(trained.dtypes) | _folder_dtypes(fused_model_url))
                 check, _ = _judge(VS_FUSED, fused, trained, dtype, "fused")
                 if not check.ok:
-                    if 2 * trained.parameters * 4 <= budget:
+                    if 2 * trained.parameters * 4 * PEAK_FACTOR <= budget:
                         try:
                             where = localise(checkpoint, fused_path, lora_alpha=lora_alpha, config_url=config_url,
                                              max_bytes=budget)

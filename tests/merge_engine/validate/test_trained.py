@@ -191,3 +191,30 @@ def test_stepmerge_merge_and_extract_reproduce_the_trained_model(runs, family, t
     report = check_against_trained(run.checkpoint, fused_model_url=str(tmp_path / "fused"),
                                    adapter_url=str(tmp_path / "adapter"))
     assert report.ok, report.summary()
+
+
+def test_the_cli_check_fails_with_exit_5_naming_the_check(runs, capsys):
+    """``stepmerge check-trained``: PEFT's own merge passes (exit 0); the halved one exits 5 with the named
+    failure on stderr and the report on stdout."""
+    from merge_engine.cli import main
+
+    run = runs["mixtral"]
+    assert main(["check-trained", "--local_dir", run.checkpoint, "--fused-model", run.fused_folder("cli-ok")]) == 0
+    assert "PASS `trained_vs_fused`" in capsys.readouterr().out
+    code = main(["check-trained", "--local_dir", run.checkpoint, "--fused-model", run.fused_folder("cli-bad", 0.5)])
+    out, err = capsys.readouterr()
+    assert code == 5 and "ValidationFailed" in err and "trained_vs_fused" in err
+    assert "0.50x the trained update" in out
+
+
+def test_merge_with_check_trained_exits_5_on_todays_moe_merge(runs, tmp_path, capsys):
+    """``stepmerge merge --check-trained`` of a verl-default Qwen3-MoE LoRA: the merged folder is checked
+    against the trained model after writing. On a merge that scales gate/up as alpha / 2r (issue 16) it
+    exits 5; once the per-module scale is PEFT's, 0. Either way the verdict is the trained model's."""
+    from merge_engine.cli import main
+
+    run = runs["qwen3_moe"]
+    code = main(["merge", "--local_dir", run.checkpoint, "--target_dir", str(tmp_path / "out"), "--check-trained"])
+    out = capsys.readouterr().out
+    assert "`trained_vs_fused`" in out
+    assert code == (0 if "PASS `trained_vs_fused`" in out else 5)
