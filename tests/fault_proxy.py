@@ -22,6 +22,10 @@ Contract:
   waits ``latency`` seconds before it is forwarded, and each direction of a connection is capped at
   ``bandwidth`` bytes/s. Loopback storage has neither, which hides exactly the cost of one request at
   a time; with them, throughput grows with the number of requests in flight, as on object storage.
+- ``hold()`` stops every byte, both directions, on every connection (open ones included) until
+  ``release()``: whatever a client waits for then waits at a known state, for as long as a test
+  needs (e.g. a worker caught in the middle of reading a file). Bytes already handed to the kernel
+  before ``hold()`` returned may still arrive.
 - ``accepted`` counts connections, ``faulted`` the connections a fault was assigned to, and
   ``fired`` the faults that really happened (a reset sent, a stall begun, a connection refused, a
   canned response sent): a reset armed for after N bytes on a connection that carries fewer never
@@ -145,6 +149,7 @@ class FaultProxy:
         self._tasks: set[asyncio.Task] = set()
         self._open: set[asyncio.StreamWriter] = set()
         self._links: set[_Link] = set()
+        self._flowing: asyncio.Event | None = None  # cleared while held
 
     @property
     def url(self) -> str:
@@ -164,6 +169,23 @@ class FaultProxy:
         if open_connections:
             for link in list(self._links):
                 link.network = network or Network()
+
+    def hold(self) -> None:
+        """Stop every byte (both directions, every connection) until `release`; effective on return."""
+        self._on_loop(lambda: self._flowing.clear())
+
+    def release(self) -> None:
+        """Let bytes flow again after `hold`."""
+        self._on_loop(lambda: self._flowing.set())
+
+    def _on_loop(self, call: Callable[[], None]) -> None:
+        if self._loop is None:
+            return
+
+        async def run() -> None:
+            call()
+
+        asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=10)
 
     def close_connections(self) -> None:
         """Close every open connection cleanly (the client sees EOF, as from a server's idle timeout)."""
@@ -202,6 +224,8 @@ class FaultProxy:
         return self
 
     async def _listen(self) -> None:
+        self._flowing = asyncio.Event()
+        self._flowing.set()
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -266,10 +290,10 @@ class FaultProxy:
         link = _Link(self.network) if self.network is not None else None
         if link is not None:
             self._links.add(link)
-        down = asyncio.ensure_future(
-            self._pipe(upstream_reader, client_writer, down_fault, client_writer, self._fire, link, "down"))
-        up = asyncio.ensure_future(
-            self._pipe(client_reader, upstream_writer, up_fault, client_writer, self._fire, link, "up"))
+        down = asyncio.ensure_future(self._pipe(upstream_reader, client_writer, down_fault, client_writer, self._fire,
+                                                link, "down", self._flowing))
+        up = asyncio.ensure_future(self._pipe(client_reader, upstream_writer, up_fault, client_writer, self._fire,
+                                              link, "up", self._flowing))
         try:
             done, _ = await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
             # the server closing its side ends the exchange; a client's half-close lets the server finish
@@ -296,6 +320,7 @@ class FaultProxy:
         fired: Callable[[], None],
         link: _Link | None = None,
         direction: Direction = "down",
+        flowing: asyncio.Event | None = None,
     ) -> None:
         passed = 0
         armed = fault is not None and fault.kind in ("reset", "stall")
@@ -307,6 +332,8 @@ class FaultProxy:
                 return
             if link is not None:
                 await link.before(direction, len(data))
+            if flowing is not None:
+                await flowing.wait()  # held: nothing passes until released
             if armed and passed + len(data) >= fault.after_bytes:
                 head, data = data[: fault.after_bytes - passed], data[fault.after_bytes - passed :]
                 if head:

@@ -51,9 +51,9 @@ class ShardTask:
 
 def storage_env() -> dict[str, str]:
     """The environment variables every storage backend reads, as this process has them: what a worker
-    needs to reach the same storage (endpoints, credentials, timeouts, requests in flight)."""
+    needs to reach the same storage (endpoints, credentials, timeouts, requests in flight, read-ahead)."""
     keys = {key for backend in registered_backends() for key in getattr(backend, "env_keys", ())}
-    keys.update((TIMEOUT_ENV, "STEPMERGE_REQUESTS_IN_FLIGHT"))
+    keys.update((TIMEOUT_ENV, "STEPMERGE_REQUESTS_IN_FLIGHT", "STEPMERGE_READ_AHEAD_BYTES"))
     return {key: os.environ[key] for key in sorted(keys) if key in os.environ}
 
 

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
-
 import psutil
 import pytest
 
@@ -140,37 +139,51 @@ def test_a_source_fault_mid_merge_fails_the_whole_merge(executor, fsdp_runs, tmp
     assert [p.name for p in tmp_path.iterdir()] == ["actor"] and not target.exists()
 
 
-def _in_session(process: psutil.Process, session: int) -> bool:
+def _runs_task(pid: int, task_name: str, session: int) -> bool:
+    """Whether ``pid`` is a worker of the test's Ray cluster (process session ``session``: never another
+    cluster of the machine) running a task named ``task_name`` (Ray titles a worker ``ray::<task name>``
+    while it runs that task, ``ray::IDLE`` between tasks)."""
     try:
-        return os.getsid(process.pid) == session
-    except OSError:
+        return os.getsid(pid) == session and f"ray::{task_name}" in " ".join(psutil.Process(pid).cmdline())
+    except (OSError, psutil.Error):
         return False
 
 
-def _kill_a_shard_task_once_it_writes(target_parent, killed: list[int], stop: threading.Event,
-                                      task_name: str, session: int, then: Callable[[], None]) -> None:
-    """Once a shard temp file has appeared in the target's temp folder (writing has begun), SIGKILL a worker
-    of the test's Ray cluster (process session ``session``: never another cluster of the machine) while
-    it runs a task named ``task_name`` (Ray titles a worker ``ray::<task name>`` while it runs that task,
-    ``ray::IDLE`` between tasks), then call ``then``."""
-    writing = False
-    while not stop.is_set():
-        writing = writing or any(target_parent.rglob(".model-*.tmp-*"))
-        if writing:
-            for process in psutil.process_iter(["cmdline"]):
-                if f"ray::{task_name}" in " ".join(process.info["cmdline"] or []) and _in_session(process, session):
-                    os.kill(process.pid, signal.SIGKILL)
-                    killed.append(process.pid)
-                    then()
+_SHARD_TEMP = re.compile(r"^\.model-.*\.tmp-(\d+)-[0-9a-f]+$")  # storage's temp name: the writer's pid
+
+
+def _kill_a_worker_held_mid_shard(target_parent, killed: list[int], stop: threading.Event, task_name: str,
+                                  session: int, proxy: FaultProxy) -> None:
+    """Once a shard's temp file appears (writing has begun), hold the network: a worker writing a shard
+    then waits for its next source byte and cannot finish it (or, if it had read them all, finishes and
+    the next shard task waits at its first read). SIGKILL a worker that owns a temp file (its pid is in
+    the temp name) while it runs ``task_name``; then let the network flow again, at loopback speed."""
+    held = False
+    try:
+        while not stop.is_set():
+            temps = [p for p in target_parent.rglob(".model-*.tmp-*") if _SHARD_TEMP.match(p.name)]
+            if temps and not held:
+                proxy.hold()
+                held = True
+                continue  # look again: the temp files still there now belong to held writers
+            for temp in temps:
+                pid = int(_SHARD_TEMP.match(temp.name).group(1))
+                if _runs_task(pid, task_name, session):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
                     return
-        time.sleep(0.01)
+            time.sleep(0.01)
+    finally:
+        if held:
+            proxy.set_network(None, open_connections=True)
+            proxy.release()
 
 
 def _merge_with_a_worker_killed(executor, task_name: str, session: int, fsdp_runs, s3_bucket_url, s3_env, tmp_path,
                                 monkeypatch):
     """Merge the FSDP fixture from ``s3://`` through a slow network (one request at a time, 300 KB/s per
-    connection), so shard tasks are caught mid-write, and SIGKILL one Ray worker running a shard; the
-    network is back to loopback speed once the worker is killed (the rest of the merge runs fast)."""
+    connection, no read-ahead: every tensor read is a request), SIGKILL one Ray worker held in the middle
+    of a shard (`_kill_a_worker_held_mid_shard`); the rest of the merge runs at loopback speed."""
     source = fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir
     options = OutputOptions(max_shard_size=SHARD_BYTES)
     remote_source = f"{s3_bucket_url}/slow/actor"
@@ -180,9 +193,10 @@ def _merge_with_a_worker_killed(executor, task_name: str, session: int, fsdp_run
     with FaultProxy(s3_env.port, network=Network(latency=0.01, bandwidth=300_000)) as proxy:
         monkeypatch.setenv("STEPMERGE_S3_ENDPOINT", proxy.url)
         monkeypatch.setenv("STEPMERGE_REQUESTS_IN_FLIGHT", "1")
+        monkeypatch.setenv("STEPMERGE_READ_AHEAD_BYTES", "0")  # travels to the workers (`storage_env`)
         storage.clear_filesystems()
-        watcher = threading.Thread(target=_kill_a_shard_task_once_it_writes, args=(
-            tmp_path, killed, stop, task_name, session, lambda: proxy.set_network(None, open_connections=True)))
+        watcher = threading.Thread(target=_kill_a_worker_held_mid_shard,
+                                   args=(tmp_path, killed, stop, task_name, session, proxy))
         watcher.start()
         try:
             result = _merge(remote_source, str(tmp_path / "merged"), options, executor)
