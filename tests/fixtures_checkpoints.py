@@ -59,6 +59,7 @@ LORA_STEPS = {  # name -> (family, tp, pp, ep, use_dist_checkpointing, PEFT expo
     "dense_tp2": ("qwen2", 2, 1, 1, False, True),
     "dense_pp2": ("qwen2", 1, 2, 1, False, True),
     "dense_tp2_dist": ("qwen2", 2, 1, 1, True, False),
+    "dense_tp2_noexport": ("qwen2", 2, 1, 1, False, False),
     "moe_tp2_ep2": ("qwen3_moe", 2, 1, 2, False, True),
     "moe_ep2_dist": ("qwen3_moe", 1, 1, 2, True, False),
 }

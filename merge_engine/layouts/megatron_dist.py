@@ -203,7 +203,8 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
                                        storage.join(root, V2_MARKER))
         contents = read_json_object(storage.join(root, V2_MARKER)) or {}
         model = (contents.get("contents") or {}).get("model") or {}
-        if model.get("format") not in (None, "megatron_dist_checkpoint"):
+        peft = (contents.get("contents") or {}).get("peft_adapters") or {}  # a LoRA run: the adapter is here
+        if model.get("format") not in (None, "megatron_dist_checkpoint") and not peft:
             raise UnsupportedLayout(f"{V2_MARKER} says the model is saved as {model.get('format')!r} in "
                                     f"{model.get('path')!r}, not as a dist checkpoint", storage.join(root, V2_MARKER))
     folder_url = storage.join(root, folder.rstrip("/")) if folder else root
