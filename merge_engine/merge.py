@@ -6,7 +6,9 @@ Contract (`merge_engine.jobs.run_job` owns the order):
 - Every check that can fail on metadata runs before the first output byte is written.
 - The target receives a complete model or nothing: a local target is written to a sibling temp
   folder and renamed into place; a remote target is cleaned if the write fails.
-- ``stepmerge.json`` (provenance: source, fingerprint, options, engine version) is written last.
+- ``stepmerge.json`` (provenance: source, fingerprint, options, engine version) is written last, once
+  a fresh listing of the checkpoint still equals the one fingerprinted (`check_unchanged`; the weights'
+  reads are pinned to that listing, `storage.RangeReader.listed`): `SourceChanged` otherwise.
   A target whose provenance matches is left as it is (``skipped``); a target holding anything
   else raises `TargetExists` unless ``overwrite``.
 """
@@ -22,7 +24,7 @@ from merge_engine.errors import InvalidOption
 from merge_engine.hf_metadata import CONFIG_FILE, copy_metadata, read_config
 from merge_engine import hub_format
 from merge_engine.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, ShardExecutor, run_job
-from merge_engine.layouts import Checkpoint, check_checkpoint, open_checkpoint
+from merge_engine.layouts import Checkpoint, check_checkpoint, check_unchanged, open_checkpoint
 from merge_engine.lora import megatron_step
 from merge_engine.merge_plan import MergePlan, parse_dtype
 from merge_engine.output_heads import check_dropped_head
@@ -124,7 +126,9 @@ class MergeJob:
             raise
 
         def metadata(url: str) -> list[tuple[str, int]]:
-            return copy_metadata(hf_dir, url, config, plan.config_updates)
+            files = copy_metadata(hf_dir, url, config, plan.config_updates)
+            check_unchanged(checkpoint)  # every read done: the listing must still be the fingerprint's
+            return files
 
         provenance = {"source": self.source_url, "layout": checkpoint.layout,
                       "options": self.options.output_options("merge"), "parallel": checkpoint.parallel,

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from merge_engine import storage
-from merge_engine.errors import IncompleteCheckpoint, UnsupportedLayout
+from merge_engine.errors import IncompleteCheckpoint, SourceChanged, UnsupportedLayout
 from merge_engine.layouts import fsdp, hf, megatron_bridge, megatron_dist, megatron_legacy, megatron_lora
 from merge_engine.layouts.contract import (
     HF_NAMES,
@@ -57,8 +57,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 __all__ = ["ALIASES", "BY_NAME", "HF_NAMES", "LAYOUTS", "MEGATRON_NAMES", "Checkpoint", "Layout", "Verdict",
-           "WritableLayout", "check_checkpoint", "find_layout", "layout_named", "listing_verdicts",
-           "open_checkpoint"]
+           "WritableLayout", "check_checkpoint", "check_unchanged", "find_layout", "layout_named",
+           "listing_verdicts", "open_checkpoint"]
 
 
 def layout_named(name: str) -> Layout:
@@ -117,3 +117,17 @@ def check_checkpoint(url: str, backend: str | None = None) -> Checkpoint:
 
 def open_checkpoint(checkpoint: Checkpoint) -> TensorSource:
     return layout_named(checkpoint.layout).open(checkpoint)
+
+
+def check_unchanged(checkpoint: Checkpoint) -> None:
+    """`SourceChanged` naming the first of ``checkpoint.files`` that a fresh listing shows gone, resized or
+    of another version. Run after a job has read everything it reads and before its provenance is
+    written: the two agreeing listings bracket every read, the whole-file ones (config, tokenizer,
+    chat template: not pinned one by one) included, so the fingerprint recorded is of what was read."""
+    now = {e.path: e for e in storage.list_files(checkpoint.url)}
+    for entry in checkpoint.files:
+        fresh = now.get(entry.path)
+        if fresh is None or (fresh.size, fresh.version) != (entry.size, entry.version):
+            state = "is gone" if fresh is None else f"is now {fresh.size} bytes, version {fresh.version}"
+            raise SourceChanged(f"changed during the job: listed as {entry.size} bytes, version {entry.version}; "
+                                f"it {state}", storage.join(checkpoint.url, entry.path))

@@ -10,7 +10,9 @@ Specification, on a local folder, SeaweedFS (S3) and fake-gcs-server (GCS):
   read-ahead is off and chunks are small, so later reads must ask the store;
 - the merge raises `SourceChanged` with the rank file's URL; the target does not exist afterwards;
 - a local rank file replaced by a rename between the check and the open (a new inode) is
-  `SourceChanged` too; and a merge whose files did not change still succeeds (control).
+  `SourceChanged` too; and a merge whose files did not change still succeeds (control);
+- a metadata file (``huggingface/tokenizer_config.json``, read whole, not pinned) rewritten mid-merge is
+  `SourceChanged` naming it: the checkpoint is listed again before ``stepmerge.json`` is written.
 """
 
 from __future__ import annotations
@@ -103,3 +105,22 @@ def test_an_unchanged_checkpoint_merges_with_pinned_reads(fsdp_runs, tmp_path):
     source = _source("local", fsdp_runs, tmp_path, None)
     result = merge_checkpoint(source, str(tmp_path / "merged"), OPTIONS)
     assert result.tensors > 0 and os.path.exists(os.path.join(result.target_url, "stepmerge.json"))
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_metadata_file_changed_mid_merge_is_source_changed(kind, fsdp_runs, tmp_path, request):
+    source = _source(kind, fsdp_runs, tmp_path, request)
+    changed_url = storage.join(source, "huggingface", "tokenizer_config.json")
+    original = storage.read_bytes(changed_url)
+    target = str(tmp_path / "merged")
+    changed = []
+
+    def change_once(nbytes: int) -> None:
+        if not changed:
+            storage.write_bytes(changed_url, original.replace(b"}", b', "padding_side": "left"}', 1))
+            changed.append(nbytes)
+
+    with pytest.raises(SourceChanged) as caught:
+        merge_checkpoint(source, target, OPTIONS, on_bytes=change_once)
+    assert changed and caught.value.path == changed_url
+    assert not os.path.exists(target)

@@ -110,3 +110,26 @@ def test_a_reader_without_a_version_reads_what_is_there(storage_root):
     _write(url, new := patterned_bytes(SIZE, seed=10))
     with RangeReader(url) as reader:
         assert reader.read(0, SIZE) == new
+
+
+@pytest.mark.parametrize("kind", ["s3", "gs"])
+def test_with_read_ahead_every_byte_served_is_of_the_listed_version(kind, request, monkeypatch):
+    """Parts fetched ahead before the replacement are the listed version's (each GET was pinned); the
+    first part fetched after it is `SourceChanged`: the stream never switches to the new bytes."""
+    from merge_engine.storage import read_ahead
+
+    monkeypatch.setattr(storage.tuning, "READ_AHEAD_BUDGET", 64 * 1024)
+    monkeypatch.setattr(storage.tuning, "READ_PART_BYTES", 8192)
+    monkeypatch.setattr(read_ahead, "MIN_PART_BYTES", 4096)
+    root = request.getfixturevalue("s3_bucket_url" if kind == "s3" else "gcs_bucket_url") + "/ahead"
+    url = storage.join(root, "rank.pt")
+    old = patterned_bytes(SIZE, seed=11)
+    _write(url, old)
+    served = bytearray()
+    with RangeReader.listed(url, _listed(root, "rank.pt")) as reader:
+        with pytest.raises(SourceChanged):
+            for offset in range(0, SIZE, 10_000):
+                served += reader.read(offset, min(10_000, SIZE - offset))
+                if offset == 20_000:
+                    _write(url, patterned_bytes(SIZE, seed=12))
+    assert 30_000 <= len(served) < SIZE and bytes(served) == old[:len(served)]
