@@ -2,7 +2,7 @@
 reads pinned to the version listed (local fstat per read; S3 If-Match on every ranged GET).
 
     python -m benchmarks.read_checks                  # the 0.5b FSDP2 benchmark checkpoint, local and S3
-    python -m benchmarks.read_checks --repeats 5 --no-s3
+    python -m benchmarks.read_checks --repeats 5 --parts local      # local, s3, s3-reads (default: all)
 
 What it does: merges the benchmark checkpoint of `benchmarks.fsdp_merge` (4-rank fp32 FSDP2, Qwen2-0.5B
 shape, ~2 GB of rank files; written once under ./.bench/fsdp/0.5b) to bfloat16, each merge in a child
@@ -10,10 +10,12 @@ process, in rounds that alternate the variants (so a change of the machine's loa
 - ``checked``: as shipped (CRC-32 and pinned reads);
 - ``no-crc``: `merge_engine.zip_crc.RecordChecks.add` / ``finish`` replaced by no-ops in the child;
 - ``unpinned``: `RangeReader.listed` replaced by an unpinned reader (no version) in the child.
-Local runs start from a warm page cache (the rank files are read first). With S3 (unless ``--no-s3``),
+Local runs start from a warm page cache (the rank files are read first). With S3 (parts ``s3``, ``s3-reads``),
 the checkpoint is uploaded once to a SeaweedFS server started for the run and merged from there to a
-local folder. Prints each run's wall and CPU (user + system of the child), the medians, and each
-variant's cost against ``checked``.
+local folder; then the reads alone (every rank file read front to back in 16 MiB pieces through
+`RangeReader`, read-ahead on, as a merge reads: ``pinned`` = If-Match on every GET, ``unpinned`` =
+none), which isolates the pinning's cost from the merge's own CPU. Prints each run's wall and CPU
+(user + system of the child), the medians, and each variant's cost against ``checked``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,27 @@ PATCHES = {
 }
 
 
+READ_CHILD = """
+import sys
+from merge_engine import storage
+pinned = sys.argv[1] == "pinned"
+for entry in storage.list_files(sys.argv[2], recursive=False):
+    if not entry.path.startswith("model_world_size_"):
+        continue
+    url = storage.join(sys.argv[2], entry.path)
+    reader = storage.RangeReader.listed(url, entry) if pinned else storage.RangeReader(url, entry.size)
+    buffer = bytearray(16 << 20)
+    with reader:
+        for offset in range(0, entry.size, len(buffer)):
+            view = memoryview(buffer)[:min(len(buffer), entry.size - offset)]
+            reader.read_into(offset, view)
+"""
+
+
+def read_child(variant: str, source: str, target: str) -> list[str]:
+    return [sys.executable, "-c", READ_CHILD, "pinned" if variant == "checked" else "unpinned", source]
+
+
 def merge_child(variant: str, source: str, target: str) -> list[str]:
     code = (PATCHES[variant] + "import sys; from merge_engine.merge import MergeOptions, merge_checkpoint; "
             "merge_checkpoint(sys.argv[1], sys.argv[2], MergeOptions(dtype='bfloat16', overwrite=True))")
@@ -58,14 +81,14 @@ def run_once(command: list[str], env: dict[str, str]) -> tuple[float, float]:
 
 
 def rounds(label: str, variants: list[str], source: str, target: Path, env: dict[str, str], repeats: int,
-           before=None) -> dict[str, tuple[float, float]]:
+           before=None, child=merge_child) -> dict[str, tuple[float, float]]:
     seen: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
     for round_ in range(repeats):
         for variant in variants:
             shutil.rmtree(target, ignore_errors=True)
             if before is not None:
                 before()
-            wall, cpu = run_once(merge_child(variant, source, str(target)), env)
+            wall, cpu = run_once(child(variant, source, str(target)), env)
             seen[variant].append((wall, cpu))
             print(f"  {label} round {round_ + 1} {variant:9s} wall {wall:6.2f} s   cpu {cpu:6.2f} s", flush=True)
     shutil.rmtree(target, ignore_errors=True)
@@ -85,7 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="0.5b")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument("--parts", default="local,s3,s3-reads", help="which of local, s3, s3-reads")
     args = parser.parse_args()
     actor = ensure_checkpoint(args.size)
     ranks = sorted(str(p) for p in actor.glob("model_world_size_*_rank_*.pt"))
@@ -97,9 +120,11 @@ def main() -> None:
     def warm() -> None:
         subprocess.run(["cat", *ranks], stdout=subprocess.DEVNULL, check=True)
 
-    rounds("local", ["checked", "no-crc", "unpinned"], str(actor), BENCH / "out" / "read_checks", env,
-           args.repeats, warm)
-    if args.no_s3:
+    parts = set(args.parts.split(","))
+    if "local" in parts:
+        rounds("local", ["checked", "no-crc", "unpinned"], str(actor), BENCH / "out" / "read_checks", env,
+               args.repeats, warm)
+    if not parts & {"s3", "s3-reads"}:
         return
     from tests.servers import SeaweedS3Server
 
@@ -111,8 +136,14 @@ def main() -> None:
         print(f"== s3: uploading the checkpoint to SeaweedFS ({source}) ...", flush=True)
         subprocess.run([sys.executable, "-c", "import sys; from merge_engine import storage; "
                         "storage.copy_tree(sys.argv[1], sys.argv[2])", str(actor), source], env=s3_env, check=True)
-        rounds("s3", ["checked", "no-crc", "unpinned"], source, BENCH / "out" / "read_checks_s3", s3_env,
-               args.repeats)
+        if "s3" in parts:
+            rounds("s3", ["checked", "no-crc", "unpinned"], source, BENCH / "out" / "read_checks_s3", s3_env,
+                   args.repeats)
+        if "s3-reads" not in parts:
+            return
+        print("== s3 reads alone (checked = pinned reads, If-Match on every GET)", flush=True)
+        rounds("s3-reads", ["checked", "unpinned"], source, BENCH / "out" / "unused", s3_env, args.repeats,
+               child=read_child)
 
 
 if __name__ == "__main__":

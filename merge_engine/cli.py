@@ -254,8 +254,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 CHECK_EXIT_CODES = """exit codes:
   0  the checkpoint is complete (every file its layout requires, readable and consistent)
   2  bad input: not a checkpoint, an unsupported layout, a bad option
-  3  incomplete: a file is missing or short, or the rank files disagree on the world size
-  4  corrupt: a file is there but cannot be read (truncated archive, bad header, unsafe pickle)"""
+  3  incomplete: a file is missing or short, or the rank files disagree on the world size,
+     or a file changed while it was read (SourceChanged)
+  4  corrupt: a file is there but cannot be read (truncated archive, bad header, unsafe pickle,
+     a zip record whose CRC-32 does not match, names sharing one storage that the config does not tie)"""
 
 
 def _add_check(parser: argparse.ArgumentParser) -> None:

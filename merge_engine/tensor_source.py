@@ -278,10 +278,16 @@ class StackedTensor:
 Assembly = ConcatTensor | ReplicatedTensor | StackedTensor
 
 
-def _pieces(tensor: Assembly) -> tuple[StoredTensor, ...]:
+def _pieces(tensor: object) -> tuple[StoredTensor, ...]:
+    """The stored pieces of a torch-archive assembly; () for any other (a DCP tensor: its reader already
+    refuses two items sharing bytes of a data file)."""
     if isinstance(tensor, StackedTensor):
         return tuple(piece for band in tensor.bands for piece in band.pieces)
-    return tensor.pieces if isinstance(tensor, ConcatTensor) else tensor.copies
+    if isinstance(tensor, ConcatTensor):
+        return tensor.pieces
+    if isinstance(tensor, ReplicatedTensor):
+        return tensor.copies
+    return ()
 
 
 class AssembledSource:
