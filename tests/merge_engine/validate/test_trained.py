@@ -1,8 +1,8 @@
 """Validation against the trained model (`merge_engine.validate.trained.check_against_trained`).
 
 Checkpoints: verl's default LoRA (``target_modules: all-linear``, r 4, lora_alpha 16: alpha != 2r, so
-a wrong scale shows) on transformers-5 Mixtral and Qwen3-MoE, saved as verl's single-rank FSDP
-checkpoint (the PEFT model's state dict, ``lora_train_meta.json`` with only r / lora_alpha / task_type).
+a wrong scale shows) on transformers-5 Mixtral and Qwen3-MoE, the session's `verl_lora_runs` (FSDP2,
+world 2, ``lora_train_meta.json`` with only r / lora_alpha / task_type).
 PEFT turns all-linear into LoRA on the fused experts with ``rank_pattern`` 2r AND ``alpha_pattern``
 2 alpha on ``gate_up_proj``. Specification:
 - the check rebuilds PEFT's model of the run (all-linear, PEFT's own patterns) from the checkpoint's
@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -29,40 +30,26 @@ import torch
 from merge_engine.validate import ValidationReport
 from merge_engine.validate.trained import MAX_BYTES_ENV, TRAINED, VS_ADAPTER, VS_FUSED, check_against_trained
 
-FAMILIES = ["mixtral", "qwen3_moe"]
-VERL_DEFAULT = dict(r=4, lora_alpha=16, target_modules="all-linear")
+FAMILIES = ["mixtral", "qwen3_moe"]  # PEFT fuses gate/up with rank_pattern 2r and alpha_pattern 2 alpha
 GATE_UP = "mlp.experts.gate_up_proj"
 
 
 class VerlDefaultRun:
-    """A verl-default LoRA checkpoint of ``family`` and PEFT's trained model of it."""
+    """A verl-default LoRA checkpoint of the session's `verl_lora_runs` (FSDP2, world 2) and PEFT's trained
+    model of it (`synthetic_runs.fsdp.build_reference_model`: PEFT's own ``get_peft_model``)."""
 
-    def __init__(self, family: str, root) -> None:
-        import peft
+    def __init__(self, run, root) -> None:
+        from synthetic_runs.fsdp import build_reference_model
 
-        from synthetic_runs.models import ModelSpec, build_model, write_hf_metadata
-        from tests.merge_engine.lora.conftest import fill_lora_
-
-        self.spec, self.seed = ModelSpec(family=family), 50 + FAMILIES.index(family)
-        self.model = peft.get_peft_model(build_model(self.spec, seed=self.seed),
-                                         peft.LoraConfig(task_type="CAUSAL_LM", **VERL_DEFAULT)).eval()
-        fill_lora_(self.model, seed=self.seed)
+        self.spec, self.seed = run.spec, run.latest.seed
+        self.checkpoint = run.latest.checkpoint_dir
+        self.model = build_reference_model(self.spec, self.seed).eval()
         self.root = root
-        self.checkpoint = str(root / "actor")
-        os.makedirs(self.checkpoint)
-        torch.save(self.model.state_dict(), os.path.join(self.checkpoint, "model_world_size_1_rank_0.pt"))
-        self._json("fsdp_config.json", {"FSDP_version": 2, "world_size": 1})
-        self._json("lora_train_meta.json", {"r": 4, "lora_alpha": 16, "task_type": "CAUSAL_LM"})
-        write_hf_metadata(os.path.join(self.checkpoint, "huggingface"), self.spec)
-
-    def _json(self, name: str, data: dict) -> None:
-        with open(os.path.join(self.checkpoint, name), "w") as handle:
-            json.dump(data, handle)
 
     def base_model(self):
-        from synthetic_runs.models import build_model
+        from synthetic_runs.models import build_model, torch_dtype
 
-        return build_model(self.spec, seed=self.seed).eval()
+        return build_model(self.spec.model, self.seed, torch_dtype(self.spec.dtype)).eval()
 
     def fused_folder(self, name: str, gate_up_factor: float = 1.0) -> str:
         """PEFT's merged trained model, saved by transformers; ``gate_up_factor`` scales every expert
@@ -95,8 +82,9 @@ class VerlDefaultRun:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, VerlDefaultRun]:
-    return {family: VerlDefaultRun(family, tmp_path_factory.mktemp(f"verl_default_{family}")) for family in FAMILIES}
+def runs(verl_lora_runs, tmp_path_factory) -> dict[str, VerlDefaultRun]:
+    return {family: VerlDefaultRun(verl_lora_runs[f"{family}_verl_lora_w2"], tmp_path_factory.mktemp(f"trained_{family}"))
+            for family in FAMILIES}
 
 
 def _check(report: ValidationReport, name: str):
@@ -141,8 +129,6 @@ def test_an_adapter_with_halved_expert_gate_up_fails(runs, family):
 
 
 def test_metadata_no_peft_model_fits_fails_named(runs, tmp_path):
-    import shutil
-
     run = runs["mixtral"]
     checkpoint = shutil.copytree(run.checkpoint, tmp_path / "actor")
     (checkpoint / "lora_train_meta.json").write_text(json.dumps({"r": 8, "lora_alpha": 16}))
@@ -166,12 +152,12 @@ def test_a_model_over_the_memory_budget_is_skipped_not_passed(runs, monkeypatch)
 def test_a_lora_only_checkpoint_is_skipped_with_its_reason(runs, tmp_path):
     run = runs["qwen3_moe"]
     checkpoint = tmp_path / "actor"
-    import shutil
-
     shutil.copytree(run.checkpoint, checkpoint)
-    rank_file = checkpoint / "model_world_size_1_rank_0.pt"
-    state = torch.load(rank_file, weights_only=True)
-    torch.save({k: v for k, v in state.items() if ".lora_" in k}, rank_file)
+    import torch.distributed.tensor  # noqa: F401 - DTensor must be importable to load these files
+
+    for rank_file in checkpoint.glob("model_world_size_*_rank_*.pt"):
+        state = torch.load(rank_file, weights_only=True)
+        torch.save({k: v for k, v in state.items() if ".lora_" in k}, rank_file)
     report = check_against_trained(str(checkpoint), adapter_url=run.adapter_folder("adapter-lora-only"))
     assert all(c.skipped for c in report.checks) and "only LoRA factors" in report.checks[0].detail
 
