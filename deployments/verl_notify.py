@@ -42,11 +42,16 @@ RESOURCE_PREFIX = "stepmerge.checkpoint."
 
 
 def canonical_run_root(run_root: str) -> str:
-    """One spelling per run root, as `flows.step_keys.normalized_run_root` writes it."""
+    """One spelling per run root, as `flows.step_keys.normalized_run_root` writes it (``file:///x``,
+    ``file://localhost/x`` and ``file:/x`` are ``/x``, RFC 8089; schemes in lower case)."""
     if "://" in run_root:
         scheme, rest = run_root.split("://", 1)
         scheme = {"gcs": "gs", "s3a": "s3"}.get(scheme.lower(), scheme.lower())
-        run_root = rest if scheme == "file" and rest.startswith("/") else f"{scheme}://{rest}"
+        if scheme in ("file", "local") and rest.lower().startswith("localhost/"):
+            rest = rest[len("localhost"):]
+        run_root = rest if scheme in ("file", "local") and rest.startswith("/") else f"{scheme}://{rest}"
+    elif run_root[:5].lower() == "file:" and run_root[5:6] == "/":
+        run_root = "/" + run_root[5:].lstrip("/")
     return run_root.rstrip("/") or run_root[:1]
 
 

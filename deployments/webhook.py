@@ -30,8 +30,11 @@ components (encoded or not), backslashes or control characters, and under one of
 ``STEPMERGE_WEBHOOK_RUN_ROOTS`` (comma-separated prefixes) when that is set. A run root on a disk the
 training job and every worker mount at the same path (no object store) is accepted only when the
 deployment says so: ``STEPMERGE_WEBHOOK_SHARED_DISK_ROOTS`` (comma-separated absolute folders, ``/x``
-or ``file:///x``, never ``/`` itself) opts in, and then a plain absolute path or a ``file://`` URL
-under one of them is accepted; every other local path is refused. 401 for a missing or
+or ``file:///x``, never ``/`` itself, nor ``/.``, ``//`` or a link to ``/``) opts in, and then a plain absolute
+path or a ``file:`` URL under one of them is accepted; every other local path is refused. Roots and run
+roots are resolved on this host first (``os.path.realpath``: links followed, ``.`` and ``//`` gone), so a
+link under a root pointing to ``/etc`` or ``/`` is outside it, and ``root/./exp1``, ``root//exp1`` and
+``root/exp1`` are one run root, one idempotency key. 401 for a missing or
 wrong credential, 503 when the Prefect API or the deployment cannot be reached.
 ``GET /healthz`` answers ``{"ok": true}``.
 A step may come as a string of digits (``"120"``); a stale HMAC timestamp gets a 401 that says
@@ -39,7 +42,8 @@ so (and by how much the clocks differ). Run roots are compared in one spelling
 (`flows.step_keys.normalized_run_root`): ``gcs://b/run/`` and ``gs://b/run`` are one run root, and on a
 shared disk ``file:///data/run`` and ``/data/run`` are one run root (the watcher's spelling), one
 idempotency key, one run. Started without a credential or a
-Prefect server, the receiver stops with one line (`WebhookNotConfigured`), no traceback.
+Prefect server, or with a bad ``STEPMERGE_WEBHOOK_*`` value, the receiver stops with one line naming
+the variable (`WebhookNotConfigured`), no traceback.
 Serve it behind TLS (deployments/README.md): tokens and signatures must not cross a network in clear.
 """
 
@@ -60,7 +64,10 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictInt, Validat
 
 from flows.step_keys import normalized_run_root, step_key
 from flows.url_checks import checked_url
+from merge_engine.errors import StepmergeError
+from merge_engine.json_text import parse_json
 from merge_engine.storage.schemes import remote_schemes
+from merge_engine.storage.urls import scheme_of
 
 CHECKPOINT_SAVED_PATH = "/hooks/checkpoint-saved"
 SIGNATURE_HEADER = "X-Stepmerge-Signature"
@@ -99,15 +106,24 @@ class WebhookSettings(BaseModel):
 
     @classmethod
     def from_env(cls) -> WebhookSettings:
+        """The settings the ``STEPMERGE_WEBHOOK_*`` variables give; a bad value is `WebhookNotConfigured`
+        naming the variable (one line at start, never a pydantic traceback)."""
         def listed(name: str, default: str = "") -> tuple[str, ...]:
             return tuple(p.strip() for p in os.environ.get(name, default).split(",") if p.strip())
 
-        return cls(deployment=os.environ.get("STEPMERGE_WEBHOOK_DEPLOYMENT", "merge-step/gpu"),
-                   token=os.environ.get("STEPMERGE_WEBHOOK_TOKEN") or None,
-                   hmac_secret=os.environ.get("STEPMERGE_WEBHOOK_HMAC_SECRET") or None,
-                   allowed_schemes=listed("STEPMERGE_WEBHOOK_SCHEMES", ",".join(remote_schemes(canonical_only=True))),
-                   allowed_run_roots=listed("STEPMERGE_WEBHOOK_RUN_ROOTS"),
-                   shared_disk_roots=listed("STEPMERGE_WEBHOOK_SHARED_DISK_ROOTS"))
+        try:
+            return cls(deployment=os.environ.get("STEPMERGE_WEBHOOK_DEPLOYMENT", "merge-step/gpu"),
+                       token=os.environ.get("STEPMERGE_WEBHOOK_TOKEN") or None,
+                       hmac_secret=os.environ.get("STEPMERGE_WEBHOOK_HMAC_SECRET") or None,
+                       allowed_schemes=listed("STEPMERGE_WEBHOOK_SCHEMES",
+                                              ",".join(remote_schemes(canonical_only=True))),
+                       allowed_run_roots=listed("STEPMERGE_WEBHOOK_RUN_ROOTS"),
+                       shared_disk_roots=listed("STEPMERGE_WEBHOOK_SHARED_DISK_ROOTS"))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = str(first["loc"][0]) if first.get("loc") else ""
+            message = str(first.get("msg", exc)).removeprefix("Value error, ")
+            raise WebhookNotConfigured(f"{_SETTING_VARIABLES.get(field, field)}: {message}") from None
 
     @field_validator("allowed_schemes")
     @classmethod
@@ -126,13 +142,32 @@ class WebhookSettings(BaseModel):
     @field_validator("shared_disk_roots")
     @classmethod
     def _absolute_folders(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        """Absolute folders, resolved (`resolved_local_run_root`: ``/.``, ``//`` and a link to ``/`` are ``/``,
+        refused like it), so that run roots, resolved too, are compared with them in one spelling."""
         roots = []
         for root in value:
             folder = normalized_run_root(root)  # file:///x -> /x
             if "://" in folder or not folder.startswith("/") or folder == "/":
                 raise ValueError(f"shared disk root {root!r} must be an absolute folder (/x or file:///x), not /")
-            roots.append(checked_url(folder))
+            resolved = resolved_local_run_root(checked_url(folder))
+            if resolved == "/":
+                raise ValueError(f"shared disk root {root!r} is / (resolved): it must be a folder below /")
+            roots.append(resolved)
         return tuple(roots)
+
+
+_SETTING_VARIABLES = {"deployment": "STEPMERGE_WEBHOOK_DEPLOYMENT", "token": "STEPMERGE_WEBHOOK_TOKEN",
+                      "hmac_secret": "STEPMERGE_WEBHOOK_HMAC_SECRET", "allowed_schemes": "STEPMERGE_WEBHOOK_SCHEMES",
+                      "allowed_run_roots": "STEPMERGE_WEBHOOK_RUN_ROOTS",
+                      "shared_disk_roots": "STEPMERGE_WEBHOOK_SHARED_DISK_ROOTS"}
+
+
+def resolved_local_run_root(path: str) -> str:
+    """The real path of an absolute local run root (``os.path.realpath``: symbolic links followed,
+    ``.`` and repeated slashes gone), as this host sees the shared disk. Resolved BEFORE the shared-disk
+    root check, so a link under a root that points out of it (to ``/etc``, to ``/``) is outside, and
+    before the idempotency key, so ``root/./exp1``, ``root//exp1`` and ``root/exp1`` are one key."""
+    return os.path.realpath(path)
 
 
 def under(run_root: str, roots: tuple[str, ...]) -> bool:
@@ -237,18 +272,21 @@ def refusal_reason(settings: WebhookSettings, headers, now: Optional[float] = No
 def checked_payload(settings: WebhookSettings, body: bytes) -> CheckpointSaved:
     """Parse and check the body; ValueError / ValidationError name what is wrong."""
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"body is not JSON: {exc}") from None
-    except RecursionError:
-        raise ValueError("body is nested too deeply") from None
+        data = parse_json(body, None)  # the one guarded parser: bounded depth, a named error
+    except StepmergeError as exc:
+        raise ValueError(f"body is not acceptable JSON: {exc.message}") from None
     if not isinstance(data, dict):
         raise ValueError("body must be a JSON object")
     payload = CheckpointSaved.model_validate(data)  # file:///x arrives as /x
-    local = "://" not in payload.run_root
+    local = scheme_of(payload.run_root) is None
     checked_url(payload.run_root, schemes=settings.allowed_schemes, allow_local_paths=bool(settings.shared_disk_roots))
-    if local and not under(payload.run_root, settings.shared_disk_roots):
-        raise ValueError("run_root is a local path outside the shared disk roots (STEPMERGE_WEBHOOK_SHARED_DISK_ROOTS)")
+    if local:
+        if not payload.run_root.startswith("/"):
+            raise ValueError("run_root is a relative local path: a shared disk run root is an absolute folder")
+        payload = payload.model_copy(update={"run_root": resolved_local_run_root(payload.run_root)})
+        if not under(payload.run_root, settings.shared_disk_roots):
+            raise ValueError("run_root is a local path outside the shared disk roots "
+                             "(STEPMERGE_WEBHOOK_SHARED_DISK_ROOTS), once its links are followed")
     if not local and settings.allowed_run_roots and not under(payload.run_root, settings.allowed_run_roots):
         raise ValueError("run_root is not under an allowed run root")
     return payload

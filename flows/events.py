@@ -20,6 +20,7 @@ from typing import Optional
 from flows.step_keys import normalized_run_root, step_key
 from flows.url_checks import checked_url
 from merge_engine.errors import InvalidOption, StepmergeError
+from merge_engine.storage.urls import scheme_of
 
 CHECKPOINT_SAVED = "stepmerge.checkpoint.saved"
 RESOURCE_PREFIX = "stepmerge.checkpoint."
@@ -38,7 +39,7 @@ def notified_run_root(value: str) -> str:
         url = checked_url(value)
     except ValueError as exc:
         raise InvalidOption(f"--run-root {value!r}: {exc}") from None
-    return url if "://" in url else normalized_run_root(os.path.abspath(url))
+    return url if scheme_of(url) is not None else normalized_run_root(os.path.abspath(url))
 
 
 def checkpoint_saved_event(run_root: str, step: int, role: str = "actor") -> dict:

@@ -14,22 +14,25 @@ from typing import Union
 
 
 def normalized_run_root(run_root: str) -> str:
-    """One spelling per run root: ``file:///x`` -> ``/x``, ``gcs://b/x`` -> ``gs://b/x`` (the scheme
+    """One spelling per run root: ``file:///x``, ``file://localhost/x``, ``file:/x``, ``FILE:///x`` -> ``/x``
+    (RFC 8089, `merge_engine.storage.urls.file_url_path`; not otherwise normalised), ``gcs://b/x`` -> ``gs://b/x`` (the scheme
     registry's canonical spelling, `merge_engine.storage.schemes`), no trailing slashes (a lone ``/``
-    stays). A scheme the registry does not serve is left as it is (the URL checks refuse it)."""
-    if "://" in run_root:
-        from merge_engine.errors import UnsupportedScheme
-        from merge_engine.storage.schemes import backend_for_scheme
+    stays). A scheme the registry does not serve, or a local URL it cannot read (``file://otherhost/x``),
+    is left as it is (the URL checks refuse it)."""
+    from merge_engine.errors import UnsupportedScheme
+    from merge_engine.storage.schemes import backend_for_scheme
+    from merge_engine.storage.urls import file_url_path, scheme_of
 
-        scheme, rest = run_root.split("://", 1)
+    scheme = scheme_of(run_root)
+    if scheme is not None:
         try:
             backend = backend_for_scheme(scheme)
+            if backend.local:
+                run_root = file_url_path(run_root) or run_root
+            elif "://" in run_root:
+                run_root = f"{backend.canonical_scheme}://{run_root.split('://', 1)[1]}"
         except UnsupportedScheme:
-            backend = None
-        if backend is not None and backend.local and rest.startswith("/"):
-            run_root = rest
-        elif backend is not None:
-            run_root = f"{backend.canonical_scheme}://{rest}"
+            pass
     stripped = run_root.rstrip("/")
     return stripped or run_root[:1]
 

@@ -11,6 +11,7 @@ import re
 from typing import Optional, Sequence
 
 from merge_engine.storage.schemes import backend_for_scheme, url_schemes
+from merge_engine.storage.urls import file_url_path
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -25,6 +26,7 @@ def checked_url(value: str, schemes: Optional[Sequence[str]] = None, allow_local
         raise ValueError("must be a non-empty URL")
     if _CONTROL.search(value) or "\\" in value:
         raise ValueError("must not contain control characters or backslashes")
+    file_url_path(value)  # file://otherhost/x, file:x: UnsupportedScheme, a ValueError naming the URL
     if "://" in value:
         scheme, rest = value.split("://", 1)
         if scheme.lower() not in schemes:

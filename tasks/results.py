@@ -22,6 +22,7 @@ from typing import Any, Optional, Union
 from prefect.filesystems import RemoteFileSystem
 
 from merge_engine.storage.schemes import backend_for_scheme, remote_schemes
+from merge_engine.storage.urls import scheme_of
 
 _SAVED: dict[tuple[str, str], RemoteFileSystem] = {}
 
@@ -29,7 +30,7 @@ _SAVED: dict[tuple[str, str], RemoteFileSystem] = {}
 def remote_result_storage(url: str) -> RemoteFileSystem:
     """An (unsaved) `RemoteFileSystem` block at an object-store URL (``s3://``, ``gs://``: any of the
     storage registry's `remote_schemes`), with the engine's client options for that store."""
-    scheme = url.split("://", 1)[0] if "://" in url else ""
+    scheme = (scheme_of(url) or "") if "://" in url else ""  # case-insensitive: S3:// is s3://
     if scheme not in remote_schemes():
         raise ValueError(f"result storage must be a URL of an object store ({', '.join(remote_schemes())}), "
                          f"got {url!r}")

@@ -18,7 +18,7 @@ from merge_engine.errors import UnsupportedScheme
 from merge_engine.storage import backends as _backends_package
 from merge_engine.storage.backend import Backend
 from merge_engine.storage.faults import transient_by
-from merge_engine.storage.urls import split_scheme
+from merge_engine.storage.urls import scheme_of
 
 
 @functools.cache
@@ -54,7 +54,7 @@ def backend_for_scheme(scheme: str) -> Backend:
 
 def backend_for(url: str) -> Backend:
     """The backend serving ``url`` (a plain path is local); `UnsupportedScheme` (with the URL) if none does."""
-    scheme = split_scheme(url)[0]
+    scheme = scheme_of(url) or "file"  # a plain path is local; the URL's own checks come with its use
     try:
         return backend_for_scheme(scheme)
     except UnsupportedScheme as exc:

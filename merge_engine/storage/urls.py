@@ -1,26 +1,77 @@
 """URL spelling: scheme and path, local paths, and joining untrusted relative parts onto a URL.
 
-A plain path (no ``://``) is a local path; ``file://`` and ``local://`` name local paths too
+A plain path (no scheme) is a local path; ``file:`` and ``local:`` URLs name local paths too
 (`LOCAL_SCHEMES`, which the local backend serves). Everything else is ``<scheme>://<rest>``; which
 schemes are served is the registry's business (`merge_engine.storage.schemes`), not this module's.
+Schemes are case-insensitive (``S3://``, ``FILE:///x``) and returned in lower case.
+
+``file:`` URLs follow RFC 8089 (`split_scheme`): ``file:///x``, ``file://localhost/x`` and ``file:/x``
+all name ``/x``; ``file://otherhost/x`` names another machine's file, which this machine cannot
+write: `UnsupportedScheme` (naming the URL), never a folder called ``otherhost`` or ``file:``. A
+``file:`` URL without an absolute path (``file:x``) is refused the same way. Percent-encoding in
+paths is not decoded (a ``%`` is a ``%``).
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
+import re
+
+from merge_engine.errors import UnsupportedScheme
 
 LOCAL_SCHEMES = ("file", "local")  # the spellings of a local path; "file" is the canonical one
+_AUTHORITY_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://(.*)", re.DOTALL)
+_LOCAL_URL = re.compile(r"(file|local):(.*)", re.IGNORECASE | re.DOTALL)  # file:/x (RFC 8089: no authority)
+
+
+def scheme_of(url: str) -> str | None:
+    """The scheme of ``url`` in lower case (``"S3://b"`` -> ``"s3"``, ``"file:/x"`` -> ``"file"``), or None
+    for a plain path."""
+    match = _AUTHORITY_URL.fullmatch(url) or _LOCAL_URL.fullmatch(url)
+    return match[1].lower() if match else None
+
+
+def file_url_path(url: str) -> str | None:
+    """The path a local URL names, as spelled (``"file://localhost/a/./b"`` -> ``"/a/./b"``: not
+    normalised), or None when ``url`` is not a local URL (a plain path, another scheme).
+
+    RFC 8089 (see the module docstring): `UnsupportedScheme` for ``file://otherhost/x`` and for a
+    ``file:`` URL without an absolute path.
+    """
+    match = _AUTHORITY_URL.fullmatch(url)
+    if match:
+        scheme, rest = match[1].lower(), match[2]
+        if scheme not in LOCAL_SCHEMES:
+            return None
+        host, _, path = rest.partition("/")
+        if host.lower() not in ("", "localhost"):
+            raise UnsupportedScheme(f"a {scheme}:// URL names a file on host {host!r}, not on this machine: write "
+                                    f"{scheme}:///path, {scheme}://localhost/path or a plain path", url)
+        return "/" + path.lstrip("/")
+    match = _LOCAL_URL.fullmatch(url)
+    if match:
+        scheme = match[1].lower()
+        if not match[2].startswith("/"):
+            raise UnsupportedScheme(f"a {scheme}: URL must hold an absolute path ({scheme}:/path or {scheme}:///path)",
+                                    url)
+        return "/" + match[2].lstrip("/")
+    return None
 
 
 def split_scheme(url: str) -> tuple[str, str]:
-    """``"s3://b/k"`` -> ``("s3", "b/k")``; a plain path or ``file://`` URL -> ``("file", abs path)``."""
-    if "://" not in url:
-        return "file", os.path.abspath(url)
-    scheme, rest = url.split("://", 1)
-    if scheme in LOCAL_SCHEMES:
-        return "file", os.path.abspath("/" + rest.lstrip("/")) if rest else "/"
-    return scheme, rest
+    """``"s3://b/k"`` -> ``("s3", "b/k")``; a plain path or a local URL -> ``("file", abs path)``.
+
+    Local URLs per RFC 8089 (`file_url_path`; `UnsupportedScheme` for ``file://otherhost/x`` and for a
+    ``file:`` URL without an absolute path).
+    """
+    path = file_url_path(url)
+    if path is not None:
+        return "file", os.path.abspath(path)
+    match = _AUTHORITY_URL.fullmatch(url)
+    if match:
+        return match[1].lower(), match[2]
+    return "file", os.path.abspath(url)
 
 
 def is_local(url: str) -> bool:
@@ -47,6 +98,6 @@ def join(url: str, *parts: str) -> str:
         for piece in part.replace("\\", "/").split("/"):
             if piece == "..":
                 raise ValueError(f"path traversal in {part!r}")
-    if is_local(url) and "://" not in url:
+    if scheme_of(url) is None:
         return os.path.join(url, *parts)
     return posixpath.join(url.rstrip("/"), *parts)

@@ -11,6 +11,7 @@ spelled (a trailing slash). Where releases go is the deployment's business, not 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 
@@ -250,3 +251,46 @@ def test_a_shared_disk_run_root_is_accepted_once_opted_in_in_either_spelling(dep
     for bad in ("/", "file:///", "relative/run", "s3://bucket/run", "/data/../etc"):
         with pytest.raises(ValueError):
             WebhookSettings(token=TOKEN, shared_disk_roots=(bad,))
+
+
+def test_shared_disk_run_roots_are_resolved_before_the_root_check_and_the_key(deployed, prefect_api, tmp_path):
+    """Issue 17 point 9: links under a shared-disk root that point to ``/etc`` or ``/`` used to be accepted;
+    ``root/./exp1`` and ``root//exp1`` each got their own idempotency key (duplicate runs of one checkpoint).
+    Run roots are resolved (realpath) first: the links are outside (422), the spellings are one key, one run."""
+    root = tmp_path / "shared"
+    (root / "exp1").mkdir(parents=True)
+    (root / "etc").symlink_to("/etc")
+    (root / "top").symlink_to("/")
+    (root / "alias").symlink_to(root / "exp1")
+    settings = WebhookSettings(token=TOKEN, prefect_api_url=prefect_api.url, shared_disk_roots=(str(root),))
+    with TestClient(create_app(settings)) as shared:
+        for outside in (f"{root}/etc", f"{root}/top", f"{root}/top/etc", f"file://{root}/etc"):
+            assert _post(shared, {"run_root": outside, "step": 73}).status_code == 422, outside
+        answers = [_post(shared, {"run_root": spelling, "step": 73}) for spelling in
+                   (f"{root}/exp1", f"{root}/./exp1", f"{root}//exp1", f"file://localhost{root}/exp1", f"{root}/alias")]
+    assert all(a.status_code == 202 for a in answers), [a.text for a in answers]
+    assert {a.json()["idempotency_key"] for a in answers} == {f"{root}/exp1:actor:73"}
+    assert len({a.json()["flow_run_id"] for a in answers}) == 1
+
+
+def test_a_shared_disk_root_that_is_slash_in_any_spelling_is_refused(tmp_path):
+    (tmp_path / "slash").symlink_to("/")
+    for bad in ("/.", "//", "/./", "file:///.", str(tmp_path / "slash"), "file://otherhost/data"):
+        with pytest.raises(ValueError):
+            WebhookSettings(token=TOKEN, shared_disk_roots=(bad,))
+
+
+@pytest.mark.parametrize("variable, value", [("STEPMERGE_WEBHOOK_SHARED_DISK_ROOTS", "/."),
+                                             ("STEPMERGE_WEBHOOK_SCHEMES", "ftp")])
+def test_a_bad_setting_stops_the_start_with_one_line(prefect_api, monkeypatch, variable, value):
+    """Issue 17 point 9: a bad ``STEPMERGE_WEBHOOK_*`` value was a pydantic traceback at start; it is one
+    line naming the variable (`WebhookNotConfigured`, what ``uvicorn --factory`` prints and exits on)."""
+    for name in list(os.environ):
+        if name.startswith("STEPMERGE_WEBHOOK_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("STEPMERGE_WEBHOOK_TOKEN", TOKEN)
+    monkeypatch.setenv("PREFECT_API_URL", prefect_api.url)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(WebhookNotConfigured) as info:
+        create_app()
+    assert info.value.code.startswith(f"stepmerge webhook: {variable}: ") and "\n" not in info.value.code

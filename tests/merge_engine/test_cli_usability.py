@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -103,3 +104,18 @@ def test_discover_of_a_missing_run_root_fails_naming_it(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == (f"stepmerge: error: RunRootNotFound: no files under this run root: it does not "
                                    f"exist (a typo?) or nothing was written there yet [{tmp_path / 'exp1n'}]")
+
+
+def test_file_urls_on_the_command_line_follow_rfc_8089(fsdp_runs, tmp_path, capsys):
+    """Issue 17 point 6: ``file:/x`` (no authority) reads /x, ``FILE://localhost/x`` writes /x (not
+    ``/localhost/x``, not a ValueError traceback); ``file://otherhost/x`` is one line naming the URL,
+    exit 2, nothing written anywhere."""
+    source = tmp_path / "actor"
+    shutil.copytree(fsdp_runs[VARIANT].latest.checkpoint_dir, source)
+    assert main(["merge", "--backend", "fsdp", "--local_dir", f"file:{source}",
+                 "--target_dir", f"FILE://localhost{tmp_path}/out"]) == 0
+    assert (tmp_path / "out" / "stepmerge.json").is_file() and not os.path.exists(f"/localhost{tmp_path}")
+    capsys.readouterr()
+    assert main(["merge", "--backend", "fsdp", "--local_dir", str(source), "--target_dir", "file://otherhost/out"]) == 2
+    err = capsys.readouterr().err
+    assert "otherhost" in err and "Traceback" not in err and not os.path.exists("/otherhost")
