@@ -97,6 +97,15 @@ class AdapterError(StepmergeError):
     """A LoRA adapter is inconsistent with its base, its metadata, or the requested combination."""
 
 
+class LoraRankMismatch(AdapterError):
+    """A stored LoRA module's rank is not the rank PEFT gives it for the run's settings (a guess is never made)."""
+
+    def __init__(self, module: str, found: int, expected: int, settings: str, path: str | None = None) -> None:
+        self.module, self.found, self.expected = module, found, expected
+        super().__init__(f"{module}: the stored LoRA factors have rank {found} but PEFT gives this module rank "
+                         f"{expected} for the run's settings ({settings})", path)
+
+
 class ValidationFailed(StepmergeError):
     """A merged model failed validation; nothing was published."""
 

@@ -133,7 +133,8 @@ class MergeJob:
         provenance = {"source": self.source_url, "layout": checkpoint.layout,
                       "options": self.options.output_options("merge"), "parallel": checkpoint.parallel,
                       "tensors": len(plan.tensors), "tensor_bytes": plan.total_size,
-                      "config_translation": [change.to_json() for change in plan.config_changes]}
+                      "config_translation": [change.to_json() for change in plan.config_changes],
+                      **stored.records}
         return PreparedJob([PlannedOutput(plan, source, then=metadata)], provenance, kind=self.kind,
                            layout=checkpoint.layout, notes=plan.notes, sources=[source])
 

@@ -79,6 +79,7 @@ class MergePlan:
     notes: tuple[str, ...] = ()
     # the keys config_updates adds for transformers 4.x readers (`merge_engine.hub_config.ConfigChange`)
     config_changes: tuple[Any, ...] = field(default=(), hash=False)
+    records: dict[str, Any] = field(default_factory=dict, hash=False)  # what stepmerge.json records of the plan
 
     @property
     def total_size(self) -> int:

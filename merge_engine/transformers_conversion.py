@@ -120,9 +120,14 @@ def conversion_known(config: Mapping[str, Any]) -> bool:
 
 @functools.lru_cache(maxsize=8)
 def _meta_model(config_json: str):
+    return fresh_meta_model(json.loads(config_json))
+
+
+def fresh_meta_model(config: Mapping[str, Any]):
+    """A new model of ``config``'s class on the ``meta`` device, not cached (for callers that change it,
+    e.g. PEFT wrapping it: `merge_engine.lora.peft_settings`); None when transformers has no class for it."""
     import transformers
 
-    config = json.loads(config_json)
     cfg = _config_object(config)
     if cfg is None:
         return None

@@ -64,6 +64,7 @@ TP_PLAN: dict[str, str] = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "c
                            "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
                            "mlp.down_proj": "rowwise"}
 ROLES: tuple[str, ...] = ("actor", "critic", "")
+WRITERS: tuple[str, ...] = ("stepmerge", "verl")
 SAVE_CONTENTS: tuple[str, ...] = ("model", "optimizer", "extra", "hf_model")
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 REFERENCE_STATE_DICT = "state_dict.safetensors"
@@ -122,12 +123,19 @@ class FsdpSpec:
     # (old, new) key renames applied to the saved state dicts: the attribute names of the same model
     # under transformers 4.x (GPT-NeoX's head was `embed_out`), which verl's writer saved then
     key_renames: tuple[tuple[str, str], ...] = ()
+    # who saves the step: "stepmerge" (this module, verl's file set re-created) or "verl" (verl 0.9.1's own
+    # FSDPCheckpointManager.save_checkpoint, imported in the ranks from `synthetic_runs.verl_lib`)
+    writer: str = "stepmerge"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.writer not in WRITERS:
+            raise ValueError(f"writer must be one of {WRITERS}, got {self.writer!r}")
+        if self.writer == "verl" and (self.role != "actor" or self.key_renames):
+            raise ValueError("verl's own writer saves an actor's files as they are")
         if (self.strategy == "single") != (self.world_size == 1):
             raise ValueError("strategy 'single' is the one (and only) strategy for world_size 1")
         if self.strategy in ("hsdp", "fsdp2_hsdp") and (
@@ -505,7 +513,12 @@ class _RankGroup:
             json.dump([job.to_dict() for job in self.jobs], handle)
         package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+        verl = None
+        if any(job.spec.writer == "verl" for job in self.jobs):
+            from synthetic_runs.verl_lib import verl_lib_dir
+
+            verl = verl_lib_dir()
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH"), verl) if p)
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         env.setdefault("PYTHONWARNINGS", "ignore")
         if sys.platform.startswith("linux"):
@@ -878,6 +891,10 @@ def _write_rank(job: StepJob, rank: int, world_size: int, meshes: dict) -> None:
     optimizer, scheduler = _train_one_step(model, spec)
     dist.barrier()  # verl: local_mkdir_safe + barrier before anyone writes
 
+    if spec.writer == "verl":
+        _save_with_verl(job, model, optimizer, scheduler, expected_keys, files)
+        del model, optimizer, scheduler
+        return
     with _state_dict_context(model, spec):
         model_state = model.state_dict()
         if sorted(model_state) != sorted(expected_keys):
@@ -912,3 +929,30 @@ def _write_rank(job: StepJob, rank: int, world_size: int, meshes: dict) -> None:
     if rank == 0:
         torch.save(_dataloader_state(_step_number(job.step_dir)), os.path.join(files.step_dir, "data.pt"))
     del model, optimizer, scheduler, model_state
+
+
+def _save_with_verl(job: StepJob, model: torch.nn.Module, optimizer, scheduler, expected_keys: list[str],
+                    files: StepFiles) -> None:
+    """verl 0.9.1's own FSDPCheckpointManager.save_checkpoint saves the step (rank files, huggingface/ config
+    and tokenizer, fsdp_config.json, lora_train_meta.json); then the trainer's data.pt, as verl's trainer does."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+    from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+
+    spec = job.spec
+    if sorted(model.state_dict()) != sorted(expected_keys):
+        raise AssertionError("the sharded model's keys differ from the unsharded model's")
+    tokenizer_dir = os.path.join(files.step_dir, ".tokenizer_rank_" + str(dist.get_rank()))
+    write_hf_metadata(tokenizer_dir, spec.model, spec.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = OmegaConf.create({"save_contents": list(spec.save_contents), "load_contents": list(spec.save_contents)})
+    manager = FSDPCheckpointManager(model, optimizer, lr_scheduler=scheduler, processing_class=tokenizer,
+                                    checkpoint_config=config)
+    manager.save_checkpoint(files.checkpoint_dir, global_step=_step_number(job.step_dir))
+    dist.barrier()
+    import shutil
+
+    shutil.rmtree(tokenizer_dir)
+    if dist.get_rank() == 0:
+        torch.save(_dataloader_state(_step_number(job.step_dir)), os.path.join(files.step_dir, "data.pt"))

@@ -6,7 +6,8 @@ FSDP2, HSDP, one rank, tied/untied, Qwen2/Llama, fp32/bf16, buffers, critic, SFT
 run root with one step, plus the exact reference weights each was sharded from.
 `lora_steps`: verl Megatron LoRA steps (Megatron-Bridge PEFT) of a tiny Qwen2 and Qwen3-MoE at TP 2, PP 2,
 TP 2 x EP 2, both ``use_dist_checkpointing`` settings (`synthetic_runs.megatron_lora`: a writer of our own).
-`verl_lora_runs`: verl's default LoRA (all-linear) on every MoE family (`synthetic_runs.fsdp.verl_lora_matrix()`).
+`verl_lora_runs`: verl's default LoRA (all-linear) on every MoE family (`synthetic_runs.fsdp.verl_lora_matrix()`);
+`verl_saved_lora_run`: the Mixtral one saved by verl 0.9.1's own FSDPCheckpointManager.
 """
 
 from __future__ import annotations
@@ -80,3 +81,19 @@ def lora_steps(tmp_path_factory):
                            peft_folder=export, alpha=LORA_ALPHA)
         steps[name] = write_lora_step(root / name / "global_step_1" / "actor", spec, bases[family])
     return steps
+
+
+@pytest.fixture(scope="session")
+def verl_saved_lora_run(tmp_path_factory) -> synthetic_runs.RunFiles:
+    """Mixtral with verl's default LoRA, FSDP2 world 2, the step saved by verl 0.9.1's OWN
+    ``FSDPCheckpointManager.save_checkpoint`` (`synthetic_runs.verl_lib`: installed once per machine), with
+    the same weights as ``verl_lora_runs["mixtral_verl_lora_w2"]``."""
+    import dataclasses
+
+    from synthetic_runs.fsdp import verl_lora_matrix
+
+    spec = dataclasses.replace(verl_lora_matrix()["mixtral_verl_lora_w2"], writer="verl")
+    root = tmp_path_factory.mktemp("synthetic_verl_saved")
+    runs = synthetic_runs.write_fixture_matrix(root / "runs", reference_root=root / "references", steps=(1,),
+                                               specs={"mixtral_verl_saved": spec})
+    return runs["mixtral_verl_saved"]

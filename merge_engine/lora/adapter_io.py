@@ -58,6 +58,7 @@ class LoraModule:
     scale: float
     embedding: bool = False
     fan_in_fan_out: bool = False
+    alpha: float | None = None  # PEFT's lora_alpha of the module (scale = alpha / rank, or / sqrt(rank) rsLoRA)
 
     @property
     def transposed(self) -> bool:
@@ -113,7 +114,7 @@ def lora_modules(factors: Mapping[str, Mapping[str, tuple[str, bool]]], metas: M
             raise AdapterError(f"{module}: the config gives r={settings.rank_of(module)} but its factors have rank "
                                f"{rank}", where)
         modules[module] = LoraModule(module, a, b, rank, a_shape[1], b_shape[0], settings.scale_of(module, rank),
-                                     embedding, settings.fan_in_fan_out and not embedding)
+                                     embedding, settings.fan_in_fan_out and not embedding, settings.alpha_of(module))
     return modules
 
 

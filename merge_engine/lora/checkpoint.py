@@ -14,6 +14,8 @@ trained copy in place of its original. `merge_engine.lora.extract` writes the ad
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +31,7 @@ from merge_engine.lora.config import LoraSettings
 from merge_engine.lora.fuse import WeightedAdapter, plan_fused_model
 from merge_engine.lora.fused_experts import find_expert_loras, transposed_expert_modules, with_scales
 from merge_engine.lora.keys import LORA_A, LORA_B, TRAINED_COPY, parse_key
+from merge_engine.lora.peft_settings import StoredFactors, TrainedSettings, resolve_trained_settings
 from merge_engine.lora.sources import RenamedSource
 from merge_engine.merge_plan import MergePlan
 from merge_engine.output_heads import check_dropped_head
@@ -183,6 +186,7 @@ class CheckpointLora:
     adapter: Adapter
     run: RunLoraMetadata
     alpha_from: str
+    trained: TrainedSettings | None = None  # each module's (r, alpha, scaling) as PEFT trained it
 
 
 def resolve_checkpoint_lora(url: str, metas: Mapping[str, TensorMeta], lora_alpha: float | None,
@@ -201,10 +205,68 @@ def resolve_checkpoint_lora(url: str, metas: Mapping[str, TensorMeta], lora_alph
              for module, parts in factors.items()}
     ranks.update({name: lora.rank for name, lora in experts.items()})
     settings, exact = checkpoint_settings(run, alpha, ranks, url)
+    parameters = {parse_key(lora.a, url).name: name for name, lora in experts.items()}
+    trained = trained_settings(model_config, settings, run, keys.factors, metas, parameters, url)
+    if trained is not None:
+        settings, exact = with_trained_patterns(settings, trained, parameters), True
     settings = _with_fan_in_fan_out(settings, set(factors), model_config, url)
     modules = lora_modules(factors, metas, settings, url, config_ranks=exact)
-    adapter = Adapter(url, settings, modules, dict(keys.trained_copies), dict(metas), with_scales(experts, settings))
-    return CheckpointLora(keys, adapter, run, alpha_from)
+    scaled = with_scales(experts, settings)
+    if trained is not None:
+        _check_scales(trained, modules, {module: scaled[name] for module, name in parameters.items()}, url)
+    adapter = Adapter(url, settings, modules, dict(keys.trained_copies), dict(metas), scaled)
+    return CheckpointLora(keys, adapter, run, alpha_from, trained)
+
+
+def trained_settings(model_config: Mapping[str, Any] | None, settings: LoraSettings, run: RunLoraMetadata,
+                     factors: Mapping[str, Mapping[str, tuple[str, bool]]], metas: Mapping[str, TensorMeta],
+                     parameters: Mapping[str, str], where: str | None) -> TrainedSettings | None:
+    """Every stored module's (r, lora_alpha, scaling) as PEFT trained it (`merge_engine.lora.peft_settings`).
+
+    None only when transformers has no class for the config (remote code): then PEFT cannot be asked, and
+    the run's plain ``r`` / ``lora_alpha`` (and recorded patterns) apply, which is what PEFT does for the
+    plain modules of a model it does not convert; a LoRA on fused expert parameters is refused there."""
+    if not model_config or not _buildable(model_config):
+        if parameters:
+            raise AdapterError("LoRA on fused expert parameters of a model transformers cannot build: PEFT's rank "
+                               "and alpha for them cannot be resolved", where)
+        return None
+    return resolve_trained_settings(model_config, settings.r, settings.lora_alpha, dict(run.config or {}),
+                                    StoredFactors.from_metas(factors, metas, parameters), where)
+
+
+def _buildable(model_config: Mapping[str, Any]) -> bool:
+    from merge_engine.transformers_conversion import meta_model
+
+    try:
+        return meta_model(model_config) is not None
+    except Exception:  # noqa: BLE001 - a config transformers cannot build
+        return False
+
+
+def with_trained_patterns(settings: LoraSettings, trained: TrainedSettings, parameters: Mapping[str, str]
+                          ) -> LoraSettings:
+    """``settings`` whose rank and alpha patterns give every module PEFT's own (r, lora_alpha): one exact
+    (escaped) full name per module that differs from the global r / lora_alpha; fused expert wrappers by
+    the parameter they adapt (``model.layers.0.mlp.experts.gate_up_proj``)."""
+    ranks, alphas = {}, {}
+    for module, resolved in sorted(trained.modules.items()):
+        name = re.escape(parameters.get(module, module))
+        if resolved.r != settings.r:
+            ranks[name] = resolved.r
+        if resolved.lora_alpha != settings.lora_alpha:
+            alphas[name] = resolved.lora_alpha
+    return dataclasses.replace(settings, rank_pattern=ranks, alpha_pattern=alphas)
+
+
+def _check_scales(trained: TrainedSettings, modules: Mapping[str, Any], experts: Mapping[str, Any],
+                  where: str | None) -> None:
+    """Every module's scale is PEFT's ``scaling`` (a self-check of `with_trained_patterns`)."""
+    for module, resolved in trained.modules.items():
+        lora = modules.get(module) or experts.get(module)
+        if lora is None or not math.isclose(lora.scale, resolved.scaling, rel_tol=1e-9):
+            raise AdapterError(f"{module}: scale {getattr(lora, 'scale', None)} is not PEFT's {resolved.scaling}",
+                               where)
 
 
 def base_shapes(keys: LoraCheckpointKeys, metas: Mapping[str, TensorMeta],
@@ -263,5 +325,19 @@ def plan_trained_model(checkpoint: Checkpoint, source: TensorSource, config: Map
                             base_names=lora.keys.base, tie_flag=tie_flag)
     check_dropped_head(base, plan, chunk_bytes)
     note = (f"LoRA fused into the base (lora_alpha={lora.adapter.settings.lora_alpha:g} from {lora.alpha_from}; "
-            f"{len(lora.adapter.modules)} modules, {len(lora.keys.trained_copies)} trained copies)")
-    return MergePlan(plan.tensors, plan.shards, plan.config_updates, plan.notes + (note,))
+            + (f"each module's rank and alpha as PEFT resolved {lora.trained.source}; " if lora.trained else "")
+            + f"{len(lora.adapter.modules)} modules, {len(lora.keys.trained_copies)} trained copies)")
+    return MergePlan(plan.tensors, plan.shards, plan.config_updates, plan.notes + (note,),
+                     records=lora_records(lora))
+
+
+def lora_records(lora: CheckpointLora) -> dict[str, Any]:
+    """What ``stepmerge.json`` records of a checkpoint's LoRA: where lora_alpha came from, and every module's
+    (r, lora_alpha, scaling) as PEFT trained it, with the settings PEFT was given."""
+    record: dict[str, Any] = {"lora_alpha": lora.adapter.settings.lora_alpha, "lora_alpha_from": lora.alpha_from}
+    if lora.trained is not None:
+        record["peft_settings"] = lora.trained.to_json()
+    else:
+        record["peft_settings"] = {"source": "the run's r / lora_alpha: transformers cannot build this model, so "
+                                             "PEFT was not asked"}
+    return {"lora": record}

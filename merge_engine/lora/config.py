@@ -126,6 +126,45 @@ def rank_layout(ranks: Mapping[str, int]) -> tuple[int, dict[str, int]]:
     return r, pattern
 
 
+def settings_layout(pairs: Mapping[str, tuple[int, float]], aliases: Mapping[str, tuple[int, float]] | None = None
+                    ) -> tuple[int, float, dict[str, int], dict[str, float]]:
+    """(r, lora_alpha, rank_pattern, alpha_pattern) under which PEFT's matching gives every module of ``pairs``
+    (full name -> (rank, alpha)) and every name of ``aliases`` (the same modules as PEFT names them on another
+    base: a fused expert parameter, ``mlp.gate.weight``) its (rank, alpha).
+
+    r / lora_alpha: the most common pair of ``pairs`` (the larger on a tie). Each name that differs gets a key:
+    the shortest dotted suffix (escaped) that every name ending in it shares its pair with, so a per-expert
+    module set collapses to one key (``w1``) where it can. Every name a key matches has that key's pair, so the
+    keys' order (PEFT takes the first that matches; the file is written with sorted keys) does not matter.
+    Every name is then checked with PEFT's matching (`pattern_key`); `AdapterError` if one cannot be expressed."""
+    if not pairs:
+        raise AdapterError("no LoRA modules")
+    everything = {**dict(aliases or {}), **dict(pairs)}
+    counts = Counter(pairs.values())
+    r, alpha = max(counts, key=lambda k: (counts[k], k))
+    keys: dict[str, tuple[int, float]] = {}
+    for name, pair in sorted(everything.items()):
+        if pair == (r, alpha):
+            continue
+        parts = name.split(".")
+        for k in range(1, len(parts) + 1):
+            key = re.escape(".".join(parts[-k:]))
+            if all(other == pair for other_name, other in everything.items() if pattern_key([key], other_name)):
+                keys[key] = pair
+                break
+    ordered = sorted(keys)
+    rank_pattern = {k: int(keys[k][0]) for k in ordered if keys[k][0] != r}
+    alpha_pattern = {k: float(keys[k][1]) for k in ordered if keys[k][1] != alpha}
+    for name, (rank, module_alpha) in everything.items():
+        rank_key, alpha_key = pattern_key(rank_pattern, name), pattern_key(alpha_pattern, name)
+        got = (rank_pattern[rank_key] if rank_key is not None else r,
+               alpha_pattern[alpha_key] if alpha_key is not None else alpha)
+        if got != (rank, module_alpha):
+            raise AdapterError(f"cannot express the rank and alpha of {name} ({rank}, {module_alpha:g}) as PEFT "
+                               f"rank/alpha patterns (they would give {got})")
+    return int(r), float(alpha), rank_pattern, alpha_pattern
+
+
 def infer_target_modules(modules: Iterable[str], candidates: Iterable[str] | None = None) -> list[str]:
     """``target_modules`` selecting exactly ``modules``: their last name parts when those select no
     other module among ``candidates`` (the base's modules), else the full module names."""

@@ -55,6 +55,7 @@ class ExpertLora:
     in_features: int
     out_features: int
     scale: float
+    alpha: float | None = None  # PEFT's lora_alpha of the wrapper
 
     @property
     def weight_shape(self) -> tuple[int, int, int]:
@@ -138,7 +139,8 @@ def find_expert_loras(factors: Mapping[str, Mapping[str, tuple[str, bool]]],
 
 def with_scales(experts: Mapping[str, ExpertLora], settings: LoraSettings) -> dict[str, ExpertLora]:
     """``experts`` with PEFT's scaling of each (alpha / r, rank and alpha patterns matched on the parameter)."""
-    return {name: dataclasses.replace(lora, scale=settings.scale_of(name, lora.rank)) for name, lora in experts.items()}
+    return {name: dataclasses.replace(lora, scale=settings.scale_of(name, lora.rank), alpha=settings.alpha_of(name))
+            for name, lora in experts.items()}
 
 
 def check_experts_fit(experts: Mapping[str, ExpertLora], base_metas: Mapping[str, TensorMeta],

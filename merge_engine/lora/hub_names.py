@@ -121,6 +121,11 @@ class ExportedAdapter:
     notes: tuple[str, ...] = field(default=())
     # LoRAs kept on fused expert tensors (PEFT target_parameters): tensor name -> (rank, its shape)
     fused_parameters: Mapping[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    # every written module (and kept fused tensor) -> PEFT's lora_alpha of the stored module it comes from
+    alphas: Mapping[str, float] = field(default_factory=dict)
+    # every written module (and kept fused tensor) -> the stored module it comes from (a fused expert wrapper:
+    # ``model.layers.0.mlp.experts.base_layer``), so the trained settings of each are known
+    sources: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def target_parameters(self) -> list[str]:
@@ -175,12 +180,18 @@ class _Builder:
         self.ranks: dict[str, int] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.embeddings: set[str] = set()
+        self.alphas: dict[str, float] = {}
+        self.sources: dict[str, str] = {}
 
     def add(self, module: str, rank: int, weight_shape: tuple[int, ...], embedding: bool,
-            a: tuple[tuple[int, ...], str, object], b: tuple[tuple[int, ...], str, object]) -> None:
+            a: tuple[tuple[int, ...], str, object], b: tuple[tuple[int, ...], str, object], *,
+            alpha: float | None, source: str) -> None:
         if module in self.ranks:
             raise AdapterError(f"two LoRA factors would be written as {module}")
         self.ranks[module], self.shapes[module] = rank, weight_shape
+        self.sources[module] = source
+        if alpha is not None:
+            self.alphas[module] = alpha
         if embedding:
             self.embeddings.add(module)
         for factor, (shape, key, build) in ((LORA_A, a), (LORA_B, b)):
@@ -214,7 +225,7 @@ def export_adapter(modules: Mapping[str, LoraModule], experts: Mapping[str, Expe
             renamed += name != lora.module
             out.add(name, lora.rank, lora.weight_shape, lora.embedding,
                     (tuple(metas[lora.a].shape), lora.a, CheckedCopy(lora.a)),
-                    (tuple(metas[lora.b].shape), lora.b, CheckedCopy(lora.b)))
+                    (tuple(metas[lora.b].shape), lora.b, CheckedCopy(lora.b)), alpha=lora.alpha, source=lora.module)
             continue
         _check_covered(views, lora.out_features * lora.in_features, lora.weight_name, where)
         for hub_name, view in views:
@@ -227,12 +238,17 @@ def export_adapter(modules: Mapping[str, LoraModule], experts: Mapping[str, Expe
             renamed += 1
             out.add(_module(hub_name), lora.rank, (rows, lora.in_features), False,
                     ((lora.rank, lora.in_features), lora.a, CheckedCopy(lora.a)),
-                    ((rows, lora.rank), lora.b, FactorRange(lora.b, first * lora.rank, rows * lora.rank)))
+                    ((rows, lora.rank), lora.b, FactorRange(lora.b, first * lora.rank, rows * lora.rank)),
+                    alpha=lora.alpha, source=lora.module)
     fused: dict[str, tuple[int, tuple[int, ...]]] = {}
     for lora in experts.values():
         views = pieces.get(lora.parameter)
+        wrapper = parse_key(lora.a, where).name
         if not views:  # the base keeps the fused tensor: PEFT's own target_parameters form, as trained
             fused[lora.parameter] = (lora.rank, lora.weight_shape)
+            out.sources[lora.parameter] = wrapper
+            if lora.alpha is not None:
+                out.alphas[lora.parameter] = lora.alpha
             for factor, key in ((LORA_A, lora.a), (LORA_B, lora.b)):
                 out.tensors.append(PlannedTensor(adapter_file_key(parse_key(key, where).name, factor, False),
                                                  tuple(metas[key].shape), dtype or metas[key].dtype, key,
@@ -251,7 +267,8 @@ def export_adapter(modules: Mapping[str, LoraModule], experts: Mapping[str, Expe
             out.add(_module(hub_name), lora.rank, (rows, lora.in_features), False,
                     ((lora.rank, lora.in_features), lora.a, FactorRange(lora.a, expert * span, span)),
                     ((rows, lora.rank), lora.b,
-                     ExpertColumns(lora.b, expert, lora.num_experts, first, first + rows, b_cache)))
+                     ExpertColumns(lora.b, expert, lora.num_experts, first, first + rows, b_cache)),
+                    alpha=lora.alpha, source=wrapper)
     copies: dict[str, str] = {}
     for name, key in sorted(trained_copies.items()):
         views = pieces.get(name)
@@ -268,7 +285,7 @@ def export_adapter(modules: Mapping[str, LoraModule], experts: Mapping[str, Expe
     if fused:
         notes += (f"{len(fused)} fused expert tensors kept in PEFT's target_parameters form",)
     return ExportedAdapter(tuple(out.tensors), out.ranks, out.shapes, frozenset(out.embeddings), copies,
-                           frozenset(base_modules), notes, fused)
+                           frozenset(base_modules), notes, fused, out.alphas, out.sources)
 
 
 def check_exported_fits(exported: ExportedAdapter, base_metas: Mapping[str, TensorMeta], adapter_url: str,
