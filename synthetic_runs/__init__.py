@@ -2,7 +2,8 @@
 
 - `models`: tiny `transformers` models (Qwen2, Llama; causal LM or critic) with deterministic weights.
 - `tokenizer`: a small real tokenizer trained locally with `tokenizers`.
-- `fsdp`: verl-layout FSDP checkpoints written by real `torch.distributed` (gloo, spawned ranks).
+- `fsdp`: verl-layout FSDP checkpoints written by real `torch.distributed` (gloo, spawned ranks); a step
+  can also be saved by verl 0.9.1's own `FSDPCheckpointManager` (`verl_lib`: installed once per machine).
 
 Importable without pytest; `python -m synthetic_runs --help` is the command line.
 """

@@ -3,6 +3,8 @@
 Modules, one job each:
 - `keys`        PEFT's tensor names (training checkpoints and adapter files), classified
 - `config`      adapter_config.json semantics (scaling, rank/alpha patterns, target modules)
+- `peft_settings` each module's (r, lora_alpha, scaling) as PEFT trained it, asked of PEFT on the meta
+                device (verl records only r / lora_alpha; PEFT 0.21 gives fused gate/up 2r AND 2 * alpha)
 - `adapter_io`  read an adapter folder, check it against a base, plan writing one
 - `sources`     renamed and namespaced views over tensor sources
 - `fused_experts` LoRA on transformers v5's fused 3-D expert tensors (PEFT target_parameters):

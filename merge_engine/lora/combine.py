@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,11 +35,14 @@ from merge_engine.lora.adapter_io import (
     base_modules,
     check_fits_base,
     read_adapter,
+    read_adapter_config,
+    with_base,
     write_adapter_config,
 )
 from merge_engine.lora.config import (
     adapter_config,
     infer_target_modules,
+    number,
     rank_layout,
     targets,
 )
@@ -52,6 +56,7 @@ from merge_engine.lora.fuse import (
     tensor_updates,
 )
 from merge_engine.lora.keys import PEFT_PREFIX, adapter_file_key, module_of
+from merge_engine.lora.peft_settings import check_adapter_scales
 from merge_engine.lora.sources import NamespacedSource, qualified
 from merge_engine.lora.svd import (
     Factors,
@@ -300,6 +305,26 @@ def check_merge_lora_options(base_url: str | None, adapter_urls: Sequence[str], 
     return weights
 
 
+def adapter_settings(inputs: Sequence[WeightedAdapter], base_metas: Mapping[str, TensorMeta] | None,
+                     config: Mapping[str, Any] | None, base_url: str | None) -> dict[str, dict[str, dict]]:
+    """Per adapter: each module's (and fused expert tensor's) r, lora_alpha and the scale applied, as the
+    adapter's config gives them under PEFT's matching; with a base config, checked against PEFT's own layers
+    for that config on the base's model (`merge_engine.lora.peft_settings.check_adapter_scales`)."""
+    out: dict[str, dict[str, dict]] = {}
+    for item in inputs:
+        adapter = item.adapter
+        if base_metas is not None and adapter.wrapped:
+            adapter = with_base(adapter, base_metas, base_url)
+        records = {m.module: (m.rank, m.alpha, m.scale) for m in adapter.modules.values()}
+        records.update({name: (e.rank, e.alpha, e.scale) for name, e in adapter.experts.items()})
+        if config is not None:
+            check_adapter_scales(config, read_adapter_config(adapter.url),
+                                 {name: scale for name, (_, _, scale) in records.items()}, adapter.url)
+        out[adapter.url] = {name: {"r": rank, "lora_alpha": number(alpha) if alpha is not None else None,
+                                   "scaling": scale} for name, (rank, alpha, scale) in sorted(records.items())}
+    return out
+
+
 def combine_fingerprint(base_url: str | None, adapter_urls: Sequence[str], options: OutputOptions) -> str:
     """The cache key of a merge-lora: every input folder's listing, the options, the engine version."""
     inputs_urls = {f"adapter{i}": url for i, url in enumerate(adapter_urls)}
@@ -364,7 +389,8 @@ class CombineJob:
         provenance = {"command": "merge-lora", "base": base_url, "adapters": list(self.adapter_urls),
                       "weights": weights, "options": options.output_options(self.command),
                       "tensors": len(plan.tensors), "tensor_bytes": plan.total_size,
-                      "svd": module_reports_json(reports) or None}
+                      "svd": module_reports_json(reports) or None,
+                      "lora": {"adapter_settings": adapter_settings(inputs, base_metas, config, base_url)}}
         if options.output == "model":  # config.json in the Hub's form: the keys added for 4.x readers
             provenance["config_translation"] = [change.to_json() for change in plan.config_changes]
         return PreparedJob([output], provenance, kind=options.output, notes=plan.notes, modules=tuple(reports),

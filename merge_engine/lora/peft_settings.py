@@ -240,15 +240,10 @@ def check_adapter_loads(model_config: Mapping[str, Any], adapter_json: Mapping[s
     name -> (rank per expert, scaling)); else `AdapterError` naming the first layer that differs. This is
     what ``PeftModel.from_pretrained`` does before it loads the tensors, so a config that would not load,
     or load with another scale, is refused before anything is written."""
-    import dataclasses
-
     import peft
 
-    fields = {f.name for f in dataclasses.fields(peft.LoraConfig)} - {"peft_type", "base_model_name_or_path",
-                                                                      "revision", "inference_mode", "auto_mapping"}
-    kwargs = {k: v for k, v in adapter_json.items() if k in fields and v is not None}
     try:
-        layers, _ = peft_layers(model_config, kwargs)
+        layers, _ = peft_layers(model_config, adapter_config_kwargs(adapter_json))
     except AdapterError:
         raise
     except Exception as exc:  # noqa: BLE001 - PEFT refuses the config: it would not load
@@ -263,3 +258,39 @@ def check_adapter_loads(model_config: Mapping[str, Any], adapter_json: Mapping[s
         if got.r != rank or abs(got.scaling - scaling) > 1e-9 * max(1.0, abs(scaling)):
             raise AdapterError(f"with the adapter config stepmerge would write, PEFT {peft.__version__} gives {module} "
                                f"rank {got.r} and scaling {got.scaling:g}, not {rank} and {scaling:g}", where)
+
+
+def adapter_config_kwargs(adapter_json: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``peft.LoraConfig`` keyword arguments of an adapter_config.json dict (bookkeeping fields dropped)."""
+    import dataclasses
+
+    import peft
+
+    fields = {f.name for f in dataclasses.fields(peft.LoraConfig)} - {"peft_type", "base_model_name_or_path",
+                                                                      "revision", "inference_mode", "auto_mapping"}
+    return {k: v for k, v in adapter_json.items() if k in fields and v is not None}
+
+
+def check_adapter_scales(model_config: Mapping[str, Any], adapter_json: Mapping[str, Any],
+                         scales: Mapping[str, float], where: str | None) -> dict[str, ModuleSettings]:
+    """PEFT's layers for an adapter folder's config on ``model_config``'s model (meta device), by the name PEFT
+    matches patterns against; every name of ``scales`` (module, or fused parameter, -> the scale stepmerge
+    applies) that PEFT builds must have PEFT's ``scaling``, else `AdapterError`. Names PEFT builds otherwise
+    (per-expert Hub modules, which PEFT 0.21 fuses on a transformers-5 model) are not compared. Empty when
+    transformers or PEFT cannot build the model with this config (then nothing is asked)."""
+    from merge_engine.transformers_conversion import fresh_meta_model
+
+    try:
+        if fresh_meta_model(model_config) is None:
+            return {}
+        layers, _ = peft_layers(model_config, adapter_config_kwargs(adapter_json))
+    except Exception:  # noqa: BLE001 - PEFT cannot build this adapter on this model: nothing to compare
+        return {}
+    by_key = {settings.peft_key: settings for settings in layers.values()}
+    for name, scale in sorted(scales.items()):
+        settings = by_key.get(name)
+        if settings is not None and abs(settings.scaling - scale) > 1e-9 * max(1.0, abs(scale)):
+            raise AdapterError(f"{name}: stepmerge would apply scale {scale:g} but PEFT gives it scaling "
+                               f"{settings.scaling:g} (r {settings.r}, lora_alpha {settings.lora_alpha:g}) with this "
+                               "adapter config", where)
+    return by_key

@@ -60,3 +60,15 @@ def test_shards_are_the_peft_model_and_the_lora_shows(verl_lora_runs, family):
             assert module.scaling["default"] == 4.0
     else:  # PEFT 0.21 leaves these experts alone (gpt-oss: (experts, in, out); Qwen2-MoE / Qwen3-VL-MoE: no rule)
         assert not wrappers
+
+
+def test_writer_choice_is_checked():
+    """Who saves a step is "stepmerge" (this repo's re-creation of verl's files) or "verl" (verl's own manager,
+    actor steps only); anything else is refused when the spec is made."""
+    from synthetic_runs import FsdpSpec
+
+    assert FsdpSpec().writer == "stepmerge"
+    with pytest.raises(ValueError, match="writer"):
+        FsdpSpec(writer="megatron")
+    with pytest.raises(ValueError, match="actor"):
+        FsdpSpec(writer="verl", role="critic")

@@ -8,7 +8,8 @@ weights, never stepmerge code):
 - ``extract-lora``'s Hub-format adapter (per-expert modules) and its transformers-format adapter (PEFT's
   ``target_parameters``) load in PEFT 0.21 with ``PeftModel.from_pretrained`` AND ``model.load_adapter`` onto
   the ``base/`` written beside them, with no missing or unexpected key, and give those logits;
-- ``merge-lora`` of the Hub adapter onto that base gives them too (the adapter's patterns read by stepmerge);
+- ``merge-lora`` of the Hub adapter onto that base gives them too (the adapter's patterns read by stepmerge,
+  each module's applied scale recorded in its ``stepmerge.json``);
 - ``stepmerge.json`` records each module's (r, lora_alpha, scaling) as PEFT resolved them, and the written
   ``adapter_config.json`` gives each module its trained scaling;
 - the fixture's LoRA moves the logits by more than 1 % of their scale, so a wrong scale cannot pass.
@@ -107,6 +108,9 @@ def test_extracted_adapter_loads_in_peft_as_trained(trained, family, weights_for
         fused = str(tmp_path / "fused")
         merge_lora(base_dir, [adapter], fused, MergeLoraOptions())
         assert _close(_logits(_load(fused)), expected) < TOLERANCE
+        with open(os.path.join(fused, "stepmerge.json")) as handle:
+            applied = json.load(handle)["lora"]["adapter_settings"][adapter]
+        assert applied and {settings["scaling"] for settings in applied.values()} == {4.0}
 
 
 def test_a_step_saved_by_verls_own_checkpoint_manager(verl_saved_lora_run, verl_lora_runs, trained, tmp_path):
