@@ -179,17 +179,10 @@ def test_extracted_adapter_loads_in_peft_0_17_and_0_21(name, adapter_reads):
 
 
 MOE_ADAPTER_FAMILIES = ("deepseek_v3", "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe")
-_HALF_SCALE = ("loads, but PEFT gave the fused gate/up 2r and 2*alpha and the adapter applies the run's alpha: "
-               "half the trained update, logits off by ~1.8 (issue 16 item 1)")
-_FUSED_TARGETS = ("extract-lora's adapter for PEFT's target_parameters on the fused experts: lora_A size mismatch on "
-                  "experts.base_layer (issue 16 item 1)")
 # (family, reader) -> why the extract-lora adapter of verl's default LoRA does not give the trained logits there
+# (Mixtral, Qwen3-MoE and DeepSeek-V3 in peft 0.21, Mixtral and Qwen3-MoE in peft 0.17 load exactly since each
+# module's rank and alpha are PEFT's own: merge_engine.lora.peft_settings, issue 16 item 1)
 MOE_ADAPTER_FAILURES = {
-    ("mixtral", "peft 0.21"): _FUSED_TARGETS,
-    ("qwen3_moe", "peft 0.21"): _FUSED_TARGETS,
-    ("deepseek_v3", "peft 0.21"): _FUSED_TARGETS,
-    ("mixtral", "peft 0.17"): _HALF_SCALE,
-    ("qwen3_moe", "peft 0.17"): _HALF_SCALE,
     ("deepseek_v3", "peft 0.17"): "the adapter targets the router mlp.gate, a DeepseekV3TopkRouter in transformers "
                                   "4.57, which PEFT 0.17 cannot adapt",
     ("qwen3_vl_moe", "peft 0.17"): "base/ holds transformers 5's layout of the fused experts (NOT_READABLE_IN_4_57)",

@@ -162,9 +162,6 @@ def test_a_lora_only_checkpoint_is_skipped_with_its_reason(runs, tmp_path):
     assert all(c.skipped for c in report.checks) and "only LoRA factors" in report.checks[0].detail
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 item 1 (helper lora-scale): stepmerge applies alpha / 2r to the "
-                                       "fused gate/up and its Hub adapter does not load in PEFT 0.21; remove this "
-                                       "marker when that lands")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_stepmerge_merge_and_extract_reproduce_the_trained_model(runs, family, tmp_path):
     """Issue 16 item 1 (per-module scale as PEFT trained it): stepmerge's outputs pass the check."""
