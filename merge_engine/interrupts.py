@@ -25,7 +25,7 @@ import signal
 import threading
 from collections.abc import Iterator
 
-__all__ = ["Interrupted", "cancel_event", "check", "deferred", "handling_signals", "requested"]
+__all__ = ["Interrupted", "cancel_event", "check", "deferred", "handling_signals", "reclaim_signals", "requested"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -111,6 +111,14 @@ def handling_signals() -> Iterator[None]:
             signal.signal(signum, signal.SIG_IGN if interrupted else handler)
         _STATE.signum, _STATE.depth, _STATE.handling = None, 0, False
         _REQUESTED.clear()
+
+
+def reclaim_signals() -> None:
+    """Take SIGINT and SIGTERM back inside `handling_signals`, after a library installed its own handlers
+    (Ray's driver, once connected, aborts the process on SIGTERM, leaving every task's upload behind)."""
+    if _STATE.handling and _in_main_thread():
+        for signum in SIGNALS:
+            signal.signal(signum, _on_signal)
 
 
 class deferred:

@@ -52,6 +52,7 @@ class RayExecutor(RemoteExecutor):
                 ray.init(log_to_driver=False, include_dashboard=False, configure_logging=False)
             else:
                 ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+            interrupts.reclaim_signals()  # Ray's driver aborts on SIGTERM: the shard tasks must be stopped first
         return ray
 
     def run_all(self, tasks: list[ShardTask], on_record: Callable[[ShardRecord], None]) -> list[ShardRecord]:

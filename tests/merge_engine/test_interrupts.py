@@ -13,7 +13,8 @@ signal always lands mid-upload: each test waits for that state, never for a time
   recognises them as its own debris, aborts its stale uploads under the target, rebuilds without
   ``--overwrite`` and leaves other uploads of the bucket alone, even one whose key merely starts
   with the target's name (point 8: "no later run aborts");
-- a local target: SIGINT / SIGTERM leave no stray file (no temp folder, no owner record, no target).
+- a local target: SIGINT / SIGTERM leave no stray file (no temp folder, no owner record, no target);
+- ``--ray-address``: SIGTERM cancels every Ray shard task and waits for it; nothing is left under the target.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from merge_engine.merge import MergeJob
 from merge_engine.merge_plan import parse_size
 from synthetic_runs import FsdpSpec, ModelSpec, write_fsdp_step
 from tests.fault_proxy import FaultProxy, Network
+from tests.fixtures_storage import fresh_bucket_name
+from tests.servers import applied_env
 
 # embed_tokens and lm_head: 9000 x 512 fp32 = 18.4 MB each, one shard each (> one 16 MiB upload part:
 # multipart uploads); the layer between them is a 6 MB shard
@@ -168,15 +171,21 @@ def test_a_rerun_after_a_kill_aborts_its_own_stale_uploads_and_no_one_elses(big_
     assert bucket.uploads() == sorted(others)
 
 
+@pytest.fixture(scope="module")
+def remote_run(big_run, s3_server) -> str:
+    """The checkpoint copied once to ``s3://`` (the local-target tests read it through a slow network)."""
+    with applied_env(s3_server.env(), s3_server.unset_env()):
+        remote = s3_server.make_bucket(fresh_bucket_name()) + "/run/actor"
+        storage.copy_tree(big_run[0], remote)
+    return remote
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
-def test_an_interrupted_merge_to_a_local_folder_leaves_no_stray_file(signum, big_run, s3_env, s3_bucket_url,
-                                                                     tmp_path):
+def test_an_interrupted_merge_to_a_local_folder_leaves_no_stray_file(signum, big_run, remote_run, s3_env, tmp_path):
     """The source is read from ``s3://`` through a slow network; once a shard's temp file is being
     written, the signal (SIGINT again and again): exit 128 + signal, and the target's folder holds
     nothing (no target, no temp folder, no owner record); the rerun rebuilds."""
-    source, _ = big_run
-    remote = f"{s3_bucket_url}/run/actor"
-    storage.copy_tree(source, remote)
+    remote = remote_run
     parent = tmp_path / "outputs"
     parent.mkdir()
     with FaultProxy(s3_env.port, network=SLOW) as proxy:
@@ -188,3 +197,18 @@ def test_an_interrupted_merge_to_a_local_folder_leaves_no_stray_file(signum, big
     assert list(parent.iterdir()) == []
     assert main(_command(remote, str(parent / "out"))) == 0
     assert _files(str(parent / "out")) == big_run[1]
+
+
+def test_sigterm_stops_ray_shard_tasks_and_their_uploads(big_run, ray_cluster, s3_env, s3_bucket_url):
+    """``--ray-address``: SIGTERM to the coordinator cancels every shard task (a task whose upload is in
+    progress aborts it) and waits for them before the cleanup: nothing is left under the target, exit 143."""
+    source, _ = big_run
+    bucket = Bucket(s3_env, s3_bucket_url)
+    with FaultProxy(s3_env.port, network=SLOW) as proxy:
+        process = _start([*_command(source, f"{s3_bucket_url}/out"), "--ray-address", ray_cluster],
+                         _slow_env(s3_env, proxy))
+        _wait_until(lambda: bucket.uploads("out/"), process, "a shard's multipart upload began")
+        stderr = _interrupt(process, signal.SIGTERM)
+    assert (process.returncode, _last_line(stderr).split(" after ")[0]) == \
+        (143, "stepmerge: interrupted (SIGTERM)"), stderr
+    assert bucket.objects("out/") == [] and bucket.uploads() == []
