@@ -4,7 +4,8 @@ Specification (issue 16, items 3 and 4):
 - Every family of the FSDP architecture matrix (`merged_families`) and every checkpoint of the
   Megatron matrix (`merged_megatron`), merged with the default ``--weights-format hub``, is read in
   transformers 4.57 + peft 0.17 (`tests.readers_env`, one subprocess per matrix) and in transformers 5
-  (this process), by the class its ``config.json`` names:
+  (this process), by the class its ``config.json`` names (one read per distinct folder layout: config
+  and tensor names/shapes/dtypes; parallel variants of one model merge to the same layout):
   * loading info is clean: no missing, unexpected or mismatched key, no error message;
   * every tensor of the folder is read unchanged: the model saved back by that transformers holds each
     of the folder's tensors under the same name, bit for bit;
@@ -73,6 +74,29 @@ def _reference_logits(path: Path, model: torch.nn.Module, ids: list[list[int]]) 
     return str(path)
 
 
+def _layout_key(folder: str) -> str:
+    """What a reader's load depends on: config.json and every tensor's name, shape and dtype (not values)."""
+    from safetensors import safe_open
+
+    with open(os.path.join(folder, "config.json")) as handle:
+        config = json.load(handle)
+    config.pop("transformers_version", None)
+    tensors = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), "pt") as handle:
+                tensors += [(key, handle.get_slice(key).get_shape(), handle.get_slice(key).get_dtype())
+                            for key in handle.keys()]
+    return json.dumps([config, sorted(tensors)], sort_keys=True)
+
+
+def _distinct(folders: dict[str, str]) -> dict[str, str]:
+    """case -> the case read for it: one per distinct `_layout_key` (parallel layouts of one model merge
+    to the same folder layout: reading it once tells what a reader makes of all of them)."""
+    first: dict[str, str] = {}
+    return {name: first.setdefault(_layout_key(folder), name) for name, folder in sorted(folders.items())}
+
+
 def _read_in_both(jobs: dict[str, dict], readers_python: Path, workdir: Path) -> tuple[dict, dict]:
     """Each job read in transformers 5 here (its logits saved as the 4.57 run's reference), then in 4.57."""
     five = {}
@@ -84,28 +108,37 @@ def _read_in_both(jobs: dict[str, dict], readers_python: Path, workdir: Path) ->
     return five, old
 
 
+def _read_distinct(folders: dict[str, str], job_of, readers_python: Path, workdir: Path) -> tuple[dict, dict]:
+    """`_read_in_both` on one case per distinct layout; every case gets its representative's results."""
+    read_for = _distinct(folders)
+    five, old = _read_in_both({name: job_of(name) for name in sorted(set(read_for.values()))}, readers_python, workdir)
+    return {name: five[rep] for name, rep in read_for.items()}, {name: old[rep] for name, rep in read_for.items()}
+
+
 @pytest.fixture(scope="module")
 def family_reads(family_runs, merged_families, readers_python, tmp_path_factory) -> tuple[dict, dict]:
     workdir = tmp_path_factory.mktemp("readers_families")
-    jobs = {}
-    for name in FAMILY_CASES:
+
+    def job(name: str) -> dict:
         step = family_runs[name].latest
         reference = _reference_logits(workdir / f"{name}.trained.pt", build_reference_model(step.spec, step.seed),
                                       FAMILY_IDS)
-        jobs[name] = {"kind": "model", "folder": merged_families[name], "ids": FAMILY_IDS, "reference": reference}
-    return _read_in_both(jobs, readers_python, workdir)
+        return {"kind": "model", "folder": merged_families[name], "ids": FAMILY_IDS, "reference": reference}
+
+    return _read_distinct({name: merged_families[name] for name in FAMILY_CASES}, job, readers_python, workdir)
 
 
 @pytest.fixture(scope="module")
 def megatron_reads(megatron_runs, merged_megatron, readers_python, tmp_path_factory) -> tuple[dict, dict]:
     workdir = tmp_path_factory.mktemp("readers_megatron")
-    jobs = {}
-    for name, folder in sorted(merged_megatron.items()):
+
+    def job(name: str) -> dict:
         reference_dir = megatron_runs[name].reference_dir
         ids = torch.load(reference_dir / REFERENCE_INPUT_IDS_FILE, weights_only=True).tolist()
-        jobs[name] = {"kind": "model", "folder": folder, "ids": ids,
-                      "reference": str(reference_dir / REFERENCE_LOGITS_FILE)}
-    return _read_in_both(jobs, readers_python, workdir)
+        return {"kind": "model", "folder": merged_megatron[name], "ids": ids,
+                "reference": str(reference_dir / REFERENCE_LOGITS_FILE)}
+
+    return _read_distinct(dict(merged_megatron), job, readers_python, workdir)
 
 
 def _is_moe(folder: str) -> bool:
