@@ -15,13 +15,16 @@ file. Two costs (``mode``):
   published?" questions about one release in one run cost one verification, and any write since
   (even one that sets the mtime back) is seen. Damage that bypasses the filesystem (bit rot) is
   seen once the memo expires.
-Files in the listing that the manifest does not list are damage too, except ``ignored`` names.
+Files in the listing that the manifest does not list are damage too, except ``ignored`` names. A
+local entry that is not a regular file (a FIFO, a device, a link: a forged manifest may list one with
+size 0) is damage and is never opened.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -66,6 +69,14 @@ def _change_time(url: str, path: str, remote: bool) -> int:
         return -1
 
 
+def _regular_file(path: str) -> bool:
+    """Whether ``path`` is a regular file itself (``lstat``: a link is not): only those are ever opened."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 _MEMO: dict[tuple, tuple[float, tuple[str, ...], int]] = {}
 _MEMO_LOCK = threading.Lock()
 
@@ -105,6 +116,9 @@ def file_damage(url: str, files: Iterable[RecordedFile], listing: Mapping[str, s
                                 f"manifest says {f.version})")
             continue
         methods.add("sha256")
+        if not remote and not _regular_file(storage.local_path(storage.join(url, f.path))):
+            problems.append(f"{f.path}: not a regular file (never opened: a FIFO or device would hang a read)")
+            continue
         if sha256_of(storage.join(url, f.path), f.size) != f.sha256:
             problems.append(f"{f.path}: sha256 differs from the manifest")
         hashed += f.size

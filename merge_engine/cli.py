@@ -270,7 +270,7 @@ def _add_check(parser: argparse.ArgumentParser) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Exit 0: intact; 3: no valid _COMPLETE marker; 6: damaged (each bad file named); 2: nothing to
-    verify against; 1: storage unreachable. See `merge_engine.verify`."""
+    verify against, or no checksums to verify with; 1: storage unreachable. See `merge_engine.verify`."""
     from merge_engine.verify import raise_for, verify_folder
 
     report = verify_folder(args.url, mode="quick" if args.quick else "full")

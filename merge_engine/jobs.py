@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from merge_engine import __version__, storage
+from merge_engine.checksums import sha256_of
 from merge_engine.errors import InvalidOption
 from merge_engine.hub_format import DEFAULT_WEIGHTS_FORMAT, parse_weights_format
 from merge_engine.lora.svd import ModuleReport
@@ -239,6 +240,7 @@ def run_job(job: OutputJob, *, on_bytes: Callable[[int], None] | None = None,
             on_plan(plan)
 
         written = WrittenFiles()
+        recorded: dict[str, str] = {}  # every output file's sha256, in stepmerge.json: `verify` checks by it
 
         def write(url: str) -> Files:
             written.checksums.clear()
@@ -248,11 +250,18 @@ def run_job(job: OutputJob, *, on_bytes: Callable[[int], None] | None = None,
             files = list(shards.files)
             if prepared.write_files is not None:
                 files += prepared.write_files(url)
+            recorded.clear()
+            recorded.update(written.checksums)  # the shard jobs hashed what they wrote, while writing
+            for name, size in files:
+                if name not in recorded:  # the job's own small files (config, tokenizer): hashed here, once
+                    recorded[name] = sha256_of(storage.join(url, name), size)
             return files
 
         tensors = prepared.tensors if prepared.tensors is not None else len(plan.tensors) if plan else 0
         tensor_bytes = prepared.tensor_bytes if prepared.tensor_bytes is not None else plan.total_size if plan else 0
-        provenance = {**prepared.provenance, "fingerprint": fingerprint, "engine_version": __version__}
+        # "sha256" is filled by write() before write_target serialises the record (stepmerge.json, last)
+        provenance = {**prepared.provenance, "fingerprint": fingerprint, "engine_version": __version__,
+                      "sha256": recorded}
         files = write_target(job.target_url, state, write, provenance)
     finally:
         prepared.close()

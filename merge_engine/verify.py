@@ -5,8 +5,12 @@ What is checked, against what:
   this manifest (its sha256); every file the manifest lists is there with its size and sha256; no
   file is there that the manifest does not list (claims under ``_PUBLISHING/`` excepted).
 - A merged folder without a manifest (``stepmerge merge`` output): every file its ``stepmerge.json``
-  lists is there with its size. It records no checksums, so only sizes can be checked; the report
-  says so (``method="sizes"``).
+  lists is there with its size and the sha256 it records (``"sha256"``: the writer's, computed while
+  writing), and nothing else is there. A ``stepmerge.json`` without a sha256 for every file it lists
+  (written before they were recorded, or edited) cannot vouch for the bytes: the folder is
+  UNVERIFIABLE (``unverifiable`` says why; not ok, exit 2), never "intact" on sizes alone.
+- Only regular files are ever opened (`merge_engine.checksums`): a FIFO or device listed by a forged
+  manifest is damage, not a hang.
 
 Two costs (``mode``, `merge_engine.checksums`): ``"full"`` re-hashes every byte (the cost of
 reading the release once; README "Verifying releases" has figures measured here); ``"quick"``
@@ -15,7 +19,8 @@ listing (no byte read) and re-hashes local files.
 
 `verify_folder` returns a `VerifyReport` (never raises for damage); `raise_for` turns it into the
 named errors the CLI maps to exit codes: 0 intact, 3 `ReleaseIncomplete` (no valid marker), 6
-`ReleaseDamaged` (each bad file named), 2 `InvalidConfig` (nothing to verify against).
+`ReleaseDamaged` (each bad file named), 2 `InvalidConfig` (nothing to verify against, or no
+checksums to verify with).
 """
 
 from __future__ import annotations
@@ -42,14 +47,17 @@ class VerifyReport:
     problems: tuple[str, ...] = ()
     marker_ok: bool = True
     seconds: float = 0.0
+    unverifiable: str = ""  # why the bytes could not be checked (no checksums recorded); not ok
 
     @property
     def ok(self) -> bool:
-        return self.marker_ok and not self.problems
+        return self.marker_ok and not self.problems and not self.unverifiable
 
     def summary(self) -> str:
         if not self.marker_ok:
             return f"{self.url}: not a release readers may trust: no valid {MARKER} marker"
+        if self.unverifiable and not self.problems:
+            return f"{self.url}: UNVERIFIABLE: {self.unverifiable}"
         if self.problems:
             return f"{self.url}: DAMAGED, {len(self.problems)} bad file(s): " + "; ".join(self.problems)
         return (f"{self.url}: intact {self.kind}, {self.files} files checked by {self.method} "
@@ -78,25 +86,42 @@ def verify_folder(url: str, mode: str = "full") -> VerifyReport:
     if provenance is None or not isinstance(provenance.get("files"), dict):
         raise InvalidConfig(f"nothing to verify against: no {MANIFEST}, {MARKER} or {PROVENANCE_FILE} "
                             "(not a release or a stepmerge output)", url)
-    problems = []
-    for name, size in sorted(provenance["files"].items()):
-        entry = listing.get(name)
-        if entry is None:
-            problems.append(f"{name}: missing")
-        elif entry.size != size:
-            problems.append(f"{name}: {entry.size} bytes, {PROVENANCE_FILE} says {size}")
-    known = set(provenance["files"]) | {PROVENANCE_FILE}
-    problems += [f"{path}: not in {PROVENANCE_FILE}" for path in sorted(listing) if path not in known]
-    return VerifyReport(url, "merged folder", "sizes", len(provenance["files"]), 0, tuple(problems),
+    sizes, sha256s = provenance["files"], provenance.get("sha256")
+    sha256s = sha256s if isinstance(sha256s, dict) else {}
+    unrecorded = sorted(name for name in sizes if not isinstance(sha256s.get(name), str))
+    if unrecorded or not all(isinstance(size, int) and not isinstance(size, bool) for size in sizes.values()):
+        problems = [f"{name}: missing" for name in sorted(sizes) if name not in listing]
+        problems += [f"{name}: {listing[name].size} bytes, {PROVENANCE_FILE} says {size}"
+                     for name, size in sorted(sizes.items()) if name in listing and listing[name].size != size]
+        why = (f"{PROVENANCE_FILE} records no sha256 for {len(unrecorded)} of its {len(sizes)} files "
+               f"({', '.join(unrecorded[:3])}{', ...' if len(unrecorded) > 3 else ''}): sizes alone do not prove the bytes")
+        return VerifyReport(url, "merged folder", "none", len(sizes), 0, tuple(problems),
+                            seconds=time.perf_counter() - started, unverifiable=why)
+    files = [_Recorded(name, size, sha256s[name]) for name, size in sorted(sizes.items())]
+    problems, hashed, method = file_damage(url, files, listing, mode, ignored=(PROVENANCE_FILE,))
+    return VerifyReport(url, "merged folder", method, len(files), hashed, problems,
                         seconds=time.perf_counter() - started)
 
 
+@dataclass(frozen=True)
+class _Recorded:
+    """A file as ``stepmerge.json`` records it (`merge_engine.checksums.RecordedFile`)."""
+
+    path: str
+    size: int
+    sha256: str
+    version: str = ""
+
+
 def raise_for(report: VerifyReport) -> None:
-    """`ReleaseIncomplete` (no valid marker) or `ReleaseDamaged` (bad files), else nothing."""
+    """`ReleaseIncomplete` (no valid marker), `ReleaseDamaged` (bad files) or `InvalidConfig` (no checksums
+    to verify with), else nothing."""
     if not report.marker_ok:
         raise ReleaseIncomplete(f"no valid {MARKER} marker: not a release readers may trust", report.url)
     if report.problems:
         raise ReleaseDamaged(f"{len(report.problems)} bad file(s): " + "; ".join(report.problems), report.url)
+    if report.unverifiable:
+        raise InvalidConfig(f"cannot verify: {report.unverifiable}", report.url)
 
 
 __all__ = ["MODES", "VerifyReport", "is_release_folder", "raise_for", "verify_folder"]

@@ -143,19 +143,41 @@ def flow_run_id(state) -> str:
     return str(state.state_details.flow_run_id)
 
 
-def task_runs(flow_run: str) -> dict[str, list]:
-    """Task runs of a flow run (not its subflows') by task name, each with ``state.name`` and ``run_count``."""
+def task_runs(flow_run: str, names: Sequence[str] = (), timeout_s: float = 120.0) -> dict[str, list]:
+    """Task runs of a flow run (not its subflows') by task name, each with ``state.name`` and ``run_count``.
+
+    Waits (up to ``timeout_s``) until every task run listed is in a final state and every name in ``names``
+    is there: task-run states reach the server as events, recorded after the flow call returns, so one
+    read right after a run can show a task still Running or not yet listed (this flaked under load)."""
+    import time
+
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run])))
+        by_name: dict[str, list] = {}
+        for run in runs:
+            # "merge-model step 3 actor" (a stage, `flows.run_labels.step_label`) or "discover-steps-3fa" -> the task
+            name = run.name.split(" step ", 1)[0] if " step " in run.name else run.name.rsplit("-", 1)[0]
+            by_name.setdefault(name, []).append(run)
+        settled = runs and all(run.state is not None and run.state.is_final() for run in runs)
+        if (settled and all(name in by_name for name in names)) or time.monotonic() > deadline:
+            return by_name
+        time.sleep(0.2)
+
+
+def latest_artifacts(key: str | None = None, key_like: str | None = None) -> list:
+    """The latest artifacts with ``key`` (or whose key contains ``key_like``), asked for by key: an
+    unfiltered listing is one page, and the session's server holds many more artifacts than a page."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactCollectionFilter, ArtifactCollectionFilterKey
+
+    keys = ArtifactCollectionFilterKey(any_=[key]) if key is not None else ArtifactCollectionFilterKey(like_=key_like)
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run])))
-    by_name: dict[str, list] = {}
-    for run in runs:
-        # "merge-model step 3 actor" (a stage, `flows.run_labels.step_label`) or "discover-steps-3fa" -> the task
-        name = run.name.split(" step ", 1)[0] if " step " in run.name else run.name.rsplit("-", 1)[0]
-        by_name.setdefault(name, []).append(run)
-    return by_name
+        return client.read_latest_artifacts(artifact_filter=ArtifactCollectionFilter(key=keys))
 
 
 def deploy_watcher(run_root: str, name: str, active: bool = True) -> str:

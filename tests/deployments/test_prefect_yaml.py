@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import os
 import subprocess
 import sys
@@ -66,12 +65,13 @@ def test_notify_from_a_training_job_starts_a_merge_of_that_step(deployed, capsys
     merge_id = deployed["merge-step/gpu"].id
     assert stepmerge(["notify", "--run-root", "s3://training-bucket/run-42/", "--step", "120"]) == 0
     assert "stepmerge.checkpoint.saved" in capsys.readouterr().out
-    deadline = time.monotonic() + 60
+    # wait for the state (the automation's run), over every page of the deployment's runs: the session's
+    # other tests create many runs of merge-step/gpu, and under load the trigger takes its time
+    deadline = time.monotonic() + 240
     runs = []
     with get_client(sync_client=True) as client:
         while time.monotonic() < deadline:
-            runs = [r for r in client.read_flow_runs(deployment_filter=DeploymentFilter(
-                id=DeploymentFilterId(any_=[merge_id]))) if r.parameters.get("step") == 120]
+            runs = [r for r in _runs_of(client, merge_id) if r.parameters.get("step") == 120]
             if runs:
                 break
             time.sleep(0.5)
@@ -99,8 +99,15 @@ def test_the_declared_prefect_requirement_matches_the_version_the_code_targets()
     assert oldest in prefect.specifier and Version(f"{targeted.major}.{targeted.minor - 1}.99") not in prefect.specifier
 
 
-def _runs_of(client, deployment_id) -> list:
-    return client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+def _runs_of(client, deployment_id, page: int = 200) -> list:
+    """Every run of the deployment: all pages (one page is ``page`` runs; the session makes more)."""
+    runs: list = []
+    while True:
+        batch = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
+                                      limit=page, offset=len(runs))
+        runs += batch
+        if len(batch) < page:
+            return runs
 
 
 def test_gpu_and_staging_settings_are_the_workers(deployed, monkeypatch):
@@ -123,11 +130,14 @@ def test_gpu_and_staging_settings_are_the_workers(deployed, monkeypatch):
 
 
 def test_the_watcher_runs_at_deploy_time(deployed):
-    """Its schedule's first run is 600 s after the deploy; `deployments.deploy` adds one at once."""
+    """Its schedule's first run is 600 s after the deploy; `deployments.deploy` adds one at once: a run
+    expected well before the schedule's first slot (half an interval: the deploy of the other deployments
+    in between takes a minute or more on a loaded machine) is that one."""
     watch = deployed["merge-new-steps/watch"]
     with get_client(sync_client=True) as client:
         runs = _runs_of(client, watch.id)
-    assert min(r.expected_start_time for r in runs) <= watch.created + dt.timedelta(seconds=60)
+    interval = watch.schedules[0].schedule.interval
+    assert min(r.expected_start_time for r in runs) <= watch.created + interval / 2
 
 
 BAD_VALUES = [{"run_root": "ftp://host/run"}, {"run_root": "s3://bucket/run/../../other"},
@@ -146,12 +156,13 @@ def test_a_step_number_alone_starts_a_merge_and_bad_values_never_make_a_run(depl
     with get_client(sync_client=True) as client:
         run = client.create_flow_run_from_deployment(merge.id, parameters={"step": 10})
         assert MergeStepParams(**{**merge.parameters, **run.parameters}).key == f"{WATCHED_RUN_ROOT}:actor:10"
-        before = len(_runs_of(client, merge.id))
         for bad in BAD_VALUES:
             with pytest.raises(Exception) as refused:
                 client.create_flow_run_from_deployment(merge.id, parameters={"step": 10, **bad})
             assert "409" in str(refused.value) or "Validation failed" in str(refused.value), (bad, refused.value)
-        assert len(_runs_of(client, merge.id)) == before
+        # no run holds a bad value (counting all runs flaked: the trigger creates runs for other tests' events)
+        made = [r.parameters for r in _runs_of(client, merge.id)]
+        assert not [bad for bad in BAD_VALUES if any(all(p.get(k) == v for k, v in bad.items()) for p in made)]
         with pytest.raises(Exception, match="'stpe' was unexpected"):
             client.create_flow_run_from_deployment(merge.id, parameters={"step": 10, "stpe": 11})
     for name in ("merge-new-steps/watch", "release-adapter/gpu", "verify-releases/sweep"):
@@ -189,4 +200,4 @@ def test_another_watcher_is_one_command(deployed, prefect_api):
     assert second.parameter_openapi_schema["additionalProperties"] is False
     assert (second.work_pool_name, second.pull_steps) == (first.work_pool_name, first.pull_steps)
     assert second.schedules[0].schedule.interval == first.schedules[0].schedule.interval
-    assert any(r.expected_start_time <= second.created + dt.timedelta(seconds=60) for r in runs)
+    assert any(r.expected_start_time <= second.created + second.schedules[0].schedule.interval / 2 for r in runs)

@@ -25,7 +25,7 @@ from merge_engine.release import is_released, release_url
 from merge_engine.verify import verify_folder
 from tasks.retry import failure_exception, transient_fault
 from tests.fault_proxy import Fault
-from tests.fixtures_pipeline import copy_steps, flow_run_id, rank_file, task_runs
+from tests.fixtures_pipeline import copy_steps, flow_run_id, latest_artifacts, rank_file, task_runs
 
 
 def _stage_tasks():
@@ -108,6 +108,5 @@ def test_a_corrupted_shard_fails_without_retries_and_publishes_nothing(prefect, 
     with pytest.raises(CorruptShard) as error:
         direct.result()
     assert str(shard) in str(error.value)  # the error names the file at fault
-    with get_client(sync_client=True) as client:
-        (summary,) = [a for a in client.read_latest_artifacts() if a.key == summary_key(params)]
+    (summary,) = latest_artifacts(summary_key(params))  # by key: a listing is one page
     assert "**Failed**: CorruptShard" in summary.data and str(shard) in summary.data

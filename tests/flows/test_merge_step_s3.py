@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 
-from prefect.client.orchestration import get_client
 
 from flows.merge_step import merge_step, summary_key
 from flows.params import MergeStepParams
 from merge_engine import storage
 from merge_engine.release import MARKER, is_released, read_manifest, release_url
 from merge_engine.verify import verify_folder
-from tests.fixtures_pipeline import copy_steps, flow_run_id, task_runs
+from tests.fixtures_pipeline import copy_steps, flow_run_id, latest_artifacts, task_runs
 
 STAGE_TASKS = ("check-checkpoint", "merge-model", "validate-model", "publish-release")
 
@@ -58,14 +57,11 @@ def test_an_s3_step_is_merged_validated_and_published_to_s3(prefect, template_ru
     assert {"config.json", "model.safetensors", "manifest.json", MARKER, "tokenizer.json"} <= names
     assert {s.name for s in outcome.stages} >= {"discover", "check", "merge", "validate", "publish"}
 
-    runs = task_runs(flow_run_id(state))
+    runs = task_runs(flow_run_id(state), STAGE_TASKS)
     assert all(runs[name][0].state.name == "Completed" for name in STAGE_TASKS)
-    with get_client(sync_client=True) as client:
-        summary = client.read_latest_artifacts()
-        by_key = {a.key: a for a in summary if a.key}
-    markdown = by_key[summary_key(_params(s3_bucket_url, tmp_path))]
+    (markdown,) = latest_artifacts(summary_key(_params(s3_bucket_url, tmp_path)))
     assert release in markdown.data and "Validation PASSED" in markdown.data and "| merge |" in markdown.data
-    progress = [a for a in summary
+    progress = [a for a in latest_artifacts(key_like="progress-actor-global-step-1")
                 if a.type == "progress" and a.key and a.key.startswith("progress-actor-global-step-1")]
     assert progress and float(progress[0].data) == 100.0
 
@@ -81,7 +77,7 @@ def test_a_rerun_is_a_cache_hit_that_reads_no_weight_byte(prefect, template_run,
     outcome = state.result()
     assert outcome.cached and outcome.status == "already_published"
     assert outcome.releases[0].url == first.releases[0].url
-    runs = task_runs(flow_run_id(state))
+    runs = task_runs(flow_run_id(state), STAGE_TASKS)  # waits for the recorded states (events, after the call)
     assert {name: runs[name][0].state.name for name in STAGE_TASKS} == dict.fromkeys(STAGE_TASKS, "Cached")
     assert weight_reads.reads == []  # not one ranged read: no checkpoint or model byte
     metadata = (MARKER, "manifest.json", "latest_checkpointed_iteration.txt")
@@ -99,7 +95,7 @@ def test_deleting_the_release_makes_the_next_run_rebuild_it(prefect, template_ru
     state = merge_step(**_params(s3_bucket_url, tmp_path, 3).flow_parameters(), return_state=True)
     outcome = state.result()
     assert outcome.status == "published" and not outcome.cached
-    runs = task_runs(flow_run_id(state))
+    runs = task_runs(flow_run_id(state), ("check-checkpoint", "merge-model", "validate-model", "publish-release"))
     assert runs["check-checkpoint"][0].state.name == "Cached"  # same listing: no need to re-check headers
     assert {runs[n][0].state.name for n in ("merge-model", "validate-model", "publish-release")} == {"Completed"}
     assert verify_folder(release).ok and read_manifest(release).attempt != attempt
