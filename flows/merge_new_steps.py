@@ -11,9 +11,12 @@ adapters are released, its adapter release too: one rule, the one merge_step fol
 never submitted again for a release merge_step would not make. (A model release from before that
 record: the model alone.)
 
-A verl Megatron LoRA step saved without its base weights (layout ``megatron_lora``) is merged only with
-``base_model``: without it the step is not submitted (every merge would raise ``BaseModelRequired``), it is
-reported as "needs base_model", and the run fails saying so, each run, until the parameter is given.
+A verl Megatron LoRA step (layout ``megatron_lora``, decided by discovery from verl's ``ckpt_contents.json``)
+is merged only with the parameters it does not record (`StepRecord.needs`): ``base_model`` when its base
+weights were not saved, ``lora_alpha`` when no PEFT export records it (``use_dist_checkpointing: true``, or
+a missing bridge export), ``hf_model_path`` when a step holding its base saved no config. Without them the
+step is not submitted (every merge would fail the same way), it is reported as "needs <parameter>", and the
+run fails saying so, each run, until the parameters are given: no merge is attempted, nothing loops.
 
 One merge per step:
 - from a deployment (the watcher deployed on the ``cpu`` pool), each step is a run of the
@@ -71,7 +74,7 @@ class StepAction(BaseModel):
     role: str
     # "merged" | "already published" | "not ready" | "failed" (this run) | "error" (could not submit) |
     # "submitted" | "resubmitted" | "running" | "failed earlier" | "given up" | "changed since release" |
-    # "needs base_model" (an adapter-only step and no base_model: not submitted)
+    # "needs <parameters>" (a Megatron LoRA step missing parameters it does not record: not submitted)
     action: str
     detail: str = ""
 
@@ -117,17 +120,25 @@ def plan_steps(steps: List[StepRecord], published: List[PublishedRelease], param
     return todo, changed, waiting
 
 
-NEEDS_BASE = "needs base_model"
+NEEDS = "needs "  # the action's prefix: "needs base_model", "needs lora_alpha, hf_model_path", ...
+NEED_TEXT = {
+    "base_model": "base weights not saved: pass base_model, the Hugging Face model the run trained from",
+    "lora_alpha": "no PEFT export records lora_alpha: pass lora_alpha, the run's LoRA alpha (never guessed)",
+    "hf_model_path": "no config.json saved beside the base: pass hf_model_path, a folder with the model's config",
+}
 
 
-def missing_base(step: StepRecord, params: WatchParams) -> Optional[str]:
-    """Why ``step`` cannot be merged with these parameters, or None: a verl Megatron LoRA step saved without
-    its base weights (layout ``megatron_lora``) needs ``base_model``. Such a step is not submitted (its merge
-    would raise `BaseModelRequired` on every try): it is reported, and fails this run, until one is given."""
-    if step.layout == "megatron_lora" and params.base_model is None:
-        return ("a LoRA adapter step (Megatron-Bridge PEFT, base weights not saved): pass base_model, the Hugging "
-                "Face model the run trained from")
-    return None
+def missing_params(step: StepRecord, params: WatchParams) -> List[str]:
+    """The parameters ``step`` needs (`StepRecord.needs`; an adapter-only ``megatron_lora`` step recorded
+    before ``needs`` existed: base_model) that ``params`` does not give. Such a step is not submitted."""
+    needs = step.needs or (("base_model",) if step.layout == "megatron_lora" else ())
+    return [name for name in needs if getattr(params, name, None) is None]
+
+
+def missing_action(step: StepRecord, missing: List[str]) -> StepAction:
+    detail = ("not submitted: a LoRA step (Megatron-Bridge PEFT) whose merge needs what the step does not record; "
+              + "; ".join(NEED_TEXT.get(name, f"pass {name}") for name in missing))
+    return StepAction(step=step.step, role=step.role, action=NEEDS + ", ".join(missing), detail=detail)
 
 
 def submitted_action(step: StepRecord, run: SubmittedRun) -> StepAction:
@@ -178,9 +189,9 @@ def watch(params: WatchParams) -> WatchOutcome:
                                                  "run with overwrite to replace the release"))
     deployed = deployment.id is not None
     for step in todo:
-        reason = missing_base(step, params)
-        if reason is not None:
-            outcome.actions.append(StepAction(step=step.step, role=step.role, action=NEEDS_BASE, detail=reason))
+        missing = missing_params(step, params)
+        if missing:
+            outcome.actions.append(missing_action(step, missing))
             continue
         step_params = params.step_params(step)
         if deployed:
@@ -215,7 +226,7 @@ def watch(params: WatchParams) -> WatchOutcome:
                                               hashlib.sha256(params.run_root.encode()).hexdigest()[:8]),
                              description=f"{len(todo)} new step(s) of {params.run_root}")
     logger.info("%d new step(s), %d not ready, %d already published", len(todo), len(waiting), len(published))
-    failed = [a for a in outcome.actions if a.action in ("failed", "error", NEEDS_BASE)]
+    failed = [a for a in outcome.actions if a.action in ("failed", "error") or a.action.startswith(NEEDS)]
     if failed:
         raise RuntimeError(f"{len(failed)} step(s) failed: " + ", ".join(f"{a.step} ({a.detail})" for a in failed))
     return outcome

@@ -2,7 +2,10 @@
 
 Contract:
 - `discover(run_root_url)` lists the run root once (`storage.list_files`, recursive) and reads no
-  weight byte; the only read is the tracker file, and only when the listing shows one.
+  weight byte; the only reads are the tracker file, when the listing shows one, and verl's
+  ``ckpt_contents.json`` of a complete Megatron step (`merge_engine.layouts.megatron_lora.marker_verdict`):
+  a LoRA step whose names look like a plain dist checkpoint (``use_dist_checkpointing: true``, or no PEFT
+  export) is called ``megatron_lora`` and `Step.needs` says which merge parameters it does not record.
 - Step folders are ``global_step_<N>/`` (verl) or ``iter_<N>/`` (Megatron-LM). Inside a step,
   ``actor/`` and ``critic/`` are roles (verl RL); weights straight in the step folder are role ``""``
   (verl SFT trainers, Megatron-LM).
@@ -23,11 +26,11 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from merge_engine import storage
 from merge_engine.errors import RunRootNotFound
-from merge_engine.layouts import listing_verdicts
+from merge_engine.layouts import listing_verdicts, megatron_dist, megatron_lora
 from merge_engine.layouts.contract import COMPLETE, INCOMPLETE, INVALID, Verdict
 from merge_engine.layouts.tracker import TRACKER_FILE, parse_tracker, read_tracker_hint
 from merge_engine.storage import FileEntry
@@ -73,6 +76,7 @@ class Step:
     reason: str = ""
     layouts: tuple[str, ...] = ()
     fingerprint: str = ""
+    needs: tuple[str, ...] = ()  # merge parameters the step does not record (a Megatron LoRA step's)
     files: tuple[FileEntry, ...] = field(default=(), repr=False, compare=False)
 
     @property
@@ -140,6 +144,25 @@ def steps_from_listing(run_root_url: str, entries: Iterable[FileEntry]) -> list[
     return sorted(steps, key=lambda s: (s.step, s.role))
 
 
+MARKER_READ_LAYOUTS = (megatron_lora.NAME, megatron_dist.NAME)  # complete steps whose verl marker is read
+
+
+def read_markers(steps: Iterable[Step]) -> list[Step]:
+    """``steps`` with each complete Megatron step's verl marker read (`megatron_lora.marker_verdict`): a LoRA
+    step becomes layout ``megatron_lora`` with the marker's verdict and `Step.needs`; others are unchanged."""
+    out = []
+    for step in steps:
+        found = megatron_lora.marker_verdict(step.url, step.files) if (
+            step.complete and step.layout in MARKER_READ_LAYOUTS) else None
+        if found is not None:
+            verdict, needs = found
+            layouts = (megatron_lora.NAME, *(n for n in step.layouts if n != megatron_lora.NAME))
+            step = replace(step, status=verdict.status, reason=verdict.reason, layout=megatron_lora.NAME,
+                           layouts=layouts, needs=needs)
+        out.append(step)
+    return out
+
+
 def discover(run_root_url: str) -> Discovery:
     """Steps of a run root from one recursive listing, plus the tracker hint (read only if listed).
 
@@ -153,7 +176,7 @@ def discover(run_root_url: str) -> Discovery:
     hint = None
     if any(e.path == TRACKER_FILE for e in entries):
         hint = read_tracker_hint(run_root_url)
-    return Discovery(run_root_url, tuple(steps_from_listing(run_root_url, entries)), hint)
+    return Discovery(run_root_url, tuple(read_markers(steps_from_listing(run_root_url, entries))), hint)
 
 
 def discover_step(run_root_url: str, step: int, role: str) -> Step | None:
@@ -165,7 +188,8 @@ def discover_step(run_root_url: str, step: int, role: str) -> Step | None:
         entries = storage.list_files(storage.join(run_root_url, folder), recursive=True)
         if entries:
             inside = (FileEntry(f"{folder}/{e.path}", e.size, e.version) for e in entries)
-            return next((s for s in steps_from_listing(run_root_url, inside) if s.role == role), None)
+            found = [s for s in steps_from_listing(run_root_url, inside) if s.role == role]
+            return next(iter(read_markers(found)), None)
     return None
 
 

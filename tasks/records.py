@@ -39,6 +39,7 @@ class StepRecord(Record):
     layout: str
     fingerprint: str  # digest of the step folder's listing: names, sizes, ETags/generations/mtimes
     reason: str = ""
+    needs: tuple[str, ...] = ()  # merge parameters the step does not record (`merge_engine.discovery.Step.needs`)
 
     @property
     def complete(self) -> bool:
@@ -47,7 +48,7 @@ class StepRecord(Record):
     @classmethod
     def from_step(cls, step: Step) -> StepRecord:
         return cls(run_root=step.run_root, step=step.step, role=step.role, url=step.url, status=step.status,
-                   layout=step.layout, fingerprint=step.fingerprint, reason=step.reason)
+                   layout=step.layout, fingerprint=step.fingerprint, reason=step.reason, needs=step.needs)
 
 
 class DiscoveryRecord(Record):

@@ -18,7 +18,10 @@ hands it here once `merge_engine.layouts.megatron_dist.check_complete` has seen 
 ``.metadata`` (`merge_engine.layouts.check_checkpoint`).
 
 Listing verdict: the v2 marker; complete with the reason "adapter only" (an adapter release can be
-made; a fused model needs ``--base-model``). `check_complete` reads ``ckpt_contents.json`` and the
+made; a fused model needs ``--base-model``). Discovery then reads the marker itself (`marker_verdict`: one
+small JSON through the guarded reader), so a step the names cannot tell from a dist checkpoint
+(``use_dist_checkpointing: true``, or no PEFT export) is called ``megatron_lora`` too, with what its merge
+needs that the step does not record (`NEEDS_*`: ``base_model``, ``lora_alpha``, ``hf_model_path``). `check_complete` reads ``ckpt_contents.json`` and the
 dist index (no weight): adapter keys present, the PEFT folder complete when the marker names one.
 `open` gives the canonical Megatron tensors (`merge_engine.layouts.megatron_dist`), the adapter's
 among them (``decoder.layers.N.<module>.adapter.linear_in.weight``); `holds_base` and
@@ -31,7 +34,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from merge_engine import storage
-from merge_engine.errors import IncompleteCheckpoint, UnsupportedLayout
+from merge_engine.errors import IncompleteCheckpoint, StepmergeError, UnsupportedLayout
 from merge_engine.json_file import read_json_object
 from merge_engine.layouts import megatron_dist, verl_v2
 from merge_engine.layouts.contract import ABSENT, COMPLETE, MEGATRON_NAMES, Checkpoint, Verdict
@@ -58,6 +61,14 @@ ADAPTER_ONLY_REASON = ("a LoRA adapter step (base weights not saved): the adapte
                        "a fused model needs --base-model")
 
 
+# what a merge of the step needs that the step does not record (the flows' parameter names)
+NEEDS_BASE_MODEL = "base_model"  # the adapter only was saved: the model the run trained from
+NEEDS_LORA_ALPHA = "lora_alpha"  # no PEFT export: nothing in the step records alpha
+NEEDS_HF_MODEL_PATH = "hf_model_path"  # base in the step but no model/huggingface/config.json
+MARKER_MAX_BYTES = 1 << 20  # the largest ckpt_contents.json discovery reads (verl's: a few KB)
+CLI_FLAGS = {NEEDS_BASE_MODEL: "--base-model", NEEDS_LORA_ALPHA: "--lora-alpha", NEEDS_HF_MODEL_PATH: "--hf_model_path"}
+
+
 def _top(files: Sequence[FileEntry], folder: str) -> list[str]:
     return [f.path[len(folder):] for f in files if f.path.startswith(folder) and "/" not in f.path[len(folder):]]
 
@@ -72,6 +83,62 @@ def listing_verdict(files: Sequence[FileEntry]) -> Verdict:
         return ABSENT
     verdict = verl_v2.marker_verdict(files)
     return Verdict(COMPLETE, ADAPTER_ONLY_REASON) if verdict.complete else verdict
+
+
+def _section(obj: dict, key: str) -> dict:
+    value = obj.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _lora_marker(contents: dict) -> bool:
+    """Does verl's manifest say the run trained a PEFT adapter (``backend.peft``, ``contents.peft_adapters``
+    or ``contents.model.peft_adapter_path``)?"""
+    backend, inner = _section(contents, "backend"), _section(contents, "contents")
+    model = _section(inner, "model")
+    return backend.get("peft") is True or "peft_adapters" in inner or bool(model.get("peft_adapter_path"))
+
+
+def step_needs(contents: dict, files: Sequence[FileEntry]) -> tuple[str, ...]:
+    """What a merge of this LoRA step needs that it does not record (`NEEDS_*`), from its marker and listing:
+    ``base_model`` unless the base was saved (``backend.use_dist_checkpointing``), ``lora_alpha`` unless the
+    PEFT export is there (its ``adapter_config.json``), ``hf_model_path`` for a step with its base but no
+    config.json (a base model's config would do too, but a step holding its base has no base to name)."""
+    base_in_step = _section(contents, "backend").get("use_dist_checkpointing") is True
+    names = {f.path for f in files}
+    declared = _section(_section(contents, "contents"), "model").get("peft_adapter_path")
+    folder = (declared.rstrip("/") + "/") if isinstance(declared, str) and declared else ADAPTER_DIR
+    needs = []
+    if not base_in_step:
+        needs.append(NEEDS_BASE_MODEL)
+    if folder + ADAPTER_CONFIG not in names:
+        needs.append(NEEDS_LORA_ALPHA)
+    if base_in_step and HF_DIR + "config.json" not in names:
+        needs.append(NEEDS_HF_MODEL_PATH)
+    return tuple(needs)
+
+
+def marker_verdict(url: str, files: Sequence[FileEntry]) -> tuple[Verdict, tuple[str, ...]] | None:
+    """Discovery's second look at a complete step with verl's marker: (verdict, needs) when
+    ``ckpt_contents.json`` says the run trained LoRA, None when it does not. Reads the marker only, and only
+    when the listing shows it no larger than `MARKER_MAX_BYTES` (verl's are a few KB); a marker that is
+    larger or cannot be parsed leaves the listing's verdict (None): ``check`` reads it again and names the
+    fault (`check_complete`), so discovery never fails a whole run root for one step's file."""
+    entry = next((f for f in files if f.path == MARKER), None)
+    if entry is None or entry.size > MARKER_MAX_BYTES:
+        return None
+    try:
+        contents = read_json_object(storage.join(url, MARKER))
+    except (StepmergeError, FileNotFoundError):
+        return None
+    if contents is None or not _lora_marker(contents):
+        return None
+    needs = step_needs(contents, files)
+    held = ("base and adapter saved (use_dist_checkpointing)" if NEEDS_BASE_MODEL not in needs
+            else "base weights not saved")
+    reason = f"a LoRA step (Megatron-Bridge PEFT, {held})"
+    if needs:
+        reason += "; a merge needs " + ", ".join(f"{n} ({CLI_FLAGS[n]})" for n in needs)
+    return Verdict(COMPLETE, reason), needs
 
 
 def is_adapter_key(key: str) -> bool:

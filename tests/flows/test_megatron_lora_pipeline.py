@@ -4,6 +4,9 @@ Specification:
 - without ``base_model`` the watcher does not submit such a step (every merge would raise
   BaseModelRequired): it reports "needs base_model" saying what to pass, publishes nothing, and the
   run fails; the next run does the same (no merge is attempted, nothing loops);
+- a ``use_dist_checkpointing`` step (base and adapter in model/dist_ckpt, no PEFT export: discovery reads
+  ckpt_contents.json) is not submitted without ``lora_alpha`` and ``hf_model_path`` ("needs ...", each run,
+  nothing merged); with them its fused model is released, exactly;
 - with ``base_model`` it releases the fused model (the trained weights, exactly) and the adapter
   (the run's export, base/ beside it; PEFT loads it and reproduces the fused model's logits).
 """
@@ -22,10 +25,11 @@ from merge_engine import storage
 from merge_engine.release import read_manifest
 from merge_engine.verify import verify_folder
 from synthetic_runs.megatron_lora import reference_fused_state
+from tests.fixtures_checkpoints import LORA_ALPHA
 
 
-def _run_root(lora_steps, tmp_path) -> str:
-    step = lora_steps["dense_tp2"]
+def _run_root(lora_steps, tmp_path, name: str = "dense_tp2") -> str:
+    step = lora_steps[name]
     run_root = tmp_path / "run"
     shutil.copytree(step.step_dir.parent.parent, run_root)
     return str(run_root)
@@ -53,3 +57,21 @@ def test_with_base_model_the_fused_model_and_the_adapter_are_released(prefect, l
     assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
     checks = {c["name"]: c for c in read_manifest(kinds["adapter"]).validation["checks"]}
     assert checks["peft_load"]["ok"] and checks["peft_logits"]["ok"]
+
+
+def test_a_use_dist_checkpointing_step_waits_for_lora_alpha_then_releases_the_trained_model(prefect, lora_steps,
+                                                                                           tmp_path):
+    step = lora_steps["dense_tp2_dist"]
+    run_root = _run_root(lora_steps, tmp_path, "dense_tp2_dist")
+    params = WatchParams(run_root=run_root, staging_root=str(tmp_path / "staging"))
+    for _ in range(2):  # not submitted (a merge would fail without alpha), the same answer each run
+        with pytest.raises(RuntimeError, match="not submitted.*pass lora_alpha.*pass hf_model_path"):
+            merge_new_steps(**params.flow_parameters())
+    assert not storage.list_files(params.release_root_url, recursive=True)
+    params = WatchParams(run_root=run_root, staging_root=str(tmp_path / "staging"), lora_alpha=LORA_ALPHA,
+                         hf_model_path=str(step.base_dir))
+    (outcome,) = merge_new_steps(**params.flow_parameters()).outcomes
+    kinds = {r.kind: r.url for r in outcome.releases}
+    want = reference_fused_state(step)
+    got = load_file(storage.join(kinds["model"], "model.safetensors"))
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())

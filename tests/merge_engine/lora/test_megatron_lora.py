@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from merge_engine.cli import main
-from merge_engine.discovery import discover
+from merge_engine.discovery import discover, discover_step
 from merge_engine.errors import AdapterError, BaseModelRequired, InvalidOption
 from merge_engine.jobs import OutputOptions
 from merge_engine.layouts import check_checkpoint
@@ -65,6 +65,39 @@ def test_discovery_calls_an_adapter_step_megatron_lora_not_a_mergeable_dist_chec
     assert [(s.layout, s.status) for s in found] == [("megatron_lora", "complete")]
     assert "--base-model" in found[0].reason
     assert found[0].layouts[0] == "megatron_lora"
+
+
+@pytest.mark.parametrize(("name", "needs"), [
+    ("dense_tp2", ("base_model",)),
+    ("dense_tp2_noexport", ("base_model", "lora_alpha")),
+    ("dense_tp2_dist", ("lora_alpha", "hf_model_path")),
+    ("moe_ep2_dist", ("lora_alpha", "hf_model_path")),
+])
+def test_discovery_reads_verls_marker_and_says_what_a_merge_needs(lora_steps, name, needs):
+    """use_dist_checkpointing and no-export steps list like plain dist checkpoints; discovery reads
+    ckpt_contents.json (no weight byte) and calls them megatron_lora with the parameters they lack."""
+    step = lora_steps[name]
+    [found] = discover(str(step.step_dir.parent.parent)).steps
+    assert (found.layout, found.status, found.needs) == ("megatron_lora", "complete", needs)
+    assert all(n in found.reason for n in needs)
+    assert discover_step(str(step.step_dir.parent.parent), 1, "actor") == found
+
+
+def test_a_marker_without_peft_or_unreadable_leaves_the_listing_verdict(lora_steps, tmp_path):
+    src = lora_steps["dense_tp2_dist"].step_dir
+    copy = tmp_path / "run" / "global_step_1" / "actor"
+    shutil.copytree(src, copy)
+    marker = copy / "ckpt_contents.json"
+    contents = json.loads(marker.read_text())
+    contents["backend"]["peft"] = False
+    contents["contents"]["model"].pop("peft_adapter_path", None)
+    marker.write_text(json.dumps(contents))
+    [step] = discover(str(tmp_path / "run")).steps
+    assert (step.layout, step.needs) == ("megatron_dist", ())
+    for broken in ('{"backend": {"peft": tr', "[" * 100_000, " " * (2 << 20)):  # cut, too deep, too large
+        marker.write_text(broken)
+        [step] = discover(str(tmp_path / "run")).steps
+        assert (step.layout, step.status, step.needs) == ("megatron_dist", "complete", ())
 
 
 def test_a_step_without_its_marker_is_incomplete(lora_steps, tmp_path):
@@ -138,7 +171,7 @@ def test_an_adapter_step_without_its_peft_export_builds_the_adapter_from_dist_ck
     --lora-alpha (nothing in the step records alpha) and writes the trained model exactly."""
     step = lora_steps["dense_tp2_noexport"]
     [found] = discover(str(step.step_dir.parent.parent)).steps
-    assert found.layout == "megatron_dist" and found.complete  # names cannot tell; the check can
+    assert found.layout == "megatron_lora" and found.complete  # the names cannot tell; verl's marker can
     assert check_checkpoint(str(step.step_dir)).layout == "megatron_lora"
     with pytest.raises(AdapterError, match="--lora-alpha"):
         merge_checkpoint(str(step.step_dir), str(tmp_path / "refused"), OutputOptions(base_model=str(step.base_dir)))
