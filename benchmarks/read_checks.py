@@ -2,7 +2,7 @@
 reads pinned to the version listed (local fstat per read; S3 If-Match on every ranged GET).
 
     python -m benchmarks.read_checks                  # the 0.5b FSDP2 benchmark checkpoint, local and S3
-    python -m benchmarks.read_checks --repeats 5 --parts local      # local, s3, s3-reads (default: all)
+    python -m benchmarks.read_checks --repeats 5 --parts local      # cost, local, s3, s3-reads (default: all)
 
 What it does: merges the benchmark checkpoint of `benchmarks.fsdp_merge` (4-rank fp32 FSDP2, Qwen2-0.5B
 shape, ~2 GB of rank files; written once under ./.bench/fsdp/0.5b) to bfloat16, each merge in a child
@@ -14,7 +14,9 @@ Local runs start from a warm page cache (the rank files are read first). With S3
 the checkpoint is uploaded once to a SeaweedFS server started for the run and merged from there to a
 local folder; then the reads alone (every rank file read front to back in 16 MiB pieces through
 `RangeReader`, read-ahead on, as a merge reads: ``pinned`` = If-Match on every GET, ``unpinned`` =
-none), which isolates the pinning's cost from the merge's own CPU. Prints each run's wall and CPU
+none), which isolates the pinning's cost from the merge's own CPU. Under load the A/B walls are noisy:
+the ``cost`` part measures the checks themselves inside one local merge (thread CPU time spent in
+`RecordChecks.add`, and the count of pinned local reads times one ``fstat`` + compare). Prints each run's wall and CPU
 (user + system of the child), the medians, and each variant's cost against ``checked``.
 """
 
@@ -55,6 +57,34 @@ for entry in storage.list_files(sys.argv[2], recursive=False):
         for offset in range(0, entry.size, len(buffer)):
             view = memoryview(buffer)[:min(len(buffer), entry.size - offset)]
             reader.read_into(offset, view)
+"""
+
+
+COST_CHILD = """
+import os, sys, time
+from merge_engine import zip_crc
+from merge_engine.storage.backends import local
+spent = {"crc_s": 0.0, "crc_bytes": 0, "reads": 0}
+add, read_some = zip_crc.RecordChecks.add, local.LocalRangedFile.read_some
+def timed_add(self, name, size, crc, offset, data):
+    started = time.thread_time()
+    add(self, name, size, crc, offset, data)
+    spent["crc_s"] += time.thread_time() - started
+    spent["crc_bytes"] += len(data)
+def counted_read(self, offset, out):
+    spent["reads"] += 1
+    return read_some(self, offset, out)
+zip_crc.RecordChecks.add, local.LocalRangedFile.read_some = timed_add, counted_read
+from merge_engine.merge import MergeOptions, merge_checkpoint
+merge_checkpoint(sys.argv[1], sys.argv[2], MergeOptions(dtype="bfloat16", overwrite=True))
+fd = os.open(sys.argv[1], os.O_RDONLY)
+started = time.thread_time()
+for _ in range(100000):
+    stat = os.fstat(fd); (stat.st_size, stat.st_mtime_ns, stat.st_ino)
+per_read = (time.thread_time() - started) / 100000
+print(f"  cost: CRC-32 of {spent['crc_bytes'] / 1e9:.2f} GB read: {spent['crc_s']:.2f} s of thread CPU "
+      f"({spent['crc_bytes'] / 1e9 / max(spent['crc_s'], 1e-9):.1f} GB per CPU second); pinned local reads: "
+      f"{spent['reads']} x {per_read * 1e6:.2f} us fstat + compare = {spent['reads'] * per_read * 1e3:.1f} ms")
 """
 
 
@@ -108,7 +138,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="0.5b")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--parts", default="local,s3,s3-reads", help="which of local, s3, s3-reads")
+    parser.add_argument("--parts", default="cost,local,s3,s3-reads", help="which of cost, local, s3, s3-reads")
     args = parser.parse_args()
     actor = ensure_checkpoint(args.size)
     ranks = sorted(str(p) for p in actor.glob("model_world_size_*_rank_*.pt"))
@@ -121,6 +151,10 @@ def main() -> None:
         subprocess.run(["cat", *ranks], stdout=subprocess.DEVNULL, check=True)
 
     parts = set(args.parts.split(","))
+    if "cost" in parts:
+        target = BENCH / "out" / "read_checks_cost"
+        subprocess.run([sys.executable, "-c", COST_CHILD, str(actor), str(target)], env=env, check=True)
+        shutil.rmtree(target, ignore_errors=True)
     if "local" in parts:
         rounds("local", ["checked", "no-crc", "unpinned"], str(actor), BENCH / "out" / "read_checks", env,
                args.repeats, warm)
