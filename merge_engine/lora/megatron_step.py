@@ -14,6 +14,9 @@ Outputs:
   ``adapter_config.json`` as the run wrote it (``base_model_name_or_path``: the ``--base-model`` given,
   else the run's, a hint); checked against ``--base-model``'s shapes when one is given, and that base
   copied under ``base/`` (``write_base``, the release's ``include_base``) so PEFT can load the release alone;
+  a step holding its base (``use_dist_checkpointing: true``) puts that base under ``base/`` instead: the
+  step's Megatron weights with the adapter factors hidden (`StepBaseSource`), through the Megatron planner
+  and the family table like any merge (`_step_base`), the adapter NOT applied;
 - `prepare_fused_model` (``merge`` of an adapter-only step): the adapter fused into the base the user
   names (``--base-model``; the run's ``base_model_name_or_path`` is never used on its own), whose
   config must agree with the step's; `BaseModelRequired` without one;
@@ -162,6 +165,9 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
                    for name, meta in source.metas().items()]
         plan = adapter_plan(tensors)
         base_output = _base_copy(options, opened[1], dtype) if options.write_base and len(opened) > 1 else None
+        if base_output is None and options.write_base and holds_base(checkpoint):
+            base_output = _step_base(checkpoint, options, dtype)
+            opened.append(base_output.source)
     except BaseException:
         for handle in opened:
             handle.close()
@@ -193,6 +199,51 @@ def _base_copy(options: OutputOptions, base: TensorSource, dtype: Any) -> Planne
     plan = in_weights_format(stored, config, options.weights_format, options.max_shard_size)
     return PlannedOutput(plan, base, BASE_DIR, then=lambda url: copy_metadata(options.base_model, url, config,
                                                                              plan.config_updates))
+
+
+class StepBaseSource:
+    """The step's canonical Megatron tensors without the adapter factors: the base the run trained from,
+    exactly as saved (no update applied). Closing closes the wrapped source."""
+
+    def __init__(self, source: TensorSource) -> None:
+        self.url = source.url
+        self._source = source
+        self._metas = {n: m for n, m in source.metas().items() if not is_adapter_factor(n)}
+
+    def metas(self) -> Mapping[str, TensorMeta]:
+        return self._metas
+
+    def read(self, name: str) -> torch.Tensor:
+        if name not in self._metas:
+            raise KeyError(name)
+        return self._source.read(name)
+
+    def iter_chunks(self, name: str, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        if name not in self._metas:
+            raise KeyError(name)
+        return self._source.iter_chunks(name, max_bytes)
+
+    def close(self) -> None:
+        self._source.close()
+
+
+def _step_base(checkpoint: Checkpoint, options: OutputOptions, dtype: Any) -> PlannedOutput:
+    """``base/`` of the adapter release of a step holding its base: the step's base weights (adapter hidden)
+    planned by the Megatron planner as a merge would, in the requested weights format, config beside them."""
+    from merge_engine.planner import plan_checkpoint
+
+    config, folder = step_config(checkpoint, options)
+    source = StepBaseSource(open_checkpoint(checkpoint))
+    try:
+        stored = plan_checkpoint(checkpoint, source, config, dtype=dtype, max_shard_size=options.max_shard_size,
+                                 tie_flag=options.tie_word_embedding, custom_mapping=options.custom_mapping,
+                                 chunk_bytes=options.chunk_bytes, mtp_layers=options.mtp_layers)
+        plan = in_weights_format(stored, config, options.weights_format, options.max_shard_size)
+    except BaseException:
+        source.close()
+        raise
+    return PlannedOutput(plan, source, BASE_DIR, then=lambda url: copy_metadata(folder, url, config,
+                                                                               plan.config_updates))
 
 
 def prepare_fused_model(checkpoint: Checkpoint, options: OutputOptions, source_url: str) -> PreparedJob:
