@@ -59,6 +59,8 @@ LORA_ALPHA = 8.0
 LORA_STEPS = {  # name -> (family, tp, pp, ep, use_dist_checkpointing, PEFT export)
     "dense_tp2": ("qwen2", 2, 1, 1, False, True),
     "dense_pp2": ("qwen2", 1, 2, 1, False, True),
+    "llama_tp2": ("llama", 2, 1, 1, False, True),
+    "dense_pp2_dist": ("qwen2", 1, 2, 1, True, False),
     "dense_tp2_dist": ("qwen2", 2, 1, 1, True, False),
     "dense_tp2_noexport": ("qwen2", 2, 1, 1, False, False),
     "moe_tp2_ep2": ("qwen3_moe", 2, 1, 2, False, True),
@@ -74,7 +76,7 @@ def lora_steps(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("megatron_lora")
     bases = {family: write_base(root / f"base_{family}", ModelSpec(family=family), seed=0)
-             for family in ("qwen2", "qwen3_moe")}
+             for family in ("qwen2", "llama", "qwen3_moe")}
     steps = {}
     for name, (family, tp, pp, ep, dist, export) in LORA_STEPS.items():
         spec = LoraRunSpec(ModelSpec(family=family), tp=tp, pp=pp, ep=ep, use_dist_checkpointing=dist,

@@ -21,6 +21,7 @@ Specification:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -71,6 +72,7 @@ def test_discovery_calls_an_adapter_step_megatron_lora_not_a_mergeable_dist_chec
     ("dense_tp2", ("base_model",)),
     ("dense_tp2_noexport", ("base_model", "lora_alpha")),
     ("dense_tp2_dist", ("lora_alpha", "hf_model_path")),
+    ("dense_pp2_dist", ("lora_alpha", "hf_model_path")),
     ("moe_ep2_dist", ("lora_alpha", "hf_model_path")),
 ])
 def test_discovery_reads_verls_marker_and_says_what_a_merge_needs(lora_steps, name, needs):
@@ -136,7 +138,7 @@ def test_merge_without_a_base_is_a_named_error_saying_what_to_pass(lora_steps, t
     assert not target.exists()
 
 
-@pytest.mark.parametrize("name", ["dense_tp2", "dense_pp2", "moe_tp2_ep2"])
+@pytest.mark.parametrize("name", ["dense_tp2", "dense_pp2", "llama_tp2", "moe_tp2_ep2"])
 def test_merge_with_the_base_writes_the_trained_model(lora_steps, tmp_path, name):
     step = lora_steps[name]
     target = tmp_path / "model"
@@ -154,7 +156,7 @@ def test_a_base_of_another_model_is_refused(lora_steps, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("name", ["dense_tp2_dist", "moe_ep2_dist"])
+@pytest.mark.parametrize("name", ["dense_tp2_dist", "dense_pp2_dist", "moe_ep2_dist"])
 def test_a_use_dist_checkpointing_step_merges_from_itself(lora_steps, tmp_path, name):
     step = lora_steps[name]
     options = OutputOptions(hf_model_path=str(step.base_dir))
@@ -184,7 +186,7 @@ def test_an_adapter_step_without_its_peft_export_builds_the_adapter_from_dist_ck
 # 2. the adapter release
 
 
-@pytest.mark.parametrize("name", ["dense_tp2", "moe_tp2_ep2"])
+@pytest.mark.parametrize("name", ["dense_tp2", "llama_tp2", "moe_tp2_ep2"])
 def test_the_adapter_release_is_the_runs_export_checked_against_dist_ckpt(lora_steps, tmp_path, name):
     step = lora_steps[name]
     export = step.step_dir / "model" / "huggingface" / "adapter"
@@ -212,7 +214,7 @@ def test_an_export_that_is_not_what_was_trained_is_refused(lora_steps, tmp_path)
     assert not (tmp_path / "adapter").exists()
 
 
-@pytest.mark.parametrize("name", ["dense_tp2_dist", "moe_ep2_dist"])
+@pytest.mark.parametrize("name", ["dense_tp2_dist", "dense_pp2_dist", "moe_ep2_dist"])
 def test_without_an_export_the_adapter_is_built_from_dist_ckpt_exactly(lora_steps, tmp_path, name):
     step = lora_steps[name]
     with pytest.raises(AdapterError, match="--lora-alpha"):
@@ -239,7 +241,7 @@ def _trained_model(step, folder: Path) -> torch.nn.Module:
     return load_causal_lm(str(folder))
 
 
-@pytest.mark.parametrize("name", ["dense_tp2", "moe_tp2_ep2"])
+@pytest.mark.parametrize("name", ["dense_tp2", "llama_tp2", "moe_tp2_ep2"])
 def test_peft_on_the_base_gives_the_fused_release_and_the_trained_models_logits(lora_steps, tmp_path, name):
     from peft import PeftModel
 
@@ -267,3 +269,20 @@ def test_the_adapter_release_carries_the_named_base_and_peft_loads_it_alone(lora
     assert _tensors(release / "base").keys() == _tensors(step.base_dir).keys()
     peft = logits(PeftModel.from_pretrained(load_causal_lm(str(release / "base")), str(release)).eval())
     torch.testing.assert_close(peft, logits(_trained_model(step, tmp_path / "trained")), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["dense_tp2_dist", "moe_ep2_dist"])
+def test_the_adapter_release_of_a_step_holding_its_base_carries_that_base_clean(lora_steps, tmp_path, name):
+    """use_dist_checkpointing: base/ is the step's own base (adapter not applied: the base the run trained
+    from, exactly), and PEFT loads the release alone on it and gives the fused model's logits."""
+    from peft import PeftModel
+
+    step = lora_steps[name]
+    options = OutputOptions(hf_model_path=str(step.base_dir), lora_alpha=ALPHA)
+    release = tmp_path / "adapter"
+    extract_lora(str(step.step_dir), str(release), dataclasses.replace(options, write_base=True))
+    got, want = _tensors(release / "base"), _tensors(step.base_dir)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    merge_checkpoint(str(step.step_dir), str(tmp_path / "model"), options)
+    peft = logits(PeftModel.from_pretrained(load_causal_lm(str(release / "base")), str(release)).eval())
+    torch.testing.assert_close(peft, logits(load_causal_lm(str(tmp_path / "model"))), rtol=1e-5, atol=1e-5)
