@@ -34,18 +34,21 @@ is reported, and re-merged only with ``overwrite``.
 
 import hashlib
 import time
-from typing import Annotated, List, Optional
+from typing import List, Optional
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import deployment
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from flows.outcomes import StepOutcome
 from flows.credentials import storage_credentials
 from flows.params import (
+    AS_STORED,
+    OptionalUrl,
     DtypeName,
     LoraAlpha,
+    MaxSteps,
     RayAddress,
     Role,
     ShardSize,
@@ -149,24 +152,24 @@ def submitted_action(step: StepRecord, run: SubmittedRun) -> StepAction:
 @flow(name="merge-new-steps", flow_run_name=watch_run_name, log_prints=True)
 def merge_new_steps(
     run_root: StorageUrl = described("run_root"),
-    release_root: Optional[StorageUrl] = described("release_root", None),
+    release_root: OptionalUrl = described("release_root", ""),
     roles: List[Role] = described("roles", ["actor", ""]),
     merge_deployment: str = described("merge_deployment", "merge-step/gpu"),
-    max_steps: Optional[Annotated[int, Field(ge=1)]] = described("max_steps", None),
-    dtype: DtypeName = described("dtype", None),
+    max_steps: MaxSteps = described("max_steps", 0),
+    dtype: DtypeName = described("dtype", AS_STORED),
     max_shard_size: ShardSize = described("max_shard_size", "5GB"),
-    hf_model_path: Optional[StorageUrl] = described("hf_model_path", None),
+    hf_model_path: OptionalUrl = described("hf_model_path", ""),
     weights_format: WeightsFormat = described("weights_format", "hub"),
     validate_forward: bool = described("validate_forward", True),
-    reference_url: Optional[StorageUrl] = described("reference_url", None),
+    reference_url: OptionalUrl = described("reference_url", ""),
     release_adapter: bool = described("release_adapter", True),
     adapter_include_base: bool = described("adapter_include_base", True),
-    lora_alpha: LoraAlpha = described("lora_alpha", None),
-    base_model: Optional[StorageUrl] = described("base_model", None),
+    lora_alpha: LoraAlpha = described("lora_alpha", 0),
+    base_model: OptionalUrl = described("base_model", ""),
     overwrite: bool = described("overwrite", False),
-    staging_root: Optional[StorageUrl] = described("staging_root", None),
-    workers: Workers = described("workers", None),
-    ray_address: RayAddress = described("ray_address", None),
+    staging_root: OptionalUrl = described("staging_root", ""),
+    workers: Workers = described("workers", 0),
+    ray_address: RayAddress = described("ray_address", ""),
 ) -> WatchOutcome:
     """Merge every complete, unpublished step of ``run_root`` (see the module docstring)."""
     params = WatchParams(**locals())

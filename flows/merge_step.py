@@ -5,8 +5,9 @@
                                       and complete? If not: "not ready", nothing done
     check-checkpoint               -> deep completeness check, cached on the listing fingerprint (a file
                                       found truncated while the step's files still change: "not ready")
-    "not ready" ends Completed only when a watcher will merge the step later, and the artifact names
-    it; otherwise the run fails saying so (`flows.watchers`). No green run that did nothing.
+    "not ready" ends Completed only when a watcher will merge the step later, in a state named
+    ``NotReady`` with the tag ``not-ready`` (`flows.run_labels.ended`), and the artifact names the
+    watcher; otherwise the run fails saying so (`flows.watchers`). No green run that did nothing.
     model:   merge           -> validate         -> publish          (the chains of `flows.stages.CHAINS`)
     adapter: extract-adapter -> validate-adapter -> publish-adapter  (LoRA checkpoints only)
 
@@ -33,6 +34,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.credentials import storage_credentials
 from flows.params import (
+    AS_STORED,
+    OptionalUrl,
     DtypeName,
     LoraAlpha,
     MergeStepParams,
@@ -45,7 +48,7 @@ from flows.params import (
     Workers,
     described,
 )
-from flows.run_labels import label_flow_run, step_label, step_run_name
+from flows.run_labels import ended, label_flow_run, step_label, step_run_name
 from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_output
 from flows.summaries import step_summary
 from flows.watchers import not_ready_error, retrying_watcher
@@ -100,21 +103,21 @@ def merge_step(
     step: StepNumber = described("step"),
     run_root: StorageUrl = described("run_root"),
     role: Role = described("role", "actor"),
-    release_root: Optional[StorageUrl] = described("release_root", None),
-    dtype: DtypeName = described("dtype", None),
+    release_root: OptionalUrl = described("release_root", ""),
+    dtype: DtypeName = described("dtype", AS_STORED),
     max_shard_size: ShardSize = described("max_shard_size", "5GB"),
-    hf_model_path: Optional[StorageUrl] = described("hf_model_path", None),
+    hf_model_path: OptionalUrl = described("hf_model_path", ""),
     weights_format: WeightsFormat = described("weights_format", "hub"),
     validate_forward: bool = described("validate_forward", True),
-    reference_url: Optional[StorageUrl] = described("reference_url", None),
+    reference_url: OptionalUrl = described("reference_url", ""),
     release_adapter: bool = described("release_adapter", True),
     adapter_include_base: bool = described("adapter_include_base", True),
-    lora_alpha: LoraAlpha = described("lora_alpha", None),
-    base_model: Optional[StorageUrl] = described("base_model", None),
+    lora_alpha: LoraAlpha = described("lora_alpha", 0),
+    base_model: OptionalUrl = described("base_model", ""),
     overwrite: bool = described("overwrite", False),
-    staging_root: Optional[StorageUrl] = described("staging_root", None),
-    workers: Workers = described("workers", None),
-    ray_address: RayAddress = described("ray_address", None),
+    staging_root: OptionalUrl = described("staging_root", ""),
+    workers: Workers = described("workers", 0),
+    ray_address: RayAddress = described("ray_address", ""),
 ) -> StepOutcome:
     """Merge, validate and publish one step of a training run (see the module docstring)."""
     params = MergeStepParams(**locals())
@@ -139,7 +142,7 @@ def merge_step(
                     {True: "passed", False: "FAILED", None: "not run"}[release.validation_ok])
     if outcome.status == "not_ready":
         logger.info("step %s (%s) is not ready: %s", params.step, params.role or "sft", outcome.reason)
-    return outcome
+    return ended(outcome)  # a not-ready step: the state NotReady, tag not-ready
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ No torch import either: the listings-only watcher imports this module.
 import re
 from typing import Annotated, Any, Dict, List, Literal, Optional, Sequence
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
 from flows.step_keys import normalized_run_root, step_key
 from flows.url_checks import checked_url
@@ -59,56 +59,105 @@ def url_pattern(schemes: Sequence[str]) -> str:
 URL_PATTERN = url_pattern(url_schemes())  # the storage scheme registry's list, when the flows are defined
 
 
+def url_branches(schemes: Sequence[str]) -> List[str]:
+    """`url_pattern` as its three alternatives (object store, local scheme, plain path), each whole:
+    the form's schema lists them as branches so that a refusal is worded, not a pattern."""
+    remote = "|".join(re.escape(s) for s in schemes if not backend_for_scheme(s).local)
+    local = "|".join(re.escape(s) for s in schemes if backend_for_scheme(s).local)
+    clean = r"(?!.*[\x00-\x1f\x7f\\])"
+    no_climb = r"(?!(.*/)?(\.|%2[eE]){2}(/|%2[fF]|$))"
+    return [rf"^{clean}{no_climb}({remote})://[^/]+(/.*)?$", rf"^{clean}{no_climb}({local})://.+$",
+            rf"^{clean}{no_climb}(?!.*://).+$"]
+
+
+URL_BRANCHES = url_branches(url_schemes())
+SIZE_BRANCHES = [r"^ *[0-9]+ *$", SIZE_PATTERN]  # bytes, or a number with a unit
+
+
 def _url(value: str) -> str:
     return normalized_run_root(checked_url(value))
 
 
 def _dtype(value: Optional[str]) -> Optional[str]:
-    return canonical_dtype(value)
+    return None if value in (None, AS_STORED) else canonical_dtype(value)
 
 
+def _in_words(*patterns: str) -> Dict[str, Any]:
+    """A JSON Schema admitting a string matching any of ``patterns``, as an ``anyOf`` of two or more
+    branches: a refusal then reads "'x' is not valid under any of the given schemas" (with the field's
+    name and description beside it in the form), never a raw regular expression."""
+    branches = [{"pattern": p} for p in patterns]
+    if len(branches) == 1:
+        branches.append({"pattern": patterns[0]})  # a second branch keeps the message in words
+    return {"type": "string", "anyOf": branches}
+
+
+def unset_as(inner: Any, blank: Any, schema: Dict[str, Any]) -> Any:
+    """An optional value the form shows as a plain control (no "str | None" toggle): ``blank`` (the
+    empty text, 0, "as stored") stands for "not set" and is read as None; None is written back as
+    ``blank`` in JSON (what a deployment run, the watcher or a trigger sends), so the server's
+    schema, which has no null, admits it."""
+
+    def to_none(value: Any) -> Any:
+        if value is None or value == blank or (isinstance(value, str) and blank == "" and not value.strip()):
+            return None
+        return value
+
+    return Annotated[Optional[inner], BeforeValidator(to_none),
+                     PlainSerializer(lambda value: blank if value is None else value, when_used="json"),
+                     WithJsonSchema(schema)]
+
+
+AS_STORED = "as stored"
 Role = Literal["actor", "critic", ""]
 DtypeSpelling = Literal[tuple(DTYPE_SPELLINGS)]  # type: ignore[valid-type]
-# The pattern goes to the JSON schema only (the server's validator, and the UI's, read lookarounds;
-# pydantic's own regex engine does not): in Python, `checked_url` applies the same rule.
-StorageUrl = Annotated[str, Field(max_length=MAX_URL_LENGTH, json_schema_extra={"pattern": URL_PATTERN}),
-                       AfterValidator(_url)]
+# The patterns go to the JSON schema only (the server's validator, and the UI's, read lookarounds;
+# pydantic's own regex engine does not): in Python, `checked_url` applies the same rule, in words.
+_URL_SCHEMA = {"maxLength": MAX_URL_LENGTH, **_in_words(*URL_BRANCHES)}
+StorageUrl = Annotated[str, Field(max_length=MAX_URL_LENGTH), AfterValidator(_url), WithJsonSchema(_URL_SCHEMA)]
+OptionalUrl = unset_as(StorageUrl, "", {"type": "string", "maxLength": MAX_URL_LENGTH,
+                                        "anyOf": [{"const": ""}, *_URL_SCHEMA["anyOf"]]})
 StepNumber = Annotated[int, Field(ge=0)]
-ShardSize = Annotated[str, Field(pattern=SIZE_PATTERN)]
-DtypeName = Annotated[Optional[DtypeSpelling], AfterValidator(_dtype)]
-LoraAlpha = Optional[Annotated[float, Field(gt=0)]]
+ShardSize = Annotated[str, Field(pattern=SIZE_PATTERN), WithJsonSchema(_in_words(*SIZE_BRANCHES))]
+DtypeName = Annotated[unset_as(DtypeSpelling, AS_STORED, {"type": "string", "enum": [AS_STORED, *DTYPE_SPELLINGS]}),
+                      AfterValidator(_dtype)]
+LoraAlpha = unset_as(Annotated[float, Field(gt=0)], 0, {"type": "number", "minimum": 0})
 WeightsFormat = Literal[WEIGHTS_FORMATS]  # type: ignore[valid-type]
-Workers = Optional[Annotated[int, Field(ge=1)]]
+Workers = unset_as(Annotated[int, Field(ge=1)], 0, {"type": "integer", "minimum": 0})
+MaxSteps = unset_as(Annotated[int, Field(ge=1)], 0, {"type": "integer", "minimum": 0})
 RAY_ADDRESS_PATTERN = r"^(auto|local|(ray://)?[A-Za-z0-9.\-]+:[0-9]{1,5})$"
-RayAddress = Optional[Annotated[str, Field(max_length=MAX_URL_LENGTH, pattern=RAY_ADDRESS_PATTERN)]]
+RayAddress = unset_as(Annotated[str, Field(max_length=MAX_URL_LENGTH, pattern=RAY_ADDRESS_PATTERN)], "",
+                      {"type": "string", "maxLength": MAX_URL_LENGTH, **_in_words("^$", RAY_ADDRESS_PATTERN)})
 
 # The form's texts, one per parameter name (every flow that has the parameter shows the same words).
 DESCRIPTIONS: Dict[str, str] = {
     "step": "The global step to merge (its folder is global_step_N)",
     "run_root": "The training run's checkpoint folder: a path, file://, s3://bucket/... or gs://bucket/...",
     "role": "actor, critic, or empty for SFT runs (weights in the step folder)",
-    "release_root": "Where releases are published; default: the run root's releases/ folder",
-    "staging_root": "Local folder for staging merges; default: $STEPMERGE_STAGING_DIR or the temp dir",
-    "dtype": "Output dtype (bfloat16/bf16, float16/fp16/half, float32/fp32/float); default: as stored",
+    "release_root": "Where releases are published; empty: the run root's releases/ folder",
+    "staging_root": "Local folder for staging merges; empty: $STEPMERGE_STAGING_DIR or the temp dir",
+    "dtype": "Output dtype: as stored (the checkpoint's own), bfloat16/bf16, float16/fp16/half, float32/fp32/float",
     "max_shard_size": "Largest safetensors file, e.g. 5GB or 500MiB",
-    "hf_model_path": "Folder with config.json + tokenizer replacing the checkpoint's huggingface/",
+    "hf_model_path": "Folder with config.json + tokenizer replacing the checkpoint's huggingface/; empty: the "
+                     "checkpoint's own",
     "weights_format": "Tensor names written: hub (the model's Hub checkpoint: per-expert MoE tensors, what vLLM, "
                       "SGLang and PEFT read) or transformers (as the training job stored them)",
     "validate_forward": "Load the model and run a forward pass (GPU if present)",
-    "reference_url": "A Hugging Face folder to compare values and logits with",
+    "reference_url": "A Hugging Face folder to compare values and logits with; empty: none",
     "release_adapter": "For LoRA checkpoints, also release the PEFT adapter",
     "adapter_include_base": "Put the clean base model in the adapter release (base/)",
-    "lora_alpha": "LoRA alpha when the run did not record it (lora_train_meta.json)",
+    "lora_alpha": "LoRA alpha when the run did not record it (lora_train_meta.json); 0: as the run recorded it",
     "overwrite": "Replace a release that was built from a different checkpoint",
-    "workers": "Shard jobs at once in the merge (or extraction) task's process; default: one per core",
+    "workers": "Shard jobs at once in the merge (or extraction) task's process; 0: one per core",
     "ray_address": "Run the shard jobs as task runs on this Ray cluster (auto, host:port, ray://host:port); "
-                   "default: the worker's $STEPMERGE_RAY_ADDRESS, else the task's own process",
+                   "empty: the worker's $STEPMERGE_RAY_ADDRESS, else the task's own process",
     "roles": "Roles to merge (actor, critic, empty for SFT)",
     "merge_deployment": "Deployment that merges one step, used when this flow runs from a deployment",
-    "max_steps": "Merge at most this many new steps per run (oldest first)",
+    "max_steps": "Merge at most this many new steps per run (oldest first); 0: every new step",
     "include_base": "Also release the clean base model under base/",
     "base_model": "The base model of a LoRA-only checkpoint (a verl Megatron LoRA step saves no base weights: its "
-                  "fused model is this model plus the adapter; the run's adapter_config.json name is never used alone)",
+                  "fused model is this model plus the adapter; the run's adapter_config.json name is never used "
+                  "alone); empty: none",
     "compare_with_model_release": "Compare PEFT's logits with the step's released merged model, when it was "
                                   "built from this checkpoint",
 }
@@ -117,7 +166,7 @@ DESCRIPTIONS: Dict[str, str] = {
 class FlowParams(BaseModel):
     """Base of the three flows' parameter models: unknown names refused."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", validate_default=True)
 
     def flow_parameters(self) -> Dict[str, Any]:
         """The flow's keyword arguments (JSON-ready): what a deployment run, a trigger or a test passes."""
@@ -128,8 +177,8 @@ class RunLocation(FlowParams):
     """Where a training run is, where its releases go and where merges are staged."""
 
     run_root: StorageUrl
-    release_root: Optional[StorageUrl] = None
-    staging_root: Optional[StorageUrl] = None
+    release_root: OptionalUrl = ""
+    staging_root: OptionalUrl = ""
 
     @property
     def release_root_url(self) -> str:
@@ -141,19 +190,19 @@ class RunLocation(FlowParams):
 class PipelineOptions(RunLocation):
     """What to do with a step: how to merge, validate and release adapters."""
 
-    dtype: DtypeName = None
+    dtype: DtypeName = AS_STORED
     max_shard_size: ShardSize = "5GB"
-    hf_model_path: Optional[StorageUrl] = None
+    hf_model_path: OptionalUrl = ""
     weights_format: WeightsFormat = DEFAULT_WEIGHTS_FORMAT
     validate_forward: bool = True
-    reference_url: Optional[StorageUrl] = None
+    reference_url: OptionalUrl = ""
     release_adapter: bool = True
     adapter_include_base: bool = True
-    lora_alpha: LoraAlpha = None
-    base_model: Optional[StorageUrl] = None
+    lora_alpha: LoraAlpha = 0
+    base_model: OptionalUrl = ""
     overwrite: bool = False
-    workers: Workers = None
-    ray_address: RayAddress = None
+    workers: Workers = 0
+    ray_address: RayAddress = ""
 
     def merge_settings(self):
         from tasks.records import MergeSettings
@@ -207,7 +256,7 @@ class WatchParams(PipelineOptions):
 
     roles: List[Role] = ["actor", ""]
     merge_deployment: str = "merge-step/gpu"
-    max_steps: Optional[Annotated[int, Field(ge=1)]] = None
+    max_steps: MaxSteps = 0
 
     def step_params(self, step: Any) -> MergeStepParams:
         """The parameters of the merge of ``step`` (a `tasks.records.StepRecord`): this watcher's options."""
@@ -221,14 +270,14 @@ class AdapterParams(RunLocation):
     step: StepNumber
     role: Role = "actor"
     include_base: bool = True
-    base_model: Optional[StorageUrl] = None
-    lora_alpha: LoraAlpha = None
-    dtype: DtypeName = None
+    base_model: OptionalUrl = ""
+    lora_alpha: LoraAlpha = 0
+    dtype: DtypeName = AS_STORED
     validate_forward: bool = True
     compare_with_model_release: bool = True
     overwrite: bool = False
-    workers: Workers = None
-    ray_address: RayAddress = None
+    workers: Workers = 0
+    ray_address: RayAddress = ""
 
     execution_settings = PipelineOptions.execution_settings  # where the extraction's shard jobs run
 

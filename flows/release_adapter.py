@@ -28,6 +28,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.credentials import storage_credentials
 from flows.params import (
+    AS_STORED,
+    OptionalUrl,
     AdapterParams,
     DtypeName,
     LoraAlpha,
@@ -38,7 +40,7 @@ from flows.params import (
     Workers,
     described,
 )
-from flows.run_labels import adapter_run_name, label_flow_run, step_label
+from flows.run_labels import adapter_run_name, ended, label_flow_run, step_label
 from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_output
 from flows.summaries import step_summary
 from flows.watchers import not_ready_error, retrying_watcher
@@ -60,23 +62,23 @@ def release_adapter(
     step: StepNumber = described("step"),
     run_root: StorageUrl = described("run_root"),
     role: Role = described("role", "actor"),
-    release_root: Optional[StorageUrl] = described("release_root", None),
+    release_root: OptionalUrl = described("release_root", ""),
     include_base: bool = described("include_base", True),
-    base_model: Optional[StorageUrl] = described("base_model", None),
-    lora_alpha: LoraAlpha = described("lora_alpha", None),
-    dtype: DtypeName = described("dtype", None),
+    base_model: OptionalUrl = described("base_model", ""),
+    lora_alpha: LoraAlpha = described("lora_alpha", 0),
+    dtype: DtypeName = described("dtype", AS_STORED),
     validate_forward: bool = described("validate_forward", True),
     compare_with_model_release: bool = described("compare_with_model_release", True),
     overwrite: bool = described("overwrite", False),
-    staging_root: Optional[StorageUrl] = described("staging_root", None),
-    workers: Workers = described("workers", None),
-    ray_address: RayAddress = described("ray_address", None),
+    staging_root: OptionalUrl = described("staging_root", ""),
+    workers: Workers = described("workers", 0),
+    ray_address: RayAddress = described("ray_address", ""),
 ) -> StepOutcome:
     """Extract, validate and publish the LoRA adapter of one step (see the module docstring)."""
     params = AdapterParams(**locals())
     label_flow_run(params.run_root, params.role, params.step)
     with storage_credentials():
-        return adapter_stages(params)
+        return ended(adapter_stages(params))  # a not-ready step: the state NotReady, tag not-ready
 
 
 def adapter_stages(params: AdapterParams) -> StepOutcome:

@@ -6,10 +6,14 @@
 - Tags (`run_tags`, added to the flow run when it starts, whatever created it: the UI, the watcher,
   the trigger, the webhook): ``run:<run root>``, ``role:<role or sft>``, ``step:<N>``. Filter the
   UI's runs by ``run:s3://bucket/exp1`` to see one training run's merges.
+- A run that published nothing because its step is not complete yet (a watcher merges it later)
+  ends in a Completed state NAMED ``NotReady`` and is tagged ``not-ready`` (`ended`): the run list
+  tells it from a published step at a glance (its state badge), and ``not-ready`` filters it (the
+  UI's tag filter; the API's state-name filter takes ``NotReady``).
 - Task run names (`step_label`, given to `flows.stages.StageTimer`): ``merge-model step 40 actor``.
 """
 
-from typing import List, Optional, Union
+from typing import Any, List, Optional, Union
 
 from flows.step_keys import normalized_run_root
 
@@ -66,6 +70,22 @@ def verify_run_name() -> str:
     """``verify-releases``' run name: ``verify exp1/releases`` (the release root's last two folders)."""
     root = normalized_run_root(str(_parameters().get("release_root", "?")))
     return "verify " + "/".join(part for part in root.split("://", 1)[-1].rsplit("/", 2)[-2:] if part)
+
+
+NOT_READY_STATE = "NotReady"
+NOT_READY_TAG = "not-ready"
+
+
+def ended(outcome: Any) -> Any:
+    """What a step flow returns: ``outcome`` itself, or for a step not ready yet (``status ==
+    "not_ready"``) a Completed state named `NOT_READY_STATE` carrying it (its result) and the tag
+    `NOT_READY_TAG` added to the run."""
+    if getattr(outcome, "status", None) != "not_ready":
+        return outcome
+    from prefect.states import Completed
+
+    label_flow_run_with([NOT_READY_TAG])
+    return Completed(name=NOT_READY_STATE, message=f"not ready yet: {outcome.reason}", data=outcome)
 
 
 def label_flow_run(run_root: str, role: Optional[str] = None, step: Optional[int] = None) -> List[str]:

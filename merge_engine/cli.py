@@ -103,7 +103,8 @@ def _run_flags(parser: argparse.ArgumentParser) -> None:
           help="shard jobs at once on this machine (default: one per core, at most one per output file)")
     _flag(parser, "ray-address", default=None,
           help="run the shard jobs as tasks of this Ray cluster: auto, HOST:PORT or ray://HOST:PORT "
-               "(pip install 'stepmerge[ray]'); every worker reads and writes the storage URLs itself")
+               "(pip install -c constraints.txt '.[ray]' from the checkout); every worker reads and writes the "
+               "storage URLs itself")
     _flag(parser, "requests-in-flight", type=_positive_int, default=None,
           help="ranged GETs in flight per read of an s3:// or gs:// file (default 32, sized for object storage)")
 

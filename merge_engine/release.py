@@ -278,13 +278,60 @@ class ReleaseState:
         """Published, intact, and built from exactly this fingerprint."""
         return self.intact and self.manifest is not None and self.manifest.fingerprint == fingerprint
 
-    def refuse_other(self, fingerprint: str, overwrite: bool, what: str = "output") -> None:
+    def refuse_other(self, fingerprint: str, overwrite: bool, what: str = "output",
+                     checkpoint_fingerprint: Optional[str] = None,
+                     settings: Optional[Mapping[str, Any]] = None) -> None:
         """Raise `TargetExists` when this release is published from another fingerprint and not
         ``overwrite``: checked before a byte is read or staged (publishing would refuse it anyway,
-        after the whole build)."""
-        if self.intact and self.manifest is not None and self.manifest.fingerprint != fingerprint and not overwrite:
-            raise TargetExists(f"released from other input (fingerprint {self.manifest.fingerprint[:12]}…, this "
-                               f"{what} would be {fingerprint[:12]}…): pass overwrite to replace it", self.url)
+        after the whole build).
+
+        With ``checkpoint_fingerprint`` and ``settings`` (what this build would record), the message
+        says which: the same checkpoint asked with other options names each differing option and
+        offers a second release root (replacing the live release is not the fix for a second
+        flavour of it); another checkpoint (the step was rewritten) offers ``overwrite``."""
+        if not (self.intact and self.manifest is not None and self.manifest.fingerprint != fingerprint
+                and not overwrite):
+            return
+        released = self.manifest.provenance
+        if checkpoint_fingerprint is not None and released.checkpoint_fingerprint == checkpoint_fingerprint:
+            differing = differing_options(released.settings, settings or {})
+            named = "; ".join(f"{name}: {_shown(old)} there, {_shown(new)} asked" for name, old, new in differing)
+            raise TargetExists(
+                f"this step is already released here from the same checkpoint with other options "
+                f"({named or 'options recorded differently'}): publish this {what} to a second release root "
+                f"(the release_root parameter, e.g. {_second_root(self.url, differing)}); the live release stays "
+                f"as it is (overwrite would replace it for every reader)", self.url)
+        raise TargetExists(f"released from another checkpoint (fingerprint {self.manifest.fingerprint[:12]}…, this "
+                           f"{what} would be {fingerprint[:12]}…; the step was rewritten since): pass overwrite to "
+                           f"replace the release with the new checkpoint's {what}", self.url)
+
+
+def _shown(value: Any) -> str:
+    return "as stored" if value is None else str(value)
+
+
+def differing_options(released: Mapping[str, Any], asked: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(name, released value, asked value) of every recorded option the two differ in (a size compared
+    in bytes, so ``5GB`` and ``5000000000`` agree); options one side does not record are skipped."""
+    from merge_engine.option_values import parse_size
+
+    def same(name: str, a: Any, b: Any) -> bool:
+        if name == "max_shard_size" and a is not None and b is not None:
+            try:
+                return parse_size(a) == parse_size(b)
+            except Exception:  # noqa: BLE001 - an unreadable record differs
+                return False
+        return a == b
+
+    return [(name, released[name], asked[name]) for name in sorted(set(released) & set(asked))
+            if not same(name, released[name], asked[name])]
+
+
+def _second_root(release: str, differing: list[tuple[str, Any, Any]]) -> str:
+    """``<release root>-<asked value>``: the root three levels above ``release`` (role/step folders)."""
+    root = release.rstrip("/").rsplit("/", 2)[0]
+    suffix = "-".join(str(new) for _, _, new in differing[:2] if new is not None) or "other-options"
+    return f"{root}-{suffix}"
 
 
 def release_state(url: str) -> ReleaseState:

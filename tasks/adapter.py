@@ -61,7 +61,9 @@ def extract_adapter(step: StepRecord, checkpoint: CheckpointRecord, settings: Ad
     from merge_engine.lora.extract import extract_fingerprint, extract_lora
 
     fingerprint = extract_fingerprint(checkpoint.to_checkpoint(), settings.to_options())
-    found = released_output(ADAPTER, checkpoint.url, release, fingerprint, overwrite)
+    found = released_output(ADAPTER, checkpoint.url, release, fingerprint, overwrite, checkpoint.fingerprint,
+                            settings.model_dump(include={"dtype", "max_shard_size", "hf_model_path", "lora_alpha",
+                                                         "weights_format"}))
     if found is not None:
         return found
     target = staging_url(staging_root, release, fingerprint)

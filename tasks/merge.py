@@ -51,13 +51,16 @@ def output_available(output: OutputRecord) -> bool:
 
 
 def released_output(kind: str, source_url: str, release: str, fingerprint: str,
-                    overwrite: bool = False) -> Optional[OutputRecord]:
+                    overwrite: bool = False, checkpoint_fingerprint: Optional[str] = None,
+                    settings: Optional[dict] = None) -> Optional[OutputRecord]:
     """The record of an output already released at ``release`` from ``fingerprint``; else None.
 
-    Raises `TargetExists` when ``release`` is whole but built from another fingerprint and not ``overwrite``.
+    Raises `TargetExists` when ``release`` is whole but built from another fingerprint and not ``overwrite``:
+    naming the differing options when the release is of the same checkpoint (``checkpoint_fingerprint``,
+    ``settings`` as this build records them), else offering ``overwrite``.
     """
     state = release_state(release)
-    state.refuse_other(fingerprint, overwrite, kind)
+    state.refuse_other(fingerprint, overwrite, kind, checkpoint_fingerprint, settings)
     if not state.holds(fingerprint) or state.manifest is None:
         return None
     provenance = read_provenance(release) or {}
@@ -77,7 +80,9 @@ def merge_model(checkpoint: CheckpointRecord, settings: MergeSettings, release: 
                 execution: Optional[ExecutionSettings] = None) -> OutputRecord:
     """Merge ``checkpoint`` into a staging folder for ``release`` (or find it already released)."""
     fingerprint = merge_fingerprint(checkpoint.to_checkpoint(), settings.to_options())
-    found = released_output(MODEL, checkpoint.url, release, fingerprint, overwrite)
+    found = released_output(MODEL, checkpoint.url, release, fingerprint, overwrite, checkpoint.fingerprint,
+                            settings.model_dump(include={"dtype", "max_shard_size", "hf_model_path", "lora_alpha",
+                                                         "weights_format"}))
     if found is not None:
         return found
     target = staging_url(staging_root, release, fingerprint)

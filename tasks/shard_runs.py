@@ -72,7 +72,8 @@ def ray_task_runner(address: str) -> Any:
     try:
         from prefect_ray import RayTaskRunner
     except ImportError:
-        raise InvalidOption(f"ray_address {address!r} needs Ray: pip install 'stepmerge[ray]'") from None
+        raise InvalidOption(f"ray_address {address!r} needs Ray: pip install -c constraints.txt '.[ray]' "
+                            "(from the stepmerge checkout)") from None
     init_kwargs = {"log_to_driver": False, "configure_logging": False}
     if address == "local":
         return RayTaskRunner(init_kwargs=init_kwargs)

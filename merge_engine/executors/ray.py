@@ -1,4 +1,5 @@
-"""Shard jobs as tasks of a Ray cluster (the optional extra: ``pip install 'stepmerge[ray]'``).
+"""Shard jobs as tasks of a Ray cluster (the optional extra ``ray``: ``pip install -c constraints.txt '.[ray]'``
+from the checkout).
 
 Each shard job is one Ray task running `merge_engine.executors.remote.run_shard_task` on a worker: it
 reads straight from the checkpoint's storage and writes straight to the target URL. No weight byte passes
@@ -34,7 +35,8 @@ def import_ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise InvalidOption("--ray-address needs Ray: pip install 'stepmerge[ray]'") from None
+        raise InvalidOption("--ray-address needs Ray: pip install -c constraints.txt '.[ray]' "
+                            "(from the stepmerge checkout)") from None
     return ray
 
 

@@ -3,12 +3,14 @@ checks them before a run exists (tests/deployments/test_prefect_yaml.py), the fl
 
 Each flow's signature lists exactly its parameter model's fields with the same defaults (one list,
 two spellings held together here); the JSON schema carries the URL pattern, the size pattern, the
-dtype spellings (the command line's), ``step >= 0``, and a description for every field.
+dtype spellings (the command line's) after "as stored", ``step >= 0``, and a description for every field. Every
+choice is a visible control (no None toggle), and a refusal is worded, not a pattern (issue 20).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import re
 
 import pytest
@@ -16,7 +18,7 @@ from pydantic import ValidationError
 
 from flows.merge_new_steps import merge_new_steps
 from flows.merge_step import merge_step
-from flows.params import URL_PATTERN, AdapterParams, MergeStepParams, RunLocation, WatchParams
+from flows.params import AS_STORED, URL_BRANCHES, URL_PATTERN, AdapterParams, MergeStepParams, RunLocation, WatchParams
 from flows.release_adapter import release_adapter
 from flows.url_checks import checked_url
 from merge_engine.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, WEIGHTS_FORMATS, parse_size
@@ -31,7 +33,8 @@ def test_the_ui_form_has_every_option_with_its_default_and_constraints():
     props = schema["properties"]
     assert list(props)[:2] == ["step", "run_root"]  # the form lists the required values first
     assert props["step"]["minimum"] == 0
-    assert props["run_root"]["pattern"] == URL_PATTERN and props["max_shard_size"]["pattern"] == SIZE_PATTERN
+    assert [b["pattern"] for b in props["run_root"]["anyOf"]] == URL_BRANCHES
+    assert SIZE_PATTERN in [b["pattern"] for b in props["max_shard_size"]["anyOf"]]
     assert props["role"]["default"] == "actor" and set(props["role"]["enum"]) == {"actor", "critic", ""}
     assert props["max_shard_size"]["default"] == "5GB"
     assert props["validate_forward"]["default"] is True and props["overwrite"]["default"] is False
@@ -57,8 +60,8 @@ def test_each_flow_signature_is_its_parameter_model(flow, model):
 
 
 def test_the_form_and_the_command_line_accept_the_same_dtype_spellings_and_record_one():
-    (enum,) = [a["enum"] for a in merge_step.parameters.model_dump()["properties"]["dtype"]["anyOf"] if "enum" in a]
-    assert set(enum) == set(DTYPE_SPELLINGS)
+    enum = merge_step.parameters.model_dump()["properties"]["dtype"]["enum"]
+    assert enum == [AS_STORED, *DTYPE_SPELLINGS]
     for spelling, canonical in DTYPE_SPELLINGS.items():
         assert MergeStepParams(run_root="s3://b/run", step=1, dtype=spelling).recorded_options()["dtype"] == canonical
 
@@ -71,6 +74,7 @@ def test_the_form_and_the_command_line_accept_the_same_dtype_spellings_and_recor
 ])
 def test_the_servers_url_pattern_is_the_flows_url_check(url, ok):
     assert bool(re.match(URL_PATTERN, url)) is ok
+    assert any(re.match(branch, url) for branch in URL_BRANCHES) is ok  # the form's branches: the same rule
     try:
         checked_url(url)
         checked = True
@@ -125,6 +129,44 @@ def test_url_allow_list_is_configurable():
         checked_url("/local/run", schemes=("s3",), allow_local_paths=False)
     with pytest.raises(ValueError):
         checked_url("gs://b/run", schemes=("s3",))
+
+
+@pytest.mark.parametrize("flow", [merge_step, merge_new_steps, release_adapter], ids=lambda f: f.name)
+def test_every_choice_is_a_visible_control_with_no_none_toggle(flow):
+    """Issue 20: no "str | None" toggle with "Property is type None" under it; dtype is a dropdown whose first
+    choice is "as stored"; an unset optional value is the blank its control shows (empty text, 0)."""
+    props = flow.parameters.model_dump()["properties"]
+    for name, prop in props.items():
+        assert "null" not in json.dumps(prop.get("anyOf", [])) and prop.get("type") != "null", name
+        assert prop.get("default", "required") is not None, name
+        assert "type" in prop or "$ref" in prop or "allOf" in prop, name
+    if "dtype" in props:
+        assert props["dtype"]["default"] == AS_STORED and props["dtype"]["enum"][0] == AS_STORED
+
+
+def test_the_blanks_are_read_as_unset_and_written_back_as_blanks():
+    params = MergeStepParams(run_root="s3://b/run", step=1)
+    assert (params.dtype, params.release_root, params.lora_alpha, params.workers, params.ray_address) == \
+        (None, None, None, None, None)
+    assert params.recorded_options()["dtype"] is None  # releases record what they always did
+    sent = params.flow_parameters()
+    assert sent["dtype"] == AS_STORED and sent["release_root"] == "" and sent["lora_alpha"] == 0
+    assert MergeStepParams(**sent) == params  # what the watcher sends is what it meant
+    assert MergeStepParams(run_root="s3://b/run", step=1, dtype=None, release_root=None).dtype is None
+
+
+@pytest.mark.parametrize("name, bad", [("run_root", "s3://bucket/run/../x"), ("release_root", "ftp://x/y"),
+                                       ("max_shard_size", "lots"), ("ray_address", "not an address")])
+def test_the_server_refuses_a_bad_value_in_words_not_with_a_pattern(name, bad):
+    """What the server answers a bad ``--param`` or form value (its own validator, on the flow's schema)."""
+    from prefect.utilities.schema_tools import ValidationError as SchemaError, validate
+
+    schema = merge_step.parameters.model_dump()
+    with pytest.raises(SchemaError) as refused:
+        validate({"run_root": "s3://bucket/run", "step": 1, name: bad}, schema, raise_on_error=True)
+    message = str(refused.value)
+    assert name in message and "is not valid under any of the given schemas" in message
+    assert "^" not in message and "(?!" not in message, message
 
 
 def test_a_bad_parameter_fails_the_run_before_any_task(prefect):

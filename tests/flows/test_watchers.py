@@ -40,6 +40,47 @@ def test_a_run_root_with_no_files_fails_the_run_naming_it(prefect, tmp_path, flo
     assert "RunRootNotFound" in state.message and typo in state.message and "typo" in state.message
 
 
+def _flow_run(state):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id(state))
+
+
+def _run_log(state) -> list[str]:
+    """Every log line of the flow run and its task runs, as the server holds them (what the UI shows)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()  # the logs still queued for the server
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id(state)])))
+    return [log.message for log in logs]
+
+
+def test_a_named_error_is_logged_without_a_traceback_and_a_bug_with_one(prefect, tmp_path):
+    """Issue 20: bad input shows the named error in the run log, not 25 lines of engine frames."""
+    typo = str(tmp_path / "runs" / "exp1n")
+    state = merge_step(run_root=typo, step=40, return_state=True)
+    log = _run_log(state)
+    named = [line for line in log if "RunRootNotFound" in line]
+    assert named and typo in named[0]
+    assert not any("Traceback" in line for line in log), log
+    # the control: an error that is not the user's (a bug) keeps its traceback
+    from flows.run_log import UserErrorsWithoutTraceback
+    import logging
+    import sys
+
+    for exc in (RuntimeError("bug"), __import__("merge_engine.errors").errors.RunRootNotFound("typo", "/x")):
+        try:
+            raise exc
+        except Exception:
+            record = logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
+        UserErrorsWithoutTraceback().filter(record)
+        assert (record.exc_info is None) == (not isinstance(exc, RuntimeError))
+
+
 def test_a_step_that_is_not_there_fails_listing_the_steps_that_are(prefect, template_run, tmp_path):
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [1, 2])
@@ -74,6 +115,9 @@ def test_a_step_not_complete_yet_is_green_when_a_watcher_comes_back_and_says_whi
     assert watching_deployments(run_root) == [watcher]
     state = merge_step(run_root=run_root, step=1, return_state=True)
     assert state.is_completed()
+    # issue 20: a state an operator can filter (the badge says NotReady; the tag not-ready filters the list)
+    assert state.name == "NotReady" and state.message.startswith("not ready yet: ")
+    assert "not-ready" in _flow_run(state).tags
     outcome = state.result()
     assert outcome.status == "not_ready" and outcome.releases == []
     summary = _summary(state)
