@@ -131,7 +131,7 @@ def deploy(watcher: Optional[str] = None, run_root: Optional[str] = None) -> Lis
         name, deployed = watcher, [(WATCH_ENTRYPOINT, watcher)]
     closed = close_parameter_schemas(deployed)
     run_id = first_watcher_run(name)
-    return [f"unknown parameter names refused by the server: {', '.join(closed)}",
+    return [f"parameter schemas closed (the server now refuses a misspelled parameter name) for: {', '.join(closed)}",
             f"deployed; {WATCH_FLOW}/{name} watches {run_root} every {WATCH_INTERVAL_S} s, first run now "
             f"(flow run {run_id})"]
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import time
@@ -297,6 +298,9 @@ def flow_parameters(payload: CheckpointSaved) -> dict:
     return {"run_root": payload.run_root, "step": payload.step, "role": payload.role}
 
 
+refusals = logging.getLogger("stepmerge.webhook")  # uvicorn's access log says 401; this line says why
+
+
 def create_app(settings: Optional[WebhookSettings] = None) -> FastAPI:
     """The receiver (see the module docstring). Settings default to `WebhookSettings.from_env`."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -331,32 +335,49 @@ def create_app(settings: Optional[WebhookSettings] = None) -> FastAPI:
                 "idempotency_key": run.idempotency_key, "deployment": settings.deployment, "state": run.state,
                 "action": run.action}
 
+    @app.get("/health")
     @app.get("/healthz")
-    async def healthz() -> dict:
-        return {"ok": True}
+    async def health() -> dict:
+        """Liveness for a load balancer or a probe (no credentials needed, nothing is read)."""
+        return {"ok": True, "deployment": settings.deployment}
+
+    def refused(request: Request, status: int, reason: str) -> None:
+        """One log line per refusal, with the reason the sender gets (never a credential)."""
+        client = request.client.host if request.client else "?"
+        refusals.warning("refused %s from %s: %d %s", request.url.path, client, status, reason)
 
     @app.post(CHECKPOINT_SAVED_PATH, status_code=202)
     async def checkpoint_saved(request: Request):
         # credentials first, from the headers: an unauthenticated body is never read, and no body is
         # ever held beyond MAX_BODY_BYTES (a 600 MB chunked POST costs nothing)
-        unauthorized = HTTPException(401, refusal_reason(settings, request.headers),  # a stale signature says so
-                                     headers={"WWW-Authenticate": "Bearer"})
+        reason = refusal_reason(settings, request.headers)  # a stale signature says so
+        unauthorized = HTTPException(401, reason, headers={"WWW-Authenticate": "Bearer"})
         if not bearer_ok(settings, request.headers) and not signature_may_hold(settings, request.headers):
+            refused(request, 401, reason)
             raise unauthorized
-        body = await read_body(request)
+        try:
+            body = await read_body(request)
+        except HTTPException as exc:
+            refused(request, exc.status_code, str(exc.detail))
+            raise
         if not authenticated(settings, request.headers, body):
+            refused(request, 401, reason)
             raise unauthorized
         try:
             payload = checked_payload(settings, body)
         except ValidationError as exc:
-            return JSONResponse({"detail": json.loads(exc.json(include_url=False, include_input=False))},
-                                status_code=422)
+            detail = json.loads(exc.json(include_url=False, include_input=False))
+            refused(request, 422, "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in detail))
+            return JSONResponse({"detail": detail}, status_code=422)
         except ValueError as exc:
+            refused(request, 422, str(exc))
             return JSONResponse({"detail": str(exc)}, status_code=422)
         try:
             return await anyio.to_thread.run_sync(create_run, payload)
         except Exception as exc:  # noqa: BLE001 - the sender should retry later; say why
             deployment_ids.clear()
-            raise HTTPException(503, f"could not create the flow run: {type(exc).__name__}: {exc}") from None
+            reason = f"could not create the flow run: {type(exc).__name__}: {exc}"
+            refused(request, 503, reason)
+            raise HTTPException(503, reason) from None
 
     return app

@@ -151,7 +151,8 @@ def run_demo(run_root: str, release_root: str) -> None:
     first = time.perf_counter() - started
     merged = watch.steps_with("merged")
     news = f"merged step(s) {', '.join(map(str, merged))}" if merged else "nothing new: every complete step is released"
-    print(f"   {news} ({watch.published_before} release(s) there before); {first:.1f} s including Prefect's start-up")
+    print(f"   {news} ({watch.published_before} step(s) published before); {first:.1f} s including Prefect's "
+          "start-up")
     print_outcomes(watch.outcomes)
     if watch.outcomes:
         totals = stage_totals(watch.outcomes)
@@ -194,8 +195,11 @@ def main(argv: List[str] = None) -> int:
           f"step {LORA_STEP} with LoRA)")
     spent = write_demo_run(run_dir)
     print(f"   written in {spent:.1f} s" if spent else "   already there (rm -rf demo to write it again)")
+    temporary = not os.environ.get("PREFECT_API_URL")
     if not args.s3:
-        run_demo(str(run_dir), str((DEMO_DIR / "releases").resolve()))
+        releases = (DEMO_DIR / "releases").resolve()
+        run_demo(str(run_dir), str(releases))
+        print(next_steps(str(releases), api, temporary))
         return 0
 
     from merge_engine import storage
@@ -211,7 +215,26 @@ def main(argv: List[str] = None) -> int:
         print(f"== SeaweedFS at {server.endpoint_url}: uploaded {len(files)} files to {run_root} "
               f"in {time.perf_counter() - started:.1f} s")
         run_demo(run_root, f"{bucket}/releases")
+    print(next_steps(f"{bucket}/releases (in the demo's SeaweedFS server, stopped now)", api, temporary))
     return 0
+
+
+def next_steps(releases: str, api: str, temporary: bool) -> str:
+    """What to do after the demo: where its releases are, where its runs can be seen, how to go on."""
+    ui = api.rstrip("/").removesuffix("/api")
+    if temporary:
+        seen = (f"   the runs were recorded by a temporary Prefect server ({ui}), stopped with the demo: to browse\n"
+                f"   them in the UI, start `prefect server start` in another terminal, then run\n"
+                f"   PREFECT_API_URL=http://127.0.0.1:4200/api make demo  and open http://127.0.0.1:4200/runs")
+    else:
+        seen = f"   the runs: {ui}/runs (tagged run:<run root>; each has a summary artifact)"
+    return "\n".join([
+        "\n== next",
+        f"   the releases: {releases}  (check one: stepmerge verify <release folder>)",
+        seen,
+        "   your own run: stepmerge discover --run-root <run root>; to merge every new step as training goes,",
+        "   deploy the pipeline: deployments/README.md (server, work pools, workers, make deploy)",
+    ])
 
 
 if __name__ == "__main__":

@@ -34,7 +34,12 @@ class EventNotDelivered(StepmergeError):
 
 def notified_run_root(value: str) -> str:
     """A run root as a notification carries it: checked like a flow parameter (`checked_url`), and a
-    relative local path made absolute (the worker that merges does not share the job's directory)."""
+    relative local path made absolute (the worker that merges does not share the job's directory).
+
+    A local path is made absolute BEFORE the check, so ``../runs/exp1`` (the job's own folder, named
+    from where it runs) is sent as ``/abs/runs/exp1``; a URL with ``..`` is still refused."""
+    if "://" not in value and value.strip() and not value.startswith("/"):
+        value = os.path.abspath(value)
     try:
         url = checked_url(value)
     except ValueError as exc:

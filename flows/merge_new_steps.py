@@ -145,8 +145,15 @@ def missing_action(step: StepRecord, missing: List[str]) -> StepAction:
 
 
 def submitted_action(step: StepRecord, run: SubmittedRun) -> StepAction:
-    return StepAction(step=step.step, role=step.role, action=SUBMITTED.get(run.action, run.action),
-                      detail=run.detail)
+    """The row of a submitted step: the run by its NAME, linked to its page in the UI (not a bare id)."""
+    named = f"{run.flow_run_name or 'flow run'} ([open](/runs/flow-run/{run.flow_run_id}))"
+    detail = run.detail.replace(f"flow run {run.flow_run_id}", named) if run.flow_run_id else run.detail
+    return StepAction(step=step.step, role=step.role, action=SUBMITTED.get(run.action, run.action), detail=detail)
+
+
+def published_step_count(published: List[PublishedRelease]) -> int:
+    """How many STEPS have a release (a LoRA step's model and adapter releases are one step)."""
+    return len({(release.name.removesuffix("-adapter"), release.step) for release in published})
 
 
 @flow(name="merge-new-steps", flow_run_name=watch_run_name, log_prints=True)
@@ -185,7 +192,7 @@ def watch(params: WatchParams) -> WatchOutcome:
     discovery = discover_steps(params.run_root)
     published = list(find_published(params.release_root_url))
     todo, changed, waiting = plan_steps(list(discovery.steps), published, params)
-    outcome = WatchOutcome(run_root=params.run_root, waiting=waiting, published_before=len(published))
+    outcome = WatchOutcome(run_root=params.run_root, waiting=waiting, published_before=published_step_count(published))
     for step in changed:
         outcome.actions.append(StepAction(step=step.step, role=step.role, action="changed since release",
                                           detail="the checkpoint was rewritten after its release; "
@@ -224,11 +231,13 @@ def watch(params: WatchParams) -> WatchOutcome:
         outcome.actions.append(StepAction(step=step.step, role=step.role, action=action, detail=detail))
     outcome.seconds = time.perf_counter() - started
     rows = [a.model_dump() for a in outcome.actions]
-    create_markdown_artifact(watch_summary(params.run_root, rows, waiting, outcome.seconds),
+    create_markdown_artifact(watch_summary(params.run_root, rows, waiting, outcome.seconds,
+                                           published_steps=outcome.published_before, releases=len(published)),
                              key=artifact_key("watch", params.run_root.rstrip("/").rsplit("/", 1)[-1],
                                               hashlib.sha256(params.run_root.encode()).hexdigest()[:8]),
                              description=f"{len(todo)} new step(s) of {params.run_root}")
-    logger.info("%d new step(s), %d not ready, %d already published", len(todo), len(waiting), len(published))
+    logger.info("%d new step(s), %d not ready, %d already published (%d releases)", len(todo), len(waiting),
+                outcome.published_before, len(published))
     failed = [a for a in outcome.actions if a.action in ("failed", "error") or a.action.startswith(NEEDS)]
     if failed:
         raise RuntimeError(f"{len(failed)} step(s) failed: " + ", ".join(f"{a.step} ({a.detail})" for a in failed))

@@ -51,9 +51,14 @@ def step_summary(outcome: StepOutcome, error: Optional[str] = None) -> str:
     return "\n".join(lines)
 
 
-def watch_summary(run_root: str, rows: List[dict], waiting: List[str], seconds: float) -> str:
-    """The markdown artifact of one merge_new_steps run (``rows``: step, role, action, detail)."""
-    lines = [f"# New steps of `{run_root}`", "", f"{len(rows)} step(s) handled in {seconds:.1f} s.", ""]
+def watch_summary(run_root: str, rows: List[dict], waiting: List[str], seconds: float,
+                  published_steps: int = 0, releases: int = 0) -> str:
+    """The markdown artifact of one merge_new_steps run (``rows``: step, role, action, detail; a
+    submitted step's detail names its run and links to it); ``published_steps`` counts steps, not
+    releases (a LoRA step has two)."""
+    handled = f"{len(rows)} step(s) handled in {seconds:.1f} s"
+    before = f"; {published_steps} step(s) already published ({releases} release(s))" if releases else ""
+    lines = [f"# New steps of `{run_root}`", "", f"{handled}{before}.", ""]
     if rows:
         lines += ["| step | role | action | detail |", "|---:|---|---|---|"]
         lines += [f"| {r['step']} | {r['role'] or '-'} | {r['action']} | {r['detail']} |" for r in rows]

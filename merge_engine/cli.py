@@ -152,6 +152,16 @@ def _progress(total: int, label: str, file=None, disable: bool | None = None):
                 file=file or sys.stderr, dynamic_ncols=True)
 
 
+def rate_text(n_bytes: int, seconds: float) -> str:
+    """``812 MB/s``, ``3.4 MB/s``, ``120 kB/s``: never ``0 MB/s`` for a small, quick merge."""
+    rate = n_bytes / max(seconds, 1e-9)
+    if rate >= 100e6:
+        return f"{rate / 1e6:.0f} MB/s"
+    if rate >= 1e6:
+        return f"{rate / 1e6:.1f} MB/s"
+    return f"{rate / 1e3:.0f} kB/s"
+
+
 def cmd_merge(args: argparse.Namespace) -> int:
     from merge_engine.merge import merge_checkpoint
 
@@ -177,9 +187,9 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if result.skipped:
         print(f"{result.target_url} already holds this merge (fingerprint {result.fingerprint[:12]}); nothing to do")
         return _check_trained(args, fused_model_url=result.target_url) if args.check_trained else 0
-    rate = result.tensor_bytes / max(result.seconds, 1e-9) / 1e6
     print(f"merged {result.layout} checkpoint {result.source_url} -> {result.target_url}: {result.tensors} tensors, "
-          f"{result.tensor_bytes / 1e6:.1f} MB in {result.seconds:.2f} s ({rate:.0f} MB/s)")
+          f"{result.tensor_bytes / 1e6:.1f} MB in {result.seconds:.2f} s "
+          f"({rate_text(result.tensor_bytes, result.seconds)})")
     if args.check_trained:
         return _check_trained(args, fused_model_url=result.target_url)
     return 0
@@ -254,11 +264,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 CHECK_EXIT_CODES = """exit codes:
   0  the checkpoint is complete (every file its layout requires, readable and consistent)
+  1  the storage or the machine failed: a store unreachable through every retry, no credentials for it,
+     no access to a local path (not a verdict on the checkpoint: run it again once that is fixed)
   2  bad input: not a checkpoint, an unsupported layout, a bad option
   3  incomplete: a file is missing or short, or the rank files disagree on the world size,
-     or a file changed while it was read (SourceChanged)
+     or a file changed while it was read (SourceChanged); for a release: no valid _COMPLETE marker
   4  corrupt: a file is there but cannot be read (truncated archive, bad header, unsafe pickle,
-     a zip record whose CRC-32 does not match, names sharing one storage that the config does not tie)"""
+     a zip record whose CRC-32 does not match, names sharing one storage that the config does not tie)
+  6  a release (a folder with a manifest) differs from its manifest: a file missing, resized or rewritten"""
 
 
 def _add_check(parser: argparse.ArgumentParser) -> None:
@@ -295,7 +308,7 @@ def cmd_test(args: argparse.Namespace) -> int:
     atol = WEIGHT_TOLERANCE.atol if args.atol is None else args.atol
     rtol = WEIGHT_TOLERANCE.rtol if args.rtol is None else args.rtol
     report = check_against_reference(args.local_dir, args.test_hf_dir, _options(args), atol=atol, rtol=rtol)
-    print(report.summary())
+    print(report.text())  # plain text: `summary` is the UI's Markdown
     return 0 if report.ok else 5
 
 
@@ -534,20 +547,34 @@ def build_parser(commands: Commands = SUBCOMMANDS) -> argparse.ArgumentParser:
     return parser
 
 
+def _line_buffered_stdout() -> None:
+    """Results (stdout) and progress / errors (stderr) in the order they happened, also when both go
+    to one pipe or file (``2>&1 | tee``): stdout is block-buffered there unless told otherwise."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        try:
+            reconfigure(line_buffering=True)
+        except (ValueError, OSError):  # a replaced or closed stream (tests capture it): nothing to do
+            pass
+
+
 def main(argv: Sequence[str] | None = None, commands: Commands = SUBCOMMANDS) -> int:
     """Run one command; a `StepmergeError` is one line on stderr and its exit code. ``commands`` lets a
     program built on the engine add its own (the ``stepmerge`` console entry adds the pipeline's
     ``notify``: `flows.cli`)."""
     parser = build_parser(commands)
     args = parser.parse_args(argv)
+    _line_buffered_stdout()
     started = time.perf_counter()
     with interrupts.handling_signals():
         try:
             return args.run(args)
         except StepmergeError as exc:
+            sys.stdout.flush()  # what was printed before the error comes before it, even through one pipe
             print(f"stepmerge: error: {type(exc).__name__}: {exc}", file=sys.stderr)
             return exc.exit_code
         except StorageUnavailable as exc:  # the store, not the checkpoint: down through every retry
+            sys.stdout.flush()
             print(f"stepmerge: error: StorageUnavailable: {exc}", file=sys.stderr)
             return 1
         except OSError as exc:  # the machine, not the checkpoint: a full disk, a path that is a file, no access

@@ -81,11 +81,38 @@ def find_layout(url: str, files: list[FileEntry], backend: str | None = None) ->
         return found
     if not files:
         raise IncompleteCheckpoint("no files found (missing or empty folder)", url)
+    deeper = checkpoint_below(url, files, candidates)
+    hint = f" (did you mean {deeper}?)" if deeper else ""
     if backend:
-        raise UnsupportedLayout(f"this folder is not a {backend} checkpoint", url)
+        raise UnsupportedLayout(f"this folder is not a {backend} checkpoint{hint}", url)
     raise UnsupportedLayout(
-        f"no known checkpoint layout in this folder ({len(files)} files, e.g. {files[0].path}); "
+        f"no known checkpoint layout in this folder ({len(files)} files, e.g. {files[0].path}){hint}; "
         f"known layouts: {', '.join(BY_NAME)}", url)
+
+
+def checkpoint_below(url: str, files: Sequence[FileEntry], candidates: Sequence[Layout]) -> str | None:
+    """The URL of the first folder one or two levels below ``url`` that one of ``candidates`` detects
+    (a step folder given for its ``actor/``, a run root for ``global_step_N/actor``), from the same
+    listing (nothing more is read); None when there is none."""
+    folders: dict[str, list[FileEntry]] = {}
+    for entry in files:
+        parts = entry.path.split("/")
+        for depth in (1, 2):
+            if len(parts) > depth:
+                prefix = "/".join(parts[:depth])
+                inner = FileEntry(entry.path[len(prefix) + 1:], entry.size, entry.version)
+                folders.setdefault(prefix, []).append(inner)
+    for prefix in sorted(folders, key=lambda p: (p.count("/"), _natural(p))):
+        if any(layout.detect(folders[prefix]) for layout in candidates):
+            return url.rstrip("/") + "/" + prefix
+    return None
+
+
+def _natural(text: str) -> list:
+    """Sort key: ``global_step_9`` before ``global_step_10``."""
+    import re
+
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
 def listing_verdicts(files: Sequence[FileEntry]) -> list[tuple[str, Verdict]]:

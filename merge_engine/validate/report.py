@@ -65,6 +65,16 @@ class ValidationReport:
             lines.append(f"- {verdict} `{c.name}`" + (f": {c.detail}" if c.detail else ""))
         return "\n".join(lines)
 
+    def text(self) -> str:
+        """Plain text for a terminal (`summary` is Markdown, for the UI): a verdict line, one line per check."""
+        passed = sum(c.ok for c in self.checks)
+        verdict = "passed" if self.ok else "FAILED"
+        against = f" against reference {self.reference_url}" if self.reference_url else ""
+        lines = [f"validation {verdict} ({passed}/{len(self.checks)} checks) of {self.model_url}{against}"]
+        lines += [f"  {'PASS' if c.ok else 'FAIL'} {c.name}" + (f": {c.detail}" if c.detail else "")
+                  for c in self.checks]
+        return "\n".join(lines)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: ok, urls and every check."""
         return {

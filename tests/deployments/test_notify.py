@@ -98,6 +98,16 @@ def test_a_relative_run_root_is_sent_as_an_absolute_path(prefect_api, tmp_path, 
     assert run_root in capsys.readouterr().out
 
 
+def test_a_relative_run_root_that_climbs_is_resolved_not_refused(prefect_api, tmp_path, monkeypatch, capsys):
+    """Issue 20: ``notify --run_root ../runs/exp1`` (from the job's own folder) was refused as path traversal."""
+    (tmp_path / "job").mkdir()
+    monkeypatch.chdir(tmp_path / "job")
+    assert stepmerge(["notify", "--run_root", "../runs/exp1", "--step", "4"]) == 0
+    run_root = str(tmp_path / "runs" / "exp1")
+    (event,) = _events_for(RESOURCE_PREFIX + step_key(run_root, "actor", 4))
+    assert event["payload"]["run_root"] == run_root
+
+
 @pytest.mark.parametrize("bad", ["ftp://host/run", "s3://b/run/../other", "s3://", "s3://b/run\\x"])
 def test_a_bad_run_root_is_refused_before_anything_is_sent(prefect_api, capsys, bad):
     assert stepmerge(["notify", "--run-root", bad, "--step", "1"]) == 2

@@ -144,7 +144,7 @@ def test_the_receiver_refuses_to_start_without_authentication(prefect_api):
     with pytest.raises(WebhookNotConfigured, match="STEPMERGE_WEBHOOK_TOKEN"):
         create_app(WebhookSettings(prefect_api_url=prefect_api.url))
     assert TestClient(create_app(WebhookSettings(token=TOKEN, prefect_api_url=prefect_api.url))).get(
-        "/healthz").json() == {"ok": True}
+        "/healthz").json()["ok"] is True
 
 
 def test_a_trailing_slash_is_the_same_step_and_the_same_run(client, deployed):
@@ -294,3 +294,19 @@ def test_a_bad_setting_stops_the_start_with_one_line(prefect_api, monkeypatch, v
     with pytest.raises(WebhookNotConfigured) as info:
         create_app()
     assert info.value.code.startswith(f"stepmerge webhook: {variable}: ") and "\n" not in info.value.code
+
+
+def test_each_refusal_is_logged_with_its_reason_and_health_answers(client, caplog):
+    """Issue 20: the receiver's log said only "401" (uvicorn's access line); now one line says why."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="stepmerge.webhook")
+    assert _post(client, {"run_root": "s3://hooks-bucket/run", "step": 3}, headers={}).status_code == 401
+    assert _post(client, {"run_root": "s3://hooks-bucket/run", "step": -3}).status_code == 422
+    assert _post(client, None, raw=b"x" * (65 * 1024)).status_code == 413
+    lines = [r.getMessage() for r in caplog.records if r.name == "stepmerge.webhook"]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith(f"refused {CHECKPOINT_SAVED_PATH} from ") and ": 401 " in lines[0]
+    assert ": 422 " in lines[1] and "step" in lines[1] and ": 413 body too large" in lines[2]
+    assert TOKEN not in " ".join(lines)
+    assert client.get("/health").json() == {"ok": True, "deployment": "merge-step/gpu"}

@@ -39,3 +39,15 @@ def test_the_demo_waits_longer_than_prefects_20_s():
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def test_the_demo_ends_with_the_next_step_and_no_dead_url():
+    """Issue 20: ``make demo`` ended on its timings, with a Prefect URL that was dead once it exited."""
+    from flows.demo import next_steps
+
+    temporary = next_steps("/x/demo/releases", "http://127.0.0.1:8123/api", temporary=True)
+    assert temporary.startswith("\n== next") and "stopped with the demo" in temporary
+    assert "prefect server start" in temporary and "PREFECT_API_URL=http://127.0.0.1:4200/api make demo" in temporary
+    assert "deployments/README.md" in temporary and "stepmerge verify" in temporary
+    kept = next_steps("/x/demo/releases", "http://prefect:4200/api", temporary=False)
+    assert "http://prefect:4200/runs" in kept and "stopped" not in kept

@@ -51,8 +51,9 @@ def test_version():
 def test_check_help_lists_its_exit_codes():
     proc = _run("check", "--help")
     assert proc.returncode == 0
-    codes = {line.split()[0] for line in proc.stdout.split("exit codes:", 1)[1].splitlines() if line.strip()}
-    assert codes == {"0", "2", "3", "4"}
+    codes = {line.split()[0] for line in proc.stdout.split("exit codes:", 1)[1].splitlines()
+             if re.match(r"^  \d ", line)}  # a code's line (its explanation may go on below it)
+    assert codes == {"0", "1", "2", "3", "4", "6"}  # 1: storage or machine; 6: a damaged release (issue 20)
 
 
 def test_hf_upload_path_points_to_a_command_that_exists(tmp_path, capsys):
@@ -119,3 +120,49 @@ def test_file_urls_on_the_command_line_follow_rfc_8089(fsdp_runs, tmp_path, caps
     assert main(["merge", "--backend", "fsdp", "--local_dir", str(source), "--target_dir", "file://otherhost/out"]) == 2
     err = capsys.readouterr().err
     assert "otherhost" in err and "Traceback" not in err and not os.path.exists("/otherhost")
+
+
+# --- issue 20, the low items of the command line -----------------------------------------------------------------
+
+
+def test_a_step_folder_given_for_its_actor_folder_is_answered_with_did_you_mean(fsdp_runs, tmp_path, capsys):
+    step = tmp_path / "global_step_7"
+    shutil.copytree(fsdp_runs[VARIANT].latest.checkpoint_dir, step / "actor")
+    assert main(["check", "--local_dir", str(step)]) == 2
+    err = capsys.readouterr().err
+    assert f"(did you mean {step}/actor?)" in err
+    assert main(["check", "--local_dir", str(tmp_path)]) == 2  # the run root: two levels down
+    assert f"(did you mean {step}/actor?)" in capsys.readouterr().err
+
+
+def test_a_merge_prints_in_order_through_one_pipe_and_never_a_zero_rate(fsdp_runs, tmp_path):
+    """stderr (the plan) and stdout (the result) interleaved wrongly through ``2>&1 | tee``; a small merge said
+    ``(0 MB/s)``."""
+    source = tmp_path / "actor"
+    shutil.copytree(fsdp_runs[VARIANT].latest.checkpoint_dir, source)
+    proc = subprocess.run([sys.executable, "-m", "merge_engine", "merge", "--local_dir", str(source), "--target_dir",
+                           str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    planned = next(i for i, line in enumerate(lines) if line.startswith("planned "))
+    merged = next(i for i, line in enumerate(lines) if line.startswith("merged "))
+    assert planned < merged
+    assert "(0 MB/s)" not in lines[merged] and re.search(r"\((\d+(\.\d)? MB|\d+ kB)/s\)$", lines[merged])
+
+
+def test_rates_are_never_printed_as_zero():
+    from merge_engine.cli import rate_text
+
+    assert rate_text(2_000, 1.0) == "2 kB/s" and rate_text(3_400_000, 1.0) == "3.4 MB/s"
+    assert rate_text(812_000_000, 1.0) == "812 MB/s"
+
+
+def test_the_test_command_prints_plain_text_not_markdown():
+    from merge_engine.validate.report import Check, ValidationReport
+
+    report = ValidationReport("/out", (Check("keys", True), Check("values", False, "x differs")), "/ref")
+    text = report.text()
+    assert "**" not in text and "`" not in text
+    assert text.splitlines() == ["validation FAILED (1/2 checks) of /out against reference /ref", "  PASS keys",
+                                 "  FAIL values: x differs"]
