@@ -17,6 +17,7 @@ every screenshot was written; otherwise one line says what failed.
 """
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -153,10 +154,18 @@ def deployment_id(api_env: Dict[str, str]) -> str:
         return str(client.read_deployment_by_name("merge-step/gpu").id)
 
 
-def stop(process: Optional[subprocess.Popen], first: int) -> None:
+def stop(process: Optional[subprocess.Popen], first: int, again_after_s: Optional[float] = None) -> None:
+    """Stop ``process`` with ``first``; with ``again_after_s``, send it once more after that long (a Prefect
+    worker lingers for minutes after one SIGINT and stops on the second: deployments/README.md)."""
     if process is None or process.poll() is not None:
         return
-    process.send_signal(first)  # workers stop on SIGINT, not SIGTERM (deployments/README.md)
+    process.send_signal(first)
+    try:
+        process.wait(timeout=again_after_s or 30)
+        return
+    except subprocess.TimeoutExpired:
+        if again_after_s is not None:
+            process.send_signal(first)
     try:
         process.wait(timeout=30)
     except subprocess.TimeoutExpired:
@@ -198,9 +207,19 @@ def check(out: Path) -> str:
               f"({time.perf_counter() - started:.1f} s)", flush=True)
         return flow_run_id
     finally:
-        stop(worker, signal.SIGINT)
+        stop(worker, signal.SIGINT, again_after_s=5)
         stop(server, signal.SIGTERM)
-        print(f"   logs: {logs}")
+        print(f"   logs: {kept_logs(work, logs, out)}")
+
+
+def kept_logs(work: Path, logs: Path, out: Path) -> Path:
+    """Copy ``logs`` to ``out/logs`` (beside the screenshots) and remove the temp folder ``work`` (the
+    server's database, the run, staging): `make ui-check` leaves nothing in the temp dir."""
+    kept = out / "logs"
+    if logs.is_dir():
+        shutil.copytree(logs, kept, dirs_exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return kept
 
 
 def run_ui_check() -> int:

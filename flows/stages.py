@@ -39,7 +39,7 @@ that the watcher reads back.
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from flows.outcomes import ReleaseOutcome, StageRun, StepOutcome
@@ -56,6 +56,7 @@ from tasks.records import (
     ExecutionSettings,
     MergeSettings,
     StepRecord,
+    ValidationRecord,
     ValidationSettings,
 )
 from tasks.results import configured_result_storage
@@ -75,13 +76,18 @@ class StageTimer:
         self.stages: List[StageRun] = []
         self.result_storage = configured_result_storage()
         self.label = label  # appended to each task run's name (`flows.run_labels.step_label`)
+        self._named: set = set()  # task names already given to a task run of this timer
 
     def call(self, name: str, task: Any, *args: Any, **kwargs: Any) -> Tuple[Any, StageRun]:
         """The task's result and its `StageRun` (recorded also when the task fails, then raised)."""
         if self.result_storage is not None:
             task = task.with_options(result_storage=self.result_storage)
         if self.label:
-            task = task.with_options(task_run_name=f"{task.name} {self.label}")
+            # a task run again in the same run (discover-step, then discover-again) is named by its stage
+            # the second time: two task runs of one flow run never share a name
+            shown = name if task.name in self._named else task.name
+            self._named.add(task.name)
+            task = task.with_options(task_run_name=f"{shown} {self.label}")
         started = time.perf_counter()
         state = task(*args, return_state=True, **kwargs)
         run = StageRun(name=name, state=state.name, seconds=round(time.perf_counter() - started, 3))
@@ -240,8 +246,16 @@ def release_output(timer: StageTimer, kind: str, step: StepRecord, checkpoint: C
                           already_published=(released.already_published or output.released
                                              or chain.runs[RELEASE].cached),
                           cached=chain.cached, validation_ok=report.ok,
-                          validation_summary=report.summary, tensors=output.tensors,
+                          validation_summary=released_summary(report, released.url), tensors=output.tensors,
                           tensor_bytes=output.tensor_bytes, files=released.files, total_bytes=released.total_bytes)
+
+
+def released_summary(report: ValidationRecord, release_url: str) -> str:
+    """The validation summary naming the RELEASE (validation ran on the staging copy, removed after the
+    publish, whose bytes the publish checked against the shard jobs' sha256 while copying)."""
+    if not report.model_url or report.model_url == release_url:
+        return report.summary
+    return replace(report.to_report(), model_url=release_url).summary()
 
 
 __all__ = ["StageRun", "ReleaseOutcome", "StepOutcome", "StageTimer", "ReadyCheckpoint", "ready_checkpoint",

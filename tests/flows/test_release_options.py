@@ -24,8 +24,12 @@ def _merge(run_root: str, tmp_path, **options):
 def test_a_release_in_another_dtype_names_the_option_and_offers_a_second_root(prefect, template_run, tmp_path):
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [1])
-    assert _merge(run_root, tmp_path).result().status == "published"
+    first = _merge(run_root, tmp_path).result()
+    assert first.status == "published"
     live = release_url(f"{run_root}/releases", ROLE, 1)
+    # the summary names the release, not the staging folder the publish removed (issue 20)
+    assert f"of `{live}`" in first.releases[0].validation_summary
+    assert str(tmp_path / "staging") not in first.releases[0].validation_summary
     fingerprint = read_manifest(live).fingerprint
 
     refused = _merge(run_root, tmp_path, dtype="bf16")

@@ -56,3 +56,29 @@ def test_every_chain_builds_validates_and_publishes():
         assert len({spec.name for spec in chain}) == len(chain)
     assert [spec.name for spec in CHAINS[MODEL]] == ["merge", "validate", "publish"]
     assert [spec.name for spec in CHAINS[ADAPTER]] == ["extract-adapter", "validate-adapter", "publish-adapter"]
+
+
+def test_a_task_run_twice_in_one_run_gets_a_second_name(prefect):
+    """Issue 20: discover-step ran twice in a run whose check failed (discover, then discover-again), both task
+    runs named `discover-step step 1 actor`."""
+    from prefect import flow, task
+
+    from flows.stages import StageTimer
+    from tests.fixtures_pipeline import flow_run_id
+
+    @task(name="probe-step")
+    def probe(value: int) -> int:
+        return value
+
+    @flow(name="probe-twice")
+    def twice() -> list:
+        timer = StageTimer(label="step 1 actor")
+        return [timer.run("discover", probe, 1), timer.run("discover-again", probe, 2)]
+
+    state = twice(return_state=True)
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id(state)])))
+    assert sorted(r.name for r in runs) == ["discover-again step 1 actor", "probe-step step 1 actor"]
