@@ -80,6 +80,8 @@ class StepAction(BaseModel):
     # "needs <parameters>" (a Megatron LoRA step missing parameters it does not record: not submitted)
     action: str
     detail: str = ""
+    flow_run_id: str = ""  # a submitted step's run
+    flow_run_name: str = ""
 
 
 class WatchOutcome(BaseModel):
@@ -145,10 +147,9 @@ def missing_action(step: StepRecord, missing: List[str]) -> StepAction:
 
 
 def submitted_action(step: StepRecord, run: SubmittedRun) -> StepAction:
-    """The row of a submitted step: the run by its NAME, linked to its page in the UI (not a bare id)."""
-    named = f"{run.flow_run_name or 'flow run'} ([open](/runs/flow-run/{run.flow_run_id}))"
-    detail = run.detail.replace(f"flow run {run.flow_run_id}", named) if run.flow_run_id else run.detail
-    return StepAction(step=step.step, role=step.role, action=SUBMITTED.get(run.action, run.action), detail=detail)
+    """The row of a submitted step, with its run's id and NAME (the artifact shows the name, linked)."""
+    return StepAction(step=step.step, role=step.role, action=SUBMITTED.get(run.action, run.action),
+                      detail=run.detail, flow_run_id=run.flow_run_id, flow_run_name=run.flow_run_name)
 
 
 def published_step_count(published: List[PublishedRelease]) -> int:

@@ -51,6 +51,16 @@ def step_summary(outcome: StepOutcome, error: Optional[str] = None) -> str:
     return "\n".join(lines)
 
 
+def named_detail(row: dict) -> str:
+    """A row's detail with its flow run shown by NAME, linked to the run's page (``flow run <id>`` -> the
+    run's name as a link): the artifact reads ``exp1 actor step 40``, not a bare id."""
+    run_id, name, detail = row.get("flow_run_id") or "", row.get("flow_run_name") or "", row.get("detail", "")
+    if not run_id:
+        return detail
+    link = f"[{name or run_id}](/runs/flow-run/{run_id})"
+    return detail.replace(f"flow run {run_id}", link) if f"flow run {run_id}" in detail else f"{link} {detail}"
+
+
 def watch_summary(run_root: str, rows: List[dict], waiting: List[str], seconds: float,
                   published_steps: int = 0, releases: int = 0) -> str:
     """The markdown artifact of one merge_new_steps run (``rows``: step, role, action, detail; a
@@ -61,7 +71,7 @@ def watch_summary(run_root: str, rows: List[dict], waiting: List[str], seconds: 
     lines = [f"# New steps of `{run_root}`", "", f"{handled}{before}.", ""]
     if rows:
         lines += ["| step | role | action | detail |", "|---:|---|---|---|"]
-        lines += [f"| {r['step']} | {r['role'] or '-'} | {r['action']} | {r['detail']} |" for r in rows]
+        lines += [f"| {r['step']} | {r['role'] or '-'} | {r['action']} | {named_detail(r)} |" for r in rows]
         lines.append("")
     if waiting:
         lines += ["Not ready yet (still being written, or incomplete): " + ", ".join(waiting), ""]

@@ -82,3 +82,21 @@ def test_a_task_run_twice_in_one_run_gets_a_second_name(prefect):
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id(state)])))
     assert sorted(r.name for r in runs) == ["discover-again step 1 actor", "probe-step step 1 actor"]
+
+
+def test_the_watchers_summary_names_each_run_and_counts_steps_not_releases():
+    """Issue 20: the watcher's artifact listed bare flow-run ids and counted a LoRA step's two releases as two."""
+    from flows.merge_new_steps import published_step_count
+    from flows.summaries import watch_summary
+    from tasks.discover import PublishedRelease
+
+    run_id = "0b9d9c4e-1111-2222-3333-444455556666"
+    rows = [{"step": 40, "role": "actor", "action": "submitted", "detail": f"flow run {run_id} (Scheduled)",
+             "flow_run_id": run_id, "flow_run_name": "exp1 actor step 40"}]
+    text = watch_summary("s3://b/exp1", rows, [], 1.0, published_steps=1, releases=2)
+    assert f"[exp1 actor step 40](/runs/flow-run/{run_id}) (Scheduled)" in text
+    assert "1 step(s) already published (2 release(s))" in text
+    releases = [PublishedRelease(name=name, step=4, url=f"s3://b/exp1/releases/{name}/global_step_4",
+                                 fingerprint="f", source="s3://b/exp1/global_step_4/actor")
+                for name in ("actor", "actor-adapter")]
+    assert published_step_count(releases) == 1
