@@ -256,8 +256,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise_for(verify_folder(args.local_dir, mode="quick"))
     checkpoint = check_checkpoint(args.local_dir, args.backend)
     sizes = ", ".join(f"{k}={v}" for k, v in checkpoint.parallel.items())
+    sizes = f"{sizes}; " if sizes else ""  # a layout without parallel sizes (hf) printed a stray "(;"
     total = sum(f.size for f in checkpoint.files)
-    print(f"complete {checkpoint.layout} checkpoint at {checkpoint.url} ({sizes}; {len(checkpoint.files)} files, "
+    print(f"complete {checkpoint.layout} checkpoint at {checkpoint.url} ({sizes}{len(checkpoint.files)} files, "
           f"{total / 1e6:.1f} MB; fingerprint {checkpoint.fingerprint[:12]})")
     return 0
 

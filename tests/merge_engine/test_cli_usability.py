@@ -166,3 +166,16 @@ def test_the_test_command_prints_plain_text_not_markdown():
     assert "**" not in text and "`" not in text
     assert text.splitlines() == ["validation FAILED (1/2 checks) of /out against reference /ref", "  PASS keys",
                                  "  FAIL values: x differs"]
+
+
+def test_check_of_a_layout_without_parallel_sizes_prints_no_stray_punctuation(tmp_path, capsys):
+    """A Hugging Face folder has no world size: `check` printed "(; 2 files, ...)"."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}))
+    code = main(["check", "--local_dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "(;" not in out, out
+    assert code == 0 and re.search(r"checkpoint at \S+ \(\d+ files, ", out), out
