@@ -318,8 +318,9 @@ def adapter_settings(inputs: Sequence[WeightedAdapter], base_metas: Mapping[str,
         records = {m.module: (m.rank, m.alpha, m.scale) for m in adapter.modules.values()}
         records.update({name: (e.rank, e.alpha, e.scale) for name, e in adapter.experts.items()})
         if config is not None:
-            check_adapter_scales(config, read_adapter_config(adapter.url),
-                                 {name: scale for name, (_, _, scale) in records.items()}, adapter.url)
+            # lora_alpha as read (a lost alpha given with --lora-alpha replaces the file's)
+            read = {**read_adapter_config(adapter.url), "lora_alpha": adapter.settings.lora_alpha}
+            check_adapter_scales(config, read, {name: scale for name, (_, _, scale) in records.items()}, adapter.url)
         out[adapter.url] = {name: {"r": rank, "lora_alpha": number(alpha) if alpha is not None else None,
                                    "scaling": scale} for name, (rank, alpha, scale) in sorted(records.items())}
     return out
