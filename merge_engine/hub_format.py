@@ -15,6 +15,8 @@ Contract:
   Nothing is re-typed here.
   None when no name changes: transformers has no conversion for the model, or the names already
   are the Hub names (a checkpoint written under transformers 4.x, a dense model).
+- A transposed view (Qwen3-VL-MoE's fused experts: `transformers_conversion`'s Hub transpose) is read one
+  leading index (one expert's matrix) at a time and transposed in memory (`_strided_blocks`).
 - A conversion that is not a view of one source tensor (a concatenation, an interleave) is refused
   with `UnsupportedLayout` naming the tensor: ``--weights-format transformers`` writes it as stored.
 - `to_hub_format(plan, config)` -> the plan with the Hub names; every output is planned as ranged
@@ -98,18 +100,22 @@ def hub_naming(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any])
     memory = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     model_hub = trace_reverse_conversion(model, memory)
     in_memory_only = set(memory) - set(model_hub)
-    if not in_memory_only & set(shapes):
+    relaid = {v.source for v in model_hub.values() if not v.is_whole(memory[v.source])}  # e.g. transposed
+    if not (in_memory_only | relaid) & set(shapes):
         return None  # already Hub names (or a model whose names never change)
     views = trace_reverse_conversion(model, shapes)
+    if all(name == v.source and v.is_whole(shapes[name]) for name, v in views.items()):
+        return None  # already the Hub's names and layout (a checkpoint written under transformers 4.x)
     order = {name: i for i, name in enumerate(shapes)}
     ordered = dict(sorted(views.items(), key=lambda kv: (order[kv[1].source], kv[1].offset, kv[0])))
     import transformers
 
-    split = sum(1 for v in views.values() if not v.is_whole(shapes[v.source]))
+    split = sum(1 for v in views.values() if not v.is_whole(shapes[v.source]) and v.is_contiguous())
+    transposed = sum(1 for v in views.values() if not v.is_contiguous())
     renamed = sum(1 for name, v in views.items() if name != v.source)
     return HubNaming(ordered, f"Hub names (transformers {transformers.__version__} conversion for "
                               f"{type(model).__name__}): {renamed} of {len(views)} tensors renamed, "
-                              f"{split} cut from fused tensors")
+                              f"{split} cut from fused tensors, {transposed} transposed")
 
 
 @dataclass(frozen=True)
@@ -124,8 +130,26 @@ class ViewBuilder:
         return getattr(self.base.build, "inputs", (self.base.source_name,))
 
     def chunks(self, source: TensorSource, max_bytes: int) -> Iterator[torch.Tensor]:
-        for start, count in self.view.runs():
-            yield from _planned_range(self.base, source, start, count, max_bytes)
+        if self.view.min_run() * self.base.dtype.itemsize >= MIN_RUN_BYTES or self.view.numel == self.view.min_run():
+            for start, count in self.view.runs():
+                yield from _planned_range(self.base, source, start, count, max_bytes)
+            return
+        yield from _strided_blocks(self.base, self.view, source, max_bytes)
+
+
+def _strided_blocks(base: PlannedTensor, view: TensorView, source: TensorSource,
+                    max_bytes: int) -> Iterator[torch.Tensor]:
+    """A view whose contiguous runs are short (a transpose), in row-major order of the view: for each
+    index of its first dimension (one expert of a fused tensor), the source range it spans read once,
+    the strided view taken in memory. Memory: one such range (one expert's matrix), not the tensor."""
+    shape, stride = view.shape[1:], view.stride[1:]
+    span = 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+    for index in range(view.shape[0]):
+        start = view.offset + index * view.stride[0]
+        block = torch.cat([c.reshape(-1) for c in _planned_range(base, source, start, span, max_bytes)])
+        if block.numel() != span:
+            raise UnsupportedLayout(f"{base.name}: read {block.numel()} elements of {span} for a transposed view")
+        yield torch.as_strided(block, shape, stride, 0).contiguous().reshape(-1)
 
 
 def _planned_range(tensor: PlannedTensor, source: TensorSource, start: int, count: int,
@@ -148,7 +172,7 @@ def _planned_range(tensor: PlannedTensor, source: TensorSource, start: int, coun
             return
 
 
-MIN_RUN_BYTES = 512  # a view cut finer than this (a transpose) would be read element by element
+MIN_RUN_BYTES = 512  # a view cut finer than this (a transpose) is read a block at a time (`_strided_blocks`)
 
 
 def to_hub_format(plan: MergePlan, config: Mapping[str, Any], max_shard_size: int) -> MergePlan:
@@ -165,9 +189,6 @@ def to_hub_format(plan: MergePlan, config: Mapping[str, Any], max_shard_size: in
         if view.is_whole(base.shape):
             tensors.append(replace(base, name=out_name))
             continue
-        if view.min_run() * base.dtype.itemsize < MIN_RUN_BYTES and view.numel > view.min_run():
-            raise UnsupportedLayout(f"{out_name}: the Hub tensor is a transposed view of {view.source}; "
-                                    "pass --weights-format transformers to write the stored names")
         tensors.append(PlannedTensor(out_name, view.shape, base.dtype, base.source_name, ViewBuilder(base, view)))
     return MergePlan(tuple(tensors), assign_shards(tensors, max_shard_size), plan.config_updates,
                      plan.notes + (naming.description,))

@@ -9,6 +9,12 @@
   ``shapes`` whose ``contiguous()`` keeps the view: each output name -> the `TensorView` of the one
   source tensor it is. An output computed from several sources (a concatenation) or a copy (an
   interleave) is refused with `UnsupportedLayout`.
+- The Hub layout of a tensor that transformers transposes on load only when its shape asks for it
+  (``Transpose(check_dims=True)``, e.g. Qwen3-VL-MoE's fused experts): ``save_pretrained`` keeps the
+  in-memory layout, the Hub's checkpoints (and transformers 4.x) hold the transposed one. The trace
+  writes the transposed one (a strided view) when the stored tensor has the in-memory
+  shape, keeps a tensor that already has the Hub shape, and refuses a square one (transformers 5 would
+  not transpose it back on load: no folder loads the same in 4.x and 5.x) with `UnsupportedLayout`.
 """
 
 from __future__ import annotations
@@ -145,6 +151,45 @@ def meta_model(config: Mapping[str, Any]):
     return _meta_model(json.dumps(dict(config), sort_keys=True, default=str))
 
 
+@functools.lru_cache(maxsize=1)
+def _hub_transpose_class():
+    from transformers.core_model_loading import Transpose
+
+    class HubTranspose(Transpose):
+        """The save-time reverse of a load-time ``Transpose(check_dims=True)``, as the Hub holds the tensor
+        (see the module docstring): transposed when the tensor has the in-memory shape, kept when it has
+        the transposed one; `UnsupportedLayout` when both shapes are the same."""
+
+        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+            target = self.get_target_pattern(input_dict, source_patterns, target_patterns)
+            tensor = next(iter(input_dict.values()))
+            tensor = tensor[0] if isinstance(tensor, list) else tensor
+            name = kwargs["full_layer_name"]
+            memory = tuple(kwargs["model"].get_parameter(name).shape)
+            transposed = tuple(torch.empty(memory, device="meta").transpose(self.dim0, self.dim1).shape)
+            if memory == transposed:
+                raise UnsupportedLayout(f"{name}: transformers 5 transposes it on load only when its shape "
+                                        f"differs from {memory}, which its transpose does not; no Hub layout "
+                                        "loads the same in transformers 4.x and 5.x: pass --weights-format "
+                                        "transformers")
+            if tuple(tensor.shape) == transposed:
+                return {target: tensor}  # already the Hub's layout
+            return {target: torch.transpose(tensor, self.dim0, self.dim1).contiguous()}
+
+    return HubTranspose
+
+
+def _hub_layout_ops(converter):
+    """``converter`` with each ``Transpose(check_dims=True)`` made the Hub's transpose (module docstring)."""
+    from transformers.core_model_loading import Transpose
+
+    if not any(isinstance(op, Transpose) and op.check_dims for op in converter.operations):
+        return converter
+    converter.operations = [_hub_transpose_class()(op.dim0, op.dim1, check_dims=True) if isinstance(op, Transpose) and op.check_dims else op
+                            for op in converter.operations]
+    return converter
+
+
 def _reverse_transforms(model, conversions=None):
     """transformers' save-time reversal of its load-time conversion for ``model`` (or of the given
     load-time ``conversions``): (renamings, converters, pattern -> converter), exactly as
@@ -157,7 +202,7 @@ def _reverse_transforms(model, conversions=None):
     conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
     reverse = [c.reverse_transform() for c in conversions[::-1]]
     renamings = [r for r in reverse if isinstance(r, WeightRenaming)]
-    converters = [r for r in reverse if isinstance(r, WeightConverter)]
+    converters = [_hub_layout_ops(r) for r in reverse if isinstance(r, WeightConverter)]
     return renamings, converters, {p: c for c in converters for p in c.source_patterns}
 
 

@@ -159,6 +159,14 @@ def _row_band(view: TensorView, rows_before: int, columns: int) -> tuple[int, in
     return block, first, view.shape[0]
 
 
+def _relaid_whole(views: list[tuple[str, TensorView]] | None, name: str, numel: int) -> TensorView | None:
+    """The view when ``name`` is written whole under its own name in another layout (transposed)."""
+    if views and len(views) == 1 and views[0][0] == name and views[0][1].offset == 0 \
+            and views[0][1].numel == numel and not views[0][1].is_contiguous():
+        return views[0][1]
+    return None
+
+
 def _check_covered(views: list[tuple[str, TensorView]], numel: int, name: str, where: str | None) -> None:
     """The Hub tensors cut from ``name`` hold each of its elements once (else a part of its LoRA would be
     dropped or doubled without a word): `AdapterError`."""
@@ -244,8 +252,11 @@ def export_adapter(modules: Mapping[str, LoraModule], experts: Mapping[str, Expe
     for lora in experts.values():
         views = pieces.get(lora.parameter)
         wrapper = parse_key(lora.a, where).name
-        if not views:  # the base keeps the fused tensor: PEFT's own target_parameters form, as trained
-            fused[lora.parameter] = (lora.rank, lora.weight_shape)
+        relaid = _relaid_whole(views, lora.parameter, lora.num_experts * lora.out_features * lora.in_features)
+        if not views or relaid:  # the base keeps the fused tensor: PEFT's own target_parameters form, as trained
+            # (a base holding it transposed, the Hub's layout of Qwen3-VL-MoE, takes the same factors: PEFT
+            # 0.17 reads (E, in, out), 0.21 the in-memory (E, out, in), both as delta[e] = B_e @ A_e)
+            fused[lora.parameter] = (lora.rank, relaid.shape if relaid else lora.weight_shape)
             out.sources[lora.parameter] = wrapper
             if lora.alpha is not None:
                 out.alphas[lora.parameter] = lora.alpha

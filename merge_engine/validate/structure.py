@@ -36,7 +36,8 @@ def expected_tensors(config: Any, trust_remote_code: bool = False,
 
     Tied aliases (``lm_head.weight`` with ``tie_word_embeddings``) and ``_keys_to_ignore_on_save``
     are dropped and, for ``weights_format="hub"``, transformers' weight conversions reverted, as
-    ``save_pretrained`` does; ``"transformers"``: the in-memory names (no conversion reverted).
+    ``save_pretrained`` does, in the Hub's layout (`_in_hub_layout`); ``"transformers"``: the in-memory
+    names (no conversion reverted).
     """
     weights_format = parse_weights_format(weights_format)
     import torch
@@ -64,7 +65,24 @@ def expected_tensors(config: Any, trust_remote_code: bool = False,
                 del state[key]
             else:
                 seen.add(id(state[key]))
-    return {key: tuple(tensor.shape) for key, tensor in state.items()}
+    shapes = {key: tuple(tensor.shape) for key, tensor in state.items()}
+    return _in_hub_layout(model, shapes) if weights_format == HUB else shapes
+
+
+def _in_hub_layout(model: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """``shapes`` with the layout the Hub holds where ``save_pretrained`` keeps the in-memory one (a
+    tensor transformers transposes on load only when its shape asks: Qwen3-VL-MoE's fused experts),
+    as stepmerge writes them (`merge_engine.transformers_conversion`)."""
+    from merge_engine.errors import UnsupportedLayout
+    from merge_engine.transformers_conversion import trace_reverse_conversion
+
+    memory = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    try:
+        views = trace_reverse_conversion(model, memory)
+    except UnsupportedLayout:  # a layout stepmerge refuses to write as the Hub's: transformers' shapes
+        return shapes
+    return {key: views[key].shape if key in views and not views[key].is_contiguous() else shape
+            for key, shape in shapes.items()}
 
 
 def load_config(model_url: str, trust_remote_code: bool) -> Any:

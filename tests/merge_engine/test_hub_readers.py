@@ -18,8 +18,8 @@ Specification (issue 16, items 3 and 4):
   (transformers 4.57) and peft 0.21 (transformers 5) and give the trained model's logits.
 - The same for verl's default LoRA (all-linear) on every MoE family (`verl_lora_runs`); each pair
   (family, reader) that does not give the trained logits today is in `MOE_ADAPTER_FAILURES` with its reason.
-- What transformers 4.57 cannot read as written is listed in `NOT_READABLE_IN_4_57` with the reason;
-  the test asserts it still fails there (a fix has to move it out of the list).
+- Every family loads in 4.57 as written, Qwen3-VL-MoE included (its fused experts written in the Hub's
+  transposed layout, which 4.57 reads and 5.x converts on load: `merge_engine.transformers_conversion`).
 """
 
 from __future__ import annotations
@@ -44,14 +44,6 @@ MEGATRON_TOLERANCE = 1e-4  # transformers 5 vs megatron-core (tests/merge_engine
 ADAPTER_ATOL, ADAPTER_RTOL = 5e-5, 1e-5  # PEFT's unfused forward vs the trained model (test_fuse.py)
 ADAPTER_RUNS = ("lora_fsdp1_mesh_qwen2", "lora_fsdp2_qwen2_r2")  # dense LoRA runs of `fsdp_runs`
 FAMILY_ADAPTER_RUNS = ("gpt2_lora_w2",)  # GPT-2 Conv1D (fan_in_fan_out) from `family_runs`
-
-# case -> why transformers 4.57 cannot load the folder as written (a Hub checkpoint of the family loads)
-NOT_READABLE_IN_4_57 = {
-    "qwen3_vl_moe_w2": "transformers 5 saves Qwen3-VL-MoE's fused experts as it holds them, (E, hidden, I) for "
-                       "down_proj; the Hub's checkpoints and 4.57 hold them transposed, (E, I, hidden) (5.x reads "
-                       "both: Transpose(1, 2, check_dims=True) in its conversion mapping)",
-    "qwen3_vl_moe_w3": "as qwen3_vl_moe_w2",
-}
 
 
 def _clean(result: dict) -> None:
@@ -156,18 +148,12 @@ class TestFsdpFamilies:
         _clean(five[case])
         _assert_close(five[case], 0.0, exact=True)
 
-    @pytest.mark.parametrize("case", [c for c in FAMILY_CASES if c not in NOT_READABLE_IN_4_57])
+    @pytest.mark.parametrize("case", FAMILY_CASES)
     def test_transformers_4_57_reads_the_folder_as_written(self, case, family_reads, merged_families):
         five, old = family_reads
         assert old[case]["versions"].startswith("transformers 4.57")
         _clean(old[case])
         _assert_close(old[case], READER_TOLERANCE, exact=not _is_moe(merged_families[case]))
-
-    @pytest.mark.parametrize("case", sorted(NOT_READABLE_IN_4_57))
-    def test_what_4_57_cannot_read_is_listed_with_its_reason(self, case, family_reads):
-        _, old = family_reads
-        failed = "error" in old[case] or old[case]["loading_info"] or old[case]["tensors_differ"]
-        assert failed, f"{case} now loads in transformers 4.57: remove it from NOT_READABLE_IN_4_57"
 
 
 class TestMegatronMatrix:
@@ -218,7 +204,6 @@ MOE_ADAPTER_FAMILIES = ("deepseek_v3", "gpt_oss", "mixtral", "qwen2_moe", "qwen3
 MOE_ADAPTER_FAILURES = {
     ("deepseek_v3", "peft 0.17"): "the adapter targets the router mlp.gate, a DeepseekV3TopkRouter in transformers "
                                   "4.57, which PEFT 0.17 cannot adapt",
-    ("qwen3_vl_moe", "peft 0.17"): "base/ holds transformers 5's layout of the fused experts (NOT_READABLE_IN_4_57)",
 }
 
 

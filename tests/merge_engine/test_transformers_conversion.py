@@ -2,7 +2,9 @@
 
 Specification: the traced reversal names what ``save_pretrained`` names (its per-expert tensors are
 the slices of the fused one that transformers' ops cut), and a view's element runs are exactly the
-elements ``torch.as_strided`` takes.
+elements ``torch.as_strided`` takes. A tensor transformers transposes on load only when its shape asks
+(``Transpose(check_dims=True)``: Qwen3-VL-MoE's experts) is traced to the Hub's transposed layout when it
+has the in-memory shape, left as it is when it already has the Hub's, refused when square.
 """
 
 from __future__ import annotations
@@ -39,6 +41,38 @@ class TestTrace:
         shapes = {"model.layers.0.mlp.gate_proj.weight": (112, 64), "model.layers.0.mlp.up_proj.weight": (112, 64)}
         with pytest.raises(UnsupportedLayout, match="several stored"):
             trace_reverse_conversion(model, shapes, [split])
+
+
+class TestHubTranspose:
+    EXPERTS = "model.language_model.layers.0.mlp.experts."
+
+    def _model(self, **text):
+        from synthetic_runs.models import ModelSpec
+
+        config = build_config(ModelSpec(family="qwen3_vl_moe")).to_dict()
+        config["text_config"].update(text)
+        return meta_model(config)
+
+    def test_in_memory_experts_are_traced_to_the_hub_layout(self):
+        """(E, hidden, I) down_proj in memory -> (E, I, hidden) on the Hub: the transposed view of it."""
+        views = trace_reverse_conversion(self._model(), {self.EXPERTS + "down_proj": (4, 64, 56),
+                                                         self.EXPERTS + "gate_up_proj": (4, 112, 64)})
+        down, gate_up = views[self.EXPERTS + "down_proj"], views[self.EXPERTS + "gate_up_proj"]
+        stored = torch.arange(4 * 64 * 56).reshape(4, 64, 56)
+        assert down.shape == (4, 56, 64) and not down.is_contiguous()
+        assert torch.equal(torch.as_strided(stored.reshape(-1), down.shape, down.stride, down.offset),
+                           stored.transpose(1, 2))
+        assert gate_up.shape == (4, 64, 112)
+
+    def test_experts_already_in_the_hub_layout_are_kept(self):
+        views = trace_reverse_conversion(self._model(), {self.EXPERTS + "down_proj": (4, 56, 64)})
+        assert views[self.EXPERTS + "down_proj"].is_whole((4, 56, 64))
+
+    def test_square_experts_are_refused(self):
+        """hidden == moe_intermediate_size: 5.x would not transpose the Hub layout back on load."""
+        model = self._model(hidden_size=64, moe_intermediate_size=64)
+        with pytest.raises(UnsupportedLayout, match="transposes it on load only"):
+            trace_reverse_conversion(model, {self.EXPERTS + "down_proj": (4, 64, 64)})
 
 
 class TestTensorView:
