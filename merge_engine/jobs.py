@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from merge_engine import __version__, storage
+from merge_engine import __version__, engine_identity, storage
 from merge_engine.checksums import sha256_of
 from merge_engine.errors import InvalidOption
 from merge_engine.hub_format import DEFAULT_WEIGHTS_FORMAT, parse_weights_format
@@ -261,7 +261,7 @@ def run_job(job: OutputJob, *, on_bytes: Callable[[int], None] | None = None,
         tensor_bytes = prepared.tensor_bytes if prepared.tensor_bytes is not None else plan.total_size if plan else 0
         # "sha256" is filled by write() before write_target serialises the record (stepmerge.json, last)
         provenance = {**prepared.provenance, "fingerprint": fingerprint, "engine_version": __version__,
-                      "sha256": recorded}
+                      "output_revision": engine_identity()["output_revision"], "sha256": recorded}
         files = write_target(job.target_url, state, write, provenance)
     finally:
         prepared.close()

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from merge_engine import __version__, storage
+from merge_engine import engine_identity, storage
 from merge_engine.config_shapes import check_config_against_tensors
 from merge_engine.errors import InvalidOption
 from merge_engine.hf_metadata import CONFIG_FILE, copy_metadata, read_config
@@ -48,7 +48,7 @@ def merge_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
                                "listing": storage.fingerprint(storage.list_files(options.base_model, recursive=False))}
     if options.hf_model_path is not None:
         extra["hf_model_listing"] = storage.fingerprint(storage.list_files(options.hf_model_path, recursive=False))
-    return storage.fingerprint(checkpoint.files, **options.output_options("merge"), **extra, engine=__version__)
+    return storage.fingerprint(checkpoint.files, **options.output_options("merge"), **extra, **engine_identity())
 
 
 def plan_merge(checkpoint: Checkpoint, source: TensorSource, config: dict, options: OutputOptions) -> MergePlan:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from merge_engine import __version__, storage
+from merge_engine import engine_identity, storage
 from merge_engine.architectures import model_dims, table_for_config
 from merge_engine.architectures.hf_to_megatron import MegatronViewOfHf
 from merge_engine.architectures.megatron_names import is_mla
@@ -166,7 +166,7 @@ def transformer_config(config: Mapping[str, Any], view: MegatronViewOfHf, option
 
 def split_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
     """The cache key of a split: the Hugging Face folder's listing, the options, the engine version."""
-    return storage.fingerprint(checkpoint.files, **options.output_options("split"), engine=__version__, kind="split")
+    return storage.fingerprint(checkpoint.files, **options.output_options("split"), **engine_identity(), kind="split")
 
 
 @dataclass

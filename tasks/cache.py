@@ -2,7 +2,7 @@
 
 Contract:
 - A key is ``stepmerge-<stage>-<sha256>`` of: the stage name, `PIPELINE_VERSION`, the engine
-  version (`merge_engine.__version__`) and the stage's inputs as the task receives them. The
+  version and output revision (`merge_engine.engine_identity`) and the stage's inputs as the task receives them. The
   inputs are records that carry the source's fingerprint from a listing (names, sizes,
   ETags/generations/mtimes) and the options, so a re-run of an unchanged step computes the same
   key from a listing alone, and any change to a file, an option or the engine gives a new key.
@@ -79,7 +79,7 @@ def stage_key(stage: str, inputs: dict[str, Any], fields: Sequence[str], listed:
     payload = {
         "stage": stage,
         "pipeline": PIPELINE_VERSION,
-        "engine": merge_engine.__version__,
+        **merge_engine.engine_identity(),
         "inputs": {name: _canonical(_field(inputs, name)) for name in fields},
     }
     if listed:

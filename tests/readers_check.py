@@ -7,12 +7,13 @@ Imports only torch, safetensors, transformers and peft (never stepmerge: the rea
 result per job, in order (a failure is a result, never a crash of the whole run):
 - ``{"kind": "model", "folder", "ids", "reference", "save_logits"?}``: the class named in ``config.json`` loads the
   folder (``output_loading_info``); the model saved back by this transformers must hold every tensor
-  of the folder under the same name with the same values (the load lost and changed nothing); logits
+  of the folder under the same name with the same values (the load lost and changed nothing), or, listed in
+  ``tensors_transposed``, its transpose on dims 1, 2 (a reader that saves in its in-memory layout); logits
   on ``ids`` (float32) compared with the logits saved at ``reference`` (a ``torch.save`` file), and
   saved at ``save_logits`` when given (the reference of a run in the other environment).
 - ``{"kind": "adapter", "base", "adapter", "ids", "reference"}``: ``PeftModel.from_pretrained`` on the
   base (its config's class), logits compared alike.
-Result: ``{"versions", "loading_info" (non-empty lists only), "tensors_missing", "tensors_differ",
+Result: ``{"versions", "loading_info" (non-empty lists only), "tensors_missing", "tensors_differ", "tensors_transposed",
 "max_abs_diff", "exact", "scale", "error"}``.
 """
 
@@ -86,11 +87,18 @@ def check_model(job: dict[str, Any]) -> dict[str, Any]:
         model.save_pretrained(saved)
         back = _tensors(saved)
     result["tensors_missing"] = sorted(set(written) - set(back))
-    result["tensors_differ"] = sorted(name for name in set(written) & set(back)
-                                      if back[name].shape != written[name].shape
-                                      or not torch.equal(back[name].to(written[name].dtype), written[name]))
+    same = {name for name in set(written) & set(back) if _equal(back[name], written[name])}
+    # saved back in the reader's own layout (transformers 5 keeps Qwen3-VL-MoE's experts as it holds them)
+    transposed = {name for name in set(written) & set(back) - same
+                  if back[name].dim() == 3 and _equal(back[name].transpose(1, 2), written[name])}
+    result["tensors_transposed"] = sorted(transposed)
+    result["tensors_differ"] = sorted(set(written) & set(back) - same - transposed)
     _compare(result, _logits(model.eval(), job["ids"]), job)
     return result
+
+
+def _equal(back: torch.Tensor, written: torch.Tensor) -> bool:
+    return back.shape == written.shape and torch.equal(back.to(written.dtype), written)
 
 
 def check_adapter(job: dict[str, Any]) -> dict[str, Any]:

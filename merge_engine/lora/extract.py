@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from merge_engine import __version__, storage
+from merge_engine import engine_identity, storage
 from merge_engine.errors import AdapterError, InvalidOption
 from merge_engine.hf_metadata import copy_metadata, read_config
 from merge_engine.hf_plan import plan_hf_merge
@@ -184,7 +184,7 @@ def extract_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
     if options.hf_model_path:
         extra["hf_model_listing"] = storage.fingerprint(storage.list_files(options.hf_model_path, recursive=False))
     run = read_run_metadata(checkpoint.url)
-    return storage.fingerprint(checkpoint.files, engine=__version__, **options.output_options("extract-lora"),
+    return storage.fingerprint(checkpoint.files, **engine_identity(), **options.output_options("extract-lora"),
                                **extra, run_lora={"alpha": run.lora_alpha, "r": run.r, "config": run.config})
 
 

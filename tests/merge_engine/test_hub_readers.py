@@ -8,7 +8,8 @@ Specification (issue 16, items 3 and 4):
   and tensor names/shapes/dtypes; parallel variants of one model merge to the same layout):
   * loading info is clean: no missing, unexpected or mismatched key, no error message;
   * every tensor of the folder is read unchanged: the model saved back by that transformers holds each
-    of the folder's tensors under the same name, bit for bit;
+    of the folder's tensors under the same name, bit for bit (transformers 5 saves Qwen3-VL-MoE's experts
+    back in its in-memory layout: those, and only those, come back transposed, `HUB_TRANSPOSED`);
   * transformers 5's logits are the trained model's (FSDP: exactly; Megatron: megatron-core's within
     1e-4); transformers 4.57's logits are transformers 5's, exactly for dense families, within
     `READER_TOLERANCE` of their scale for MoE ones (4.57 sums the experts in another order: measured
@@ -35,6 +36,7 @@ from merge_engine.lora.extract import extract_lora
 from synthetic_runs.fsdp import build_reference_model, family_matrix
 from synthetic_runs.megatron import REFERENCE_INPUT_IDS_FILE, REFERENCE_LOGITS_FILE
 from tests.fixtures_readers import run_readers
+from tests.merge_engine.test_hub_format import HUB_TRANSPOSED
 from tests.readers_check import run_jobs
 
 FAMILY_CASES = sorted(name for name, spec in family_matrix().items() if spec.lora is None)
@@ -44,6 +46,10 @@ MEGATRON_TOLERANCE = 1e-4  # transformers 5 vs megatron-core (tests/merge_engine
 ADAPTER_ATOL, ADAPTER_RTOL = 5e-5, 1e-5  # PEFT's unfused forward vs the trained model (test_fuse.py)
 ADAPTER_RUNS = ("lora_fsdp1_mesh_qwen2", "lora_fsdp2_qwen2_r2")  # dense LoRA runs of `fsdp_runs`
 FAMILY_ADAPTER_RUNS = ("gpt2_lora_w2",)  # GPT-2 Conv1D (fan_in_fan_out) from `family_runs`
+
+
+def _family(case: str) -> str:
+    return family_matrix()[case].model.family
 
 
 def _clean(result: dict) -> None:
@@ -147,12 +153,16 @@ class TestFsdpFamilies:
         five, _ = family_reads
         _clean(five[case])
         _assert_close(five[case], 0.0, exact=True)
+        # transformers 5 saves back Qwen3-VL-MoE's experts in its in-memory layout: the folder holds the Hub's
+        assert all(name.endswith(HUB_TRANSPOSED.get(_family(case), ())) for name in five[case]["tensors_transposed"])
+        assert bool(five[case]["tensors_transposed"]) == (_family(case) in HUB_TRANSPOSED), five[case]
 
     @pytest.mark.parametrize("case", FAMILY_CASES)
     def test_transformers_4_57_reads_the_folder_as_written(self, case, family_reads, merged_families):
         five, old = family_reads
         assert old[case]["versions"].startswith("transformers 4.57")
         _clean(old[case])
+        assert not old[case]["tensors_transposed"], old[case]  # 4.57 holds every tensor as the folder does
         _assert_close(old[case], READER_TOLERANCE, exact=not _is_moe(merged_families[case]))
 
 

@@ -261,3 +261,32 @@ def test_debris_of_killed_runs_never_blocks_a_retry(fsdp_runs, tmp_path, s3_buck
     storage.write_bytes(storage.join(target + "2", PARTIAL_FILE), json.dumps({"fingerprint": "another"}).encode())
     with pytest.raises(TargetExists):  # someone else's debris is not ours to delete
         merge_checkpoint(source, target + "2")
+
+
+def test_an_output_of_an_older_output_revision_is_not_taken_for_current(fsdp_runs, tmp_path, monkeypatch):
+    """The same input and options merged by an engine whose output revision (merge_engine.OUTPUT_REVISION,
+    bumped when the bytes written change under one __version__) is older: neither the target nor a release
+    recorded from it counts as this merge's output; it is refused as other input, rebuilt with overwrite."""
+    import merge_engine
+    from merge_engine.layouts import check_checkpoint
+    from merge_engine.merge import merge_fingerprint
+    from merge_engine.release import Manifest, ReleaseState, PUBLISHED
+
+    step = fsdp_runs["fsdp2_qwen2"].latest
+    target = str(tmp_path / "out")
+    current = merge_engine.OUTPUT_REVISION
+    monkeypatch.setattr(merge_engine, "OUTPUT_REVISION", current - 1)
+    old = merge_checkpoint(step.checkpoint_dir, target)
+    assert json.load(open(os.path.join(target, PROVENANCE_FILE)))["output_revision"] == current - 1
+    monkeypatch.setattr(merge_engine, "OUTPUT_REVISION", current)
+    fingerprint = merge_fingerprint(check_checkpoint(step.checkpoint_dir), MergeOptions())
+    assert fingerprint != old.fingerprint
+    released_old = ReleaseState("mem://r", PUBLISHED, Manifest("src", old.fingerprint, merge_engine.__version__, {},
+                                                               None, "now", "a", ()))
+    assert not released_old.holds(fingerprint)  # the pipeline does not report 'skipped' on it
+    with pytest.raises(TargetExists):
+        merge_checkpoint(step.checkpoint_dir, target)
+    again = merge_checkpoint(step.checkpoint_dir, target, MergeOptions(overwrite=True))
+    assert not again.skipped and again.fingerprint == fingerprint
+    assert json.load(open(os.path.join(target, PROVENANCE_FILE)))["output_revision"] == current
+    assert merge_checkpoint(step.checkpoint_dir, target).skipped

@@ -42,6 +42,8 @@ def test_a_changed_file_version_option_or_engine_gives_a_new_key(monkeypatch):
     assert merge_key(rewritten) != key
     assert merge_key(settings=MergeSettings(dtype="bfloat16")) != key
     assert merge_key(release=RELEASE + "-other") != key
+    monkeypatch.setattr(merge_engine, "OUTPUT_REVISION", merge_engine.OUTPUT_REVISION + 1)
+    assert merge_key() != key  # same engine version, other bytes written: never the cached output
     monkeypatch.setattr(merge_engine, "__version__", "9.9.9")
     assert merge_key() != key
 
