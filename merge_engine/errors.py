@@ -98,12 +98,22 @@ class AdapterError(StepmergeError):
 
 
 class LoraRankMismatch(AdapterError):
-    """A stored LoRA module's rank is not the rank PEFT gives it for the run's settings (a guess is never made)."""
+    """A stored LoRA module's rank is not the rank PEFT gives it for the run's settings (a guess is never made).
 
-    def __init__(self, module: str, found: int, expected: int, settings: str, path: str | None = None) -> None:
-        self.module, self.found, self.expected = module, found, expected
-        super().__init__(f"{module}: the stored LoRA factors have rank {found} but PEFT gives this module rank "
-                         f"{expected} for the run's settings ({settings})", path)
+    Built with `for_module`; the constructor keeps every named error's ``(message, path)`` contract, which
+    is also what unpickling calls when the error crosses a process (Prefect, Ray)."""
+
+    module: str = ""
+    found: int = 0
+    expected: int = 0
+
+    @classmethod
+    def for_module(cls, module: str, found: int, expected: int, settings: str,
+                   path: str | None = None) -> "LoraRankMismatch":
+        error = cls(f"{module}: the stored LoRA factors have rank {found} but PEFT gives this module rank "
+                    f"{expected} for the run's settings ({settings})", path)
+        error.module, error.found, error.expected = module, found, expected
+        return error
 
 
 class ValidationFailed(StepmergeError):

@@ -225,7 +225,7 @@ def resolve_trained_settings(model_config: Mapping[str, Any] | None, r: int, lor
         if mismatch is None:
             module, settings = wrong[0]
             found = _rank_per_expert(stored.shapes[module][0][0], settings)
-            mismatch = LoraRankMismatch(module, found, settings.r, source, where)
+            mismatch = LoraRankMismatch.for_module(module, found, settings.r, source, where)
         tried.append(f"{source}: ranks differ ({wrong[0][0]})")
     if mismatch is not None:
         raise mismatch

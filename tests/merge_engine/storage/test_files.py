@@ -99,6 +99,8 @@ class TestFilesystems:
     def test_a_change_of_server_gives_a_new_client(self, monkeypatch):
         """Clients are shared only while the storage environment stays the same: a test (or a process)
         that points at another server never gets the old server's client, nor its listings."""
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "someone")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
         monkeypatch.setenv("STEPMERGE_S3_ENDPOINT", "http://127.0.0.1:1")
         first, _ = storage.filesystem("s3://bucket/x")
         assert storage.filesystem("s3a://bucket/y")[0] is first
