@@ -7,6 +7,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Prefect's temporary servers (flows run in subprocesses, the demo) wait 20 s by default: not enough on a loaded machine
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
 
 pytest_plugins = ["tests.fixtures_storage", "tests.fixtures_checkpoints", "tests.fixtures_pipeline", "tests.fixtures_ray",
                   "tests.fixtures_merged", "tests.fixtures_readers"]
