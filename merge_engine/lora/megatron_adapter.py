@@ -31,6 +31,7 @@ import torch
 from merge_engine.architectures.mappings import FamilyTable, ModelDims, ParamMapping, compile_pattern, fill
 from merge_engine.errors import AdapterError
 from merge_engine.lora.keys import PEFT_PREFIX
+from merge_engine.chunks import flat_slices
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
 
 ADAPTER_FACTOR = re.compile(r"^(?P<module>.+)\.adapter\.linear_(?P<side>in|out)\.weight$")
@@ -157,10 +158,7 @@ class MegatronAdapterSource:
         return self._cache[2][part].clone()
 
     def iter_chunks(self, name: str, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
-        flat = self.read(name).reshape(-1)
-        step = max(1, max_bytes // max(1, flat.element_size()))
-        for start in range(0, flat.numel(), step):
-            yield flat[start:start + step]
+        yield from flat_slices(self.read(name), max_bytes)
 
     def close(self) -> None:
         self._source.close()

@@ -58,6 +58,7 @@ from merge_engine.lora.megatron_adapter import (
 )
 from merge_engine.lora.sources import NamespacedSource
 from merge_engine.merge_plan import PlannedTensor, parse_dtype
+from merge_engine.chunks import flat_slices
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
 
 ADAPTER_NAMESPACE = "adapter0"
@@ -340,10 +341,7 @@ class TrainedMegatronSource:
         if name not in self._updates:
             yield from self._source.iter_chunks(name, max_bytes)
             return
-        flat = self.read(name).reshape(-1)
-        step = max(1, max_bytes // max(1, flat.element_size()))
-        for start in range(0, flat.numel(), step):
-            yield flat[start:start + step]
+        yield from flat_slices(self.read(name), max_bytes)
 
     def close(self) -> None:
         self._source.close()
