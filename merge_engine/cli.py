@@ -204,7 +204,7 @@ def _check_trained(args: argparse.Namespace, *, fused_model_url: str | None = No
     report = check_against_trained(args.local_dir, fused_model_url=fused_model_url, adapter_url=adapter_url,
                                    lora_alpha=args.lora_alpha, config_url=args.hf_model_path,
                                    device=getattr(args, "device", None), backend=args.backend)
-    print(report.summary())
+    print(report.text())
     report.raise_for_failure()
     return 0
 

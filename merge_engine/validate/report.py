@@ -67,12 +67,14 @@ class ValidationReport:
 
     def text(self) -> str:
         """Plain text for a terminal (`summary` is Markdown, for the UI): a verdict line, one line per check."""
-        passed = sum(c.ok for c in self.checks)
+        passed = sum(c.ok and not c.skipped for c in self.checks)
+        skipped = sum(c.skipped for c in self.checks)
         verdict = "passed" if self.ok else "FAILED"
         against = f" against reference {self.reference_url}" if self.reference_url else ""
-        lines = [f"validation {verdict} ({passed}/{len(self.checks)} checks) of {self.model_url}{against}"]
-        lines += [f"  {'PASS' if c.ok else 'FAIL'} {c.name}" + (f": {c.detail}" if c.detail else "")
-                  for c in self.checks]
+        counts = f"{passed}/{len(self.checks)} checks" + (f", {skipped} skipped" if skipped else "")
+        lines = [f"validation {verdict} ({counts}) of {self.model_url}{against}"]
+        lines += [f"  {'SKIP' if c.skipped else ('PASS' if c.ok else 'FAIL')} {c.name}"
+                  + (f": {c.detail}" if c.detail else "") for c in self.checks]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:

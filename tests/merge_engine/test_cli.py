@@ -229,7 +229,7 @@ def test_verl_flag_spellings_and_test_command(fsdp_runs, checkpoint, tmp_path, c
     assert code == 0 and (target / "model.safetensors").exists()
     reference = fsdp_runs[VARIANT].latest.reference_hf_dir
     assert main(["test", "--backend", "fsdp", "--local_dir", str(checkpoint), "--test_hf_dir", reference]) == 0
-    assert "PASSED" in capsys.readouterr().out
+    assert "\nvalidation passed (" in capsys.readouterr().out
     other = tmp_path / "perturbed"  # the reference with one value moved by 1e-4
     shutil.copytree(reference, other)
     weights = load_file(str(other / "model.safetensors"))

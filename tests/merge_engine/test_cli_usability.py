@@ -161,11 +161,12 @@ def test_rates_are_never_printed_as_zero():
 def test_the_test_command_prints_plain_text_not_markdown():
     from merge_engine.validate.report import Check, ValidationReport
 
-    report = ValidationReport("/out", (Check("keys", True), Check("values", False, "x differs")), "/ref")
+    report = ValidationReport("/out", (Check("keys", True), Check("values", False, "x differs"),
+                                       Check("trained", True, "too big for this worker", skipped=True)), "/ref")
     text = report.text()
     assert "**" not in text and "`" not in text
-    assert text.splitlines() == ["validation FAILED (1/2 checks) of /out against reference /ref", "  PASS keys",
-                                 "  FAIL values: x differs"]
+    assert text.splitlines() == ["validation FAILED (1/3 checks, 1 skipped) of /out against reference /ref",
+                                 "  PASS keys", "  FAIL values: x differs", "  SKIP trained: too big for this worker"]
 
 
 def test_check_of_a_layout_without_parallel_sizes_prints_no_stray_punctuation(tmp_path, capsys):
