@@ -45,7 +45,12 @@ def test_ray_addresses_the_flows_accept(address):
 
 
 @pytest.mark.parametrize("field, value", [("ray_address", "ftp://head:1"), ("ray_address", "head"),
-                                          ("ray_address", "auto; rm -rf /"), ("workers", 0)])
+                                          ("ray_address", "auto; rm -rf /"), ("workers", -1)])
 def test_bad_execution_parameters_are_refused(field, value):
     with pytest.raises(ValidationError):
         MergeStepParams(run_root="/r", step=1, **{field: value})
+
+
+def test_workers_0_is_the_forms_one_per_core():
+    """The form has no None toggle: 0 (its default) means one shard job per core, as the CLI's default."""
+    assert MergeStepParams(run_root="/r", step=1, workers=0).execution_settings().workers is None

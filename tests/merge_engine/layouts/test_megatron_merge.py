@@ -175,7 +175,7 @@ def test_cli_check_and_test(megatron_runs, capsys):
     code = main(["test", "--backend", "megatron", "--local_dir", checkpoint_url(job), "--test_hf_dir",
                  str(job.reference_dir / REFERENCE_HF_DIR), "--atol", "0", "--rtol", "0"])
     assert code == 0
-    assert "PASSED" in capsys.readouterr().out
+    assert "validation passed (" in capsys.readouterr().out
 
 
 def test_cli_test_catches_a_different_model(megatron_runs, capsys):
