@@ -183,7 +183,7 @@ def test_the_cli_check_fails_with_exit_5_naming_the_check(runs, capsys):
 
     run = runs["mixtral"]
     assert main(["check-trained", "--local_dir", run.checkpoint, "--fused-model", run.fused_folder("cli-ok")]) == 0
-    assert "PASS `trained_vs_fused`" in capsys.readouterr().out
+    assert "PASS trained_vs_fused" in capsys.readouterr().out
     code = main(["check-trained", "--local_dir", run.checkpoint, "--fused-model", run.fused_folder("cli-bad", 0.5)])
     out, err = capsys.readouterr()
     assert code == 5 and "ValidationFailed" in err and "trained_vs_fused" in err
@@ -198,4 +198,4 @@ def test_merge_with_check_trained_checks_the_written_folder(runs, tmp_path, caps
     run = runs["qwen3_moe"]
     code = main(["merge", "--local_dir", run.checkpoint, "--target_dir", str(tmp_path / "out"), "--check-trained"])
     out = capsys.readouterr().out
-    assert code == 0 and "PASS `trained_vs_fused`" in out and "PASS `trained_model`" in out, out
+    assert code == 0 and "PASS trained_vs_fused" in out and "PASS trained_model" in out, out
