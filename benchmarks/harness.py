@@ -31,10 +31,11 @@ class Run:
     tool: str
     wall_s: float
     peak_rss_mb: float
+    cpu_s: float = 0.0  # the child's user + system seconds (rusage)
 
 
 def measure(tool: str, command: list[str], env: dict[str, str] | None = None) -> Run:
-    """Wall time and peak RSS of one child process; exits with its stderr if it fails."""
+    """Wall time, peak RSS and CPU seconds of one child process; exits with its stderr if it fails."""
     started = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -42,7 +43,7 @@ def measure(tool: str, command: list[str], env: dict[str, str] | None = None) ->
     stderr = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{tool} failed:\n{stderr[-3000:]}")
-    return Run(tool, wall, usage.ru_maxrss / 1024)
+    return Run(tool, wall, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime)
 
 
 def print_runs(runs: dict[str, list[Run]]) -> None:

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from benchmarks.fsdp_merge import ensure_checkpoint
-from benchmarks.harness import BENCH
+from benchmarks.harness import BENCH, measure
 
 PATCHES = {
     "checked": "",
@@ -100,14 +100,8 @@ def merge_child(variant: str, source: str, target: str) -> list[str]:
 
 def run_once(command: list[str], env: dict[str, str]) -> tuple[float, float]:
     """(wall, cpu) seconds of one child; exits with its stderr when it fails."""
-    started = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - started
-    stderr = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"merge failed:\n{stderr[-3000:]}")
-    return wall, usage.ru_utime + usage.ru_stime
+    run = measure("merge", command, env)
+    return run.wall_s, run.cpu_s
 
 
 def rounds(label: str, variants: list[str], source: str, target: Path, env: dict[str, str], repeats: int,
