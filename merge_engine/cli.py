@@ -100,7 +100,8 @@ def _weights_format_flag(parser: argparse.ArgumentParser, what: str = "") -> Non
 def _run_flags(parser: argparse.ArgumentParser) -> None:
     """Where the shard jobs run (same bytes whatever is chosen)."""
     _flag(parser, "workers", type=_positive_int, default=None,
-          help="shard jobs at once on this machine (default: one per core, at most one per output file)")
+          help="threads writing on this machine, shared out between the output files and their byte "
+               "ranges, so a one-file model uses them all (default: one per core)")
     _flag(parser, "ray-address", default=None,
           help="run the shard jobs as tasks of this Ray cluster: auto, HOST:PORT or ray://HOST:PORT "
                "(pip install -c constraints.txt '.[ray]' from the checkout); every worker reads and writes the "

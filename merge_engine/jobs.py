@@ -81,7 +81,7 @@ class OutputOptions:
     fmt: str = "legacy"  # split: legacy | dist
     make_vocab_size_divisible_by: int = 128
     # how to run
-    workers: int | None = None  # shard jobs at once on this machine; None: one per core, at most one per shard
+    workers: int | None = None  # threads writing on this machine (shards and their byte ranges); None: one per core
     ray_address: str | None = None  # run the shard jobs as tasks of this Ray cluster ("auto", "ray://host:port")
     overwrite: bool = False
     chunk_bytes: int = DEFAULT_CHUNK_BYTES

@@ -310,7 +310,16 @@ class AssembledSource:
 
     def iter_range(self, name: str, start: int, count: int,
                    max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
-        return self._tensors[name].iter_range(start, count, max_bytes)
+        """Elements ``[start, start+count)`` of ``name``'s flattening: a ranged read where its assembly has
+        one (`can_read_range`), else its chunk stream with the elements outside the range skipped."""
+        tensor = self._tensors[name]
+        if hasattr(tensor, "iter_range"):
+            return tensor.iter_range(start, count, max_bytes)
+        return _skipping(tensor.iter_chunks(max_bytes), start, count)
+
+    def can_read_range(self, name: str) -> bool:
+        """Whether `iter_range` reads only the range asked for (its assembly has a ranged read)."""
+        return hasattr(self._tensors[name], "iter_range")
 
     def same_storage(self, a: str, b: str) -> bool:
         """True when two names are views of the very same stored bytes (tied weights saved once)."""
@@ -360,6 +369,19 @@ class AssembledSource:
             archive.close()
 
 
+def _skipping(chunks: Iterator[torch.Tensor], start: int, count: int) -> Iterator[torch.Tensor]:
+    """The elements ``[start, start+count)`` of a flat chunk stream (those outside are read, not kept)."""
+    at, end = 0, start + count
+    for chunk in chunks:
+        n = chunk.numel()
+        lo, hi = max(start, at), min(end, at + n)
+        if lo < hi:
+            yield chunk[lo - at:hi - at]
+        at += n
+        if at >= end:
+            return
+
+
 def iter_flat_range(source: TensorSource, name: str, start: int, count: int,
                     max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
     """Elements ``[start, start+count)`` of ``name``'s row-major flattening, in flat chunks of at most
@@ -369,12 +391,4 @@ def iter_flat_range(source: TensorSource, name: str, start: int, count: int,
     if ranged is not None:
         yield from ranged(name, start, count, max_bytes)
         return
-    at, end = 0, start + count
-    for chunk in source.iter_chunks(name, max_bytes):
-        n = chunk.numel()
-        lo, hi = max(start, at), min(end, at + n)
-        if lo < hi:
-            yield chunk[lo - at:hi - at]
-        at += n
-        if at >= end:
-            return
+    yield from _skipping(source.iter_chunks(name, max_bytes), start, count)

@@ -402,6 +402,26 @@ class DcpTensor:
             count = min(rows, shape[0] - start)
             yield self.read_box((start,) + (0,) * (len(shape) - 1), (count, *shape[1:])).reshape(-1)
 
+    def iter_range(self, start: int, count: int, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        """Elements ``[start, start+count)`` of the row-major flattening: the rows of dim 0 that hold them,
+        read as boxes of whole rows (one row at least), cut to the range."""
+        shape = self.shape
+        if count <= 0:
+            return
+        if not shape:
+            yield self.read().reshape(-1)[start:start + count]
+            return
+        row = math.prod(shape[1:])
+        if row == 0:
+            return
+        rows = max(1, max_bytes // max(row * self.dtype.itemsize, 1))
+        first, last = start // row, -(-(start + count) // row)
+        for a in range(first, last, rows):
+            b = min(last, a + rows)
+            flat = self.read_box((a,) + (0,) * (len(shape) - 1), (b - a, *shape[1:])).reshape(-1)
+            lo, hi = max(start, a * row) - a * row, min(start + count, b * row) - a * row
+            yield flat[lo:hi]
+
 
 def _read_region(stored: StoredTensor, lo: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
     """The sub-box ``[lo, lo + counts)`` of a saved chunk, read as a few contiguous runs.

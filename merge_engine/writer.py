@@ -1,13 +1,14 @@
 """Write a whole `MergePlan` at a URL: its shard jobs on this machine's threads, then the index.
 
-Each shard is one `merge_engine.shard_job.write_shard` job; ``workers`` of them run at once in
-threads of this process. Threads, not processes: every stage of a shard job leaves the GIL while
-it works (file and network reads, the cast in torch, the write, sha256 over large buffers), the
-jobs share the open source (its readers, its parsed pickles) instead of re-opening it per process,
-and nothing is pickled; a process per job would add an interpreter and a torch import (~1.5 s,
-~300 MB) per worker. Measured (`python -m benchmarks.shard_jobs`, 2 loaded cores, the 2.5 GB FSDP
-benchmark, whose 1.26 GB output is one shard, so one job): ``--workers 2`` / ``--workers 1`` was
-0.58-1.03 (docs/scaling.md); a Ray cluster of the same 2 cores took 1.00x ``--workers 2``.
+``workers`` threads are shared out between the shards: ``min(workers, shards)`` shard jobs at once,
+each with ``workers // jobs`` threads on its byte ranges (`merge_engine.shard_ranges`: a shard's
+layout is fixed by the plan, so its parts are produced in parallel and written at their places;
+one job alone is `merge_engine.shard_job.write_shard`, read-ahead, writer and hasher threads). So a
+one-shard model uses every worker. Threads, not processes: every stage leaves the GIL while it
+works (file and network reads, the cast in torch, the write, sha256 over large buffers), the jobs
+share the open source (its readers, its parsed pickles) instead of re-opening it per process, and
+nothing is pickled; a process per job would add an interpreter and a torch import (~1.5 s,
+~300 MB) per worker. Measured: ``python -m benchmarks.shard_jobs`` and docs/scaling.md.
 
 Contract of `write_plan`:
 - every shard of ``plan`` is written under ``target_url``, then the index when there are several
@@ -16,8 +17,10 @@ Contract of `write_plan`:
 - the first job to fail cancels the others (they stop at their next chunk) and its error is raised
   once every job has stopped; so does an interrupt (`merge_engine.interrupts`: jobs not started never
   start); the caller owns cleaning the partial target (`output_target`).
-- memory: ``workers`` x (`PREFETCH_CHUNKS` + `HASH_QUEUE_CHUNKS` + 3) chunks of ``chunk_bytes``
-  (`merge_engine.shard_job`), plus the storage layer's read-ahead budget for remote sources.
+- memory: a shard job alone holds `PREFETCH_CHUNKS` + `HASH_QUEUE_CHUNKS` + 3 chunks of
+  ``chunk_bytes`` (`merge_engine.shard_job`); one on ranges, its threads x
+  `shard_ranges.BUFFERS_PER_WORKER` parts (16 MiB) plus a chunk in hand each; plus the storage
+  layer's read-ahead budget for remote sources.
 - ``on_bytes`` (progress) is called from the worker threads, one call at a time.
 """
 
@@ -36,6 +39,7 @@ import torch
 from merge_engine import interrupts
 from merge_engine.merge_plan import MergePlan
 from merge_engine.shard_job import ShardCancelled, ShardRecord, write_index, write_shard
+from merge_engine.shard_ranges import write_shard_ranges
 from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
 
 __all__ = ["WrittenModel", "default_workers", "run_jobs", "serialised", "stop_jobs", "write_plan"]
@@ -53,7 +57,7 @@ class WrittenModel:
 
 
 def default_workers(shards: int) -> int:
-    """One shard job per core, never more jobs than shards, at least one."""
+    """One job per core, never more jobs than ``shards`` (file jobs that cannot be cut), at least one."""
     return max(1, min(os.cpu_count() or 1, shards))
 
 
@@ -75,20 +79,25 @@ def write_plan(plan: MergePlan, source: TensorSource, target_url: str, *,
                metadata: dict[str, str] | None = None, workers: int | None = 1) -> WrittenModel:
     """Write every shard of ``plan`` under ``target_url``, then the index (see the module docstring).
 
-    ``workers``: shard jobs at once (None: `default_workers`)."""
-    workers = default_workers(len(plan.shards)) if workers is None else max(1, workers)
+    ``workers``: threads in all (None: one per core), shared out between shard jobs and their ranges."""
+    workers = (os.cpu_count() or 1) if workers is None else max(1, workers)
+    jobs = max(1, min(workers, len(plan.shards)))
+    per_shard = workers // jobs
     progress = serialised(on_bytes) if workers > 1 else on_bytes
     cancel = interrupts.cancel_event()
 
     def job(shard_index: int) -> ShardRecord:
+        if per_shard > 1:
+            return write_shard_ranges(plan, plan.shards[shard_index], source, target_url, workers=per_shard,
+                                      chunk_bytes=chunk_bytes, on_bytes=progress, metadata=metadata, cancel=cancel)
         return write_shard(plan, plan.shards[shard_index], source, target_url, chunk_bytes=chunk_bytes,
                            on_bytes=progress, metadata=metadata, cancel=cancel)
 
     with _single_intra_op_thread():
-        if workers == 1:
+        if jobs == 1:
             records = [job(i) for i in range(len(plan.shards))]
         else:
-            records = run_jobs(job, len(plan.shards), workers, cancel, stopped=ShardCancelled,
+            records = run_jobs(job, len(plan.shards), jobs, cancel, stopped=ShardCancelled,
                                name="stepmerge-shard")
     index = write_index(plan, target_url)
     if index is not None:

@@ -36,7 +36,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     # the planner (picks a plan) and discovery (run root -> steps)
     4: ("merge_engine.planner", "merge_engine.discovery"),
     # how an output is written: target folders, shard jobs, the executors that run them
-    5: ("merge_engine.output_target", "merge_engine.writer", "merge_engine.shard_job", "merge_engine.executors"),
+    5: ("merge_engine.output_target", "merge_engine.writer", "merge_engine.shard_job", "merge_engine.shard_ranges", "merge_engine.executors"),
     # jobs: every command that writes or checks an output
     6: ("merge_engine.jobs", "merge_engine.merge", "merge_engine.split", "merge_engine.lora.extract",
         "merge_engine.lora.combine", "merge_engine.lora.megatron_step",

@@ -77,7 +77,7 @@ class ShardExecutor(Protocol):
 
 def executor_for(workers: int | None = None, ray_address: str | None = None) -> ShardExecutor:
     """The executor the options ask for: Ray when ``ray_address`` is given, else this machine's threads
-    (``workers`` at once; None: one per core, at most one per shard)."""
+    (``workers`` threads, shared out between shards and their byte ranges; None: one per core)."""
     if ray_address:
         from merge_engine.executors.ray import RayExecutor  # optional extra: imported only when asked for
 

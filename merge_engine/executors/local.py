@@ -1,4 +1,5 @@
-"""Shard jobs on this machine: ``workers`` at once, on threads of this process (`merge_engine.writer`).
+"""Shard jobs on this machine: ``workers`` threads of this process, shared out between the shards and
+their byte ranges (`merge_engine.writer`, `merge_engine.shard_ranges`).
 
 Threads, not processes: reads, casts, sha256 and writes release the GIL, and a thread shares the
 sources already opened (measured by `benchmarks.shard_jobs`, see `merge_engine.writer`). The file jobs
@@ -47,8 +48,9 @@ def write_files(output: PlannedFiles, folder_url: str, workers: int | None,
 
 
 class LocalExecutor:
-    """Each output's shards (or file jobs) ``workers`` at once (None: one per core, at most one per
-    shard), then its files."""
+    """Each output's shards on ``workers`` threads, shared out between shards and their byte ranges
+    (`merge_engine.writer`; None: one per core), or its file jobs ``workers`` at once (None: one per core,
+    at most one per job), then its files."""
 
     def __init__(self, workers: int | None = None) -> None:
         self.workers = workers

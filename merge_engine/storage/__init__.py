@@ -14,7 +14,8 @@ Contract:
 - Reads of weights are ranged (`RangeReader`): a local file is read with ``os.preadv`` into the
   caller's buffer (the kernel asked to read ahead), a remote one with ranged GETs of at most
   `tuning.REMOTE_READ_CHUNK` bytes. A missing or short file raises `IncompleteCheckpoint`.
-- Writes stream (`open_write`) and are all-or-nothing: a local file appears under its name only
+- Writes stream (`open_write`), or come as numbered parts in any order (`open_parts`: local positioned
+  writes, S3 multipart parts by number; None on stores that take bytes only in order), and are all-or-nothing: a local file appears under its name only
   when the writer is closed without error (temp name + rename); a remote object is committed by
   the server on close and an aborted writer uploads nothing.
 - Transient faults (`is_transient`: resets, timeouts, throttling) are retried here, a few times
@@ -36,7 +37,7 @@ reads and writes), `range_reader`, `atomic_writer`, `copies` (`copy_file`, `copy
 """
 
 from merge_engine.storage import tuning
-from merge_engine.storage.atomic_writer import AtomicWriter, CommitOnExit, open_write
+from merge_engine.storage.atomic_writer import AtomicWriter, CommitOnExit, open_parts, open_write
 from merge_engine.storage.backend import clear_filesystems
 from merge_engine.storage.copies import STAGE_MANIFEST, copy_file, copy_tree, stage_in
 from merge_engine.storage.entries import FileEntry, fingerprint
@@ -50,7 +51,7 @@ from merge_engine.storage.urls import is_local, join, local_path, split_scheme
 __all__ = [
     "STAGE_MANIFEST", "AtomicWriter", "abort_uploads", "CommitOnExit", "FileEntry", "RangeReader", "backend_for", "clear_filesystems",
     "copy_file", "copy_tree", "exists", "filesystem", "fingerprint", "info", "is_local", "is_transient",
-    "join", "list_dirs", "list_files", "local_path", "open_write", "read_bytes", "read_text", "remove",
+    "join", "list_dirs", "list_files", "local_path", "open_parts", "open_write", "read_bytes", "read_text", "remove",
     "size", "split_scheme", "stage_in", "tuning", "write_bytes",
 ]
 

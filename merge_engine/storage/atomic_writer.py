@@ -1,10 +1,12 @@
-"""`AtomicWriter` / `open_write`: streaming writes to any URL that appear whole or not at all."""
+"""`AtomicWriter` / `open_write`: streaming writes to any URL that appear whole or not at all; `open_parts`:
+the same promise for a file written in numbered parts, in any order, where the store allows it."""
 
 from __future__ import annotations
 
 import io
 from typing import IO, Any
 
+from merge_engine.storage.backend import PartsUpload
 from merge_engine.storage.schemes import backend_for
 
 
@@ -94,3 +96,11 @@ def open_write(url: str, block_size: int | None = None, size_hint: int | None = 
     ``size_hint``, the final size when known, preallocates a local file.
     """
     return AtomicWriter(url, block_size=block_size, size_hint=size_hint)  # type: ignore[return-value]
+
+
+def open_parts(url: str, size: int, part_bytes: int) -> PartsUpload | None:
+    """``url`` (``size`` bytes) written as numbered parts, in any order, from several threads (local:
+    positioned writes into one temp file; S3: a multipart upload's parts by number); None where the
+    store takes a file's bytes only in order (GCS, memory): write those through `open_write`. The
+    caller commits once every part is written, or discards (nothing appears)."""
+    return backend_for(url).open_parts(url, size, part_bytes)

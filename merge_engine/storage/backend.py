@@ -52,6 +52,30 @@ class Upload(Protocol):
         """Throw away what was written; the target is left as it was."""
 
 
+class PartsUpload(Protocol):
+    """One file of a known size written in numbered parts, from several threads at once, in any order
+    (what a shard cut into byte ranges writes through; `Backend.open_parts`). Nothing is visible
+    before `commit`.
+
+    ``part_bytes``: the size of every part but the last (the store's rules may have raised the size
+    asked for); part ``index`` holds the file's bytes ``[index * part_bytes, ...)``. ``buffer(n)``: a
+    buffer of ``n`` bytes that `write_part` accepts without a copy (local: page-aligned, for O_DIRECT).
+    """
+
+    part_bytes: int
+
+    def buffer(self, size: int) -> Any: ...
+
+    def write_part(self, index: int, data: memoryview) -> None:
+        """Store part ``index`` (thread-safe; each index written once)."""
+
+    def commit(self) -> None:
+        """Make the whole file visible under its name, once every part is written."""
+
+    def discard(self) -> None:
+        """Throw away every part written; the target is left as it was."""
+
+
 class Backend:
     """One storage system behind the storage layer's interface.
 
@@ -115,6 +139,12 @@ class Backend:
         """Open for ranged reads; a missing file raises `IncompleteCheckpoint`. With ``version`` (a
         listing's), every read is of that version or raises `SourceChanged` (see `RangeReader`)."""
         raise NotImplementedError
+
+    def open_parts(self, url: str, size: int, part_bytes: int) -> PartsUpload | None:
+        """Write ``url`` (``size`` bytes) as numbered parts of about ``part_bytes`` in any order, from
+        several threads (`PartsUpload`); None where the store can only take a file's bytes in order
+        (then a caller writes them in order through `open_upload`)."""
+        return None
 
     def remove(self, url: str, recursive: bool) -> None:
         raise NotImplementedError

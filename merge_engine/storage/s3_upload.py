@@ -26,7 +26,7 @@ from typing import Any
 from merge_engine.storage import tuning
 from merge_engine.storage.faults import logger, retrying
 
-__all__ = ["MAX_PARTS", "S3PartsUpload"]
+__all__ = ["MAX_PARTS", "MIN_PART", "S3NumberedParts", "S3PartsUpload"]
 
 MAX_PARTS = 10_000  # S3's limit on the parts of one multipart upload
 
@@ -122,3 +122,64 @@ class S3PartsUpload:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+MIN_PART = 5 * 1024 * 1024  # S3's smallest part but the last
+
+
+class S3NumberedParts:
+    """One object of a known ``size`` written as numbered parts, from several threads, in any order (the
+    storage layer's `PartsUpload`): part ``index`` is S3 part number ``index + 1``.
+
+    ``part_bytes`` is at least `MIN_PART` (S3 refuses a smaller part but the last) and large enough
+    for S3's 10,000-part limit. The multipart upload is started by the first part; each part is one
+    UploadPart, retried on transient faults. `commit` completes the upload with the parts in number
+    order; `discard` aborts it (no part stays stored)."""
+
+    def __init__(self, fs: Any, path: str, url: str, classify: Any, size: int, part_bytes: int) -> None:
+        self.url = url
+        self._fs = fs
+        self._bucket, self._key, _ = fs.split_path(path)
+        self._classify = classify
+        part = max(part_bytes, MIN_PART, -(-size // MAX_PARTS))
+        self.part_bytes = -(-part // 4096) * 4096  # whole pages: every element of a tensor lies in one part
+        self._count = max(1, -(-size // self.part_bytes))
+        self._lock = threading.Lock()
+        self._upload_id: str | None = None
+        self._parts: dict[int, str] = {}
+
+    def _call(self, method: str, what: str, **kwargs: Any) -> Any:
+        return retrying(lambda: self._fs.call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs),
+                        f"{what} of {self.url}", self._classify)
+
+    def _started(self) -> str:
+        with self._lock:
+            if self._upload_id is None:
+                self._upload_id = self._call("create_multipart_upload", "starting the upload")["UploadId"]
+            return self._upload_id
+
+    def buffer(self, size: int) -> Any:
+        return bytearray(size)
+
+    def write_part(self, index: int, data: memoryview) -> None:
+        upload_id = self._started()
+        body = bytes(data)
+        answer = self._call("upload_part", f"part {index + 1}", PartNumber=index + 1, UploadId=upload_id, Body=body)
+        with self._lock:
+            self._parts[index + 1] = answer["ETag"]
+
+    def commit(self) -> None:
+        missing = [n for n in range(1, self._count + 1) if n not in self._parts]
+        if missing:
+            raise RuntimeError(f"{self.url}: parts {missing[:5]} were never written")
+        self._call("complete_multipart_upload", "completing the upload", UploadId=self._started(),
+                   MultipartUpload={"Parts": [{"PartNumber": n, "ETag": self._parts[n]} for n in sorted(self._parts)]})
+
+    def discard(self) -> None:
+        with self._lock:
+            upload_id, self._upload_id = self._upload_id, None
+        if upload_id is not None:
+            try:
+                self._call("abort_multipart_upload", "aborting the upload", UploadId=upload_id)
+            except Exception as exc:  # the upload is abandoned either way: its parts expire
+                logger.warning("could not abort the upload to %s: %s", self.url, exc)

@@ -62,3 +62,47 @@ def test_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch, at):
     f.close()
     assert not f.direct
     assert (tmp_path / "f.bin").read_bytes() == data
+
+
+@pytest.mark.parametrize("size", [3 * direct_io.BLOCK, 3 * direct_io.BLOCK + 5, 17])
+@pytest.mark.parametrize("at", [None, "write"])
+def test_positioned_parts_in_any_order_give_the_file(tmp_path, monkeypatch, size, at):
+    """`PositionedFile`: block-sized parts written from threads in reverse order, the last one short,
+    give exactly the file, with O_DIRECT or after falling back from it at the first write."""
+    import threading
+
+    if at is not None:
+        real_pwrite = os.pwrite
+        direct_fds: set[int] = set()
+        real_open = os.open
+
+        def fake_open(path, flags, mode=0o777):
+            fd = real_open(path, flags, mode)
+            (direct_fds.add if flags & os.O_DIRECT else direct_fds.discard)(fd)
+            return fd
+
+        def fake_pwrite(fd, data, offset):
+            if fd in direct_fds:
+                raise OSError(22, "Invalid argument")
+            return real_pwrite(fd, data, offset)
+
+        monkeypatch.setattr(direct_io.os, "open", fake_open)
+        monkeypatch.setattr(direct_io.os, "pwrite", fake_pwrite)
+    data = os.urandom(size)
+    part = direct_io.BLOCK
+    f = direct_io.PositionedFile(str(tmp_path / "f.bin"), size)
+    threads = []
+    for start in reversed(range(0, size, part)):
+        buffer = direct_io.aligned_buffer(part)
+        buffer[:min(part, size - start)] = data[start:start + part]
+        view = memoryview(buffer)[:min(part, size - start)]
+        threads.append(threading.Thread(target=f.write_at, args=(start, view)))
+        threads[-1].start()
+    for thread in threads:
+        thread.join()
+    f.close()
+    assert (tmp_path / "f.bin").read_bytes() == data
+    if at is not None:
+        assert not f.direct
+    with pytest.raises(ValueError):
+        direct_io.PositionedFile(str(tmp_path / "g.bin"), 10).write_at(0, b"x" * 11)

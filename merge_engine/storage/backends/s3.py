@@ -16,7 +16,7 @@ from typing import Any
 from merge_engine.errors import CredentialsMissing, SourceChanged
 from merge_engine.storage import tuning
 from merge_engine.storage.backend import FsspecBackend, storage_timeout
-from merge_engine.storage.s3_upload import MAX_PARTS, S3PartsUpload
+from merge_engine.storage.s3_upload import MAX_PARTS, S3NumberedParts, S3PartsUpload
 from merge_engine.storage.faults import RETRY_STATUSES, instance_of, retrying
 
 _THROTTLE_CODES = frozenset({
@@ -72,6 +72,10 @@ class S3Backend(FsspecBackend):
     def open_upload(self, url: str, block_size: int | None, size_hint: int | None) -> S3PartsUpload:
         fs, path = self.filesystem(url)
         return S3PartsUpload(fs, path, url, self.classify_fault, block_size, size_hint)
+
+    def open_parts(self, url: str, size: int, part_bytes: int) -> S3NumberedParts:
+        fs, path = self.filesystem(url)
+        return S3NumberedParts(fs, path, url, self.classify_fault, size, part_bytes)
 
     def abort_uploads(self, url: str, not_before: str) -> list[str]:
         """Multipart uploads under ``url``'s prefix (whole path components: ``out/`` never matches

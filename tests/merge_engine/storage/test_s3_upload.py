@@ -14,7 +14,7 @@ import time
 import pytest
 
 from merge_engine import storage
-from merge_engine.storage.s3_upload import S3PartsUpload
+from merge_engine.storage.s3_upload import S3NumberedParts, S3PartsUpload
 from merge_engine.storage.schemes import backend_for
 from tests.merge_engine.storage.patterned import MiB, patterned_bytes
 
@@ -62,3 +62,32 @@ def test_a_discarded_upload_leaves_no_parts(s3_bucket_url):
             raise RuntimeError("writer crashed")
     assert open_uploads() == []
     assert not storage.exists(url)
+
+
+def test_numbered_parts_in_any_order_give_the_object_and_a_discard_leaves_none(s3_bucket_url):
+    """`S3NumberedParts` (`storage.open_parts`): parts of at least 5 MiB whatever is asked, written from
+    threads in reverse order, give the exact object of that many parts; a discarded one leaves no upload."""
+    url = storage.join(s3_bucket_url, "numbered.bin")
+    fs, path = backend_for(url).filesystem(url)
+    bucket = path.split("/", 1)[0]
+    data = patterned_bytes(MiB, seed=5) * 11  # parts of 5, 5 and 1 MiB
+    upload = storage.open_parts(url, len(data), 1024)
+    assert isinstance(upload, S3NumberedParts) and upload.part_bytes == 5 * MiB
+    step = upload.part_bytes
+    threads = [threading.Thread(target=upload.write_part, args=(i, memoryview(data)[i * step:(i + 1) * step]))
+               for i in reversed(range(3))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not storage.exists(url)
+    upload.commit()
+    assert storage.read_bytes(url) == data
+    assert backend_for(url).info(url)["ETag"].strip('"').endswith("-3")
+
+    discarded = storage.open_parts(storage.join(s3_bucket_url, "numbered-discarded.bin"), len(data), 0)
+    discarded.write_part(1, memoryview(data)[step:2 * step])
+    assert len(fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])) == 1
+    discarded.discard()
+    assert fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
+    assert not storage.exists(storage.join(s3_bucket_url, "numbered-discarded.bin"))
