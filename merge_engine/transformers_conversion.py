@@ -19,9 +19,13 @@
 
 from __future__ import annotations
 
+import ast
 import functools
+import importlib.util
 import json
 import math
+import pathlib
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -115,13 +119,88 @@ def _config_object(config: Mapping[str, Any]):
 
 
 def conversion_known(config: Mapping[str, Any]) -> bool:
-    """Cheap test, before building any model: does transformers convert names for this config?"""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
+    """Cheap test, before building any model: does transformers convert names for this config?
+    Answered without importing ``transformers.conversion_mapping`` (0.6-0.9 s of imports) when the
+    table's source lists none of the config's model types and classes (`conversion_table_keys`)."""
     keys = list(config.get("architectures") or [])
     scopes = [config] + [v for v in config.values() if isinstance(v, Mapping) and "model_type" in v]
     keys += [s.get("model_type") for s in scopes if s.get("model_type")]
+    listed = None if CONVERSION_MODULE in sys.modules else conversion_table_keys()
+    if listed is not None and not listed.intersection(k for k in keys if isinstance(k, str)):
+        return False
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
     return any(get_checkpoint_conversion_mapping(k) for k in keys)
+
+
+CONVERSION_MODULE = "transformers.conversion_mapping"
+_TABLE_FUNCTION = "_build_checkpoint_conversion_mapping"
+_ALIASES = "_MODEL_TO_CONVERSION_PATTERN"
+
+
+@functools.lru_cache(maxsize=1)
+def conversion_table_keys() -> frozenset[str] | None:
+    """Every model type and class name transformers' checkpoint conversion table may hold an entry for,
+    read with `ast` from the installed ``transformers/conversion_mapping.py`` (nothing imported, nothing
+    re-typed): the string keys of the dict ``_build_checkpoint_conversion_mapping`` starts from, the
+    ``mapping["..."] = ...`` it adds, and the aliases of ``_MODEL_TO_CONVERSION_PATTERN``. A superset of
+    the real keys. None (the caller imports the module and asks it) when the source does anything this
+    reader does not follow: a computed key, ``mapping`` passed on, rebound or mutated by a method."""
+    try:
+        spec = importlib.util.find_spec("transformers")
+        roots = list(spec.submodule_search_locations or []) if spec else []
+        source = pathlib.Path(roots[0], "conversion_mapping.py").read_text(encoding="utf-8") if roots else None
+        return _table_keys(ast.parse(source)) if source is not None else None
+    except (OSError, SyntaxError, ValueError, ImportError):
+        return None
+
+
+def _str_keys(node: ast.AST | None) -> set[str] | None:
+    if not isinstance(node, ast.Dict) or not all(isinstance(k, ast.Constant) and isinstance(k.value, str)
+                                                 for k in node.keys):
+        return None
+    return {k.value for k in node.keys}
+
+
+def _table_keys(module: ast.Module) -> frozenset[str] | None:
+    aliases = build = None
+    for node in module.body:
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == [_ALIASES]:
+            aliases = _str_keys(node.value)
+        elif isinstance(node, ast.FunctionDef) and node.name == _TABLE_FUNCTION:
+            build = node
+    if aliases is None or build is None or not build.body:
+        return None
+    first = build.body[0]
+    if not (isinstance(first, ast.Assign) and [ast.unparse(t) for t in first.targets] == ["mapping"]):
+        return None
+    keys = _str_keys(first.value)
+    if keys is None:
+        return None
+    alias_loops = set()  # the one computed key allowed: ``for model_type, base in _MODEL_TO_...items(): mapping[model_type] = ...``
+    for node in ast.walk(build):
+        if isinstance(node, ast.For) and ast.unparse(node.iter) == f"{_ALIASES}.items()" and \
+                isinstance(node.target, ast.Tuple) and isinstance(node.target.elts[0], ast.Name):
+            alias_loops.add(node.target.elts[0].id)
+    parents = {child: node for node in ast.walk(build) for child in ast.iter_child_nodes(node)}
+    for node in ast.walk(build):
+        if not (isinstance(node, ast.Name) and node.id == "mapping") or node is first.targets[0]:
+            continue
+        parent = parents.get(node)
+        if isinstance(parent, ast.Subscript) and parent.value is node:
+            if not isinstance(parent.ctx, ast.Store):
+                continue  # read (or deleted: the set stays a superset)
+            if isinstance(parent.slice, ast.Constant) and isinstance(parent.slice.value, str):
+                keys.add(parent.slice.value)
+            elif not (isinstance(parent.slice, ast.Name) and parent.slice.id in alias_loops):
+                return None
+        elif isinstance(parent, ast.Compare) and node in parent.comparators:
+            continue  # ``key in mapping``
+        elif isinstance(parent, ast.Return):
+            continue
+        else:
+            return None  # rebound, passed to a call, or a method called on it: not followed
+    return frozenset(keys | aliases)
 
 
 @functools.lru_cache(maxsize=8)

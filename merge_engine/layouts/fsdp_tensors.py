@@ -16,6 +16,7 @@ import math
 from typing import Any
 
 from merge_engine.errors import CorruptShard, UnsupportedLayout
+from merge_engine.layouts.dtensor_blocks import Placement, local_block, placement_of
 from merge_engine.tensor_source import ConcatTensor, ReplicatedTensor, StackedTensor
 from merge_engine.torch_archive import StoredTensor, TorchArchive, WrapperTensor
 
@@ -45,35 +46,24 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
-def _torch_placement(record: Any, key: str, url: str):
-    """The torch `Placement` a pickled placement record stands for (Shard, _StridedShard, Replicate)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    name = getattr(record, "qualname", type(record).__name__)
-    fields = getattr(record, "fields", None) or {}
-    args = getattr(record, "args", None) or ()
-    if name == "Replicate":
-        return Replicate()
-    dim = fields.get("dim", args[0] if args else None)
-    if name in ("Shard", "_StridedShard") and isinstance(dim, int):
-        if name == "Shard":
-            return Shard(dim)
-        split = fields.get("split_factor")
-        if isinstance(split, int) and split >= 1:
-            return _StridedShard(dim, split_factor=split)
-    raise UnsupportedLayout(f"DTensor {key!r} has placement {name}; supported: Shard, _StridedShard, Replicate", url)
+def _placement(record: Any, key: str, url: str) -> Placement:
+    """The placement a pickled placement record stands for (Shard, _StridedShard, Replicate)."""
+    found = placement_of(record)
+    if found is None:
+        name = getattr(record, "qualname", type(record).__name__)
+        raise UnsupportedLayout(f"DTensor {key!r} has placement {name}; supported: Shard, _StridedShard, Replicate",
+                                url)
+    return found
 
 
 def _assemble_dtensor(key: str, values: list[WrapperTensor], archives: list[TorchArchive]):
     """Each rank's block of the global tensor from its placements and mesh coordinate (torch's own
-    `_compute_local_shape_and_global_offset`, so `Shard`, `_StridedShard` (FSDP2 over tensor
-    parallelism) and `Replicate` on any number of mesh dims mean what they mean to torch). Ranks
+    `_compute_local_shape_and_global_offset`, recomputed by `merge_engine.layouts.dtensor_blocks`, so
+    `Shard`, `_StridedShard` (FSDP2 over tensor parallelism) and `Replicate` on any number of mesh
+    dims mean what they mean to torch). Ranks
     holding the same block are replicas (HSDP, a sub-mesh replicated over "tp"): each block must be
     held the same number of times, and its first holder is read. The blocks must tile the tensor:
     cut along one dim (`ConcatTensor`) or along dim 0 and one other (bands: `StackedTensor`)."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
     shape, dtype = tuple(values[0].shape), values[0].dtype
     records = []
     for rank, (value, archive) in enumerate(zip(values, archives)):
@@ -90,7 +80,7 @@ def _assemble_dtensor(key: str, values: list[WrapperTensor], archives: list[Torc
             if len(names) > 1:
                 raise UnsupportedLayout(f"DTensor {key!r}: mesh without recorded coordinates", archive.url)
             coordinate = (rank,)
-        placements = tuple(_torch_placement(p, key, archive.url) for p in spec.fields["placements"])
+        placements = tuple(_placement(p, key, archive.url) for p in spec.fields["placements"])
         if len(placements) != len(coordinate) or not all(isinstance(c, int) and c >= 0 for c in coordinate):
             raise CorruptShard(f"DTensor {key!r}: {len(placements)} placements for mesh coordinate {coordinate}",
                                archive.url)
@@ -100,8 +90,10 @@ def _assemble_dtensor(key: str, values: list[WrapperTensor], archives: list[Torc
     mesh_shape = tuple(max(r[1][m] for r in records) + 1 for m in range(len(records[0][1])))
     blocks: dict[tuple[tuple[int, ...], tuple[int, ...]], list[StoredTensor]] = {}
     for archive, coordinate, placements, local in records:
-        local_shape, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
-        local_shape, offset = tuple(int(n) for n in local_shape), tuple(int(o) for o in offset)
+        try:
+            local_shape, offset = local_block(shape, mesh_shape, coordinate, placements)
+        except ValueError as exc:
+            raise CorruptShard(f"DTensor {key!r} of shape {shape}: {exc}", archive.url) from None
         if tuple(local.shape) != local_shape:
             raise CorruptShard(f"DTensor {key!r}: this rank holds {tuple(local.shape)} where its placement "
                                f"{placements} at {coordinate} says {local_shape}", archive.url)

@@ -9,11 +9,20 @@ has the in-memory shape, left as it is when it already has the Hub's, refused wh
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 import torch
 
 from merge_engine.errors import UnsupportedLayout
-from merge_engine.transformers_conversion import TensorView, meta_model, trace_reverse_conversion
+from merge_engine.transformers_conversion import (
+    TensorView,
+    _table_keys,
+    conversion_known,
+    conversion_table_keys,
+    meta_model,
+    trace_reverse_conversion,
+)
 from synthetic_runs.models import ModelSpec, build_config
 
 
@@ -84,3 +93,43 @@ class TestTensorView:
         runs = torch.cat([flat[a:a + n] for a, n in view.runs()])
         assert torch.equal(runs, torch.as_strided(flat, shape, stride, offset).reshape(-1))
 
+
+
+class TestConversionTable:
+    """`conversion_known` answers from the table's source (`conversion_table_keys`) without importing
+    ``transformers.conversion_mapping`` (0.6-0.9 s); the fresh-process check is test_start_imports.py."""
+
+    def test_the_keys_read_from_the_source_hold_every_key_of_the_real_table(self):
+        from transformers.conversion_mapping import _build_checkpoint_conversion_mapping
+
+        real = {key for key, value in _build_checkpoint_conversion_mapping().items() if value}
+        listed = conversion_table_keys()
+        assert listed is not None and real <= listed
+        assert {"qwen3_moe", "mixtral", "Qwen2VLForConditionalGeneration"} <= listed
+        assert not {"qwen2", "llama", "Qwen2ForCausalLM"} & listed
+
+    @pytest.mark.parametrize("family, converted", [("qwen2", False), ("llama", False), ("qwen3_moe", True),
+                                                   ("mixtral", True), ("qwen2_vl", True)])
+    def test_conversion_known(self, family, converted):
+        assert conversion_known(build_config(ModelSpec(family=family)).to_dict()) is converted
+
+    @pytest.mark.parametrize("body", [
+        "mapping = {'a': []}\n    mapping[name()] = []\n    return mapping",          # a computed key
+        "mapping = {'a': []}\n    mapping.update(other)\n    return mapping",         # mutated by a method
+        "mapping = {'a': []}\n    register(mapping)\n    return mapping",             # passed on
+        "mapping = {'a': []}\n    mapping = dict(mapping, b=[])\n    return mapping", # rebound
+        "mapping = {**base}\n    return mapping",                                     # unpacked
+        "mapping = build()\n    return mapping",                                      # not a literal
+    ])
+    def test_a_source_it_does_not_follow_is_not_guessed(self, body):
+        source = f"_MODEL_TO_CONVERSION_PATTERN = {{'x': 'a'}}\ndef _build_checkpoint_conversion_mapping():\n    {body}\n"
+        assert _table_keys(ast.parse(source)) is None
+
+    def test_a_source_it_follows(self):
+        source = ("_MODEL_TO_CONVERSION_PATTERN = {'x': 'a'}\n"
+                  "def _build_checkpoint_conversion_mapping():\n"
+                  "    mapping = {'a': [1]}\n    mapping['b'] = mapping['a'].copy()\n    mapping['c'] += [2]\n"
+                  "    for model_type, base in _MODEL_TO_CONVERSION_PATTERN.items():\n"
+                  "        if model_type in mapping:\n            continue\n"
+                  "        mapping[model_type] = mapping[base].copy()\n    return mapping\n")
+        assert _table_keys(ast.parse(source)) == {"a", "b", "c", "x"}
