@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Protocol
 
 from merge_engine.errors import IncompleteCheckpoint
 from merge_engine.storage import tuning
+from merge_engine.storage.body import Body, copy_range, is_body
 from merge_engine.storage.entries import FileEntry
 from merge_engine.storage.faults import logger, retrying
 from merge_engine.storage.read_ahead import ReadAhead
@@ -296,8 +297,10 @@ class FsspecBackend(Backend):
     def open_range(self, url: str, size: int | None, version: str | None = None) -> RangedFile:
         return FsspecRangedFile(self, url, size, version)
 
-    async def read_range(self, fs: Any, path: str, start: int, end: int, version: str | None, url: str) -> bytes:
-        """Bytes ``[start, end)`` of ``path`` (one ranged GET, on the filesystem's event loop). A backend
+    async def read_range(self, fs: Any, path: str, start: int, end: int, version: str | None,
+                         url: str) -> bytes | Body:
+        """Bytes ``[start, end)`` of ``path`` (one ranged GET, on the filesystem's event loop), as `bytes` or a
+        `body.Body` (the pieces received, never joined: the reader copies them once). A backend
         that can pin a read to the ``version`` listed overrides this and raises `SourceChanged` when the
         store holds another version; this default cannot (an in-process store: nobody else writes it)."""
         return await fs._cat_file(path, start=start, end=end)
@@ -413,14 +416,14 @@ class FsspecRangedFile:
                 data = _result_or_none(pending[index])
                 if data is None or len(data) != end - start:  # failed or short: fetched again alone, retried
                     data = self._get(start, end)
-                out[start - offset:end - offset] = data
+                copy_range(data, 0, end - start, out[start - offset:end - offset])
         finally:
             for future in pending:
                 if future is not None:
                     future.cancel()
         return want
 
-    def _get(self, start: int, end: int) -> bytes:
+    def _get(self, start: int, end: int) -> bytes | Body:
         def get() -> bytes:
             try:
                 if self._async:
@@ -448,7 +451,7 @@ class FsspecRangedFile:
             self._ahead.close()
 
 
-def _result_or_none(future: Future | None) -> bytes | None:
+def _result_or_none(future: Future | None) -> bytes | Body | None:
     """A part's bytes, or None when it was not fetched or its fetch failed (the caller fetches it again,
     with retries, and raises the storage layer's named errors)."""
     if future is None:
@@ -457,7 +460,7 @@ def _result_or_none(future: Future | None) -> bytes | None:
         data = future.result()
     except Exception:  # noqa: BLE001 - fetched again by the caller
         return None
-    return data if isinstance(data, (bytes, bytearray)) else None
+    return data if is_body(data) else None
 
 
 def range_parts(offset: int, length: int) -> list[tuple[int, int]]:

@@ -39,6 +39,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from merge_engine.storage import tuning
+from merge_engine.storage.body import Body, copy_range, is_body
 
 __all__ = ["STREAMS", "ReadAhead", "budget_in_use", "part_bytes"]
 
@@ -119,8 +120,8 @@ class _Stream:
 class ReadAhead:
     """Read-ahead windows over one remote file of ``size`` bytes (see the module docstring).
 
-    ``fetch(start, end)`` starts a ranged GET and returns a future of its bytes;
-    ``fetch_again(start, end)`` reads a range at once, with retries, raising the storage layer's errors."""
+    ``fetch(start, end)`` starts a ranged GET and returns a future of its bytes (`bytes`, `bytearray` or a
+    `body.Body`); ``fetch_again(start, end)`` reads a range at once, with retries, raising the storage layer's errors."""
 
     def __init__(self, size: int, fetch: Callable[[int, int], Future],
                  fetch_again: Callable[[int, int], bytes]) -> None:
@@ -141,9 +142,10 @@ class ReadAhead:
             lo, hi = max(offset, part.start), min(end, part.end)
             data = self._result(part)
             if data is None:  # failed, cancelled or short: this read's bytes alone, read again
-                out[filled:filled + hi - lo] = self._fetch_again(lo, hi)
+                data, lo_in, hi_in = self._fetch_again(lo, hi), 0, hi - lo
             else:
-                out[filled:filled + hi - lo] = memoryview(data)[lo - part.start:hi - part.start]
+                lo_in, hi_in = lo - part.start, hi - part.start
+            copy_range(data, lo_in, hi_in, out[filled:filled + hi - lo])
             filled += hi - lo
         return filled
 
@@ -220,13 +222,13 @@ class ReadAhead:
         self._account(stream, False)
 
     @staticmethod
-    def _result(part: _Part) -> bytes | None:
+    def _result(part: _Part) -> bytes | bytearray | Body | None:
         """The part's bytes, or None when its fetch failed, was cancelled or came back short."""
         try:
             data = part.future.result()
         except BaseException:  # noqa: BLE001 - read again by the caller, with its retries and errors
             return None
-        if not isinstance(data, (bytes, bytearray)) or len(data) != part.end - part.start:
+        if not is_body(data) or len(data) != part.end - part.start:
             return None
         return data
 

@@ -61,16 +61,18 @@ class S3PartsUpload:
         view = memoryview(data).cast("B")
         while view:
             take = min(len(view), self._part - len(self._buffer))
-            self._buffer += view[:take]
+            self._buffer += view[:take]  # the one copy of the caller's bytes (it reuses its buffers)
             view = view[take:]
             if len(self._buffer) == self._part:
-                self._send(bytes(self._buffer))
-                self._buffer.clear()
+                # the part's own buffer is the request body: botocore checksums and sends a bytearray as
+                # it is (a `bytes` body costs another copy, and a BytesIO read back in pieces for each checksum)
+                self._send(self._buffer)
+                self._buffer = bytearray()
 
     def flush(self) -> None:
         pass  # a part is sent when it is full, never early
 
-    def _send(self, body: bytes) -> None:
+    def _send(self, body: bytearray) -> None:
         self._raise_failed()
         if self._upload_id is None:
             self._upload_id = self._call("create_multipart_upload", "starting the upload")["UploadId"]
@@ -85,7 +87,7 @@ class S3PartsUpload:
         future.add_done_callback(lambda _: self._slots.release())
         self._sent.append(future)
 
-    def _put_part(self, number: int, body: bytes) -> dict[str, Any]:
+    def _put_part(self, number: int, body: bytearray) -> dict[str, Any]:
         answer = self._call("upload_part", f"part {number}", PartNumber=number, UploadId=self._upload_id, Body=body)
         return {"PartNumber": number, "ETag": answer["ETag"]}
 
@@ -100,8 +102,8 @@ class S3PartsUpload:
             retrying(lambda: self._fs.pipe_file(self._path, body), f"writing {self.url}", self._classify)
             return
         if self._buffer:
-            self._send(bytes(self._buffer))
-            self._buffer.clear()
+            self._send(self._buffer)
+            self._buffer = bytearray()
         parts = [future.result() for future in self._sent]
         self._call("complete_multipart_upload", "completing the upload", UploadId=self._upload_id,
                    MultipartUpload={"Parts": parts})

@@ -16,6 +16,7 @@ from typing import Any
 from merge_engine.errors import CredentialsMissing, SourceChanged
 from merge_engine.storage import tuning
 from merge_engine.storage.backend import FsspecBackend, storage_timeout
+from merge_engine.storage.body import Body
 from merge_engine.storage.s3_upload import MAX_PARTS, S3NumberedParts, S3PartsUpload
 from merge_engine.storage.faults import RETRY_STATUSES, instance_of, retrying
 
@@ -118,7 +119,7 @@ class S3Backend(FsspecBackend):
     def path_in(self, fs: Any, url: str, rest: str) -> str:
         return rest
 
-    async def read_range(self, fs: Any, path: str, start: int, end: int, version: str | None, url: str) -> bytes:
+    async def read_range(self, fs: Any, path: str, start: int, end: int, version: str | None, url: str) -> Body:
         if end <= start:
             return b""
         bucket, key, version_id = fs.split_path(path)
@@ -139,7 +140,7 @@ class S3Backend(FsspecBackend):
             if version and served and served != version:
                 raise SourceChanged(f"changed since it was listed: ETag {served} served where {version} was "
                                     "listed", url)
-            return await response["Body"].read()
+            return await _read_body(response["Body"])
         finally:
             response["Body"].close()
 
@@ -156,6 +157,34 @@ class S3Backend(FsspecBackend):
         ):
             return True
         return None
+
+
+async def _read_body(body: Any) -> Body:
+    """A GET's body in the pieces aiohttp received (`body.Body`: never joined, the reader copies it once),
+    with aiobotocore's own translation of a stall or a dropped connection (botocore's `ReadTimeoutError`,
+    `ResponseStreamingError`: transient). Another HTTP client's body is read whole."""
+    content = getattr(getattr(body, "raw_stream", None), "content", None)
+    if not hasattr(content, "readchunk"):
+        return Body([await body.read()])
+    import asyncio
+
+    import aiohttp
+    from aiobotocore.response import AioReadTimeoutError
+    from botocore.exceptions import ResponseStreamingError
+
+    pieces = []
+    try:
+        while True:
+            piece, _ = await content.readchunk()  # one piece as received (readany/read join what is buffered)
+            if not piece:
+                if content.at_eof():
+                    return Body(pieces)
+                continue  # the end of an HTTP chunk, not of the body
+            pieces.append(piece)
+    except asyncio.TimeoutError as exc:
+        raise AioReadTimeoutError(endpoint_url=body.raw_stream.url, error=exc) from exc
+    except aiohttp.ClientConnectionError as exc:
+        raise ResponseStreamingError(error=exc) from exc
 
 
 def _precondition_failed(exc: BaseException) -> bool:

@@ -91,3 +91,26 @@ def test_numbered_parts_in_any_order_give_the_object_and_a_discard_leaves_none(s
     discarded.discard()
     assert fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
     assert not storage.exists(storage.join(s3_bucket_url, "numbered-discarded.bin"))
+
+
+def test_a_part_is_sent_from_its_own_buffer_copied_once_from_the_callers(s3_bucket_url, monkeypatch):
+    """The part's buffer is the request body (no second copy into `bytes`); the caller may reuse its
+    buffer as soon as ``write`` returns."""
+    bodies = []
+    put_part = S3PartsUpload._put_part
+
+    def recording_put_part(self, number, body):
+        bodies.append(type(body))
+        return put_part(self, number, body)
+
+    monkeypatch.setattr(S3PartsUpload, "_put_part", recording_put_part)
+    url = storage.join(s3_bucket_url, "reused.bin")
+    data = patterned_bytes(MiB, seed=5) * 12
+    buffer = bytearray(4 * MiB)
+    with storage.open_write(url, block_size=5 * MiB) as out:
+        for at in range(0, len(data), 4 * MiB):
+            buffer[:] = data[at:at + 4 * MiB]
+            out.write(buffer)
+            buffer[:] = b"\0" * len(buffer)  # the caller reuses its buffer at once
+    assert bodies == [bytearray, bytearray, bytearray]  # 12 MiB in parts of 5: two full parts and the tail
+    assert storage.read_bytes(url) == data
