@@ -8,7 +8,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: demo test install clean deploy ui-check
+.PHONY: demo test install clean deploy ui-check bench
 
 $(VENV)/.runtime: pyproject.toml constraints.txt
 	@echo "== creating $(VENV) and installing stepmerge (first time: torch's CPU wheel and Prefect, a few minutes)"
@@ -36,6 +36,11 @@ demo-s3: $(VENV)/.test
 test: $(VENV)/.test
 	$(PY) -m tests.readers_env
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Every figure of the performance goals measured in one run, as ratios, with the load average (benchmarks/all.py;
+# docs/scaling.md). First time: writes a 2.5 GB checkpoint and verl 0.9.1's venv under .bench/ (minutes).
+bench: $(VENV)/.test
+	$(PY) -m benchmarks.all $(BENCH_ARGS)
 
 # Deploy deployments/prefect.yaml (needs PREFECT_API_URL, STEPMERGE_HOME, STEPMERGE_RUN_ROOT), then run the watcher once.
 deploy: $(VENV)/.runtime

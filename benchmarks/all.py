@@ -3,6 +3,7 @@
     python -m benchmarks.all                    # the 2.5 GB FSDP2 checkpoint, medians of 3 (make bench)
     python -m benchmarks.all --repeats 1 --parts verl,workers,startup
     python -m benchmarks.all --quick            # the demo's tiny checkpoint everywhere, 1 repeat, no verl, no Ray
+    python -m benchmarks.all --quick --parts startup --checkpoint DIR   # the suite's smoke run (seconds)
 
 Figures (each a ratio of two things measured in this run, on this machine, alternating within a repeat):
 - verl: wall and peak RSS of ``stepmerge merge`` (default flags) against verl 0.9.1's merger
@@ -23,6 +24,7 @@ its parent's). The table at the end puts each figure beside its goal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -103,9 +105,10 @@ def print_figures(found: list[Figure], runs: dict[str, list[Run]], start_load: t
     for f in found:
         print(f"  {f.name:40s} {f.numerator + ' / ' + f.denominator:>26s} {f.ratio:6.2f} {f.goal:6.2f}  "
               f"{'yes' if f.met else 'NO'}")
-    if runs.get("workers1"):
-        print(f"  peak RSS of a merge at --workers 1: {median(runs['workers1'], 'peak_rss_mb'):.0f} MB "
-              f"(--workers 2: {median(runs['workers2'], 'peak_rss_mb'):.0f} MB)" if runs.get("workers2") else "")
+    for key, label in (("workers1", "--workers 1"), ("workers2", "--workers 2"), ("s3_local", "s3:// -> local"),
+                       ("s3_s3", "s3:// -> s3://")):
+        if runs.get(key):
+            print(f"  peak RSS of a merge, {label}: {median(runs[key], 'peak_rss_mb'):.0f} MB")
 
 
 def merge_command(source: str, target: str, *extra: str) -> list[str]:
@@ -242,7 +245,11 @@ def main(argv: list[str] | None = None) -> None:
                         f"{','.join(QUICK_PARTS)})")
     parser.add_argument("--repeats", type=int, help="runs of each figure, alternating (default 3; --quick: 1)")
     parser.add_argument("--quick", action="store_true", help="the demo's tiny checkpoint for every figure")
+    parser.add_argument("--checkpoint", type=Path, help="with --quick: an FSDP actor folder to use as the tiny "
+                        "checkpoint (default: the demo's model, written once under .bench/tiny)")
     args = parser.parse_args(argv)
+    if args.checkpoint and not args.quick:
+        parser.error("--checkpoint goes with --quick")
     parts = set((args.parts or ",".join(QUICK_PARTS if args.quick else PARTS)).split(","))
     unknown = parts - set(PARTS)
     if unknown:
@@ -253,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)
     BENCH.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
-    tiny = ensure_tiny() if (args.quick or "startup" in parts) else None
+    tiny = args.checkpoint or (ensure_tiny() if (args.quick or "startup" in parts) else None)
     if args.quick:
         actor = tiny
     else:
@@ -267,8 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     if "verl" in parts and verl_python is None:
         print("verl could not be set up: no verl figures")
     bench = Bench(actor, env)
-    with RayCluster() if "ray" in parts else _Nothing() as ray, S3Source(actor, env) if "s3" in parts \
-            else _Nothing() as s3:
+    with contextlib.ExitStack() as stack:
+        ray = stack.enter_context(RayCluster()) if "ray" in parts else None
+        s3 = stack.enter_context(S3Source(actor, env)) if "s3" in parts else None
         for repeat in range(repeats):
             print(f"-- repeat {repeat + 1} of {repeats}", flush=True)
             if verl_python is not None:
@@ -288,14 +296,6 @@ def main(argv: list[str] | None = None) -> None:
                 bench_s3(bench, s3)
     print_figures(figures(bench.runs, input_bytes), bench.runs, start_load, os.getloadavg())
     shutil.rmtree(bench.out, ignore_errors=True)
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
 
 if __name__ == "__main__":

@@ -231,6 +231,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--obstore-lib", help="a folder holding obstore (pip install --target), put on PYTHONPATH")
     parser.add_argument("--clients", help=f"comma-separated, from {','.join(READERS)} (default: all)")
+    parser.add_argument("--kinds", default="read,write", help="read and/or write")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -251,16 +252,18 @@ def main() -> None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), args.obstore_lib, env.get("PYTHONPATH")) if p)
     has_obstore = subprocess.run([sys.executable, "-c", "import obstore"], env=env, capture_output=True).returncode == 0
     chosen = set((args.clients or ",".join(READERS)).split(","))
-    readers = tuple(c for c in READERS if c in chosen and (has_obstore or c != "obstore"))
-    writers = tuple(c for c in WRITERS if c in chosen and (has_obstore or c != "obstore"))
+    kinds = set(args.kinds.split(","))
+    readers = tuple(c for c in READERS if c in chosen and (has_obstore or c != "obstore") and "read" in kinds)
+    writers = tuple(c for c in WRITERS if c in chosen and (has_obstore or c != "obstore") and "write" in kinds)
     if not has_obstore:
         print("obstore is not importable (pass --obstore-lib): s3fs and stepmerge only")
     with SeaweedS3Server() as s3:
         env.update(s3.env())
         bucket = s3.make_bucket("bench")
         source = f"{bucket}/run/global_step_1/actor"
-        subprocess.run([sys.executable, "-c", "import sys; from merge_engine import storage; "
-                        "storage.copy_tree(sys.argv[1], sys.argv[2])", str(actor), source], env=env, check=True)
+        if readers:
+            subprocess.run([sys.executable, "-c", "import sys; from merge_engine import storage; "
+                            "storage.copy_tree(sys.argv[1], sys.argv[2])", str(actor), source], env=env, check=True)
         urls = [f"{source}/{p.name}" for p in sorted(actor.glob("model_world_size_*_rank_*.pt"))]
         print(f"\n== S3 clients against SeaweedFS on loopback: read {len(urls)} rank files, write 1 GiB; "
               f"best of {args.repeats} (least transfer CPU)")
