@@ -165,7 +165,7 @@ class S3NumberedParts:
 
     def write_part(self, index: int, data: memoryview) -> None:
         upload_id = self._started()
-        body = bytes(data)
+        body = _whole_bytearray(data) or bytes(data)  # the part's own buffer as it is: no copy of every byte
         answer = self._call("upload_part", f"part {index + 1}", PartNumber=index + 1, UploadId=upload_id, Body=body)
         with self._lock:
             self._parts[index + 1] = answer["ETag"]
@@ -185,3 +185,13 @@ class S3NumberedParts:
                 self._call("abort_multipart_upload", "aborting the upload", UploadId=upload_id)
             except Exception as exc:  # the upload is abandoned either way: its parts expire
                 logger.warning("could not abort the upload to %s: %s", self.url, exc)
+
+
+def _whole_bytearray(data: memoryview) -> bytearray | None:
+    """The `bytearray` ``data`` views whole (botocore sends and checksums one as it is; a memoryview it
+    refuses), else None. Safe for a synchronous request: the caller keeps its buffer unchanged until
+    `write_part` returns (a retry resends the same bytes)."""
+    owner = getattr(data, "obj", None)
+    if isinstance(owner, bytearray) and data.contiguous and data.nbytes == len(owner) and data.format == "B":
+        return owner
+    return None

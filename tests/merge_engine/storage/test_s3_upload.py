@@ -114,3 +114,28 @@ def test_a_part_is_sent_from_its_own_buffer_copied_once_from_the_callers(s3_buck
             buffer[:] = b"\0" * len(buffer)  # the caller reuses its buffer at once
     assert bodies == [bytearray, bytearray, bytearray]  # 12 MiB in parts of 5: two full parts and the tail
     assert storage.read_bytes(url) == data
+
+
+def test_a_numbered_part_is_sent_from_the_callers_whole_buffer_without_a_copy(s3_bucket_url, monkeypatch):
+    """`S3NumberedParts.write_part` of a view of a whole bytearray sends that bytearray (a part's bytes are
+    not copied once more); a view of part of a buffer is copied, and both give the exact object."""
+    bodies = []
+    call = S3NumberedParts._call
+
+    def recording_call(self, method, what, **kwargs):
+        if method == "upload_part":
+            bodies.append(kwargs["Body"])
+        return call(self, method, what, **kwargs)
+
+    monkeypatch.setattr(S3NumberedParts, "_call", recording_call)
+    url = storage.join(s3_bucket_url, "whole.bin")
+    data = patterned_bytes(MiB, seed=6) * 6
+    upload = storage.open_parts(url, len(data), 5 * MiB)
+    first = upload.buffer(upload.part_bytes)
+    first[:] = data[:upload.part_bytes]
+    tail = bytearray(data[upload.part_bytes:]) + bytearray(100)  # a larger buffer: only its start is the part
+    upload.write_part(0, memoryview(first))
+    upload.write_part(1, memoryview(tail)[:len(data) - upload.part_bytes])
+    upload.commit()
+    assert bodies[0] is first and type(bodies[1]) is bytes
+    assert storage.read_bytes(url) == data
