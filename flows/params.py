@@ -59,19 +59,19 @@ def url_pattern(schemes: Sequence[str]) -> str:
 URL_PATTERN = url_pattern(url_schemes())  # the storage scheme registry's list, when the flows are defined
 
 
-def url_branches(schemes: Sequence[str]) -> List[str]:
-    """`url_pattern` as its three alternatives (object store, local scheme, plain path), each whole:
-    the form's schema lists them as branches so that a refusal is worded, not a pattern."""
-    remote = "|".join(re.escape(s) for s in schemes if not backend_for_scheme(s).local)
-    local = "|".join(re.escape(s) for s in schemes if backend_for_scheme(s).local)
-    clean = r"(?!.*[\x00-\x1f\x7f\\])"
-    no_climb = r"(?!(.*/)?(\.|%2[eE]){2}(/|%2[fF]|$))"
-    return [rf"^{clean}{no_climb}({remote})://[^/]+(/.*)?$", rf"^{clean}{no_climb}({local})://.+$",
-            rf"^{clean}{no_climb}(?!.*://).+$"]
+def url_in_words(schemes: Sequence[str]) -> str:
+    """What `url_pattern` admits, in words (the form's and the server's refusal): one example per
+    store (its canonical scheme) and a path."""
+    stores = [backend_for_scheme(s) for s in schemes]
+    examples = list(dict.fromkeys(f"{b.canonical_scheme}://bucket/runs/exp1" for b in stores if not b.local))
+    return (f"a storage URL such as {', '.join(examples)} or a path such as /data/runs/exp1, "
+            f"with no .. folder, backslash or control character, at most {MAX_URL_LENGTH} characters")
 
 
-URL_BRANCHES = url_branches(url_schemes())
-SIZE_BRANCHES = [r"^ *[0-9]+ *$", SIZE_PATTERN]  # bytes, or a number with a unit
+URL_WORDS = url_in_words(url_schemes())
+SIZE_WORDS = "a size such as 5GB, 500MiB, 1.5 GB or 1024 (bytes)"
+RAY_ADDRESS_PATTERN = r"^(auto|local|(ray://)?[A-Za-z0-9.\-]+:[0-9]{1,5})$"
+RAY_ADDRESS_WORDS = "auto, local, host:port or ray://host:port"
 
 
 def _url(value: str) -> str:
@@ -82,14 +82,35 @@ def _dtype(value: Optional[str]) -> Optional[str]:
     return None if value in (None, AS_STORED) else canonical_dtype(value)
 
 
-def _in_words(*patterns: str) -> Dict[str, Any]:
-    """A JSON Schema admitting a string matching any of ``patterns``, as an ``anyOf`` of two or more
-    branches: a refusal then reads "'x' is not valid under any of the given schemas" (with the field's
-    name and description beside it in the form), never a raw regular expression."""
-    branches = [{"pattern": p} for p in patterns]
-    if len(branches) == 1:
-        branches.append({"pattern": patterns[0]})  # a second branch keeps the message in words
-    return {"type": "string", "anyOf": branches}
+def refused_in_words(pattern: str, expected: str, blank: Optional[str] = None,
+                     max_length: int = MAX_URL_LENGTH) -> Dict[str, Any]:
+    """A JSON Schema admitting a string of at most ``max_length`` characters matching ``pattern`` (or
+    equal to ``blank``), whose refusal
+    is ``expected`` in words: "'<expected>' was expected", never the regular expression.
+
+    The check sits in ``allOf: [{if: not the pattern, then: const <expected>}]``: the server's
+    validator (jsonschema) reports the failed ``const`` as "'<expected>' was expected", with the
+    field's name ("Validation failed for field 'run_root'"), for the API, ``prefect deployment run
+    --param`` and the form's toast alike; and the UI, which keeps ``allOf`` (not ``pattern`` or
+    ``if``) when it asks the server to check its form, shows the same words under the field.
+    (A value spelled exactly like ``expected`` passes this schema; the flow's own check refuses it.)
+    """
+    admitted: Dict[str, Any] = {"pattern": pattern, "maxLength": max_length}
+    if blank is not None:
+        admitted = {"anyOf": [{"const": blank}, admitted]}
+    return {"type": "string", "allOf": [{"if": {"not": admitted}, "then": {"const": expected}}]}
+
+
+def _matching(pattern: str, expected: str) -> Any:
+    """A pydantic check of ``pattern`` that says ``expected`` and the value it got (no regex)."""
+    compiled = re.compile(pattern)
+
+    def check(value: str) -> str:
+        if not compiled.match(value):
+            raise ValueError(f"must be {expected}; got {value!r}")
+        return value
+
+    return AfterValidator(check)
 
 
 def unset_as(inner: Any, blank: Any, schema: Dict[str, Any]) -> Any:
@@ -113,21 +134,21 @@ Role = Literal["actor", "critic", ""]
 DtypeSpelling = Literal[tuple(DTYPE_SPELLINGS)]  # type: ignore[valid-type]
 # The patterns go to the JSON schema only (the server's validator, and the UI's, read lookarounds;
 # pydantic's own regex engine does not): in Python, `checked_url` applies the same rule, in words.
-_URL_SCHEMA = {"maxLength": MAX_URL_LENGTH, **_in_words(*URL_BRANCHES)}
+# The patterns go to the JSON schema only, behind words (`refused_in_words`; the server's validator reads
+# lookarounds, pydantic's regex engine does not): in Python, `checked_url` applies the same rule, in words.
+_URL_SCHEMA = refused_in_words(URL_PATTERN, URL_WORDS)
 StorageUrl = Annotated[str, Field(max_length=MAX_URL_LENGTH), AfterValidator(_url), WithJsonSchema(_URL_SCHEMA)]
-OptionalUrl = unset_as(StorageUrl, "", {"type": "string", "maxLength": MAX_URL_LENGTH,
-                                        "anyOf": [{"const": ""}, *_URL_SCHEMA["anyOf"]]})
+OptionalUrl = unset_as(StorageUrl, "", refused_in_words(URL_PATTERN, f"empty, or {URL_WORDS}", blank=""))
 StepNumber = Annotated[int, Field(ge=0)]
-ShardSize = Annotated[str, Field(pattern=SIZE_PATTERN), WithJsonSchema(_in_words(*SIZE_BRANCHES))]
+ShardSize = Annotated[str, _matching(SIZE_PATTERN, SIZE_WORDS), WithJsonSchema(refused_in_words(SIZE_PATTERN, SIZE_WORDS))]
 DtypeName = Annotated[unset_as(DtypeSpelling, AS_STORED, {"type": "string", "enum": [AS_STORED, *DTYPE_SPELLINGS]}),
                       AfterValidator(_dtype)]
 LoraAlpha = unset_as(Annotated[float, Field(gt=0)], 0, {"type": "number", "minimum": 0})
 WeightsFormat = Literal[WEIGHTS_FORMATS]  # type: ignore[valid-type]
 Workers = unset_as(Annotated[int, Field(ge=1)], 0, {"type": "integer", "minimum": 0})
 MaxSteps = unset_as(Annotated[int, Field(ge=1)], 0, {"type": "integer", "minimum": 0})
-RAY_ADDRESS_PATTERN = r"^(auto|local|(ray://)?[A-Za-z0-9.\-]+:[0-9]{1,5})$"
-RayAddress = unset_as(Annotated[str, Field(max_length=MAX_URL_LENGTH, pattern=RAY_ADDRESS_PATTERN)], "",
-                      {"type": "string", "maxLength": MAX_URL_LENGTH, **_in_words("^$", RAY_ADDRESS_PATTERN)})
+RayAddress = unset_as(Annotated[str, Field(max_length=MAX_URL_LENGTH), _matching(RAY_ADDRESS_PATTERN, RAY_ADDRESS_WORDS)],
+                      "", refused_in_words(RAY_ADDRESS_PATTERN, f"empty, or {RAY_ADDRESS_WORDS}", blank=""))
 
 # The form's texts, one per parameter name (every flow that has the parameter shows the same words).
 DESCRIPTIONS: Dict[str, str] = {

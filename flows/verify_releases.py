@@ -19,13 +19,14 @@ outcome: the table of releases, or the error that stopped the sweep before any w
 """
 
 import time
-from typing import List
+from typing import List, Literal
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from flows.credentials import storage_credentials
+from flows.params import StorageUrl
 from flows.run_labels import label_flow_run_with, short_run_name, verify_run_name
 from merge_engine import storage
 from merge_engine.release import MARKER, published_releases
@@ -87,11 +88,19 @@ def sweep_key(release_root: str) -> str:
     return artifact_key("verify", short_run_name(release_root), digest)
 
 
+VerifyMode = Literal[MODES]  # type: ignore[valid-type]  # the form's dropdown; the server refuses another
+
+
 @flow(name="verify-releases", flow_run_name=verify_run_name, log_prints=True)
-def verify_releases(release_root: str, mode: str = "quick", unmark_damaged: bool = True) -> VerifySweep:
+def verify_releases(
+    release_root: StorageUrl = Field(description="The release root to verify (where merge-step publishes): "
+                                                 "s3://bucket/..., gs://bucket/... or a path"),
+    mode: VerifyMode = Field("quick", description="quick: object-store releases by their recorded versions, "
+                                                  "local ones re-hashed; full: every byte re-hashed"),
+    unmark_damaged: bool = Field(True, description="Remove a damaged release's marker so that readers stop "
+                                                   "trusting it and the watcher rebuilds it"),
+) -> VerifySweep:
     """Verify every published release under ``release_root`` (see the module docstring)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     label_flow_run_with([f"releases:{release_root.rstrip('/')}", "sweep"])
     started = time.perf_counter()
     try:

@@ -18,8 +18,12 @@ from pydantic import ValidationError
 
 from flows.merge_new_steps import merge_new_steps
 from flows.merge_step import merge_step
-from flows.params import AS_STORED, URL_BRANCHES, URL_PATTERN, AdapterParams, MergeStepParams, RunLocation, WatchParams
+from flows.params import (
+    AS_STORED, RAY_ADDRESS_WORDS, SIZE_WORDS, URL_PATTERN, URL_WORDS, AdapterParams, MergeStepParams, RunLocation,
+    WatchParams,
+)
 from flows.release_adapter import release_adapter
+from flows.verify_releases import verify_releases
 from flows.url_checks import checked_url
 from merge_engine.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, WEIGHTS_FORMATS, parse_size
 from tests.fixtures_pipeline import flow_run_id, task_runs
@@ -33,8 +37,8 @@ def test_the_ui_form_has_every_option_with_its_default_and_constraints():
     props = schema["properties"]
     assert list(props)[:2] == ["step", "run_root"]  # the form lists the required values first
     assert props["step"]["minimum"] == 0
-    assert [b["pattern"] for b in props["run_root"]["anyOf"]] == URL_BRANCHES
-    assert SIZE_PATTERN in [b["pattern"] for b in props["max_shard_size"]["anyOf"]]
+    assert props["run_root"]["allOf"][0]["if"]["not"]["pattern"] == URL_PATTERN  # behind words: see below
+    assert props["max_shard_size"]["allOf"][0]["if"]["not"]["pattern"] == SIZE_PATTERN
     assert props["role"]["default"] == "actor" and set(props["role"]["enum"]) == {"actor", "critic", ""}
     assert props["max_shard_size"]["default"] == "5GB"
     assert props["validate_forward"]["default"] is True and props["overwrite"]["default"] is False
@@ -74,7 +78,6 @@ def test_the_form_and_the_command_line_accept_the_same_dtype_spellings_and_recor
 ])
 def test_the_servers_url_pattern_is_the_flows_url_check(url, ok):
     assert bool(re.match(URL_PATTERN, url)) is ok
-    assert any(re.match(branch, url) for branch in URL_BRANCHES) is ok  # the form's branches: the same rule
     try:
         checked_url(url)
         checked = True
@@ -155,18 +158,41 @@ def test_the_blanks_are_read_as_unset_and_written_back_as_blanks():
     assert MergeStepParams(run_root="s3://b/run", step=1, dtype=None, release_root=None).dtype is None
 
 
-@pytest.mark.parametrize("name, bad", [("run_root", "s3://bucket/run/../x"), ("release_root", "ftp://x/y"),
-                                       ("max_shard_size", "lots"), ("ray_address", "not an address")])
-def test_the_server_refuses_a_bad_value_in_words_not_with_a_pattern(name, bad):
-    """What the server answers a bad ``--param`` or form value (its own validator, on the flow's schema)."""
+REGEX = re.compile(r"\^|\(\?|\[\^|\\\\|\$'|\{[0-9]")  # what a regular expression shows: ^ (?! [^ \\ $' {1
+
+
+@pytest.mark.parametrize("flow, name, bad, words", [
+    (merge_step, "run_root", "s3://bucket/run/../x", URL_WORDS), (merge_step, "run_root", "s3://" + "x" * 1100, URL_WORDS),
+    (merge_step, "release_root", "ftp://x/y", f"empty, or {URL_WORDS}"), (merge_step, "max_shard_size", "lots", SIZE_WORDS),
+    (merge_step, "ray_address", "not an address", f"empty, or {RAY_ADDRESS_WORDS}"),
+    (release_adapter, "base_model", "C:\\model", f"empty, or {URL_WORDS}"),
+    (verify_releases, "release_root", "ftp://x/releases", URL_WORDS),
+], ids=["run_root", "run_root-too-long", "release_root", "max_shard_size", "ray_address", "adapter-base_model",
+        "sweep-release_root"])
+def test_the_server_refuses_a_bad_value_in_words_not_with_a_pattern(flow, name, bad, words):
+    """What the server answers a bad ``--param`` or form value (its own validator, on the flow's schema):
+    the field's name and what it expects, in words; the same words under the field in the form."""
     from prefect.utilities.schema_tools import ValidationError as SchemaError, validate
 
-    schema = merge_step.parameters.model_dump()
+    schema = flow.parameters.model_dump()
+    required = {"run_root": "s3://bucket/run", "step": 1, "release_root": "s3://bucket/run/releases"}
+    values = {**{k: v for k, v in required.items() if k in schema["properties"]}, name: bad}
     with pytest.raises(SchemaError) as refused:
-        validate({"run_root": "s3://bucket/run", "step": 1, name: bad}, schema, raise_on_error=True)
-    message = str(refused.value)
-    assert name in message and "is not valid under any of the given schemas" in message
-    assert "^" not in message and "(?!" not in message, message
+        validate(values, schema, raise_on_error=True)
+    assert str(refused.value) == f"Validation failed for field {name!r}. Failure reason: {words!r} was expected"
+    assert not REGEX.search(words), words
+
+
+@pytest.mark.parametrize("name, bad, words", [
+    ("max_shard_size", "lots", SIZE_WORDS), ("ray_address", "ray:/head:10001", RAY_ADDRESS_WORDS),
+    ("run_root", "s3://bucket/run/../x", "'..'"), ("run_root", "ftp://x/y", "scheme 'ftp' is not allowed"),
+])
+def test_the_flow_refuses_a_bad_value_in_words_too(name, bad, words):
+    """The flow's own check (a direct call, a run from an open schema) says the same, with the value it got."""
+    with pytest.raises(ValidationError) as refused:
+        MergeStepParams(**{"run_root": "s3://bucket/run", "step": 1, name: bad})
+    (error,) = refused.value.errors()
+    assert error["loc"] == (name,) and words in error["msg"] and not REGEX.search(error["msg"]), error["msg"]
 
 
 def test_a_bad_parameter_fails_the_run_before_any_task(prefect):
