@@ -159,6 +159,11 @@ class BaseModelRequired(InvalidOption):
     base fails the same way, so a watcher must not submit it again."""
 
 
+class RayClusterUnreachable(InvalidOption):
+    """The ``--ray-address`` (``ray_address``) names no live Ray cluster: nothing answers there within a few
+    seconds, or what answers is not Ray (`merge_engine.executors.ray_address`). ``path``: the address."""
+
+
 class UnsupportedScheme(InvalidOption, ValueError):
     """A URL's scheme has no storage backend; the message lists the schemes served
     (`merge_engine.storage.schemes`). Also a ValueError: a URL that cannot be used."""

@@ -1,6 +1,9 @@
-"""Session fixture: one real Ray cluster of this machine (``ray start --head``, 2 CPUs), shared by every test
-that needs one, connected to from the test process once, stopped at the end of the session (its own
-process group, so that only this cluster is stopped: other Ray clusters of the machine live on).
+"""Session fixture: one real multi-node Ray cluster of this machine, shared by every test that needs Ray:
+a head (``ray start --head``, no CPU) and two worker nodes ``a`` and ``b`` (``ray start --address``, 1 CPU
+each, their own temp dirs), each node its own process group, so a test can kill one whole node and only
+it (`LocalRayCluster.kill_node`, then `start_nodes` to bring it back). Connected to from the test process
+once, stopped at the end of the session (process group by process group: other Ray clusters of the
+machine live on).
 
 `LOOPBACK_RAY_ENV` keeps the cluster on this machine's loopback: Ray otherwise advertises the address of
 the machine's network interface and connects to it, and these tests send traffic only to 127.0.0.1. Token
@@ -18,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
@@ -62,11 +66,11 @@ def _stop_session(process: subprocess.Popen, grace: float = 2.0) -> None:
     process.wait()
 
 
-def start_ray_head(root: str, port: int, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """``ray start --head --block`` (2 CPUs, temp dir ``root``) in its own process group, once it listens
-    on ``port``; stop it with `stop_ray_head`."""
+def start_ray_head(root: str, port: int, env: dict[str, str] | None = None, num_cpus: int = 2) -> subprocess.Popen:
+    """``ray start --head --block`` (``num_cpus`` CPUs, temp dir ``root``) in its own process group, once it
+    listens on ``port``; stop it with `stop_ray_head`."""
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={port}", f"--num-cpus={num_cpus}",
                              "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={root}"],
                             env={**os.environ, **LOOPBACK_RAY_ENV, **(env or {})}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
@@ -104,30 +108,128 @@ def worker_peak_rss_mb(head: subprocess.Popen) -> list[float]:
     return peaks
 
 
+# Worker nodes join with the multi-node switch on (Ray refuses it otherwise) but keep to loopback:
+# --node-ip-address pins where they listen, and `_NODE_LAUNCHER` stops `ray start` from replacing
+# 127.0.0.1 in --address by the machine's network address (which the loopback head does not listen on).
+_WORKER_NODE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+_NODE_LAUNCHER = ("import sys; from ray._private import services; services.resolve_ip_for_localhost = lambda host: host; "
+                  "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()")
+# The head notices a node that stopped answering within ~3 s (Ray's default: 30 s): a test that kills a
+# node waits for that state. Ray reads RAY_<setting> in every process it starts.
+_HEAD_ENV = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
+             "RAY_health_check_failure_threshold": "5", "RAY_health_check_initial_delay_ms": "0"}
+WORKER_NODES = ("a", "b")  # 1 CPU each; the head has none, so every task runs on a worker node
+
+
+@dataclass
+class RayNode:
+    """One worker node: ``ray start --address --block`` in its own process group (its raylet, agents and
+    workers), its own temp dir, 1 CPU; ``node_id`` as the cluster knows it."""
+
+    name: str
+    process: subprocess.Popen
+    node_id: str
+
+    @property
+    def session(self) -> int:
+        return self.process.pid
+
+
+class LocalRayCluster:
+    """A head (no CPU) and named worker nodes, each a separate Ray node of this machine (see the module
+    docstring); this process is the driver."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.head = start_ray_head(root, self.port, _HEAD_ENV, num_cpus=0)
+        self.nodes: dict[str, RayNode] = {}
+
+    def sessions(self) -> set[int]:
+        """The process sessions of the cluster (head and every node started): what a test that signals
+        a process filters on, so that it never touches another Ray cluster of the machine."""
+        return {self.head.pid, *(node.session for node in self.nodes.values())}
+
+    def start_nodes(self, names: tuple[str, ...], timeout: float = 300.0) -> None:
+        """Start worker nodes ``names`` together and wait until the head lists each alive."""
+        import ray
+
+        processes = {}
+        for name in names:
+            temp = os.path.join(self.root, name)
+            processes[name] = subprocess.Popen(
+                [sys.executable, "-c", _NODE_LAUNCHER, "start", "--block", f"--address={self.address}",
+                 "--num-cpus=1", "--node-ip-address=127.0.0.1", f"--node-name={name}", "--disable-usage-stats",
+                 f"--temp-dir={temp}"],
+                env={**os.environ, **LOOPBACK_RAY_ENV, **_WORKER_NODE_ENV}, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                alive = {n["NodeName"]: n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeName"] in processes
+                         and n["NodeID"] not in {node.node_id for node in self.nodes.values()}}
+                if len(alive) == len(processes):
+                    break
+                for name, process in processes.items():
+                    if process.poll() is not None:
+                        raise RuntimeError(f"Ray worker node {name} exited with {process.returncode}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"Ray worker nodes {sorted(set(processes) - set(alive))} did not join "
+                                       f"within {timeout:.0f} s")
+                time.sleep(0.1)
+        except BaseException:
+            for process in processes.values():
+                _stop_session(process)
+            raise
+        for name, process in processes.items():
+            self.nodes[name] = RayNode(name, process, alive[name])
+
+    def kill_node(self, name: str, timeout: float = 120.0) -> None:
+        """SIGKILL every process of worker node ``name`` (its process group) and wait until the head has
+        marked it dead."""
+        import ray
+
+        node = self.nodes.pop(name)
+        try:
+            os.killpg(node.session, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        node.process.wait()
+        deadline = time.monotonic() + timeout
+        while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the head still lists node {name} alive {timeout:.0f} s after it was killed")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            _stop_session(node.process)
+        self.nodes.clear()
+        stop_ray_head(self.head)
+
+
 @pytest.fixture(scope="session")
-def ray_cluster_session(ray_cluster: str) -> int:
-    """The session id of every process of the `ray_cluster` (its GCS, raylet, workers): what a test that
-    signals a worker filters on, so that it never touches another Ray cluster of the machine."""
-    return _SESSIONS[ray_cluster]
-
-
-_SESSIONS: dict[str, int] = {}  # address -> session id (= pid of its ``ray start``)
-
-
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[str]:
-    """The address of a running local Ray cluster; this process is connected to it."""
+def ray_local_cluster() -> Iterator[LocalRayCluster]:
+    """The session's Ray cluster: a head and worker nodes `WORKER_NODES`, each a separate Ray node in its
+    own process group with its own temp dir, started once; this process is connected to it (the driver)."""
     import ray
 
     root = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's unix socket paths are length-limited
-    port = free_port()
-    head = start_ray_head(root, port)  # the cluster and this process (its driver) agree on the environment
-    address = f"127.0.0.1:{port}"
-    _SESSIONS[address] = head.pid
+    cluster = None
     try:
-        ray.init(address=address, log_to_driver=False, configure_logging=False)
-        yield address
+        cluster = LocalRayCluster(root)  # the cluster and this process (its driver) agree on the environment
+        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+        cluster.start_nodes(WORKER_NODES)
+        yield cluster
     finally:
         ray.shutdown()
-        stop_ray_head(head)
+        if cluster is not None:
+            cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(ray_local_cluster: LocalRayCluster) -> str:
+    """The address of the session's Ray cluster (`ray_local_cluster`); this process is connected to it."""
+    return ray_local_cluster.address

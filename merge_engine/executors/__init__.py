@@ -77,11 +77,15 @@ class ShardExecutor(Protocol):
 
 def executor_for(workers: int | None = None, ray_address: str | None = None) -> ShardExecutor:
     """The executor the options ask for: Ray when ``ray_address`` is given, else this machine's threads
-    (``workers`` threads, shared out between shards and their byte ranges; None: one per core)."""
+    (``workers`` threads, shared out between shards and their byte ranges; None: one per core). A Ray address
+    that names no live cluster is refused here, within seconds, before anything is read
+    (`ray_address.check_ray_address`)."""
     if ray_address:
         from merge_engine.executors.ray import RayExecutor  # optional extra: imported only when asked for
 
-        return RayExecutor(ray_address)
+        executor = RayExecutor(ray_address)
+        executor.check_address()
+        return executor
     from merge_engine.executors.local import LocalExecutor
 
     return LocalExecutor(workers)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from merge_engine import storage
+from merge_engine.storage import tuning
 from merge_engine.errors import CorruptShard
 from merge_engine.executors import Output, PlannedFiles, WrittenFiles
 from merge_engine.executors.local import relative
@@ -26,7 +27,7 @@ from merge_engine.shard_job import ShardRecord, write_index, write_shard
 from merge_engine.storage.backend import TIMEOUT_ENV
 from merge_engine.storage.schemes import registered_backends
 
-__all__ = ["RemoteExecutor", "ShardTask", "run_shard_task", "storage_env"]
+__all__ = ["RemoteExecutor", "ShardTask", "apply_storage_env", "run_shard_task", "storage_env"]
 
 _PREPARED: dict[str, Any] = {}  # in a worker process: job key -> its PreparedJob (sources open)
 
@@ -43,6 +44,7 @@ class ShardTask:
     folder_url: str
     chunk_bytes: int
     planned: tuple[str, int, tuple[str, ...]]  # file, tensor bytes (file jobs: -1), tensor names
+    env: tuple[tuple[str, str], ...] = ()  # the coordinator's `storage_env`, applied by the worker
 
     @property
     def file(self) -> str:
@@ -55,6 +57,25 @@ def storage_env() -> dict[str, str]:
     keys = {key for backend in registered_backends() for key in getattr(backend, "env_keys", ())}
     keys.update((TIMEOUT_ENV, "STEPMERGE_REQUESTS_IN_FLIGHT", "STEPMERGE_READ_AHEAD_BYTES"))
     return {key: os.environ[key] for key in sorted(keys) if key in os.environ}
+
+
+_WORKER_ENV: dict[str, str | None] = {}  # in a worker process: its own value of each key a task has set
+
+
+def apply_storage_env(env: tuple[tuple[str, str], ...]) -> None:
+    """Make this worker process see ``env`` (a coordinator's `storage_env`) as a Ray ``runtime_env`` would:
+    those keys set, every key an earlier task set and this one does not back to the worker's own value.
+    Storage clients are cached by these values (`storage.backend`), so a change reaches the next request."""
+    wanted = dict(env)
+    for key in set(_WORKER_ENV) | set(wanted):
+        _WORKER_ENV.setdefault(key, os.environ.get(key))
+        value = wanted.get(key, _WORKER_ENV[key])
+        if os.environ.get(key) != value:
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    tuning.reload_from_env()
 
 
 def _prepared(job: Any, key: str) -> Any:
@@ -81,6 +102,7 @@ def _units(output: Output) -> int:
 
 def run_shard_task(task: ShardTask) -> Any:
     """Write one shard (or file job) in this process (see the module docstring); its record."""
+    apply_storage_env(task.env)
     output = _prepared(task.job, task.key).outputs[task.output_index]
     planned = _planned(output, task.shard_index)
     if planned != task.planned:

@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import threading
+
 from merge_engine.errors import IncompleteCheckpoint
 from merge_engine.storage.entries import FileEntry
 from merge_engine.storage.schemes import backend_for
+
+
+_COUNTED = [0]  # every byte RangeReaders of this process returned
+_COUNT_LOCK = threading.Lock()
+
+
+def _count(n: int) -> None:
+    with _COUNT_LOCK:
+        _COUNTED[0] += n
+
+
+def bytes_read() -> int:
+    """How many bytes the `RangeReader`s of this process have returned so far (all files, all schemes):
+    a worker measures what it read itself by the difference around its job."""
+    return _COUNTED[0]
 
 
 class RangeReader:
@@ -51,6 +68,7 @@ class RangeReader:
             if n <= 0:
                 raise IncompleteCheckpoint(f"unexpected end of file at byte {offset + done}", self.url)
             done += n
+        _count(want)
 
     def read(self, offset: int, length: int) -> bytes:
         buffer = bytearray(length)

@@ -29,3 +29,11 @@ BACKOFF_BASE_S = 0.2
 BACKOFF_MAX_S = 5.0
 READ_AHEAD_BYTES = 64 * 1024 * 1024  # local reads: how far ahead of the reader the kernel is asked to fetch
 DIRECT_IO_MIN_BYTES = 64 * 1024 * 1024  # local files at least this large bypass the page cache (direct_io)
+
+
+def reload_from_env() -> None:
+    """Read the tunables that come from the environment again (a worker process handed a coordinator's
+    settings after it started: `merge_engine.executors.remote.apply_storage_env`)."""
+    global REQUESTS_IN_FLIGHT, READ_AHEAD_BUDGET
+    REQUESTS_IN_FLIGHT = int(os.environ.get("STEPMERGE_REQUESTS_IN_FLIGHT", "32"))
+    READ_AHEAD_BUDGET = int(os.environ.get("STEPMERGE_READ_AHEAD_BYTES", str(256 * 1024 * 1024)))

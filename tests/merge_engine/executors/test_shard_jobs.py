@@ -139,12 +139,12 @@ def test_a_source_fault_mid_merge_fails_the_whole_merge(executor, fsdp_runs, tmp
     assert [p.name for p in tmp_path.iterdir()] == ["actor"] and not target.exists()
 
 
-def _runs_task(pid: int, task_name: str, session: int) -> bool:
-    """Whether ``pid`` is a worker of the test's Ray cluster (process session ``session``: never another
-    cluster of the machine) running a task named ``task_name`` (Ray titles a worker ``ray::<task name>``
-    while it runs that task, ``ray::IDLE`` between tasks)."""
+def _runs_task(pid: int, task_name: str, sessions: set[int]) -> bool:
+    """Whether ``pid`` is a worker of the test's Ray cluster (one of its nodes' process sessions ``sessions``:
+    never another cluster of the machine) running a task named ``task_name`` (Ray titles a worker
+    ``ray::<task name>`` while it runs that task, ``ray::IDLE`` between tasks)."""
     try:
-        return os.getsid(pid) == session and f"ray::{task_name}" in " ".join(psutil.Process(pid).cmdline())
+        return os.getsid(pid) in sessions and f"ray::{task_name}" in " ".join(psutil.Process(pid).cmdline())
     except (OSError, psutil.Error):
         return False
 
@@ -153,7 +153,7 @@ _SHARD_TEMP = re.compile(r"^\.model-.*\.tmp-(\d+)-[0-9a-f]+$")  # storage's temp
 
 
 def _kill_a_worker_held_mid_shard(target_parent, killed: list[int], stop: threading.Event, task_name: str,
-                                  session: int, proxy: FaultProxy) -> None:
+                                  sessions: set[int], proxy: FaultProxy) -> None:
     """Once a shard's temp file appears (writing has begun), hold the network: a worker writing a shard
     then waits for its next source byte and cannot finish it (or, if it had read them all, finishes and
     the next shard task waits at its first read). SIGKILL a worker that owns a temp file (its pid is in
@@ -168,7 +168,7 @@ def _kill_a_worker_held_mid_shard(target_parent, killed: list[int], stop: thread
                 continue  # look again: the temp files still there now belong to held writers
             for temp in temps:
                 pid = int(_SHARD_TEMP.match(temp.name).group(1))
-                if _runs_task(pid, task_name, session):
+                if _runs_task(pid, task_name, sessions):
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
                     return
@@ -179,7 +179,7 @@ def _kill_a_worker_held_mid_shard(target_parent, killed: list[int], stop: thread
             proxy.release()
 
 
-def _merge_with_a_worker_killed(executor, task_name: str, session: int, fsdp_runs, s3_bucket_url, s3_env, tmp_path,
+def _merge_with_a_worker_killed(executor, task_name: str, sessions: set[int], fsdp_runs, s3_bucket_url, s3_env, tmp_path,
                                 monkeypatch):
     """Merge the FSDP fixture from ``s3://`` through a slow network (one request at a time, 300 KB/s per
     connection, no read-ahead: every tensor read is a request), SIGKILL one Ray worker held in the middle
@@ -196,7 +196,7 @@ def _merge_with_a_worker_killed(executor, task_name: str, session: int, fsdp_run
         monkeypatch.setenv("STEPMERGE_READ_AHEAD_BYTES", "0")  # travels to the workers (`storage_env`)
         storage.clear_filesystems()
         watcher = threading.Thread(target=_kill_a_worker_held_mid_shard,
-                                   args=(tmp_path, killed, stop, task_name, session, proxy))
+                                   args=(tmp_path, killed, stop, task_name, sessions, proxy))
         watcher.start()
         try:
             result = _merge(remote_source, str(tmp_path / "merged"), options, executor)
@@ -217,17 +217,17 @@ def _same_as_one_worker(result, one_worker, tmp_path) -> None:
     assert not [p for p in (tmp_path / "merged").rglob("*") if ".tmp-" in p.name]
 
 
-def test_a_ray_worker_killed_mid_shard_is_retried(fsdp_runs, one_worker, ray_cluster, ray_cluster_session,
+def test_a_ray_worker_killed_mid_shard_is_retried(fsdp_runs, one_worker, ray_cluster, ray_local_cluster,
                                                  s3_bucket_url, s3_env, tmp_path, monkeypatch):
     """One shard task's worker is killed mid-write; Ray runs it again; the output is byte-identical and
     no temp file is left."""
-    result = _merge_with_a_worker_killed(RayExecutor(ray_cluster), "stepmerge-shard", ray_cluster_session, fsdp_runs,
+    result = _merge_with_a_worker_killed(RayExecutor(ray_cluster), "stepmerge-shard", ray_local_cluster.sessions(), fsdp_runs,
                                          s3_bucket_url, s3_env, tmp_path, monkeypatch)
     _same_as_one_worker(result, one_worker, tmp_path)
 
 
 def test_a_ray_worker_killed_mid_shard_under_prefect_is_retried(prefect, fsdp_runs, one_worker, ray_cluster,
-                                                                ray_cluster_session, s3_bucket_url, s3_env, tmp_path,
+                                                                ray_local_cluster, s3_bucket_url, s3_env, tmp_path,
                                                                 monkeypatch):
     """The same under Prefect's Ray runner: the killed ``write-shard`` task run is run again by Ray (same
     task run), the merge completes byte-identical, no temp file is left, and the API shows every shard's
@@ -238,7 +238,7 @@ def test_a_ray_worker_killed_mid_shard_under_prefect_is_retried(prefect, fsdp_ru
     from tasks.shard_runs import PrefectRayExecutor
 
     label = f"killed-{tmp_path.name}"
-    result = _merge_with_a_worker_killed(PrefectRayExecutor(ray_cluster, label), "write-shard", ray_cluster_session,
+    result = _merge_with_a_worker_killed(PrefectRayExecutor(ray_cluster, label), "write-shard", ray_local_cluster.sessions(),
                                          fsdp_runs, s3_bucket_url, s3_env, tmp_path, monkeypatch)
     _same_as_one_worker(result, one_worker, tmp_path)
     with get_client(sync_client=True) as client:
