@@ -169,6 +169,20 @@ def task_runs(flow_run: str, names: Sequence[str] = (), timeout_s: float = 120.0
         time.sleep(0.2)
 
 
+def no_task_runs(flow_run: str) -> bool:
+    """True when a finished flow run has no task run: every event this process emitted is sent first
+    (`EventsWorker.drain_all`), so a task run that did start would be listed (`task_runs` waits for
+    runs to appear, which for none would be its whole timeout)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all(timeout=60, at_exit=False)
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(flow_run).state.is_final()
+        return not client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run])))
+
+
 def latest_artifacts(key: str | None = None, key_like: str | None = None) -> list:
     """The latest artifacts with ``key`` (or whose key contains ``key_like``), asked for by key: an
     unfiltered listing is one page, and the session's server holds many more artifacts than a page."""

@@ -26,7 +26,7 @@ from flows.release_adapter import release_adapter
 from flows.verify_releases import verify_releases
 from flows.url_checks import checked_url
 from merge_engine.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, WEIGHTS_FORMATS, parse_size
-from tests.fixtures_pipeline import flow_run_id, task_runs
+from tests.fixtures_pipeline import flow_run_id, no_task_runs
 
 FLOWS = [(merge_step, MergeStepParams), (merge_new_steps, WatchParams), (release_adapter, AdapterParams)]
 
@@ -200,7 +200,7 @@ def test_a_bad_parameter_fails_the_run_before_any_task(prefect):
     assert state.is_failed()
     message = str(state.message)
     assert "step" in message and "greater than or equal to 0" in message  # names the field and the rule
-    assert task_runs(flow_run_id(state)) == {}  # not one task ran
+    assert no_task_runs(flow_run_id(state))  # not one task ran
 
 
 def test_lora_alpha_reaches_the_merge_and_its_cache_key():
@@ -231,7 +231,7 @@ def test_a_bad_weights_format_fails_the_run_before_any_task(prefect):
     state = merge_step(run_root="s3://bucket/run", step=5, weights_format="gguf", return_state=True)
     assert state.is_failed()
     assert "weights_format" in str(state.message)
-    assert task_runs(flow_run_id(state)) == {}
+    assert no_task_runs(flow_run_id(state))
 
 
 @pytest.mark.parametrize("model", [MergeStepParams, WatchParams, AdapterParams])
