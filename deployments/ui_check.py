@@ -10,8 +10,8 @@
    (``executable_path=/usr/bin/chromium``: Playwright's own browser download is not used), fills
    ``step``; submits a bad ``run_root`` once (refused in words under the field, no run made); opens
    the ``dtype`` dropdown; submits the form;
-5. queues two more runs of the deployment: step 2 (not ready) and a step that is not there;
-6. waits for each to end and screenshots its page, the summary artifact and the run list.
+5. once it has Completed, runs the deployment for step 2 (not ready), then for a step that is not there;
+6. screenshots each run's page, the summary artifact and the run list.
 
 Screenshots go to ``ui-check/`` (`SCREENSHOTS`: what each must show). Before each, the page is
 checked for the text that proves it (the state name, the tag, the error, the dropdown's choices),
@@ -40,7 +40,7 @@ MISSING_STEP = 99  # not there: StepNotFound, a Failed run
 BAD_RUN_ROOT = "ftp://host/run"
 SERVER_START_S = 180
 RUN_TIMEOUT_S = 900
-WIDTH, HEIGHT, TALL = 1400, 1000, 1700  # the browser's window; TALL: a whole form, run page or run list
+WIDTH, HEIGHT, TALL = 1600, 1000, 1700  # the browser's window; TALL: a whole form, run page or run list
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SCREENSHOTS = {
@@ -159,7 +159,7 @@ def show_run(page, base: str, flow_run_id: str, out: Path, name: str, *texts: st
 
 
 def browse(base: str, deployment_id: str, out: Path, api_env: Dict[str, str]) -> str:
-    """Fill and submit the run form, queue the not-ready and failed runs, wait, screenshot
+    """Fill and submit the run form, then run the not-ready and failed steps, wait, screenshot
     (`SCREENSHOTS`). Returns the form's flow run id."""
     from playwright.sync_api import sync_playwright
 
@@ -176,8 +176,6 @@ def browse(base: str, deployment_id: str, out: Path, api_env: Dict[str, str]) ->
         before = run_ids(deployment_id, api_env)
         page.get_by_role("button", name="Submit").click()
         (flow_run_id,) = wait_for(lambda: run_ids(deployment_id, api_env) - before, 120, "the run's creation")
-        not_ready = create_run(deployment_id, NOT_READY_STEP, api_env)  # queued behind it (concurrency 1)
-        missing = create_run(deployment_id, MISSING_STEP, api_env)
         ended = wait_for(lambda: final_state(flow_run_id, api_env), RUN_TIMEOUT_S, "the flow run's end", 3.0)
         if ended[0] != "COMPLETED":
             whole_page(page, out, "run.png")
@@ -187,11 +185,15 @@ def browse(base: str, deployment_id: str, out: Path, api_env: Dict[str, str]) ->
         page.goto(f"{base}/artifacts/artifact/{artifact_id}", wait_until="networkidle", timeout=120_000)
         page.get_by_text(f"Step {STEP} of").first.wait_for(timeout=60_000)
         whole_page(page, out, "summary.png")
-        expected = {not_ready: ("COMPLETED", "NotReady"), missing: ("FAILED", "Failed")}
-        for run, state in expected.items():
-            ended = wait_for(lambda: final_state(run, api_env), RUN_TIMEOUT_S, f"flow run {run}'s end", 3.0)
+        # one after the other: queued together, the second's log fills with the worker's aborted submissions
+        # (the deployment's concurrency limit is 1), pushing the lines that matter out of the screenshot
+        runs = {}
+        for step, state in ((NOT_READY_STEP, ("COMPLETED", "NotReady")), (MISSING_STEP, ("FAILED", "Failed"))):
+            run = runs[step] = create_run(deployment_id, step, api_env)
+            ended = wait_for(lambda run=run: final_state(run, api_env), RUN_TIMEOUT_S, f"flow run {run}'s end", 3.0)
             if ended != state:
-                raise UiCheckFailed(f"flow run {run} ended {ended[1]}, not {state[1]} (see the worker log)")
+                raise UiCheckFailed(f"flow run {run} (step {step}) ended {ended[1]}, not {state[1]} (see the worker log)")
+        not_ready, missing = runs[NOT_READY_STEP], runs[MISSING_STEP]
         show_run(page, base, not_ready, out, "not-ready.png", "NotReady", "not-ready", "is not ready")
         show_run(page, base, missing, out, "failed.png", "Failed", "StepNotFound")
         if page.get_by_text("Traceback").count():
