@@ -197,6 +197,12 @@ class PositionedFile:
             os.ftruncate(self._fd, self.size)
             os.fsync(self._fd)
         finally:
-            self.closed = True
-            for fd in (self._fd, *self._retired):
-                os.close(fd)
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Close without truncating or syncing (the file is about to be deleted). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for fd in (self._fd, *self._retired):
+            os.close(fd)

@@ -54,7 +54,7 @@ from merge_engine.tensor_source import TensorSource, iter_flat_range
 __all__ = ["BUFFERS_PER_WORKER", "GAUGE", "PART_BYTES", "RangeGauge", "cut_ranges", "rangeable",
            "write_shard_ranges"]
 
-PART_BYTES = 16 * 1024 * 1024
+PART_BYTES = 8 * 1024 * 1024  # >= S3's 5 MiB; 2 per worker: 16 MiB of buffers a worker
 BUFFERS_PER_WORKER = 2
 _POLL_S = 0.1  # how often a waiting thread looks at the stop flags
 

@@ -19,7 +19,7 @@ Contract of `write_plan`:
   start); the caller owns cleaning the partial target (`output_target`).
 - memory: a shard job alone holds `PREFETCH_CHUNKS` + `HASH_QUEUE_CHUNKS` + 3 chunks of
   ``chunk_bytes`` (`merge_engine.shard_job`); one on ranges, its threads x
-  `shard_ranges.BUFFERS_PER_WORKER` parts (16 MiB) plus a chunk in hand each; plus the storage
+  `shard_ranges.BUFFERS_PER_WORKER` parts of `shard_ranges.PART_BYTES` (8 MiB) plus a chunk in hand each; plus the storage
   layer's read-ahead budget for remote sources.
 - ``on_bytes`` (progress) is called from the worker threads, one call at a time.
 """

@@ -210,7 +210,7 @@ class LocalPartsUpload:
 
     def discard(self) -> None:
         try:
-            self._file.close()
+            self._file.abandon()
         finally:
             unlink_quietly(self._tmp)
 
