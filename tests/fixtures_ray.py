@@ -145,45 +145,54 @@ class LocalRayCluster:
         self.address = f"127.0.0.1:{self.port}"
         self.head = start_ray_head(root, self.port, _HEAD_ENV, num_cpus=0)
         self.nodes: dict[str, RayNode] = {}
+        self.pending: dict[str, subprocess.Popen] = {}  # nodes started, not yet listed alive
 
     def sessions(self) -> set[int]:
         """The process sessions of the cluster (head and every node started): what a test that signals
         a process filters on, so that it never touches another Ray cluster of the machine."""
-        return {self.head.pid, *(node.session for node in self.nodes.values())}
+        return {self.head.pid, *(node.session for node in self.nodes.values()),
+                *(process.pid for process in self.pending.values())}
 
-    def start_nodes(self, names: tuple[str, ...], timeout: float = 300.0) -> None:
-        """Start worker nodes ``names`` together and wait until the head lists each alive."""
-        import ray
-
-        processes = {}
+    def start_nodes(self, names: tuple[str, ...], timeout: float = 300.0, wait: bool = True) -> None:
+        """Start worker nodes ``names`` together and wait until the head lists each alive; ``wait=False``:
+        return at once (a node restarted for later tests: they wait for it with `wait_for_nodes`; its
+        processes are the cluster's from the start, `sessions`)."""
         for name in names:
             temp = os.path.join(self.root, name)
-            processes[name] = subprocess.Popen(
+            self.pending[name] = subprocess.Popen(
                 [sys.executable, "-c", _NODE_LAUNCHER, "start", "--block", f"--address={self.address}",
                  "--num-cpus=1", "--node-ip-address=127.0.0.1", f"--node-name={name}", "--disable-usage-stats",
                  f"--temp-dir={temp}"],
                 env={**os.environ, **LOOPBACK_RAY_ENV, **_WORKER_NODE_ENV}, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, start_new_session=True)
+        if wait:
+            self.wait_for_nodes(timeout)
+
+    def wait_for_nodes(self, timeout: float = 300.0) -> None:
+        """Wait until every node started is listed alive by the head (then it is in `nodes`)."""
+        import ray
+
+        processes = self.pending
         deadline = time.monotonic() + timeout
         try:
-            while True:
+            while processes:
+                known = {node.node_id for node in self.nodes.values()}
                 alive = {n["NodeName"]: n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeName"] in processes
-                         and n["NodeID"] not in {node.node_id for node in self.nodes.values()}}
-                if len(alive) == len(processes):
-                    break
-                for name, process in processes.items():
-                    if process.poll() is not None:
-                        raise RuntimeError(f"Ray worker node {name} exited with {process.returncode}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"Ray worker nodes {sorted(set(processes) - set(alive))} did not join "
-                                       f"within {timeout:.0f} s")
-                time.sleep(0.1)
+                         and n["NodeID"] not in known}
+                for name in list(processes):
+                    if name in alive:
+                        self.nodes[name] = RayNode(name, processes.pop(name), alive[name])
+                    elif processes[name].poll() is not None:
+                        raise RuntimeError(f"Ray worker node {name} exited with {processes[name].returncode}")
+                if processes and time.monotonic() > deadline:
+                    raise TimeoutError(f"Ray worker nodes {sorted(processes)} did not join within {timeout:.0f} s")
+                if processes:
+                    time.sleep(0.1)
         except BaseException:
             for process in processes.values():
                 _stop_session(process)
+            processes.clear()
             raise
-        for name, process in processes.items():
-            self.nodes[name] = RayNode(name, process, alive[name])
 
     def kill_node(self, name: str, timeout: float = 120.0) -> None:
         """SIGKILL every process of worker node ``name`` (its process group) and wait until the head has
@@ -203,9 +212,10 @@ class LocalRayCluster:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        for node in self.nodes.values():
-            _stop_session(node.process)
+        for process in [*(node.process for node in self.nodes.values()), *self.pending.values()]:
+            _stop_session(process)
         self.nodes.clear()
+        self.pending.clear()
         stop_ray_head(self.head)
 
 

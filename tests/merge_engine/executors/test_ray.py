@@ -10,7 +10,7 @@ session's SeaweedFS:
 - a whole worker node (its process group: raylet, agents, workers) SIGKILLed while a shard task runs on
   it (the storage held still from the first task's start until the kill, so no task can finish first):
   Ray runs the lost task again on the node left, the merge completes byte-identical to the local merge,
-  and no temp file is left; the node is started again for the tests after it;
+  and no temp file is left; the node is started again (not waited for) for the tests after it;
 - ``--ray-address`` naming no Ray cluster (a closed port, a web server's port) or no address at all
   (garbage, a port out of range, a web URL): the command exits non-zero with one line naming the error
   (`RayClusterUnreachable` / `InvalidOption`) and the address, within 10 s, and writes nothing.
@@ -67,6 +67,7 @@ def _on_s3(fsdp_runs, s3_bucket_url: str, name: str) -> str:
 def test_shards_run_on_the_worker_nodes_each_reading_the_source_itself(fsdp_runs, local_merge, ray_local_cluster,
                                                                       s3_bucket_url, tmp_path):
     source = _on_s3(fsdp_runs, s3_bucket_url, "nodes")
+    ray_local_cluster.wait_for_nodes()
     executor = RayExecutor(ray_local_cluster.address)
     before = bytes_read()
     result = run_job(MergeJob(source, str(tmp_path / "merged"), OPTIONS), executor=executor)
@@ -124,6 +125,7 @@ def _kill_node_mid_shard(cluster, victim: str, proxy: FaultProxy, killed: list[i
 def test_a_worker_node_killed_mid_merge_leaves_the_local_bytes(fsdp_runs, local_merge, ray_local_cluster,
                                                                s3_bucket_url, s3_env, tmp_path, monkeypatch):
     source = _on_s3(fsdp_runs, s3_bucket_url, "killed-node")
+    ray_local_cluster.wait_for_nodes()
     killed: list[int] = []
     stop = threading.Event()
     try:
@@ -147,7 +149,7 @@ def test_a_worker_node_killed_mid_merge_leaves_the_local_bytes(fsdp_runs, local_
     finally:
         storage.clear_filesystems()
         ray_local_cluster.kill_node("b")  # waits until the head lists it dead (a no-op kill if it was)
-        ray_local_cluster.start_nodes(("b",))
+        ray_local_cluster.start_nodes(("b",), wait=False)  # back for later tests; none needs it at once
 
 
 def _non_ray_port(s3_env) -> str:
