@@ -13,7 +13,7 @@ import datetime
 import os
 from typing import Any
 
-from merge_engine.errors import CredentialsMissing, SourceChanged
+from merge_engine.errors import CredentialsMissing, SourceChanged, StorageUnavailable
 from merge_engine.storage import tuning
 from merge_engine.storage.backend import FsspecBackend, storage_timeout
 from merge_engine.storage.body import Body
@@ -104,17 +104,22 @@ class S3Backend(FsspecBackend):
             aborted.append(upload["Key"][len(prefix):])
         return aborted
 
-    def _uploads(self, fs: Any, bucket: str, prefix: str, url: str) -> list[dict[str, Any]]:
-        """Every multipart upload in progress under ``prefix`` (all pages)."""
+    def _uploads(self, fs: Any, bucket: str, prefix: str, url: str, page_size: int = 1000) -> list[dict[str, Any]]:
+        """Every multipart upload in progress under ``prefix`` (all pages of ``page_size``)."""
         uploads: list[dict[str, Any]] = []
         markers: dict[str, str] = {}
         while True:
-            page = retrying(lambda: fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers),
+            page = retrying(lambda: fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix,
+                                                MaxUploads=page_size, **markers),
                             f"listing the uploads under {url}", self.classify_fault)
-            uploads += page.get("Uploads", [])
-            if not page.get("IsTruncated"):
+            listed = page.get("Uploads", [])
+            uploads += listed
+            if not page.get("IsTruncated") or not listed:
                 return uploads
-            markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+            following = {"KeyMarker": page.get("NextKeyMarker") or "", "UploadIdMarker": page.get("NextUploadIdMarker") or ""}
+            if following == markers or not any(following.values()):
+                raise StorageUnavailable(f"the server's list of uploads under {url} does not move on to a next page", url)
+            markers = following
 
     def path_in(self, fs: Any, url: str, rest: str) -> str:
         return rest

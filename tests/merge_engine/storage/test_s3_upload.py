@@ -139,3 +139,16 @@ def test_a_numbered_part_is_sent_from_the_callers_whole_buffer_without_a_copy(s3
     upload.commit()
     assert bodies[0] is first and type(bodies[1]) is bytes
     assert storage.read_bytes(url) == data
+
+
+def test_uploads_are_listed_page_after_page_to_the_last(s3_bucket_url):
+    """Every page of a truncated listing, each once (SeaweedFS pages by upload id: its truncated pages
+    carry an upload-id marker and no key marker)."""
+    backend = backend_for(s3_bucket_url)
+    fs, path = backend.filesystem(s3_bucket_url)
+    bucket = fs.split_path(path)[0]
+    keys = [f"out/part-{i}" for i in range(3)]
+    for key in keys + ["elsewhere/x"]:
+        fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    listed = backend._uploads(fs, bucket, "out/", s3_bucket_url, page_size=1)
+    assert sorted(upload["Key"] for upload in listed) == keys
