@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.harness import BENCH, Run, ensure_verl, measure, median
+from benchmarks.start_time import ensure_checkpoint as ensure_start_checkpoint
 
 PARTS = ("verl", "workers", "startup", "ray", "s3")
 QUICK_PARTS = ("workers", "startup", "s3")
@@ -114,17 +115,6 @@ def print_figures(found: list[Figure], runs: dict[str, list[Run]], start_load: t
 def merge_command(source: str, target: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "merge_engine", "merge", "--backend", "fsdp", "--local_dir", source,
             "--target_dir", target, "--dtype", "bfloat16", *extra]
-
-
-def ensure_tiny() -> Path:
-    """The demo's model (`flows.demo`: the default `ModelSpec`, 4-rank FSDP2), written once under .bench/tiny."""
-    actor = BENCH / "tiny" / "global_step_1" / "actor"
-    if not (actor / "fsdp_config.json").exists():
-        shutil.rmtree(actor.parent, ignore_errors=True)
-        subprocess.run([sys.executable, "-c", "import sys; from synthetic_runs import FsdpSpec, write_fsdp_step; "
-                        "write_fsdp_step(sys.argv[1], FsdpSpec(world_size=4, strategy='fsdp2'), seed=0)",
-                        str(actor.parent)], check=True)
-    return actor
 
 
 class Bench:
@@ -246,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, help="runs of each figure, alternating (default 3; --quick: 1)")
     parser.add_argument("--quick", action="store_true", help="the demo's tiny checkpoint for every figure")
     parser.add_argument("--checkpoint", type=Path, help="with --quick: an FSDP actor folder to use as the tiny "
-                        "checkpoint (default: the demo's model, written once under .bench/tiny)")
+                        "checkpoint (default: the demo's model, `benchmarks.start_time`'s)")
     args = parser.parse_args(argv)
     if args.checkpoint and not args.quick:
         parser.error("--checkpoint goes with --quick")
@@ -260,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)
     BENCH.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
-    tiny = args.checkpoint or (ensure_tiny() if (args.quick or "startup" in parts) else None)
+    tiny = args.checkpoint or (ensure_start_checkpoint() if (args.quick or "startup" in parts) else None)
     if args.quick:
         actor = tiny
     else:
