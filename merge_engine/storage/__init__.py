@@ -33,7 +33,8 @@ Modules: `urls` (spelling), `entries` (`FileEntry`, `fingerprint`), `tuning`, `f
 classification chain, `retrying`; a persistent fault becomes `StorageUnavailable`), `backend` (the
 backend contract and the fsspec body), `backends/` (one per store, each with its client's faults),
 `schemes` (the registry; `is_transient` over every backend), `files` (listings, metadata, small
-reads and writes), `range_reader`, `atomic_writer`, `copies` (`copy_file`, `copy_tree`, `stage_in`).
+reads and writes), `range_reader`, `read_ahead`, `body` (a ranged GET's pieces, copied once),
+`atomic_writer`, `copies` (`copy_file`, `copy_tree`, `stage_in`).
 """
 
 from merge_engine.storage import tuning
