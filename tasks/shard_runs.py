@@ -36,6 +36,7 @@ from prefect.cache_policies import NO_CACHE
 from merge_engine.errors import InvalidOption
 from merge_engine.executors import ShardExecutor
 from merge_engine.executors.local import LocalExecutor
+from merge_engine.executors.ray_address import check_ray_address
 from merge_engine.executors.remote import RemoteExecutor, ShardTask, run_shard_task, storage_env
 from merge_engine.shard_job import ShardRecord
 from tasks.retry import RETRY_OPTIONS
@@ -68,12 +69,14 @@ def shard_run_name(label: str, shard: ShardTask) -> str:
 
 
 def ray_task_runner(address: str) -> Any:
-    """``RayTaskRunner`` for ``address`` (see the module docstring); `InvalidOption` without the extra."""
+    """``RayTaskRunner`` for ``address`` (see the module docstring); `InvalidOption` without the extra,
+    `RayClusterUnreachable` when nothing that speaks Ray's protocol answers there (`check_ray_address`)."""
     try:
         from prefect_ray import RayTaskRunner
     except ImportError:
         raise InvalidOption(f"ray_address {address!r} needs Ray: pip install -c constraints.txt '.[ray]' "
                             "(from the stepmerge checkout)") from None
+    check_ray_address(address)  # a dead or wrong address: a named error now, not Ray's minutes of retries
     init_kwargs = {"log_to_driver": False, "configure_logging": False}
     if address == "local":
         return RayTaskRunner(init_kwargs=init_kwargs)

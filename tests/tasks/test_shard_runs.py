@@ -3,7 +3,8 @@ itself runs in tests/flows/test_merge_step_ray.py on the session's cluster).
 
 - a flow parameter ``ray_address`` wins; else ``STEPMERGE_RAY_ADDRESS`` (a deployment job variable); else
   this process's threads with ``workers``;
-- the flows refuse a Ray address that is no address, and ``workers`` below 1, before anything runs.
+- the flows refuse a Ray address that is no address, and ``workers`` below 1, before anything runs; the
+  Ray runner refuses a dead address (`RayClusterUnreachable`) before Ray is asked to connect.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from pydantic import ValidationError
 
 from flows.params import MergeStepParams
 from merge_engine.executors.local import LocalExecutor
-from tasks.shard_runs import RAY_ADDRESS_ENV, PrefectRayExecutor, checkpoint_label, shard_executor
+from merge_engine.errors import RayClusterUnreachable
+from tasks.shard_runs import RAY_ADDRESS_ENV, PrefectRayExecutor, checkpoint_label, ray_task_runner, shard_executor
+from tests.servers import free_ports
 
 
 def test_the_flow_parameter_wins_over_the_workers_environment(monkeypatch):
@@ -54,3 +57,10 @@ def test_bad_execution_parameters_are_refused(field, value):
 def test_workers_0_is_the_forms_one_per_core():
     """The form has no None toggle: 0 (its default) means one shard job per core, as the CLI's default."""
     assert MergeStepParams(run_root="/r", step=1, workers=0).execution_settings().workers is None
+
+
+def test_a_dead_ray_address_is_refused_before_ray_is_asked():
+    """A flow's Ray runner checks the address first (Ray itself retries a dead one for minutes)."""
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    with pytest.raises(RayClusterUnreachable, match=address):
+        ray_task_runner(address)
