@@ -21,21 +21,26 @@ BLOCK = 4096
 STAGING_BYTES = 16 * 1024 * 1024  # a multiple of BLOCK
 
 
+
+def open_for_writing(path: str, mode: int = 0o644) -> tuple[int, bool]:
+    """``(fd, direct)``: ``path`` created or truncated for writing, with O_DIRECT where the platform and the
+    filesystem take it (``direct`` False after a fallback: a filesystem that refuses it answers EINVAL)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    if hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, mode), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, mode), False
+
 class DirectFile:
     """A write-only file at ``path`` (created or truncated); ``write`` / ``fileno`` / ``close``."""
 
     def __init__(self, path: str, mode: int = 0o644) -> None:
         self.path = path
         self._mode = mode
-        self._direct = hasattr(os, "O_DIRECT")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        try:
-            self._fd = os.open(path, flags | (os.O_DIRECT if self._direct else 0), mode)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self._direct = False
-            self._fd = os.open(path, flags, mode)
+        self._fd, self._direct = open_for_writing(path, mode)
         self._buffer = mmap.mmap(-1, STAGING_BYTES)  # page-aligned
         self._view = memoryview(self._buffer)
         self._fill = 0
@@ -127,15 +132,7 @@ class PositionedFile:
         self.path = path
         self.size = size
         self._lock = threading.Lock()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        self._direct = hasattr(os, "O_DIRECT")
-        try:
-            self._fd = os.open(path, flags | (os.O_DIRECT if self._direct else 0), mode)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self._direct = False
-            self._fd = os.open(path, flags, mode)
+        self._fd, self._direct = open_for_writing(path, mode)
         self._retired: list[int] = []
         self.closed = False
 
