@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.harness import BENCH, Run, ensure_verl, measure, median
+from benchmarks.shard_jobs import _remove
 from benchmarks.start_time import ensure_checkpoint as ensure_start_checkpoint
 
 PARTS = ("verl", "workers", "startup", "ray", "s3")
@@ -148,14 +149,6 @@ class Bench:
             return self.run(key, merge_command(str(self.actor), target, *extra), clean=target)
         finally:
             shutil.rmtree(target, ignore_errors=True)
-
-
-def _remove(path: str, env: dict[str, str]) -> None:
-    if "://" in path:
-        subprocess.run([sys.executable, "-c", "import sys; from merge_engine import storage; "
-                        "storage.remove(sys.argv[1], recursive=True)", path], env=env, check=True)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def bench_verl(bench: Bench, verl_python: Path, compare: bool) -> None:
