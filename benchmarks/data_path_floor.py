@@ -6,7 +6,7 @@
 ``cp`` does no cast and no sha256, so a merge cannot reach it. These two say what can be reached:
 - ``loop``: ``import torch``, then every rank file read front to back in `CHUNK_BYTES` pieces with
   ``readinto`` into one reused buffer, each piece cast fp32 -> bf16 into a reused buffer
-  (``Tensor.copy_``), written with the merge's own direct-I/O writer (`merge_engine.direct_io`,
+  (``Tensor.copy_``), written with the merge's own direct-I/O writer (`merge_engine.storage.direct_io`,
   fsynced at the end, as a merge commits), and hashed with sha256 in a second thread overlapped
   with the read, cast and write (``--serial``: in the same thread). No pickle, no plan, no Hub
   names: the merge's per-byte work in the tightest loop Python allows.
@@ -31,7 +31,7 @@ def loop(out_path: str, rank_files: list[str], serial: bool = False) -> str:
     """Read, cast, write and hash ``rank_files`` into ``out_path``; the sha256 (hex) of what was written."""
     import torch
 
-    from merge_engine.direct_io import DirectFile
+    from merge_engine.storage.direct_io import DirectFile
 
     torch.set_num_threads(1)
     src = torch.empty(CHUNK_BYTES // 4, dtype=torch.float32)
@@ -80,7 +80,7 @@ def imports() -> None:
     import transformers.conversion_mapping  # noqa: F401 - Hub names
 
     import merge_engine.cli  # noqa: F401
-    import merge_engine.merge  # noqa: F401
+    import merge_engine.commands.merge  # noqa: F401
 
 
 def main() -> None:

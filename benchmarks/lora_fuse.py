@@ -114,7 +114,7 @@ def build_adapter(directory: str, base: str, rank: int) -> None:
 
 def child_stepmerge(base: str, adapter: str, out: str) -> float:
     sys.path.insert(0, REPO)
-    from merge_engine.lora.combine import MergeLoraOptions, merge_lora
+    from merge_engine.commands.combine import MergeLoraOptions, merge_lora
 
     started = time.perf_counter()
     merge_lora(base, [adapter], out, MergeLoraOptions(overwrite=True))

@@ -33,7 +33,7 @@ print(f"driver import ray + ray.init: cpu {time.process_time() - cpu:.2f} s, wal
 
 def cold():
     started = time.process_time()
-    import merge_engine.executors.remote, merge_engine.merge, merge_engine.shard_job  # noqa: F401
+    import merge_engine.output.executors.remote, merge_engine.commands.merge, merge_engine.output.shard_job  # noqa: F401
     return started, time.process_time()
 
 wall = time.perf_counter()
@@ -46,8 +46,8 @@ wall = time.perf_counter()
 ray.get([noop.remote() for _ in range(50)])
 print(f"warm task round trip: {(time.perf_counter() - wall) / 50 * 1000:.1f} ms")
 
-from merge_engine.jobs import OutputOptions
-from merge_engine.merge import MergeJob
+from merge_engine.output.jobs import OutputOptions
+from merge_engine.commands.merge import MergeJob
 job = MergeJob(sys.argv[2], sys.argv[3], OutputOptions(dtype="bfloat16"))
 cpu = time.process_time()
 job.fingerprint()

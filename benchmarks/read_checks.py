@@ -8,7 +8,7 @@ What it does: merges the benchmark checkpoint of `benchmarks.fsdp_merge` (4-rank
 shape, ~2 GB of rank files; written once under ./.bench/fsdp/0.5b) to bfloat16, each merge in a child
 process, in rounds that alternate the variants (so a change of the machine's load hits each alike):
 - ``checked``: as shipped (CRC-32 and pinned reads);
-- ``no-crc``: `merge_engine.zip_crc.RecordChecks.add` / ``finish`` replaced by no-ops in the child;
+- ``no-crc``: `merge_engine.formats.zip_crc.RecordChecks.add` / ``finish`` replaced by no-ops in the child;
 - ``unpinned``: `RangeReader.listed` replaced by an unpinned reader (no version) in the child.
 Local runs start from a warm page cache (the rank files are read first). With S3 (parts ``s3``, ``s3-reads``),
 the checkpoint is uploaded once to a SeaweedFS server started for the run and merged from there to a
@@ -36,7 +36,7 @@ from benchmarks.harness import BENCH, measure
 
 PATCHES = {
     "checked": "",
-    "no-crc": ("from merge_engine import zip_crc; zip_crc.RecordChecks.add = lambda *a, **k: None; "
+    "no-crc": ("from merge_engine.formats import zip_crc; zip_crc.RecordChecks.add = lambda *a, **k: None; "
                "zip_crc.RecordChecks.finish = lambda *a, **k: None; "),
     "unpinned": ("from merge_engine.storage import RangeReader; "
                  "RangeReader.listed = classmethod(lambda cls, url, entry: cls(url, entry.size)); "),
@@ -62,7 +62,7 @@ for entry in storage.list_files(sys.argv[2], recursive=False):
 
 COST_CHILD = """
 import os, sys, time
-from merge_engine import zip_crc
+from merge_engine.formats import zip_crc
 from merge_engine.storage.backends import local
 spent = {"crc_s": 0.0, "crc_bytes": 0, "reads": 0}
 add, read_some = zip_crc.RecordChecks.add, local.LocalRangedFile.read_some
@@ -75,7 +75,7 @@ def counted_read(self, offset, out):
     spent["reads"] += 1
     return read_some(self, offset, out)
 zip_crc.RecordChecks.add, local.LocalRangedFile.read_some = timed_add, counted_read
-from merge_engine.merge import MergeOptions, merge_checkpoint
+from merge_engine.commands.merge import MergeOptions, merge_checkpoint
 merge_checkpoint(sys.argv[1], sys.argv[2], MergeOptions(dtype="bfloat16", overwrite=True))
 fd = os.open(sys.argv[1], os.O_RDONLY)
 started = time.thread_time()
@@ -93,7 +93,7 @@ def read_child(variant: str, source: str, target: str) -> list[str]:
 
 
 def merge_child(variant: str, source: str, target: str) -> list[str]:
-    code = (PATCHES[variant] + "import sys; from merge_engine.merge import MergeOptions, merge_checkpoint; "
+    code = (PATCHES[variant] + "import sys; from merge_engine.commands.merge import MergeOptions, merge_checkpoint; "
             "merge_checkpoint(sys.argv[1], sys.argv[2], MergeOptions(dtype='bfloat16', overwrite=True))")
     return [sys.executable, "-c", code, source, target]
 

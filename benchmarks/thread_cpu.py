@@ -56,9 +56,9 @@ def child(actor: str, target: str, workers: int) -> None:
 
     marks = [("start", time.perf_counter(), process_cpu())]
     threading.Thread(target=sample, daemon=True, name=SAMPLER).start()
-    from merge_engine.executors.local import LocalExecutor
-    from merge_engine.jobs import OutputOptions, run_job
-    from merge_engine.merge import MergeJob
+    from merge_engine.output.executors.local import LocalExecutor
+    from merge_engine.output.jobs import OutputOptions, run_job
+    from merge_engine.commands.merge import MergeJob
 
     marks.append(("imports", time.perf_counter(), process_cpu()))
     at_plan: dict[tuple[str, int], float] = {}

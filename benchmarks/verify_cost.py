@@ -18,8 +18,8 @@ import tempfile
 import time
 
 from merge_engine import storage
-from merge_engine.publish import publish
-from merge_engine.verify import verify_folder
+from merge_engine.release.publish import publish
+from merge_engine.release.verify import verify_folder
 
 
 def _release(staging: str, release: str) -> None:

@@ -12,11 +12,11 @@ anything is scheduled, never sent to a worker:
   character (`url_pattern`); in the flow, `flows.url_checks.checked_url` checks the same again and
   `flows.step_keys.normalized_run_root` gives one spelling (no trailing slash, ``file:///x`` -> ``/x``),
   so one run root has one key per step whatever route named it;
-- `ShardSize`: ``5GB``, ``500MiB``, ... (`merge_engine.option_values.SIZE_PATTERN`);
-- `DtypeName`: the spellings the command line accepts too (`merge_engine.option_values.DTYPE_SPELLINGS`),
+- `ShardSize`: ``5GB``, ``500MiB``, ... (`merge_engine.plan.option_values.SIZE_PATTERN`);
+- `DtypeName`: the spellings the command line accepts too (`merge_engine.plan.option_values.DTYPE_SPELLINGS`),
   recorded as the canonical name (``fp16`` -> ``float16``);
 - `WeightsFormat`: ``hub`` (the names and per-expert tensors of the model's Hub checkpoint) or
-  ``transformers`` (as stored), the command line's ``--weights-format`` (`merge_engine.option_values.WEIGHTS_FORMATS`);
+  ``transformers`` (as stored), the command line's ``--weights-format`` (`merge_engine.plan.option_values.WEIGHTS_FORMATS`);
 - `StepNumber` (>= 0), `Role` (actor, critic, "" for SFT), positive ``lora_alpha``.
 
 Inside the flows the arguments become one model: `MergeStepParams`, `WatchParams` or `AdapterParams`
@@ -35,7 +35,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from flows.step_keys import normalized_run_root, step_key
 from flows.url_checks import checked_url
-from merge_engine.option_values import (
+from merge_engine.plan.option_values import (
     DEFAULT_WEIGHTS_FORMAT, DTYPE_SPELLINGS, SIZE_PATTERN, WEIGHTS_FORMATS, canonical_dtype, parse_size,
 )
 from merge_engine.storage.schemes import backend_for_scheme, url_schemes
@@ -203,7 +203,7 @@ class RunLocation(FlowParams):
 
     @property
     def release_root_url(self) -> str:
-        from merge_engine.release import default_release_root
+        from merge_engine.release.state import default_release_root
 
         return self.release_root or default_release_root(self.run_root)
 

@@ -31,7 +31,7 @@ role (`StepNotFound`). Not ready (an error only when no watcher will come back f
 again after `SETTLE_S`): its files are still being written (a shared disk shows a rank file while
 it grows). A file that is broken and stays as it is fails the check, once.
 
-Each release's manifest records its `merge_engine.release.ReleaseProvenance`, ``checkpoint_lora``
+Each release's manifest records its `merge_engine.release.state.ReleaseProvenance`, ``checkpoint_lora``
 among it (the checkpoint holds LoRA factors): the one answer to "does this step have an adapter"
 that the watcher reads back.
 """
@@ -44,7 +44,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from flows.outcomes import ReleaseOutcome, StageRun, StepOutcome
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, StepNotFound
-from merge_engine.release import ADAPTER, MODEL, ReleaseProvenance
+from merge_engine.release.state import ADAPTER, MODEL, ReleaseProvenance
 from tasks.adapter import extract_adapter, validate_adapter
 from tasks.check import check_step
 from tasks.discover import discover_step, discover_steps

@@ -1,8 +1,8 @@
 """Flow ``verify-releases`` (on a schedule): is every published release still what was published?
 
 One listing of ``release_root`` finds every release readers trust (a valid ``_COMPLETE`` marker,
-`merge_engine.release.published_releases`); each is verified against its manifest by
-`merge_engine.verify` (``mode="quick"``: object-store releases by the store versions recorded at
+`merge_engine.release.state.published_releases`); each is verified against its manifest by
+`merge_engine.release.verify` (``mode="quick"``: object-store releases by the store versions recorded at
 publish time, one listing each; local releases re-hashed. ``mode="full"``: every byte re-hashed).
 
 A damaged release (a file missing, resized, rewritten, with other bytes, or unlisted) is named
@@ -29,8 +29,8 @@ from flows.credentials import storage_credentials
 from flows.params import StorageUrl
 from flows.run_labels import label_flow_run_with, short_run_name, verify_run_name
 from merge_engine import storage
-from merge_engine.release import MARKER, published_releases
-from merge_engine.verify import MODES, verify_folder
+from merge_engine.release.state import MARKER, published_releases
+from merge_engine.release.verify import MODES, verify_folder
 from tasks.progress import artifact_key
 from tasks.retry import RETRY_OPTIONS
 

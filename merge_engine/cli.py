@@ -1,12 +1,12 @@
 """``python -m merge_engine``: the engine's command line (``stepmerge`` is it plus the pipeline's ``notify``,
 `flows.cli`).
 
-Each command builds the engine's one options record (`merge_engine.jobs.OutputOptions`) and runs
+Each command builds the engine's one options record (`merge_engine.output.jobs.OutputOptions`) and runs
 its job. Accepts verl's model-merger spellings (``merge --backend fsdp --local_dir X --target_dir Y``,
 ``test --test_hf_dir Z``, ``--tie-word-embedding``, ``--trust-remote-code``, ...) with dashes or
 underscores, plus stepmerge's own commands. Every `StepmergeError` becomes one line on stderr
 (``stepmerge: error: <Kind>: message [path]``) and its exit code; nothing is printed as a traceback.
-SIGINT and SIGTERM stop a command cleanly (`merge_engine.interrupts`: the shard jobs stop, their
+SIGINT and SIGTERM stop a command cleanly (`merge_engine.output.interrupts`: the shard jobs stop, their
 uploads are aborted, the target is cleaned up), then ``stepmerge: interrupted (SIGINT) after N s`` is
 the last thing it does; exit code 130 / 143.
 """
@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from merge_engine import interrupts
+from merge_engine.output import interrupts
 from merge_engine.errors import InvalidOption, StepmergeError, StorageUnavailable
 
 class StepmergeParser(argparse.ArgumentParser):
@@ -61,9 +61,9 @@ _DTYPE_HELP = "bfloat16/bf16, float16/fp16/half, float32/fp32/float"
 
 
 def _dtype(text: str) -> str:
-    """argparse ``type=``: any spelling of `merge_engine.option_values.DTYPE_SPELLINGS` -> its canonical name
+    """argparse ``type=``: any spelling of `merge_engine.plan.option_values.DTYPE_SPELLINGS` -> its canonical name
     (what is recorded in stepmerge.json), the same words the Prefect form accepts."""
-    from merge_engine.option_values import canonical_dtype
+    from merge_engine.plan.option_values import canonical_dtype
 
     try:
         return canonical_dtype(text)
@@ -133,8 +133,8 @@ def _run_options(args: argparse.Namespace) -> dict:
 
 
 def _options(args: argparse.Namespace):
-    from merge_engine.jobs import OutputOptions
-    from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE, parse_size
+    from merge_engine.output.jobs import OutputOptions
+    from merge_engine.plan.merge_plan import DEFAULT_MAX_SHARD_SIZE, parse_size
 
     return OutputOptions(backend=args.backend, dtype=args.dtype,
                          max_shard_size=parse_size(getattr(args, "max_shard_size", None) or DEFAULT_MAX_SHARD_SIZE),
@@ -164,7 +164,7 @@ def rate_text(n_bytes: int, seconds: float) -> str:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from merge_engine.merge import merge_checkpoint
+    from merge_engine.commands.merge import merge_checkpoint
 
     if args.hf_upload_path:
         raise InvalidOption("--hf_upload_path: stepmerge does not upload to the Hugging Face Hub; merge to a folder "
@@ -251,7 +251,7 @@ def _add_merge(parser: argparse.ArgumentParser) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from merge_engine.layouts import check_checkpoint
-    from merge_engine.verify import is_release_folder, raise_for, verify_folder
+    from merge_engine.release.verify import is_release_folder, raise_for, verify_folder
 
     if is_release_folder(args.local_dir):  # a release is complete only if it is what was published
         raise_for(verify_folder(args.local_dir, mode="quick"))
@@ -286,8 +286,8 @@ def _add_check(parser: argparse.ArgumentParser) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Exit 0: intact; 3: no valid _COMPLETE marker; 6: damaged (each bad file named); 2: nothing to
-    verify against, or no checksums to verify with; 1: storage unreachable. See `merge_engine.verify`."""
-    from merge_engine.verify import raise_for, verify_folder
+    verify against, or no checksums to verify with; 1: storage unreachable. See `merge_engine.release.verify`."""
+    from merge_engine.release.verify import raise_for, verify_folder
 
     report = verify_folder(args.url, mode="quick" if args.quick else "full")
     raise_for(report)
@@ -304,7 +304,7 @@ def _add_verify(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_test(args: argparse.Namespace) -> int:
-    from merge_engine.reference_check import check_against_reference
+    from merge_engine.commands.reference_check import check_against_reference
     from merge_engine.validate.compare import WEIGHT_TOLERANCE
 
     atol = WEIGHT_TOLERANCE.atol if args.atol is None else args.atol
@@ -347,9 +347,9 @@ def _print_lora_result(result, verb: str) -> None:
 
 
 def cmd_extract_lora(args: argparse.Namespace) -> int:
-    from merge_engine.jobs import OutputOptions
-    from merge_engine.lora.extract import extract_lora, extract_lora_svd
-    from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE, parse_size
+    from merge_engine.output.jobs import OutputOptions
+    from merge_engine.commands.extract import extract_lora, extract_lora_svd
+    from merge_engine.plan.merge_plan import DEFAULT_MAX_SHARD_SIZE, parse_size
 
     if (args.local_dir is None) == (args.finetuned is None):
         raise InvalidOption("give either --local_dir (a LoRA training checkpoint) or --finetuned with --base-model "
@@ -409,9 +409,9 @@ def _add_extract_lora(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_merge_lora(args: argparse.Namespace) -> int:
-    from merge_engine.jobs import OutputOptions
-    from merge_engine.lora.combine import merge_lora
-    from merge_engine.merge_plan import DEFAULT_MAX_SHARD_SIZE, parse_size
+    from merge_engine.output.jobs import OutputOptions
+    from merge_engine.commands.combine import merge_lora
+    from merge_engine.plan.merge_plan import DEFAULT_MAX_SHARD_SIZE, parse_size
 
     adapters = [u for u in args.lora_adapter.split(",") if u]
     options = OutputOptions(method=args.merge_method, weights=_floats(args.adapter_weights, "--adapter-weights"),
@@ -462,8 +462,8 @@ def _add_merge_lora(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_split(args: argparse.Namespace) -> int:
-    from merge_engine.jobs import OutputOptions
-    from merge_engine.split import split_hf_to_megatron
+    from merge_engine.output.jobs import OutputOptions
+    from merge_engine.commands.split import split_hf_to_megatron
 
     options = OutputOptions(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, fmt=args.format,
                             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, dtype=args.dtype,
@@ -500,7 +500,7 @@ def _add_split(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_discover(args: argparse.Namespace) -> int:
-    from merge_engine.discovery import discover
+    from merge_engine.layouts.discovery import discover
 
     found = discover(args.run_root)
     hint = f"; tracker file says {found.tracker_hint}" if found.tracker_hint is not None else ""

@@ -161,7 +161,7 @@ class BaseModelRequired(InvalidOption):
 
 class RayClusterUnreachable(InvalidOption):
     """The ``--ray-address`` (``ray_address``) names no live Ray cluster: nothing answers there within a few
-    seconds, or what answers is not Ray (`merge_engine.executors.ray_address`). ``path``: the address."""
+    seconds, or what answers is not Ray (`merge_engine.output.executors.ray_address`). ``path``: the address."""
 
 
 class UnsupportedScheme(InvalidOption, ValueError):

@@ -17,7 +17,7 @@ and verl's ``MegatronCheckpointManager.save_checkpoint`` / ``_build_checkpoint_m
   shared by its local experts, exposed with the global expert axis (``_apply_expert_axis_factory``);
   expert TP is 1. Layers stacked on dim 0 (PP stages write their range).
   ``use_dist_checkpointing: true``: the base weights too (written by ``stepmerge split --format dist``,
-  the path `tests/merge_engine/test_split.py` checks against megatron-core), in the same folder.
+  the path `tests/merge_engine/commands/test_split.py` checks against megatron-core), in the same folder.
 - ``model/huggingface/`` config + tokenizer, and ``adapter/`` as ``save_hf_adapter`` writes it:
   ``base_model.model.<hf module>.lora_A.weight`` (A duplicated over q/k/v and gate/up, B cut),
   per-expert names ``mlp.experts.E.gate_proj`` (the Hub names the bridge maps experts to), and
@@ -196,7 +196,7 @@ def _rank_chunks(spec: LoraRunSpec, name: str, tensor: torch.Tensor, tp_rank: in
 
 def write_adapter_dist(folder: Path, spec: LoraRunSpec, factors: dict[str, torch.Tensor]) -> list:
     """Each (pp, tp, ep) rank's adapter chunks into its own data file; returns the DCP items."""
-    from merge_engine.torch_dcp import DcpDataFile
+    from merge_engine.formats.torch_dcp import DcpDataFile
 
     d = _dims(spec)
     per_stage = d["layers"] // spec.pp
@@ -251,7 +251,7 @@ def write_base(base_dir: Path, model: ModelSpec, seed: int) -> Path:
 def write_lora_step(step_dir: Path, spec: LoraRunSpec, base_dir: Path, seed: int = 0, step: int = 1) -> LoraStep:
     """One verl Megatron LoRA step at ``step_dir`` (``.../global_step_N/actor``) for the base at ``base_dir``."""
     from merge_engine.layouts.megatron_dist import MEGATRON_DIST_METADATA
-    from merge_engine.torch_dcp import dcp_metadata_bytes
+    from merge_engine.formats.torch_dcp import dcp_metadata_bytes
 
     factors = megatron_factors(spec, seed)
     hf = hf_factors(spec, factors)
@@ -293,8 +293,8 @@ def _with_base(dist: Path, spec: LoraRunSpec, base_dir: Path, adapter_metadata: 
     ``.metadata`` of base and adapter together."""
     import pickle
 
-    from merge_engine.jobs import OutputOptions
-    from merge_engine.split import split_hf_to_megatron
+    from merge_engine.output.jobs import OutputOptions
+    from merge_engine.commands.split import split_hf_to_megatron
 
     scratch = Path(tempfile.mkdtemp(prefix="lora-base-"))
     try:

@@ -8,7 +8,7 @@
     publish_release   staging -> release + manifest + marker
 
 Each task is a decorator, a cache key (`tasks.cache`) and a release-state check over the engine's
-records (`merge_engine.release`); the work itself is the engine's.
+records (`merge_engine.release.state`); the work itself is the engine's.
 Records in and out (`tasks.records`), never tensors. Retries: transient storage faults only
 (`tasks.retry`). Result storage: local by default, S3/GCS when configured (`tasks.results`).
 Importing ``tasks`` (or a light module of it: `tasks.discover`, `tasks.records`, `tasks.progress`)

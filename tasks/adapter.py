@@ -1,9 +1,9 @@
 """The adapter tasks: a LoRA checkpoint -> a PEFT adapter folder in staging, and its validation.
 
-- `extract_adapter` wraps `merge_engine.lora.extract.extract_lora` the way `tasks.merge` wraps
+- `extract_adapter` wraps `merge_engine.commands.extract.extract_lora` the way `tasks.merge` wraps
   the merge: cached on the step's and checkpoint's listing fingerprints + options (with the
   listings of ``hf_model_path`` and ``base_model``) + release + engine version; an adapter already
-  released with the engine's fingerprint of this extraction (`merge_engine.lora.extract.extract_fingerprint`:
+  released with the engine's fingerprint of this extraction (`merge_engine.commands.extract.extract_fingerprint`:
   the one fingerprint, also in its ``stepmerge.json``) is not extracted again (``released=True``); one
   released from something else is refused at once without ``overwrite``.
 - `validate_adapter` runs `merge_engine.validate.adapter.validate_adapter` (PEFT loads it on its base, logits
@@ -30,7 +30,7 @@ from merge_engine import storage
 from merge_engine.lora.adapter_io import point_adapter_at_base
 from merge_engine.validate import adapter as adapter_validation
 from merge_engine.validate.adapter import BASE_DIR
-from merge_engine.release import ADAPTER, staging_url, sweep_stale_staging
+from merge_engine.release.state import ADAPTER, staging_url, sweep_stale_staging
 from tasks.cache import stage_cache_policy
 from tasks.merge import output_available, released_output
 from tasks.progress import ProgressArtifact, release_artifact_key
@@ -58,7 +58,7 @@ def extract_adapter(step: StepRecord, checkpoint: CheckpointRecord, settings: Ad
                     execution: Optional[ExecutionSettings] = None) -> OutputRecord:
     """Extract the PEFT adapter of ``checkpoint`` into staging for ``release`` (or find it released);
     its shard jobs run where ``execution`` says (as the merge task's: `tasks.shard_runs.shard_executor`)."""
-    from merge_engine.lora.extract import extract_fingerprint, extract_lora
+    from merge_engine.commands.extract import extract_fingerprint, extract_lora
 
     fingerprint = extract_fingerprint(checkpoint.to_checkpoint(), settings.to_options())
     found = released_output(ADAPTER, checkpoint.url, release, fingerprint, overwrite, checkpoint.fingerprint,

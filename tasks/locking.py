@@ -4,7 +4,7 @@ Why not Prefect's own `FileSystemLockManager`: a transaction acquires its lock w
 timeout, so a merge process killed by the OOM killer leaves its lock file forever and every later
 run of that step waits forever; and its lock file is created empty, then written, so a reader can
 see an empty file. Here:
-- a lock is a file ``<dir>/<key>.lock`` holding an owner record (`merge_engine.owner_record`, the
+- a lock is a file ``<dir>/<key>.lock`` holding an owner record (`merge_engine.output.owner_record`, the
   same record publish claims and temp folders carry: host, boot id, PID namespace, pid, process
   start time, heartbeat = when it was taken) plus ``holder`` and ``expires``, created whole and
   atomically (written under a temp name, then hard-linked into place: the link fails if the lock
@@ -47,8 +47,8 @@ import anyio
 from prefect.locking.protocol import LockManager
 
 from merge_engine.errors import StepmergeError
-from merge_engine.json_text import read_local_json
-from merge_engine.owner_record import Owner, finite_number, new_record
+from merge_engine.formats.json_text import read_local_json
+from merge_engine.output.owner_record import Owner, finite_number, new_record
 
 DEFAULT_HOLD_S = 24 * 3600.0
 POLL_S = 0.1

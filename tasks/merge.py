@@ -6,16 +6,16 @@
   the output it describes is gone (`output_available`: neither in staging nor released), then the
   next cache generation is used and the merge runs again.
 - Not in the cache but already released: when the release already holds this exact merge
-  (`merge_engine.merge.merge_fingerprint`), nothing is merged; the record points at the release
+  (`merge_engine.commands.merge.merge_fingerprint`), nothing is merged; the record points at the release
   (``released=True``). The release is the truth, the cache an accelerator.
 - A release built from something else (the step was rewritten since, or other options) without
   ``overwrite``: `TargetExists` at once, before a byte is read or staged (publishing would refuse
   it anyway, after the whole merge).
-- Otherwise `merge_engine.merge.merge_checkpoint` writes the staging folder (atomically; a finished
+- Otherwise `merge_engine.commands.merge.merge_checkpoint` writes the staging folder (atomically; a finished
   staging folder of the same merge is reused), with a progress artifact moving as bytes are written.
   It merges the checkpoint the check task checked (no second completeness check). A LoRA checkpoint
   gives the TRAINED model (adapters fused), as the engine defines it. Staging folders left by
-  crashed runs are swept first (`merge_engine.release.sweep_stale_staging`).
+  crashed runs are swept first (`merge_engine.release.state.sweep_stale_staging`).
 - Where the shard jobs run (``execution``, never part of the cache key: it changes no byte): Prefect
   task runs on a Ray cluster when a Ray address is configured (the flow's ``ray_address``, else
   ``STEPMERGE_RAY_ADDRESS`` in the worker's environment; `tasks.shard_runs`), else ``workers`` threads
@@ -33,8 +33,8 @@ from typing import Optional
 from prefect import task
 
 from merge_engine import storage
-from merge_engine.merge import merge_checkpoint, merge_fingerprint, read_provenance
-from merge_engine.release import MODEL, release_state, staging_url, sweep_stale_staging
+from merge_engine.commands.merge import merge_checkpoint, merge_fingerprint, read_provenance
+from merge_engine.release.state import MODEL, release_state, staging_url, sweep_stale_staging
 from tasks.cache import stage_cache_policy
 from tasks.progress import ProgressArtifact, release_artifact_key
 from tasks.records import CheckpointRecord, ExecutionSettings, MergeSettings, OutputRecord

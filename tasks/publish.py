@@ -1,6 +1,6 @@
 """The publish task: staging + validation -> a release with manifest and ``_COMPLETE`` marker.
 
-Wraps `merge_engine.publish.publish` (copy with sha256, manifest, marker last, claims so that two
+Wraps `merge_engine.release.publish.publish` (copy with sha256, manifest, marker last, claims so that two
 publishers never both write). The task adds:
 - cache key: the output's fingerprint and kind, the release URL and the validation verdict;
 - an output found already released (or a release that already holds this fingerprint) is returned
@@ -27,8 +27,8 @@ from prefect import task
 import merge_engine
 from merge_engine import storage
 from merge_engine.errors import TargetExists
-from merge_engine.publish import Release, publish
-from merge_engine.release import release_state, withdraw_damaged
+from merge_engine.release.publish import Release, publish
+from merge_engine.release.state import release_state, withdraw_damaged
 from tasks.cache import stage_cache_policy
 from tasks.records import OutputRecord, ReleaseRecord, ValidationRecord
 from tasks.retry import RETRY_OPTIONS

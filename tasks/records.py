@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE, DEFAULT_WEIGHTS_FORMAT
+from merge_engine.plan.option_values import DEFAULT_MAX_SHARD_SIZE, DEFAULT_WEIGHTS_FORMAT
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:  # the engine's classes: imported where a record is turned into one (they import torch)
-    from merge_engine.discovery import Step
+    from merge_engine.layouts.discovery import Step
     from merge_engine.layouts import Checkpoint
-    from merge_engine.merge import MergeOptions
-    from merge_engine.publish import Release
+    from merge_engine.commands.merge import MergeOptions
+    from merge_engine.release.publish import Release
     from merge_engine.validate import ValidationReport
 
 
@@ -29,7 +29,7 @@ class Record(BaseModel):
 
 
 class StepRecord(Record):
-    """One (step, role) of a run as discovery saw it in a listing (`merge_engine.discovery.Step`)."""
+    """One (step, role) of a run as discovery saw it in a listing (`merge_engine.layouts.discovery.Step`)."""
 
     run_root: str
     step: int
@@ -39,7 +39,7 @@ class StepRecord(Record):
     layout: str
     fingerprint: str  # digest of the step folder's listing: names, sizes, ETags/generations/mtimes
     reason: str = ""
-    needs: tuple[str, ...] = ()  # merge parameters the step does not record (`merge_engine.discovery.Step.needs`)
+    needs: tuple[str, ...] = ()  # merge parameters the step does not record (`merge_engine.layouts.discovery.Step.needs`)
 
     @property
     def complete(self) -> bool:
@@ -96,7 +96,7 @@ class CheckpointRecord(Record):
 
 
 class MergeSettings(Record):
-    """The merge options a flow exposes (`merge_engine.merge.MergeOptions` minus target handling).
+    """The merge options a flow exposes (`merge_engine.commands.merge.MergeOptions` minus target handling).
 
     ``lora_alpha`` matters to LoRA checkpoints whose run recorded no alpha: their merged model is the
     trained one (every update fused with its alpha), so the merge needs it as much as the adapter.
@@ -107,11 +107,11 @@ class MergeSettings(Record):
     hf_model_path: Optional[str] = None
     backend: Optional[str] = None
     lora_alpha: Optional[float] = None
-    weights_format: str = DEFAULT_WEIGHTS_FORMAT  # hub | transformers (`merge_engine.option_values`)
+    weights_format: str = DEFAULT_WEIGHTS_FORMAT  # hub | transformers (`merge_engine.plan.option_values`)
     base_model: Optional[str] = None  # the base of an adapter-only step (verl Megatron LoRA)
 
     def to_options(self, overwrite: bool = False) -> MergeOptions:
-        from merge_engine.merge import MergeOptions
+        from merge_engine.commands.merge import MergeOptions
 
         return MergeOptions(backend=self.backend, dtype=self.dtype, max_shard_size=self.max_shard_size,
                             hf_model_path=self.hf_model_path, lora_alpha=self.lora_alpha, overwrite=overwrite,
@@ -119,7 +119,7 @@ class MergeSettings(Record):
 
 
 class AdapterSettings(Record):
-    """The adapter-extraction options a flow exposes (`merge_engine.lora.extract.ExtractOptions`).
+    """The adapter-extraction options a flow exposes (`merge_engine.commands.extract.ExtractOptions`).
 
     ``include_base`` also writes the clean base model under ``base/`` of the adapter release, so
     ``PeftModel.from_pretrained(<release>/base, <release>)`` needs nothing else (and validation
@@ -136,7 +136,7 @@ class AdapterSettings(Record):
     weights_format: str = DEFAULT_WEIGHTS_FORMAT  # names of base/ and of the adapter's modules (hub | transformers)
 
     def to_options(self, overwrite: bool = False):
-        from merge_engine.lora.extract import ExtractOptions
+        from merge_engine.commands.extract import ExtractOptions
 
         return ExtractOptions(backend=self.backend, lora_alpha=self.lora_alpha, base_model=self.base_model,
                               write_base=self.include_base, hf_model_path=self.hf_model_path, dtype=self.dtype,
@@ -212,7 +212,7 @@ class ValidationRecord(Record):
 
 
 class ReleaseRecord(Record):
-    """A published release (`merge_engine.publish.Release`)."""
+    """A published release (`merge_engine.release.publish.Release`)."""
 
     url: str
     source: str

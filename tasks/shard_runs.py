@@ -1,18 +1,18 @@
 """A merge's shard jobs as Prefect task runs on a Ray cluster (`prefect-ray`'s ``RayTaskRunner``).
 
-`PrefectRayExecutor` is the engine's `merge_engine.executors.remote.RemoteExecutor` with Prefect in
+`PrefectRayExecutor` is the engine's `merge_engine.output.executors.remote.RemoteExecutor` with Prefect in
 charge: its `run_all` runs a small subflow, ``write-shards``, with a ``RayTaskRunner(address)``, that
 submits one ``write-shard`` task run per output shard, named after the step and the shard's file
 (``global_step_40/actor: model-00003-of-00012.safetensors``), so each shard is a task run in the UI with
-its own state and retries. Each task calls `merge_engine.executors.remote.run_shard_task` on a Ray worker:
+its own state and retries. Each task calls `merge_engine.output.executors.remote.run_shard_task` on a Ray worker:
 it reads straight from the checkpoint's storage and writes straight to the target URL; only the small
-`merge_engine.shard_job.ShardRecord` (file, size, sha256, tensor names) comes back to the driver, never a
+`merge_engine.output.shard_job.ShardRecord` (file, size, sha256, tensor names) comes back to the driver, never a
 tensor. The engine itself never imports Prefect: this module plugs into it.
 
 - Retries: a shard task retries transient storage faults only (`tasks.retry.RETRY_OPTIONS`); Ray runs a
   task again when its worker dies (``max_retries``), and the shard is written whole again. A named error
   (a truncated rank file, ...) fails its task at once: the other shard tasks are cancelled and waited
-  for, the subflow fails with that error, and `merge_engine.jobs.run_job` leaves the target absent.
+  for, the subflow fails with that error, and `merge_engine.output.jobs.run_job` leaves the target absent.
 - Workers get the coordinator's storage settings (`remote.storage_env`: endpoints, credentials,
   timeouts) through Ray's ``runtime_env``; the Prefect API settings travel in the task runs' context.
 - ``address``: ``auto`` (the cluster this machine joined with ``ray start``), ``host:port``,
@@ -34,11 +34,11 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from merge_engine.errors import InvalidOption
-from merge_engine.executors import ShardExecutor
-from merge_engine.executors.local import LocalExecutor
-from merge_engine.executors.ray_address import check_ray_address
-from merge_engine.executors.remote import RemoteExecutor, ShardTask, run_shard_task, storage_env
-from merge_engine.shard_job import ShardRecord
+from merge_engine.output.executors import ShardExecutor
+from merge_engine.output.executors.local import LocalExecutor
+from merge_engine.output.executors.ray_address import check_ray_address
+from merge_engine.output.executors.remote import RemoteExecutor, ShardTask, run_shard_task, storage_env
+from merge_engine.output.shard_job import ShardRecord
 from tasks.retry import RETRY_OPTIONS
 
 __all__ = ["RAY_ADDRESS_ENV", "PrefectRayExecutor", "checkpoint_label", "configured_ray_address", "ray_task_runner",

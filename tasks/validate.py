@@ -22,7 +22,7 @@ from typing import Optional
 from prefect import task
 
 from merge_engine import storage
-from merge_engine.release import release_state
+from merge_engine.release.state import release_state
 from merge_engine.validate import Check, ValidationReport, validate_model
 from merge_engine.validate.trained import TRAINED, VS_ADAPTER, VS_FUSED, check_against_trained
 from tasks.cache import stage_cache_policy

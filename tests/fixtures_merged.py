@@ -1,6 +1,6 @@
 """Session fixtures: the fixture matrices merged once with the default options (``--weights-format hub``),
 shared by the tests that read the merged folders (transformers 5 here, transformers 4.57 in
-`tests.merge_engine.test_hub_readers`).
+`tests.merge_engine.plan.test_hub_readers`).
 
 `merged_families`: every run of `family_runs` (`synthetic_runs.fsdp.family_matrix()`) -> its folder.
 `merged_megatron`: every checkpoint of `megatron_runs` merged with ``--backend megatron`` -> its folder
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from merge_engine.merge import MergeOptions, merge_checkpoint
+from merge_engine.commands.merge import MergeOptions, merge_checkpoint
 
 
 def megatron_checkpoint_url(job) -> str:

@@ -22,26 +22,22 @@ PACKAGES = ("merge_engine", "tasks", "flows", "deployments")
 
 # layer -> module prefixes (a prefix names a module or a package and everything under it)
 LAYERS: dict[int, tuple[str, ...]] = {
-    0: ("merge_engine", "merge_engine.errors", "merge_engine.storage", "merge_engine.direct_io", "merge_engine.dcp_file_names"),
-    1: ("merge_engine.chunks", "merge_engine.json_file", "merge_engine.hf_metadata",
-        "merge_engine.safetensors_file", "merge_engine.torch_archive", "merge_engine.zip_crc", "merge_engine.torch_dcp",
-        "merge_engine.tensor_source", "merge_engine.merge_plan", "merge_engine.output_heads",
-        "merge_engine.transformers_conversion", "merge_engine.model_heads", "merge_engine.hub_config"),
-    # formats and model families
+    # storage, errors, and the few leaf modules every wing reads (JSON, value spellings)
+    0: ("merge_engine", "merge_engine.errors", "merge_engine.storage", "merge_engine.formats.json_text",
+        "merge_engine.formats.dcp_file_names", "merge_engine.plan.option_values"),
+    # byte formats, and the plan records every planner fills
+    1: ("merge_engine.formats", "merge_engine.plan.merge_plan", "merge_engine.plan.output_heads",
+        "merge_engine.plan.transformers_conversion", "merge_engine.plan.model_heads", "merge_engine.plan.hub_config"),
+    # checkpoint layouts and model families
     2: ("merge_engine.layouts", "merge_engine.architectures"),
-    # planners of one kind of source, and the LoRA records they plan from
-    3: ("merge_engine.architectures.megatron_to_hf", "merge_engine.hf_plan", "merge_engine.stored_aliases",
-        "merge_engine.lora",
-        "merge_engine.hub_format"),
+    # planners of one kind of source, and the LoRA library they plan from
+    3: ("merge_engine.architectures.megatron_to_hf", "merge_engine.plan", "merge_engine.lora"),
     # the planner (picks a plan) and discovery (run root -> steps)
-    4: ("merge_engine.planner", "merge_engine.discovery"),
-    # how an output is written: target folders, shard jobs, the executors that run them
-    5: ("merge_engine.output_target", "merge_engine.writer", "merge_engine.shard_job", "merge_engine.shard_ranges", "merge_engine.executors"),
-    # jobs: every command that writes or checks an output
-    6: ("merge_engine.jobs", "merge_engine.merge", "merge_engine.split", "merge_engine.lora.extract",
-        "merge_engine.lora.combine", "merge_engine.lora.megatron_step",
-        "merge_engine.reference_check", "merge_engine.validate", "merge_engine.publish", "merge_engine.release",
-        "merge_engine.verify"),
+    4: ("merge_engine.plan.planner", "merge_engine.layouts.discovery"),
+    # how an output is written: units of work, executors, targets, commits
+    5: ("merge_engine.output", "merge_engine.release.checksums"),
+    # jobs and the commands built on them; validation; releases
+    6: ("merge_engine.output.jobs", "merge_engine.commands", "merge_engine.validate", "merge_engine.release"),
     7: ("merge_engine.cli", "merge_engine.__main__"),
     8: ("tasks",),
     9: ("flows",),
@@ -165,8 +161,9 @@ def test_the_engine_never_imports_prefect():
 def test_the_checker_sees_lazy_and_relative_upward_imports(tmp_path):
     """The rules can fail: a layout importing the planner inside a function, or the CLI relatively, is seen."""
     fake = tmp_path / "fake.py"
-    fake.write_text("from .. import planner\n\ndef f():\n    from merge_engine.cli import main\n    import flows.events\n")
+    fake.write_text("from ..plan import planner\n\ndef f():\n    from merge_engine.cli import main\n    import flows.events\n")
     found = imports_of("merge_engine.layouts.fake", fake)
-    assert found == {"merge_engine", "merge_engine.planner", "merge_engine.cli", "flows.events"}
+    assert found == {"merge_engine.plan", "merge_engine.plan.planner", "merge_engine.cli", "flows.events"}
     assert upward_imports("merge_engine.layouts.fake", found) == [
-        "flows.events (layer 9)", "merge_engine.cli (layer 7)", "merge_engine.planner (layer 4)"]
+        "flows.events (layer 9)", "merge_engine.cli (layer 7)", "merge_engine.plan (layer 3)",
+        "merge_engine.plan.planner (layer 4)"]

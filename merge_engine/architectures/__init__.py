@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from merge_engine.errors import InvalidConfig, UnknownArchitecture
-from merge_engine.hf_metadata import tie_word_embeddings
+from merge_engine.formats.hf_metadata import tie_word_embeddings
 
 if TYPE_CHECKING:  # the mappings import torch; the package itself does not (layouts import its name modules)
     from merge_engine.architectures.mappings import FamilyTable, ModelDims

@@ -39,7 +39,7 @@ from merge_engine.architectures.mappings import (
     VocabMapping,
 )
 from merge_engine.errors import InvalidOption
-from merge_engine.json_file import read_json_object
+from merge_engine.formats.json_file import read_json_object
 
 KEYS = {"extends", "name", "model_types", "architectures", "direct", "qkv", "gated_mlp", "vocab", "experts_keys",
         "moe_layer_rule", "dense_layers"}

@@ -18,10 +18,10 @@ import torch
 from merge_engine.architectures.binding import Binding, bind_hf, check_coverage, expected_bindings
 from merge_engine.architectures.mappings import FamilyTable, GatedMLPMapping, ModelDims
 from merge_engine.architectures.megatron_names import order_key
-from merge_engine.chunks import flat_slices
+from merge_engine.formats.chunks import flat_slices
 from merge_engine.errors import MappingError
-from merge_engine.output_heads import check_tied_copy
-from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
+from merge_engine.plan.output_heads import check_tied_copy
+from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
 
 EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -79,7 +79,7 @@ class MegatronViewOfHf:
 
     def check_tied_copies(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         """A stored ``lm_head`` of a tied model must equal the embedding: the tied rule of
-        `merge_engine.output_heads` (`InvalidConfig` when config.json lies about tying)."""
+        `merge_engine.plan.output_heads` (`InvalidConfig` when config.json lies about tying)."""
         if not self.tied_copies:
             return
         embed = self._bindings[EMBEDDING].hf[0]

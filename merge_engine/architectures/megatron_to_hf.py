@@ -38,9 +38,9 @@ from merge_engine.architectures.mappings import (
 )
 from merge_engine.architectures.mtp import CONFIG_KEY as MTP_CONFIG_KEY
 from merge_engine.architectures.mtp import mtp_view
-from merge_engine.chunks import aligned_chunks, flat_slices
+from merge_engine.formats.chunks import aligned_chunks, flat_slices
 from merge_engine.errors import MappingError
-from merge_engine.merge_plan import (
+from merge_engine.plan.merge_plan import (
     DEFAULT_MAX_SHARD_SIZE,
     MergePlan,
     PlannedTensor,
@@ -48,8 +48,8 @@ from merge_engine.merge_plan import (
     output_dtype,
     stored_dtype_update,
 )
-from merge_engine.output_heads import CRITIC_HEAD, check_tie_flag, critic_config, is_critic, tied_copy_error
-from merge_engine.tensor_source import TensorSource
+from merge_engine.plan.output_heads import CRITIC_HEAD, check_tie_flag, critic_config, is_critic, tied_copy_error
+from merge_engine.formats.tensor_source import TensorSource
 
 OUTPUT_LAYER = "output_layer.weight"
 MTP_CONFIG_ALIASES = ("num_mtp_layers",)  # other config keys counting MTP layers (transformers v5's GLM)
@@ -107,7 +107,7 @@ class FusedPart:
 class LeadingRows:
     """The first ``rows`` rows of a (vocabulary) tensor, streamed; ``same_as``: a tensor whose first
     ``rows`` rows must be equal (tied copy), compared while streaming (the tied rule of
-    `merge_engine.output_heads`: `InvalidConfig` if not)."""
+    `merge_engine.plan.output_heads`: `InvalidConfig` if not)."""
 
     source_name: str
     rows: int

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from merge_engine.architectures.mappings import ModelDims
 from merge_engine.architectures.megatron_names import layer_name
 from merge_engine.errors import MappingError
-from merge_engine.tensor_source import TensorMeta
+from merge_engine.formats.tensor_source import TensorMeta
 
 MTP_OPTIONS = ("export", "drop")
 MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")

@@ -41,11 +41,11 @@ from merge_engine.layouts.contract import (
     Verdict,
     WritableLayout,
 )
-from merge_engine.source_files import check_local_tree
+from merge_engine.storage.source_files import check_local_tree
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:
-    from merge_engine.tensor_source import TensorSource
+    from merge_engine.formats.tensor_source import TensorSource
 
 # THE registry, in priority order (detection and discovery's primary layout)
 LAYOUTS: tuple[Layout, ...] = (fsdp, megatron_legacy, megatron_lora, megatron_bridge, megatron_dist, hf)
@@ -129,7 +129,7 @@ def check_checkpoint(url: str, backend: str | None = None) -> Checkpoint:
     """List ``url`` once, pick the layout (or use ``backend``, a layout or an alias), check completeness.
 
     A local folder holding a link out of it or a special file is refused first (`UnsafeFile`,
-    `merge_engine.source_files`): no byte of it is read."""
+    `merge_engine.storage.source_files`): no byte of it is read."""
     if backend and backend not in ALIASES:
         layout_named(backend)  # an unknown name is refused before the listing is judged
     check_local_tree(url)

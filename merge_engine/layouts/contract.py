@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:  # `Layout.open`'s result; the contract itself imports no torch (the registry is read torch-free)
-    from merge_engine.tensor_source import TensorSource
+    from merge_engine.formats.tensor_source import TensorSource
 
 # listing verdicts (`Verdict.status`)
 COMPLETE, INCOMPLETE, INVALID = "complete", "incomplete", "invalid"
@@ -86,7 +86,7 @@ Files = list[tuple[str, int]]  # written file names (relative to the target) wit
 class Layout(Protocol):
     """One on-disk checkpoint format. Contract (all paths in ``files`` are relative to ``url``):
 
-    - ``NAME``: its one name: ``--backend``, `Checkpoint.layout`, `merge_engine.discovery.Step.layout`.
+    - ``NAME``: its one name: ``--backend``, `Checkpoint.layout`, `merge_engine.layouts.discovery.Step.layout`.
     - ``TENSOR_NAMING``: `HF_NAMES` or `MEGATRON_NAMES`, the names `open` gives its tensors.
     - ``detect(files)``: does this listing hold this format (the reader to use)? Names only, no I/O.
     - ``listing_verdict(files)``: complete / incomplete / invalid / not a checkpoint, from names and
@@ -153,7 +153,7 @@ class WritableLayout(Layout, Protocol):
       or in which order it runs. ``cancel`` (an Event) is checked between tensors: once set, the job
       raises `WriteCancelled` and leaves no file. Memory: what one file of the format holds.
     - ``finish(records, target_url)``: after every job, writes what needs all their records (a DCP
-      folder's ``.metadata``, last); its records. The caller owns the target (`merge_engine.output_target`).
+      folder's ``.metadata``, last); its records. The caller owns the target (`merge_engine.output.target`).
     """
 
     CONFIG_DIR: str

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, WorldSizeMismatch
 from merge_engine.layouts.contract import ABSENT, DONE, HF_NAMES, INCOMPLETE, INVALID, Checkpoint, Verdict
-from merge_engine.json_file import read_json_object
+from merge_engine.formats.json_file import read_json_object
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:  # the readers import torch: imported when a checkpoint is checked or opened, not with the registry
-    from merge_engine.tensor_source import TensorSource
-    from merge_engine.torch_archive import TorchArchive
+    from merge_engine.formats.tensor_source import TensorSource
+    from merge_engine.formats.torch_archive import TorchArchive
 
 NAME = "fsdp"
 TENSOR_NAMING = HF_NAMES
@@ -198,7 +198,7 @@ def state_dict(archive: TorchArchive) -> dict[str, Any]:
 
 
 def _open_archives(url: str, files: list[FileEntry], world_size: int) -> list[TorchArchive]:
-    from merge_engine.torch_archive import TorchArchive
+    from merge_engine.formats.torch_archive import TorchArchive
 
     ranks = model_files(files)[world_size]
     archives = []
@@ -225,7 +225,7 @@ def clean_name(name: str) -> str:
 def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb
     """Assemble every key across ranks into a full-tensor view; reads headers only."""
     from merge_engine.layouts.fsdp_tensors import assemble
-    from merge_engine.tensor_source import AssembledSource
+    from merge_engine.formats.tensor_source import AssembledSource
 
     world_size = checkpoint.parallel["world_size"]
     archives = _open_archives(checkpoint.url, list(checkpoint.files), world_size)

@@ -1,9 +1,9 @@
 """verl FSDP rank files' values for one key -> the full tensor they are shards of (lazy, no byte read).
 
 `assemble(key, values, archives)`: ``values`` are that key's value in each rank file (rank order), as
-stepmerge's unpickler gives them (`merge_engine.torch_archive`): DTensors (placements and mesh
+stepmerge's unpickler gives them (`merge_engine.formats.torch_archive`): DTensors (placements and mesh
 coordinate decide each rank's block, as torch computes it), ShardedTensors (local shards with
-offsets), or plain tensors (replicated: taken once). The result is a `merge_engine.tensor_source`
+offsets), or plain tensors (replicated: taken once). The result is a `merge_engine.formats.tensor_source`
 lazy tensor whose pieces are the ranks' stored bytes; blocks that leave a gap or overlap, ranks that
 disagree on shape, dtype or placement, and placements other than ``Shard`` / ``_StridedShard`` /
 ``Replicate`` are `CorruptShard` / `UnsupportedLayout` naming the rank file. The layout itself (names,
@@ -17,8 +17,8 @@ from typing import Any
 
 from merge_engine.errors import CorruptShard, UnsupportedLayout
 from merge_engine.layouts.dtensor_blocks import Placement, local_block, placement_of
-from merge_engine.tensor_source import ConcatTensor, ReplicatedTensor, StackedTensor
-from merge_engine.torch_archive import StoredTensor, TorchArchive, WrapperTensor
+from merge_engine.formats.tensor_source import ConcatTensor, ReplicatedTensor, StackedTensor
+from merge_engine.formats.torch_archive import StoredTensor, TorchArchive, WrapperTensor
 
 
 def assemble(key: str, values: list[Any], archives: list[TorchArchive]):

@@ -20,16 +20,16 @@ from typing import TYPE_CHECKING, Any
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint
-from merge_engine.hf_metadata import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
-from merge_engine.json_file import read_json_object
+from merge_engine.formats.hf_metadata import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from merge_engine.formats.json_file import read_json_object
 from merge_engine.layouts import verl_v2
 from merge_engine.layouts.contract import ABSENT, DONE, HF_NAMES, INCOMPLETE, Checkpoint, Verdict, by_path
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:  # the readers import torch: imported when a folder is checked or opened, not with the registry
-    from merge_engine.safetensors_file import SafetensorsFile
-    from merge_engine.tensor_source import TensorSource
-    from merge_engine.torch_archive import StoredTensor
+    from merge_engine.formats.safetensors_file import SafetensorsFile
+    from merge_engine.formats.tensor_source import TensorSource
+    from merge_engine.formats.torch_archive import StoredTensor
 
 NAME = "hf"
 TENSOR_NAMING = HF_NAMES
@@ -145,7 +145,7 @@ def weight_files(url: str, files: list[FileEntry]) -> dict[str, list[str]]:
 
 def open_weight_files(url: str, files: Sequence[FileEntry], index: WeightIndex) -> list[SafetensorsFile]:
     """Every weight file opened, its header parsed and checked (`SafetensorsFile`); closed again on failure."""
-    from merge_engine.safetensors_file import SafetensorsFile
+    from merge_engine.formats.safetensors_file import SafetensorsFile
 
     listed = {f.path: f for f in files}
     opened: list[SafetensorsFile] = []
@@ -186,7 +186,7 @@ def tensors_by_name(index: WeightIndex, opened: Sequence[SafetensorsFile]) -> di
 
 def source_of(url: str, opened: Sequence[SafetensorsFile], tensors: dict[str, StoredTensor]) -> TensorSource:
     """The folder's tensors as a `TensorSource` (closing it closes ``opened``)."""
-    from merge_engine.tensor_source import AssembledSource, ConcatTensor
+    from merge_engine.formats.tensor_source import AssembledSource, ConcatTensor
 
     assembled = {name: ConcatTensor(t.shape, t.dtype, 0, (t,)) for name, t in tensors.items()}
     return AssembledSource(url, assembled, list(opened))

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 from merge_engine import storage
 from merge_engine.errors import IncompleteCheckpoint, UnknownArchitecture
-from merge_engine.hf_metadata import read_config
+from merge_engine.formats.hf_metadata import read_config
 from merge_engine.layouts import hf, megatron_dist, verl_v2
 from merge_engine.layouts.contract import ABSENT, HF_NAMES, Checkpoint, Verdict
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:
-    from merge_engine.tensor_source import TensorSource
+    from merge_engine.formats.tensor_source import TensorSource
 
 NAME = "megatron_bridge"
 TENSOR_NAMING = HF_NAMES

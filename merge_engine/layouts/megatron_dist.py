@@ -54,9 +54,9 @@ from merge_engine.architectures.megatron_names import (
     with_prefix,
     without_language_model_prefix,
 )
-from merge_engine.dcp_file_names import DATA_SUFFIX, METADATA_FILE
+from merge_engine.formats.dcp_file_names import DATA_SUFFIX, METADATA_FILE
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout
-from merge_engine.json_file import read_json_object
+from merge_engine.formats.json_file import read_json_object
 from merge_engine.layouts import verl_v2
 from merge_engine.layouts.contract import (
     ABSENT,
@@ -78,8 +78,8 @@ if TYPE_CHECKING:  # the reader and writer import torch: imported by check_compl
     import torch
 
     from merge_engine.architectures.hf_to_megatron import MegatronViewOfHf
-    from merge_engine.tensor_source import TensorSource
-    from merge_engine.torch_dcp import DcpFiles, DcpIndex, DcpTensor
+    from merge_engine.formats.tensor_source import TensorSource
+    from merge_engine.formats.torch_dcp import DcpFiles, DcpIndex, DcpTensor
 
 NAME = "megatron_dist"
 TENSOR_NAMING = MEGATRON_NAMES
@@ -192,7 +192,7 @@ def parallel_sizes(url: str, files: list[FileEntry]) -> dict[str, int]:
 
 def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     """See the module docstring; reads ``.metadata`` and the small JSON files, no weights."""
-    from merge_engine.torch_dcp import read_index
+    from merge_engine.formats.torch_dcp import read_index
 
     root, files = _choose_root(url, files)
     folder = _model_folder(root, files)
@@ -238,7 +238,7 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
 
 def canonical_tensors(index: DcpIndex, files: DcpFiles) -> dict[str, DcpTensor]:
     """Canonical Megatron name -> lazy box of its global tensor, in model order."""
-    from merge_engine.torch_dcp import DcpTensor
+    from merge_engine.formats.torch_dcp import DcpTensor
 
     out: dict[str, DcpTensor] = {}
 
@@ -301,8 +301,8 @@ def _folder_url(checkpoint: Checkpoint) -> tuple[str, str]:
 
 def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb
     """The canonical Megatron tensors, lazily (``.metadata`` read; chunk headers on first use)."""
-    from merge_engine.tensor_source import AssembledSource
-    from merge_engine.torch_dcp import DcpFiles, read_index
+    from merge_engine.formats.tensor_source import AssembledSource
+    from merge_engine.formats.torch_dcp import DcpFiles, read_index
 
     folder, folder_url = _folder_url(checkpoint)
     index = read_index(folder_url)
@@ -370,7 +370,7 @@ def write_file(view: MegatronViewOfHf, job: FileJob, target_url: str, sizes: Par
                dtype: torch.dtype | None, cancel: Any = None) -> FileRecord:
     """One data file (`WritableLayout`): torch_dist keys, one DCP chunk per layer (and expert), extra states
     as bytes entries; its record carries the items' locations for `finish`. Memory: one tensor at a time."""
-    from merge_engine.torch_dcp import DcpDataFile
+    from merge_engine.formats.torch_dcp import DcpDataFile
 
     dims = view.dims
     renames = {} if is_mla(view.metas()) else _DIST_RENAMES
@@ -416,7 +416,7 @@ def _none_object() -> bytes:
 def finish(records: Sequence[FileRecord], target_url: str) -> list[FileRecord]:
     """``dist_ckpt/.metadata`` from every data file's items (last of the DCP files), then megatron-core's
     ``metadata.json`` and ``common.pt`` (`WritableLayout`)."""
-    from merge_engine.torch_dcp import dcp_metadata_bytes
+    from merge_engine.formats.torch_dcp import dcp_metadata_bytes
 
     folder = storage.join(target_url, DIST_DIR)
     out = []

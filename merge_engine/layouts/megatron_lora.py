@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING
 
 from merge_engine import storage
 from merge_engine.errors import IncompleteCheckpoint, StepmergeError, UnsupportedLayout
-from merge_engine.json_file import read_json_object
+from merge_engine.formats.json_file import read_json_object
 from merge_engine.layouts import megatron_dist, verl_v2
 from merge_engine.layouts.contract import ABSENT, COMPLETE, MEGATRON_NAMES, Checkpoint, Verdict
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:
-    from merge_engine.tensor_source import TensorSource
+    from merge_engine.formats.tensor_source import TensorSource
 
 NAME = "megatron_lora"
 TENSOR_NAMING = MEGATRON_NAMES
@@ -148,8 +148,8 @@ def is_adapter_key(key: str) -> bool:
 def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     """The step complete (marker), its dist index readable and holding adapter keys, the PEFT folder the
     marker names complete; reads ``ckpt_contents.json``, ``.metadata`` and small JSON files, no weight."""
-    from merge_engine.dcp_file_names import METADATA_FILE
-    from merge_engine.torch_dcp import read_index
+    from merge_engine.formats.dcp_file_names import METADATA_FILE
+    from merge_engine.formats.torch_dcp import read_index
 
     paths = {f.path: f for f in files}
     if MARKER not in paths:

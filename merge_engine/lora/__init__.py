@@ -15,10 +15,8 @@ Modules, one job each:
 - `checkpoint`  the LoRA of a PEFT-wrapped training checkpoint (keys, alpha from the run); the
                 trained-model plan the planner picks for a plain `merge`
 - `svd`         low-rank factoring with per-module relative error, GPU when present
-- `combine`     concat / weighted / average, fused or as one adapter (exact or SVD): `CombineJob`
-- `extract`     checkpoint -> adapter + clean base (`ExtractJob`); SVD extraction (`SvdExtractJob`)
-- `target`      the adapter commands' input fingerprints and SVD report records
-(`combine` and `extract` are output jobs, `merge_engine.jobs`; the other modules sit below the planner)
+The commands built on this library (extract, svd-extract, combine, a Megatron LoRA step's release) are output
+jobs in `merge_engine.commands`; everything here sits below the planner.
 Validating an adapter folder (PEFT loads it on its base, logits equal the fused model's) is
 `merge_engine.validate.adapter`, beside the other checks.
 """

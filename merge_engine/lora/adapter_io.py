@@ -19,7 +19,7 @@ from typing import Any
 
 from merge_engine import storage
 from merge_engine.errors import AdapterError
-from merge_engine.json_file import read_json_object
+from merge_engine.formats.json_file import read_json_object
 from merge_engine.lora.config import LoraSettings, targets
 from merge_engine.lora.fused_experts import check_experts_fit, find_expert_loras, with_scales, wrapper_owner
 from merge_engine.lora.keys import (
@@ -31,9 +31,9 @@ from merge_engine.lora.keys import (
     TRAINED_COPY,
     parse_key,
 )
-from merge_engine.merge_plan import MergePlan, PlannedTensor, ShardFile
-from merge_engine.safetensors_file import SafetensorsFile
-from merge_engine.tensor_source import (
+from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, ShardFile
+from merge_engine.formats.safetensors_file import SafetensorsFile
+from merge_engine.formats.tensor_source import (
     AssembledSource,
     ConcatTensor,
     TensorMeta,

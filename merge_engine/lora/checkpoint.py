@@ -8,7 +8,7 @@ two sources that disagree, or none, raise `AdapterError`.
 
 `plan_trained_model` is what a plain ``stepmerge merge`` of such a checkpoint writes (the planner
 asks `is_lora_checkpoint`): the TRAINED model, every LoRA fused into its base weight and every
-trained copy in place of its original. `merge_engine.lora.extract` writes the adapter itself.
+trained copy in place of its original. `merge_engine.commands.extract` writes the adapter itself.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from merge_engine import storage
 from merge_engine.errors import AdapterError, CorruptShard, InvalidOption
-from merge_engine.json_file import read_json_object
+from merge_engine.formats.json_file import read_json_object
 from merge_engine.layouts import Checkpoint, open_checkpoint
 from merge_engine.lora.adapter_io import Adapter, lora_modules
 from merge_engine.lora.config import LoraSettings
@@ -33,9 +33,9 @@ from merge_engine.lora.fused_experts import find_expert_loras, transposed_expert
 from merge_engine.lora.keys import LORA_A, LORA_B, TRAINED_COPY, parse_key
 from merge_engine.lora.peft_settings import StoredFactors, TrainedSettings, resolve_trained_settings
 from merge_engine.lora.sources import RenamedSource
-from merge_engine.merge_plan import MergePlan
-from merge_engine.output_heads import check_dropped_head
-from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
+from merge_engine.plan.merge_plan import MergePlan
+from merge_engine.plan.output_heads import check_dropped_head
+from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
 
 LORA_TRAIN_META = "lora_train_meta.json"
 RUN_ADAPTER_CONFIGS = ("adapter_config.json", "lora_adapter/adapter_config.json")
@@ -193,7 +193,7 @@ def resolve_checkpoint_lora(url: str, metas: Mapping[str, TensorMeta], lora_alph
                             model_config: Mapping[str, Any] | None = None) -> CheckpointLora:
     """The checkpoint's LoRA. ``model_config`` (the model's config.json) decides ``fan_in_fan_out``
     when the run did not record it: PEFT sets it for LoRA on Conv1D layers (GPT-2), whatever the
-    LoRA config said, so the model's layer types are the truth (`merge_engine.model_heads`)."""
+    LoRA config said, so the model's layer types are the truth (`merge_engine.plan.model_heads`)."""
     keys = split_checkpoint(metas, url)
     if not keys.factors:
         raise AdapterError("no LoRA tensors in this checkpoint: nothing to extract", url)
@@ -236,7 +236,7 @@ def trained_settings(model_config: Mapping[str, Any] | None, settings: LoraSetti
 
 
 def _buildable(model_config: Mapping[str, Any]) -> bool:
-    from merge_engine.transformers_conversion import meta_model
+    from merge_engine.plan.transformers_conversion import meta_model
 
     try:
         return meta_model(model_config) is not None
@@ -276,7 +276,7 @@ def base_shapes(keys: LoraCheckpointKeys, metas: Mapping[str, TensorMeta],
     if keys.base:
         return {name: tuple(metas[key].shape) for name, key in keys.base.items()}
     if model_config:
-        from merge_engine.hub_format import in_memory_shapes
+        from merge_engine.plan.hub_format import in_memory_shapes
 
         return in_memory_shapes(model_config) or {}
     return {}
@@ -286,7 +286,7 @@ def _with_fan_in_fan_out(settings: LoraSettings, modules: set[str], model_config
                          where: str | None) -> LoraSettings:
     if settings.fan_in_fan_out or not model_config:
         return settings
-    from merge_engine.model_heads import conv1d_modules
+    from merge_engine.plan.model_heads import conv1d_modules
 
     conv1d = conv1d_modules(model_config)
     if not conv1d:

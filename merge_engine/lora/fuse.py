@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from merge_engine.chunks import aligned_chunks
+from merge_engine.formats.chunks import aligned_chunks
 from merge_engine.errors import AdapterError
 from merge_engine.lora.adapter_io import Adapter, check_fits_base, with_base
 from merge_engine.lora.sources import qualified
-from merge_engine.hf_plan import plan_hf_merge
-from merge_engine.merge_plan import MergePlan
-from merge_engine.output_heads import EMBED_SUFFIXES, LM_HEAD, tie_word_embeddings
-from merge_engine.tensor_source import TensorMeta, TensorSource, iter_flat_range
+from merge_engine.plan.hf_plan import plan_hf_merge
+from merge_engine.plan.merge_plan import MergePlan
+from merge_engine.plan.output_heads import EMBED_SUFFIXES, LM_HEAD, tie_word_embeddings
+from merge_engine.formats.tensor_source import TensorMeta, TensorSource, iter_flat_range
 
 BASE_NAMESPACE = "base"
 ROW_BLOCK_ELEMENTS = 1 << 20  # LoRA terms are computed in row blocks of about this many elements (4 MiB)
@@ -58,7 +58,7 @@ def finite_or_raise(tensor: torch.Tensor, what: str, where: str | None) -> None:
 
 
 def aligned(streams: Sequence[Iterator[torch.Tensor]]) -> Iterator[tuple[torch.Tensor, ...]]:
-    """`merge_engine.chunks.aligned_chunks` over ``streams``; streams of different lengths: `AdapterError`."""
+    """`merge_engine.formats.chunks.aligned_chunks` over ``streams``; streams of different lengths: `AdapterError`."""
     return aligned_chunks(*streams, error=lambda message: AdapterError(f"tensors to combine differ in length "
                                                                        f"({message})"))
 

@@ -34,7 +34,7 @@ import torch
 from merge_engine.errors import AdapterError
 from merge_engine.lora.config import LoraSettings
 from merge_engine.lora.keys import LORA_A, LORA_B
-from merge_engine.tensor_source import TensorMeta
+from merge_engine.formats.tensor_source import TensorMeta
 
 WRAPPER_SUFFIX = ".base_layer"
 
@@ -74,7 +74,7 @@ def transposed_expert_modules(config: Mapping[str, Any] | None) -> frozenset[str
     (transformers' ``is_transposed``: gpt-oss, Aria), read from the model built on the meta device."""
     if not config:
         return frozenset()
-    from merge_engine.transformers_conversion import meta_model
+    from merge_engine.plan.transformers_conversion import meta_model
 
     try:
         model = meta_model(config)

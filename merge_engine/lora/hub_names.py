@@ -2,7 +2,7 @@
 
 A checkpoint written from a transformers v5 model carries the in-memory names (``model.language_model``
 for vision-language models, fused 3-D experts for MoE); the base written beside the adapter, and the
-bases serving stacks and PEFT users load, carry the Hub names (`merge_engine.hub_format`). This module
+bases serving stacks and PEFT users load, carry the Hub names (`merge_engine.plan.hub_format`). This module
 renames the adapter the same way, with transformers' own conversion (`hub_naming`), so nothing is
 re-typed:
 
@@ -31,14 +31,14 @@ from dataclasses import dataclass, field
 import torch
 
 from merge_engine.errors import AdapterError
-from merge_engine.hub_format import HUB, hub_naming, parse_weights_format
+from merge_engine.plan.hub_format import HUB, hub_naming, parse_weights_format
 from merge_engine.lora.adapter_io import LoraModule
 from merge_engine.lora.fuse import CheckedCopy, finite_or_raise
 from merge_engine.lora.fused_experts import ExpertLora
 from merge_engine.lora.keys import LORA_A, LORA_B, PEFT_PREFIX, adapter_file_key, parse_key
-from merge_engine.merge_plan import PlannedTensor
-from merge_engine.tensor_source import TensorMeta, TensorSource, iter_flat_range
-from merge_engine.transformers_conversion import TensorView
+from merge_engine.plan.merge_plan import PlannedTensor
+from merge_engine.formats.tensor_source import TensorMeta, TensorSource, iter_flat_range
+from merge_engine.plan.transformers_conversion import TensorView
 
 WEIGHT = ".weight"
 

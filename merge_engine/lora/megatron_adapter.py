@@ -31,8 +31,8 @@ import torch
 from merge_engine.architectures.mappings import FamilyTable, ModelDims, ParamMapping, compile_pattern, fill
 from merge_engine.errors import AdapterError
 from merge_engine.lora.keys import PEFT_PREFIX
-from merge_engine.chunks import flat_slices
-from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
+from merge_engine.formats.chunks import flat_slices
+from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
 
 ADAPTER_FACTOR = re.compile(r"^(?P<module>.+)\.adapter\.linear_(?P<side>in|out)\.weight$")
 GROUPED_EXPERTS = re.compile(r"^(?P<layer>decoder\.layers\.\d+)\.mlp\.experts\.(?:experts\.)?(?P<linear>linear_fc[12])$")

@@ -93,7 +93,7 @@ def _peft_layers(config_json: str, lora_json: str) -> tuple[tuple[tuple[str, Mod
     import peft
     import torch
 
-    from merge_engine.transformers_conversion import fresh_meta_model
+    from merge_engine.plan.transformers_conversion import fresh_meta_model
 
     model = fresh_meta_model(json.loads(config_json))
     if model is None:
@@ -278,7 +278,7 @@ def check_adapter_scales(model_config: Mapping[str, Any], adapter_json: Mapping[
     applies) that PEFT builds must have PEFT's ``scaling``, else `AdapterError`. Names PEFT builds otherwise
     (per-expert Hub modules, which PEFT 0.21 fuses on a transformers-5 model) are not compared. Empty when
     transformers or PEFT cannot build the model with this config (then nothing is asked)."""
-    from merge_engine.transformers_conversion import fresh_meta_model
+    from merge_engine.plan.transformers_conversion import fresh_meta_model
 
     try:
         if fresh_meta_model(model_config) is None:

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from merge_engine.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
+from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
 
 SEPARATOR = "::"
 

@@ -33,7 +33,7 @@ DIRECT_IO_MIN_BYTES = 64 * 1024 * 1024  # local files at least this large bypass
 
 def reload_from_env() -> None:
     """Read the tunables that come from the environment again (a worker process handed a coordinator's
-    settings after it started: `merge_engine.executors.remote.apply_storage_env`)."""
+    settings after it started: `merge_engine.output.executors.remote.apply_storage_env`)."""
     global REQUESTS_IN_FLIGHT, READ_AHEAD_BUDGET
     REQUESTS_IN_FLIGHT = int(os.environ.get("STEPMERGE_REQUESTS_IN_FLIGHT", "32"))
     READ_AHEAD_BUDGET = int(os.environ.get("STEPMERGE_READ_AHEAD_BYTES", str(256 * 1024 * 1024)))

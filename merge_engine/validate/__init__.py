@@ -3,7 +3,7 @@
 Contract:
 - `validate_structure`: config parses; the weights read through the HF layout's reader
   (`merge_engine.layouts.hf`, one check per stage: index with safe, existing file names; every
-  safetensors header (`merge_engine.safetensors_file`); index and headers agree; ``total_size``);
+  safetensors header (`merge_engine.formats.safetensors_file`); index and headers agree; ``total_size``);
   the keys and shapes the config implies (its model class on the ``meta`` device, saved the way
   ``save_pretrained`` would save it; under the names of the weights format ``stepmerge.json``
   records: ``hub`` by default, ``transformers`` = as stored) are exactly the keys and shapes on
@@ -11,7 +11,7 @@ Contract:
 - `compare_to_reference`: the one comparison (`compare.compare_tensors`, verl's ``test``
   semantics): same keys, shapes, dtypes, and values within ``atol + rtol * |reference|`` with
   the one set of tolerances (`WEIGHT_TOLERANCE` 1e-6 / 1e-6); NaN never equal; the first failing
-  key is named. `merge_engine.reference_check` uses the same comparison for a planned merge.
+  key is named. `merge_engine.commands.reference_check` uses the same comparison for a planned merge.
 - `forward_check`: the one forward pass (`forward`): ``from_pretrained`` with the config's
   architecture, fixed token ids (GPU when present), finite logits; with a reference, the logits
   compared within `LOGIT_TOLERANCE` (1e-4 / 1e-4).

@@ -12,7 +12,7 @@ Tolerances, one set for the engine (the CLI's ``--atol`` / ``--rtol`` and the pi
 - logits (`merge_engine.validate.forward`): `LOGIT_TOLERANCE` = atol 1e-4, rtol 1e-4 (two forward
   passes over equal weights may sum in different orders).
 
-Used by `compare_to_reference` (two HF folders), `merge_engine.reference_check` (a checkpoint, as
+Used by `compare_to_reference` (two HF folders), `merge_engine.commands.reference_check` (a checkpoint, as
 planned, against an HF folder) and `validate_model`.
 """
 
@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from merge_engine.chunks import aligned_chunks
+from merge_engine.formats.chunks import aligned_chunks
 from merge_engine.errors import CorruptShard
-from merge_engine.safetensors_file import CODES
+from merge_engine.formats.safetensors_file import CODES
 from merge_engine.validate.report import Check, ValidationReport
 from merge_engine.validate.weights import CHUNK_BYTES, FolderWeights, few, scan_weights, top_level_listing
 

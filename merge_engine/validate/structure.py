@@ -7,7 +7,7 @@ conversions reverted (transformers' own save-time rules). Tensor bytes are read 
 ``chunk_bytes`` through the HF layout's `TensorSource`, never a whole tensor.
 
 The names are those of the format the folder was written in: ``stepmerge.json``'s
-``options.weights_format`` (`merge_engine.hub_format`; absent: ``hub``). ``hub``: what
+``options.weights_format`` (`merge_engine.plan.hub_format`; absent: ``hub``). ``hub``: what
 ``save_pretrained`` writes. ``transformers`` (the names as stored by the training job): the model's
 in-memory names (transformers v5's fused experts, ``model.language_model``) or, for a checkpoint
 saved under transformers 4.x, the Hub names; the key set must equal one of the two exactly.
@@ -20,10 +20,10 @@ from typing import Any
 from merge_engine import storage
 from merge_engine.architectures.mtp import hub_mtp_names
 from merge_engine.errors import InvalidOption
-from merge_engine.hf_metadata import CONFIG_FILE
-from merge_engine.option_values import HUB, TRANSFORMERS, parse_weights_format
-from merge_engine.json_file import read_json_object
-from merge_engine.output_target import PROVENANCE_FILE, read_provenance
+from merge_engine.formats.hf_metadata import CONFIG_FILE
+from merge_engine.plan.option_values import HUB, TRANSFORMERS, parse_weights_format
+from merge_engine.formats.json_file import read_json_object
+from merge_engine.output.target import PROVENANCE_FILE, read_provenance
 from merge_engine.validate.forward import architecture_of, model_class
 from merge_engine.validate.report import Check, ValidationReport
 from merge_engine.validate.staging import local_folder
@@ -72,9 +72,9 @@ def expected_tensors(config: Any, trust_remote_code: bool = False,
 def _in_hub_layout(model: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """``shapes`` with the layout the Hub holds where ``save_pretrained`` keeps the in-memory one (a
     tensor transformers transposes on load only when its shape asks: Qwen3-VL-MoE's fused experts),
-    as stepmerge writes them (`merge_engine.transformers_conversion`)."""
+    as stepmerge writes them (`merge_engine.plan.transformers_conversion`)."""
     from merge_engine.errors import UnsupportedLayout
-    from merge_engine.transformers_conversion import trace_reverse_conversion
+    from merge_engine.plan.transformers_conversion import trace_reverse_conversion
 
     memory = {key: tuple(value.shape) for key, value in model.state_dict().items()}
     try:

@@ -56,7 +56,7 @@ from typing import Any, Optional
 
 from merge_engine import storage
 from merge_engine.errors import StepmergeError
-from merge_engine.hf_metadata import CONFIG_FILE
+from merge_engine.formats.hf_metadata import CONFIG_FILE
 from merge_engine.layouts import Checkpoint, check_checkpoint, open_checkpoint
 from merge_engine.validate.adapter import BASE_DIR, _folder_dtypes, _peft_logits, coarsest_dtype, compare_logits
 from merge_engine.validate.compare import LOGIT_TOLERANCE

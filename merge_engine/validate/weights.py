@@ -3,7 +3,7 @@
 `scan_weights` walks `merge_engine.layouts.hf`'s stages (`read_weight_index`, `open_weight_files`,
 `tensors_by_name`) and turns each stage's named error into its failed check:
 ``weights_index`` (index readable, safe file names, files present), ``shard_headers`` (every header
-parses: `merge_engine.safetensors_file`), ``index_matches_shards`` (index and headers agree both
+parses: `merge_engine.formats.safetensors_file`), ``index_matches_shards`` (index and headers agree both
 ways), then ``total_size`` (the index's declared size is the tensors' bytes). On success the
 `FolderWeights` it returns reads tensors as a `TensorSource`; close it (or use ``with``).
 """
@@ -16,8 +16,8 @@ from typing import Any
 from merge_engine import storage
 from merge_engine.errors import StepmergeError
 from merge_engine.layouts import hf
-from merge_engine.safetensors_file import HeaderEntry, SafetensorsFile
-from merge_engine.tensor_source import TensorSource
+from merge_engine.formats.safetensors_file import HeaderEntry, SafetensorsFile
+from merge_engine.formats.tensor_source import TensorSource
 from merge_engine.validate.report import Check
 
 CHUNK_BYTES = 16 * 1024 * 1024  # bytes of one tensor read at a time (validation's reads)

@@ -55,7 +55,7 @@ def test_bad_input_and_no_server_are_one_line_errors(prefect_api, capsys):
 
 
 def test_the_engine_does_not_import_prefect():
-    code = ("import sys, merge_engine.cli, merge_engine.merge, merge_engine.publish, merge_engine.validate; "
+    code = ("import sys, merge_engine.cli, merge_engine.commands.merge, merge_engine.release.publish, merge_engine.validate; "
             "sys.exit(1 if any(m == 'prefect' or m.startswith('prefect.') for m in sys.modules) else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

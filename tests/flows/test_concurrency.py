@@ -14,9 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from merge_engine.publish import claims_url
-from merge_engine.release import read_manifest, release_url
-from merge_engine.verify import verify_folder
+from merge_engine.release.publish import claims_url
+from merge_engine.release.state import read_manifest, release_url
+from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import copy_steps
 
 WORKER = r"""

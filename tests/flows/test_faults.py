@@ -21,8 +21,8 @@ from flows.merge_step import merge_step, summary_key
 from flows.params import MergeStepParams, WatchParams
 from merge_engine import storage
 from merge_engine.errors import CorruptShard
-from merge_engine.release import is_released, release_url
-from merge_engine.verify import verify_folder
+from merge_engine.release.state import is_released, release_url
+from merge_engine.release.verify import verify_folder
 from tasks.retry import failure_exception, transient_fault
 from tests.fault_proxy import Fault
 from tests.fixtures_pipeline import copy_steps, flow_run_id, latest_artifacts, rank_file, task_runs

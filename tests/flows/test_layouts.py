@@ -14,9 +14,9 @@ from flows.merge_new_steps import merge_new_steps
 from flows.merge_step import merge_step
 from flows.params import MergeStepParams, WatchParams
 from merge_engine import storage
-from merge_engine.merge import read_provenance
-from merge_engine.release import read_manifest
-from merge_engine.verify import verify_folder
+from merge_engine.commands.merge import read_provenance
+from merge_engine.release.state import read_manifest
+from merge_engine.release.verify import verify_folder
 
 MEGATRON = {"qwen2_tp2_pp1_tied_legacy": "megatron_legacy", "mistral_tp2_pp2_tied_dist_v2": "megatron_dist"}
 

@@ -19,8 +19,8 @@ import json
 from flows.merge_new_steps import merge_new_steps
 from flows.params import WatchParams
 from merge_engine import storage
-from merge_engine.release import is_released, read_manifest, release_url
-from merge_engine.verify import verify_folder
+from merge_engine.release.state import is_released, read_manifest, release_url
+from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import copy_steps, rank_file
 
 

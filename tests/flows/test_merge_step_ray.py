@@ -21,7 +21,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowR
 from flows.merge_step import merge_step
 from merge_engine import storage
 from merge_engine.errors import CorruptShard
-from merge_engine.release import MANIFEST, MARKER, read_manifest, release_url
+from merge_engine.release.state import MANIFEST, MARKER, read_manifest, release_url
 from tests.fixtures_pipeline import copy_steps, flow_run_id, task_runs
 
 SHARD_SIZE = "300KB"  # several shards of the template's tiny Qwen2
@@ -89,10 +89,10 @@ def test_merge_step_on_ray_publishes_the_local_release_with_one_task_run_per_sha
 def test_a_named_error_in_one_shard_task_fails_the_shard_runs_with_it(prefect, template_run, ray_cluster, tmp_path):
     from dataclasses import replace
 
-    from merge_engine.merge import MergeJob
-    from merge_engine.executors.remote import ShardTask
-    from merge_engine.jobs import OutputOptions
-    from merge_engine.merge_plan import parse_size
+    from merge_engine.commands.merge import MergeJob
+    from merge_engine.output.executors.remote import ShardTask
+    from merge_engine.output.jobs import OutputOptions
+    from merge_engine.plan.merge_plan import parse_size
     from tasks.shard_runs import PrefectRayExecutor
 
     run_root = tmp_path / "run"

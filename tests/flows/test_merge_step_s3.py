@@ -16,8 +16,8 @@ import json
 from flows.merge_step import merge_step, summary_key
 from flows.params import MergeStepParams
 from merge_engine import storage
-from merge_engine.release import MARKER, is_released, read_manifest, release_url
-from merge_engine.verify import verify_folder
+from merge_engine.release.state import MARKER, is_released, read_manifest, release_url
+from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import copy_steps, flow_run_id, latest_artifacts, task_runs
 
 STAGE_TASKS = ("check-checkpoint", "merge-model", "validate-model", "publish-release")

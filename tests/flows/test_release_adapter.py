@@ -22,18 +22,18 @@ from flows.merge_step import merge_step
 from flows.params import AdapterParams, MergeStepParams
 from flows.release_adapter import release_adapter
 from merge_engine.errors import AdapterError
-from merge_engine.release import is_released, read_manifest, release_url
-from merge_engine.verify import verify_folder
+from merge_engine.release.state import is_released, read_manifest, release_url
+from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import LORA_STEP, ROLE, copy_steps, deploy_watcher, rank_file
 
 
 def test_the_adapter_of_a_lora_step_is_released_and_loads_with_peft(prefect, template_run, tmp_path, monkeypatch):
     """... and the checkpoint's deep check runs once: the extraction uses the check task's record."""
-    import merge_engine.lora.extract
+    import merge_engine.commands.extract
     import tasks.check
 
     checked = []
-    for module in (tasks.check, merge_engine.lora.extract):
+    for module in (tasks.check, merge_engine.commands.extract):
         real = module.check_checkpoint
         monkeypatch.setattr(module, "check_checkpoint",
                             lambda url, backend=None, _real=real: checked.append(url) or _real(url, backend))
@@ -158,8 +158,8 @@ def test_the_adapter_extraction_runs_its_shard_jobs_on_ray(prefect, template_run
     are byte for byte those one worker writes (`extract_lora` with threads, outside Prefect), and the
     release manifest's sha256 of each is the shard job's, equal to a fresh sha256 of the published file."""
     from merge_engine import storage
-    from merge_engine.executors.local import LocalExecutor
-    from merge_engine.lora.extract import extract_lora
+    from merge_engine.output.executors.local import LocalExecutor
+    from merge_engine.commands.extract import extract_lora
     from tests.fixtures_pipeline import flow_run_id
     from tests.flows.test_merge_step_ray import _shard_runs
 

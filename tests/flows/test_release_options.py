@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from flows.merge_step import merge_step
-from merge_engine.release import differing_options, read_manifest, release_url
+from merge_engine.release.state import differing_options, read_manifest, release_url
 from tests.fixtures_pipeline import ROLE, copy_steps
 
 

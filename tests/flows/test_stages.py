@@ -11,7 +11,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.stages import CHAINS, OUTPUT, RELEASE, VALIDATION, StageSpec, StageTimer, run_chain
-from merge_engine.release import ADAPTER, MODEL
+from merge_engine.release.state import ADAPTER, MODEL
 
 
 @task(cache_policy=NO_CACHE)

@@ -19,8 +19,8 @@ from flows.merge_step import merge_step
 from flows.verify_releases import verify_releases
 from merge_engine import storage
 from merge_engine.cli import main as stepmerge
-from merge_engine.release import MARKER, is_released, read_manifest
-from merge_engine.verify import verify_folder
+from merge_engine.release.state import MARKER, is_released, read_manifest
+from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import copy_steps
 
 WEIGHTS = "model.safetensors"

@@ -5,7 +5,7 @@ it reports which heavy modules are in ``sys.modules``. Specification:
 - a merge of an FSDP2 checkpoint of a dense model (DTensor rank files) imports neither
   ``torch.distributed.tensor`` (the placements are read from the unpickler's records:
   `merge_engine.layouts.dtensor_blocks`) nor ``transformers.conversion_mapping`` (the conversion
-  table is consulted from its source: `merge_engine.transformers_conversion.conversion_table_keys`),
+  table is consulted from its source: `merge_engine.plan.transformers_conversion.conversion_table_keys`),
   and writes the same bytes as the merge in this process;
 - a checkpoint whose names transformers converts still gets the conversion (the table is imported
   then): test_transformers_conversion.py::TestConversionTable and test_hub_format.py's family matrix;

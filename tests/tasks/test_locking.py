@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from merge_engine.owner_record import new_record
+from merge_engine.output.owner_record import new_record
 from tasks.locking import CrashSafeFileLockManager
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -131,7 +131,7 @@ def _dead_pid() -> int:
 
 
 def _write_lock(path, **fields) -> dict:
-    """A lock file as a holder of this host would write it (`merge_engine.owner_record`), fields replaced."""
+    """A lock file as a holder of this host would write it (`merge_engine.output.owner_record`), fields replaced."""
     body = {**new_record(holder="someone"), "expires": time.time() + 3600, **fields}
     path.write_text(json.dumps(body))
     return body

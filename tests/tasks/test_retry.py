@@ -14,7 +14,7 @@ from prefect import flow, task
 from prefect.states import Failed
 
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, ValidationFailed, WorldSizeMismatch
-from merge_engine.publish import ReleaseBusy
+from merge_engine.release.publish import ReleaseBusy
 from tasks.retry import RETRY_BASE_DELAY_S, RETRY_OPTIONS, failure_exception, transient_fault
 from tests.fixtures_pipeline import flow_run_id, task_runs
 

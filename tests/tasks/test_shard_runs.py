@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from flows.params import MergeStepParams
-from merge_engine.executors.local import LocalExecutor
+from merge_engine.output.executors.local import LocalExecutor
 from merge_engine.errors import RayClusterUnreachable
 from tasks.shard_runs import RAY_ADDRESS_ENV, PrefectRayExecutor, checkpoint_label, ray_task_runner, shard_executor
 from tests.servers import free_ports

@@ -19,8 +19,8 @@ from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_setti
 
 from flows.stages import StageTimer
 from merge_engine import storage
-from merge_engine.release import read_manifest, release_url
-from merge_engine.verify import verify_folder
+from merge_engine.release.state import read_manifest, release_url
+from merge_engine.release.verify import verify_folder
 from tasks import check_step, discover_steps, merge_model, publish_release, validate_output
 from tasks.cache import stage_cache_policy
 from tasks.records import MergeSettings, ValidationSettings
@@ -124,11 +124,11 @@ def test_results_can_be_kept_in_s3(prefect, s3_bucket_url, monkeypatch):
 
 def test_the_deep_check_runs_once_per_merge(prefect, template_run, tmp_path, monkeypatch):
     """The check task's record is the checkpoint the merge uses: its headers are not checked twice."""
-    import merge_engine.merge
+    import merge_engine.commands.merge
     import tasks.check
 
     calls = []
-    for module in (tasks.check, merge_engine.merge):
+    for module in (tasks.check, merge_engine.commands.merge):
         real = module.check_checkpoint
         monkeypatch.setattr(module, "check_checkpoint",
                             lambda url, backend=None, _real=real: calls.append(url) or _real(url, backend))
@@ -142,7 +142,7 @@ def test_the_deep_check_runs_once_per_merge(prefect, template_run, tmp_path, mon
 def test_a_release_of_other_content_is_refused_and_the_staging_folder_removed(prefect, template_run, tmp_path):
     """publish_release keeps nothing behind when it refuses (TargetExists: another fingerprint there)."""
     from merge_engine.errors import TargetExists
-    from merge_engine.merge import MergeOptions, merge_checkpoint
+    from merge_engine.commands.merge import MergeOptions, merge_checkpoint
     from tasks.records import OutputRecord, ValidationRecord
 
     run_root, releases = str(tmp_path / "run"), str(tmp_path / "releases")
@@ -171,7 +171,7 @@ def test_staging_left_by_crashed_runs_is_swept(prefect, template_run, tmp_path):
     import os
     import time
 
-    from merge_engine.release import STALE_STAGING_S
+    from merge_engine.release.state import STALE_STAGING_S
 
     run_root, releases, staging = str(tmp_path / "run"), str(tmp_path / "releases"), tmp_path / "staging"
     copy_steps(template_run, run_root, [1])

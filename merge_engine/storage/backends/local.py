@@ -14,7 +14,7 @@ import shutil
 import uuid
 from typing import Any
 
-from merge_engine.direct_io import BLOCK, DirectFile, PositionedFile, aligned_buffer
+from merge_engine.storage.direct_io import BLOCK, DirectFile, PositionedFile, aligned_buffer
 from merge_engine.errors import IncompleteCheckpoint, SourceChanged
 from merge_engine.storage import tuning
 from merge_engine.storage.backend import Backend

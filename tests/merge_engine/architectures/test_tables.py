@@ -25,8 +25,8 @@ from merge_engine.architectures.hf_to_megatron import MegatronViewOfHf
 from merge_engine.architectures.mappings import DirectMapping
 from merge_engine.architectures.megatron_to_hf import plan_megatron_to_hf
 from merge_engine.errors import MappingError, UnknownArchitecture
-from merge_engine.tensor_source import TensorMeta
-from merge_engine.shard_job import tensor_chunks
+from merge_engine.formats.tensor_source import TensorMeta
+from merge_engine.output.shard_job import tensor_chunks
 
 VOCAB, PADDED = 100, 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

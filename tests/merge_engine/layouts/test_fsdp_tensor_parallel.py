@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 from merge_engine.errors import CorruptShard
-from merge_engine.merge import merge_checkpoint
+from merge_engine.commands.merge import merge_checkpoint
 from merge_engine.storage import RangeReader
-from merge_engine.torch_archive import TorchArchive
+from merge_engine.formats.torch_archive import TorchArchive
 
 CASE = "qwen2_tp_w4"
 

@@ -35,7 +35,7 @@ from merge_engine.errors import (
     UnknownArchitecture,
     WorldSizeMismatch,
 )
-from merge_engine.merge import MergeOptions, merge_checkpoint
+from merge_engine.commands.merge import MergeOptions, merge_checkpoint
 from tests.merge_engine.layouts.test_megatron_merge import checkpoint_url, hf_model_path
 
 
@@ -311,7 +311,7 @@ def test_rank_files_and_metadata_linking_out_of_the_checkpoint_are_refused(megat
     """Case 14, links: a Megatron rank file or a DCP ``.metadata`` that is a link out of the checkpoint
     (here to a valid archive and to /etc/passwd), or a FIFO in its place, is refused by ``check`` and
     ``merge`` with `UnsafeFile` naming it, before any byte is read — never merged, never a hang.
-    The rule is `merge_engine.source_files` (h2), applied by `layouts.check_checkpoint`."""
+    The rule is `merge_engine.storage.source_files` (h2), applied by `layouts.check_checkpoint`."""
     from merge_engine.errors import UnsafeFile
 
     job, url = _copy(megatron_runs, "llama_tp1_pp1_legacy", tmp_path)

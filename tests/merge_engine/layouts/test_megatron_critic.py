@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from merge_engine.errors import CorruptShard
-from merge_engine.merge import MergeOptions, merge_checkpoint
-from merge_engine.split import SplitOptions, split_hf_to_megatron
+from merge_engine.commands.merge import MergeOptions, merge_checkpoint
+from merge_engine.commands.split import SplitOptions, split_hf_to_megatron
 from synthetic_runs.megatron import REFERENCE_HF_DIR
 from tests.merge_engine.layouts.test_megatron_merge import _tensors
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from merge_engine import storage
-from merge_engine.discovery import TRACKER_FILE
+from merge_engine.layouts.discovery import TRACKER_FILE
 from merge_engine.errors import IncompleteCheckpoint, UnsupportedLayout
 from merge_engine.layouts.megatron_lm_root import choose_iteration
 

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from merge_engine.cli import main
 from merge_engine.layouts import check_checkpoint, open_checkpoint
-from merge_engine.merge import MergeOptions, merge_checkpoint
+from merge_engine.commands.merge import MergeOptions, merge_checkpoint
 from tests.fixtures_merged import megatron_checkpoint_url, megatron_hf_model_path
 from synthetic_runs.megatron import (
     REFERENCE_HF_DIR,

@@ -26,7 +26,7 @@ import torch
 
 from merge_engine.architectures.parallel import TPKind, mla_down_projection_kind
 from merge_engine.errors import CorruptShard
-from merge_engine.merge import MergeOptions, merge_checkpoint
+from merge_engine.commands.merge import MergeOptions, merge_checkpoint
 from synthetic_runs.megatron import REFERENCE_HF_DIR
 from tests.merge_engine.layouts.test_megatron_merge import _tensors
 

@@ -18,7 +18,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 LISTING = """
 import json, sys
-from merge_engine import discovery, layouts
+from merge_engine import layouts
+from merge_engine.layouts import discovery
 from merge_engine.storage import FileEntry
 
 listing = [FileEntry(p, 10, "v") for p in (

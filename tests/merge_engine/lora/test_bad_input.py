@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from merge_engine.cli import main
 from merge_engine.errors import AdapterError
-from merge_engine.lora.combine import MergeLoraOptions, merge_lora
-from merge_engine.lora.extract import extract_lora
+from merge_engine.commands.combine import MergeLoraOptions, merge_lora
+from merge_engine.commands.extract import extract_lora
 from tests.merge_engine.lora.conftest import load_causal_lm, logits, peft_logits, save_adapter
 from tests.merge_engine.lora.test_fuse import ATOL, RTOL
 

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from merge_engine.errors import AdapterError
-from merge_engine.lora.combine import MergeLoraOptions, merge_lora
+from merge_engine.commands.combine import MergeLoraOptions, merge_lora
 from tests.merge_engine.lora.conftest import load_causal_lm, logits, peft_logits
 from tests.merge_engine.lora.test_fuse import ATOL, RTOL, weights
 
@@ -271,7 +271,7 @@ def test_fused_model_is_written_in_the_weights_format(tmp_path, single_rank_fami
     """merge-lora's model passes through the Hub-format step: a VL base and adapter under transformers v5's
     in-memory names (model.language_model) fuse to the Hub names by default, as stored with
     ``weights_format="transformers"``; recorded in stepmerge.json; logits equal the trained model's."""
-    from merge_engine.lora.extract import ExtractOptions, extract_lora
+    from merge_engine.commands.extract import ExtractOptions, extract_lora
 
     run = single_rank_family_loras["qwen2_vl"]
     adapter = str(tmp_path / "adapter")

@@ -15,8 +15,8 @@ import os
 
 import torch
 
-from merge_engine.lora.extract import ExtractOptions, extract_lora
-from merge_engine.merge import merge_checkpoint
+from merge_engine.commands.extract import ExtractOptions, extract_lora
+from merge_engine.commands.merge import merge_checkpoint
 from synthetic_runs.fsdp import build_reference_model
 
 CASE = "gpt2_lora_w2"

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from merge_engine.cli import main
 from merge_engine.errors import AdapterError, InvalidOption
-from merge_engine.lora.extract import ExtractOptions, extract_lora
-from merge_engine.merge import MergeOptions, merge_checkpoint
+from merge_engine.commands.extract import ExtractOptions, extract_lora
+from merge_engine.commands.merge import MergeOptions, merge_checkpoint
 from tests.merge_engine.lora.conftest import LORA_RUNS, copy_checkpoint, load_causal_lm, logits, peft_logits
 from tests.merge_engine.lora.test_fuse import ATOL, RTOL
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from merge_engine.errors import TargetExists
-from merge_engine.lora.combine import MergeLoraOptions, merge_lora
+from merge_engine.commands.combine import MergeLoraOptions, merge_lora
 from merge_engine.lora.sources import NamespacedSource
 from tests.merge_engine.lora.conftest import ADAPTER_CONFIGS, load_causal_lm, logits, peft_logits
 

@@ -25,10 +25,10 @@ import torch
 from safetensors import safe_open
 
 from merge_engine.errors import AdapterError
-from merge_engine.lora.extract import ExtractOptions, extract_lora
+from merge_engine.commands.extract import ExtractOptions, extract_lora
 from merge_engine.lora.fused_experts import expert_factors, find_expert_loras
-from merge_engine.merge import merge_checkpoint
-from merge_engine.tensor_source import TensorMeta
+from merge_engine.commands.merge import merge_checkpoint
+from merge_engine.formats.tensor_source import TensorMeta
 from tests.merge_engine.lora.conftest import load_causal_lm, logits
 
 CASE = "qwen3_moe_lora_w2"
@@ -202,7 +202,7 @@ def test_fused_form_adapter_is_read_back(moe_run, tmp_path):
     """The fused-form adapter is read by stepmerge too: validate_adapter passes it against the trained
     model (merged in the same format), merge-lora fuses it into its base/ to that model (bit for bit),
     and combining it into one adapter is refused with a named error."""
-    from merge_engine.lora.combine import MergeLoraOptions, merge_lora
+    from merge_engine.commands.combine import MergeLoraOptions, merge_lora
     from merge_engine.validate.adapter import validate_adapter
 
     checkpoint, trained = moe_run

@@ -17,7 +17,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from merge_engine.lora.extract import ExtractOptions, extract_lora
+from merge_engine.commands.extract import ExtractOptions, extract_lora
 from tests.merge_engine.lora.conftest import logits
 
 
@@ -94,7 +94,7 @@ def test_transformers_format_keeps_stored_names(single_rank_family_loras, tmp_pa
 def test_validation_of_hub_named_adapters(single_rank_family_loras, tmp_path):
     """validate_adapter (what the pipeline runs before publishing) passes the Hub-named VL and MoE adapters
     against the fused model of the same checkpoint: the adapter reproduces it (``peft_logits``)."""
-    from merge_engine.merge import merge_checkpoint
+    from merge_engine.commands.merge import merge_checkpoint
     from merge_engine.validate.adapter import validate_adapter
 
     for family in ("qwen2_vl", "mixtral"):
@@ -123,7 +123,7 @@ def test_hub_tensors_must_cover_the_fused_tensor_once():
 
     from merge_engine.errors import AdapterError
     from merge_engine.lora.hub_names import _check_covered
-    from merge_engine.transformers_conversion import TensorView
+    from merge_engine.plan.transformers_conversion import TensorView
 
     def expert(e: int) -> tuple[str, TensorView]:
         return f"experts.{e}.down_proj.weight", TensorView("experts.down_proj", e * 12, (3, 4), (4, 1))

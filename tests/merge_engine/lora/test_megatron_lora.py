@@ -31,12 +31,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from merge_engine.cli import main
-from merge_engine.discovery import discover, discover_step
+from merge_engine.layouts.discovery import discover, discover_step
 from merge_engine.errors import AdapterError, BaseModelRequired, InvalidOption
-from merge_engine.jobs import OutputOptions
+from merge_engine.output.jobs import OutputOptions
 from merge_engine.layouts import check_checkpoint
-from merge_engine.lora.extract import extract_lora
-from merge_engine.merge import merge_checkpoint
+from merge_engine.commands.extract import extract_lora
+from merge_engine.commands.merge import merge_checkpoint
 from synthetic_runs.megatron_lora import reference_fused_state
 from tests.fixtures_checkpoints import LORA_ALPHA as ALPHA
 from tests.merge_engine.lora.conftest import load_causal_lm, logits

@@ -22,10 +22,10 @@ import torch
 from merge_engine.errors import AdapterError, LoraRankMismatch
 from merge_engine.lora.checkpoint import split_checkpoint
 from merge_engine.lora.config import pattern_key, settings_layout
-from merge_engine.lora.extract import ExtractOptions, extract_lora
+from merge_engine.commands.extract import ExtractOptions, extract_lora
 from merge_engine.lora.peft_settings import StoredFactors, _peft_layers, resolve_trained_settings
-from merge_engine.merge import merge_checkpoint
-from merge_engine.tensor_source import TensorMeta
+from merge_engine.commands.merge import merge_checkpoint
+from merge_engine.formats.tensor_source import TensorMeta
 from synthetic_runs.fsdp import MOE_FAMILIES, build_reference_model
 
 

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from merge_engine.errors import AdapterError, InvalidOption
-from merge_engine.lora.extract import SvdExtractOptions, extract_lora_svd
+from merge_engine.commands.extract import SvdExtractOptions, extract_lora_svd
 from merge_engine.lora.svd import svd_device
 from tests.merge_engine.lora.conftest import load_causal_lm, logits, peft_logits
 from tests.merge_engine.lora.test_fuse import ATOL, RTOL

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from merge_engine import storage
-from merge_engine.lora.combine import MergeLoraOptions, merge_lora
+from merge_engine.commands.combine import MergeLoraOptions, merge_lora
 
 
 def upload(folder: str, url: str) -> str:

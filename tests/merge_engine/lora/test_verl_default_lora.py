@@ -23,9 +23,9 @@ import os
 import pytest
 import torch
 
-from merge_engine.lora.combine import MergeLoraOptions, merge_lora
-from merge_engine.lora.extract import ExtractOptions, extract_lora
-from merge_engine.merge import merge_checkpoint
+from merge_engine.commands.combine import MergeLoraOptions, merge_lora
+from merge_engine.commands.extract import ExtractOptions, extract_lora
+from merge_engine.commands.merge import merge_checkpoint
 from synthetic_runs.fsdp import MOE_FAMILIES, build_reference_model
 
 TOKENS = torch.arange(1, 41).reshape(2, 20)

@@ -28,8 +28,8 @@ DTYPES = [None, "bfloat16", "float16"]
 @pytest.fixture(scope="module")
 def releases(template_run, tmp_path_factory) -> dict:
     """dtype -> (adapter folder with base/, fused model folder), written by the engine."""
-    from merge_engine.lora.extract import ExtractOptions, extract_lora
-    from merge_engine.merge import MergeOptions, merge_checkpoint
+    from merge_engine.commands.extract import ExtractOptions, extract_lora
+    from merge_engine.commands.merge import MergeOptions, merge_checkpoint
 
     source = str(template_run.step_dir(LORA_STEP) / ROLE)
     root = tmp_path_factory.mktemp("adapter-validation")

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from merge_engine import storage
-from merge_engine.safetensors_file import SafetensorsFile
+from merge_engine.formats.safetensors_file import SafetensorsFile
 from merge_engine.validate import expected_tensors, unsafe_file_name, validate_structure
 from tests.merge_engine.validate.hf_folders import LLAMA, QWEN, failed, write_hf_folder
 

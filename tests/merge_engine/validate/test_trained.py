@@ -165,8 +165,8 @@ def test_a_lora_only_checkpoint_is_skipped_with_its_reason(runs, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_stepmerge_merge_and_extract_reproduce_the_trained_model(runs, family, tmp_path):
     """Issue 16 item 1 (per-module scale as PEFT trained it): stepmerge's outputs pass the check."""
-    from merge_engine.lora.extract import ExtractOptions, extract_lora
-    from merge_engine.merge import MergeOptions, merge_checkpoint
+    from merge_engine.commands.extract import ExtractOptions, extract_lora
+    from merge_engine.commands.merge import MergeOptions, merge_checkpoint
 
     run = runs[family]
     merge_checkpoint(run.checkpoint, str(tmp_path / "fused"), MergeOptions())

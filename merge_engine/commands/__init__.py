@@ -1,0 +1,10 @@
+"""The commands that write or check an output, each an `merge_engine.output.jobs.OutputJob` (or built on one).
+
+- `merge`             checkpoint URL -> Hugging Face folder (`MergeJob`)
+- `extract`           a LoRA checkpoint -> PEFT adapter + clean base; SVD extraction from a full fine-tune
+- `combine`           several adapters -> one (concat / weighted / average, fused or exact or SVD)
+- `megatron_lora`     a verl Megatron LoRA step as an adapter release and as a fused model
+- `split`             Hugging Face model -> Megatron shards
+- `reference_check`   verl's ``test``: a checkpoint, merged, against a reference folder
+- `adapter_target`    fingerprints and reports shared by the adapter commands
+"""

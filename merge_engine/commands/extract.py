@@ -1,0 +1,449 @@
+"""Adapters out of training runs: from a PEFT-wrapped checkpoint, and by SVD from a full fine-tune.
+
+From a checkpoint (`extract_lora`): a checkpoint of a PEFT-wrapped model (verl FSDP rank files:
+``base_layer``, ``lora_A.default``, ``lora_B.default``, ``modules_to_save`` keys) becomes
+- at the target: a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``
+  with PEFT's names), r and target_modules inferred from the tensors (per-module ranks ->
+  ``rank_pattern``);
+- at ``<target>/base/``: the clean base model (a Hugging Face folder), unless the checkpoint is
+  LoRA-only (then ``base_model`` names the base the adapter is checked against) or not asked for.
+
+``lora_alpha`` is never guessed (`merge_engine.lora.checkpoint` resolves it from the run, or the
+caller's ``--lora-alpha``). What a plain ``stepmerge merge`` of such a checkpoint writes (the trained
+model, every LoRA fused) is planned there too (`plan_trained_model`).
+
+By SVD (`extract_lora_svd`): each target module's ``W_finetuned - W_base`` is factored to a rank (or
+an energy threshold), on the GPU when there is one; the relative error of each module is reported,
+and so is every other tensor the fine-tune changed (an adapter does not carry them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from merge_engine import engine_identity, storage
+from merge_engine.errors import AdapterError, InvalidOption
+from merge_engine.formats.hf_metadata import copy_metadata, read_config
+from merge_engine.plan.hf_plan import plan_hf_merge
+from merge_engine.output.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, ShardExecutor, run_job
+from merge_engine.layouts import HF_NAMES, Checkpoint, check_checkpoint, layout_named, open_checkpoint
+from merge_engine.plan.hub_format import in_weights_format
+from merge_engine.lora.adapter_io import adapter_plan, check_fits_base, write_adapter_config
+from merge_engine.lora.checkpoint import (
+    CheckpointLora,
+    base_shapes,
+    is_lora_checkpoint,
+    lora_records,
+    plan_trained_model,
+    read_run_metadata,
+    resolve_checkpoint_lora,
+    task_type_of,
+)
+from merge_engine.layouts import megatron_lora
+from merge_engine.commands.combine import TableFactor
+from merge_engine.commands.megatron_lora import prepare_adapter_release
+from merge_engine.lora.config import adapter_config, infer_target_modules, rank_layout, settings_layout, targets
+from merge_engine.lora.fuse import aligned, finite_or_raise
+from merge_engine.lora.hub_names import ExportedAdapter, check_exported_fits, export_adapter
+from merge_engine.lora.keys import LORA_A, LORA_B, adapter_file_key, parse_key
+from merge_engine.lora.peft_settings import check_adapter_loads
+from merge_engine.lora.sources import RenamedSource
+from merge_engine.lora.svd import Factors, ModuleReport, check_targets, factor_dense, svd_device
+from merge_engine.commands.adapter_target import inputs_fingerprint, module_reports_json
+from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, parse_dtype
+from merge_engine.plan.output_heads import check_dropped_head
+from merge_engine.formats.tensor_source import TensorMeta, TensorSource
+
+BASE_DIR = "base"
+
+
+# ------------------------------------------------------------------------------------------------
+# extract-lora from a checkpoint
+# ------------------------------------------------------------------------------------------------
+
+
+ExtractOptions = OutputOptions  # the engine's one options record, under the name extract's callers know
+
+
+def extracted_adapter_config(lora: CheckpointLora, exported: ExportedAdapter, task_type: str | None,
+                             base_url: str | None, model_config: dict | None = None) -> dict:
+    """adapter_config.json of an extracted adapter: each module's rank from the tensors and its alpha as PEFT
+    trained it (`adapter_patterns`), the rest from the run; the run's own target_modules when they select
+    exactly the adapted modules of the base the adapter is named for (`merge_engine.lora.hub_names`).
+
+    With ``model_config``, the config is checked with PEFT on the trained model's class
+    (`check_written_config_loads`): the plainest patterns that PEFT loads with the trained scaling are written
+    (the written modules' names only; else also the names PEFT 0.21 matches after its own conversion);
+    `AdapterError` when neither loads."""
+    layouts = [adapter_patterns(lora, exported, aliases=False), adapter_patterns(lora, exported, aliases=True)]
+    for index, layout in enumerate(layouts):
+        config = _adapter_json(lora, exported, task_type, base_url, layout)
+        if model_config is None:
+            return config
+        try:
+            check_written_config_loads(lora, exported, config, model_config, lora.adapter.url)
+            return config
+        except AdapterError:
+            if index == len(layouts) - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _adapter_json(lora: CheckpointLora, exported: ExportedAdapter, task_type: str | None, base_url: str | None,
+                  layout: tuple[int, float, dict, dict]) -> dict:
+    modules, candidates = exported.ranks, set(exported.base_modules) | set(exported.ranks)
+    settings = lora.adapter.settings
+    r, alpha, rank_pattern, alpha_pattern = layout
+    run_targets = (lora.run.config or {}).get("target_modules")
+    if run_targets and {c for c in candidates if targets(run_targets, c)} == set(modules):
+        target = run_targets
+    else:
+        target = infer_target_modules(modules, candidates) if modules else []
+    saved = sorted({name.rsplit(".", 2)[-2] for name in exported.trained_copies})
+    if lora.run.config and lora.run.config.get("modules_to_save") and exported.trained_copies.keys() == \
+            lora.keys.trained_copies.keys():
+        saved = list(lora.run.config["modules_to_save"])
+    return adapter_config(r=r, lora_alpha=alpha, target_modules=target, rank_pattern=rank_pattern,
+                          alpha_pattern=alpha_pattern, use_rslora=settings.use_rslora,
+                          fan_in_fan_out=settings.fan_in_fan_out, modules_to_save=saved or None,
+                          bias=settings.bias, task_type=task_type, base_model_name_or_path=base_url,
+                          lora_dropout=float((lora.run.config or {}).get("lora_dropout") or 0.0),
+                          target_parameters=exported.target_parameters)
+
+
+def adapter_patterns(lora: CheckpointLora, exported: ExportedAdapter, aliases: bool = True
+                     ) -> tuple[int, float, dict, dict]:
+    """(r, lora_alpha, rank_pattern, alpha_pattern) giving every written module its rank and PEFT's alpha for
+    the module it comes from, under the names PEFT 0.17 / transformers 4 reads (the written modules) and, with
+    ``aliases``, the names PEFT 0.21 matches on a transformers-5 base after its own conversion (`peft_aliases`)."""
+    default_alpha = lora.adapter.settings.lora_alpha
+    pairs = {m: (rank, exported.alphas.get(m, default_alpha)) for m, rank in exported.ranks.items()}
+    pairs.update({name: (rank, exported.alphas.get(name, default_alpha))
+                  for name, (rank, _) in exported.fused_parameters.items()})
+    return settings_layout(pairs, peft_aliases(lora, exported) if aliases else None)
+
+
+def loaded_layers(lora: CheckpointLora, exported: ExportedAdapter) -> dict[str, tuple[str, int, float]]:
+    """Trained module (stored name) -> (the name PEFT 0.21 matches patterns against on a transformers-5 base,
+    the rank per expert and the alpha PEFT gives it there when it loads the written adapter). PEFT fuses the n
+    modules of one expert written from one trained parameter (``w1`` and ``w3``) into one LoRA of rank
+    n * rank, so its alpha is the one that keeps the trained scaling. Empty without trained settings."""
+    trained = lora.trained
+    if trained is None:
+        return {}
+    experts = {parse_key(e.a).name: e.num_experts for e in lora.adapter.experts.values()}
+    per_source: dict[str, list[str]] = {}
+    for module, source in exported.sources.items():
+        per_source.setdefault(source, []).append(module)
+    loaded = {}
+    for source, written in per_source.items():
+        resolved = trained.modules.get(source)
+        if resolved is None:
+            continue
+        kept = all(module in exported.fused_parameters for module in written)  # PEFT's own fused form
+        count, remainder = divmod(len(written), 1 if kept else experts.get(source, 1))
+        if remainder or ((kept or source not in experts) and count != 1):
+            continue  # rows of a module cut into several: PEFT has no rule to fuse them back
+        first = written[0]
+        rank = count * (exported.ranks[first] if first in exported.ranks else exported.fused_parameters[first][0])
+        alpha = resolved.scaling * (math.sqrt(rank) if lora.adapter.settings.use_rslora else rank)
+        loaded[source] = (resolved.peft_key, rank, float(int(alpha)) if float(alpha).is_integer() else float(alpha))
+    return loaded
+
+
+def peft_aliases(lora: CheckpointLora, exported: ExportedAdapter) -> dict[str, tuple[int, float]]:
+    """`loaded_layers` by the name PEFT 0.21 matches, for the trained modules written under another name."""
+    written = set(exported.ranks) | set(exported.fused_parameters)
+    return {key: (rank, alpha) for key, rank, alpha in loaded_layers(lora, exported).values() if key not in written}
+
+
+def check_written_config_loads(lora: CheckpointLora, exported: ExportedAdapter, adapter_json: dict,
+                               model_config: dict, where: str | None) -> None:
+    """PEFT builds from ``adapter_json`` on the trained model's class every trained LoRA layer with the rank
+    the written factors give it and the trained scaling (`merge_engine.lora.peft_settings.check_adapter_loads`).
+    Skipped when some written module has no rule that PEFT fuses back (a module cut into row bands)."""
+    loaded = loaded_layers(lora, exported)
+    if lora.trained is None or set(loaded) != set(lora.trained.modules):
+        return
+    expected = {source: (rank, lora.trained.modules[source].scaling) for source, (_, rank, _) in loaded.items()}
+    check_adapter_loads(model_config, adapter_json, expected, where)
+
+
+def extract_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
+    """The cache key of an extraction: the checkpoint's listing, the options, the listings of ``base_model``
+    and ``hf_model_path``, the run's LoRA metadata (``lora_adapter/`` is outside the layout's listing:
+    keyed on its content) and the engine version. Reads the run's small JSON files, no weight. The
+    pipeline publishes adapters under this very key."""
+    extra: dict[str, str] = {}
+    if options.base_model:
+        extra["base_listing"] = inputs_fingerprint({"base": options.base_model})
+    if options.hf_model_path:
+        extra["hf_model_listing"] = storage.fingerprint(storage.list_files(options.hf_model_path, recursive=False))
+    run = read_run_metadata(checkpoint.url)
+    return storage.fingerprint(checkpoint.files, **engine_identity(), **options.output_options("extract-lora"),
+                               **extra, run_lora={"alpha": run.lora_alpha, "r": run.r, "config": run.config})
+
+
+@dataclass
+class ExtractJob:
+    """``stepmerge extract-lora --local_dir``: the checkpoint's adapter at ``target_url`` (and its clean
+    base under ``base/``)."""
+
+    source_url: str
+    target_url: str
+    options: OutputOptions
+    checkpoint: Checkpoint | None = None  # already checked (the pipeline's check stage): not checked again
+    command = "extract-lora"
+    kind = "adapter"
+
+    def _checked(self) -> Checkpoint:
+        if self.checkpoint is None:
+            self.checkpoint = check_checkpoint(self.source_url, self.options.backend)
+        elif self.checkpoint.url.rstrip("/") != self.source_url.rstrip("/"):
+            raise InvalidOption(f"the checked checkpoint is {self.checkpoint.url}, not the source", self.source_url)
+        parse_dtype(self.options.dtype)
+        return self.checkpoint
+
+    def fingerprint(self) -> str:
+        return extract_fingerprint(self._checked(), self.options)
+
+    def prepare(self) -> PreparedJob:
+        checkpoint, options = self._checked(), self.options
+        if checkpoint.layout == megatron_lora.NAME:  # verl Megatron LoRA: the adapter as the run saved it
+            return prepare_adapter_release(checkpoint, options, self.source_url)
+        source = open_checkpoint(checkpoint)
+        opened: list[TensorSource] = [source]
+        try:
+            return self._prepare(checkpoint, options, source, opened)
+        except BaseException:
+            for handle in opened:
+                handle.close()
+            raise
+
+    def _prepare(self, checkpoint: Checkpoint, options: OutputOptions, source: TensorSource,
+                 opened: list[TensorSource]) -> PreparedJob:
+        hf_dir = options.hf_model_path or checkpoint.hf_dir
+        config = read_config(hf_dir)
+        lora = resolve_checkpoint_lora(checkpoint.url, source.metas(), options.lora_alpha, config)
+        base_view = RenamedSource(source, lora.keys.base) if lora.keys.base else None
+        if options.base_model is not None:
+            given = open_checkpoint(check_checkpoint(options.base_model, "hf"))
+            opened.append(given)
+            check_base_metas, check_url = given.metas(), options.base_model
+        elif base_view is not None:
+            check_base_metas, check_url = base_view.metas(), checkpoint.url
+        else:
+            raise AdapterError("this checkpoint holds only LoRA weights: pass --base-model URL (the model it was "
+                               "trained from) to check the adapter against", checkpoint.url)
+        if base_view is not None:
+            check_fits_base(lora.adapter, base_view.metas(), checkpoint.url)
+        dtype = parse_dtype(options.dtype)
+        base_plan = None
+        if base_view is not None:  # metadata only; written when asked
+            stored = plan_hf_merge(base_view.metas(), config, dtype=dtype, max_shard_size=options.max_shard_size,
+                                   config_url=hf_dir)
+            check_dropped_head(base_view, stored, options.chunk_bytes)
+            base_plan = in_weights_format(stored, config, options.weights_format, options.max_shard_size)
+        exported = export_adapter(lora.adapter.modules, lora.adapter.experts, lora.keys.trained_copies,
+                                  lora.adapter.metas, base_shapes(lora.keys, lora.adapter.metas, config), config,
+                                  options.weights_format, dtype, checkpoint.url)
+        if options.base_model is None:
+            check_base_metas = {t.name: TensorMeta(t.name, t.shape, t.dtype) for t in base_plan.tensors}
+        check_exported_fits(exported, check_base_metas, checkpoint.url, check_url)
+        write_base = options.write_base and base_plan is not None
+        base_out = storage.join(self.target_url, BASE_DIR) if write_base else options.base_model
+        plan = adapter_plan(list(exported.tensors))
+        adapter_json = extracted_adapter_config(lora, exported, task_type_of(config, lora.run.task_type), base_out,
+                                                config)
+        outputs = [PlannedOutput(plan, source, then=lambda url: [write_adapter_config(url, adapter_json)])]
+        if write_base:
+            outputs.append(PlannedOutput(base_plan, base_view, BASE_DIR, then=lambda url: copy_metadata(
+                hf_dir, url, config, base_plan.config_updates)))
+        count = sum(len(o.plan.tensors) for o in outputs)
+        total = sum(o.plan.total_size for o in outputs)
+        provenance = {"command": "extract-lora", "source": self.source_url, "layout": checkpoint.layout,
+                      "options": options.output_options("extract-lora"), "lora_alpha_from": lora.alpha_from,
+                      "tensors": count, "tensor_bytes": total, **lora_records(lora)}
+        if write_base:  # base/config.json in the Hub's form: the keys added for transformers 4.x readers
+            provenance["base_config_translation"] = [change.to_json() for change in base_plan.config_changes]
+        notes = (f"lora_alpha={lora.adapter.settings.lora_alpha:g} from {lora.alpha_from}",
+                 f"{len(exported.ranks)} LoRA modules, ranks {sorted(set(exported.ranks.values()))}") + exported.notes
+        return PreparedJob(outputs, provenance, kind="adapter+base" if write_base else "adapter",
+                           layout=checkpoint.layout, notes=notes, sources=opened)
+
+
+def extract_lora(checkpoint_url: str, target_url: str, options: OutputOptions = OutputOptions(), *,
+                 on_bytes: Callable[[int], None] | None = None,
+                 on_plan: Callable[[MergePlan], None] | None = None,
+                 checkpoint: Checkpoint | None = None,
+                 executor: ShardExecutor | None = None) -> OutputResult:
+    """Write the checkpoint's adapter at ``target_url`` (and its clean base under ``base/``): an `ExtractJob`.
+    ``checkpoint``: the result of an earlier `check_checkpoint` of ``checkpoint_url``, not repeated;
+    ``executor``: where the shard jobs run (default: the one the options ask for)."""
+    return run_job(ExtractJob(checkpoint_url, target_url, options, checkpoint), on_bytes=on_bytes, on_plan=on_plan,
+                   executor=executor)
+
+
+# ------------------------------------------------------------------------------------------------
+# extract-lora by SVD from a full fine-tune
+# ------------------------------------------------------------------------------------------------
+
+NOT_LINEAR_LAST_PARTS = ("lm_head", "score", "classifier", "wte", "wpe")
+
+
+def default_target(module: str) -> bool:
+    """PEFT's "all-linear" spirit: every 2-D weight but embeddings and output heads."""
+    last = module.rsplit(".", 1)[-1]
+    return "embed" not in last and last not in NOT_LINEAR_LAST_PARTS
+
+
+SvdExtractOptions = OutputOptions
+
+
+def select_modules(candidates: Sequence[str], target_modules: Sequence[str] | None, where: str | None) -> list[str]:
+    if target_modules is None:
+        return [m for m in candidates if default_target(m)]
+    for entry in target_modules:
+        if not any(targets([entry], m) for m in candidates):
+            raise AdapterError(f"target module {entry!r} matches no 2-D weight present in both models", where)
+    return [m for m in candidates if targets(list(target_modules), m)]
+
+
+def changed_tensors(base: TensorSource, tuned: TensorSource, names: Sequence[str], chunk_bytes: int
+                    ) -> list[tuple[str, float]]:
+    """(name, max |difference|) of every tensor in ``names`` that differs, streamed chunk by chunk."""
+    changed = []
+    for name in names:
+        worst = 0.0
+        for a, b in aligned([base.iter_chunks(name, chunk_bytes), tuned.iter_chunks(name, chunk_bytes)]):
+            if a.numel():
+                worst = max(worst, float((a.to(torch.float64) - b.to(torch.float64)).abs().max()))
+        if worst > 0:
+            changed.append((name, worst))
+    return changed
+
+
+def svd_extract_fingerprint(base_url: str, finetuned_url: str, options: OutputOptions) -> str:
+    """The cache key of an SVD extraction: both folders' listings, the options, the engine version."""
+    return inputs_fingerprint({"base": base_url, "finetuned": finetuned_url},
+                              **options.output_options("extract-lora --finetuned"))
+
+
+@dataclass
+class SvdExtractJob:
+    """``stepmerge extract-lora --finetuned``: each target module's (finetuned - base) factored into a PEFT
+    adapter at ``target_url``.
+
+    ``base_url``: a Hugging Face folder. ``source_url`` (the fine-tune): a Hugging Face folder or any
+    checkpoint whose tensors carry Hugging Face names (a verl FSDP checkpoint: no merge needed first).
+    One module's two weights and its update are in memory at a time, plus the factors found so far.
+    """
+
+    base_url: str
+    source_url: str
+    target_url: str
+    options: OutputOptions
+    on_module: Callable[[ModuleReport], None] | None = None
+    command = "extract-lora --finetuned"
+    kind = "adapter"
+
+    def fingerprint(self) -> str:
+        check_targets(self.options.rank, self.options.energy)
+        parse_dtype(self.options.dtype)
+        return svd_extract_fingerprint(self.base_url, self.source_url, self.options)
+
+    def prepare(self) -> PreparedJob:
+        options, finetuned_url, base_url = self.options, self.source_url, self.base_url
+        dtype = parse_dtype(options.dtype) or torch.float32
+        tuned_checkpoint = check_checkpoint(finetuned_url, options.backend)
+        if layout_named(tuned_checkpoint.layout).TENSOR_NAMING != HF_NAMES:
+            raise AdapterError(f"a {tuned_checkpoint.layout} checkpoint's tensors are not Hugging Face tensors: "
+                               "merge it first (`stepmerge merge`), then extract from the merged folder", finetuned_url)
+        base = open_checkpoint(check_checkpoint(base_url, "hf"))
+        try:
+            tuned = open_checkpoint(tuned_checkpoint)
+        except BaseException:
+            base.close()
+            raise
+        try:
+            return self._prepare(base, tuned, tuned_checkpoint, dtype)
+        except BaseException:
+            base.close()
+            tuned.close()
+            raise
+
+    def _prepare(self, base: TensorSource, tuned: TensorSource, tuned_checkpoint: Checkpoint,
+                 dtype: torch.dtype) -> PreparedJob:
+        options, finetuned_url, base_url = self.options, self.source_url, self.base_url
+        config = read_config(tuned_checkpoint.hf_dir, what="fine-tuned model")
+        bm, tm = base.metas(), tuned.metas()
+        reshaped = [n for n in bm if n in tm and tuple(bm[n].shape) != tuple(tm[n].shape)]
+        candidates = [n[: -len(".weight")] for n in bm if n.endswith(".weight") and n in tm
+                      and len(bm[n].shape) == 2 and n not in reshaped]
+        modules = select_modules(candidates, options.target_modules, finetuned_url)
+        bad = [n for n in reshaped if n[: -len(".weight")] in set(modules)]
+        if bad:
+            raise AdapterError(f"{bad[0]} is {tuple(bm[bad[0]].shape)} in the base, {tuple(tm[bad[0]].shape)} in "
+                               "the fine-tune", finetuned_url)
+        device = svd_device(options.device)
+        table: dict[str, Factors] = {}
+        reports, unchanged = [], []
+        for module in modules:
+            name = f"{module}.weight"
+            delta = tuned.read(name).to(torch.float32) - base.read(name).to(torch.float32)
+            finite_or_raise(delta, name, finetuned_url)
+            if not bool(delta.any()):
+                unchanged.append(module)
+                continue
+            table[module] = factor_dense(delta, rank=options.rank, energy=options.energy, device=device)
+            del delta
+            reports.append(ModuleReport(module, table[module].rank, table[module].relative_error))
+            if self.on_module:
+                self.on_module(reports[-1])
+        if not table:
+            raise AdapterError("the fine-tuned model equals the base on every target module: nothing to extract",
+                               finetuned_url)
+        others = [n for n in bm if n in tm and n not in reshaped and n[: -len(".weight")] not in set(modules)]
+        changed = changed_tensors(base, tuned, others, options.chunk_bytes)
+        tensors = []
+        for module, factors in table.items():
+            out_features, in_features = factors.b.shape[0], factors.a.shape[1]
+            tensors.append(PlannedTensor(adapter_file_key(module, LORA_A, False), (factors.rank, in_features), dtype,
+                                         "", TableFactor(table, module, "a")))
+            tensors.append(PlannedTensor(adapter_file_key(module, LORA_B, False), (out_features, factors.rank), dtype,
+                                         "", TableFactor(table, module, "b")))
+        plan = adapter_plan(tensors)
+        r, pattern = rank_layout({m: f.rank for m, f in table.items()})
+        adapter_json = adapter_config(r=r, lora_alpha=r, rank_pattern=pattern,
+                                      alpha_pattern={k: float(v) for k, v in pattern.items()},
+                                      target_modules=infer_target_modules(table, set(candidates)),
+                                      task_type=task_type_of(config), base_model_name_or_path=base_url)
+        notes = [f"{len(unchanged)} target modules unchanged (left out)"] if unchanged else []
+        notes += [f"{len(reshaped)} tensors change shape (not in the adapter): {', '.join(reshaped[:5])}"] \
+            if reshaped else []
+        if changed:
+            listed = ", ".join(f"{n} (max |diff| {d:.3g})" for n, d in changed[:5])
+            notes.append(f"{len(changed)} other tensors changed but are not LoRA targets (the adapter does not "
+                         f"carry them): {listed}{' ...' if len(changed) > 5 else ''}")
+        provenance = {"command": "extract-lora --finetuned", "base": base_url, "finetuned": finetuned_url,
+                      "options": options.output_options(self.command), "device": str(device),
+                      "tensors": len(plan.tensors), "tensor_bytes": plan.total_size,
+                      "svd": module_reports_json(reports), "notes": notes}
+        output = PlannedOutput(plan, tuned, then=lambda url: [write_adapter_config(url, adapter_json)])
+        return PreparedJob([output], provenance, kind="adapter", notes=tuple(notes), modules=tuple(reports),
+                           sources=[base, tuned])
+
+
+def extract_lora_svd(base_url: str, finetuned_url: str, target_url: str,
+                     options: OutputOptions = OutputOptions(), *,
+                     on_module: Callable[[ModuleReport], None] | None = None) -> OutputResult:
+    """Factor each target module's (finetuned - base) into a PEFT adapter at ``target_url`` (`SvdExtractJob`)."""
+    return run_job(SvdExtractJob(base_url, finetuned_url, target_url, options, on_module))
+
+
+__all__ = ["ExtractJob", "ExtractOptions", "SvdExtractJob", "SvdExtractOptions", "extract_fingerprint", "extract_lora",
+           "extract_lora_svd", "is_lora_checkpoint", "plan_trained_model", "svd_extract_fingerprint"]

@@ -1,0 +1,367 @@
+"""A verl Megatron LoRA step (`merge_engine.layouts.megatron_lora`) as an adapter release and as a fused model.
+
+The step's adapter (`step_adapter`), under PEFT's Hugging Face names:
+- with a PEFT folder (Megatron-Bridge's ``save_hf_adapter``): read AS IT IS (r, lora_alpha, rank /
+  alpha patterns, target_modules: `merge_engine.lora.adapter_io.read_adapter`), and checked tensor for
+  tensor, names and values, against the adapter in ``model/dist_ckpt`` converted by the family table
+  (`merge_engine.lora.megatron_adapter`): an export that is not what was trained is refused;
+- without one (``use_dist_checkpointing: true``, or no bridge export): built from ``model/dist_ckpt``
+  exactly; r from the factors (``rank_pattern`` where a module differs), ``lora_alpha`` from
+  ``--lora-alpha`` (such a step records none; it is never guessed).
+
+Outputs:
+- `prepare_adapter_release` (``extract-lora``, the pipeline's adapter stage): the adapter folder,
+  ``adapter_config.json`` as the run wrote it (``base_model_name_or_path``: the ``--base-model`` given,
+  else the run's, a hint); checked against ``--base-model``'s shapes when one is given, and that base
+  copied under ``base/`` (``write_base``, the release's ``include_base``) so PEFT can load the release alone;
+  a step holding its base (``use_dist_checkpointing: true``) puts that base under ``base/`` instead: the
+  step's Megatron weights with the adapter factors hidden (`StepBaseSource`), through the Megatron planner
+  and the family table like any merge (`_step_base`), the adapter NOT applied;
+- `prepare_fused_model` (``merge`` of an adapter-only step): the adapter fused into the base the user
+  names (``--base-model``; the run's ``base_model_name_or_path`` is never used on its own), whose
+  config must agree with the step's; `BaseModelRequired` without one;
+- `trained_megatron_source` (``merge`` when the base is in the step): the canonical Megatron tensors
+  with every update fused (W + (alpha / r) B @ A on the fused Megatron weight), for the Megatron planner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from merge_engine import storage
+from merge_engine.architectures import model_dims, table_for_config
+from merge_engine.errors import AdapterError, BaseModelRequired, InvalidOption
+from merge_engine.formats.hf_metadata import copy_metadata, read_config
+from merge_engine.plan.hub_format import in_weights_format
+from merge_engine.output.jobs import OutputOptions, PlannedOutput, PreparedJob
+from merge_engine.layouts import Checkpoint, check_checkpoint, open_checkpoint
+from merge_engine.layouts.megatron_lora import adapter_folder, holds_base
+from merge_engine.lora.adapter_io import (
+    Adapter,
+    adapter_plan,
+    check_fits_base,
+    describe_adapter,
+    read_adapter,
+    read_adapter_config,
+    with_base,
+)
+from merge_engine.lora.config import LoraSettings, adapter_config, rank_layout
+from merge_engine.lora.fuse import BASE_NAMESPACE, WeightedAdapter, finite_or_raise, plan_fused_model
+from merge_engine.lora.megatron_adapter import (
+    GROUPED_EXPERTS,
+    MegatronAdapterSource,
+    adapter_ranks,
+    is_adapter_factor,
+)
+from merge_engine.lora.sources import NamespacedSource
+from merge_engine.plan.merge_plan import PlannedTensor, parse_dtype
+from merge_engine.formats.chunks import flat_slices
+from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
+
+ADAPTER_NAMESPACE = "adapter0"
+BASE_DIR = "base"  # the clean base inside an adapter release (as `merge_engine.commands.extract` writes it)
+# config.json keys a base must share with the step's config to be the base the run trained from
+SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "intermediate_size", "moe_intermediate_size", "vocab_size", "num_experts",
+              "num_local_experts", "tie_word_embeddings")
+
+
+def step_config(checkpoint: Checkpoint, options: OutputOptions) -> tuple[dict[str, Any], str]:
+    """The step's config.json (``--hf_model_path`` first; a ``use_dist_checkpointing`` step saves none, then
+    ``--base-model``'s) and the folder it came from."""
+    folder = options.hf_model_path or checkpoint.hf_dir or options.base_model
+    if folder is None:
+        raise InvalidOption("this LoRA step saved no config.json (use_dist_checkpointing): pass --hf_model_path or "
+                            "--base-model (a folder with the model's config.json)", checkpoint.url)
+    return read_config(folder), folder
+
+
+def _megatron_adapter(checkpoint: Checkpoint, config: Mapping[str, Any]) -> MegatronAdapterSource:
+    source = open_checkpoint(checkpoint)
+    try:
+        table = table_for_config(config)
+        return MegatronAdapterSource(source, table, model_dims(config, table))
+    except BaseException:
+        source.close()
+        raise
+
+
+def _check_export(folder: str, exported: TensorSource, built: MegatronAdapterSource, chunk_bytes: int) -> None:
+    """The PEFT export holds exactly the tensors of ``model/dist_ckpt``'s adapter (names, shapes, values)."""
+    names, truth = set(exported.metas()), set(built.metas())
+    if names != truth:
+        extra, missing = sorted(names - truth), sorted(truth - names)
+        raise AdapterError(f"the PEFT export and model/dist_ckpt disagree on the adapter's tensors ("
+                           f"{len(extra)} only in the export, e.g. {extra[:1]}; {len(missing)} only in the "
+                           f"checkpoint, e.g. {missing[:1]})", folder)
+    for name in sorted(names):
+        a, b = exported.read(name), built.read(name)
+        if tuple(a.shape) != tuple(b.shape) or not torch.equal(a.to(b.dtype), b):
+            raise AdapterError(f"{name} in the PEFT export differs from the adapter saved in model/dist_ckpt "
+                               "(the export is not what was trained)", folder)
+
+
+def step_adapter(checkpoint: Checkpoint, config: Mapping[str, Any], options: OutputOptions
+                 ) -> tuple[Adapter, TensorSource, dict[str, Any], str]:
+    """(adapter, its source, its adapter_config.json, where it came from); see the module docstring."""
+    built = _megatron_adapter(checkpoint, config)
+    folder = adapter_folder(checkpoint)
+    try:
+        if folder is not None:
+            adapter, exported = read_adapter(folder, lora_alpha=options.lora_alpha)
+            try:
+                _check_export(folder, exported, built, options.chunk_bytes)
+            except BaseException:
+                exported.close()
+                raise
+            built.close()
+            json = dict(read_adapter_config(folder))
+            if options.lora_alpha is not None:
+                json["lora_alpha"] = options.lora_alpha
+            return adapter, exported, json, "the run's PEFT export (checked against model/dist_ckpt)"
+        if options.lora_alpha is None:
+            raise AdapterError("this step records no lora_alpha (no PEFT export beside model/dist_ckpt): pass "
+                               "--lora-alpha (the run's lora alpha; never guessed)", checkpoint.url)
+        r, pattern = rank_layout(adapter_ranks(built.loras))
+        targets = sorted({m.rsplit(".", 1)[-1] for m in adapter_ranks(built.loras)})
+        json = adapter_config(r=r, lora_alpha=options.lora_alpha, target_modules=targets, rank_pattern=pattern,
+                              task_type="CAUSAL_LM", base_model_name_or_path=options.base_model)
+        adapter = describe_adapter(checkpoint.url, LoraSettings.from_config(json, checkpoint.url), built.metas())
+        return adapter, built, json, "model/dist_ckpt (no PEFT export in the step)"
+    except BaseException:
+        built.close()
+        raise
+
+
+def _check_same_model(step: Mapping[str, Any], base: Mapping[str, Any], base_url: str) -> None:
+    step_scope, base_scope = step.get("text_config") or step, base.get("text_config") or base
+    differ = [k for k in SHAPE_KEYS if k in step_scope and k in base_scope and step_scope[k] != base_scope[k]]
+    if differ:
+        raise InvalidOption(f"--base-model is not the model this run trained: its config differs from the step's on "
+                            + ", ".join(f"{k} ({base_scope[k]!r} vs {step_scope[k]!r})" for k in differ), base_url)
+
+
+def _base(base_url: str, step: Mapping[str, Any]) -> tuple[TensorSource, dict[str, Any]]:
+    config = read_config(base_url, what="base model")
+    _check_same_model(step, config, base_url)
+    return open_checkpoint(check_checkpoint(base_url, "hf")), config
+
+
+def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, source_url: str) -> PreparedJob:
+    """The step's adapter folder, validated (see the module docstring)."""
+    config, _ = step_config(checkpoint, options)
+    adapter, source, json, origin = step_adapter(checkpoint, config, options)
+    opened = [source]
+    try:
+        if options.base_model is not None:
+            base, _ = _base(options.base_model, config)
+            opened.append(base)
+            check_fits_base(with_base(adapter, base.metas(), options.base_model), base.metas(), options.base_model)
+            json["base_model_name_or_path"] = options.base_model
+        dtype = parse_dtype(options.dtype)
+        tensors = [PlannedTensor(name, tuple(meta.shape), dtype or meta.dtype, name)
+                   for name, meta in source.metas().items()]
+        plan = adapter_plan(tensors)
+        base_output = _base_copy(options, opened[1], dtype) if options.write_base and len(opened) > 1 else None
+        if base_output is None and options.write_base and holds_base(checkpoint):
+            base_output = _step_base(checkpoint, options, dtype)
+            opened.append(base_output.source)
+    except BaseException:
+        for handle in opened:
+            handle.close()
+        raise
+
+    def config_file(url: str) -> list[tuple[str, int]]:
+        from merge_engine.lora.adapter_io import write_adapter_config
+
+        return [write_adapter_config(url, json)]
+
+    ranks = sorted({m.rank for m in adapter.modules.values()})
+    provenance = {"command": "extract-lora", "source": source_url, "layout": checkpoint.layout,
+                  "options": options.output_options("extract-lora"), "adapter_from": origin,
+                  "tensors": len(plan.tensors), "tensor_bytes": plan.total_size}
+    notes = (f"adapter from {origin}", f"{len(adapter.modules)} LoRA modules, ranks {ranks}, "
+             f"lora_alpha={adapter.settings.lora_alpha:g}")
+    outputs = [PlannedOutput(plan, source, then=config_file)] + ([base_output] if base_output else [])
+    return PreparedJob(outputs, provenance, kind="adapter+base" if base_output else "adapter",
+                       layout=checkpoint.layout, notes=notes, sources=opened)
+
+
+def _base_copy(options: OutputOptions, base: TensorSource, dtype: Any) -> PlannedOutput:
+    """``--base-model`` under ``base/`` of the adapter release (its tensors as the Hub names them)."""
+    from merge_engine.plan.hf_plan import plan_hf_merge
+
+    config = read_config(options.base_model, what="base model")
+    stored = plan_hf_merge(base.metas(), config, dtype=dtype, max_shard_size=options.max_shard_size,
+                           config_url=options.base_model)
+    plan = in_weights_format(stored, config, options.weights_format, options.max_shard_size)
+    return PlannedOutput(plan, base, BASE_DIR, then=lambda url: copy_metadata(options.base_model, url, config,
+                                                                             plan.config_updates))
+
+
+class StepBaseSource:
+    """The step's canonical Megatron tensors without the adapter factors: the base the run trained from,
+    exactly as saved (no update applied). Closing closes the wrapped source."""
+
+    def __init__(self, source: TensorSource) -> None:
+        self.url = source.url
+        self._source = source
+        self._metas = {n: m for n, m in source.metas().items() if not is_adapter_factor(n)}
+
+    def metas(self) -> Mapping[str, TensorMeta]:
+        return self._metas
+
+    def read(self, name: str) -> torch.Tensor:
+        if name not in self._metas:
+            raise KeyError(name)
+        return self._source.read(name)
+
+    def iter_chunks(self, name: str, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        if name not in self._metas:
+            raise KeyError(name)
+        return self._source.iter_chunks(name, max_bytes)
+
+    def close(self) -> None:
+        self._source.close()
+
+
+def _step_base(checkpoint: Checkpoint, options: OutputOptions, dtype: Any) -> PlannedOutput:
+    """``base/`` of the adapter release of a step holding its base: the step's base weights (adapter hidden)
+    planned by the Megatron planner as a merge would, in the requested weights format, config beside them."""
+    from merge_engine.plan.planner import plan_checkpoint
+
+    config, folder = step_config(checkpoint, options)
+    source = StepBaseSource(open_checkpoint(checkpoint))
+    try:
+        stored = plan_checkpoint(checkpoint, source, config, dtype=dtype, max_shard_size=options.max_shard_size,
+                                 tie_flag=options.tie_word_embedding, custom_mapping=options.custom_mapping,
+                                 chunk_bytes=options.chunk_bytes, mtp_layers=options.mtp_layers)
+        plan = in_weights_format(stored, config, options.weights_format, options.max_shard_size)
+    except BaseException:
+        source.close()
+        raise
+    return PlannedOutput(plan, source, BASE_DIR, then=lambda url: copy_metadata(folder, url, config,
+                                                                               plan.config_updates))
+
+
+def prepare_fused_model(checkpoint: Checkpoint, options: OutputOptions, source_url: str) -> PreparedJob:
+    """The adapter of an adapter-only step fused into ``options.base_model`` (see the module docstring)."""
+    if options.base_model is None:
+        hint = ""
+        folder = adapter_folder(checkpoint)
+        if folder is not None:
+            recorded = read_adapter_config(folder).get("base_model_name_or_path")
+            if recorded:
+                hint = f" (the run's adapter_config.json names {recorded!r}: a hint, not used on its own)"
+        raise BaseModelRequired("this step holds a LoRA adapter only (Megatron-Bridge PEFT, base weights not saved): "
+                                f"pass --base-model URL, the Hugging Face model the run trained from{hint}; "
+                                "or release the adapter alone with extract-lora", checkpoint.url)
+    config, hf_dir = step_config(checkpoint, options)
+    adapter, adapter_source, _, origin = step_adapter(checkpoint, config, options)
+    sources: dict[str, TensorSource] = {ADAPTER_NAMESPACE: adapter_source}
+    try:
+        sources[BASE_NAMESPACE], base_config = _base(options.base_model, config)
+        source = NamespacedSource(sources)
+        inputs = [WeightedAdapter(ADAPTER_NAMESPACE, adapter, 1.0)]
+        plan = plan_fused_model(sources[BASE_NAMESPACE].metas(), base_config, inputs,
+                                dtype=parse_dtype(options.dtype), max_shard_size=options.max_shard_size,
+                                base_url=options.base_model)
+        plan = in_weights_format(plan, base_config, options.weights_format, options.max_shard_size)
+    except BaseException:
+        for handle in sources.values():
+            handle.close()
+        raise
+    metadata_dir = checkpoint.hf_dir or options.base_model
+
+    def metadata(url: str) -> list[tuple[str, int]]:
+        return copy_metadata(metadata_dir, url, read_config(metadata_dir), plan.config_updates)
+
+    provenance = {"source": source_url, "layout": checkpoint.layout, "base_model": options.base_model,
+                  "adapter_from": origin, "options": options.output_options("merge"),
+                  "parallel": checkpoint.parallel, "tensors": len(plan.tensors), "tensor_bytes": plan.total_size}
+    notes = plan.notes + (f"adapter from {origin}", f"base: {options.base_model}")
+    return PreparedJob([PlannedOutput(plan, source, then=metadata)], provenance, kind="model",
+                       layout=checkpoint.layout, notes=notes, sources=[source])
+
+
+class TrainedMegatronSource:
+    """Canonical Megatron tensors of a step holding base and adapter, every adapted weight replaced by
+    ``W + (alpha / r) B @ A`` (computed in float32, stored in W's dtype); the adapter factors hidden.
+    Memory: one weight at a time. Closing closes the wrapped source."""
+
+    def __init__(self, source: TensorSource, lora_alpha: float, where: str | None) -> None:
+        self.url = source.url
+        self._source = source
+        metas = source.metas()
+        self._updates: dict[str, tuple[str, str, int | None, float]] = {}
+        for name in metas:
+            if not is_adapter_factor(name) or not name.endswith(".adapter.linear_in.weight"):
+                continue
+            module = name[:-len(".adapter.linear_in.weight")]
+            out = f"{module}.adapter.linear_out.weight"
+            if out not in metas:
+                raise AdapterError(f"{module}: the adapter has no linear_out", where)
+            rank = metas[name].shape[-2]
+            grouped = GROUPED_EXPERTS.match(module)
+            if grouped:
+                for expert in range(metas[name].shape[0]):
+                    weight = (f"{grouped.group('layer')}.mlp.experts.local_experts.{expert}."
+                              f"{grouped.group('linear')}.weight")
+                    self._updates[weight] = (name, out, expert, lora_alpha / rank)
+            else:
+                self._updates[f"{module}.weight"] = (name, out, None, lora_alpha / rank)
+        missing = [w for w in self._updates if w not in metas]
+        if missing:
+            raise AdapterError(f"the adapter adapts {missing[0]}, which model/dist_ckpt does not hold", where)
+        self._metas = {n: m for n, m in metas.items() if not is_adapter_factor(n)}
+
+    def metas(self) -> Mapping[str, TensorMeta]:
+        return self._metas
+
+    def read(self, name: str) -> torch.Tensor:
+        weight = self._source.read(name)
+        if name not in self._updates:
+            return weight
+        a_name, b_name, expert, scale = self._updates[name]
+        a, b = self._source.read(a_name), self._source.read(b_name)
+        if expert is not None:
+            a, b = a[expert], b[expert]
+        a, b = a.to(torch.float32), b.to(torch.float32)
+        finite_or_raise(a, f"linear_in of {name}", self.url)
+        finite_or_raise(b, f"linear_out of {name}", self.url)
+        if tuple(b.shape[:1]) + tuple(a.shape[1:]) != tuple(weight.shape):
+            raise AdapterError(f"{name} {tuple(weight.shape)}: its adapter gives {tuple(b.shape[:1]) + tuple(a.shape[1:])}",
+                               self.url)
+        return (weight.to(torch.float32) + scale * (b @ a)).to(weight.dtype)
+
+    def iter_chunks(self, name: str, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        if name not in self._updates:
+            yield from self._source.iter_chunks(name, max_bytes)
+            return
+        yield from flat_slices(self.read(name), max_bytes)
+
+    def close(self) -> None:
+        self._source.close()
+
+
+def trained_megatron_source(checkpoint: Checkpoint, source: TensorSource, options: OutputOptions) -> TensorSource:
+    """``source`` (the step's canonical tensors) with the adapter fused; `AdapterError` without ``--lora-alpha``."""
+    if options.lora_alpha is None:
+        raise AdapterError("this step (use_dist_checkpointing: base and adapter in model/dist_ckpt) records no "
+                           "lora_alpha: pass --lora-alpha (the run's lora alpha; never guessed)", checkpoint.url)
+    return TrainedMegatronSource(source, options.lora_alpha, checkpoint.url)
+
+
+def is_adapter_only(checkpoint: Checkpoint) -> bool:
+    from merge_engine.layouts import megatron_lora
+
+    return checkpoint.layout == megatron_lora.NAME and not holds_base(checkpoint)
+
+
+def is_trained_in_step(checkpoint: Checkpoint) -> bool:
+    from merge_engine.layouts import megatron_lora
+
+    return checkpoint.layout == megatron_lora.NAME and holds_base(checkpoint)

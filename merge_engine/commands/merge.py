@@ -1,0 +1,150 @@
+"""One merge, end to end: checkpoint URL -> Hugging Face folder at a target URL (a `MergeJob`).
+
+    check (listing + headers) -> config -> fingerprint -> target state -> open (lazy) -> plan -> write
+
+Contract (`merge_engine.output.jobs.run_job` owns the order):
+- Every check that can fail on metadata runs before the first output byte is written.
+- The target receives a complete model or nothing: a local target is written to a sibling temp
+  folder and renamed into place; a remote target is cleaned if the write fails.
+- ``stepmerge.json`` (provenance: source, fingerprint, options, engine version) is written last, once
+  a fresh listing of the checkpoint still equals the one fingerprinted (`check_unchanged`; the weights'
+  reads are pinned to that listing, `storage.RangeReader.listed`): `SourceChanged` otherwise.
+  A target whose provenance matches is left as it is (``skipped``); a target holding anything
+  else raises `TargetExists` unless ``overwrite``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from merge_engine import engine_identity, storage
+from merge_engine.plan.config_shapes import check_config_against_tensors
+from merge_engine.errors import InvalidOption
+from merge_engine.formats.hf_metadata import CONFIG_FILE, copy_metadata, read_config
+from merge_engine.plan import hub_format
+from merge_engine.output.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, ShardExecutor, run_job
+from merge_engine.layouts import Checkpoint, check_checkpoint, check_unchanged, open_checkpoint
+from merge_engine.commands import megatron_lora
+from merge_engine.plan.merge_plan import MergePlan, parse_dtype
+from merge_engine.plan.output_heads import check_dropped_head
+from merge_engine.output.target import PROVENANCE_FILE, read_provenance
+from merge_engine.plan.planner import plan_checkpoint
+from merge_engine.formats.tensor_source import TensorSource
+
+__all__ = ["PROVENANCE_FILE", "MergeJob", "MergeOptions", "MergeResult", "in_weights_format", "merge_checkpoint",
+           "merge_fingerprint", "plan_merge", "plan_stored_names", "read_provenance"]
+
+MergeOptions = OutputOptions  # the engine's one options record, under the name the merge's callers know
+MergeResult = OutputResult
+
+
+def merge_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
+    """The cache key of a merge: the checkpoint's listing digest + output options + engine version, and the
+    listing of ``hf_model_path`` when one replaces the checkpoint's config (its content decides the output)."""
+    extra = {}
+    if options.base_model is not None:  # a LoRA step's base: its listing decides the output
+        extra["base_model"] = {"url": options.base_model,
+                               "listing": storage.fingerprint(storage.list_files(options.base_model, recursive=False))}
+    if options.hf_model_path is not None:
+        extra["hf_model_listing"] = storage.fingerprint(storage.list_files(options.hf_model_path, recursive=False))
+    return storage.fingerprint(checkpoint.files, **options.output_options("merge"), **extra, **engine_identity())
+
+
+def plan_merge(checkpoint: Checkpoint, source: TensorSource, config: dict, options: OutputOptions) -> MergePlan:
+    """`plan_stored_names` in the requested weights format (`merge_engine.plan.hub_format`)."""
+    return in_weights_format(plan_stored_names(checkpoint, source, config, options), config, options)
+
+
+def in_weights_format(plan: MergePlan, config: dict, options: OutputOptions) -> MergePlan:
+    """``--weights-format hub`` (default): the Hub checkpoint's names; ``transformers``: as stored."""
+    return hub_format.in_weights_format(plan, config, options.weights_format, options.max_shard_size)
+
+
+def plan_stored_names(checkpoint: Checkpoint, source: TensorSource, config: dict,
+                      options: OutputOptions) -> MergePlan:
+    """`merge_engine.plan.planner.plan_checkpoint` with these options: the tensors under their stored names."""
+    return plan_checkpoint(checkpoint, source, config, dtype=parse_dtype(options.dtype),
+                           max_shard_size=options.max_shard_size, tie_flag=options.tie_word_embedding,
+                           lora_alpha=options.lora_alpha, custom_mapping=options.custom_mapping,
+                           chunk_bytes=options.chunk_bytes, mtp_layers=options.mtp_layers)
+
+
+@dataclass
+class MergeJob:
+    """``stepmerge merge``: the checkpoint at ``source_url`` -> a Hugging Face folder at ``target_url``.
+
+    ``checkpoint``: the result of `check_checkpoint` for ``source_url`` when the caller already ran the
+    completeness check (the Prefect check task); it is used as it is, not checked again.
+    """
+
+    source_url: str
+    target_url: str
+    options: OutputOptions
+    checkpoint: Checkpoint | None = None
+    command = "merge"
+    kind = "model"
+
+    def __post_init__(self) -> None:
+        self._config: dict | None = None
+
+    def _checked(self) -> tuple[Checkpoint, str | None, dict]:
+        if self._config is None:
+            if self.checkpoint is None:
+                self.checkpoint = check_checkpoint(self.source_url, self.options.backend)
+            elif self.checkpoint.url.rstrip("/") != self.source_url.rstrip("/"):
+                raise InvalidOption(f"the checked checkpoint is {self.checkpoint.url}, not the source", self.source_url)
+            if megatron_lora.is_adapter_only(self.checkpoint) or megatron_lora.is_trained_in_step(self.checkpoint):
+                self._config, hf_dir = megatron_lora.step_config(self.checkpoint, self.options)
+                return self.checkpoint, hf_dir, self._config
+            self._config = read_config(self.options.hf_model_path or self.checkpoint.hf_dir)
+        return self.checkpoint, self.options.hf_model_path or self.checkpoint.hf_dir, self._config
+
+    def fingerprint(self) -> str:
+        checkpoint, _, _ = self._checked()
+        return merge_fingerprint(checkpoint, self.options)
+
+    def prepare(self) -> PreparedJob:
+        checkpoint, hf_dir, config = self._checked()
+        if megatron_lora.is_adapter_only(checkpoint):  # the adapter fused into the base the user names
+            return megatron_lora.prepare_fused_model(checkpoint, self.options, self.source_url)
+        source = open_checkpoint(checkpoint)
+        if megatron_lora.is_trained_in_step(checkpoint):  # base and adapter in model/dist_ckpt
+            try:
+                source = megatron_lora.trained_megatron_source(checkpoint, source, self.options)
+            except BaseException:
+                source.close()
+                raise
+        try:
+            stored = plan_stored_names(checkpoint, source, config, self.options)
+            check_config_against_tensors({**config, **stored.config_updates},  # the config is copied beside them
+                                         ((t.name, t.shape) for t in stored.tensors), storage.join(hf_dir, CONFIG_FILE))
+            check_dropped_head(source, stored, self.options.chunk_bytes, config)
+            plan = in_weights_format(stored, config, self.options)
+        except BaseException:
+            source.close()
+            raise
+
+        def metadata(url: str) -> list[tuple[str, int]]:
+            files = copy_metadata(hf_dir, url, config, plan.config_updates)
+            check_unchanged(checkpoint)  # every read done: the listing must still be the fingerprint's
+            return files
+
+        provenance = {"source": self.source_url, "layout": checkpoint.layout,
+                      "options": self.options.output_options("merge"), "parallel": checkpoint.parallel,
+                      "tensors": len(plan.tensors), "tensor_bytes": plan.total_size,
+                      "config_translation": [change.to_json() for change in plan.config_changes],
+                      **stored.records}
+        return PreparedJob([PlannedOutput(plan, source, then=metadata)], provenance, kind=self.kind,
+                           layout=checkpoint.layout, notes=plan.notes, sources=[source])
+
+
+def merge_checkpoint(source_url: str, target_url: str, options: OutputOptions = OutputOptions(), *,
+                     on_bytes: Callable[[int], None] | None = None,
+                     on_plan: Callable[[MergePlan], None] | None = None,
+                     checkpoint: Checkpoint | None = None,
+                     executor: ShardExecutor | None = None) -> OutputResult:
+    """Merge the checkpoint at ``source_url`` into a Hugging Face folder at ``target_url`` (a `MergeJob`).
+    ``executor``: where the shard jobs run (default: as ``options`` say, `merge_engine.output.executors.executor_for`)."""
+    return run_job(MergeJob(source_url, target_url, options, checkpoint), on_bytes=on_bytes, on_plan=on_plan,
+                   executor=executor)

@@ -1,0 +1,13 @@
+"""Byte formats, read lazily and safely over any storage URL; no knowledge of trainers or models.
+
+- `torch_archive`     ``torch.save`` zip archives: structure first (allow-list unpickler), bytes on demand
+- `zip_crc`           CRC-32 of zip records checked as they are read, in pieces of any size and order
+- `torch_dcp`         torch.distributed.checkpoint folders, read and written without a process group
+- `dcp_file_names`    the file names DCP writes, for listings
+- `safetensors_file`  safetensors: header first, tensor bytes by ranged reads
+- `json_text`         the one guarded JSON parser (bounded size, depth and numbers)
+- `json_file`         small JSON metadata files read from a folder URL
+- `hf_metadata`       a Hugging Face folder's non-weight files: config, generation config, tokenizer
+- `tensor_source`     `TensorSource`, the lazy view every layout gives of a checkpoint
+- `chunks`            flat chunk streams: tensors cut into bounded pieces and re-cut together
+"""

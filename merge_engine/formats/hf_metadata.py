@@ -1,0 +1,84 @@
+"""The non-weight files of a Hugging Face model folder: config, generation config, tokenizer.
+
+`read_config` parses ``config.json`` (a `InvalidConfig` naming the file if it cannot);
+`tie_word_embeddings` reads its tie flag (the model class default when the key is absent);
+`copy_metadata` copies every metadata file of a folder (tokenizer files, chat templates,
+generation config, custom code...) to a target, writing ``config.json`` with the merge's updates;
+only regular files inside the folder, of bounded size, are copied (`merge_engine.storage.source_files`:
+anything else raises `UnsafeFile`).
+Weight files are never copied from here: the writer produces those.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from merge_engine import storage
+from merge_engine.errors import InvalidConfig, UnsafeFile
+from merge_engine.formats.json_file import parse_json
+from merge_engine.storage.source_files import check_metadata_file
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"  # the weights of an unsharded model
+INDEX_FILE = "model.safetensors.index.json"  # tensor -> shard file of a sharded model
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
+WEIGHT_INDEXES = (".safetensors.index.json", ".bin.index.json")
+
+
+def is_weight_file(name: str) -> bool:
+    return name.endswith(WEIGHT_SUFFIXES) or name.endswith(WEIGHT_INDEXES)
+
+
+def read_config(hf_dir: str | None, *, what: str = "checkpoint") -> dict[str, Any]:
+    """``config.json`` of ``hf_dir`` as a dict; `InvalidConfig` if missing, unparsable or not an object."""
+    if hf_dir is None:
+        raise InvalidConfig(f"the {what} has no huggingface/ folder with config.json; pass --hf-model-path")
+    url = storage.join(hf_dir, CONFIG_FILE)
+    try:
+        if storage.is_local(url):  # a link out of the folder or a device is never read (source_files)
+            check_metadata_file(url, hf_dir, storage.size(url))
+        data = storage.read_bytes(url)
+    except FileNotFoundError:
+        raise InvalidConfig("config.json missing", url) from None
+    config = parse_json(data, url, error=InvalidConfig)
+    if not isinstance(config, dict) or not config.get("model_type") and not config.get("architectures"):
+        raise InvalidConfig("config.json names neither model_type nor architectures", url)
+    return config
+
+
+def tie_word_embeddings(config: Mapping[str, Any]) -> bool:
+    """The config's tie flag, with the model class default when the key is absent."""
+    for scope in (config, config.get("text_config") or {}):
+        if "tie_word_embeddings" in scope:
+            return bool(scope["tie_word_embeddings"])
+    from transformers import AutoConfig  # slow import: only when the config leaves it implicit
+
+    try:
+        return bool(AutoConfig.for_model(**dict(config)).tie_word_embeddings)
+    except Exception as exc:
+        raise InvalidConfig(f"cannot tell whether embeddings are tied ({exc})") from exc
+
+
+def copy_metadata(hf_dir: str, target_url: str, config: Mapping[str, Any],
+                  updates: Mapping[str, Any] | None = None) -> list[tuple[str, int]]:
+    """Copy metadata files (top level of ``hf_dir``) and write the updated config; returns (name, size)."""
+    written = []
+    for entry in storage.list_files(hf_dir, recursive=False):
+        if entry.path == CONFIG_FILE or is_weight_file(entry.path):
+            continue
+        source, dest = storage.join(hf_dir, entry.path), storage.join(target_url, entry.path)
+        check_metadata_file(source, hf_dir, entry.size)  # no link out, no device, bounded (source_files)
+        storage.copy_file(source, dest)
+        if storage.size(dest) != entry.size:
+            raise UnsafeFile(f"changed while being copied: listed {entry.size} bytes", source)
+        written.append((entry.path, entry.size))
+    merged = dict(config)
+    merged.update(updates or {})
+    if "torch_dtype" in merged and "dtype" in (updates or {}):
+        merged["torch_dtype"] = merged["dtype"]
+    data = (json.dumps(merged, indent=2, sort_keys=True) + "\n").encode()
+    storage.write_bytes(storage.join(target_url, CONFIG_FILE), data)
+    written.append((CONFIG_FILE, len(data)))
+    return written

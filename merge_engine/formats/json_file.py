@@ -1,0 +1,39 @@
+"""Small JSON metadata files (``ckpt_contents.json``, ``metadata.json``, ``config.json``, indexes, ...).
+
+One parser (`merge_engine.formats.json_text.parse_json`, re-exported here: bounded size and depth, a named
+error for anything else), so every caller reports a broken file the same way, with the file's URL:
+
+- `parse_json(data, url, error=...)`: the JSON value in ``data`` (str or bytes); ``error(message,
+  url)`` (a `StepmergeError` class, `CorruptShard` unless the caller names its own) when it is too
+  large, nested too deeply, or not valid UTF-8 JSON;
+- `read_json(url, error=...)`: the same for a file; None when the file does not exist;
+- `read_json_object(url, error=...)`: `read_json`, and ``error`` unless the value is an object.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from merge_engine import storage
+from merge_engine.errors import CorruptShard, StepmergeError
+from merge_engine.formats.json_text import parse_json
+
+
+def read_json(url: str, *, error: type[StepmergeError] = CorruptShard) -> Any:
+    """The JSON value in the file ``url``; None if absent; ``error`` if unparsable."""
+    try:
+        data = storage.read_bytes(url)
+    except FileNotFoundError:
+        return None
+    return parse_json(data, url, error=error)
+
+
+def read_json_object(url: str, *, error: type[StepmergeError] = CorruptShard) -> dict[str, Any] | None:
+    """The JSON object in ``url``; None if absent; ``error`` if unparsable or not an object."""
+    data = read_json(url, error=error)
+    if data is not None and not isinstance(data, dict):
+        raise error(f"not a JSON object (a {type(data).__name__})", url)
+    return data
+
+
+__all__ = ["parse_json", "read_json", "read_json_object"]

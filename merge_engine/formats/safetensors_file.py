@@ -1,0 +1,131 @@
+"""The safetensors format, read lazily over any URL: header first, tensor bytes by ranged reads.
+
+One parser for the whole engine (merging, fusing, validating). `read_header` checks what the
+safetensors library checks: a JSON-object header that fits the file, known dtypes, byte ranges
+that match dtype and shape, start at or after the data section, never overlap, and end exactly
+at the end of the file. `SafetensorsFile(url).tensors()` then gives `StoredTensor`s — the same
+lazy handle torch archives give — so every reader downstream treats both formats alike.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from merge_engine.errors import CorruptShard, IncompleteCheckpoint
+from merge_engine.formats.json_file import parse_json
+from merge_engine.storage import RangeReader
+from merge_engine.formats.torch_archive import StorageRef, StoredTensor
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}
+CODES: dict[torch.dtype, str] = {dtype: code for code, dtype in DTYPES.items()}
+MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor of a safetensors file: dtype, shape and absolute byte range in the file."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Header:
+    entries: dict[str, HeaderEntry]
+    metadata: dict[str, Any]
+    data_start: int
+
+
+def read_header(reader: RangeReader) -> Header:
+    """The checked header of the file behind ``reader`` (two small reads).
+
+    Raises `IncompleteCheckpoint` for a file too short for what its header promises (truncated),
+    `CorruptShard` for anything else that is not a valid safetensors file; both name the file.
+    """
+    url = reader.url
+    if reader.size < 8:
+        raise IncompleteCheckpoint(f"safetensors file of {reader.size} bytes: empty or truncated", url)
+    (length,) = struct.unpack("<Q", reader.read(0, 8))
+    if length > min(MAX_HEADER, reader.size - 8):
+        raise CorruptShard(f"safetensors header length {length} impossible for a {reader.size}-byte file", url)
+    raw = parse_json(reader.read(8, length), url, unique_keys=True)  # CorruptShard: not JSON, too deep, a key twice
+    if not isinstance(raw, dict):
+        raise CorruptShard("safetensors header is not a JSON object", url)
+    metadata = raw.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptShard("safetensors __metadata__ is not an object of strings", url)
+    data_start = 8 + length
+    entries: dict[str, HeaderEntry] = {}
+    for name, entry in raw.items():
+        try:
+            dtype = DTYPES[entry["dtype"]]
+            shape = tuple(_integer(s) for s in entry["shape"])
+            begin, end = (_integer(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CorruptShard(f"bad header entry for {name!r}", url) from None
+        if begin < 0 or end - begin != math.prod(shape) * dtype.itemsize or any(s < 0 for s in shape):
+            raise CorruptShard(f"{name!r}: bytes [{begin}, {end}) do not hold {list(shape)} {dtype}", url)
+        entries[name] = HeaderEntry(name, dtype, shape, data_start + begin, data_start + end)
+    cursor = data_start
+    for entry in sorted(entries.values(), key=lambda e: (e.start, e.end)):
+        if entry.start < cursor:
+            raise CorruptShard(f"{entry.name!r}: byte range overlaps another tensor", url)
+        cursor = entry.end
+    if cursor > reader.size:
+        raise IncompleteCheckpoint(f"tensors end at byte {cursor} but the file has {reader.size}: truncated", url)
+    if cursor < reader.size:
+        raise CorruptShard(f"{reader.size - cursor} bytes after the last tensor", url)
+    return Header(entries, dict(metadata), data_start)
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{value!r} is not an integer")
+    return value
+
+
+class SafetensorsFile:
+    """One safetensors file; `tensors()` maps names to lazy `StoredTensor`s (header-only read)."""
+
+    def __init__(self, url: str, reader: RangeReader | None = None) -> None:
+        self.url = url
+        self.reader = reader or RangeReader(url)
+        header = read_header(self.reader)
+        self.metadata = header.metadata
+        self._entries = header.entries
+        self._tensors: dict[str, StoredTensor] = {}
+        for name, entry in header.entries.items():
+            stride, acc = [], 1
+            for s in reversed(entry.shape):
+                stride.append(acc)
+                acc *= s
+            ref = StorageRef(name, entry.dtype, math.prod(entry.shape))
+            self._tensors[name] = StoredTensor(self, ref, 0, entry.shape, tuple(reversed(stride)))
+
+    def tensors(self) -> dict[str, StoredTensor]:
+        return dict(self._tensors)
+
+    def entries(self) -> dict[str, HeaderEntry]:
+        """Name -> the header's entry (dtype, shape, absolute byte range), in file order."""
+        return dict(sorted(self._entries.items(), key=lambda item: item[1].start))
+
+    def read_storage_into(self, storage: StorageRef, element_offset: int, out: torch.Tensor) -> None:
+        start = self._entries[storage.key].start + element_offset * storage.dtype.itemsize
+        if out.numel():
+            self.reader.read_into(start, memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+
+    def close(self) -> None:
+        self.reader.close()

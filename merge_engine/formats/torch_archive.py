@@ -1,0 +1,717 @@
+"""Read ``torch.save`` archives lazily and safely: structure first, bytes only on demand.
+
+A ``torch.save`` file is an uncompressed zip holding ``<archive>/data.pkl`` (the object tree) and
+one record ``<archive>/data/<key>`` per storage. `TorchArchive` parses the zip directory and the
+pickle — kilobytes — and returns the object tree with every tensor replaced by a `StoredTensor`:
+the file, byte offset, dtype, shape and strides of its data. Nothing of the tensors is read.
+
+Integrity: every byte of a record read is folded into that record's CRC-32 as it is read
+(`merge_engine.formats.zip_crc`); a record read whole is checked then, one read in part is completed and
+checked by `TorchArchive.verify_reads`. A mismatch is `CorruptShard` naming the file and the record
+(``torch.load`` checks none of this). ``data.pkl`` is read by ``zipfile``, which checks its CRC.
+
+Safety: the pickle is read with an unpickler whose ``find_class`` answers from an allow-list of
+*stand-ins written here*: no function or class of torch (or anything else) is ever called while
+unpickling. Distributed-tensor classes (DTensor, DeviceMesh, placements, ShardedTensor, ...)
+become inert `Record` objects that only store their pickled state. Any other global raises
+`UnsafePickle` naming the global and the file, before anything runs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import math
+import pickle
+import pickletools
+import struct
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsafePickle
+from merge_engine.storage import RangeReader
+from merge_engine.formats.zip_crc import RecordChecks
+
+# --- stand-ins the unpickler may return ---------------------------------------------------
+
+
+def _storage_dtypes() -> dict[str, torch.dtype]:
+    import warnings
+
+    table = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy typed-storage classes warn on attribute access
+        return _collect_storage_dtypes(table)
+
+
+def _collect_storage_dtypes(table: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
+    for name in dir(torch):
+        if name.endswith("Storage") and name not in ("Storage", "TypedStorage", "UntypedStorage"):
+            try:
+                table[name] = getattr(torch, name).dtype
+            except Exception:  # quantized storages have no plain dtype: leave them out
+                continue
+    table["UntypedStorage"] = torch.uint8
+    return table
+
+
+STORAGE_DTYPES = _storage_dtypes()
+MAX_PICKLE_BYTES = 1 << 30  # a state dict's structure; tensors live in separate records
+GATHER_ELEMENTS = 1 << 20  # non-contiguous reads: flat elements located per pass
+GATHER_WINDOW_BYTES = 32 << 20  # non-contiguous reads: most storage bytes held at once
+TORCH_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+
+
+def is_row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether ``stride`` lays ``shape`` out densely in row-major order (size-1 dims may have any stride)."""
+    expected = 1
+    for size, step in zip(reversed(shape), reversed(stride)):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
+
+
+@dataclass(frozen=True)
+class StorageMarker:
+    """What a ``torch.FloatStorage``-style global unpickles to: only its element dtype."""
+
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """A storage record in the archive: key, dtype and element count (its bytes are found by key)."""
+
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor as stored: a strided view on a storage record of a file. Holds no data.
+
+    ``archive`` is the file object that owns the bytes: anything with ``url`` and
+    ``read_storage_into(storage, element_offset, out)`` (`TorchArchive`, `SafetensorsFile`).
+    """
+
+    archive: Any
+    storage: StorageRef
+    offset: int  # in elements, into the storage
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def is_contiguous(self) -> bool:
+        return is_row_major(self.shape, self.stride)
+
+    def read_flat(self, start: int, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[start, start+count)`` of the row-major flattening, read into ``out`` (1-D) if given."""
+        if out is None:
+            out = torch.empty(count, dtype=self.dtype)
+        if count == 0:
+            return out
+        if self.is_contiguous():
+            self.archive.read_storage_into(self.storage, self.offset + start, out)
+            return out
+        for at in range(0, count, GATHER_ELEMENTS):  # bounded index tensors: a few int64 per element
+            self._gather(start + at, out[at:at + GATHER_ELEMENTS])
+        return out
+
+    @property
+    def span(self) -> int:
+        """Elements of the storage from the first to the last one this view reaches."""
+        return 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride)) if self.numel else 0
+
+    def _gather(self, start: int, out: torch.Tensor) -> None:
+        """Flat elements ``[start, start + len(out))`` of a non-contiguous view, read in storage
+        windows of at most `GATHER_WINDOW_BYTES` (a transposed tensor's row touches its whole
+        storage: memory stays bounded, and the bytes are read once per window they fall in)."""
+        count = out.numel()
+        flat = torch.arange(start, start + count, dtype=torch.int64)
+        index = torch.zeros(count, dtype=torch.int64)
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            index += (flat % size) * stride
+            flat //= size
+        del flat
+        window = max(1, GATHER_WINDOW_BYTES // self.dtype.itemsize)
+        low, high = int(index.min()), int(index.max()) + 1
+        if high - low <= max(window, count):
+            raw = torch.empty(high - low, dtype=self.dtype)
+            self.archive.read_storage_into(self.storage, self.offset + low, raw)
+            out.copy_(raw[index - low])
+            return
+        index, order = torch.sort(index)
+        at = 0
+        while at < count:
+            first = int(index[at])
+            stop = int(torch.searchsorted(index, first + window))
+            raw = torch.empty(int(index[stop - 1]) + 1 - first, dtype=self.dtype)
+            self.archive.read_storage_into(self.storage, self.offset + first, raw)
+            out[order[at:stop]] = raw[index[at:stop] - first]
+            at = stop
+
+    def read(self) -> torch.Tensor:
+        """The whole tensor, materialised (contiguous)."""
+        if self.is_contiguous():
+            return self.read_flat(0, self.numel).reshape(self.shape)
+        raw = torch.empty(self.span, dtype=self.dtype)
+        self.archive.read_storage_into(self.storage, self.offset, raw)
+        return torch.as_strided(raw, self.shape, self.stride).contiguous()
+
+
+class _FrozenClass(type):
+    """Record classes are shared by every load: a pickle may not set attributes on them (BUILD
+    with slot state calls setattr on whatever object it is given)."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise UnsafePickle(f"pickle tries to set {name!r} on the allow-listed class {cls.__name__}")
+
+    def __delattr__(cls, name: str) -> None:
+        raise UnsafePickle(f"pickle tries to delete {name!r} from the allow-listed class {cls.__name__}")
+
+
+class Record(metaclass=_FrozenClass):
+    """An inert stand-in for an allow-listed class: keeps constructor args and pickled state."""
+
+    module = ""
+    qualname = ""
+
+    def __new__(cls, *args: Any) -> Record:  # NEWOBJ calls __new__ only; REDUCE calls the class
+        self = super().__new__(cls)
+        self.args = args
+        self.state = None
+        return self
+
+    def __init__(self, *args: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        """The pickled attributes as one dict (plain ``__dict__`` state or ``(dict, slots)`` state)."""
+        state = self.state
+        if isinstance(state, dict):
+            return state
+        if isinstance(state, tuple) and len(state) == 2 and all(isinstance(s, (dict, type(None))) for s in state):
+            merged: dict[str, Any] = {}
+            for part in state:
+                merged.update(part or {})
+            return merged
+        return {}
+
+    def __repr__(self) -> str:
+        return f"<{self.module}.{self.qualname} args={self.args!r} state={self.state!r}>"
+
+
+_record_classes: dict[tuple[str, str], type[Record]] = {}
+
+
+def record_class(module: str, qualname: str) -> type[Record]:
+    key = (module, qualname)
+    if key not in _record_classes:
+        _record_classes[key] = _FrozenClass(qualname, (Record,), {"module": module, "qualname": qualname})
+    return _record_classes[key]
+
+
+class _Allowed:
+    """A fresh, immutable wrapper around an allow-listed callable for each use in a pickle, so that
+    no pickle can alter a function or class the next load will use (BUILD on it raises)."""
+
+    __slots__ = ("_target",)
+
+    def __init__(self, target: Any) -> None:
+        object.__setattr__(self, "_target", target)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._target(*args, **kwargs)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise UnsafePickle(f"pickle tries to set {name!r} on an allow-listed callable")
+
+    def __setstate__(self, state: Any) -> None:
+        raise UnsafePickle("pickle tries to modify an allow-listed callable")
+
+
+@dataclass
+class WrapperTensor:
+    """A tensor subclass (DTensor) rebuilt without torch: class record, global meta and its state."""
+
+    cls: type[Record]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    state: dict[str, Any]
+
+
+def view_problem(storage_numel: int, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> str | None:
+    """None when the strided view ``(offset, shape, stride)`` is one a real tensor can be, else why not.
+
+    A view must lie inside its storage (``offset + span <= storage_numel``) and never reach one
+    element twice (no internal overlap: sorted by stride, each dim's stride is larger than every
+    offset the smaller dims reach). Both together mean a view never claims more elements than its
+    storage holds: a pickle cannot make one stored element stand for a billion (zero strides).
+    """
+    if len(shape) != len(stride):
+        return f"shape {list(shape)} and strides {list(stride)} differ in length"
+    if offset < 0 or any(s < 0 for s in shape) or any(st < 0 for st in stride):
+        return f"negative offset, size or stride (offset {offset}, shape {list(shape)}, strides {list(stride)})"
+    if any(s == 0 for s in shape):
+        return None if offset <= storage_numel else f"offset {offset} lies past its storage of {storage_numel}"
+    span = 1 + sum((s - 1) * st for s, st in zip(shape, stride))
+    if offset + span > storage_numel:
+        return (f"view {list(shape)} (strides {list(stride)}) at offset {offset} needs {offset + span} elements; "
+                f"its storage holds {storage_numel}")
+    reach = 0
+    for st, s in sorted((st, s) for s, st in zip(shape, stride) if s > 1):
+        if st <= reach:
+            return f"view {list(shape)} with strides {list(stride)} reaches some stored elements more than once"
+        reach += (s - 1) * st
+    return None
+
+
+def _tensor_rebuilder(archive: TorchArchive):
+    def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
+                           metadata=None):
+        if not isinstance(storage, StorageRef):
+            raise UnsafePickle(f"tensor rebuilt from a non-storage object {type(storage).__name__}", archive.url)
+        try:
+            offset, shape, strides = int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride)
+        except (TypeError, ValueError):
+            raise CorruptShard(f"tensor of storage {storage.key} has a non-integer offset, size or stride",
+                               archive.url) from None
+        problem = view_problem(storage.numel, offset, shape, strides)
+        if problem:
+            raise CorruptShard(f"tensor on storage {storage.key}: {problem}", archive.url)
+        tensor = StoredTensor(archive, storage, offset, shape, strides)
+        archive._views.append(tensor)
+        return tensor
+
+    return _rebuild_tensor_v2
+
+
+def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
+    return data
+
+
+def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
+    return WrapperTensor(cls, dtype, tuple(int(s) for s in size), {})
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    value = func(*args)
+    if isinstance(value, WrapperTensor):
+        parts = state if isinstance(state, tuple) else (state,)
+        if all(isinstance(part, (dict, type(None))) for part in parts):
+            for part in parts:  # ``__dict__`` state, or ``(dict_state, slots_state)``
+                value.state.update(part or {})
+        else:  # a class with its own __getstate__ (ShardedTensor): kept as pickled
+            value.state["__state__"] = state
+    return value
+
+
+def _record_getattr(owner, name):
+    """Only ``getattr(<record class>, "Nested")``: protocol 2 pickles nested classes this way
+    (``ShardedTensor.ProcessGroupState``). Anything else is refused."""
+    if isinstance(owner, type) and issubclass(owner, Record) and isinstance(name, str) and name.isidentifier():
+        return record_class(owner.module, f"{owner.qualname}.{name}")
+    raise UnsafePickle(f"pickle calls getattr({owner!r}, {name!r}); only nested record classes are allowed")
+
+
+class TensorClassMarker:
+    """``torch.Tensor`` as a ``_rebuild_from_type_v2`` target: plain tensors need no class."""
+
+
+def _torch_size(values=()):
+    return tuple(int(v) for v in values)
+
+
+def _torch_device(*args):
+    return ":".join(str(a) for a in args)
+
+
+def _get_layout(name):
+    return str(name)
+
+
+def _codecs_encode(text, encoding="utf-8"):
+    import codecs
+
+    return codecs.encode(text, encoding)
+
+
+_FUNCTIONS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "slice"): slice,
+    ("_codecs", "encode"): _codecs_encode,
+    ("builtins", "getattr"): _record_getattr,
+    ("__builtin__", "getattr"): _record_getattr,
+    ("torch", "Tensor"): TensorClassMarker,
+    ("torch.nn.parameter", "Parameter"): TensorClassMarker,
+    ("torch", "Size"): _torch_size,
+    ("torch", "device"): _torch_device,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper_subclass,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch._utils", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch.serialization", "_get_layout"): _get_layout,
+}
+
+# Modules whose classes may appear as inert records (their code is never run).
+_RECORD_MODULES = ("torch.distributed.",)
+# Single globals that may appear as inert records: Megatron-LM pickles its ``args`` (an
+# argparse.Namespace) and numpy RNG state (arrays rebuilt by ``_reconstruct``) beside the weights.
+# A record only stores the arguments and state it is given; no argparse or numpy code runs.
+_RECORD_GLOBALS = frozenset({
+    ("argparse", "Namespace"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "_reconstruct"),
+})
+_RECORD_GLOBAL_MODULES = ("numpy.dtypes",)  # numpy 2 pickles dtypes as numpy.dtypes.UInt32DType etc.
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """The allow-list unpickler. ``archive`` is None for a bare pickle (no storages allowed)."""
+
+    def __init__(self, data: bytes, archive: TorchArchive | None, url: str | None = None) -> None:
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self._archive = archive
+        self._url = archive.url if archive is not None else url
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            if self._archive is None:
+                raise UnsafePickle("a bare pickle rebuilds a tensor; only torch.save archives hold tensors", self._url)
+            return _Allowed(_tensor_rebuilder(self._archive))
+        if (module, name) in _FUNCTIONS:
+            return _Allowed(_FUNCTIONS[(module, name)])
+        if module == "torch" and name in STORAGE_DTYPES:
+            return StorageMarker(STORAGE_DTYPES[name])
+        if module == "torch" and name in TORCH_DTYPES:
+            return TORCH_DTYPES[name]
+        if module.startswith(_RECORD_MODULES) or module == "torch.distributed":
+            return record_class(module, name)
+        if (module, name) in _RECORD_GLOBALS or (module in _RECORD_GLOBAL_MODULES and name.endswith("DType")):
+            return record_class(module, name)
+        raise UnsafePickle(f"pickle asks for {module}.{name}, which is not on the allow-list; nothing was run",
+                           self._url)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._archive is None or not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise UnsafePickle(f"unknown persistent id {pid!r}", self._url)
+        _, marker, key, _location, numel = pid
+        dtype = marker.dtype if isinstance(marker, StorageMarker) else None
+        if dtype is None:
+            raise UnsafePickle(f"storage of unknown type {marker!r}", self._url)
+        if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
+            raise CorruptShard(f"storage {key!r} has element count {numel!r}", self._url)
+        ref = StorageRef(str(key), dtype, numel)
+        self._archive.check_record(ref)
+        return ref
+
+
+MAX_TUPLE_DEPTH = 1000  # tuples nested deeper than this appear in no checkpoint (a Size, args, a DTensor)
+_TUPLE_OPS = frozenset({"TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_TUPLE"})
+
+
+def check_nesting(data: bytes, url: str | None) -> None:
+    """`CorruptShard` if the pickle ``data`` builds tuples nested deeper than `MAX_TUPLE_DEPTH`.
+
+    Why: CPython hashes a tuple by recursing into its items without a recursion limit, so a
+    pickle whose dict key is a tuple nested a million deep (3 bytes a level) crashes the process
+    (SIGSEGV) inside the unpickler — no exception to catch. Tuples are immutable, so their depth
+    is fixed when built: a scan of the opcodes (a stack of depths, memo included) finds it before
+    anything is built. Fast path: depth is at most the number of tuple-building opcode bytes, so a
+    pickle with few such bytes needs no scan.
+    """
+    wrapping = data.count(b"t") + data.count(b"\x85") + data.count(b"\x86") + data.count(b"\x87")
+    if wrapping < MAX_TUPLE_DEPTH:
+        return
+    stack: list[int | None] = []  # tuple depth of each stack item; None for a MARK
+    memo: dict[Any, int | None] = {}
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            name = op.name
+            if name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = stack[-1] if stack else 0
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1] if stack else 0
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                stack.append(memo.get(arg, 0))
+            elif name == "MARK":
+                stack.append(None)
+            elif name == "DUP":
+                stack.append(stack[-1] if stack else 0)
+            else:
+                deepest = 0
+                before = op.stack_before
+                if pickletools.markobject in before:  # pop to the mark, then the items below it
+                    while stack and stack[-1] is not None:
+                        deepest = max(deepest, stack.pop())
+                    if stack:
+                        stack.pop()
+                    below = before.index(pickletools.markobject)
+                else:
+                    below = len(before)
+                for _ in range(below):
+                    item = stack.pop() if stack else 0
+                    deepest = max(deepest, item or 0)
+                depth = deepest + 1 if name in _TUPLE_OPS else 0
+                if depth > MAX_TUPLE_DEPTH:
+                    raise CorruptShard(f"pickle nests tuples more than {MAX_TUPLE_DEPTH} deep: not a checkpoint", url)
+                stack.extend([depth] * len(op.stack_after))
+    except ValueError as exc:  # a malformed opcode stream
+        raise CorruptShard(f"pickle unreadable ({exc})", url) from None
+
+
+def safe_unpickle(data: bytes, url: str) -> Any:
+    """A bare pickle (no tensor storages) read with the same allow-list, e.g. a DCP ``.metadata``.
+
+    Allow-listed classes come back as inert `Record`s; raises `UnsafePickle` for anything else
+    and `CorruptShard` for a malformed stream, naming ``url``.
+    """
+    check_nesting(data, url)
+    try:
+        return _SafeUnpickler(data, None, url).load()
+    except (UnsafePickle, CorruptShard):
+        raise
+    except RecursionError:
+        raise CorruptShard("pickle nests objects too deeply to be checkpoint metadata", url) from None
+    except Exception as exc:  # malformed pickle stream
+        raise CorruptShard(f"pickle unreadable ({type(exc).__name__}: {exc})", url) from exc
+
+
+class _ReaderFile(io.RawIOBase):
+    """A seekable read-only file over a `RangeReader`, so ``zipfile`` can parse the directory."""
+
+    def __init__(self, reader: RangeReader) -> None:
+        self._reader = reader
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._reader.size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self._reader.size - self._pos))
+        if n:
+            self._reader.read_into(self._pos, memoryview(buffer)[:n])
+        self._pos += n
+        return n
+
+
+class TorchArchive:
+    """One ``torch.save`` file opened for lazy reading. `load()` returns the object tree.
+
+    Raises `IncompleteCheckpoint` for an empty file, `CorruptShard` for a file that is not a
+    readable torch zip archive (truncated, foreign format, legacy non-zip pickle) and
+    `UnsafePickle` for a pickle that needs a global outside the allow-list.
+    """
+
+    def __init__(self, url: str, reader: RangeReader | None = None) -> None:
+        self.url = url
+        self.reader = reader or RangeReader(url)
+        if self.reader.size == 0:
+            raise IncompleteCheckpoint("file is empty (0 bytes)", url)
+        try:
+            self._zip = zipfile.ZipFile(_ReaderFile(self.reader))
+            names = self._zip.namelist()
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+            raise CorruptShard(f"not a readable torch zip archive ({exc}); truncated, still being written, or not a torch file", url) from exc
+        pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+        if len(pkl) != 1:
+            raise CorruptShard("zip archive without a single data.pkl: not a torch.save file", url)
+        self._prefix = pkl[0][: -len("data.pkl")]
+        self._infos = {info.filename: info for info in self._zip.infolist()}
+        if len({info.header_offset for info in self._infos.values()}) != len(self._zip.infolist()):
+            raise CorruptShard("zip entries share bytes (two names for one record): not a torch.save file", url)
+        # where each record's bytes must end: the next local header, or the central directory
+        self._record_starts = sorted({info.header_offset for info in self._infos.values()} |
+                                     {getattr(self._zip, "start_dir", self.reader.size)})
+        self._data_offsets: dict[str, int] = {}
+        self._checked_records: set[tuple[str, int]] = set()
+        self._views: list[StoredTensor] = []
+        self._loaded: Any = None
+        self._crc = RecordChecks(url)
+
+    def load(self) -> Any:
+        """The object tree with `StoredTensor` leaves (parsed once, then cached)."""
+        if self._loaded is None:
+            info = self._infos[self._prefix + "data.pkl"]
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size > MAX_PICKLE_BYTES:
+                raise CorruptShard(f"data.pkl is compressed or {info.file_size} bytes: not what torch.save writes",
+                                   self.url)
+            try:
+                data = self._zip.read(self._prefix + "data.pkl")
+            except (zipfile.BadZipFile, OSError, EOFError) as exc:
+                raise CorruptShard(f"data.pkl unreadable ({exc})", self.url) from exc
+            self._check_byte_order()
+            check_nesting(data, self.url)
+            try:
+                tree = _SafeUnpickler(data, self).load()
+            except (UnsafePickle, CorruptShard):
+                raise
+            except RecursionError:
+                raise CorruptShard("pickle nests objects too deeply to be a state dict", self.url) from None
+            except Exception as exc:  # malformed pickle stream
+                raise CorruptShard(f"pickle unreadable ({type(exc).__name__}: {exc})", self.url) from exc
+            self._check_views_disjoint()
+            self._loaded = tree
+        return self._loaded
+
+    def _check_byte_order(self) -> None:
+        """torch.save records the writer's byte order; the bytes are read as little-endian, so a
+        big-endian archive would come back as wrong values: refused. (No record: little, as torch.)"""
+        info = self._infos.get(self._prefix + "byteorder")
+        if info is None:
+            return
+        try:
+            order = self._zip.read(info.filename) if info.file_size <= 16 else b""
+        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+            raise CorruptShard(f"byteorder record unreadable ({exc})", self.url) from exc
+        if order != b"little":
+            raise CorruptShard(f"byteorder record says {order[:16]!r}; only little-endian archives are read",
+                               self.url)
+
+    def check_record(self, storage: StorageRef) -> None:
+        """The record behind ``storage`` exists, is stored uncompressed, holds exactly the bytes the
+        pickle declares, and fits before the next record (zip directory only, no read). `load()` calls
+        this for every storage, so a listing judged complete is one `merge` can read."""
+        if (storage.key, storage.numel * storage.dtype.itemsize) in self._checked_records:
+            return
+        name = f"{self._prefix}data/{storage.key}"
+        info = self._infos.get(name)
+        if info is None:
+            raise CorruptShard(f"storage record {name} missing", self.url)
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CorruptShard(f"storage record {name} is compressed; torch.save never does that", self.url)
+        expected = storage.numel * storage.dtype.itemsize
+        if info.file_size != expected:
+            raise CorruptShard(f"storage record {name} holds {info.file_size} bytes, pickle says {expected}", self.url)
+        end = info.header_offset + 30 + len(info.orig_filename.encode()) + info.file_size
+        if end > self._record_end(info.header_offset):
+            raise CorruptShard(f"storage record {name} of {info.file_size} bytes overruns the next record or "
+                               "the end of the archive", self.url)
+        self._checked_records.add((storage.key, expected))
+
+    def _record_end(self, header_offset: int) -> int:
+        at = bisect.bisect_right(self._record_starts, header_offset)
+        return self._record_starts[at] if at < len(self._record_starts) else self.reader.size
+
+    def _check_views_disjoint(self) -> None:
+        """No two tensors of this archive claim the same stored bytes, unless they are the same
+        bytes (one tensor saved under two names, or ``w`` and ``w.view(-1)``: tied weights).
+
+        Each view is already inside its storage with no internal overlap (`view_problem`); here,
+        per record, distinct dense views must not overlap and all distinct views together claim at
+        most the record's bytes. So a merge writes at most the bytes on disk once, plus aliases.
+        """
+        by_record: dict[str, set[tuple[int, int, bool, tuple]]] = {}
+        for view in self._views:
+            if not view.numel:
+                continue
+            size = view.dtype.itemsize
+            span = 1 + sum((s - 1) * st for s, st in zip(view.shape, view.stride))
+            start = view.offset * size
+            dense = span == view.numel
+            key = () if dense else (view.shape, view.stride, size)  # dense: the byte interval is the identity
+            by_record.setdefault(view.storage.key, set()).add((start, start + span * size, dense, key))
+        for record, views in by_record.items():
+            claimed = 0
+            dense_end = -1
+            for start, end, dense, key in sorted(views):
+                claimed += (end - start) if dense else math.prod(key[0]) * key[2]
+                if dense:
+                    if start < dense_end:
+                        raise CorruptShard(f"two tensors overlap in storage record {record} "
+                                           f"(bytes {start}-{end} meet a view ending at {dense_end})", self.url)
+                    dense_end = end
+            record_bytes = self._infos[f"{self._prefix}data/{record}"].file_size
+            if claimed > record_bytes:
+                raise CorruptShard(f"tensors claim {claimed} bytes of storage record {record}, which holds "
+                                   f"{record_bytes}: overlapping views", self.url)
+
+    def _data_offset(self, storage: StorageRef) -> int:
+        offset = self._data_offsets.get(storage.key)
+        if offset is not None:
+            return offset
+        self.check_record(storage)
+        name = f"{self._prefix}data/{storage.key}"
+        info = self._infos[name]
+        header = self.reader.read(info.header_offset, 30)
+        if header[:4] != b"PK\x03\x04":
+            raise CorruptShard(f"bad local header for {name}", self.url)
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        offset = info.header_offset + 30 + name_len + extra_len
+        if offset + info.file_size > self.reader.size:
+            raise IncompleteCheckpoint(f"storage record {name} runs past the end of the file: truncated", self.url)
+        if offset + info.file_size > self._record_end(info.header_offset):
+            raise CorruptShard(f"storage record {name}: its local header places it over the next record", self.url)
+        self._data_offsets[storage.key] = offset
+        return offset
+
+    def read_storage_into(self, storage: StorageRef, element_offset: int, out: torch.Tensor) -> None:
+        """Fill the contiguous tensor ``out`` with elements of ``storage`` starting at ``element_offset``."""
+        if out.dtype != storage.dtype or not out.is_contiguous():
+            raise ValueError("out must be contiguous and of the storage dtype")
+        if element_offset + out.numel() > storage.numel:
+            raise CorruptShard(f"tensor view runs past its storage {storage.key}", self.url)
+        record_offset = element_offset * storage.dtype.itemsize
+        start = self._data_offset(storage) + record_offset
+        data = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        self.reader.read_into(start, data)
+        info = self._infos[f"{self._prefix}data/{storage.key}"]
+        self._crc.add(info.filename, info.file_size, info.CRC, record_offset, data)
+
+    def verify_reads(self) -> None:
+        """Check the CRC-32 of every record read from so far: what was left unread of each is read now
+        (bounded chunks). `CorruptShard` naming the file and the record on a mismatch. Records read
+        whole were checked as their last piece arrived (`merge_engine.formats.zip_crc`)."""
+        def read(name: str, offset: int, length: int) -> memoryview:
+            key = name[len(f"{self._prefix}data/"):]
+            return memoryview(self.reader.read(self._data_offsets[key] + offset, length))
+
+        def describe(name: str) -> tuple[int, int]:
+            info = self._infos[name]
+            return info.file_size, info.CRC
+
+        self._crc.finish(read, describe)
+
+    @property
+    def records_checked(self) -> frozenset[str]:
+        """The zip records read whole and found to match their CRC-32."""
+        return self._crc.checked
+
+    def close(self) -> None:
+        self.reader.close()

@@ -1,0 +1,158 @@
+"""Shard jobs as tasks of a Ray cluster (the optional extra ``ray``: ``pip install -c constraints.txt '.[ray]'``
+from the checkout).
+
+Each shard job is one Ray task running `merge_engine.output.executors.remote.run_shard_task` on a worker: it
+reads straight from the checkpoint's storage and writes straight to the target URL. No weight byte passes
+through the coordinator or Ray's object store: only `ShardRecord`s come back.
+
+- Retries: a task whose worker dies (node lost, OOM-killed, SIGKILL) is run again by Ray
+  (``max_retries``); the shard is written whole again (`write_shard` is atomic per file). A named error
+  (a truncated rank file, ...) is not retried: the first one cancels the other tasks and is raised once
+  they have stopped. An interrupt (`merge_engine.output.interrupts`) cancels every task the same way.
+- The storage settings of the coordinator (`remote.storage_env`) travel inside every task (`ShardTask.env`,
+  applied by the worker), not as a Ray ``runtime_env``: a runtime env of its own would make Ray start (and
+  import torch in) fresh worker processes for every merge instead of reusing the idle ones.
+- Where each task ran: `RayExecutor.task_runs` holds a `TaskRun` (node id, pid, source bytes read) per
+  shard of the last `run_all`, in the order of the tasks (the attempt that succeeded).
+- ``address``: "auto" (a cluster started with ``ray start``), ``host:port``, ``ray://host:port`` (Ray
+  Client), or "local" (a private cluster of this machine). A ``host:port`` that answers nothing, or not as
+  Ray does, is `RayClusterUnreachable` within seconds (`ray_address.check_ray_address`), never Ray's own
+  minutes of retries. When this process is already connected to Ray, that connection is used.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from merge_engine.output import interrupts
+from merge_engine.errors import InvalidOption, RayClusterUnreachable, StepmergeError
+from merge_engine.output.executors.ray_address import check_ray_address
+from merge_engine.output.executors.remote import RemoteExecutor, ShardTask, run_shard_task, storage_env
+from merge_engine.output.shard_job import ShardRecord
+from merge_engine.storage.range_reader import bytes_read
+
+__all__ = ["DEFAULT_MAX_RETRIES", "RayExecutor", "TaskRun"]
+
+DEFAULT_MAX_RETRIES = 3
+POLL_S = 0.2  # how often the coordinator looks for an interrupt while it waits for tasks
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise InvalidOption("--ray-address needs Ray: pip install -c constraints.txt '.[ray]' "
+                            "(from the stepmerge checkout)") from None
+    return ray
+
+
+@dataclass(frozen=True)
+class TaskRun:
+    """Where one shard task ran: the Ray node id and worker pid, and the bytes that worker read from the
+    checkpoint's storage for it (its own reads: `merge_engine.storage.range_reader.bytes_read`)."""
+
+    node_id: str
+    pid: int
+    source_bytes: int
+
+
+def run_ray_shard_task(task: ShardTask) -> tuple[ShardRecord, TaskRun]:
+    """`run_shard_task` on a Ray worker; its record and where it ran."""
+    import ray
+
+    before = bytes_read()
+    record = run_shard_task(task)
+    return record, TaskRun(ray.get_runtime_context().get_node_id(), os.getpid(), bytes_read() - before)
+
+
+class RayExecutor(RemoteExecutor):
+    """Shard jobs as Ray tasks (see the module docstring)."""
+
+    def __init__(self, address: str | None = "auto", *, max_retries: int = DEFAULT_MAX_RETRIES) -> None:
+        self.address = address
+        self.max_retries = max_retries
+        self.task_runs: list[TaskRun] = []
+
+    def check_address(self) -> None:
+        """`InvalidOption` / `RayClusterUnreachable` within seconds for an address that is no live Ray cluster."""
+        check_ray_address(self.address)
+
+    def _connect(self) -> Any:
+        ray = import_ray()
+        if not ray.is_initialized():
+            self.check_address()
+            try:
+                if self.address in (None, "", "local"):
+                    ray.init(log_to_driver=False, include_dashboard=False, configure_logging=False)
+                else:
+                    ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+            except ConnectionError as exc:  # "auto" with no cluster on this machine, a cluster gone meanwhile
+                raise RayClusterUnreachable(f"no Ray cluster at the --ray-address: {exc}".splitlines()[0],
+                                            self.address) from None
+            interrupts.reclaim_signals()  # Ray's driver aborts on SIGTERM: the shard tasks must be stopped first
+        return ray
+
+    def run_all(self, tasks: list[ShardTask], on_record: Callable[[ShardRecord], None]) -> list[ShardRecord]:
+        ray = self._connect()
+        remote = _remote_task(ray).options(max_retries=self.max_retries, retry_exceptions=False, num_cpus=1,
+                                           name="stepmerge-shard")
+        env = tuple(storage_env().items())
+        refs: list[Any] = []
+        records: dict[int, ShardRecord] = {}
+        runs: dict[int, TaskRun] = {}
+        try:
+            for task in tasks:
+                refs.append(remote.remote(replace(task, env=env)))
+            pending = {ref: position for position, ref in enumerate(refs)}
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+                if not done:
+                    interrupts.check()  # a signal: stop every task (below), then raise it
+                    continue
+                position = pending.pop(done[0])
+                try:
+                    records[position], runs[position] = ray.get(done[0])
+                except Exception as exc:
+                    raise _named(exc) from None
+                on_record(records[position])
+        except BaseException:  # a task failed, or an interrupt: nothing writes after we return
+            _stop(ray, [ref for position, ref in enumerate(refs) if position not in records])
+            raise
+        self.task_runs = [runs[position] for position in range(len(tasks))]
+        return [records[position] for position in range(len(tasks))]
+
+
+_REMOTE: dict[int, Any] = {}  # id(ray module) -> the remote function, made once per process
+
+
+def _remote_task(ray: Any) -> Any:
+    """`run_ray_shard_task` as a Ray remote function: defined once, so that Ray exports it once per
+    cluster connection, not once per merge."""
+    remote = _REMOTE.get(id(ray))
+    if remote is None:
+        remote = _REMOTE[id(ray)] = ray.remote(run_ray_shard_task)
+    return remote
+
+
+def _stop(ray: Any, refs: list[Any]) -> None:
+    """Cancel ``refs`` and wait until each has stopped (a second interrupt does not cut the wait short)."""
+    for ref in refs:
+        ray.cancel(ref)
+    for ref in refs:
+        while True:
+            try:
+                ray.get(ref)
+            except KeyboardInterrupt:
+                continue
+            except Exception:  # cancelled or failed: either way it has stopped
+                pass
+            break
+
+
+def _named(exc: BaseException) -> BaseException:
+    """The named error a task raised (Ray wraps it in a RayTaskError); any other failure as it is."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, StepmergeError) else exc

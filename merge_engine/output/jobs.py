@@ -1,0 +1,272 @@
+"""Output jobs: every command that writes a model or an adapter is one `OutputJob`, run by `run_job`.
+
+    fingerprint (metadata only) -> target state -> prepare (check, open, plan) -> write -> stepmerge.json
+
+Contract of `run_job`:
+- ``job.fingerprint()`` decides the cache key from listings, small JSON files and the output options
+  (`OutputOptions.output_options`), never from weights. Every command's fingerprint is exported
+  (`merge_engine.commands.merge.merge_fingerprint`, `merge_engine.commands.extract.extract_fingerprint`, ...), so
+  the Prefect tasks use the engine's own key.
+- the target's state (`merge_engine.output.target.target_state`): a target overlapping any input
+  (`job_inputs`) is refused (`TargetOverlapsSource`), whatever ``overwrite``; a target whose ``stepmerge.json``
+  records this fingerprint and whose files are all there is left as it is (``skipped``); one holding
+  anything else raises `TargetExists` unless ``overwrite``.
+- ``job.prepare()`` runs every check that can fail on metadata, opens the sources and plans; it reads
+  weights only where a check or a factorisation must (tied copies, SVD). Nothing is written before.
+- the write: each `PlannedOutput` (a `MergePlan` over a source, into a folder of the target) is handed
+  to the `ShardExecutor` (`merge_engine.output.executors`: threads here, or a Ray cluster); then the job's own files (configs, adapter config,
+  Megatron files); then ``stepmerge.json`` (provenance), last. The target gets everything or nothing.
+- one result type, `OutputResult`, for every command.
+
+Scale-out plugs in at the executor: a plan's ``shards`` are independent units (each lists its tensors;
+the index is written from the plan), so an executor writes them in parallel, here or on a cluster,
+with the same bytes; each shard job hashes what it writes (`OutputResult.checksums`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from merge_engine import __version__, engine_identity, storage
+from merge_engine.release.checksums import sha256_of
+from merge_engine.errors import InvalidOption
+from merge_engine.plan.hub_format import DEFAULT_WEIGHTS_FORMAT, parse_weights_format
+from merge_engine.lora.svd import ModuleReport
+from merge_engine.plan.merge_plan import DEFAULT_MAX_SHARD_SIZE, MergePlan
+from merge_engine.output.target import read_provenance, target_state, write_target
+from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
+from merge_engine.output.executors import Files, PlannedFiles, PlannedOutput, ShardExecutor, WrittenFiles, executor_for
+
+__all__ = ["OUTPUT_OPTION_KEYS", "OutputJob", "OutputOptions", "OutputResult", "job_inputs",
+           "PlannedOutput", "PreparedJob", "ShardExecutor", "run_job"]
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """The engine's one options record: what every command may be asked (the CLI and the tasks build it).
+
+    Each command reads the fields that concern it; `output_options` picks the ones that shape its
+    output (fingerprint and provenance). ``overwrite``, ``chunk_bytes`` and ``device`` say how to run,
+    never what is written.
+    """
+
+    # where the input is and how to read it
+    backend: str | None = None  # layout name or alias; detected when None
+    hf_model_path: str | None = None  # config/tokenizer folder overriding the checkpoint's own
+    base_model: str | None = None  # extract: the base of a LoRA-only checkpoint
+    custom_mapping: str | None = None  # Megatron: a JSON file extending the family's name table
+    mtp_layers: str | None = None  # Megatron: export | drop the multi-token-prediction layers (None: refuse them)
+    # what is written
+    dtype: str | None = None  # output dtype; as stored when None (SVD factors: float32)
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    tie_word_embedding: bool | None = None  # verl's flag: may only confirm config.json
+    weights_format: str = DEFAULT_WEIGHTS_FORMAT  # merge, extract-lora, merge-lora: hub (the Hub checkpoint's names)
+    # | transformers (as stored)
+    lora_alpha: float | tuple[float, ...] | None = None  # merge/extract: the run's alpha; merge-lora: one per adapter
+    write_base: bool = True  # extract: also write the clean base model under <target>/base/
+    rank: int | None = None  # SVD: rank of each module (extract --finetuned, merge-lora --output adapter)
+    energy: float | None = None  # SVD: fraction of the squared singular values kept
+    target_modules: tuple[str, ...] | None = None  # SVD extract: the modules to factor
+    method: str = "concat"  # merge-lora: concat | weighted | average
+    weights: tuple[float, ...] | None = None  # merge-lora weighted: one per adapter
+    output: str = "model"  # merge-lora: model (fused) | adapter
+    tp: int = 1  # split: the Megatron layout written
+    pp: int = 1
+    vpp: int | None = None
+    ep: int = 1
+    fmt: str = "legacy"  # split: legacy | dist
+    make_vocab_size_divisible_by: int = 128
+    # how to run
+    workers: int | None = None  # threads writing on this machine (shards and their byte ranges); None: one per core
+    ray_address: str | None = None  # run the shard jobs as tasks of this Ray cluster ("auto", "ray://host:port")
+    overwrite: bool = False
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    device: str | None = None  # SVD: torch device; the GPU when there is one
+
+    def output_options(self, command: str) -> dict[str, Any]:
+        """The options that change the bytes ``command`` writes (for fingerprints and provenance)."""
+        keys = OUTPUT_OPTION_KEYS[command]
+        options = {name: getattr(self, field_name) for name, field_name in keys}
+        if "weights_format" in options:
+            options["weights_format"] = parse_weights_format(self.weights_format)
+        if command == "merge":
+            # only when set, so that the fingerprints of other merges stay as they were
+            if self.lora_alpha is not None:
+                options["lora_alpha"] = self.lora_alpha
+            if self.mtp_layers is not None:
+                options["mtp_layers"] = self.mtp_layers
+            if self.custom_mapping is not None:  # its content, not just its name, decides the output
+                options["custom_mapping"] = {"url": self.custom_mapping, "sha256": _content_digest(self.custom_mapping)}
+        return options
+
+
+def _keys(*names: str) -> tuple[tuple[str, str], ...]:
+    return tuple((name, name) for name in names)
+
+
+# command -> (key in fingerprints and provenance, OutputOptions field) of the options that shape its output
+OUTPUT_OPTION_KEYS: dict[str, tuple[tuple[str, str], ...]] = {
+    "merge": _keys("dtype", "max_shard_size", "hf_model_path", "weights_format"),  # + lora_alpha, custom_mapping when set
+    "extract-lora": _keys("backend", "lora_alpha", "base_model", "write_base", "hf_model_path", "dtype",
+                          "max_shard_size", "weights_format"),
+    "extract-lora --finetuned": _keys("backend", "rank", "energy", "target_modules", "dtype"),
+    "merge-lora": _keys("method", "weights", "output", "rank", "energy", "lora_alpha", "dtype", "max_shard_size",
+                        "weights_format"),
+    "split": (*_keys("tp", "pp", "vpp", "ep"), ("format", "fmt"),
+              *_keys("make_vocab_size_divisible_by", "dtype", "custom_mapping")),
+}
+
+
+def _content_digest(url: str) -> str:
+    try:
+        return hashlib.sha256(storage.read_bytes(url)).hexdigest()
+    except FileNotFoundError:
+        raise InvalidOption("custom mapping file not found", url) from None
+
+
+@dataclass(frozen=True)
+class OutputResult:
+    """What a command wrote, or found already written (``skipped``).
+
+    ``kind``: "model", "adapter", "adapter+base" or "megatron"; ``files``: (name, size) relative to the
+    target, ``stepmerge.json`` included; ``modules``: SVD reports (rank, relative error) per module.
+    """
+
+    command: str
+    target_url: str
+    fingerprint: str
+    kind: str = "model"
+    source_url: str = ""
+    layout: str = ""
+    fmt: str = ""
+    tensors: int = 0
+    tensor_bytes: int = 0
+    files: tuple[tuple[str, int], ...] = ()
+    checksums: tuple[tuple[str, str], ...] = ()  # (file, sha256) of every weight file and index, from the shard jobs
+    seconds: float = 0.0
+    skipped: bool = False
+    notes: tuple[str, ...] = ()
+    modules: tuple[ModuleReport, ...] = ()
+
+
+@dataclass
+class PreparedJob:
+    """A job ready to write: its plans, its own files, its provenance and what to close afterwards.
+
+    ``write_files(url)`` writes what is not a plan's shard (after every output); ``provenance`` is the
+    command's record (the fingerprint, engine version and file list are added by `run_job`).
+    """
+
+    outputs: list[PlannedOutput | PlannedFiles]
+    provenance: dict[str, Any]
+    kind: str = "model"
+    layout: str = ""
+    tensors: int | None = None  # default: the plans' tensors
+    tensor_bytes: int | None = None
+    write_files: Callable[[str], Files] | None = None
+    notes: tuple[str, ...] = ()
+    modules: tuple[ModuleReport, ...] = ()
+    sources: list[TensorSource] = field(default_factory=list)
+
+    def plan(self) -> MergePlan | None:
+        """Every safetensors output's tensors and shards as one plan (for progress: ``on_plan``); None
+        when the job writes none (split's file jobs)."""
+        plans = [o.plan for o in self.outputs if isinstance(o, PlannedOutput)]
+        if len(plans) <= 1:
+            return plans[0] if plans else None
+        return MergePlan(tuple(t for p in plans for t in p.tensors), tuple(s for p in plans for s in p.shards))
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()
+
+
+class OutputJob(Protocol):
+    """One command's output. ``command`` names it (`OUTPUT_OPTION_KEYS`); ``source_url`` is what it reads.
+
+    - ``fingerprint()``: the cache key (see the module docstring); may check the input (listing,
+      headers) and keep what it learnt for `prepare`;
+    - ``prepare()``: every check, the sources opened, the plans made: a `PreparedJob`. Raises the
+      named errors of `merge_engine.errors`; whatever it opened is closed when it raises.
+    """
+
+    command: str
+    kind: str  # what it writes ("model", "adapter", "megatron"): the skipped result's kind
+    source_url: str
+    target_url: str
+    options: OutputOptions
+
+    def fingerprint(self) -> str: ...
+
+    def prepare(self) -> PreparedJob: ...
+
+
+def job_inputs(job: OutputJob) -> tuple[str | None, ...]:
+    """Every URL a job reads, which its target must never overlap (`merge_engine.output.target_guard`): the
+    ``source_url`` (or each of ``adapter_urls``), a ``base_url``, and the options' ``hf_model_path``,
+    ``base_model`` and ``custom_mapping``. A job reading something else names it in one of these."""
+    adapters = tuple(getattr(job, "adapter_urls", ()) or ())
+    return (*(adapters or (job.source_url,)), getattr(job, "base_url", None), job.options.hf_model_path,
+            job.options.base_model, job.options.custom_mapping)
+
+
+def run_job(job: OutputJob, *, on_bytes: Callable[[int], None] | None = None,
+            on_plan: Callable[[MergePlan], None] | None = None,
+            executor: ShardExecutor | None = None) -> OutputResult:
+    """Fingerprint, target state, prepare, write (see the module docstring). ``executor``: where the shard
+    jobs run; by default the one ``job.options`` asks for (``ray_address``, else ``workers`` threads here)."""
+    started = time.perf_counter()
+    if executor is None:
+        executor = executor_for(job.options.workers, job.options.ray_address)
+    fingerprint = job.fingerprint()
+    state = target_state(job.target_url, fingerprint, job.options.overwrite, sources=job_inputs(job))
+    if state == "same":
+        provenance = read_provenance(job.target_url) or {}
+        return OutputResult(job.command, job.target_url, fingerprint, kind=job.kind,
+                            source_url=job.source_url, layout=str(provenance.get("layout", "")),
+                            fmt=job.options.fmt if job.command == "split" else "",
+                            tensors=int(provenance.get("tensors", 0)),
+                            tensor_bytes=int(provenance.get("tensor_bytes", 0)),
+                            files=tuple((e.path, e.size) for e in storage.list_files(job.target_url)),
+                            seconds=time.perf_counter() - started, skipped=True)
+    prepared = job.prepare()
+    try:
+        plan = prepared.plan() if prepared.outputs else None
+        if on_plan is not None and plan is not None:
+            on_plan(plan)
+
+        written = WrittenFiles()
+        recorded: dict[str, str] = {}  # every output file's sha256, in stepmerge.json: `verify` checks by it
+
+        def write(url: str) -> Files:
+            written.checksums.clear()
+            shards = executor.write(job, prepared.outputs, url, chunk_bytes=job.options.chunk_bytes,
+                                    on_bytes=on_bytes)
+            written.checksums.update(shards.checksums)
+            files = list(shards.files)
+            if prepared.write_files is not None:
+                files += prepared.write_files(url)
+            recorded.clear()
+            recorded.update(written.checksums)  # the shard jobs hashed what they wrote, while writing
+            for name, size in files:
+                if name not in recorded:  # the job's own small files (config, tokenizer): hashed here, once
+                    recorded[name] = sha256_of(storage.join(url, name), size)
+            return files
+
+        tensors = prepared.tensors if prepared.tensors is not None else len(plan.tensors) if plan else 0
+        tensor_bytes = prepared.tensor_bytes if prepared.tensor_bytes is not None else plan.total_size if plan else 0
+        # "sha256" is filled by write() before write_target serialises the record (stepmerge.json, last)
+        provenance = {**prepared.provenance, "fingerprint": fingerprint, "engine_version": __version__,
+                      "output_revision": engine_identity()["output_revision"], "sha256": recorded}
+        files = write_target(job.target_url, state, write, provenance)
+    finally:
+        prepared.close()
+    return OutputResult(job.command, job.target_url, fingerprint, kind=prepared.kind, source_url=job.source_url,
+                        layout=prepared.layout, fmt=job.options.fmt if job.command == "split" else "",
+                        tensors=tensors, tensor_bytes=tensor_bytes, files=tuple(files),
+                        checksums=tuple(sorted(written.checksums.items())),
+                        seconds=time.perf_counter() - started, notes=prepared.notes, modules=prepared.modules)

@@ -1,0 +1,14 @@
+"""Planning: a checkpoint's tensors + its config -> the `MergePlan` of the model it holds, named as the Hub holds it.
+
+- `planner`           picks the plan for a source (Hugging Face names, Megatron tables, a trained LoRA)
+- `merge_plan`        `MergePlan`: every output tensor (name, shape, dtype, how to build it) and its shard
+- `hf_plan`           the plan of a source whose tensors already carry Hugging Face names
+- `output_heads`      the tied / untied output-head rules every planner applies, once
+- `model_heads`       a model's input embedding and output head, named by the model itself
+- `stored_aliases`    names that share stored bytes: an output never holds more than the input justifies
+- `config_shapes`     what ``config.json`` implies about the tensors, checked before anything is written
+- `hub_format`        Hub-format output: the names and per-expert tensors of the Hub checkpoint
+- `hub_config`        the Hub folder's ``config.json``, with the keys transformers 4.x reads
+- `transformers_conversion`  transformers' own weight-name conversion, read from the installed package
+- `option_values`     the spellings of option values (dtypes, weights formats) users type
+"""

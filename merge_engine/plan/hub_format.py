@@ -1,0 +1,195 @@
+"""Hub-format output: the names and per-expert tensors of a model's Hugging Face Hub checkpoint.
+
+transformers v5 holds some models in memory under other names than their Hub checkpoints: MoE
+experts fused into 3-D tensors (``model.layers.0.mlp.experts.gate_up_proj``), vision-language models
+under ``model.language_model``, GPT-NeoX's head as ``lm_head``. It converts at load time and back at
+save time (``save_pretrained``), with the conversion mapping of the model type. A checkpoint written
+from the in-memory model (verl under transformers v5) carries the in-memory names; serving stacks,
+older transformers and PEFT adapters read the Hub names. This module writes the Hub names.
+
+Contract:
+- `hub_naming(names_shapes, config)` -> `HubNaming` or None. The conversion is transformers' own:
+  the model class of ``config`` is built on the ``meta`` device, its conversion mapping reversed as
+  ``save_pretrained`` reverses it, and the reversal is run on meta tensors that record which source
+  tensor, and which strided view of it, each output is (`merge_engine.plan.transformers_conversion`).
+  Nothing is re-typed here.
+  None when no name changes: transformers has no conversion for the model, or the names already
+  are the Hub names (a checkpoint written under transformers 4.x, a dense model).
+- A transposed view (Qwen3-VL-MoE's fused experts: `transformers_conversion`'s Hub transpose) is read one
+  leading index (one expert's matrix) at a time and transposed in memory (`_strided_blocks`).
+- A conversion that is not a view of one source tensor (a concatenation, an interleave) is refused
+  with `UnsupportedLayout` naming the tensor: ``--weights-format transformers`` writes it as stored.
+- `to_hub_format(plan, config)` -> the plan with the Hub names; every output is planned as ranged
+  reads of its source (a per-expert slice of a tensor fused on dim 0 is one contiguous byte range),
+  so no fused tensor is ever held whole.
+- ``config.json`` in the Hub's form too (`with_hub_config`, `merge_engine.plan.hub_config`): the keys
+  transformers 4.x reads added beside transformers 5's, recorded in the plan's ``config_changes``.
+- ``--weights-format transformers`` keeps the stored names and config (`WEIGHTS_FORMATS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from merge_engine.errors import UnsupportedLayout
+from merge_engine.plan.hub_config import hub_config
+from merge_engine.plan.option_values import (  # noqa: F401 - the format names live with the other option values
+    DEFAULT_WEIGHTS_FORMAT, HUB, TRANSFORMERS, WEIGHTS_FORMATS, parse_weights_format,
+)
+from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, assign_shards
+from merge_engine.formats.tensor_source import TensorSource, iter_flat_range
+from merge_engine.plan.transformers_conversion import (
+    TensorView,
+    conversion_known,
+    meta_model,
+    trace_reverse_conversion,
+)
+
+
+def in_memory_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]] | None:
+    """The state dict shapes of ``config``'s model as transformers v5 holds it in memory (built on the
+    meta device, no weight), or None when transformers has no class for it."""
+    try:
+        model = meta_model(config)
+    except Exception:  # noqa: BLE001 - an unbuildable config has no known shapes
+        return None
+    return None if model is None else {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def in_weights_format(plan: MergePlan, config: Mapping[str, Any], weights_format: str | None,
+                      max_shard_size: int) -> MergePlan:
+    """``hub`` (default): ``plan`` under the Hub checkpoint's names (`to_hub_format`) and its config in
+    the Hub's form (`with_hub_config`); ``transformers``: as it is, the stored config kept. Every
+    command that writes a model (merge, extract-lora's base, merge-lora) asks this."""
+    if parse_weights_format(weights_format) == HUB:
+        return with_hub_config(to_hub_format(plan, config, max_shard_size), config)
+    return plan
+
+
+def with_hub_config(plan: MergePlan, config: Mapping[str, Any]) -> MergePlan:
+    """``plan`` whose ``config_updates`` also write the keys transformers 4.x readers need
+    (`merge_engine.plan.hub_config`); what was added is in ``config_changes`` and a note."""
+    translated = hub_config({**dict(config), **plan.config_updates})
+    return replace(plan, config_updates={**plan.config_updates, **translated.updates},
+                   config_changes=translated.changes, notes=plan.notes + (translated.describe(),))
+
+
+@dataclass(frozen=True)
+class HubNaming:
+    """Output name -> view of a source tensor, in write order (sources in their order, then offset)."""
+
+    views: dict[str, TensorView]
+    description: str
+
+
+def hub_naming(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any]) -> HubNaming | None:
+    """The Hub names of tensors stored under ``shapes``' names (see module docstring), or None."""
+    if not conversion_known(config):
+        return None
+    try:
+        model = meta_model(config)
+    except Exception as exc:  # noqa: BLE001 - any failure to build the class is reported as one error
+        raise UnsupportedLayout(f"cannot build {config.get('architectures') or config.get('model_type')} on the "
+                                f"meta device to read its Hub names ({exc}); pass --weights-format transformers")
+    if model is None:
+        return None
+    memory = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    model_hub = trace_reverse_conversion(model, memory)
+    in_memory_only = set(memory) - set(model_hub)
+    relaid = {v.source for v in model_hub.values() if not v.is_whole(memory[v.source])}  # e.g. transposed
+    if not (in_memory_only | relaid) & set(shapes):
+        return None  # already Hub names (or a model whose names never change)
+    views = trace_reverse_conversion(model, shapes)
+    if all(name == v.source and v.is_whole(shapes[name]) for name, v in views.items()):
+        return None  # already the Hub's names and layout (a checkpoint written under transformers 4.x)
+    order = {name: i for i, name in enumerate(shapes)}
+    ordered = dict(sorted(views.items(), key=lambda kv: (order[kv[1].source], kv[1].offset, kv[0])))
+    import transformers
+
+    split = sum(1 for v in views.values() if not v.is_whole(shapes[v.source]) and v.is_contiguous())
+    transposed = sum(1 for v in views.values() if not v.is_contiguous())
+    renamed = sum(1 for name, v in views.items() if name != v.source)
+    return HubNaming(ordered, f"Hub names (transformers {transformers.__version__} conversion for "
+                              f"{type(model).__name__}): {renamed} of {len(views)} tensors renamed, "
+                              f"{split} cut from fused tensors, {transposed} transposed")
+
+
+@dataclass(frozen=True)
+class ViewBuilder:
+    """Builds one Hub tensor as ranged reads of the planned tensor it is a view of."""
+
+    base: PlannedTensor
+    view: TensorView
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return getattr(self.base.build, "inputs", (self.base.source_name,))
+
+    def chunks(self, source: TensorSource, max_bytes: int) -> Iterator[torch.Tensor]:
+        if self.view.min_run() * self.base.dtype.itemsize >= MIN_RUN_BYTES or self.view.numel == self.view.min_run():
+            for start, count in self.view.runs():
+                yield from _planned_range(self.base, source, start, count, max_bytes)
+            return
+        yield from _strided_blocks(self.base, self.view, source, max_bytes)
+
+
+def _strided_blocks(base: PlannedTensor, view: TensorView, source: TensorSource,
+                    max_bytes: int) -> Iterator[torch.Tensor]:
+    """A view whose contiguous runs are short (a transpose), in row-major order of the view: for each
+    index of its first dimension (one expert of a fused tensor), the source range it spans read once,
+    the strided view taken in memory. Memory: one such range (one expert's matrix), not the tensor."""
+    shape, stride = view.shape[1:], view.stride[1:]
+    span = 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+    for index in range(view.shape[0]):
+        start = view.offset + index * view.stride[0]
+        block = torch.cat([c.reshape(-1) for c in _planned_range(base, source, start, span, max_bytes)])
+        if block.numel() != span:
+            raise UnsupportedLayout(f"{base.name}: read {block.numel()} elements of {span} for a transposed view")
+        yield torch.as_strided(block, shape, stride, 0).contiguous().reshape(-1)
+
+
+def _planned_range(tensor: PlannedTensor, source: TensorSource, start: int, count: int,
+                   max_bytes: int) -> Iterator[torch.Tensor]:
+    if tensor.build is None:
+        yield from iter_flat_range(source, tensor.source_name, start, count, max_bytes)
+        return
+    ranged = getattr(tensor.build, "chunks_range", None)
+    if ranged is not None:
+        yield from ranged(source, start, count, max_bytes)
+        return
+    at, end = 0, start + count  # a computed tensor without ranged output: computed, the range kept
+    for chunk in tensor.build.chunks(source, max_bytes):
+        chunk = chunk.reshape(-1)
+        lo, hi = max(start, at), min(end, at + chunk.numel())
+        if lo < hi:
+            yield chunk[lo - at:hi - at]
+        at += chunk.numel()
+        if at >= end:
+            return
+
+
+MIN_RUN_BYTES = 512  # a view cut finer than this (a transpose) is read a block at a time (`_strided_blocks`)
+
+
+def to_hub_format(plan: MergePlan, config: Mapping[str, Any], max_shard_size: int) -> MergePlan:
+    """``plan`` with its tensors under their Hub names (per-expert tensors cut from fused ones).
+    The plan is returned unchanged when its names already are the Hub names."""
+    merged_config = {**dict(config), **plan.config_updates}
+    by_name = plan.by_name()
+    naming = hub_naming({t.name: t.shape for t in plan.tensors}, merged_config)
+    if naming is None:
+        return plan
+    tensors: list[PlannedTensor] = []
+    for out_name, view in naming.views.items():
+        base = by_name[view.source]
+        if view.is_whole(base.shape):
+            tensors.append(replace(base, name=out_name))
+            continue
+        tensors.append(PlannedTensor(out_name, view.shape, base.dtype, base.source_name, ViewBuilder(base, view)))
+    return MergePlan(tuple(tensors), assign_shards(tensors, max_shard_size), plan.config_updates,
+                     plan.notes + (naming.description,))
+

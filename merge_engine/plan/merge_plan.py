@@ -1,0 +1,123 @@
+"""MergePlan, the record every planner returns: every output tensor (name, shape, dtype, how to
+build it) and its shard file, decided from metadata alone before any weight is read.
+
+A `PlannedTensor` either copies one source tensor (``build is None``: streamed chunk by chunk,
+cast to the output dtype) or names a `TensorBuilder` — a small object that computes the output
+from one or more source tensors (Megatron QKV splits, LoRA fusion, ...). Shards are filled
+greedily in plan order up to ``max_shard_size`` bytes, like ``save_pretrained``. The planners
+(`merge_engine.plan.planner` picks one) build it; writers and jobs consume it. Also here: the output
+dtype and size options every planner parses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from merge_engine.errors import UnsupportedLayout
+from merge_engine.formats.hf_metadata import INDEX_FILE, SINGLE_FILE
+from merge_engine.plan.option_values import DEFAULT_MAX_SHARD_SIZE, DTYPE_SPELLINGS, canonical_dtype, parse_size
+from merge_engine.formats.safetensors_file import CODES
+from merge_engine.formats.tensor_source import TensorSource
+
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPES", "INDEX_FILE", "SINGLE_FILE", "MergePlan", "PlannedTensor", "ShardFile",
+           "TensorBuilder", "assign_shards", "output_dtype", "parse_dtype", "parse_size", "stored_dtype_update"]
+
+
+DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_SPELLINGS.items()}
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    """Any spelling of `merge_engine.plan.option_values.DTYPE_SPELLINGS` -> its torch dtype; None stays None."""
+    canonical = canonical_dtype(name)
+    return None if canonical is None else getattr(torch, canonical)
+
+
+def output_dtype(stored: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
+    """``--dtype`` casts floating-point tensors only (as save_pretrained does): integer and bool
+    buffers keep their dtype, or a cast would change their values."""
+    return requested if requested is not None and stored.is_floating_point else stored
+
+
+class TensorBuilder(Protocol):
+    """Computes one output tensor from source tensors; yields flat chunks in row-major order."""
+
+    inputs: tuple[str, ...]
+
+    def chunks(self, source: TensorSource, max_bytes: int) -> Iterator[torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    source_name: str
+    build: Any = None  # a TensorBuilder, or None to copy ``source_name``
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    filename: str
+    tensors: tuple[str, ...]
+    size: int  # bytes of tensor data (header excluded)
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    tensors: tuple[PlannedTensor, ...]
+    shards: tuple[ShardFile, ...]
+    config_updates: dict[str, Any] = field(default_factory=dict, hash=False)
+    notes: tuple[str, ...] = ()
+    # the keys config_updates adds for transformers 4.x readers (`merge_engine.plan.hub_config.ConfigChange`)
+    config_changes: tuple[Any, ...] = field(default=(), hash=False)
+    records: dict[str, Any] = field(default_factory=dict, hash=False)  # what stepmerge.json records of the plan
+
+    @property
+    def total_size(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def by_name(self) -> dict[str, PlannedTensor]:
+        return {t.name: t for t in self.tensors}
+
+
+def assign_shards(tensors: Sequence[PlannedTensor], max_shard_size: int) -> tuple[ShardFile, ...]:
+    """Greedy, in order: a shard closes when the next tensor would push it past the limit.
+
+    Every planner ends here, before any byte is written: a dtype safetensors cannot store (complex,
+    quantized) is refused now with `UnsupportedLayout` naming the tensor, not halfway through a write.
+    """
+    for tensor in tensors:
+        if tensor.dtype not in CODES:
+            raise UnsupportedLayout(f"{tensor.name}: dtype {tensor.dtype} cannot be stored in safetensors "
+                                    "(cast it with --dtype if it is floating point, or drop it)")
+    groups: list[list[PlannedTensor]] = []
+    size = 0
+    for tensor in tensors:
+        if not groups or (groups[-1] and size + tensor.nbytes > max_shard_size):
+            groups.append([])
+            size = 0
+        groups[-1].append(tensor)
+        size += tensor.nbytes
+    if len(groups) <= 1:
+        names = [SINGLE_FILE]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    return tuple(ShardFile(name, tuple(t.name for t in g), sum(t.nbytes for t in g)) for name, g in zip(names, groups))
+
+
+def stored_dtype_update(tensors: Sequence[PlannedTensor], dtype: torch.dtype | None) -> dict[str, str]:
+    """The ``config.json`` ``dtype`` of an output: ``dtype`` when given, else the one floating-point
+    dtype the planned tensors share (nothing when they mix several)."""
+    if dtype is not None:
+        return {"dtype": str(dtype).removeprefix("torch.")}
+    stored = {t.dtype for t in tensors if t.dtype.is_floating_point}
+    return {"dtype": str(stored.pop()).removeprefix("torch.")} if len(stored) == 1 else {}

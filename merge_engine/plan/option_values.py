@@ -1,0 +1,77 @@
+"""The spellings of option values users type, shared by the command line and the flows' forms.
+
+One list per kind of value, so `stepmerge merge --dtype fp16` and the Prefect form's ``dtype:
+fp16`` accept the same words and record the same canonical name (``float16``):
+
+- `DTYPE_SPELLINGS`: every accepted spelling -> its canonical dtype name (``bfloat16``,
+  ``float16``, ``float32``); `canonical_dtype` turns one into the other or raises `InvalidOption`.
+- `DEFAULT_MAX_SHARD_SIZE`: the output shard size when none is given.
+- `WEIGHTS_FORMATS`: the names a merged folder's tensors are written under (``--weights-format``,
+  the flows' ``weights_format``): ``hub`` (default; `merge_engine.plan.hub_format`) or ``transformers``
+  (as stored); `parse_weights_format` checks one.
+- `SIZE_PATTERN`: a size such as ``5GB``, ``500MiB``, ``1.5 GB`` or ``1024`` (bytes), as a regular
+  expression the Prefect server checks before it creates a run (JSON Schema ``pattern``), and
+  `parse_size`, which reads exactly what the pattern admits.
+No torch import here: the listings-only watcher and the webhook import the forms.
+"""
+
+from __future__ import annotations
+
+import re
+
+from merge_engine.errors import InvalidOption
+
+CANONICAL_DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_SPELLINGS: dict[str, str] = {
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+}
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3  # save_pretrained's historical default ("5GB")
+HUB = "hub"
+TRANSFORMERS = "transformers"
+WEIGHTS_FORMATS = (HUB, TRANSFORMERS)
+DEFAULT_WEIGHTS_FORMAT = HUB
+
+SIZE_UNITS: dict[str, int] = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
+                              "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
+# JSON Schema patterns have no flags: the unit's letters are spelled out in both cases.
+SIZE_PATTERN = r"^ *[0-9]+(\.[0-9]+)? *([kKmMgGtT]([iI])?)?[bB]? *$"
+_SIZE = re.compile(SIZE_PATTERN)
+
+
+def canonical_dtype(name: str | None) -> str | None:
+    """``"fp16"`` -> ``"float16"`` (any spelling of `DTYPE_SPELLINGS`, any case); None stays None."""
+    if name is None:
+        return None
+    try:
+        return DTYPE_SPELLINGS[str(name).strip().lower()]
+    except KeyError:
+        raise InvalidOption(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_SPELLINGS)}") from None
+
+
+def parse_weights_format(name: str | None) -> str:
+    """``"Hub"`` -> ``"hub"``; None -> the default (``hub``); `InvalidOption` for any other name."""
+    value = (name or DEFAULT_WEIGHTS_FORMAT).lower()
+    if value not in WEIGHTS_FORMATS:
+        raise InvalidOption(f"unknown weights format {name!r}; choose one of {', '.join(WEIGHTS_FORMATS)}")
+    return value
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, ``1024`` -> 1024; `InvalidOption` otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        size = text
+    elif isinstance(text, str) and _SIZE.match(text):
+        value = text.strip().upper().replace(" ", "")
+        number = value.rstrip("KMGTIB")
+        unit = value[len(number):]
+        if unit and not unit.endswith("B"):
+            unit += "B"  # "5G" reads as 5GB, "5Gi" as 5GiB
+        size = int(float(number) * SIZE_UNITS[unit])
+    else:
+        raise InvalidOption(f"cannot read size {text!r} (e.g. 5GB, 500MiB)")
+    if size <= 0:
+        raise InvalidOption(f"size must be positive: {text!r}")
+    return size

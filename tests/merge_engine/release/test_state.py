@@ -1,0 +1,201 @@
+"""Releases: the layout's names, the four states a release URL can be in, the published listing,
+the provenance record a manifest keeps, and staging names with their sweep.
+
+Releases are made by the real `publish` (small files with known bytes) on the local disk and on
+fsspec's in-process ``memory`` filesystem (the remote code paths), like tests/merge_engine/release/test_publish.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+
+import pytest
+
+from merge_engine import storage
+from merge_engine.errors import InvalidConfig, TargetExists
+from merge_engine.release.publish import publish
+from merge_engine.release.state import (
+    ABSENT,
+    DAMAGED,
+    IN_PROGRESS,
+    MARKER,
+    PUBLISHED,
+    ReleaseProvenance,
+    default_release_root,
+    published_releases,
+    read_manifest,
+    release_folder_name,
+    release_state,
+    release_url,
+    staging_url,
+    sweep_stale_staging,
+    withdraw_damaged,
+)
+
+FILES = {"config.json": b'{"architectures": ["Qwen2ForCausalLM"]}', "model.safetensors": bytes(range(256)) * 8}
+PROVENANCE = ReleaseProvenance(kind="model", source_listing="listing-1", checkpoint_fingerprint="ckpt-1",
+                               checkpoint_lora=True, settings={"dtype": "bfloat16", "lora_alpha": 16.0,
+                                                               "hf_model_path": None})
+
+
+@pytest.fixture(params=["local", "memory"])
+def root_url(request, tmp_path) -> str:
+    return str(tmp_path) if request.param == "local" else f"memory:///{uuid.uuid4().hex}"
+
+
+def published(root: str, release: str, fingerprint: str = "fp-1",
+              provenance: ReleaseProvenance = PROVENANCE) -> str:
+    staging = storage.join(root, "staging", uuid.uuid4().hex[:8])
+    for name, data in FILES.items():
+        storage.write_bytes(storage.join(staging, name), data)
+    publish(staging, release, source="s3://run/global_step_7/actor", fingerprint=fingerprint,
+            options=provenance.to_manifest_options(), validation=None, engine_version="0.1.0")
+    return release
+
+
+class TestLayout:
+    def test_names(self):
+        """Model and adapter releases of a role (or of an SFT run) sit side by side under the release root."""
+        root = default_release_root("s3://b/run")
+        assert root == "s3://b/run/releases"
+        assert release_url(root, "actor", 7) == "s3://b/run/releases/actor/global_step_7"
+        assert release_url(root, "critic", 7, "adapter") == "s3://b/run/releases/critic-adapter/global_step_7"
+        assert release_url(root, "", 3) == "s3://b/run/releases/model/global_step_3"
+        assert release_folder_name("", "adapter") == "model-adapter"
+        with pytest.raises(ValueError):
+            release_folder_name("actor", "tokenizer")
+
+
+class TestState:
+    def test_absent_then_published(self, root_url):
+        release = release_url(default_release_root(root_url), "actor", 1)
+        state = release_state(release)
+        assert (state.status, state.released, state.intact, state.manifest) == (ABSENT, False, False, None)
+
+        published(root_url, release)
+        state = release_state(release)
+        assert state.status == PUBLISHED and state.intact and state.released
+        assert state.holds("fp-1") and not state.holds("fp-2")
+        assert state.provenance == PROVENANCE
+
+    def test_files_without_a_valid_marker_are_in_progress(self, root_url):
+        """A publisher at work (or a crashed one's debris): files, no marker; or a marker for another manifest."""
+        release = release_url(root_url, "actor", 1)
+        storage.write_bytes(storage.join(release, "model.safetensors"), b"partial")
+        assert release_state(release).status == IN_PROGRESS
+
+        published(root_url, release)
+        storage.write_bytes(storage.join(release, MARKER), json.dumps({"manifest_sha256": "0" * 64}).encode())
+        state = release_state(release)
+        assert state.status == IN_PROGRESS and not state.released and not state.holds("fp-1")
+
+    def test_a_missing_or_resized_file_is_damaged_and_withdrawn(self, root_url):
+        release = published(root_url, release_url(root_url, "actor", 1))
+        storage.write_bytes(storage.join(release, "model.safetensors"), b"short")
+        state = release_state(release)
+        assert state.status == DAMAGED and state.released and not state.intact and not state.holds("fp-1")
+        assert "model.safetensors" in state.reason
+
+        assert withdraw_damaged(state)
+        assert release_state(release).status == IN_PROGRESS  # readers stop trusting it; publish rewrites it
+        assert not withdraw_damaged(release_state(release))
+
+        storage.remove(storage.join(release, "config.json"))
+        published(root_url, release)
+        assert release_state(release).status == PUBLISHED
+
+    @pytest.mark.parametrize("hostile", [b"[" * 100_000, b"[1, 2]", b"\xff\xfe"])
+    def test_a_hostile_marker_or_manifest_is_not_trusted(self, root_url, hostile):
+        """A marker nested past Python's parser, a list, or bytes that are not UTF-8: never a crash,
+        never a published release; the manifest alone is refused with a named error."""
+        release = published(root_url, release_url(root_url, "actor", 1))
+        manifest = storage.read_bytes(storage.join(release, "manifest.json"))
+        storage.write_bytes(storage.join(release, MARKER), hostile)
+        assert release_state(release).status == IN_PROGRESS
+
+        storage.write_bytes(storage.join(release, "manifest.json"), hostile)
+        with pytest.raises(InvalidConfig) as caught:
+            read_manifest(release)
+        assert caught.value.path.endswith("manifest.json")
+        storage.write_bytes(storage.join(release, "manifest.json"), manifest)
+
+    def test_a_release_from_other_input_is_refused_unless_overwrite(self, root_url):
+        state = release_state(published(root_url, release_url(root_url, "actor", 1)))
+        with pytest.raises(TargetExists, match="pass overwrite") as caught:
+            state.refuse_other("fp-2", overwrite=False, what="model")
+        assert caught.value.path == state.url
+        state.refuse_other("fp-2", overwrite=True)
+        state.refuse_other("fp-1", overwrite=False)
+        release_state(release_url(root_url, "actor", 2)).refuse_other("fp-2", overwrite=False)  # absent: fine
+
+
+def test_published_releases_lists_only_trusted_folders(root_url):
+    root = default_release_root(root_url)
+    published(root_url, release_url(root, "actor", 1))
+    published(root_url, release_url(root, "actor", 2, "adapter"))
+    storage.write_bytes(storage.join(release_url(root, "actor", 3), "model.safetensors"), b"no marker")
+    stale = published(root_url, release_url(root, "critic", 4))
+    storage.write_bytes(storage.join(stale, MARKER), b"{}")
+
+    assert published_releases(root) == {("actor", 1): release_url(root, "actor", 1),
+                                        ("actor-adapter", 2): release_url(root, "actor", 2, "adapter")}
+
+
+class TestProvenance:
+    def test_round_trips_through_the_manifest(self, root_url):
+        release = published(root_url, release_url(root_url, "actor", 1))
+        options = read_manifest(release).options
+        assert options == {"kind": "model", "source_listing": "listing-1", "checkpoint_fingerprint": "ckpt-1",
+                           "checkpoint_lora": True, "dtype": "bfloat16", "lora_alpha": 16.0, "hf_model_path": None}
+        provenance = read_manifest(release).provenance
+        assert provenance == PROVENANCE and provenance.lora_alpha == 16.0 and provenance.hf_model_path is None
+
+    def test_an_older_or_odd_manifest_reads_as_unknown(self):
+        """Fields a manifest lacks, or holds with the wrong type, are None: never guessed."""
+        assert ReleaseProvenance.from_manifest_options(None) == ReleaseProvenance()
+        odd = ReleaseProvenance.from_manifest_options({"checkpoint_lora": "yes", "source_listing": 3, "dtype": None})
+        assert (odd.checkpoint_lora, odd.source_listing, odd.settings) == (None, None, {"dtype": None})
+
+    def test_is_trained_model_of(self):
+        """An adapter's logits must reproduce a model release only of its own checkpoint, alpha and config."""
+        assert PROVENANCE.is_trained_model_of("ckpt-1", 16.0)
+        assert not PROVENANCE.is_trained_model_of("ckpt-2", 16.0)
+        assert not PROVENANCE.is_trained_model_of("ckpt-1", None)
+        replaced = ReleaseProvenance(checkpoint_fingerprint="ckpt-1", settings={"hf_model_path": "s3://b/cfg"})
+        assert not replaced.is_trained_model_of("ckpt-1", None)
+
+    def test_settings_cannot_shadow_provenance(self):
+        with pytest.raises(ValueError, match="kind"):
+            ReleaseProvenance(kind="model", settings={"kind": "adapter"}).to_manifest_options()
+
+
+class TestStaging:
+    def test_names_are_stable_per_release_and_fingerprint(self, tmp_path):
+        root = str(tmp_path)
+        one = staging_url(root, "s3://b/r/actor/global_step_1", "ab" * 32)
+        assert one == staging_url(root, "s3://b/r/actor/global_step_1", "ab" * 32)
+        assert one != staging_url(root, "s3://b/r/actor/global_step_2", "ab" * 32)
+        assert one != staging_url(root, "s3://b/r/actor/global_step_1", "cd" * 32)
+        assert os.path.dirname(one) == root
+
+    def test_sweep_removes_only_stale_folders_of_ours(self, tmp_path):
+        root = str(tmp_path)
+        old, fresh, kept = (staging_url(root, f"s3://b/r/{n}", "ab" * 32) for n in ("old", "fresh", "kept"))
+        temp_sibling = os.path.join(root, f".{os.path.basename(old)}.stepmerge-1234")
+        foreign = os.path.join(root, "my-notes")
+        for folder in (old, fresh, kept, temp_sibling, foreign):
+            os.makedirs(folder)
+            with open(os.path.join(folder, "f"), "wb") as handle:
+                handle.write(b"x")
+        long_ago = time.time() - 7200
+        for folder in (old, kept, temp_sibling, foreign):
+            os.utime(os.path.join(folder, "f"), (long_ago, long_ago))
+            os.utime(folder, (long_ago, long_ago))
+
+        removed = sweep_stale_staging(root, keep=kept, stale_s=3600)
+        assert sorted(removed) == sorted([old, temp_sibling])
+        assert {os.path.exists(p) for p in (fresh, kept, foreign)} == {True}
+        assert sweep_stale_staging("s3://bucket/staging", stale_s=0) == []  # remote roots are left alone
