@@ -5,28 +5,32 @@ then ``architectures``), extended by a ``--custom-mapping`` JSON file when one i
 `model_dims(config, table)` reads the sizes the mappings need. An unknown family raises
 `UnknownArchitecture` listing the supported ones and how to add another.
 
-Adding a family: write ``merge_engine/architectures/<family>.py`` with a ``TABLE`` (copy
-``qwen2.py``: a dict of 1:1 names plus the special mappings), add its module name to
-`FAMILY_MODULES`, and a test class in ``tests/merge_engine/architectures/``.
+Adding a family is one file: ``merge_engine/architectures/families/<family>.py`` with a ``TABLE`` (copy
+``families/qwen2.py``: a dict of 1:1 names plus the special mappings). The families are found by listing
+that package (as storage backends are), and ``tests/merge_engine/architectures/test_tables.py`` runs every
+family it finds against transformers' own model (a Llama-shaped family with the tiny default config; give
+another shape its config there).
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from merge_engine.architectures import families as _families_package
 from merge_engine.errors import InvalidConfig, UnknownArchitecture
 from merge_engine.formats.hf_metadata import tie_word_embeddings
 
 if TYPE_CHECKING:  # the mappings import torch; the package itself does not (layouts import its name modules)
     from merge_engine.architectures.mappings import FamilyTable, ModelDims
 
-FAMILY_MODULES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                                   "deepseek_v3", "glm4_moe", "gemma3", "qwen2_5_vl")
+FAMILY_MODULES: tuple[str, ...] = tuple(sorted(m.name for m in pkgutil.iter_modules(_families_package.__path__)))
+"""Every module of `merge_engine.architectures.families` (listed, not imported: each table imports torch)."""
 
-HOW_TO_ADD = ("to add one, write merge_engine/architectures/<family>.py with a TABLE (a dict of 1:1 names plus "
-              "special mappings; see qwen2.py) and list it in FAMILY_MODULES, or pass --custom-mapping FILE.json "
+HOW_TO_ADD = ("to add one, write merge_engine/architectures/families/<family>.py with a TABLE (a dict of 1:1 names "
+              "plus special mappings; see families/qwen2.py), or pass --custom-mapping FILE.json "
               "({\"extends\": \"llama\", \"model_types\": [\"<model_type>\"], \"direct\": {...}})")
 
 
@@ -34,7 +38,7 @@ def family_tables() -> dict[str, FamilyTable]:
     """Every built-in table by family name, in `FAMILY_MODULES` order."""
     tables = {}
     for name in FAMILY_MODULES:
-        table = importlib.import_module(f"merge_engine.architectures.{name}").TABLE
+        table = importlib.import_module(f"{_families_package.__name__}.{name}").TABLE
         tables[table.name] = table
     return tables
 

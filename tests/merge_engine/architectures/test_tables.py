@@ -85,8 +85,10 @@ class DictSource:
 
 
 def _saved_model(family: str, tied: bool, tmp_path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config dict, state) as transformers saves a tiny random model of ``family``."""
-    config = AutoConfig.for_model(MODEL_TYPES.get(family, family), tie_word_embeddings=tied, **CONFIGS[family])
+    """(config dict, state) as transformers saves a tiny random model of ``family`` (a family not in `CONFIGS` is
+    Llama-shaped: the common sizes)."""
+    config = AutoConfig.for_model(MODEL_TYPES.get(family, family), tie_word_embeddings=tied,
+                                  **CONFIGS.get(family, COMMON))
     torch.manual_seed(0)
     model = MODEL_CLASSES.get(family, AutoModelForCausalLM).from_config(config)
     model.save_pretrained(tmp_path)
@@ -203,7 +205,7 @@ class TestStrictness:
             table_for_config({"model_type": "falcon", "architectures": ["FalconForCausalLM"]})
         message = str(info.value)
         assert all(family in message for family in FAMILY_MODULES)
-        assert "--custom-mapping" in message and "architectures/<family>.py" in message
+        assert "--custom-mapping" in message and "architectures/families/<family>.py" in message
 
 
 def test_padding_rows_are_never_read(tmp_path):

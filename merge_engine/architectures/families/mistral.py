@@ -1,6 +1,6 @@
 """Mistral: Llama's names exactly (sliding-window attention changes no tensor)."""
 
-from merge_engine.architectures import llama
+from merge_engine.architectures.families import llama
 from merge_engine.architectures.mappings import FamilyTable
 
 TABLE = FamilyTable(

@@ -9,7 +9,7 @@ megatron-core): the post-norms live in the projections (``linear_proj.post_layer
 them (``1 + w`` is applied in the forward pass on both sides), so every entry is a renaming.
 """
 
-from merge_engine.architectures import llama, qwen3
+from merge_engine.architectures.families import llama, qwen3
 from merge_engine.architectures.mappings import FamilyTable
 
 SANDWICH_NORMS_DIRECT = {

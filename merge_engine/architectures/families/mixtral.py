@@ -4,7 +4,7 @@ Hub names, which every transformers version loads (transformers 5 fuses the expe
 and writes these names back on save).
 """
 
-from merge_engine.architectures import llama
+from merge_engine.architectures.families import llama
 from merge_engine.architectures.mappings import FamilyTable, GatedMLPMapping
 
 MOE_DIRECT = {

@@ -3,7 +3,7 @@ q/k norms (partial rotary is a forward-pass setting, not a tensor), then DeepSee
 sigmoid router with its routing bias, routed and shared experts, the first
 ``first_k_dense_replace`` layers dense."""
 
-from merge_engine.architectures import deepseek_v3, llama, qwen2_moe, qwen3
+from merge_engine.architectures.families import deepseek_v3, llama, qwen2_moe, qwen3
 from merge_engine.architectures.mappings import DirectMapping, FamilyTable, QKVMapping
 
 TABLE = FamilyTable(

@@ -1,6 +1,6 @@
 """Qwen3-MoE: Qwen3 attention (q_norm / k_norm), a router and routed experts; no shared expert."""
 
-from merge_engine.architectures import llama, qwen2_moe, qwen3
+from merge_engine.architectures.families import llama, qwen2_moe, qwen3
 from merge_engine.architectures.mappings import FamilyTable
 
 TABLE = FamilyTable(

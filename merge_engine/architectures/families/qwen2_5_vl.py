@@ -9,7 +9,7 @@ module inside the Megatron model, replicated on every TP rank, so its names are 
 ``vision_config.depth`` blocks.
 """
 
-from merge_engine.architectures import qwen2
+from merge_engine.architectures.families import qwen2
 from merge_engine.architectures.mappings import FamilyTable
 
 VISION_BLOCK = ("norm1.weight", "norm2.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight",

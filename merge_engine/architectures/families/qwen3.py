@@ -1,6 +1,6 @@
 """Qwen3: Llama's names plus per-head RMSNorm on queries and keys (q_norm / k_norm)."""
 
-from merge_engine.architectures import llama
+from merge_engine.architectures.families import llama
 from merge_engine.architectures.mappings import FamilyTable, QKVMapping
 
 QK_NORM_DIRECT = {

@@ -1,6 +1,6 @@
 """Qwen2-MoE: Qwen2 attention (q/k/v bias), a router, routed experts, and one gated shared expert."""
 
-from merge_engine.architectures import llama
+from merge_engine.architectures.families import llama
 from merge_engine.architectures.mappings import FamilyTable, GatedMLPMapping
 
 ROUTED_DIRECT = {

@@ -1,6 +1,6 @@
 """Qwen2: Llama's names plus a bias on q, k and v (always present)."""
 
-from merge_engine.architectures import llama
+from merge_engine.architectures.families import llama
 from merge_engine.architectures.mappings import FamilyTable
 
 TABLE = FamilyTable(

@@ -9,7 +9,7 @@ TransformerEngine spec fuses them into the up-projections (``linear_q_up_proj.la
 which `megatron_names` maps back.
 """
 
-from merge_engine.architectures import llama, qwen2_moe
+from merge_engine.architectures.families import llama, qwen2_moe
 from merge_engine.architectures.mappings import FamilyTable, GatedMLPMapping
 
 MLA_DIRECT = {
