@@ -8,7 +8,7 @@ the machine pays whatever its load) and wall seconds:
 - a cold worker: its process start (Python + Ray) and its import of the shard job (torch, merge_engine):
   paid once per worker per merge, since Ray binds worker processes to one driver (job);
 - a warm task's round trip (submit, run a no-op, get), the per-task overhead once workers are up;
-- a worker's re-preparation of the 0.5b benchmark job from the pickled `MergeJob` a `ShardTask` carries
+- a worker's re-preparation of the 0.5b benchmark job from the pickled `MergeJob` a `UnitTask` carries
   (listing and verdict carried; each rank file's pickle read again), against the coordinator's first one.
 The merge itself, ``--ray-address`` against ``--workers 2``, is `benchmarks.shard_jobs --parts ray` /
 `benchmarks.all`.

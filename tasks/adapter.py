@@ -12,7 +12,7 @@
   Given the checkpoint, it also compares PEFT(base/ + adapter) with the trained model PEFT rebuilds from
   the checkpoint (`merge_engine.validate.trained`): an adapter that is not the trained LoRA is not published.
 - Where the shard jobs of the adapter (and of the clean base under ``base/``) run (``execution``, never
-  part of the cache key: it changes no byte): as the merge task's (`tasks.shard_runs.shard_executor`),
+  part of the cache key: it changes no byte): as the merge task's (`tasks.shard_runs.task_executor_address`),
   Prefect task runs on a Ray cluster when a Ray address is configured (the flow parameter, else
   ``STEPMERGE_RAY_ADDRESS``), else ``workers`` threads of this process.
 Retries: transient storage faults only.
@@ -30,6 +30,7 @@ from merge_engine import storage
 from merge_engine.lora.adapter_io import point_adapter_at_base
 from merge_engine.validate import adapter as adapter_validation
 from merge_engine.validate.adapter import BASE_DIR
+from merge_engine.output.executors import executor_at
 from merge_engine.release.state import ADAPTER, staging_url, sweep_stale_staging
 from tasks.cache import stage_cache_policy
 from tasks.merge import output_available, released_output
@@ -44,7 +45,7 @@ from tasks.records import (
     ValidationSettings,
 )
 from tasks.retry import RETRY_OPTIONS
-from tasks.shard_runs import checkpoint_label, shard_executor
+from tasks.shard_runs import task_executor_address
 from tasks.validate import already_released, recorded_validation, trained_check
 
 
@@ -57,7 +58,7 @@ def extract_adapter(step: StepRecord, checkpoint: CheckpointRecord, settings: Ad
                     staging_root: Optional[str] = None, overwrite: bool = False,
                     execution: Optional[ExecutionSettings] = None) -> OutputRecord:
     """Extract the PEFT adapter of ``checkpoint`` into staging for ``release`` (or find it released);
-    its shard jobs run where ``execution`` says (as the merge task's: `tasks.shard_runs.shard_executor`)."""
+    its shard jobs run where ``execution`` says (as the merge task's: `tasks.shard_runs.task_executor_address`)."""
     from merge_engine.commands.extract import extract_fingerprint, extract_lora
 
     fingerprint = extract_fingerprint(checkpoint.to_checkpoint(), settings.to_options())
@@ -71,7 +72,7 @@ def extract_adapter(step: StepRecord, checkpoint: CheckpointRecord, settings: Ad
     progress = ProgressArtifact(release_artifact_key("progress", release),
                                 f"Extracting the adapter of {checkpoint.url}")
     execution = execution or ExecutionSettings()
-    executor = shard_executor(execution.workers, execution.ray_address, checkpoint_label(checkpoint.url))
+    executor = executor_at(task_executor_address(execution.workers, execution.ray_address))
     result = extract_lora(checkpoint.url, target, settings.to_options(overwrite=True),
                           on_bytes=progress.on_bytes, on_plan=progress.on_plan, checkpoint=checkpoint.to_checkpoint(),
                           executor=executor)

@@ -34,12 +34,13 @@ from prefect import task
 
 from merge_engine import storage
 from merge_engine.commands.merge import merge_checkpoint, merge_fingerprint, read_provenance
+from merge_engine.output.executors import executor_at
 from merge_engine.release.state import MODEL, release_state, staging_url, sweep_stale_staging
 from tasks.cache import stage_cache_policy
 from tasks.progress import ProgressArtifact, release_artifact_key
 from tasks.records import CheckpointRecord, ExecutionSettings, MergeSettings, OutputRecord
 from tasks.retry import RETRY_OPTIONS
-from tasks.shard_runs import checkpoint_label, shard_executor
+from tasks.shard_runs import task_executor_address
 
 
 def output_available(output: OutputRecord) -> bool:
@@ -90,7 +91,7 @@ def merge_model(checkpoint: CheckpointRecord, settings: MergeSettings, release: 
     progress = ProgressArtifact(release_artifact_key("progress", release), f"Merging {checkpoint.url} -> {release}")
     options = dataclasses.replace(settings.to_options(), overwrite=True)  # staging is ours to replace
     execution = execution or ExecutionSettings()
-    executor = shard_executor(execution.workers, execution.ray_address, checkpoint_label(checkpoint.url))
+    executor = executor_at(task_executor_address(execution.workers, execution.ray_address))
     result = merge_checkpoint(checkpoint.url, target, options, on_bytes=progress.on_bytes, on_plan=progress.on_plan,
                               checkpoint=checkpoint.to_checkpoint(), executor=executor)
     progress.finish()

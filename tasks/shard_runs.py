@@ -1,18 +1,19 @@
-"""A merge's shard jobs as Prefect task runs on a Ray cluster (`prefect-ray`'s ``RayTaskRunner``).
+"""A job's work units as Prefect task runs on a Ray cluster (`prefect-ray`'s ``RayTaskRunner``): the executor
+``prefect-ray:<ray address>`` of the engine's registry (`merge_engine.output.executors`), registered here.
 
 `PrefectRayExecutor` is the engine's `merge_engine.output.executors.remote.RemoteExecutor` with Prefect in
 charge: its `run_all` runs a small subflow, ``write-shards``, with a ``RayTaskRunner(address)``, that
-submits one ``write-shard`` task run per output shard, named after the step and the shard's file
-(``global_step_40/actor: model-00003-of-00012.safetensors``), so each shard is a task run in the UI with
-its own state and retries. Each task calls `merge_engine.output.executors.remote.run_shard_task` on a Ray worker:
-it reads straight from the checkpoint's storage and writes straight to the target URL; only the small
-`merge_engine.output.shard_job.ShardRecord` (file, size, sha256, tensor names) comes back to the driver, never a
-tensor. The engine itself never imports Prefect: this module plugs into it.
+submits one ``write-shard`` task run per unit (an output shard, a rank file), named after the step and the
+unit's file (``global_step_40/actor: model-00003-of-00012.safetensors``), so each is a task run in the UI
+with its own state and retries. Each task calls `merge_engine.output.executors.remote.run_unit_task` on a
+Ray worker: it reads straight from the checkpoint's storage and writes straight to the target URL; only
+the small `merge_engine.layouts.contract.FileRecord` (file, size, sha256, tensor names) comes back to the
+driver, never a tensor. The engine itself never imports Prefect: this module plugs into it.
 
-- Retries: a shard task retries transient storage faults only (`tasks.retry.RETRY_OPTIONS`); Ray runs a
-  task again when its worker dies (``max_retries``), and the shard is written whole again. A named error
-  (a truncated rank file, ...) fails its task at once: the other shard tasks are cancelled and waited
-  for, the subflow fails with that error, and `merge_engine.output.jobs.run_job` leaves the target absent.
+- Retries: a unit's task retries transient storage faults only (`tasks.retry.RETRY_OPTIONS`); Ray runs a
+  task again when its worker dies (``max_retries``), and the file is written whole again. A named error
+  (a truncated rank file, ...) fails its task at once: the other tasks are cancelled and waited for, the
+  subflow fails with that error, and `merge_engine.output.jobs.run_job` leaves the target absent.
 - Workers get the coordinator's storage settings (`remote.storage_env`: endpoints, credentials,
   timeouts) through Ray's ``runtime_env``; the Prefect API settings travel in the task runs' context.
 - ``address``: ``auto`` (the cluster this machine joined with ``ray start``), ``host:port``,
@@ -20,8 +21,8 @@ tensor. The engine itself never imports Prefect: this module plugs into it.
   process already connected to Ray uses that connection.
 
 Ray and prefect-ray are the optional extra ``stepmerge[ray]``: imported only when a merge asks for Ray.
-`shard_executor` picks the executor of a merge task: this one when a Ray address is configured (the
-flow parameter, else ``STEPMERGE_RAY_ADDRESS`` in the worker's environment), else this machine's threads.
+`task_executor_address` is the address of a task's executor: this one when a Ray address is configured
+(the flow parameter, else ``STEPMERGE_RAY_ADDRESS`` in the worker's environment), else this machine's threads.
 """
 
 from __future__ import annotations
@@ -34,38 +35,29 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from merge_engine.errors import InvalidOption
-from merge_engine.output.executors import ShardExecutor
-from merge_engine.output.executors.local import LocalExecutor
+from merge_engine.layouts.contract import FileRecord
+from merge_engine.layouts.runs import from_step_folder
+from merge_engine.output.executors import executor_address, register_executor
 from merge_engine.output.executors.ray_address import check_ray_address
-from merge_engine.output.executors.remote import RemoteExecutor, ShardTask, run_shard_task, storage_env
-from merge_engine.output.shard_job import ShardRecord
+from merge_engine.output.executors.remote import RemoteExecutor, UnitTask, run_unit_task, storage_env
 from tasks.retry import RETRY_OPTIONS
 
-__all__ = ["RAY_ADDRESS_ENV", "PrefectRayExecutor", "checkpoint_label", "configured_ray_address", "ray_task_runner",
-           "shard_executor", "shard_run_name", "write_shard_run"]
+__all__ = ["PREFECT_RAY", "RAY_ADDRESS_ENV", "PrefectRayExecutor", "configured_ray_address", "ray_task_runner",
+           "task_executor_address", "unit_run_name", "write_unit_run"]
 
+PREFECT_RAY = "prefect-ray"  # its scheme in the executor registry
 RAY_ADDRESS_ENV = "STEPMERGE_RAY_ADDRESS"
 RAY_MAX_RETRIES = 3  # runs of a shard whose Ray worker died (node lost, OOM-killed)
 
 
 @task(name="write-shard", cache_policy=NO_CACHE, persist_result=False, **RETRY_OPTIONS)
-def write_shard_run(shard: ShardTask) -> ShardRecord:
-    """Write one shard (on a Ray worker): its record, never its bytes."""
-    return run_shard_task(shard)
+def write_unit_run(unit: UnitTask) -> FileRecord:
+    """Write one work unit (on a Ray worker): its record, never its bytes."""
+    return run_unit_task(unit)
 
 
-def checkpoint_label(source_url: str) -> str:
-    """What names a merge's shard runs: the checkpoint URL from its ``global_step_N`` folder on
-    (``global_step_40/actor``), else the URL's last component."""
-    parts = [p for p in source_url.rstrip("/").split("/") if p]
-    for position in range(len(parts) - 1, -1, -1):
-        if parts[position].startswith("global_step_"):
-            return "/".join(parts[position:])
-    return parts[-1] if parts else source_url
-
-
-def shard_run_name(label: str, shard: ShardTask) -> str:
-    return f"{label}: {shard.file}"
+def unit_run_name(label: str, unit: UnitTask) -> str:
+    return f"{label}: {unit.file}"
 
 
 def ray_task_runner(address: str) -> Any:
@@ -86,28 +78,33 @@ def ray_task_runner(address: str) -> Any:
 
 
 class PrefectRayExecutor(RemoteExecutor):
-    """Shard jobs as Prefect task runs on a Ray cluster (see the module docstring)."""
+    """Work units as Prefect task runs on a Ray cluster (see the module docstring). ``label`` names the runs;
+    None: the job's source URL from its step folder on (``global_step_40/actor``, `from_step_folder`)."""
 
-    def __init__(self, address: str, label: str = "shards", *, max_retries: int = RAY_MAX_RETRIES) -> None:
+    def __init__(self, address: str, label: str | None = None, *, max_retries: int = RAY_MAX_RETRIES) -> None:
         self.address = address
         self.label = label
         self.max_retries = max_retries
 
-    def run_all(self, tasks: list[ShardTask], on_record: Callable[[ShardRecord], None]) -> list[ShardRecord]:
+    def run_all(self, tasks: list[UnitTask], on_record: Callable[[FileRecord], None]) -> list[FileRecord]:
         runner = ray_task_runner(self.address)
-        label, max_retries = self.label, self.max_retries
+        label = self.label or (from_step_folder(tasks[0].job.source_url) if tasks else "units")
+        max_retries = self.max_retries
 
         @flow(name="write-shards", flow_run_name=f"write-shards {label}", task_runner=runner,
               validate_parameters=False, persist_result=False, log_prints=True)
-        def write_shards(step: str, ray_address: str, files: list[str]) -> list[ShardRecord]:
-            """One task run per shard on the Ray cluster; records in the order of the shards."""
-            return _run_shard_tasks(tasks, label, max_retries, on_record)
+        def write_shards(step: str, ray_address: str, files: list[str]) -> list[FileRecord]:
+            """One task run per unit on the Ray cluster; records in the order of the units."""
+            return _run_unit_tasks(tasks, label, max_retries, on_record)
 
         return write_shards(label, self.address, [t.file for t in tasks])
 
 
-def _run_shard_tasks(tasks: list[ShardTask], label: str, max_retries: int,
-                     on_record: Callable[[ShardRecord], None]) -> list[ShardRecord]:
+register_executor(PREFECT_RAY, PrefectRayExecutor)
+
+
+def _run_unit_tasks(tasks: list[UnitTask], label: str, max_retries: int,
+                    on_record: Callable[[FileRecord], None]) -> list[FileRecord]:
     import ray
     from prefect.futures import as_completed
     from prefect_ray.context import remote_options
@@ -117,9 +114,9 @@ def _run_shard_tasks(tasks: list[ShardTask], label: str, max_retries: int,
     if env:
         options["runtime_env"] = {"env_vars": env}
     with remote_options(**options):
-        futures = [write_shard_run.with_options(task_run_name=shard_run_name(label, shard)).submit(shard)
-                   for shard in tasks]
-    records: dict[Any, ShardRecord] = {}
+        futures = [write_unit_run.with_options(task_run_name=unit_run_name(label, unit)).submit(unit)
+                   for unit in tasks]
+    records: dict[Any, FileRecord] = {}
     try:
         for future in as_completed(futures):
             record = future.result()  # raises the task's error (a named one as it is)
@@ -143,10 +140,9 @@ def configured_ray_address(ray_address: Optional[str]) -> Optional[str]:
     return ray_address or os.environ.get(RAY_ADDRESS_ENV) or None
 
 
-def shard_executor(workers: Optional[int], ray_address: Optional[str], label: str) -> ShardExecutor:
-    """Where a merge task's shard jobs run: Prefect task runs on Ray when an address is configured
-    (`configured_ray_address`), else ``workers`` threads of this process (None: one per core)."""
+def task_executor_address(workers: Optional[int], ray_address: Optional[str]) -> str:
+    """The executor address of a task's units (`merge_engine.output.executors.executor_at`): Prefect task
+    runs on Ray (``prefect-ray:<address>``) when an address is configured (`configured_ray_address`), else
+    ``workers`` threads of this process (None: one per core)."""
     address = configured_ray_address(ray_address)
-    if address:
-        return PrefectRayExecutor(address, label)
-    return LocalExecutor(workers)
+    return f"{PREFECT_RAY}:{address}" if address else executor_address(workers)

@@ -27,7 +27,8 @@ import torch
 from merge_engine.errors import AdapterError, InvalidOption
 from merge_engine.formats.hf_metadata import copy_metadata, read_config
 from merge_engine.plan.hub_format import in_weights_format
-from merge_engine.output.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, run_job
+from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, run_job
+from merge_engine.output.shard_unit import shard_output
 from merge_engine.layouts import check_checkpoint, open_checkpoint
 from merge_engine.lora.adapter_io import (
     LoraModule,
@@ -376,13 +377,13 @@ class CombineJob:
                 plan = in_weights_format(plan_fused_model(base_metas, config, inputs, dtype=dtype,
                                                           max_shard_size=options.max_shard_size, base_url=base_url),
                                          config, options.weights_format, options.max_shard_size)
-                output = PlannedOutput(plan, source, then=lambda url: copy_metadata(base_url, url, config,
+                output = shard_output(plan, source, then=lambda url: copy_metadata(base_url, url, config,
                                                                                    plan.config_updates))
             else:
                 plan, adapter_json, reports = plan_combined_adapter(
                     inputs, source, base_metas, base_url, dtype=dtype, rank=options.rank, energy=options.energy,
                     device=options.device)
-                output = PlannedOutput(plan, source, then=lambda url: [write_adapter_config(url, adapter_json)])
+                output = shard_output(plan, source, then=lambda url: [write_adapter_config(url, adapter_json)])
         except BaseException:
             for opened in sources.values():
                 opened.close()

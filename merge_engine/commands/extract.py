@@ -29,7 +29,9 @@ from merge_engine import engine_identity, storage
 from merge_engine.errors import AdapterError, InvalidOption
 from merge_engine.formats.hf_metadata import copy_metadata, read_config
 from merge_engine.plan.hf_plan import plan_hf_merge
-from merge_engine.output.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, ShardExecutor, run_job
+from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, run_job
+from merge_engine.output.executors import Executor
+from merge_engine.output.shard_unit import shard_output
 from merge_engine.layouts import HF_NAMES, Checkpoint, check_checkpoint, layout_named, open_checkpoint
 from merge_engine.plan.hub_format import in_weights_format
 from merge_engine.lora.adapter_io import adapter_plan, check_fits_base, write_adapter_config
@@ -259,9 +261,9 @@ class ExtractJob:
         plan = adapter_plan(list(exported.tensors))
         adapter_json = extracted_adapter_config(lora, exported, task_type_of(config, lora.run.task_type), base_out,
                                                 config)
-        outputs = [PlannedOutput(plan, source, then=lambda url: [write_adapter_config(url, adapter_json)])]
+        outputs = [shard_output(plan, source, then=lambda url: [write_adapter_config(url, adapter_json)])]
         if write_base:
-            outputs.append(PlannedOutput(base_plan, base_view, BASE_DIR, then=lambda url: copy_metadata(
+            outputs.append(shard_output(base_plan, base_view, BASE_DIR, then=lambda url: copy_metadata(
                 hf_dir, url, config, base_plan.config_updates)))
         count = sum(len(o.plan.tensors) for o in outputs)
         total = sum(o.plan.total_size for o in outputs)
@@ -280,7 +282,7 @@ def extract_lora(checkpoint_url: str, target_url: str, options: OutputOptions = 
                  on_bytes: Callable[[int], None] | None = None,
                  on_plan: Callable[[MergePlan], None] | None = None,
                  checkpoint: Checkpoint | None = None,
-                 executor: ShardExecutor | None = None) -> OutputResult:
+                 executor: Executor | None = None) -> OutputResult:
     """Write the checkpoint's adapter at ``target_url`` (and its clean base under ``base/``): an `ExtractJob`.
     ``checkpoint``: the result of an earlier `check_checkpoint` of ``checkpoint_url``, not repeated;
     ``executor``: where the shard jobs run (default: the one the options ask for)."""
@@ -433,7 +435,7 @@ class SvdExtractJob:
                       "options": options.output_options(self.command), "device": str(device),
                       "tensors": len(plan.tensors), "tensor_bytes": plan.total_size,
                       "svd": module_reports_json(reports), "notes": notes}
-        output = PlannedOutput(plan, tuned, then=lambda url: [write_adapter_config(url, adapter_json)])
+        output = shard_output(plan, tuned, then=lambda url: [write_adapter_config(url, adapter_json)])
         return PreparedJob([output], provenance, kind="adapter", notes=tuple(notes), modules=tuple(reports),
                            sources=[base, tuned])
 

@@ -36,7 +36,9 @@ from merge_engine.architectures import model_dims, table_for_config
 from merge_engine.errors import AdapterError, BaseModelRequired, InvalidOption
 from merge_engine.formats.hf_metadata import copy_metadata, read_config
 from merge_engine.plan.hub_format import in_weights_format
-from merge_engine.output.jobs import OutputOptions, PlannedOutput, PreparedJob
+from merge_engine.output.jobs import OutputOptions, PreparedJob
+from merge_engine.output.shard_unit import shard_output
+from merge_engine.output.work_unit import PlannedOutput
 from merge_engine.layouts import Checkpoint, check_checkpoint, open_checkpoint
 from merge_engine.layouts.megatron_lora import adapter_folder, holds_base
 from merge_engine.lora.adapter_io import (
@@ -185,7 +187,7 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
                   "tensors": len(plan.tensors), "tensor_bytes": plan.total_size}
     notes = (f"adapter from {origin}", f"{len(adapter.modules)} LoRA modules, ranks {ranks}, "
              f"lora_alpha={adapter.settings.lora_alpha:g}")
-    outputs = [PlannedOutput(plan, source, then=config_file)] + ([base_output] if base_output else [])
+    outputs = [shard_output(plan, source, then=config_file)] + ([base_output] if base_output else [])
     return PreparedJob(outputs, provenance, kind="adapter+base" if base_output else "adapter",
                        layout=checkpoint.layout, notes=notes, sources=opened)
 
@@ -198,7 +200,7 @@ def _base_copy(options: OutputOptions, base: TensorSource, dtype: Any) -> Planne
     stored = plan_hf_merge(base.metas(), config, dtype=dtype, max_shard_size=options.max_shard_size,
                            config_url=options.base_model)
     plan = in_weights_format(stored, config, options.weights_format, options.max_shard_size)
-    return PlannedOutput(plan, base, BASE_DIR, then=lambda url: copy_metadata(options.base_model, url, config,
+    return shard_output(plan, base, BASE_DIR, then=lambda url: copy_metadata(options.base_model, url, config,
                                                                              plan.config_updates))
 
 
@@ -243,7 +245,7 @@ def _step_base(checkpoint: Checkpoint, options: OutputOptions, dtype: Any) -> Pl
     except BaseException:
         source.close()
         raise
-    return PlannedOutput(plan, source, BASE_DIR, then=lambda url: copy_metadata(folder, url, config,
+    return shard_output(plan, source, BASE_DIR, then=lambda url: copy_metadata(folder, url, config,
                                                                                plan.config_updates))
 
 
@@ -283,7 +285,7 @@ def prepare_fused_model(checkpoint: Checkpoint, options: OutputOptions, source_u
                   "adapter_from": origin, "options": options.output_options("merge"),
                   "parallel": checkpoint.parallel, "tensors": len(plan.tensors), "tensor_bytes": plan.total_size}
     notes = plan.notes + (f"adapter from {origin}", f"base: {options.base_model}")
-    return PreparedJob([PlannedOutput(plan, source, then=metadata)], provenance, kind="model",
+    return PreparedJob([shard_output(plan, source, then=metadata)], provenance, kind="model",
                        layout=checkpoint.layout, notes=notes, sources=[source])
 
 

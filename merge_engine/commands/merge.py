@@ -23,7 +23,9 @@ from merge_engine.plan.config_shapes import check_config_against_tensors
 from merge_engine.errors import InvalidOption
 from merge_engine.formats.hf_metadata import CONFIG_FILE, copy_metadata, read_config
 from merge_engine.plan import hub_format
-from merge_engine.output.jobs import OutputOptions, OutputResult, PlannedOutput, PreparedJob, ShardExecutor, run_job
+from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, run_job
+from merge_engine.output.executors import Executor
+from merge_engine.output.shard_unit import shard_output
 from merge_engine.layouts import Checkpoint, check_checkpoint, check_unchanged, open_checkpoint
 from merge_engine.commands import megatron_lora
 from merge_engine.plan.merge_plan import MergePlan, parse_dtype
@@ -135,7 +137,7 @@ class MergeJob:
                       "tensors": len(plan.tensors), "tensor_bytes": plan.total_size,
                       "config_translation": [change.to_json() for change in plan.config_changes],
                       **stored.records}
-        return PreparedJob([PlannedOutput(plan, source, then=metadata)], provenance, kind=self.kind,
+        return PreparedJob([shard_output(plan, source, then=metadata)], provenance, kind=self.kind,
                            layout=checkpoint.layout, notes=plan.notes, sources=[source])
 
 
@@ -143,8 +145,8 @@ def merge_checkpoint(source_url: str, target_url: str, options: OutputOptions = 
                      on_bytes: Callable[[int], None] | None = None,
                      on_plan: Callable[[MergePlan], None] | None = None,
                      checkpoint: Checkpoint | None = None,
-                     executor: ShardExecutor | None = None) -> OutputResult:
+                     executor: Executor | None = None) -> OutputResult:
     """Merge the checkpoint at ``source_url`` into a Hugging Face folder at ``target_url`` (a `MergeJob`).
-    ``executor``: where the shard jobs run (default: as ``options`` say, `merge_engine.output.executors.executor_for`)."""
+    ``executor``: where the shard jobs run (default: as ``options`` say, `merge_engine.output.executors.executor_at`)."""
     return run_job(MergeJob(source_url, target_url, options, checkpoint), on_bytes=on_bytes, on_plan=on_plan,
                    executor=executor)

@@ -19,8 +19,8 @@ must be built with to match (sizes, head counts, norm epsilon, RoPE theta, padde
 parallel sizes), and ``stepmerge.json`` (provenance) last. The target gets everything or nothing
 (`merge_engine.output.target`).
 
-Each file is one job (`merge_engine.layouts.contract.FileJob`: a rank file, or one layer's DCP data
-file), run by the executor like a merge's shard jobs: ``--workers N`` at once here, or as Ray tasks,
+Each file is one work unit (`LayoutFileUnit` over a `merge_engine.layouts.contract.FileJob`: a rank file,
+or one layer's DCP data file), run by the executor like a merge's shards: ``--workers N`` at once here, or as Ray tasks,
 byte-identical whatever runs them; each job hashes what it writes (`OutputResult.checksums`). Memory per
 job: one rank file's tensors, i.e. one TP rank's share of a pipeline stage (legacy: a rank file is one
 ``torch.save``), one tensor (dist).
@@ -29,7 +29,8 @@ job: one rank file's tensors, i.e. one TP rank's share of a pipeline stage (lega
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,7 @@ from merge_engine.errors import InvalidOption
 from merge_engine.formats.hf_metadata import copy_metadata, read_config
 from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, run_job
 from merge_engine.layouts import Checkpoint, check_checkpoint, layout_named, open_checkpoint
-from merge_engine.output.executors import PlannedFiles
+from merge_engine.output.work_unit import PlannedOutput
 from merge_engine.layouts.contract import FileJob, FileRecord, ParallelSizes, WritableLayout
 from merge_engine.plan.merge_plan import parse_dtype
 
@@ -169,12 +170,35 @@ def split_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
     return storage.fingerprint(checkpoint.files, **options.output_options("split"), **engine_identity(), kind="split")
 
 
+@dataclass(frozen=True, eq=False)
+class LayoutFileUnit:
+    """One file a `WritableLayout` writes whole (a rank file, a DCP data file), a work unit
+    (`WorkUnit`): its size is known once written (planned as -1), and it uses one thread."""
+
+    layout: WritableLayout
+    view: MegatronViewOfHf
+    job: FileJob
+    sizes: ParallelSizes
+    dtype: Any
+
+    @property
+    def planned(self) -> tuple[str, int, tuple[str, ...]]:
+        return self.job.file, -1, self.job.tensors
+
+    def run(self, folder_url: str, cancel: threading.Event | None = None, *, chunk_bytes: int, threads: int = 1,
+            on_bytes: Callable[[int], None] | None = None) -> FileRecord:
+        record = self.layout.write_file(self.view, self.job, folder_url, self.sizes, self.dtype, cancel)
+        if on_bytes is not None:
+            on_bytes(record.size)
+        return record
+
+
 @dataclass
 class SplitJob:
     """``stepmerge split --to megatron``: the Hugging Face model at ``source_url`` as Megatron shards at
     ``target_url``, written by the layout of ``options.fmt``. Its files are not safetensors shards: the
-    job's one output is a `PlannedFiles`, one file job per rank file (``legacy``) or DCP data file
-    (``dist``), which the executor runs like shard jobs (``--workers``, ``--ray-address``: same bytes)."""
+    job's one output holds a `LayoutFileUnit` per rank file (``legacy``) or DCP data file (``dist``),
+    which the executor runs like a merge's shards (``--workers``, ``--ray-address``: same bytes)."""
 
     source_url: str
     target_url: str
@@ -213,9 +237,6 @@ class SplitJob:
         sizes = ParallelSizes(tp=options.tp, pp=options.pp, vpp=options.vpp, ep=options.ep)
         layout = writable_layout(options.fmt)
 
-        def write_file(file_job: FileJob, url: str, cancel: Any) -> FileRecord:
-            return layout.write_file(view, file_job, url, sizes, dtype, cancel)
-
         def write_config(url: str) -> list[tuple[str, int]]:
             files = [(f"{layout.CONFIG_DIR}/{n}", s) for n, s in copy_metadata(
                 hf_url, storage.join(url, layout.CONFIG_DIR), config)]
@@ -223,7 +244,8 @@ class SplitJob:
             storage.write_bytes(storage.join(url, TRANSFORMER_CONFIG), data)
             return files + [(TRANSFORMER_CONFIG, len(data))]
 
-        rank_files = PlannedFiles(layout.file_jobs(view, sizes), write_file, layout.finish, then=write_config)
+        units = [LayoutFileUnit(layout, view, file_job, sizes, dtype) for file_job in layout.file_jobs(view, sizes)]
+        rank_files = PlannedOutput(units, finish=layout.finish, then=write_config)
         provenance = {"source": hf_url, "kind": "megatron split", "options": options.output_options(self.command),
                       "tensors": len(view.metas())}
         return PreparedJob([rank_files], provenance, kind=self.kind, layout=FORMATS[options.fmt],

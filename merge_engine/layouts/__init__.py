@@ -12,6 +12,9 @@ all listed once in `LAYOUTS` (in priority order: the first that detects a listin
 - ``megatron_dist``: Megatron ``torch_dist`` checkpoints; written by ``split --format dist``;
 - ``hf``: Hugging Face folders (``config.json`` + safetensors), also as saved beside a step.
 
+Run layouts, one per trainer, listed once in `runs.RUN_LAYOUTS`: how a run root names its step folders
+(verl's ``global_step_<N>/``, Megatron-LM's ``iter_<NNNNNNN>/``); discovery and the release layout ask it.
+
 Helpers with no format of their own: `contract` (the protocol and its records), `megatron_lm_root`
 (a Megatron-LM run root -> one iteration), `tracker` (``latest_checkpointed_iteration.txt``),
 `verl_v2` (verl's ``ckpt_contents.json`` marker).

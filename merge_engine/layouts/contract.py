@@ -125,9 +125,11 @@ class FileJob:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """One file a layout wrote: name relative to the target, size, sha256 computed while writing, the
-    tensors it holds and ``items``: what the layout's `WritableLayout.finish` needs to know of it (a DCP
-    data file's item locations); small and picklable, what a worker process hands back."""
+    """One written file, the record of every work unit (a merge's shard, a layout's file) and of the files
+    written after them (an index, a DCP ``.metadata``): name relative to the output folder, size, sha256
+    computed while writing, the tensors it holds (empty for an index) and ``items``: what the layout's
+    `WritableLayout.finish` needs to know of it (a DCP data file's item locations); small and picklable,
+    what a worker process hands back."""
 
     file: str
     size: int
@@ -137,11 +139,12 @@ class FileRecord:
 
 
 class WriteCancelled(Exception):
-    """A file job stopped because another job of the same output failed (not a user-facing error)."""
+    """A work unit stopped because another unit of the same job failed, or an interrupt (not a user-facing
+    error: the other unit's error, or the interrupt, is the one reported)."""
 
 
 class WritableLayout(Layout, Protocol):
-    """A layout ``stepmerge split`` writes, as independent file jobs (the unit a `ShardExecutor` spreads).
+    """A layout ``stepmerge split`` writes, as independent file jobs (each one work unit of the executors).
 
     - ``CONFIG_DIR``: the folder (relative to the target) that receives config.json and tokenizer.
     - ``file_jobs(view, sizes)``: the files that hold the canonical Megatron tensors of ``view`` (a

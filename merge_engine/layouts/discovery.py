@@ -6,9 +6,10 @@ Contract:
   ``ckpt_contents.json`` of a complete Megatron step (`merge_engine.layouts.megatron_lora.marker_verdict`):
   a LoRA step whose names look like a plain dist checkpoint (``use_dist_checkpointing: true``, or no PEFT
   export) is called ``megatron_lora`` and `Step.needs` says which merge parameters it does not record.
-- Step folders are ``global_step_<N>/`` (verl) or ``iter_<N>/`` (Megatron-LM). Inside a step,
-  ``actor/`` and ``critic/`` are roles (verl RL); weights straight in the step folder are role ``""``
-  (verl SFT trainers, Megatron-LM).
+- Step folders are the ones a run layout names (`merge_engine.layouts.runs`: verl's ``global_step_<N>/``,
+  Megatron-LM's ``iter_<N>/``). Inside a step, the run layout's role folders are roles (verl RL:
+  ``actor/`` and ``critic/``); weights straight in the step folder are role ``""`` (verl SFT trainers,
+  Megatron-LM).
 - A (step, role) is a checkpoint when some layout of the registry (`merge_engine.layouts.LAYOUTS`)
   finds its files in the listing (`Layout.listing_verdict`). A step holding only ``data.pt`` (verl
   retention deletes ``actor/`` and keeps ``data.pt``) or nothing at all is not one.
@@ -23,26 +24,21 @@ Contract:
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from merge_engine import storage
 from merge_engine.errors import RunRootNotFound
-from merge_engine.layouts import listing_verdicts, megatron_dist, megatron_lora
+from merge_engine.layouts import listing_verdicts, megatron_dist, megatron_lora, runs
 from merge_engine.layouts.contract import COMPLETE, INCOMPLETE, INVALID, Verdict
 from merge_engine.layouts.tracker import TRACKER_FILE, parse_tracker, read_tracker_hint
 from merge_engine.storage import FileEntry
 
-__all__ = ["COMPLETE", "INCOMPLETE", "INVALID", "POLICY_ROLES", "ROLES", "STEP_FOLDERS", "TRACKER_FILE", "Discovery",
+__all__ = ["COMPLETE", "INCOMPLETE", "INVALID", "POLICY_ROLES", "TRACKER_FILE", "Discovery",
            "Step", "Verdict", "classify", "discover", "discover_step", "discover_steps", "latest_complete_step",
            "parse_tracker", "read_tracker_hint", "steps_from_listing"]
 
-ROLES = ("actor", "critic")  # verl RL role folders; anything else in a step folder belongs to role ""
-
-_STEP_DIR = re.compile(r"^(?:global_step_(\d+)|iter_(\d+))$")
-STEP_FOLDERS = ("global_step_{step}", "iter_{step:07d}")  # verl; Megatron-LM (zero-padded to 7 digits)
 
 
 def classify(files: Sequence[FileEntry]) -> tuple[tuple[str, ...], Verdict]:
@@ -105,11 +101,11 @@ def _group_by_checkpoint(entries: Iterable[FileEntry]) -> dict[tuple[int, str, s
         parts = entry.path.split("/")
         if len(parts) < 2:
             continue
-        match = _STEP_DIR.match(parts[0])
-        if not match:
+        run_layout = runs.run_layout_of(parts[0])
+        if run_layout is None:
             continue
-        number = int(match.group(1) or match.group(2))
-        if len(parts) > 2 and parts[1] in ROLES:
+        number = run_layout.step_of(parts[0])
+        if len(parts) > 2 and parts[1] in run_layout.roles:
             role, folder, rest = parts[1], f"{parts[0]}/{parts[1]}", parts[2:]
         else:
             role, folder, rest = "", parts[0], parts[1:]
@@ -181,10 +177,9 @@ def discover(run_root_url: str) -> Discovery:
 
 def discover_step(run_root_url: str, step: int, role: str) -> Step | None:
     """One (step, role) of a run, as `discover` would classify it, from a listing of that step's folder
-    only (``global_step_<N>/``; ``iter_<NNNNNNN>/`` when that is empty), never of the whole run root.
-    None when the step folder holds no checkpoint of ``role``."""
-    for pattern in STEP_FOLDERS:
-        folder = pattern.format(step=int(step))
+    only (the first of `runs.step_folders` that holds files: ``global_step_<N>/``, else ``iter_<NNNNNNN>/``),
+    never of the whole run root. None when the step folder holds no checkpoint of ``role``."""
+    for folder in runs.step_folders(step):
         entries = storage.list_files(storage.join(run_root_url, folder), recursive=True)
         if entries:
             inside = (FileEntry(f"{folder}/{e.path}", e.size, e.version) for e in entries)

@@ -16,10 +16,9 @@ from collections.abc import Iterable
 
 from merge_engine import storage
 from merge_engine.errors import IncompleteCheckpoint, UnsupportedLayout
+from merge_engine.layouts.runs import MEGATRON_LM
 from merge_engine.layouts.tracker import TRACKER_FILE, read_tracker_hint
 from merge_engine.storage import FileEntry
-
-ITERATION_FOLDER = "iter_{:07d}"
 
 
 def rebase(files: list[FileEntry], prefix: str) -> list[FileEntry]:
@@ -36,7 +35,7 @@ def choose_iteration(url: str, files: list[FileEntry], iterations: Iterable[str]
     chosen = found[0] if len(found) == 1 else None
     number = read_tracker_hint(url) if any(f.path == TRACKER_FILE for f in files) else None
     if number is not None:
-        chosen = ITERATION_FOLDER.format(number)
+        chosen = MEGATRON_LM.folder(number)
         if chosen not in found:
             raise IncompleteCheckpoint(f"{TRACKER_FILE} names iteration {number}, which has no {holds}",
                                        storage.join(url, chosen))

@@ -13,14 +13,15 @@ Contract of `run_job`:
   anything else raises `TargetExists` unless ``overwrite``.
 - ``job.prepare()`` runs every check that can fail on metadata, opens the sources and plans; it reads
   weights only where a check or a factorisation must (tied copies, SVD). Nothing is written before.
-- the write: each `PlannedOutput` (a `MergePlan` over a source, into a folder of the target) is handed
-  to the `ShardExecutor` (`merge_engine.output.executors`: threads here, or a Ray cluster); then the job's own files (configs, adapter config,
+- the write: each `PlannedOutput` (one folder of the target: its work units, `merge_engine.output.work_unit`) is
+  handed to the executor the options name (`merge_engine.output.executors`' registry: threads here, or a Ray
+  cluster); then the job's own files (configs, adapter config,
   Megatron files); then ``stepmerge.json`` (provenance), last. The target gets everything or nothing.
 - one result type, `OutputResult`, for every command.
 
 Scale-out plugs in at the executor: a plan's ``shards`` are independent units (each lists its tensors;
 the index is written from the plan), so an executor writes them in parallel, here or on a cluster,
-with the same bytes; each shard job hashes what it writes (`OutputResult.checksums`).
+with the same bytes; each unit hashes what it writes (`OutputResult.checksums`).
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ from merge_engine.lora.svd import ModuleReport
 from merge_engine.plan.merge_plan import DEFAULT_MAX_SHARD_SIZE, MergePlan
 from merge_engine.output.target import read_provenance, target_state, write_target
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
-from merge_engine.output.executors import Files, PlannedFiles, PlannedOutput, ShardExecutor, WrittenFiles, executor_for
+from merge_engine.output.executors import Executor, WrittenFiles, executor_address, executor_at
+from merge_engine.output.work_unit import Files, PlannedOutput
 
 __all__ = ["OUTPUT_OPTION_KEYS", "OutputJob", "OutputOptions", "OutputResult", "job_inputs",
-           "PlannedOutput", "PreparedJob", "ShardExecutor", "run_job"]
+           "PreparedJob", "run_job"]
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ class PreparedJob:
     command's record (the fingerprint, engine version and file list are added by `run_job`).
     """
 
-    outputs: list[PlannedOutput | PlannedFiles]
+    outputs: list[PlannedOutput]
     provenance: dict[str, Any]
     kind: str = "model"
     layout: str = ""
@@ -175,7 +177,7 @@ class PreparedJob:
     def plan(self) -> MergePlan | None:
         """Every safetensors output's tensors and shards as one plan (for progress: ``on_plan``); None
         when the job writes none (split's file jobs)."""
-        plans = [o.plan for o in self.outputs if isinstance(o, PlannedOutput)]
+        plans = [o.plan for o in self.outputs if o.plan is not None]
         if len(plans) <= 1:
             return plans[0] if plans else None
         return MergePlan(tuple(t for p in plans for t in p.tensors), tuple(s for p in plans for s in p.shards))
@@ -216,12 +218,12 @@ def job_inputs(job: OutputJob) -> tuple[str | None, ...]:
 
 def run_job(job: OutputJob, *, on_bytes: Callable[[int], None] | None = None,
             on_plan: Callable[[MergePlan], None] | None = None,
-            executor: ShardExecutor | None = None) -> OutputResult:
+            executor: Executor | None = None) -> OutputResult:
     """Fingerprint, target state, prepare, write (see the module docstring). ``executor``: where the shard
     jobs run; by default the one ``job.options`` asks for (``ray_address``, else ``workers`` threads here)."""
     started = time.perf_counter()
     if executor is None:
-        executor = executor_for(job.options.workers, job.options.ray_address)
+        executor = executor_at(executor_address(job.options.workers, job.options.ray_address))
     fingerprint = job.fingerprint()
     state = target_state(job.target_url, fingerprint, job.options.overwrite, sources=job_inputs(job))
     if state == "same":

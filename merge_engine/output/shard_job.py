@@ -1,12 +1,12 @@
 """One output shard: ranged reads from every source file -> cast -> write -> sha256 -> a small record.
 
-The shard is the unit of parallel work. Its header is computed from the plan before its first byte
-is written; its tensors' chunks are produced by a reader thread a few chunks ahead of the writer
-(reads and casts release the GIL), cast to the planned dtype, written, and hashed as they are
-written, so the record's sha256 costs no second read of the model. The hash runs in a thread of
-its own (sha256 releases the GIL on large buffers), beside the write: sha256 of a shard is one
-core's work at ~1-2 GB/s, as much as the read, cast and write together, so hashing in the writer's
-thread made the writer the bottleneck of a local merge (measured: half the writer's time).
+A shard is a work unit (`merge_engine.output.shard_unit.ShardUnit`). Its header is computed from the plan
+before its first byte is written; its tensors' chunks are produced by a reader thread a few chunks ahead
+of the writer (reads and casts release the GIL), cast to the planned dtype, written, and hashed as they
+are written by the one hashing writer (`merge_engine.storage.hashing_writer.HashingWriter`, hashing in a
+thread of its own), so the record's sha256 costs no second read of the model. With several threads, the
+unit writes its byte ranges in parallel instead (`merge_engine.output.shard_ranges`): same file, same
+bytes, same record.
 
 Contract of `write_shard`:
 - writes ``shard_header(plan, shard) + tensor bytes`` to ``<folder>/<shard.filename>`` through
@@ -16,10 +16,10 @@ Contract of `write_shard`:
   folder); running it again overwrites the shard whole.
 - holds at most `PREFETCH_CHUNKS` + `HASH_QUEUE_CHUNKS` + 3 chunks of ``chunk_bytes`` (read ahead,
   being written, waiting for and in the hasher), never a tensor or a shard.
-- returns a `ShardRecord` (file, size, sha256, tensor names): small, picklable, what a coordinator,
+- returns a `FileRecord` (file, size, sha256, tensor names): small, picklable, what a coordinator,
   a Ray task or a Prefect task hands back.
-- ``cancel``: checked before every chunk; once set, the job stops with `ShardCancelled` (another job
-  of the same output failed: its error is the one reported).
+- ``cancel``: checked before every chunk; once set, the job stops with `WriteCancelled` (another unit
+  of the same job failed: its error is the one reported).
 - errors of the source propagate as they are (the named errors of `merge_engine.errors`); the
   source's own checksums (zip CRC-32, `TensorSource.verify_reads`) are checked in the reader thread
   before the last chunk is written, so a damaged record fails the job before its file is committed.
@@ -39,30 +39,17 @@ import torch
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard
-from merge_engine.plan.merge_plan import INDEX_FILE, MergePlan, PlannedTensor, ShardFile
 from merge_engine.formats.safetensors_file import CODES as SAFETENSORS_DTYPES
 from merge_engine.formats.tensor_source import TensorSource
+from merge_engine.layouts.contract import FileRecord, WriteCancelled
+from merge_engine.plan.merge_plan import INDEX_FILE, MergePlan, PlannedTensor, ShardFile
+from merge_engine.storage.hashing_writer import HashingWriter
 
-__all__ = ["HASH_QUEUE_CHUNKS", "PREFETCH_CHUNKS", "ShardCancelled", "ShardRecord", "index_bytes", "shard_header", "tensor_chunks",
-           "write_index", "write_shard"]
+__all__ = ["HASH_QUEUE_CHUNKS", "PREFETCH_CHUNKS", "index_bytes", "shard_header", "tensor_chunks", "write_index",
+           "write_shard"]
 
 PREFETCH_CHUNKS = 3
 HASH_QUEUE_CHUNKS = 2  # written chunks waiting for the hasher thread
-
-
-class ShardCancelled(Exception):
-    """A shard job stopped because another job of the same output failed (not a user-facing error)."""
-
-
-@dataclass(frozen=True)
-class ShardRecord:
-    """One written file: its name relative to the output folder, size in bytes, sha256 (hex), and the
-    tensors it holds (empty for the index)."""
-
-    file: str
-    size: int
-    sha256: str
-    tensors: tuple[str, ...] = ()
 
 
 def shard_header(plan: MergePlan, shard: ShardFile, metadata: dict[str, str] | None = None) -> bytes:
@@ -145,43 +132,10 @@ class _Prefetcher:
         self._thread.join()
 
 
-class _Hasher:
-    """sha256 of a byte stream, computed in a thread of its own from the buffers given to `update`.
-
-    `update` hands a buffer over (it must not change afterwards) and blocks only while
-    ``depth`` buffers already wait; `hexdigest` waits for the queue to drain. `close` stops the
-    thread (idempotent); a hasher closed before `hexdigest` has no digest.
-    """
-
-    _DONE = object()
-
-    def __init__(self, first: bytes, depth: int) -> None:
-        self._digest = hashlib.sha256(first)
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._thread = threading.Thread(target=self._consume, name="stepmerge-hasher", daemon=True)
-        self._thread.start()
-
-    def _consume(self) -> None:
-        while (data := self._queue.get()) is not self._DONE:
-            self._digest.update(data)  # releases the GIL on large buffers
-
-    def update(self, data: memoryview) -> None:
-        self._queue.put(data)
-
-    def hexdigest(self) -> str:
-        self.close()
-        return self._digest.hexdigest()
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(self._DONE)  # the consumer never stops early: the put always completes
-            self._thread.join()
-
-
 def write_shard(plan: MergePlan, shard: ShardFile, source: TensorSource, folder_url: str, *,
                 chunk_bytes: int, on_bytes: Callable[[int], None] | None = None,
                 metadata: dict[str, str] | None = None,
-                cancel: threading.Event | None = None) -> ShardRecord:
+                cancel: threading.Event | None = None) -> FileRecord:
     """Write one shard of ``plan`` under ``folder_url`` (see the module docstring)."""
     by_name = plan.by_name()
     header = shard_header(plan, shard, metadata)
@@ -195,29 +149,26 @@ def write_shard(plan: MergePlan, shard: ShardFile, source: TensorSource, folder_
 
     remaining = shard.size
     prefetched = _Prefetcher(chunks(), PREFETCH_CHUNKS)
-    digest = _Hasher(header, HASH_QUEUE_CHUNKS)
     try:
-        with storage.open_write(storage.join(folder_url, shard.filename), size_hint=len(header) + shard.size) as out:
+        with HashingWriter(storage.join(folder_url, shard.filename), size_hint=len(header) + shard.size,
+                           hash_queue=HASH_QUEUE_CHUNKS) as out:
             out.write(header)
             for chunk in prefetched:
                 if cancel is not None and cancel.is_set():
-                    raise ShardCancelled(shard.filename)
+                    raise WriteCancelled(shard.filename)
                 data = memoryview(chunk.view(torch.uint8).numpy()) if chunk.numel() else memoryview(b"")
                 if len(data) > remaining:
                     raise CorruptShard(f"{shard.filename}: tensor data overran the planned size", source.url)
                 out.write(data)
-                digest.update(data)
                 remaining -= len(data)
                 if on_bytes:
                     on_bytes(len(data))
             if remaining != 0:
                 raise CorruptShard(f"{shard.filename}: tensor data fell {remaining} bytes short of the plan",
                                    source.url)
-        sha256 = digest.hexdigest()
     finally:
         prefetched.close()
-        digest.close()
-    return ShardRecord(shard.filename, len(header) + shard.size, sha256, shard.tensors)
+    return FileRecord(shard.filename, out.size, out.sha256(), shard.tensors)
 
 
 def index_bytes(plan: MergePlan) -> bytes:
@@ -227,10 +178,10 @@ def index_bytes(plan: MergePlan) -> bytes:
     return (json.dumps(index, indent=2) + "\n").encode()
 
 
-def write_index(plan: MergePlan, folder_url: str) -> ShardRecord | None:
+def write_index(plan: MergePlan, folder_url: str) -> FileRecord | None:
     """Write the index under ``folder_url`` when the plan has several shards; its record, else None."""
     if len(plan.shards) <= 1:
         return None
     data = index_bytes(plan)
     storage.write_bytes(storage.join(folder_url, INDEX_FILE), data)
-    return ShardRecord(INDEX_FILE, len(data), hashlib.sha256(data).hexdigest())
+    return FileRecord(INDEX_FILE, len(data), hashlib.sha256(data).hexdigest())

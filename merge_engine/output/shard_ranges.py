@@ -28,7 +28,7 @@ Contract of `write_shard_ranges` (same file, same bytes and record as `shard_job
   ranges not started never start, running ones stop at their next chunk or part; the upload is
   discarded (no file under the shard's name, no part stays stored); the error is raised once every
   worker has stopped. ``cancel`` (another shard failed, an interrupt) does the same with
-  `ShardCancelled`. ``verify_reads`` (zip CRC-32) runs after the last range, before the commit.
+  `WriteCancelled`. ``verify_reads`` (zip CRC-32) runs after the last range, before the commit.
 - `GAUGE`: ranges in flight now and at most, process-wide (what tests and benchmarks observe).
 """
 
@@ -48,7 +48,8 @@ import torch
 from merge_engine import storage
 from merge_engine.errors import CorruptShard
 from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, ShardFile
-from merge_engine.output.shard_job import ShardCancelled, ShardRecord, shard_header, write_shard
+from merge_engine.layouts.contract import FileRecord, WriteCancelled
+from merge_engine.output.shard_job import shard_header, write_shard
 from merge_engine.formats.tensor_source import TensorSource, iter_flat_range
 
 __all__ = ["BUFFERS_PER_WORKER", "GAUGE", "PART_BYTES", "RangeGauge", "cut_ranges", "rangeable",
@@ -360,7 +361,7 @@ class _RangeWriter:
 def write_shard_ranges(plan: MergePlan, shard: ShardFile, source: TensorSource, folder_url: str, *,
                        workers: int, chunk_bytes: int, part_bytes: int | None = None,
                        on_bytes: Callable[[int], None] | None = None, metadata: dict[str, str] | None = None,
-                       cancel: threading.Event | None = None) -> ShardRecord:
+                       cancel: threading.Event | None = None) -> FileRecord:
     """Write one shard of ``plan`` under ``folder_url`` with ``workers`` threads on its byte ranges (see
     the module docstring); a shard of one range is written by `shard_job.write_shard`. ``part_bytes``:
     the part size asked of the store (None: `PART_BYTES`, read at call time)."""
@@ -401,7 +402,7 @@ def write_shard_ranges(plan: MergePlan, shard: ShardFile, source: TensorSource, 
         if state.errors:
             raise _first_error(state.errors)
         if cancel is not None and cancel.is_set():
-            raise ShardCancelled(shard.filename)
+            raise WriteCancelled(shard.filename)
         verify = getattr(source, "verify_reads", None)
         if verify is not None:  # the zip CRC-32 of every record read from, before the shard counts
             verify()
@@ -421,11 +422,11 @@ def write_shard_ranges(plan: MergePlan, shard: ShardFile, source: TensorSource, 
                     ordered.abort()
             except Exception:  # noqa: BLE001 - the error that stopped the shard is the one reported
                 pass
-    return ShardRecord(shard.filename, size, digest.hexdigest(), shard.tensors)
+    return FileRecord(shard.filename, size, digest.hexdigest(), shard.tensors)
 
 
 def _first_error(errors: list[BaseException]) -> BaseException:
-    return next((e for e in errors if not isinstance(e, ShardCancelled)), errors[0])
+    return next((e for e in errors if not isinstance(e, WriteCancelled)), errors[0])
 
 
 def _shutdown(pool: ThreadPoolExecutor) -> None:

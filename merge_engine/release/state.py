@@ -53,6 +53,7 @@ from merge_engine import storage
 from merge_engine.release.checksums import file_damage
 from merge_engine.errors import InvalidConfig, StepmergeError, TargetExists
 from merge_engine.formats.json_file import parse_json
+from merge_engine.layouts.runs import VERL
 
 logger = logging.getLogger(__name__)
 
@@ -61,14 +62,14 @@ logger = logging.getLogger(__name__)
 RELEASES_DIR = "releases"
 MODEL, ADAPTER = "model", "adapter"
 KINDS = (MODEL, ADAPTER)
-STEP_DIR = "global_step_{step}"
 MARKER = "_COMPLETE"
 MANIFEST = "manifest.json"
 CLAIMS = "_PUBLISHING"
 RESERVED = (MARKER, MANIFEST, CLAIMS)  # names a staged output may not use
 MANIFEST_FORMAT = "stepmerge.release/1"
 
-_RELEASE_MARKER = re.compile(r"^(?P<name>[^/]+)/global_step_(?P<step>\d+)/" + re.escape(MARKER) + "$")
+_RELEASE_MARKER = re.compile(r"^(?P<name>[^/]+)/(?P<folder>[^/]+)/" + re.escape(MARKER) + "$")
+STEPS = VERL  # a release folder's steps are named as verl names its step folders (`merge_engine.layouts.runs`)
 
 
 def default_release_root(run_root: str) -> str:
@@ -86,7 +87,7 @@ def release_folder_name(role: str, kind: str = MODEL) -> str:
 
 def release_url(release_root: str, role: str, step: int, kind: str = MODEL) -> str:
     """``<release_root>/<role or model>[-adapter]/global_step_<step>``."""
-    return storage.join(release_root, release_folder_name(role, kind), STEP_DIR.format(step=int(step)))
+    return storage.join(release_root, release_folder_name(role, kind), STEPS.folder(step))
 
 
 # -------------------------------------------------------------------------------------- the manifest
@@ -370,11 +371,12 @@ def published_releases(release_root: str) -> dict[tuple[str, int], str]:
     found: dict[tuple[str, int], str] = {}
     for entry in storage.list_files(release_root):
         match = _RELEASE_MARKER.match(entry.path)
-        if not match:
+        step = STEPS.step_of(match["folder"]) if match else None
+        if step is None:
             continue
-        url = storage.join(release_root, match["name"], STEP_DIR.format(step=int(match["step"])))
+        url = storage.join(release_root, match["name"], STEPS.folder(step))
         if is_released(url):
-            found[(match["name"], int(match["step"]))] = url
+            found[(match["name"], step)] = url
     return found
 
 

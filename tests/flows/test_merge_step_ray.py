@@ -90,7 +90,7 @@ def test_a_named_error_in_one_shard_task_fails_the_shard_runs_with_it(prefect, t
     from dataclasses import replace
 
     from merge_engine.commands.merge import MergeJob
-    from merge_engine.output.executors.remote import ShardTask
+    from merge_engine.output.executors.remote import UnitTask
     from merge_engine.output.jobs import OutputOptions
     from merge_engine.plan.merge_plan import parse_size
     from tasks.shard_runs import PrefectRayExecutor
@@ -106,8 +106,8 @@ def test_a_named_error_in_one_shard_task_fails_the_shard_runs_with_it(prefect, t
         shards = prepared.outputs[0].plan.shards
     finally:
         prepared.close()
-    tasks = [ShardTask(job, f"test:{job.fingerprint()}", 0, index, target, 1 << 20,
-                       (shard.filename, shard.size, tuple(shard.tensors))) for index, shard in enumerate(shards)]
+    tasks = [UnitTask(job, f"test:{job.fingerprint()}", 0, index, target, 1 << 20,
+                      (shard.filename, shard.size, tuple(shard.tensors))) for index, shard in enumerate(shards)]
     tasks[1] = replace(tasks[1], planned=(tasks[1].file, tasks[1].planned[1] + 8, tasks[1].planned[2]))
     with pytest.raises(CorruptShard, match="checkpoint changed during the merge"):
         PrefectRayExecutor(ray_cluster, "global_step_1/actor").run_all(tasks, lambda record: None)

@@ -1,8 +1,9 @@
-"""Which executor a merge task uses, and the names of its shard runs (no Ray needed here; the Ray path
+"""Which executor a merge task uses, and the names of its unit runs (no Ray needed here; the Ray path
 itself runs in tests/flows/test_merge_step_ray.py on the session's cluster).
 
-- a flow parameter ``ray_address`` wins; else ``STEPMERGE_RAY_ADDRESS`` (a deployment job variable); else
-  this process's threads with ``workers``;
+- the task's executor comes from the engine's one registry (`executor_at`), where this module registers
+  ``prefect-ray``: a flow parameter ``ray_address`` wins; else ``STEPMERGE_RAY_ADDRESS`` (a deployment job
+  variable); else this process's threads with ``workers``;
 - the flows refuse a Ray address that is no address, and ``workers`` below 1, before anything runs; the
   Ray runner refuses a dead address (`RayClusterUnreachable`) before Ray is asked to connect.
 """
@@ -13,33 +14,26 @@ import pytest
 from pydantic import ValidationError
 
 from flows.params import MergeStepParams
+from merge_engine.output.executors import executor_at
 from merge_engine.output.executors.local import LocalExecutor
 from merge_engine.errors import RayClusterUnreachable
-from tasks.shard_runs import RAY_ADDRESS_ENV, PrefectRayExecutor, checkpoint_label, ray_task_runner, shard_executor
+from tasks.shard_runs import RAY_ADDRESS_ENV, PrefectRayExecutor, ray_task_runner, task_executor_address
 from tests.servers import free_ports
 
 
 def test_the_flow_parameter_wins_over_the_workers_environment(monkeypatch):
     monkeypatch.setenv(RAY_ADDRESS_ENV, "ray://head:10001")
-    chosen = shard_executor(2, "127.0.0.1:6379", "global_step_3/actor")
-    assert isinstance(chosen, PrefectRayExecutor)
-    assert (chosen.address, chosen.label) == ("127.0.0.1:6379", "global_step_3/actor")
-    assert shard_executor(None, None, "x").address == "ray://head:10001"
+    assert task_executor_address(2, "127.0.0.1:6379") == "prefect-ray:127.0.0.1:6379"
+    chosen = executor_at(task_executor_address(2, "127.0.0.1:6379"))
+    assert isinstance(chosen, PrefectRayExecutor) and chosen.address == "127.0.0.1:6379"
+    assert chosen.label is None  # named after the job's step when it runs
+    assert executor_at(task_executor_address(None, None)).address == "ray://head:10001"
 
 
-def test_without_an_address_the_shards_run_on_threads_here(monkeypatch):
+def test_without_an_address_the_units_run_on_threads_here(monkeypatch):
     monkeypatch.delenv(RAY_ADDRESS_ENV, raising=False)
-    chosen = shard_executor(3, None, "global_step_3/actor")
+    chosen = executor_at(task_executor_address(3, None))
     assert isinstance(chosen, LocalExecutor) and chosen.workers == 3
-
-
-@pytest.mark.parametrize("url, label", [
-    ("s3://bucket/run/global_step_40/actor", "global_step_40/actor"),
-    ("/data/run/global_step_7", "global_step_7"),
-    ("gs://bucket/some/model/", "model"),
-])
-def test_shard_runs_are_named_after_the_step(url, label):
-    assert checkpoint_label(url) == label
 
 
 @pytest.mark.parametrize("address", ["auto", "local", "127.0.0.1:6379", "ray://head-node.internal:10001"])

@@ -1,91 +1,102 @@
-"""Where shard jobs run. Same plans, same bytes, different engines.
+"""Where work units run: ONE registry of executors, keyed by address. Same units, same bytes, any engine.
 
-A job hands an executor its outputs: `PlannedOutput` (a safetensors folder: one shard job per output
-shard, `merge_engine.output.shard_job`) or `PlannedFiles` (files a layout writes whole, one file job each:
-``stepmerge split``'s Megatron rank files and DCP data files). Both are independent units of work.
+A job hands an executor its outputs (`merge_engine.output.work_unit.PlannedOutput`: one folder of the target,
+its `WorkUnit`s, then its ``finish`` and ``then`` files). An executor is named by an address
+``<scheme>:<rest>`` and made by the factory registered for its scheme (`executor_at`):
 
-- `local.LocalExecutor`: this process, ``workers`` shard jobs at once on threads (`merge_engine.output.writer`).
-- `ray.RayExecutor`: a Ray cluster (the optional extra ``stepmerge[ray]``): each shard job is a Ray task
-  that reads straight from the checkpoint's storage and writes straight to the target URL; only small
-  `ShardRecord`s come back.
+- ``threads:N`` (``threads``: one per core): `local.LocalExecutor`, N threads of this process shared out
+  between the units and their byte ranges;
+- ``ray:auto``, ``ray:local``, ``ray:host:port``, ``ray://host:port`` (Ray Client): `ray.RayExecutor`, one
+  Ray task per unit (the optional extra ``stepmerge[ray]``, imported only when asked for);
+- a scheme registered by its own module (`register_executor`): ``tasks.shard_runs`` registers
+  ``prefect-ray``, Prefect task runs on Ray, when a flow imports it.
 
-Contract of a `ShardExecutor`: ``write(job, outputs, url, chunk_bytes=, on_bytes=)`` writes every
-output of ``job`` under the folder URL ``url`` (each output's shards and index, or its file jobs and
-then their ``finish`` files; then its ``then`` files) and returns a `WrittenFiles`: (name relative to ``url``, size) per file and the sha256 of
-every weight file and index it wrote. ``job`` is the `merge_engine.output.jobs.OutputJob` the outputs were
-prepared from: an executor that runs shard jobs in other processes prepares it again there
-(metadata only) and checks that it gets the same plan.
+`executor_address` is the address the CLI's and the flows' spellings name (``--workers N``,
+``--ray-address A``). Adding an executor is its module plus one line in `EXECUTORS`.
+
+Contract of an `Executor`: ``write(job, outputs, url, chunk_bytes=, on_bytes=)`` runs every unit of every
+output under the folder URL ``url`` (each output into its ``folder``), then each output's ``finish`` and
+``then``, and returns a `WrittenFiles`: (name relative to ``url``, size) per file and the sha256 of every
+file a unit or ``finish`` wrote. The first failure stops the other units and is raised once they have
+stopped. ``job`` is the `merge_engine.output.jobs.OutputJob` the outputs were prepared from: an executor
+running units in other processes prepares it again there (metadata only) and checks it plans the same units.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from merge_engine.layouts.contract import FileJob, FileRecord
-from merge_engine.plan.merge_plan import MergePlan
-from merge_engine.formats.tensor_source import TensorSource
+from merge_engine.errors import InvalidOption
+from merge_engine.layouts.contract import FileRecord
+from merge_engine.output.work_unit import Files, PlannedOutput
 
-Files = list[tuple[str, int]]
-
-__all__ = ["Files", "PlannedFiles", "PlannedOutput", "ShardExecutor", "WrittenFiles", "executor_for"]
-
-
-@dataclass
-class PlannedOutput:
-    """One safetensors folder of a job: ``plan`` over ``source``, written into ``folder`` of the target
-    ("" for the target itself); ``then(url)`` writes that folder's other files right after its shards."""
-
-    plan: MergePlan
-    source: TensorSource
-    folder: str = ""
-    then: Callable[[str], Files] | None = None
-
-
-@dataclass
-class PlannedFiles:
-    """Files of one folder of a job (``folder`` of the target, "" for the target itself), each written
-    whole by one independent file job: ``write_file(job, folder_url, cancel)`` writes one of ``jobs``
-    (`merge_engine.layouts.contract.WritableLayout.write_file`: atomic, hashed while written, stops
-    with `WriteCancelled` once the Event ``cancel`` is set) and returns its `FileRecord`;
-    ``finish(records, folder_url)`` then writes what needs every job's record (their order: ``jobs``'),
-    and ``then(url)`` the folder's other files."""
-
-    jobs: list[FileJob]
-    write_file: Callable[[FileJob, str, Any], FileRecord]
-    finish: Callable[[list[FileRecord], str], list[FileRecord]] | None = None
-    folder: str = ""
-    then: Callable[[str], Files] | None = None
-
-
-Output = PlannedOutput | PlannedFiles
+__all__ = ["EXECUTORS", "Executor", "WrittenFiles", "executor_address", "executor_at", "finish_output",
+           "register_executor"]
 
 
 @dataclass
 class WrittenFiles:
-    """What an executor wrote: (name, size) per file, and sha256 per weight file and index."""
+    """What an executor wrote: (name, size) per file, and sha256 per file a unit or ``finish`` wrote."""
 
     files: Files = field(default_factory=list)
     checksums: dict[str, str] = field(default_factory=dict)
 
 
-class ShardExecutor(Protocol):
-    def write(self, job: Any, outputs: Sequence[Output], url: str, *, chunk_bytes: int,
+class Executor(Protocol):
+    def write(self, job: Any, outputs: Sequence[PlannedOutput], url: str, *, chunk_bytes: int,
               on_bytes: Callable[[int], None] | None) -> WrittenFiles: ...
 
 
-def executor_for(workers: int | None = None, ray_address: str | None = None) -> ShardExecutor:
-    """The executor the options ask for: Ray when ``ray_address`` is given, else this machine's threads
-    (``workers`` threads, shared out between shards and their byte ranges; None: one per core). A Ray address
-    that names no live cluster is refused here, within seconds, before anything is read
-    (`ray_address.check_ray_address`)."""
+# scheme -> "module:factory" (imported when first asked for) or the factory itself; factory(rest) -> Executor
+EXECUTORS: dict[str, str | Callable[[str], Executor]] = {
+    "threads": "merge_engine.output.executors.local:LocalExecutor.at",
+    "ray": "merge_engine.output.executors.ray:RayExecutor.at",
+}
+
+
+def register_executor(scheme: str, factory: Callable[[str], Executor]) -> None:
+    """Make ``<scheme>:<rest>`` addresses name ``factory(rest)``."""
+    EXECUTORS[scheme] = factory
+
+
+def executor_at(address: str) -> Executor:
+    """The executor ``address`` names: ``factory(rest)`` of its scheme, ``rest`` being what follows
+    ``<scheme>:`` (the whole address when it is a URL of the scheme, ``ray://host:port``). `InvalidOption`
+    for a scheme nobody registered, or a ``rest`` its factory refuses (a Ray address naming no live
+    cluster: `RayClusterUnreachable`, within seconds)."""
+    scheme, _, rest = address.partition(":")
+    factory = EXECUTORS.get(scheme)
+    if factory is None:
+        raise InvalidOption(f"no executor is registered for {scheme!r}; known: {', '.join(sorted(EXECUTORS))}",
+                            address)
+    if isinstance(factory, str):
+        module, _, name = factory.partition(":")
+        found: Any = importlib.import_module(module)
+        for part in name.split("."):
+            found = getattr(found, part)
+        factory = found
+    return factory(address if rest.startswith("//") else rest)  # type: ignore[operator]
+
+
+def executor_address(workers: int | None = None, ray_address: str | None = None) -> str:
+    """The address of the executor the options ask for: Ray when ``ray_address`` is given (``auto``,
+    ``local``, ``host:port``, ``ray://host:port``), else ``workers`` threads here (None: one per core)."""
     if ray_address:
-        from merge_engine.output.executors.ray import RayExecutor  # optional extra: imported only when asked for
+        return ray_address if ray_address.startswith("ray://") else f"ray:{ray_address}"
+    return "threads" if workers is None else f"threads:{workers}"
 
-        executor = RayExecutor(ray_address)
-        executor.check_address()
-        return executor
-    from merge_engine.output.executors.local import LocalExecutor
 
-    return LocalExecutor(workers)
+def finish_output(written: WrittenFiles, output: PlannedOutput, folder_url: str, records: list[FileRecord]) -> None:
+    """Finish ``output`` after its units wrote ``records`` under ``folder_url`` (its ``finish``, then its
+    ``then``) and add every file to ``written``, named relative to the executor's target."""
+    records = records + (output.finish(records, folder_url) if output.finish is not None else [])
+    files = [(r.file, r.size) for r in records] + (output.then(folder_url) if output.then is not None else [])
+    written.files += [(_relative(output.folder, name), size) for name, size in files]
+    written.checksums.update({_relative(output.folder, r.file): r.sha256 for r in records})
+
+
+def _relative(folder: str, name: str) -> str:
+    return f"{folder}/{name}" if folder else name

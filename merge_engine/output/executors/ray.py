@@ -1,19 +1,19 @@
-"""Shard jobs as tasks of a Ray cluster (the optional extra ``ray``: ``pip install -c constraints.txt '.[ray]'``
-from the checkout).
+"""Work units as tasks of a Ray cluster (the optional extra ``ray``: ``pip install -c constraints.txt '.[ray]'``
+from the checkout). Addresses: ``ray:auto``, ``ray:local``, ``ray:host:port``, ``ray://host:port``.
 
-Each shard job is one Ray task running `merge_engine.output.executors.remote.run_shard_task` on a worker: it
-reads straight from the checkpoint's storage and writes straight to the target URL. No weight byte passes
-through the coordinator or Ray's object store: only `ShardRecord`s come back.
+Each work unit (a shard, a rank file) is one Ray task running `merge_engine.output.executors.remote.run_unit_task`
+on a worker: it reads straight from the checkpoint's storage and writes straight to the target URL. No
+weight byte passes through the coordinator or Ray's object store: only `FileRecord`s come back.
 
 - Retries: a task whose worker dies (node lost, OOM-killed, SIGKILL) is run again by Ray
-  (``max_retries``); the shard is written whole again (`write_shard` is atomic per file). A named error
+  (``max_retries``); the unit's file is written whole again (a unit is atomic per file). A named error
   (a truncated rank file, ...) is not retried: the first one cancels the other tasks and is raised once
   they have stopped. An interrupt (`merge_engine.output.interrupts`) cancels every task the same way.
-- The storage settings of the coordinator (`remote.storage_env`) travel inside every task (`ShardTask.env`,
+- The storage settings of the coordinator (`remote.storage_env`) travel inside every task (`UnitTask.env`,
   applied by the worker), not as a Ray ``runtime_env``: a runtime env of its own would make Ray start (and
   import torch in) fresh worker processes for every merge instead of reusing the idle ones.
 - Where each task ran: `RayExecutor.task_runs` holds a `TaskRun` (node id, pid, source bytes read) per
-  shard of the last `run_all`, in the order of the tasks (the attempt that succeeded).
+  unit of the last `run_all`, in the order of the tasks (the attempt that succeeded).
 - ``address``: "auto" (a cluster started with ``ray start``), ``host:port``, ``ray://host:port`` (Ray
   Client), or "local" (a private cluster of this machine). A ``host:port`` that answers nothing, or not as
   Ray does, is `RayClusterUnreachable` within seconds (`ray_address.check_ray_address`), never Ray's own
@@ -27,11 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from merge_engine.output import interrupts
 from merge_engine.errors import InvalidOption, RayClusterUnreachable, StepmergeError
+from merge_engine.layouts.contract import FileRecord
+from merge_engine.output import interrupts
 from merge_engine.output.executors.ray_address import check_ray_address
-from merge_engine.output.executors.remote import RemoteExecutor, ShardTask, run_shard_task, storage_env
-from merge_engine.output.shard_job import ShardRecord
+from merge_engine.output.executors.remote import RemoteExecutor, UnitTask, run_unit_task, storage_env
 from merge_engine.storage.range_reader import bytes_read
 
 __all__ = ["DEFAULT_MAX_RETRIES", "RayExecutor", "TaskRun"]
@@ -51,7 +51,7 @@ def import_ray() -> Any:
 
 @dataclass(frozen=True)
 class TaskRun:
-    """Where one shard task ran: the Ray node id and worker pid, and the bytes that worker read from the
+    """Where one unit's task ran: the Ray node id and worker pid, and the bytes that worker read from the
     checkpoint's storage for it (its own reads: `merge_engine.storage.range_reader.bytes_read`)."""
 
     node_id: str
@@ -59,22 +59,30 @@ class TaskRun:
     source_bytes: int
 
 
-def run_ray_shard_task(task: ShardTask) -> tuple[ShardRecord, TaskRun]:
-    """`run_shard_task` on a Ray worker; its record and where it ran."""
+def run_ray_unit_task(task: UnitTask) -> tuple[FileRecord, TaskRun]:
+    """`run_unit_task` on a Ray worker; its record and where it ran."""
     import ray
 
     before = bytes_read()
-    record = run_shard_task(task)
+    record = run_unit_task(task)
     return record, TaskRun(ray.get_runtime_context().get_node_id(), os.getpid(), bytes_read() - before)
 
 
 class RayExecutor(RemoteExecutor):
-    """Shard jobs as Ray tasks (see the module docstring)."""
+    """Work units as Ray tasks (see the module docstring)."""
 
     def __init__(self, address: str | None = "auto", *, max_retries: int = DEFAULT_MAX_RETRIES) -> None:
         self.address = address
         self.max_retries = max_retries
         self.task_runs: list[TaskRun] = []
+
+    @classmethod
+    def at(cls, rest: str) -> RayExecutor:
+        """``ray:<address>`` / ``ray://host:port``: a Ray address that names no live cluster is refused here,
+        within seconds, before anything is read (`ray_address.check_ray_address`)."""
+        executor = cls(rest or "auto")
+        executor.check_address()
+        return executor
 
     def check_address(self) -> None:
         """`InvalidOption` / `RayClusterUnreachable` within seconds for an address that is no live Ray cluster."""
@@ -92,16 +100,16 @@ class RayExecutor(RemoteExecutor):
             except ConnectionError as exc:  # "auto" with no cluster on this machine, a cluster gone meanwhile
                 raise RayClusterUnreachable(f"no Ray cluster at the --ray-address: {exc}".splitlines()[0],
                                             self.address) from None
-            interrupts.reclaim_signals()  # Ray's driver aborts on SIGTERM: the shard tasks must be stopped first
+            interrupts.reclaim_signals()  # Ray's driver aborts on SIGTERM: the unit tasks must be stopped first
         return ray
 
-    def run_all(self, tasks: list[ShardTask], on_record: Callable[[ShardRecord], None]) -> list[ShardRecord]:
+    def run_all(self, tasks: list[UnitTask], on_record: Callable[[FileRecord], None]) -> list[FileRecord]:
         ray = self._connect()
         remote = _remote_task(ray).options(max_retries=self.max_retries, retry_exceptions=False, num_cpus=1,
                                            name="stepmerge-shard")
         env = tuple(storage_env().items())
         refs: list[Any] = []
-        records: dict[int, ShardRecord] = {}
+        records: dict[int, FileRecord] = {}
         runs: dict[int, TaskRun] = {}
         try:
             for task in tasks:
@@ -129,11 +137,11 @@ _REMOTE: dict[int, Any] = {}  # id(ray module) -> the remote function, made once
 
 
 def _remote_task(ray: Any) -> Any:
-    """`run_ray_shard_task` as a Ray remote function: defined once, so that Ray exports it once per
+    """`run_ray_unit_task` as a Ray remote function: defined once, so that Ray exports it once per
     cluster connection, not once per merge."""
     remote = _REMOTE.get(id(ray))
     if remote is None:
-        remote = _REMOTE[id(ray)] = ray.remote(run_ray_shard_task)
+        remote = _REMOTE[id(ray)] = ray.remote(run_ray_unit_task)
     return remote
 
 

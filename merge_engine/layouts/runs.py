@@ -1,0 +1,76 @@
+"""Run layouts: how each trainer names the step folders of a run root, one `RunLayout` per trainer, listed
+once in `RUN_LAYOUTS`. Everything that turns a step number into a folder name or back asks here
+(discovery, Megatron-LM's tracker, the release layout, the names of a merge's task runs).
+
+- ``verl``: ``global_step_<N>/``; inside it the RL role folders ``actor/`` and ``critic/`` (SFT
+  trainers save straight into the step folder: role ``""``);
+- ``megatron_lm``: ``iter_<NNNNNNN>/`` (zero-padded to 7 digits), weights straight in.
+
+Contract: `run_layout_of(name)` is the run layout that names a step folder ``name`` (its ``roles`` are
+the role folders discovery looks for inside), `step_of_folder(name)` the step number it gives (any
+number of digits: an ``iter_40`` a person renamed is still step 40), both None when none names it;
+`step_folders(step)` the folder names of a step, in registry order (the first is looked for first);
+`from_step_folder(url)` the URL from its last step folder on. Names only: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["MEGATRON_LM", "RUN_LAYOUTS", "VERL", "RunLayout", "from_step_folder", "run_layout_of", "step_folders",
+           "step_of_folder"]
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """One trainer's step folders: ``folder_format`` (``str.format`` with ``step``) writes a step's folder
+    name, ``folder_pattern`` (one group: the number) reads one back; ``roles`` are the role folders a
+    step may hold (none: the weights lie in the step folder)."""
+
+    NAME: str
+    folder_format: str
+    folder_pattern: str
+    roles: tuple[str, ...] = ()
+
+    def folder(self, step: int) -> str:
+        """The folder name of ``step``."""
+        return self.folder_format.format(step=int(step))
+
+    def step_of(self, name: str) -> int | None:
+        """The step number of the folder ``name``; None when this trainer does not name it so."""
+        match = re.fullmatch(self.folder_pattern, name)
+        return int(match.group(1)) if match else None
+
+
+VERL = RunLayout("verl", "global_step_{step}", r"global_step_(\d+)", roles=("actor", "critic"))
+MEGATRON_LM = RunLayout("megatron_lm", "iter_{step:07d}", r"iter_(\d+)")
+
+# THE registry of run layouts, in the order a step's folder is looked for
+RUN_LAYOUTS: tuple[RunLayout, ...] = (VERL, MEGATRON_LM)
+
+
+def run_layout_of(name: str) -> RunLayout | None:
+    """The first run layout that names a step folder ``name``; None when none does."""
+    return next((layout for layout in RUN_LAYOUTS if layout.step_of(name) is not None), None)
+
+
+def step_of_folder(name: str) -> int | None:
+    """The step number the folder ``name`` gives under the first run layout that names it; else None."""
+    layout = run_layout_of(name)
+    return layout.step_of(name) if layout is not None else None
+
+
+def step_folders(step: int) -> tuple[str, ...]:
+    """The folder names ``step`` may have, one per run layout, in registry order."""
+    return tuple(layout.folder(step) for layout in RUN_LAYOUTS)
+
+
+def from_step_folder(url: str) -> str:
+    """``url`` from its last step folder on (``s3://b/run/global_step_40/actor`` -> ``global_step_40/actor``),
+    else its last component (``gs://b/some/model/`` -> ``model``)."""
+    parts = [p for p in url.rstrip("/").split("/") if p]
+    for position in range(len(parts) - 1, -1, -1):
+        if step_of_folder(parts[position]) is not None:
+            return "/".join(parts[position:])
+    return parts[-1] if parts else url
