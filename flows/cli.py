@@ -37,11 +37,7 @@ def cmd_notify(args: argparse.Namespace) -> int:
 
 
 def add_notify(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run_root", "--run-root", dest="run_root", required=True,
-                        help="the run root URL the training job writes global_step_N/ to")
-    parser.add_argument("--step", type=int, required=True, help="the global step just saved")
-    parser.add_argument("--role", default="actor", choices=("actor", "critic", ""),
-                        help="actor (default), critic, or '' (SFT)")
+    engine_cli.add_options(parser, "notify")
     parser.set_defaults(run=cmd_notify)
 
 

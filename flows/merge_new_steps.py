@@ -43,21 +43,7 @@ from pydantic import BaseModel
 
 from flows.outcomes import StepOutcome
 from flows.credentials import storage_credentials
-from flows.params import (
-    AS_STORED,
-    OptionalUrl,
-    DtypeName,
-    LoraAlpha,
-    MaxSteps,
-    RayAddress,
-    Role,
-    ShardSize,
-    StorageUrl,
-    WatchParams,
-    WeightsFormat,
-    Workers,
-    described,
-)
+from flows.params import WatchParams, takes
 from flows.run_labels import label_flow_run, run_tags, watch_run_name
 from flows.step_keys import step_key
 from flows.submission import SubmittedRun, submit_step_run
@@ -158,29 +144,10 @@ def published_step_count(published: List[PublishedRelease]) -> int:
 
 
 @flow(name="merge-new-steps", flow_run_name=watch_run_name, log_prints=True)
-def merge_new_steps(
-    run_root: StorageUrl = described("run_root"),
-    release_root: OptionalUrl = described("release_root", ""),
-    roles: List[Role] = described("roles", ["actor", ""]),
-    merge_deployment: str = described("merge_deployment", "merge-step/gpu"),
-    max_steps: MaxSteps = described("max_steps", 0),
-    dtype: DtypeName = described("dtype", AS_STORED),
-    max_shard_size: ShardSize = described("max_shard_size", "5GB"),
-    hf_model_path: OptionalUrl = described("hf_model_path", ""),
-    weights_format: WeightsFormat = described("weights_format", "hub"),
-    validate_forward: bool = described("validate_forward", True),
-    reference_url: OptionalUrl = described("reference_url", ""),
-    release_adapter: bool = described("release_adapter", True),
-    adapter_include_base: bool = described("adapter_include_base", True),
-    lora_alpha: LoraAlpha = described("lora_alpha", 0),
-    base_model: OptionalUrl = described("base_model", ""),
-    overwrite: bool = described("overwrite", False),
-    staging_root: OptionalUrl = described("staging_root", ""),
-    workers: Workers = described("workers", 0),
-    ray_address: RayAddress = described("ray_address", ""),
-) -> WatchOutcome:
+@takes(WatchParams)
+def merge_new_steps(**parameters) -> WatchOutcome:
     """Merge every complete, unpublished step of ``run_root`` (see the module docstring)."""
-    params = WatchParams(**locals())
+    params = WatchParams(**parameters)
     label_flow_run(params.run_root)
     with storage_credentials():
         return watch(params)

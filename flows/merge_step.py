@@ -27,27 +27,12 @@ Parameters are flat and typed (`flows.params`: ``step`` and ``run_root`` first);
 """
 
 import time
-from typing import Optional
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows.credentials import storage_credentials
-from flows.params import (
-    AS_STORED,
-    OptionalUrl,
-    DtypeName,
-    LoraAlpha,
-    MergeStepParams,
-    RayAddress,
-    Role,
-    ShardSize,
-    StepNumber,
-    StorageUrl,
-    WeightsFormat,
-    Workers,
-    described,
-)
+from flows.params import MergeStepParams, takes
 from flows.run_labels import ended, label_flow_run, step_label, step_run_name
 from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_output
 from flows.summaries import step_summary
@@ -99,28 +84,10 @@ def run_stages(params: MergeStepParams, timer: StageTimer) -> StepOutcome:
 
 
 @flow(name="merge-step", flow_run_name=step_run_name, log_prints=True, persist_result=True)
-def merge_step(
-    step: StepNumber = described("step"),
-    run_root: StorageUrl = described("run_root"),
-    role: Role = described("role", "actor"),
-    release_root: OptionalUrl = described("release_root", ""),
-    dtype: DtypeName = described("dtype", AS_STORED),
-    max_shard_size: ShardSize = described("max_shard_size", "5GB"),
-    hf_model_path: OptionalUrl = described("hf_model_path", ""),
-    weights_format: WeightsFormat = described("weights_format", "hub"),
-    validate_forward: bool = described("validate_forward", True),
-    reference_url: OptionalUrl = described("reference_url", ""),
-    release_adapter: bool = described("release_adapter", True),
-    adapter_include_base: bool = described("adapter_include_base", True),
-    lora_alpha: LoraAlpha = described("lora_alpha", 0),
-    base_model: OptionalUrl = described("base_model", ""),
-    overwrite: bool = described("overwrite", False),
-    staging_root: OptionalUrl = described("staging_root", ""),
-    workers: Workers = described("workers", 0),
-    ray_address: RayAddress = described("ray_address", ""),
-) -> StepOutcome:
+@takes(MergeStepParams)
+def merge_step(**parameters) -> StepOutcome:
     """Merge, validate and publish one step of a training run (see the module docstring)."""
-    params = MergeStepParams(**locals())
+    params = MergeStepParams(**parameters)
     logger = get_run_logger()
     label_flow_run(params.run_root, params.role, params.step)
     timer = StageTimer(label=step_label(params.step, params.role))

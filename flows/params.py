@@ -15,29 +15,33 @@ anything is scheduled, never sent to a worker:
 - `ShardSize`: ``5GB``, ``500MiB``, ... (`merge_engine.plan.option_values.SIZE_PATTERN`);
 - `DtypeName`: the spellings the command line accepts too (`merge_engine.plan.option_values.DTYPE_SPELLINGS`),
   recorded as the canonical name (``fp16`` -> ``float16``);
-- `WeightsFormat`: ``hub`` (the names and per-expert tensors of the model's Hub checkpoint) or
-  ``transformers`` (as stored), the command line's ``--weights-format`` (`merge_engine.plan.option_values.WEIGHTS_FORMATS`);
-- `StepNumber` (>= 0), `Role` (actor, critic, "" for SFT), positive ``lora_alpha``.
+- a choice (``weights_format``, ``role``): one of the declared choices, the command line's too;
+- `StepNumber` (>= 0), positive ``lora_alpha``, ``workers``, ``max_steps`` (`Count`; 0: unset).
 
-Inside the flows the arguments become one model: `MergeStepParams`, `WatchParams` or `AdapterParams`
-(`RunLocation`: run root, release root, staging; `PipelineOptions`: what to do with a step). Each
-flow's signature lists exactly its model's fields (tests/flows/test_params.py holds them together).
+Which parameters a flow takes, their defaults, texts and order are declared once, in `merge_engine.options`
+(`FORM_TYPES` reads each kind of value): `parameters_of` makes a flow's model (`MergeStepParams`, `WatchParams`,
+`AdapterParams`, each a `RunLocation`), and `takes` gives the flow function the same fields as its signature,
+which Prefect builds the form and the deployment's schema from. The settings records the stages get
+(`FlowParams.settings`) and the options a release records (`FlowParams.recorded_options`) come from the
+same declarations.
 
 No ``from __future__ import annotations`` here or in any flow module: Prefect builds the parameter
 schema from real annotations, and string annotations break pydantic parameters in deployment runs.
 No torch import either: the listings-only watcher imports this module.
 """
 
+import inspect
 import re
-from typing import Annotated, Any, Dict, List, Literal, Optional, Sequence
+from typing import Annotated, Any, Callable, ClassVar, Dict, List, Literal, Optional, Sequence
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
+from pydantic import (
+    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema, create_model,
+)
 
 from flows.step_keys import normalized_run_root, step_key
 from flows.url_checks import checked_url
-from merge_engine.plan.option_values import (
-    DEFAULT_WEIGHTS_FORMAT, DTYPE_SPELLINGS, SIZE_PATTERN, WEIGHTS_FORMATS, canonical_dtype, parse_size,
-)
+from merge_engine.plan.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, canonical_dtype, parse_size
+from merge_engine.options import Option, for_flow, for_settings, recorded, setting_name
 from merge_engine.storage.schemes import backend_for_scheme, url_schemes
 
 MAX_URL_LENGTH = 1024
@@ -130,10 +134,7 @@ def unset_as(inner: Any, blank: Any, schema: Dict[str, Any]) -> Any:
 
 
 AS_STORED = "as stored"
-Role = Literal["actor", "critic", ""]
 DtypeSpelling = Literal[tuple(DTYPE_SPELLINGS)]  # type: ignore[valid-type]
-# The patterns go to the JSON schema only (the server's validator, and the UI's, read lookarounds;
-# pydantic's own regex engine does not): in Python, `checked_url` applies the same rule, in words.
 # The patterns go to the JSON schema only, behind words (`refused_in_words`; the server's validator reads
 # lookarounds, pydantic's regex engine does not): in Python, `checked_url` applies the same rule, in words.
 _URL_SCHEMA = refused_in_words(URL_PATTERN, URL_WORDS)
@@ -144,62 +145,87 @@ ShardSize = Annotated[str, _matching(SIZE_PATTERN, SIZE_WORDS), WithJsonSchema(r
 DtypeName = Annotated[unset_as(DtypeSpelling, AS_STORED, {"type": "string", "enum": [AS_STORED, *DTYPE_SPELLINGS]}),
                       AfterValidator(_dtype)]
 LoraAlpha = unset_as(Annotated[float, Field(gt=0)], 0, {"type": "number", "minimum": 0})
-WeightsFormat = Literal[WEIGHTS_FORMATS]  # type: ignore[valid-type]
-Workers = unset_as(Annotated[int, Field(ge=1)], 0, {"type": "integer", "minimum": 0})
-MaxSteps = unset_as(Annotated[int, Field(ge=1)], 0, {"type": "integer", "minimum": 0})
+Count = unset_as(Annotated[int, Field(ge=1)], 0, {"type": "integer", "minimum": 0})
 RayAddress = unset_as(Annotated[str, Field(max_length=MAX_URL_LENGTH), _matching(RAY_ADDRESS_PATTERN, RAY_ADDRESS_WORDS)],
                       "", refused_in_words(RAY_ADDRESS_PATTERN, f"empty, or {RAY_ADDRESS_WORDS}", blank=""))
 
-# The form's texts, one per parameter name (every flow that has the parameter shows the same words).
-DESCRIPTIONS: Dict[str, str] = {
-    "step": "The global step to merge (its folder is global_step_N)",
-    "run_root": "The training run's checkpoint folder: a path, file://, s3://bucket/... or gs://bucket/...",
-    "role": "actor, critic, or empty for SFT runs (weights in the step folder)",
-    "release_root": "Where releases are published; empty: the run root's releases/ folder",
-    "staging_root": "Local folder for staging merges; empty: $STEPMERGE_STAGING_DIR or the temp dir",
-    "dtype": "Output dtype: as stored (the checkpoint's own), bfloat16/bf16, float16/fp16/half, float32/fp32/float",
-    "max_shard_size": "Largest safetensors file, e.g. 5GB or 500MiB",
-    "hf_model_path": "Folder with config.json + tokenizer replacing the checkpoint's huggingface/; empty: the "
-                     "checkpoint's own",
-    "weights_format": "Tensor names written: hub (the model's Hub checkpoint: per-expert MoE tensors, what vLLM, "
-                      "SGLang and PEFT read) or transformers (as the training job stored them)",
-    "validate_forward": "Load the model and run a forward pass (GPU if present)",
-    "reference_url": "A Hugging Face folder to compare values and logits with; empty: none",
-    "release_adapter": "For LoRA checkpoints, also release the PEFT adapter",
-    "adapter_include_base": "Put the clean base model in the adapter release (base/)",
-    "lora_alpha": "LoRA alpha when the run did not record it (lora_train_meta.json); 0: as the run recorded it",
-    "overwrite": "Replace a release that was built from a different checkpoint",
-    "workers": "Shard jobs at once in the merge (or extraction) task's process; 0: one per core",
-    "ray_address": "Run the shard jobs as task runs on this Ray cluster (auto, host:port, ray://host:port); "
-                   "empty: the worker's $STEPMERGE_RAY_ADDRESS, else the task's own process",
-    "roles": "Roles to merge (actor, critic, empty for SFT)",
-    "merge_deployment": "Deployment that merges one step, used when this flow runs from a deployment",
-    "max_steps": "Merge at most this many new steps per run (oldest first); 0: every new step",
-    "include_base": "Also release the clean base model under base/",
-    "base_model": "The base model of a LoRA-only checkpoint (a verl Megatron LoRA step saves no base weights: its "
-                  "fused model is this model plus the adapter; the run's adapter_config.json name is never used "
-                  "alone); empty: none",
-    "compare_with_model_release": "Compare PEFT's logits with the step's released merged model, when it was "
-                                  "built from this checkpoint",
-}
+# The form's type of each kind of value (`merge_engine.options.KINDS`; "choice"/"choices": `form_type`), and
+# the blank an optional one shows for "unset" (read back as None).
+FORM_TYPES: Dict[str, Any] = {"url": OptionalUrl, "step": StepNumber, "dtype": DtypeName, "size": ShardSize,
+                              "bool": bool, "alpha": LoraAlpha, "count": Count, "ray_address": RayAddress, "text": str}
+BLANKS: Dict[str, Any] = {"url": "", "dtype": AS_STORED, "alpha": 0, "count": 0, "ray_address": ""}
+
+
+def form_type(option: Option) -> Any:
+    """The pydantic type of ``option`` in a flow's signature and parameter model."""
+    if option.kind == "url" and option.required:
+        return StorageUrl
+    if option.kind == "choice":
+        return Literal[option.choices]  # type: ignore[valid-type]
+    if option.kind == "choices":
+        return List[Literal[option.choices]]  # type: ignore[valid-type]
+    return FORM_TYPES[option.kind]
+
+
+def form_field(option: Option) -> Any:
+    """``option``'s default as the form shows it (the blank of an unset one; ``...``: required), with its text."""
+    if option.required:
+        default: Any = ...
+    elif option.default is None:
+        default = BLANKS[option.kind]
+    else:
+        default = list(option.default) if option.kind == "choices" else option.default
+    return Field(default, description=option.form)
 
 
 class FlowParams(BaseModel):
-    """Base of the three flows' parameter models: unknown names refused."""
+    """Base of the flows' parameter models: unknown names refused; ``flow`` names the flow (`merge_engine.options`)."""
 
     model_config = ConfigDict(extra="forbid", validate_default=True)
+    flow: ClassVar[str]
 
     def flow_parameters(self) -> Dict[str, Any]:
         """The flow's keyword arguments (JSON-ready): what a deployment run, a trigger or a test passes."""
         return self.model_dump(mode="json")
 
+    def recorded_options(self) -> dict:
+        """The options that decide a release's content: recorded in its manifest (`Option.shapes`)."""
+        return self.model_dump(include={option.name for option in recorded(self.flow)})
+
+    def settings(self, record: Any) -> Any:
+        """The settings record ``record`` (a `tasks.records` settings class) from this flow's parameters; the
+        record's fields the flow does not take keep their defaults."""
+        values = {}
+        for option in for_settings(record.record):
+            if option.name in type(self).model_fields:
+                value = getattr(self, option.name)
+                values[setting_name(option, record.record)] = parse_size(value) if option.kind == "size" else value
+        return record(**values)
+
+    def merge_settings(self):
+        from tasks.records import MergeSettings
+
+        return self.settings(MergeSettings)
+
+    def adapter_settings(self):
+        from tasks.records import AdapterSettings
+
+        return self.settings(AdapterSettings)
+
+    def validation_settings(self):
+        from tasks.records import ValidationSettings
+
+        return self.settings(ValidationSettings)
+
+    def execution_settings(self):
+        """Where the shard jobs run (never recorded in a manifest: the bytes are the same)."""
+        from tasks.records import ExecutionSettings
+
+        return self.settings(ExecutionSettings)
+
 
 class RunLocation(FlowParams):
-    """Where a training run is, where its releases go and where merges are staged."""
-
-    run_root: StorageUrl
-    release_root: OptionalUrl = ""
-    staging_root: OptionalUrl = ""
+    """Where a training run is (``run_root``), where its releases go and where merges are staged."""
 
     @property
     def release_root_url(self) -> str:
@@ -208,115 +234,50 @@ class RunLocation(FlowParams):
         return self.release_root or default_release_root(self.run_root)
 
 
-class PipelineOptions(RunLocation):
-    """What to do with a step: how to merge, validate and release adapters."""
-
-    dtype: DtypeName = AS_STORED
-    max_shard_size: ShardSize = "5GB"
-    hf_model_path: OptionalUrl = ""
-    weights_format: WeightsFormat = DEFAULT_WEIGHTS_FORMAT
-    validate_forward: bool = True
-    reference_url: OptionalUrl = ""
-    release_adapter: bool = True
-    adapter_include_base: bool = True
-    lora_alpha: LoraAlpha = 0
-    base_model: OptionalUrl = ""
-    overwrite: bool = False
-    workers: Workers = 0
-    ray_address: RayAddress = ""
-
-    def merge_settings(self):
-        from tasks.records import MergeSettings
-
-        return MergeSettings(dtype=self.dtype, max_shard_size=parse_size(self.max_shard_size),
-                             hf_model_path=self.hf_model_path, lora_alpha=self.lora_alpha,
-                             weights_format=self.weights_format, base_model=self.base_model)
-
-    def adapter_settings(self):
-        from tasks.records import AdapterSettings
-
-        return AdapterSettings(include_base=self.adapter_include_base, lora_alpha=self.lora_alpha, dtype=self.dtype,
-                               max_shard_size=parse_size(self.max_shard_size), hf_model_path=self.hf_model_path,
-                               weights_format=self.weights_format, base_model=self.base_model)
-
-    def validation_settings(self):
-        from tasks.records import ValidationSettings
-
-        return ValidationSettings(forward=self.validate_forward, reference_url=self.reference_url)
-
-    def execution_settings(self):
-        """Where the merge's shard jobs run (never recorded in a manifest: the bytes are the same)."""
-        from tasks.records import ExecutionSettings
-
-        return ExecutionSettings(workers=self.workers, ray_address=self.ray_address)
-
-    def options(self) -> dict:
-        """Every pipeline option (what a watcher passes on to each step), without the run root."""
-        return self.model_dump(include=set(PipelineOptions.model_fields) - {"run_root"})
-
-    def recorded_options(self) -> dict:
-        """The options that decide a release's content: recorded in its manifest."""
-        return self.model_dump(include={"dtype", "max_shard_size", "hf_model_path", "weights_format",
-                                        "validate_forward", "reference_url", "adapter_include_base", "lora_alpha",
-                                        "base_model"})
+def parameters_of(flow: str) -> Any:
+    """A parameter model with one field per option ``flow`` takes (`merge_engine.options.for_flow`), in order."""
+    fields = {option.name: (form_type(option), form_field(option)) for option in for_flow(flow)}
+    return create_model(f"{flow}_parameters", __base__=RunLocation, __module__=__name__, **fields)
 
 
-class MergeStepParams(PipelineOptions):
+class MergeStepParams(parameters_of("merge_step")):
     """Merge, validate and publish one step of a run (and its LoRA adapter, if it has one)."""
 
-    step: StepNumber
-    role: Role = "actor"
+    flow = "merge_step"
 
     @property
     def key(self) -> str:
         return step_key(self.run_root, self.role, self.step)
 
 
-class WatchParams(PipelineOptions):
+class WatchParams(parameters_of("merge_new_steps")):
     """Merge every complete step of a run that is not published yet (scheduled)."""
 
-    roles: List[Role] = ["actor", ""]
-    merge_deployment: str = "merge-step/gpu"
-    max_steps: MaxSteps = 0
+    flow = "merge_new_steps"
 
     def step_params(self, step: Any) -> MergeStepParams:
         """The parameters of the merge of ``step`` (a `tasks.records.StepRecord`): this watcher's options."""
-        return MergeStepParams(**{**self.options(), "release_root": self.release_root_url},
+        passed = set(type(self).model_fields) & set(MergeStepParams.model_fields) - {"run_root"}
+        return MergeStepParams(**{**self.model_dump(include=passed), "release_root": self.release_root_url},
                                run_root=self.run_root, step=step.step, role=step.role)
 
 
-class AdapterParams(RunLocation):
+class AdapterParams(parameters_of("release_adapter")):
     """Extract and publish the LoRA adapter of one step."""
 
-    step: StepNumber
-    role: Role = "actor"
-    include_base: bool = True
-    base_model: OptionalUrl = ""
-    lora_alpha: LoraAlpha = 0
-    dtype: DtypeName = AS_STORED
-    validate_forward: bool = True
-    compare_with_model_release: bool = True
-    overwrite: bool = False
-    workers: Workers = 0
-    ray_address: RayAddress = ""
-
-    execution_settings = PipelineOptions.execution_settings  # where the extraction's shard jobs run
-
-    def recorded_options(self) -> dict:
-        return self.model_dump(include={"include_base", "base_model", "lora_alpha", "dtype", "validate_forward"})
-
-    def adapter_settings(self):
-        from tasks.records import AdapterSettings
-
-        return AdapterSettings(include_base=self.include_base, base_model=self.base_model,
-                               lora_alpha=self.lora_alpha, dtype=self.dtype)
-
-    def validation_settings(self):
-        from tasks.records import ValidationSettings
-
-        return ValidationSettings(forward=self.validate_forward)
+    flow = "release_adapter"
 
 
-def described(name: str, default: Any = ...) -> Any:
-    """The default of flow parameter ``name`` with the form's description (``...``: required)."""
-    return Field(default, description=DESCRIPTIONS[name])
+def takes(model: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a ``def f(**parameters)`` flow function ``model``'s fields as its signature, the one Prefect builds the
+    form and the deployment's schema from (and binds a run's parameters to): flat, each with its type, default
+    and description, in the model's order."""
+
+    def give(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=form_field(option),
+                               annotation=form_type(option)) for option in for_flow(model.flow)],
+            return_annotation=inspect.signature(fn).return_annotation)
+        return fn
+
+    return give

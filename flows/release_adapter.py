@@ -21,25 +21,12 @@ is for adapters alone (e.g. from the UI, or for a LoRA-only run).
 """
 
 import time
-from typing import Optional
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from flows.credentials import storage_credentials
-from flows.params import (
-    AS_STORED,
-    OptionalUrl,
-    AdapterParams,
-    DtypeName,
-    LoraAlpha,
-    RayAddress,
-    Role,
-    StepNumber,
-    StorageUrl,
-    Workers,
-    described,
-)
+from flows.params import AdapterParams, takes
 from flows.run_labels import adapter_run_name, ended, label_flow_run, step_label
 from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_output
 from flows.summaries import step_summary
@@ -58,24 +45,10 @@ def model_release_of(url: str, checkpoint: CheckpointRecord, params: AdapterPara
 
 
 @flow(name="release-adapter", flow_run_name=adapter_run_name, log_prints=True, persist_result=True)
-def release_adapter(
-    step: StepNumber = described("step"),
-    run_root: StorageUrl = described("run_root"),
-    role: Role = described("role", "actor"),
-    release_root: OptionalUrl = described("release_root", ""),
-    include_base: bool = described("include_base", True),
-    base_model: OptionalUrl = described("base_model", ""),
-    lora_alpha: LoraAlpha = described("lora_alpha", 0),
-    dtype: DtypeName = described("dtype", AS_STORED),
-    validate_forward: bool = described("validate_forward", True),
-    compare_with_model_release: bool = described("compare_with_model_release", True),
-    overwrite: bool = described("overwrite", False),
-    staging_root: OptionalUrl = described("staging_root", ""),
-    workers: Workers = described("workers", 0),
-    ray_address: RayAddress = described("ray_address", ""),
-) -> StepOutcome:
+@takes(AdapterParams)
+def release_adapter(**parameters) -> StepOutcome:
     """Extract, validate and publish the LoRA adapter of one step (see the module docstring)."""
-    params = AdapterParams(**locals())
+    params = AdapterParams(**parameters)
     label_flow_run(params.run_root, params.role, params.step)
     with storage_credentials():
         return ended(adapter_stages(params))  # a not-ready step: the state NotReady, tag not-ready

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from merge_engine.output import interrupts
+from merge_engine import options as declared
 from merge_engine.errors import InvalidOption, StepmergeError, StorageUnavailable
 
 class StepmergeParser(argparse.ArgumentParser):
@@ -50,16 +51,6 @@ class StepmergeParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
 
-def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
-    """Add ``--a_b`` with its ``--a-b`` twin (verl mixes both styles)."""
-    dashed, underscored = name.replace("_", "-"), name.replace("-", "_")
-    names = [f"--{underscored}"] + ([f"--{dashed}"] if dashed != underscored else [])
-    parser.add_argument(*names, **kwargs)
-
-
-_DTYPE_HELP = "bfloat16/bf16, float16/fp16/half, float32/fp32/float"
-
-
 def _dtype(text: str) -> str:
     """argparse ``type=``: any spelling of `merge_engine.plan.option_values.DTYPE_SPELLINGS` -> its canonical name
     (what is recorded in stepmerge.json), the same words the Prefect form accepts."""
@@ -69,45 +60,6 @@ def _dtype(text: str) -> str:
         return canonical_dtype(text)
     except InvalidOption as exc:
         raise argparse.ArgumentTypeError(exc.message) from None
-
-
-def _source_flags(parser: argparse.ArgumentParser) -> None:
-    _flag(parser, "backend", default=None, help="checkpoint layout (fsdp, megatron, ...); detected when omitted")
-    _flag(parser, "local_dir", required=True, help="checkpoint folder URL (path, file://, s3://, gs://)")
-    _flag(parser, "hf_model_path", default=None,
-          help="folder with config.json + tokenizer to use instead of the checkpoint's huggingface/")
-    _flag(parser, "tie-word-embedding", action="store_true", default=None,
-          help="verl compatibility: must agree with config.json's tie_word_embeddings")
-    _flag(parser, "is-value-model", action="store_true", help="verl compatibility: critics are detected anyway")
-    _flag(parser, "use_cpu_initialization", action="store_true", help="verl compatibility: no effect (always CPU)")
-    _flag(parser, "trust-remote-code", action="store_true", help="allow custom model code when validating")
-    _flag(parser, "dtype", default=None, type=_dtype, help=f"output dtype ({_DTYPE_HELP}); default: as stored")
-    _flag(parser, "custom-mapping", default=None,
-          help="Megatron: JSON file extending the model family's name table (see merge_engine/architectures/custom.py)")
-    _weights_format_flag(parser)
-    _flag(parser, "mtp-layers", default=None, choices=("export", "drop"),
-          help="Megatron: multi-token-prediction layers (DeepSeek-V3) written as the Hub checkpoint holds them, "
-               "or dropped; a checkpoint with MTP layers is refused without this choice")
-
-
-def _weights_format_flag(parser: argparse.ArgumentParser, what: str = "") -> None:
-    _flag(parser, "weights-format", default="hub", choices=("hub", "transformers"),
-          help=f"hub (default): {what}the names and per-expert tensors of the model's Hub checkpoint, what "
-               "save_pretrained writes and vLLM/SGLang/PEFT read; transformers: the names as stored (transformers "
-               "v5's in-memory names: fused experts, model.language_model)")
-
-
-def _run_flags(parser: argparse.ArgumentParser) -> None:
-    """Where the shard jobs run (same bytes whatever is chosen)."""
-    _flag(parser, "workers", type=_positive_int, default=None,
-          help="threads writing on this machine, shared out between the output files and their byte "
-               "ranges, so a one-file model uses them all (default: one per core)")
-    _flag(parser, "ray-address", default=None,
-          help="run the shard jobs as tasks of this Ray cluster: auto, HOST:PORT or ray://HOST:PORT "
-               "(pip install -c constraints.txt '.[ray]' from the checkout); every worker reads and writes the "
-               "storage URLs itself")
-    _flag(parser, "requests-in-flight", type=_positive_int, default=None,
-          help="ranged GETs in flight per read of an s3:// or gs:// file (default 32, sized for object storage)")
 
 
 def _positive_int(text: str) -> int:
@@ -120,29 +72,58 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _run_options(args: argparse.Namespace) -> dict:
-    """``workers`` / ``ray_address`` for `OutputOptions`; ``--requests-in-flight`` set for this process and
+# argparse ``type=`` of each kind of value (`merge_engine.options.KINDS`; the others are read as text)
+ARGUMENT_TYPES = {"int": int, "step": int, "count": _positive_int, "float": float, "alpha": float, "dtype": _dtype}
+
+
+def add_options(parser: argparse.ArgumentParser, command: str) -> None:
+    """Add ``command``'s flags as `merge_engine.options` declares them: spellings, help, type, default, choices."""
+    for option in declared.for_command(command):
+        use = option.use(command)
+        kwargs: dict = {"help": argparse.SUPPRESS if option.hidden else use.help}
+        if use.kind == "bool":
+            kwargs["action"] = "store_true"
+        elif use.kind in ARGUMENT_TYPES:
+            kwargs["type"] = ARGUMENT_TYPES[use.kind]
+        if option.choices:
+            kwargs["choices"] = option.choices
+        if use.required and not option.positional:
+            kwargs["required"] = True
+        elif option.default is not False:  # store_true's own default; an option optional here: None
+            kwargs["default"] = None if option.required else option.default
+        parser.add_argument(*option.spellings, **kwargs)
+
+
+def _options(args: argparse.Namespace, command: str, **given):
+    """The engine's options record (`OutputOptions`) from ``command``'s flags (each declared option with an
+    engine field, read as its kind says) and ``given``; ``--requests-in-flight`` is set for this process and
     (through its environment) for the Ray workers it starts."""
+    from merge_engine.output.jobs import OutputOptions
+
     in_flight = getattr(args, "requests_in_flight", None)
     if in_flight is not None:
         from merge_engine.storage import tuning
 
         tuning.REQUESTS_IN_FLIGHT = in_flight
         os.environ["STEPMERGE_REQUESTS_IN_FLIGHT"] = str(in_flight)
-    return {"workers": getattr(args, "workers", None), "ray_address": getattr(args, "ray_address", None)}
+    values = {option.field: _engine_value(option, option.use(command).kind, getattr(args, option.name))
+              for option in declared.for_command(command) if option.field and option.field not in given}
+    return OutputOptions(**values, **given)
 
 
-def _options(args: argparse.Namespace):
-    from merge_engine.output.jobs import OutputOptions
-    from merge_engine.plan.merge_plan import DEFAULT_MAX_SHARD_SIZE, parse_size
+def _engine_value(option: declared.Option, kind: str, value):
+    """A flag's value as the engine takes it: sizes in bytes, comma lists as tuples."""
+    if value is None:
+        return None
+    if kind == "size":
+        from merge_engine.plan.option_values import parse_size
 
-    return OutputOptions(backend=args.backend, dtype=args.dtype,
-                         max_shard_size=parse_size(getattr(args, "max_shard_size", None) or DEFAULT_MAX_SHARD_SIZE),
-                         hf_model_path=args.hf_model_path, tie_word_embedding=args.tie_word_embedding,
-                         custom_mapping=args.custom_mapping, lora_alpha=getattr(args, "lora_alpha", None),
-                         weights_format=getattr(args, "weights_format", "hub"),
-                         mtp_layers=getattr(args, "mtp_layers", None), base_model=getattr(args, "base_model", None),
-                         overwrite=getattr(args, "overwrite", False), **_run_options(args))
+        return parse_size(value)
+    if kind == "floats":
+        return _floats(value, option.spellings[-1])
+    if kind == "names":
+        return tuple(t for t in value.split(",") if t) or None
+    return value
 
 
 def _progress(total: int, label: str, file=None, disable: bool | None = None):
@@ -180,7 +161,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
         bar = _progress(plan.total_size, "merge")
 
     try:
-        result = merge_checkpoint(args.local_dir, args.target_dir, _options(args),
+        result = merge_checkpoint(args.local_dir, args.target_dir, _options(args, "merge"),
                                   on_bytes=lambda n: bar.update(n) if bar else None, on_plan=on_plan)
     finally:
         if bar is not None:
@@ -216,36 +197,13 @@ def cmd_check_trained(args: argparse.Namespace) -> int:
     return _check_trained(args, fused_model_url=args.fused_model, adapter_url=args.adapter)
 
 
-_CHECK_TRAINED_HELP = ("LoRA checkpoints: after writing, compare the output with the trained model PEFT rebuilds from "
-                       "the checkpoint (its LoraConfig; all-linear when the run recorded no targets); exit 5 when it "
-                       "is not that model")
-
-
 def _add_check_trained(parser: argparse.ArgumentParser) -> None:
-    _flag(parser, "local_dir", required=True, help="the LoRA training checkpoint URL (PEFT-wrapped model)")
-    _flag(parser, "backend", default=None, help="layout of --local_dir; detected when omitted")
-    _flag(parser, "fused-model", default=None, help="a Hugging Face folder that should be the trained model")
-    _flag(parser, "adapter", default=None, help="a PEFT adapter folder with its base under base/")
-    _flag(parser, "lora-alpha", type=float, default=None, help="lora_alpha when the run recorded none")
-    _flag(parser, "hf_model_path", default=None, help="folder with the model's config.json instead of huggingface/")
-    _flag(parser, "device", default=None, help="torch device of the forward passes (default: cuda when available)")
+    add_options(parser, "check-trained")
     parser.set_defaults(run=cmd_check_trained)
 
 
 def _add_merge(parser: argparse.ArgumentParser) -> None:
-    _source_flags(parser)
-    _flag(parser, "target_dir", required=True, help="output folder URL")
-    _flag(parser, "max-shard-size", default=None, help="largest safetensors file, e.g. 5GB (default), 500MiB")
-    _flag(parser, "overwrite", action="store_true", help="replace a target that holds a different model")
-    _flag(parser, "lora-alpha", type=float, default=None,
-          help="LoRA checkpoints only: lora_alpha when the run recorded none (never guessed)")
-    _flag(parser, "base-model", default=None,
-          help="a Megatron LoRA step saved without its base (verl + Megatron-Bridge PEFT): the Hugging Face model "
-               "the run trained from, to fuse the adapter into")
-    _flag(parser, "check-trained", action="store_true", help=_CHECK_TRAINED_HELP)
-    _run_flags(parser)
-    _flag(parser, "hf_upload_path", default=None, help=argparse.SUPPRESS)
-    _flag(parser, "private", action="store_true", help=argparse.SUPPRESS)
+    add_options(parser, "merge")
     parser.set_defaults(run=cmd_merge)
 
 
@@ -279,8 +237,7 @@ CHECK_EXIT_CODES = """exit codes:
 def _add_check(parser: argparse.ArgumentParser) -> None:
     parser.epilog = CHECK_EXIT_CODES
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    _flag(parser, "backend", default=None, help="checkpoint layout; detected when omitted")
-    _flag(parser, "local_dir", required=True, help="checkpoint folder URL")
+    add_options(parser, "check")
     parser.set_defaults(run=cmd_check)
 
 
@@ -296,10 +253,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _add_verify(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("url", help="release (or merged folder) URL")
-    _flag(parser, "quick", action="store_true",
-          help="on object stores compare the store's recorded versions (one listing, no byte read) instead of "
-               "re-hashing; local files are re-hashed anyway")
+    add_options(parser, "verify")
     parser.set_defaults(run=cmd_verify)
 
 
@@ -309,16 +263,13 @@ def cmd_test(args: argparse.Namespace) -> int:
 
     atol = WEIGHT_TOLERANCE.atol if args.atol is None else args.atol
     rtol = WEIGHT_TOLERANCE.rtol if args.rtol is None else args.rtol
-    report = check_against_reference(args.local_dir, args.test_hf_dir, _options(args), atol=atol, rtol=rtol)
+    report = check_against_reference(args.local_dir, args.test_hf_dir, _options(args, "test"), atol=atol, rtol=rtol)
     print(report.text())  # plain text: `summary` is the UI's Markdown
     return 0 if report.ok else 5
 
 
 def _add_test(parser: argparse.ArgumentParser) -> None:
-    _source_flags(parser)
-    _flag(parser, "test_hf_dir", required=True, help="reference Hugging Face folder to compare against")
-    _flag(parser, "atol", type=float, help="absolute tolerance (default: the engine's weight tolerance, verl's 1e-6)")
-    _flag(parser, "rtol", type=float, help="relative tolerance (default: the engine's weight tolerance, verl's 1e-6)")
+    add_options(parser, "test")
     parser.set_defaults(run=cmd_test)
 
 
@@ -347,9 +298,7 @@ def _print_lora_result(result, verb: str) -> None:
 
 
 def cmd_extract_lora(args: argparse.Namespace) -> int:
-    from merge_engine.output.jobs import OutputOptions
     from merge_engine.commands.extract import extract_lora, extract_lora_svd
-    from merge_engine.plan.merge_plan import DEFAULT_MAX_SHARD_SIZE, parse_size
 
     if (args.local_dir is None) == (args.finetuned is None):
         raise InvalidOption("give either --local_dir (a LoRA training checkpoint) or --finetuned with --base-model "
@@ -359,20 +308,13 @@ def cmd_extract_lora(args: argparse.Namespace) -> int:
             raise InvalidOption("--finetuned needs --base-model (the model it was fine-tuned from)")
         if args.lora_alpha is not None or args.adapter_only or args.check_trained:
             raise InvalidOption("--lora-alpha / --adapter-only / --check-trained apply to --local_dir checkpoints")
-        targets = tuple(t for t in args.target_modules.split(",") if t) if args.target_modules else None
-        options = OutputOptions(backend=args.backend, rank=args.rank, energy=args.energy, target_modules=targets,
-                                dtype=args.dtype, device=args.device, overwrite=args.overwrite)
-        result = extract_lora_svd(args.base_model, args.finetuned, args.target_dir, options)
+        result = extract_lora_svd(args.base_model, args.finetuned, args.target_dir, _options(args, "extract-lora"))
         _print_lora_result(result, f"SVD-extracted {args.finetuned} - {args.base_model}")
         return 0
     if args.rank is not None or args.energy is not None or args.target_modules or args.device:
         raise InvalidOption("--rank / --energy / --target-modules / --device apply to --finetuned (SVD extraction)")
-    options = OutputOptions(backend=args.backend, lora_alpha=args.lora_alpha, base_model=args.base_model,
-                            write_base=not args.adapter_only, hf_model_path=args.hf_model_path, dtype=args.dtype,
-                            weights_format=args.weights_format,
-                            max_shard_size=parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE),
-                            overwrite=args.overwrite, **_run_options(args))
-    result = extract_lora(args.local_dir, args.target_dir, options)
+    result = extract_lora(args.local_dir, args.target_dir,
+                          _options(args, "extract-lora", write_base=not args.adapter_only))
     _print_lora_result(result, f"extracted LoRA from {args.local_dir}")
     if args.check_trained:
         return _check_trained(args, adapter_url=result.target_url)
@@ -380,46 +322,15 @@ def cmd_extract_lora(args: argparse.Namespace) -> int:
 
 
 def _add_extract_lora(parser: argparse.ArgumentParser) -> None:
-    _flag(parser, "local_dir", default=None, help="LoRA training checkpoint URL (PEFT-wrapped model)")
-    _flag(parser, "backend", default=None, help="layout of --local_dir / --finetuned (fsdp, hf); detected when omitted")
-    _flag(parser, "target_dir", required=True,
-          help="output URL: the PEFT adapter folder (the clean base goes to <target>/base/)")
-    _flag(parser, "lora-alpha", type=float, default=None,
-          help="lora_alpha when the run recorded none (never guessed; must agree with the run's metadata)")
-    _flag(parser, "base-model", default=None,
-          help="base model URL: checks a LoRA-only checkpoint's adapter; with --finetuned, the SVD's base")
-    _flag(parser, "adapter-only", action="store_true", help="do not write the clean base model")
-    _flag(parser, "hf_model_path", default=None, help="folder with config.json + tokenizer overriding huggingface/")
-    _flag(parser, "finetuned", default=None,
-          help="full fine-tune URL (Hugging Face folder or FSDP checkpoint): extract (finetuned - base) by SVD")
-    _flag(parser, "rank", type=int, default=None, help="SVD: rank of each module's adapter")
-    _flag(parser, "energy", type=float, default=None,
-          help="SVD: keep this fraction of each update's squared singular values (capped by --rank)")
-    _flag(parser, "target-modules", default=None, help="SVD: modules to factor, e.g. q_proj,v_proj (default: all "
-          "linear weights but embeddings and heads)")
-    _flag(parser, "device", default=None, help="SVD: torch device (default: cuda when available, else cpu)")
-    _flag(parser, "dtype", default=None, type=_dtype,
-          help=f"output dtype ({_DTYPE_HELP}; default: as stored; float32 for SVD factors)")
-    _flag(parser, "max-shard-size", default=None, help="largest safetensors file of the base, e.g. 5GB")
-    _weights_format_flag(parser, "the base/ folder and the adapter's module names: ")
-    _flag(parser, "overwrite", action="store_true", help="replace a target that holds something else")
-    _flag(parser, "check-trained", action="store_true", help=_CHECK_TRAINED_HELP)
-    _run_flags(parser)
+    add_options(parser, "extract-lora")
     parser.set_defaults(run=cmd_extract_lora)
 
 
 def cmd_merge_lora(args: argparse.Namespace) -> int:
-    from merge_engine.output.jobs import OutputOptions
     from merge_engine.commands.combine import merge_lora
-    from merge_engine.plan.merge_plan import DEFAULT_MAX_SHARD_SIZE, parse_size
 
     adapters = [u for u in args.lora_adapter.split(",") if u]
-    options = OutputOptions(method=args.merge_method, weights=_floats(args.adapter_weights, "--adapter-weights"),
-                            output=args.output, rank=args.rank, energy=args.energy,
-                            lora_alpha=_floats(args.lora_alpha, "--lora-alpha"), dtype=args.dtype,
-                            weights_format=args.weights_format,
-                            max_shard_size=parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE),
-                            device=args.device, overwrite=args.overwrite, **_run_options(args))
+    options = _options(args, "merge-lora")
     bar = None
 
     def on_plan(plan) -> None:
@@ -439,36 +350,14 @@ def cmd_merge_lora(args: argparse.Namespace) -> int:
 
 
 def _add_merge_lora(parser: argparse.ArgumentParser) -> None:
-    _flag(parser, "base-model", default=None, help="base model URL (Hugging Face folder); required for --output model")
-    _flag(parser, "lora-adapter", required=True, help="PEFT adapter folder URL(s), comma-separated")
-    _flag(parser, "target_dir", required=True, help="output URL")
-    _flag(parser, "merge-method", default="concat", choices=("concat", "weighted", "average"),
-          help="concat: sum of all updates; weighted: with --adapter-weights; average: equal weights")
-    _flag(parser, "adapter-weights", default=None, help="weighted: one weight per adapter, comma-separated")
-    _flag(parser, "output", default="model", choices=("model", "adapter"),
-          help="model: the fused model; adapter: one adapter (exact rank stacking, or SVD with --rank/--energy)")
-    _flag(parser, "rank", type=int, default=None, help="adapter output: re-factor each module to this rank by SVD")
-    _flag(parser, "energy", type=float, default=None,
-          help="adapter output: keep this fraction of each update's squared singular values (capped by --rank)")
-    _flag(parser, "lora-alpha", default=None,
-          help="one lora_alpha per adapter, comma-separated: replaces a lost (0) alpha in adapter_config.json")
-    _flag(parser, "dtype", default=None, type=_dtype, help=f"output dtype ({_DTYPE_HELP}; default: as stored)")
-    _flag(parser, "device", default=None, help="SVD device (default: cuda when available, else cpu)")
-    _flag(parser, "max-shard-size", default=None, help="largest safetensors file, e.g. 5GB (default)")
-    _weights_format_flag(parser, "the fused model in ")
-    _flag(parser, "overwrite", action="store_true", help="replace a target that holds something else")
-    _run_flags(parser)
+    add_options(parser, "merge-lora")
     parser.set_defaults(run=cmd_merge_lora)
 
 
 def cmd_split(args: argparse.Namespace) -> int:
-    from merge_engine.output.jobs import OutputOptions
     from merge_engine.commands.split import split_hf_to_megatron
 
-    options = OutputOptions(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, fmt=args.format,
-                            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, dtype=args.dtype,
-                            custom_mapping=args.custom_mapping, overwrite=args.overwrite, **_run_options(args))
-    result = split_hf_to_megatron(args.hf_dir, args.target_dir, options)
+    result = split_hf_to_megatron(args.hf_dir, args.target_dir, _options(args, "split"))
     if result.skipped:
         print(f"{result.target_url} already holds this split; nothing to do")
         return 0
@@ -481,21 +370,7 @@ def cmd_split(args: argparse.Namespace) -> int:
 
 
 def _add_split(parser: argparse.ArgumentParser) -> None:
-    _flag(parser, "to", default="megatron", choices=("megatron",), help="target framework (megatron)")
-    _flag(parser, "hf-dir", required=True, help="Hugging Face model folder URL")
-    _flag(parser, "target_dir", required=True, help="output folder URL")
-    _flag(parser, "tp", type=int, default=1, help="tensor-parallel size")
-    _flag(parser, "pp", type=int, default=1, help="pipeline-parallel size")
-    _flag(parser, "vpp", type=int, default=None, help="virtual pipeline (interleaved) chunks per stage")
-    _flag(parser, "ep", type=int, default=1, help="expert-parallel size (MoE)")
-    _flag(parser, "format", default="legacy", choices=("legacy", "dist"),
-          help="legacy: model/mp_rank_*/model.pt; dist: torch_dist dist_ckpt/")
-    _flag(parser, "make-vocab-size-divisible-by", type=int, default=128,
-          help="Megatron pads the vocabulary to a multiple of this times TP (default 128)")
-    _flag(parser, "dtype", default=None, type=_dtype, help=f"dtype of the shards ({_DTYPE_HELP}; default: as stored)")
-    _flag(parser, "custom-mapping", default=None, help="JSON file extending the model family's name table")
-    _flag(parser, "overwrite", action="store_true", help="replace a target that holds something else")
-    _run_flags(parser)  # each rank file (legacy) or layer's DCP data file (dist) is one job
+    add_options(parser, "split")
     parser.set_defaults(run=cmd_split)
 
 
@@ -512,7 +387,7 @@ def cmd_discover(args: argparse.Namespace) -> int:
 
 
 def _add_discover(parser: argparse.ArgumentParser) -> None:
-    _flag(parser, "run-root", required=True, help="training run folder URL holding global_step_N/ (or iter_N/)")
+    add_options(parser, "discover")
     parser.set_defaults(run=cmd_discover)
 
 

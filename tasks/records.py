@@ -9,17 +9,18 @@ listings-only watcher reads `StepRecord` s.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from merge_engine.plan.option_values import DEFAULT_MAX_SHARD_SIZE, DEFAULT_WEIGHTS_FORMAT
+from merge_engine.plan.option_values import parse_size
+from merge_engine.options import for_settings, setting_name
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:  # the engine's classes: imported where a record is turned into one (they import torch)
     from merge_engine.layouts.discovery import Step
     from merge_engine.layouts import Checkpoint
-    from merge_engine.commands.merge import MergeOptions
+    from merge_engine.output.jobs import OutputOptions
     from merge_engine.release.publish import Release
     from merge_engine.validate import ValidationReport
 
@@ -95,72 +96,77 @@ class CheckpointRecord(Record):
                           notes=tuple(self.notes))
 
 
-class MergeSettings(Record):
-    """The merge options a flow exposes (`merge_engine.commands.merge.MergeOptions` minus target handling).
+# The type of each kind of value in a settings record (`merge_engine.options.KINDS`): the engine's value
+# (sizes in bytes, unset as None).
+SETTING_TYPES: dict[str, Any] = {"text": Optional[str], "url": Optional[str], "dtype": Optional[str],
+                                 "alpha": Optional[float], "count": Optional[int], "ray_address": Optional[str],
+                                 "bool": bool, "size": int, "choice": str}
+
+
+class Settings(Record):
+    """A settings record: the options of one stage (``record``, `merge_engine.options.SETTINGS`), one field per
+    declared option (`merge_engine.options.for_settings`), typed by its kind, with its default."""
+
+    record: ClassVar[str]
+
+    def to_options(self, overwrite: bool = False) -> OutputOptions:
+        """The engine's options record: each field to the engine option it declares (``include_base`` ->
+        ``write_base``, ...)."""
+        from merge_engine.output.jobs import OutputOptions
+
+        values = {option.field: getattr(self, setting_name(option, self.record))
+                  for option in for_settings(self.record) if option.field}
+        return OutputOptions(**values, overwrite=overwrite)
+
+
+def settings_fields(record: str) -> dict[str, Any]:
+    """The fields of settings record ``record`` (options that fill one field declare it once here)."""
+    fields: dict[str, Any] = {}
+    for option in for_settings(record):
+        default = parse_size(option.default) if option.kind == "size" else option.default
+        fields.setdefault(setting_name(option, record), (SETTING_TYPES[option.kind], default))
+    return fields
+
+
+class MergeSettings(create_model("merge_settings", __base__=Settings, __module__=__name__,
+                                 **settings_fields("merge"))):
+    """The merge options a flow exposes (the engine's `OutputOptions` minus target handling).
 
     ``lora_alpha`` matters to LoRA checkpoints whose run recorded no alpha: their merged model is the
     trained one (every update fused with its alpha), so the merge needs it as much as the adapter.
     """
 
-    dtype: Optional[str] = None
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
-    hf_model_path: Optional[str] = None
-    backend: Optional[str] = None
-    lora_alpha: Optional[float] = None
-    weights_format: str = DEFAULT_WEIGHTS_FORMAT  # hub | transformers (`merge_engine.plan.option_values`)
-    base_model: Optional[str] = None  # the base of an adapter-only step (verl Megatron LoRA)
-
-    def to_options(self, overwrite: bool = False) -> MergeOptions:
-        from merge_engine.commands.merge import MergeOptions
-
-        return MergeOptions(backend=self.backend, dtype=self.dtype, max_shard_size=self.max_shard_size,
-                            hf_model_path=self.hf_model_path, lora_alpha=self.lora_alpha, overwrite=overwrite,
-                            weights_format=self.weights_format, base_model=self.base_model)
+    record = "merge"
 
 
-class AdapterSettings(Record):
-    """The adapter-extraction options a flow exposes (`merge_engine.commands.extract.ExtractOptions`).
+class AdapterSettings(create_model("adapter_settings", __base__=Settings, __module__=__name__,
+                                   **settings_fields("adapter"))):
+    """The adapter-extraction options a flow exposes.
 
     ``include_base`` also writes the clean base model under ``base/`` of the adapter release, so
     ``PeftModel.from_pretrained(<release>/base, <release>)`` needs nothing else (and validation
     can load it); ``base_model`` names the base of a LoRA-only checkpoint.
     """
 
-    include_base: bool = True
-    lora_alpha: Optional[float] = None
-    base_model: Optional[str] = None
-    dtype: Optional[str] = None
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
-    hf_model_path: Optional[str] = None
-    backend: Optional[str] = None
-    weights_format: str = DEFAULT_WEIGHTS_FORMAT  # names of base/ and of the adapter's modules (hub | transformers)
-
-    def to_options(self, overwrite: bool = False):
-        from merge_engine.commands.extract import ExtractOptions
-
-        return ExtractOptions(backend=self.backend, lora_alpha=self.lora_alpha, base_model=self.base_model,
-                              write_base=self.include_base, hf_model_path=self.hf_model_path, dtype=self.dtype,
-                              max_shard_size=self.max_shard_size, overwrite=overwrite,
-                              weights_format=self.weights_format)
+    record = "adapter"
 
 
-class ValidationSettings(Record):
+class ValidationSettings(create_model("validation_settings", __base__=Settings, __module__=__name__,
+                                      **settings_fields("validation"))):
     """What to validate: the forward pass (GPU when present), and a reference to compare with."""
 
-    forward: bool = True
-    reference_url: Optional[str] = None
-    device: Optional[str] = None
+    record = "validation"
 
 
-class ExecutionSettings(Record):
+class ExecutionSettings(create_model("execution_settings", __base__=Settings, __module__=__name__,
+                                     **settings_fields("execution"))):
     """Where a merge's shard jobs run; never part of a cache key or a manifest (the bytes are the same).
 
     ``ray_address``: Prefect task runs on that Ray cluster (`tasks.shard_runs`; None: the worker's
     ``STEPMERGE_RAY_ADDRESS``, else none); otherwise ``workers`` threads here (None: one per core).
     """
 
-    workers: Optional[int] = None
-    ray_address: Optional[str] = None
+    record = "execution"
 
 
 class OutputRecord(Record):

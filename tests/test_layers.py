@@ -23,7 +23,7 @@ PACKAGES = ("merge_engine", "tasks", "flows", "deployments")
 # layer -> module prefixes (a prefix names a module or a package and everything under it)
 LAYERS: dict[int, tuple[str, ...]] = {
     # storage, errors, and the few leaf modules every wing reads (JSON, value spellings)
-    0: ("merge_engine", "merge_engine.errors", "merge_engine.storage", "merge_engine.formats.json_text",
+    0: ("merge_engine", "merge_engine.options", "merge_engine.errors", "merge_engine.storage", "merge_engine.formats.json_text",
         "merge_engine.formats.dcp_file_names", "merge_engine.plan.option_values"),
     # byte formats, and the plan records every planner fills
     1: ("merge_engine.formats", "merge_engine.plan.merge_plan", "merge_engine.plan.output_heads",
