@@ -258,7 +258,7 @@ OPTIONS: tuple[Option, ...] = (
            shapes=("split",)),
     Option("ep", "int", 1, "expert-parallel size (MoE)", {"split": ""}, field="ep", shapes=("split",)),
     Option("format", "choice", "legacy", "legacy: model/mp_rank_*/model.pt; dist: torch_dist dist_ckpt/",
-           {"split": ""}, field="fmt", shapes=("split",), choices=("legacy", "dist")),
+           {"split": ""}, field="format", shapes=("split",), choices=("legacy", "dist")),
     Option("make_vocab_size_divisible_by", "int", 128, "Megatron pads the vocabulary to a multiple of this times TP "
            "(default 128)", {"split": ""}, field="make_vocab_size_divisible_by", shapes=("split",)),
     # how to run (never recorded: the same bytes whatever is chosen)

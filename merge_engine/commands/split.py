@@ -68,9 +68,9 @@ def _check_options(options: OutputOptions, view: MegatronViewOfHf) -> None:
     dims = view.dims
     vpp = options.vpp or 1
     problems = []
-    if options.fmt not in FORMATS:
+    if options.format not in FORMATS:
         problems.append(f"--format must be one of {tuple(FORMATS)}")
-    if view.megatron_prefix and options.fmt != "dist":
+    if view.megatron_prefix and options.format != "dist":
         problems.append(f"a model whose Megatron checkpoint keeps its language model under {view.megatron_prefix!r} "
                         "(Megatron-Bridge's vision-language models) is written as --format dist only")
     if min(options.tp, options.pp, options.ep) < 1:
@@ -196,7 +196,7 @@ class LayoutFileUnit:
 @dataclass
 class SplitJob:
     """``stepmerge split --to megatron``: the Hugging Face model at ``source_url`` as Megatron shards at
-    ``target_url``, written by the layout of ``options.fmt``. Its files are not safetensors shards: the
+    ``target_url``, written by the layout of ``options.format``. Its files are not safetensors shards: the
     job's one output holds a `LayoutFileUnit` per rank file (``legacy``) or DCP data file (``dist``),
     which the executor runs like a merge's shards (``--workers``, ``--ray-address``: same bytes)."""
 
@@ -235,7 +235,7 @@ class SplitJob:
             view.close()
             raise
         sizes = ParallelSizes(tp=options.tp, pp=options.pp, vpp=options.vpp, ep=options.ep)
-        layout = writable_layout(options.fmt)
+        layout = writable_layout(options.format)
 
         def write_config(url: str) -> list[tuple[str, int]]:
             files = [(f"{layout.CONFIG_DIR}/{n}", s) for n, s in copy_metadata(
@@ -248,7 +248,7 @@ class SplitJob:
         rank_files = PlannedOutput(units, finish=layout.finish, then=write_config)
         provenance = {"source": hf_url, "kind": "megatron split", "options": options.output_options(self.command),
                       "tensors": len(view.metas())}
-        return PreparedJob([rank_files], provenance, kind=self.kind, layout=FORMATS[options.fmt],
+        return PreparedJob([rank_files], provenance, kind=self.kind, layout=FORMATS[options.format],
                            tensors=len(view.metas()), tensor_bytes=0, sources=[view])
 
 

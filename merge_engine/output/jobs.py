@@ -29,98 +29,71 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Protocol
 
 from merge_engine import __version__, engine_identity, storage
+from merge_engine import options as declared
 from merge_engine.release.checksums import sha256_of
 from merge_engine.errors import InvalidOption
-from merge_engine.plan.hub_format import DEFAULT_WEIGHTS_FORMAT, parse_weights_format
+from merge_engine.plan.hub_format import parse_weights_format
 from merge_engine.lora.svd import ModuleReport
-from merge_engine.plan.merge_plan import DEFAULT_MAX_SHARD_SIZE, MergePlan
+from merge_engine.plan.merge_plan import MergePlan
+from merge_engine.plan.option_values import parse_size
 from merge_engine.output.target import read_provenance, target_state, write_target
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
 from merge_engine.output.executors import Executor, WrittenFiles, executor_address, executor_at
 from merge_engine.output.work_unit import Files, PlannedOutput
 
-__all__ = ["OUTPUT_OPTION_KEYS", "OutputJob", "OutputOptions", "OutputResult", "job_inputs",
+__all__ = ["OutputJob", "OutputOptions", "OutputResult", "job_inputs",
            "PreparedJob", "run_job"]
 
 
+# The engine's type of each kind of value (`merge_engine.options.KINDS`).
+ENGINE_TYPES: dict[str, Any] = {
+    "text": str | None, "url": str | None, "int": int | None, "count": int | None, "step": int, "float": float | None,
+    "alpha": float | tuple[float, ...] | None, "floats": tuple[float, ...] | None, "names": tuple[str, ...] | None,
+    "bool": bool | None, "size": int, "dtype": str | None, "choice": str | None, "ray_address": str | None,
+}
+
+
+def engine_default(option: declared.Option) -> Any:
+    """``option``'s default as the engine holds it (a size in bytes)."""
+    return parse_size(option.default) if option.kind == "size" else option.default
+
+
+# one field per engine option `merge_engine.options` declares (its `Option.field`), with its default
+DeclaredOptions = make_dataclass(
+    "DeclaredOptions", [(name, ENGINE_TYPES[option.kind], field(default=engine_default(option)))
+                        for name, option in declared.fields().items()], frozen=True)
+DeclaredOptions.__module__ = __name__  # picklable by name (Ray workers get the options)
+
+
 @dataclass(frozen=True)
-class OutputOptions:
+class OutputOptions(DeclaredOptions):
     """The engine's one options record: what every command may be asked (the CLI and the tasks build it).
 
-    Each command reads the fields that concern it; `output_options` picks the ones that shape its
-    output (fingerprint and provenance). ``overwrite``, ``chunk_bytes`` and ``device`` say how to run,
-    never what is written.
+    Its fields are the engine options `merge_engine.options` declares (`Option.field`, typed by kind, with
+    the declared default), plus ``chunk_bytes``. Each command reads the fields that concern it;
+    `output_options` picks the ones declared to shape its output (fingerprint and provenance).
     """
 
-    # where the input is and how to read it
-    backend: str | None = None  # layout name or alias; detected when None
-    hf_model_path: str | None = None  # config/tokenizer folder overriding the checkpoint's own
-    base_model: str | None = None  # extract: the base of a LoRA-only checkpoint
-    custom_mapping: str | None = None  # Megatron: a JSON file extending the family's name table
-    mtp_layers: str | None = None  # Megatron: export | drop the multi-token-prediction layers (None: refuse them)
-    # what is written
-    dtype: str | None = None  # output dtype; as stored when None (SVD factors: float32)
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
-    tie_word_embedding: bool | None = None  # verl's flag: may only confirm config.json
-    weights_format: str = DEFAULT_WEIGHTS_FORMAT  # merge, extract-lora, merge-lora: hub (the Hub checkpoint's names)
-    # | transformers (as stored)
-    lora_alpha: float | tuple[float, ...] | None = None  # merge/extract: the run's alpha; merge-lora: one per adapter
-    write_base: bool = True  # extract: also write the clean base model under <target>/base/
-    rank: int | None = None  # SVD: rank of each module (extract --finetuned, merge-lora --output adapter)
-    energy: float | None = None  # SVD: fraction of the squared singular values kept
-    target_modules: tuple[str, ...] | None = None  # SVD extract: the modules to factor
-    method: str = "concat"  # merge-lora: concat | weighted | average
-    weights: tuple[float, ...] | None = None  # merge-lora weighted: one per adapter
-    output: str = "model"  # merge-lora: model (fused) | adapter
-    tp: int = 1  # split: the Megatron layout written
-    pp: int = 1
-    vpp: int | None = None
-    ep: int = 1
-    fmt: str = "legacy"  # split: legacy | dist
-    make_vocab_size_divisible_by: int = 128
-    # how to run
-    workers: int | None = None  # threads writing on this machine (shards and their byte ranges); None: one per core
-    ray_address: str | None = None  # run the shard jobs as tasks of this Ray cluster ("auto", "ray://host:port")
-    overwrite: bool = False
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    device: str | None = None  # SVD: torch device; the GPU when there is one
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # how much of a tensor is read at once: never what is written
 
     def output_options(self, command: str) -> dict[str, Any]:
-        """The options that change the bytes ``command`` writes (for fingerprints and provenance)."""
-        keys = OUTPUT_OPTION_KEYS[command]
-        options = {name: getattr(self, field_name) for name, field_name in keys}
+        """The options that change the bytes ``command`` writes (`merge_engine.options.recorded`), under their
+        field names: those recorded only when set (``"merge?"``) are left out while unset, so the
+        fingerprints of other outputs stay as they were."""
+        options = {}
+        for option in declared.recorded(command):
+            value = getattr(self, option.field)
+            if value is not None or option.records(command):
+                options[option.field] = value
         if "weights_format" in options:
             options["weights_format"] = parse_weights_format(self.weights_format)
-        if command == "merge":
-            # only when set, so that the fingerprints of other merges stay as they were
-            if self.lora_alpha is not None:
-                options["lora_alpha"] = self.lora_alpha
-            if self.mtp_layers is not None:
-                options["mtp_layers"] = self.mtp_layers
-            if self.custom_mapping is not None:  # its content, not just its name, decides the output
-                options["custom_mapping"] = {"url": self.custom_mapping, "sha256": _content_digest(self.custom_mapping)}
+        if command == "merge" and "custom_mapping" in options:  # its content, not just its name, decides the output
+            options["custom_mapping"] = {"url": self.custom_mapping, "sha256": _content_digest(self.custom_mapping)}
         return options
-
-
-def _keys(*names: str) -> tuple[tuple[str, str], ...]:
-    return tuple((name, name) for name in names)
-
-
-# command -> (key in fingerprints and provenance, OutputOptions field) of the options that shape its output
-OUTPUT_OPTION_KEYS: dict[str, tuple[tuple[str, str], ...]] = {
-    "merge": _keys("dtype", "max_shard_size", "hf_model_path", "weights_format"),  # + lora_alpha, custom_mapping when set
-    "extract-lora": _keys("backend", "lora_alpha", "base_model", "write_base", "hf_model_path", "dtype",
-                          "max_shard_size", "weights_format"),
-    "extract-lora --finetuned": _keys("backend", "rank", "energy", "target_modules", "dtype"),
-    "merge-lora": _keys("method", "weights", "output", "rank", "energy", "lora_alpha", "dtype", "max_shard_size",
-                        "weights_format"),
-    "split": (*_keys("tp", "pp", "vpp", "ep"), ("format", "fmt"),
-              *_keys("make_vocab_size_divisible_by", "dtype", "custom_mapping")),
-}
 
 
 def _content_digest(url: str) -> str:
@@ -188,7 +161,7 @@ class PreparedJob:
 
 
 class OutputJob(Protocol):
-    """One command's output. ``command`` names it (`OUTPUT_OPTION_KEYS`); ``source_url`` is what it reads.
+    """One command's output. ``command`` names it (`merge_engine.options.OUTPUTS`); ``source_url`` is what it reads.
 
     - ``fingerprint()``: the cache key (see the module docstring); may check the input (listing,
       headers) and keep what it learnt for `prepare`;
@@ -230,7 +203,7 @@ def run_job(job: OutputJob, *, on_bytes: Callable[[int], None] | None = None,
         provenance = read_provenance(job.target_url) or {}
         return OutputResult(job.command, job.target_url, fingerprint, kind=job.kind,
                             source_url=job.source_url, layout=str(provenance.get("layout", "")),
-                            fmt=job.options.fmt if job.command == "split" else "",
+                            fmt=job.options.format if job.command == "split" else "",
                             tensors=int(provenance.get("tensors", 0)),
                             tensor_bytes=int(provenance.get("tensor_bytes", 0)),
                             files=tuple((e.path, e.size) for e in storage.list_files(job.target_url)),
@@ -268,7 +241,7 @@ def run_job(job: OutputJob, *, on_bytes: Callable[[int], None] | None = None,
     finally:
         prepared.close()
     return OutputResult(job.command, job.target_url, fingerprint, kind=prepared.kind, source_url=job.source_url,
-                        layout=prepared.layout, fmt=job.options.fmt if job.command == "split" else "",
+                        layout=prepared.layout, fmt=job.options.format if job.command == "split" else "",
                         tensors=tensors, tensor_bytes=tensor_bytes, files=tuple(files),
                         checksums=tuple(sorted(written.checksums.items())),
                         seconds=time.perf_counter() - started, notes=prepared.notes, modules=prepared.modules)

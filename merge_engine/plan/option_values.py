@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 
 from merge_engine.errors import InvalidOption
+from merge_engine.options import option
 
 CANONICAL_DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_SPELLINGS: dict[str, str] = {
@@ -28,11 +29,9 @@ DTYPE_SPELLINGS: dict[str, str] = {
     "float32": "float32", "fp32": "float32", "float": "float32",
 }
 
-DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3  # save_pretrained's historical default ("5GB")
-HUB = "hub"
-TRANSFORMERS = "transformers"
-WEIGHTS_FORMATS = (HUB, TRANSFORMERS)
-DEFAULT_WEIGHTS_FORMAT = HUB
+WEIGHTS_FORMATS: tuple[str, ...] = option("weights_format").choices  # declared once, with the option
+HUB, TRANSFORMERS = WEIGHTS_FORMATS
+DEFAULT_WEIGHTS_FORMAT: str = option("weights_format").default
 
 SIZE_UNITS: dict[str, int] = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
                               "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
@@ -75,3 +74,6 @@ def parse_size(text: str | int) -> int:
     if size <= 0:
         raise InvalidOption(f"size must be positive: {text!r}")
     return size
+
+
+DEFAULT_MAX_SHARD_SIZE = parse_size(option("max_shard_size").default)  # "5GB", save_pretrained's historical default

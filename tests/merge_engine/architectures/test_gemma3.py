@@ -43,11 +43,11 @@ def gemma3(tmp_path_factory):
     return str(folder), ids, logits
 
 
-@pytest.mark.parametrize("options", [SplitOptions(fmt="dist"), SplitOptions(tp=2, pp=2)], ids=["dist", "tp2_pp2_legacy"])
+@pytest.mark.parametrize("options", [SplitOptions(format="dist"), SplitOptions(tp=2, pp=2)], ids=["dist", "tp2_pp2_legacy"])
 def test_split_and_merge_back_is_exact(gemma3, tmp_path, options):
     hub, ids, logits = gemma3
     split_hf_to_megatron(hub, str(tmp_path / "megatron"), options)
-    if options.fmt == "dist":
+    if options.format == "dist":
         keys = set(read_index(str(tmp_path / "megatron" / "dist_ckpt")).tensors)
         assert {"decoder.layers.self_attention.linear_qkv.layer_norm_weight",
                 "decoder.layers.self_attention.linear_proj.post_layernorm.weight",

@@ -72,7 +72,7 @@ def qwen2_5_vl(tmp_path_factory):
 def test_split_in_megatron_bridge_names_and_merge_back_is_exact(qwen2_5_vl, tmp_path):
     hub, ids, logits = qwen2_5_vl
     megatron = tmp_path / "megatron"
-    split_hf_to_megatron(hub, str(megatron), SplitOptions(fmt="dist"))
+    split_hf_to_megatron(hub, str(megatron), SplitOptions(format="dist"))
     keys = set(read_index(str(megatron / "dist_ckpt")).tensors)
     assert {"language_model.embedding.word_embeddings.weight", "language_model.output_layer.weight",
             "language_model.decoder.final_layernorm.weight",

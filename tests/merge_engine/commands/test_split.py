@@ -42,17 +42,17 @@ from tests.merge_engine.layouts.test_megatron_merge import _tensors
 # fixture whose reference model is split -> split options (all fit one gloo world of 4)
 CASES = {
     "llama_tp1_pp1_legacy": SplitOptions(tp=2, pp=2),
-    "qwen3_tp2_kv1_legacy": SplitOptions(tp=2, pp=2, vpp=2, fmt="dist"),
+    "qwen3_tp2_kv1_legacy": SplitOptions(tp=2, pp=2, vpp=2, format="dist"),
     "qwen2_tp2_pp1_tied_legacy": SplitOptions(tp=2, pp=2),
-    "mixtral_ep2_legacy": SplitOptions(tp=2, ep=2, fmt="dist"),
+    "mixtral_ep2_legacy": SplitOptions(tp=2, ep=2, format="dist"),
     "qwen2_moe_ep2_dist_v2": SplitOptions(pp=2, ep=2),
     "qwen3_moe_tp2_ep2_legacy": SplitOptions(tp=2, ep=2),
-    "mistral_tp1_pp2_legacy": SplitOptions(fmt="dist"),
+    "mistral_tp1_pp2_legacy": SplitOptions(format="dist"),
     # mixed dense / MoE: per-layer torch_dist keys; DeepSeek-V3 (MLA) both ways
-    "qwen3_moe_dense0_pp2_ep2_dist_v1": SplitOptions(tp=2, ep=2, fmt="dist"),
+    "qwen3_moe_dense0_pp2_ep2_dist_v1": SplitOptions(tp=2, ep=2, format="dist"),
     "qwen2_moe_mixed_tp2_ep2_te_legacy": SplitOptions(pp=2, ep=2),
     "deepseek_v3_pp2_ep2_dist_v2": SplitOptions(ep=4),
-    "deepseek_v3_ep2_legacy": SplitOptions(pp=2, ep=2, fmt="dist"),
+    "deepseek_v3_ep2_legacy": SplitOptions(pp=2, ep=2, format="dist"),
     "deepseek_v3_tp2_pp2_dist_v1": SplitOptions(tp=2, pp=2),  # MLA down-projections cut in TP row pieces
     "glm4_moe_tp2_ep2_dist_v1": SplitOptions(pp=2, ep=2),
 }
@@ -76,7 +76,7 @@ def splits(megatron_runs, tmp_path_factory) -> dict[str, str]:
 def test_hf_to_megatron_to_hf_is_bit_exact(megatron_runs, splits, tmp_path, name):
     merged = tmp_path / "merged"
     result = merge_checkpoint(splits[name], str(merged), MergeOptions(backend="megatron"))
-    assert result.layout == ("megatron_dist" if CASES[name].fmt == "dist" else "megatron_legacy")
+    assert result.layout == ("megatron_dist" if CASES[name].format == "dist" else "megatron_legacy")
     reference = _tensors(_reference_hf(megatron_runs[name]))
     ours = _tensors(str(merged))
     assert set(ours) == set(reference)
@@ -90,7 +90,7 @@ def test_splits_load_into_megatron_core_and_give_its_logits(megatron_runs, split
         job = megatron_runs[name]
         # the reference Hugging Face models have no MTP layers: the split neither (DeepSeek fixtures have one)
         spec = dataclasses.replace(job.spec, tp=options.tp, pp=options.pp, vpp=options.vpp, ep=options.ep,
-                                   fmt="legacy" if options.fmt == "legacy" else "dist_v1", mtp_layers=0)
+                                   fmt="legacy" if options.format == "legacy" else "dist_v1", mtp_layers=0)
         ids = torch.load(job.reference_dir / REFERENCE_INPUT_IDS_FILE, weights_only=True)
         jobs.append(LogitsJob(splits[name], spec, ids))
     logits = megatron_forward_logits_many(jobs, world_size=4)
@@ -127,7 +127,7 @@ def test_dist_folder_is_what_megatron_core_writes(megatron_runs, tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     job = megatron_runs["llama_tp1_pp1_dist_v1"]
-    split_hf_to_megatron(_reference_hf(job), str(tmp_path / "split"), SplitOptions(fmt="dist"))
+    split_hf_to_megatron(_reference_hf(job), str(tmp_path / "split"), SplitOptions(format="dist"))
     theirs = FileSystemReader(str(job.step_dir / "actor" / "dist_ckpt"))
     ours = FileSystemReader(str(tmp_path / "split" / "dist_ckpt"))
     their_meta, our_meta = theirs.read_metadata(), ours.read_metadata()  # our own files: trusted pickles
@@ -191,7 +191,7 @@ def test_cli_split_then_merge_and_rerun(megatron_runs, tmp_path, capsys):
     assert main(args) == 0
     assert "already holds this split" in capsys.readouterr().out
     with pytest.raises(TargetExists):
-        split_hf_to_megatron(hf, target, SplitOptions(tp=1, fmt="dist"))
+        split_hf_to_megatron(hf, target, SplitOptions(tp=1, format="dist"))
     assert main(["merge", "--backend", "megatron", "--local_dir", target, "--target_dir", str(tmp_path / "hf"),
                  "--tie-word-embedding"]) == 0
     reference, ours = _tensors(hf), _tensors(str(tmp_path / "hf"))

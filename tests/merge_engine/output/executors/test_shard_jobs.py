@@ -274,7 +274,7 @@ def test_the_command_line_runs_shard_jobs_where_it_is_told(fsdp_runs, one_worker
 
 # split: a Llama reference model (4 layers) -> TP 2 x PP 2 legacy rank files (4 file jobs), and dist (one
 # DCP data file per layer + one for the rest: 5 file jobs)
-SPLITS = {"legacy_tp2_pp2": OutputOptions(tp=2, pp=2), "dist": OutputOptions(fmt="dist", dtype="bfloat16")}
+SPLITS = {"legacy_tp2_pp2": OutputOptions(tp=2, pp=2), "dist": OutputOptions(format="dist", dtype="bfloat16")}
 
 
 def _split_source(megatron_runs) -> str:
