@@ -146,6 +146,7 @@ DtypeName = Annotated[unset_as(DtypeSpelling, AS_STORED, {"type": "string", "enu
                       AfterValidator(_dtype)]
 LoraAlpha = unset_as(Annotated[float, Field(gt=0)], 0, {"type": "number", "minimum": 0})
 Count = unset_as(Annotated[int, Field(ge=1)], 0, {"type": "integer", "minimum": 0})
+OptionalText = unset_as(Annotated[str, Field(max_length=MAX_URL_LENGTH)], "", {"type": "string", "maxLength": MAX_URL_LENGTH})
 RayAddress = unset_as(Annotated[str, Field(max_length=MAX_URL_LENGTH), _matching(RAY_ADDRESS_PATTERN, RAY_ADDRESS_WORDS)],
                       "", refused_in_words(RAY_ADDRESS_PATTERN, f"empty, or {RAY_ADDRESS_WORDS}", blank=""))
 
@@ -153,13 +154,15 @@ RayAddress = unset_as(Annotated[str, Field(max_length=MAX_URL_LENGTH), _matching
 # the blank an optional one shows for "unset" (read back as None).
 FORM_TYPES: Dict[str, Any] = {"url": OptionalUrl, "step": StepNumber, "dtype": DtypeName, "size": ShardSize,
                               "bool": bool, "alpha": LoraAlpha, "count": Count, "ray_address": RayAddress, "text": str}
-BLANKS: Dict[str, Any] = {"url": "", "dtype": AS_STORED, "alpha": 0, "count": 0, "ray_address": ""}
+BLANKS: Dict[str, Any] = {"url": "", "dtype": AS_STORED, "alpha": 0, "count": 0, "ray_address": "", "text": ""}
 
 
 def form_type(option: Option) -> Any:
     """The pydantic type of ``option`` in a flow's signature and parameter model."""
     if option.kind == "url" and option.required:
         return StorageUrl
+    if option.kind == "text" and option.default is None:
+        return OptionalText
     if option.kind == "choice":
         return Literal[option.choices]  # type: ignore[valid-type]
     if option.kind == "choices":

@@ -24,7 +24,7 @@ import pytest
 from flows.cli import COMMANDS as STEPMERGE_COMMANDS
 from flows.merge_new_steps import merge_new_steps
 from flows.merge_step import merge_step
-from flows.params import BLANKS, AdapterParams, MergeStepParams, WatchParams
+from flows.params import BLANKS, FORM_TYPES, AdapterParams, MergeStepParams, WatchParams
 from flows.release_adapter import release_adapter
 from merge_engine import options as declared
 from merge_engine.cli import build_parser
@@ -56,6 +56,9 @@ def test_the_declarations_are_consistent():
         assert set(option.settings) <= set(declared.SETTINGS), option.name
         assert bool(option.form) == bool(option.flows), option.name  # a form text exactly where there is a form
         assert option.kind not in ("choice", "choices") or option.choices, option.name
+        if option.flows:  # the form reads its kind, and shows a blank for "unset"
+            assert option.kind in FORM_TYPES or option.kind in ("choice", "choices"), option.name
+            assert option.default is not None or option.kind in BLANKS, option.name
         for command in option.commands:
             use = option.use(command)
             assert use.kind in declared.KINDS and (use.help or option.hidden), (option.name, command)
