@@ -9,7 +9,8 @@ the machine pays whatever its load) and wall seconds:
   paid once per worker per merge, since Ray binds worker processes to one driver (job);
 - a warm task's round trip (submit, run a no-op, get), the per-task overhead once workers are up;
 - a worker's re-preparation of the 0.5b benchmark job from the pickled `MergeJob` a `UnitTask` carries
-  (listing and verdict carried; each rank file's pickle read again), against the coordinator's first one.
+  (listing, config and the check's parsed tensor index carried: no rank file is read again, nothing but the
+  plan is computed), against the coordinator's first one, with the bytes the worker read for it.
 The merge itself, ``--ray-address`` against ``--workers 2``, is `benchmarks.shard_jobs --parts ray` /
 `benchmarks.all`.
 """
@@ -55,15 +56,17 @@ job.prepare().close()
 first = time.process_time() - cpu
 
 def again(blob):
-    cpu = time.process_time()
+    from merge_engine.storage.range_reader import bytes_read
+    cpu, read = time.process_time(), bytes_read()
     pickle.loads(blob).prepare().close()
-    return time.process_time() - cpu
+    return time.process_time() - cpu, bytes_read() - read
 
 blob = pickle.dumps(job)
 remote = ray.remote(num_cpus=1)(again)
 runs = [ray.get(remote.remote(blob)) for _ in range(3)]  # the first in a worker also pays imports the job needs
 print(f"prepare: coordinator {first:.2f} s cpu (check + open + plan, with its imports); a worker again from the "
-      f"{len(blob)} byte pickled job: {' / '.join(f'{r:.2f}' for r in runs)} s cpu (3 runs)")
+      f"{len(blob)} byte pickled job: {' / '.join(f'{c:.2f}' for c, _ in runs)} s cpu, "
+      f"{' / '.join(str(b) for _, b in runs)} bytes read (3 runs)")
 """
 
 

@@ -15,7 +15,6 @@ from prefect import task
 
 from merge_engine.errors import IncompleteCheckpoint, WorldSizeMismatch
 from merge_engine.layouts import check_checkpoint
-from merge_engine.lora.checkpoint import checkpoint_holds_lora
 from tasks.cache import stage_cache_policy
 from tasks.records import CheckpointRecord, StepRecord
 from tasks.retry import RETRY_OPTIONS
@@ -24,10 +23,10 @@ from tasks.retry import RETRY_OPTIONS
 @task(name="check-checkpoint", cache_policy=stage_cache_policy("check", ("step", "backend")),
       persist_result=True, **RETRY_OPTIONS)
 def check_step(step: StepRecord, backend: Optional[str] = None) -> CheckpointRecord:
-    """The checkpoint of ``step`` after the deep completeness check (headers only, no weights)."""
+    """The checkpoint of ``step`` after the deep completeness check (headers only, no weights), of the listing
+    discovery made (not listed again), with what the check learned: LoRA or not, the parsed tensor index."""
     if step.status == "invalid":
         raise WorldSizeMismatch(step.reason, step.url)
     if not step.complete:
         raise IncompleteCheckpoint(step.reason or "not complete yet", step.url)
-    checkpoint = check_checkpoint(step.url, backend)
-    return CheckpointRecord.from_checkpoint(checkpoint, lora=checkpoint_holds_lora(checkpoint))
+    return CheckpointRecord.from_checkpoint(check_checkpoint(step.url, backend, step.listing()))

@@ -41,15 +41,23 @@ class StepRecord(Record):
     fingerprint: str  # digest of the step folder's listing: names, sizes, ETags/generations/mtimes
     reason: str = ""
     needs: tuple[str, ...] = ()  # merge parameters the step does not record (`merge_engine.layouts.discovery.Step.needs`)
+    # the listing ``fingerprint`` digests, as (path relative to ``url``, size, version): the check reads it, not
+    # a new listing (None: not known, the check lists)
+    files: Optional[tuple[tuple[str, int, str], ...]] = Field(default=None, repr=False, exclude=True)
 
     @property
     def complete(self) -> bool:
         return self.status == "complete"
 
+    def listing(self) -> Optional[list[FileEntry]]:
+        """``files`` as the engine's entries (None when the record carries no listing)."""
+        return None if self.files is None else [FileEntry(*f) for f in self.files]
+
     @classmethod
     def from_step(cls, step: Step) -> StepRecord:
         return cls(run_root=step.run_root, step=step.step, role=step.role, url=step.url, status=step.status,
-                   layout=step.layout, fingerprint=step.fingerprint, reason=step.reason, needs=step.needs)
+                   layout=step.layout, fingerprint=step.fingerprint, reason=step.reason, needs=step.needs,
+                   files=tuple((f.path, f.size, f.version) for f in step.files))
 
 
 class DiscoveryRecord(Record):
@@ -69,6 +77,9 @@ class CheckpointRecord(Record):
     ``files`` is the listing the check used, as (path, size, version): the merge fingerprint is
     computed from it without listing again. ``lora`` says the weights hold LoRA factors; ``notes`` are
     the layout's findings (what a verl Megatron LoRA step holds: `merge_engine.layouts.megatron_lora`).
+    ``index`` is the check's parsed tensor index (`merge_engine.layouts.tensor_index`, bounded): the merge
+    and its workers open the checkpoint from it without reading a header again. It is derived from the
+    listing, so it takes no part in cache keys or the UI (``exclude``); it travels in the pickled record.
     """
 
     url: str
@@ -80,20 +91,22 @@ class CheckpointRecord(Record):
     lora: bool = False
     total_bytes: int = 0
     notes: tuple[str, ...] = ()
+    index: Optional[bytes] = Field(default=None, repr=False, exclude=True)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Checkpoint, lora: bool) -> CheckpointRecord:
+    def from_checkpoint(cls, checkpoint: Checkpoint) -> CheckpointRecord:
         return cls(url=checkpoint.url, layout=checkpoint.layout, fingerprint=checkpoint.fingerprint,
                    files=tuple((f.path, f.size, f.version) for f in checkpoint.files),
-                   parallel=dict(checkpoint.parallel), hf_dir=checkpoint.hf_dir, lora=lora,
-                   total_bytes=sum(f.size for f in checkpoint.files), notes=tuple(checkpoint.notes))
+                   parallel=dict(checkpoint.parallel), hf_dir=checkpoint.hf_dir, lora=bool(checkpoint.lora),
+                   total_bytes=sum(f.size for f in checkpoint.files), notes=tuple(checkpoint.notes),
+                   index=checkpoint.index)
 
     def to_checkpoint(self) -> Checkpoint:
         from merge_engine.layouts.contract import Checkpoint
 
         return Checkpoint(url=self.url, layout=self.layout, files=tuple(FileEntry(*f) for f in self.files),
                           parallel=dict(self.parallel), hf_dir=self.hf_dir, fingerprint=self.fingerprint,
-                          notes=tuple(self.notes))
+                          notes=tuple(self.notes), lora=self.lora, index=self.index)
 
 
 # The type of each kind of value in a settings record (`merge_engine.options.KINDS`): the engine's value

@@ -28,7 +28,7 @@ import struct
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -531,12 +531,28 @@ class _ReaderFile(io.RawIOBase):
         return n
 
 
+class StorageRecordInfo(NamedTuple):
+    """What reading a storage record needs of its zip entry (the fields of ``zipfile.ZipInfo`` used)."""
+
+    filename: str
+    header_offset: int
+    file_size: int
+    CRC: int
+    compress_type: int = zipfile.ZIP_STORED
+
+
 class TorchArchive:
     """One ``torch.save`` file opened for lazy reading. `load()` returns the object tree.
 
     Raises `IncompleteCheckpoint` for an empty file, `CorruptShard` for a file that is not a
     readable torch zip archive (truncated, foreign format, legacy non-zip pickle) and
     `UnsafePickle` for a pickle that needs a global outside the allow-list.
+
+    Pickled (a checked checkpoint's carried index, `merge_engine.layouts.tensor_index`), a parsed archive
+    keeps its URL, the size and version its reads are pinned to and the zip entries of the storage
+    records its tensors were checked against: no reader, no tree, no byte read. Unpickled, it opens a
+    reader pinned to that size and version (nothing is read) and serves the `StoredTensor` s pickled
+    with it; it cannot `load()` again.
     """
 
     def __init__(self, url: str, reader: RangeReader | None = None) -> None:
@@ -568,6 +584,8 @@ class TorchArchive:
     def load(self) -> Any:
         """The object tree with `StoredTensor` leaves (parsed once, then cached)."""
         if self._loaded is None:
+            if self._zip is None:
+                raise ValueError(f"{self.url}: a carried archive serves its tensors, its tree stays with the check")
             info = self._infos[self._prefix + "data.pkl"]
             if info.compress_type != zipfile.ZIP_STORED or info.file_size > MAX_PICKLE_BYTES:
                 raise CorruptShard(f"data.pkl is compressed or {info.file_size} bytes: not what torch.save writes",
@@ -715,3 +733,26 @@ class TorchArchive:
 
     def close(self) -> None:
         self.reader.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._loaded is None and self._zip is not None:
+            raise ValueError(f"{self.url}: only a parsed archive is carried (call load() first)")
+        data = f"{self._prefix}data/"
+        records = {name: tuple(StorageRecordInfo(info.filename, info.header_offset, info.file_size, info.CRC,
+                                                 info.compress_type))
+                   for name, info in self._infos.items() if name.startswith(data)}
+        return {"url": self.url, "size": self.reader.size, "version": self.reader.version, "prefix": self._prefix,
+                "records": records, "starts": tuple(self._record_starts), "checked": tuple(self._checked_records)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.url = state["url"]
+        self.reader = RangeReader(self.url, state["size"], state["version"])
+        self._zip = None
+        self._prefix = state["prefix"]
+        self._infos = {name: StorageRecordInfo(*info) for name, info in state["records"].items()}
+        self._record_starts = list(state["starts"])
+        self._data_offsets = {}
+        self._checked_records = set(state["checked"])
+        self._views = []
+        self._loaded = None
+        self._crc = RecordChecks(self.url)

@@ -128,15 +128,17 @@ def listing_verdicts(files: Sequence[FileEntry]) -> list[tuple[str, Verdict]]:
     return found
 
 
-def check_checkpoint(url: str, backend: str | None = None) -> Checkpoint:
-    """List ``url`` once, pick the layout (or use ``backend``, a layout or an alias), check completeness.
+def check_checkpoint(url: str, backend: str | None = None, files: Sequence[FileEntry] | None = None) -> Checkpoint:
+    """List ``url`` once (or take ``files``, its listing as discovery made it: paths relative to ``url``),
+    pick the layout (or use ``backend``, a layout or an alias), check completeness. The checkpoint carries
+    what the check learned (`Checkpoint.lora`, `Checkpoint.index`): `open_checkpoint` reads no header again.
 
     A local folder holding a link out of it or a special file is refused first (`UnsafeFile`,
     `merge_engine.storage.source_files`): no byte of it is read."""
     if backend and backend not in ALIASES:
         layout_named(backend)  # an unknown name is refused before the listing is judged
     check_local_tree(url)
-    files = storage.list_files(url)
+    files = storage.list_files(url) if files is None else list(files)
     checkpoint = find_layout(url, files, backend).check_complete(url, files)
     if checkpoint.layout == megatron_dist.NAME and megatron_dist.HOLDS_LORA in checkpoint.notes:
         # a LoRA run's dist checkpoint (use_dist_checkpointing, or no PEFT export): its own layout

@@ -9,7 +9,7 @@ Layouts import neither discovery nor the planner: they sit below both (see ``tes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -59,6 +59,13 @@ class Checkpoint:
 
     ``parallel`` holds the parallel sizes (``world_size`` for FSDP; ``tp``/``pp``/... for Megatron),
     ``hf_dir`` the folder with config and tokenizer, ``fingerprint`` the listing's digest.
+
+    What the check learned, carried so that nothing is read twice: ``lora`` (the weights hold LoRA
+    factors: `holds_lora` of the tensor names read; None where the layout read no names) and
+    ``index`` (the parsed tensor index, `merge_engine.layouts.tensor_index`: `Layout.open` builds the
+    source from it without reading a header again, in this process or any other it is pickled to;
+    None where the layout carries none or it was over `tensor_index.MAX_INDEX_BYTES`: then `open`
+    reads the headers itself). Neither takes part in equality: the listing decides what a checkpoint is.
     """
 
     url: str
@@ -68,6 +75,8 @@ class Checkpoint:
     hf_dir: str | None = None
     fingerprint: str = ""
     notes: tuple[str, ...] = ()
+    lora: bool | None = field(default=None, compare=False)
+    index: bytes | None = field(default=None, repr=False, compare=False, hash=False)
 
 
 @dataclass(frozen=True)
@@ -167,6 +176,14 @@ class WritableLayout(Layout, Protocol):
                    cancel: Any = None) -> FileRecord: ...
 
     def finish(self, records: Sequence[FileRecord], target_url: str) -> list[FileRecord]: ...
+
+
+LORA_MARKERS = (".lora_A.", ".lora_embedding_A.")  # PEFT's names of a LoRA's first factor
+
+
+def holds_lora(names: Iterable[str]) -> bool:
+    """Do these tensor names (a PEFT-wrapped state dict's) hold LoRA factors? Names only, no I/O."""
+    return any(marker in name for name in names for marker in LORA_MARKERS)
 
 
 def by_path(files: Sequence[FileEntry]) -> dict[str, FileEntry]:

@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, WorldSizeMismatch
-from merge_engine.layouts.contract import ABSENT, DONE, HF_NAMES, INCOMPLETE, INVALID, Checkpoint, Verdict
+from merge_engine.layouts.contract import (
+    ABSENT, DONE, HF_NAMES, INCOMPLETE, INVALID, Checkpoint, Verdict, holds_lora,
+)
 from merge_engine.formats.json_file import read_json_object
 from merge_engine.storage import FileEntry
 
@@ -157,7 +159,10 @@ def world_size_of(url: str, files: list[FileEntry]) -> int:
 
 
 def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
-    """Every rank file present, non-empty, a readable torch archive with the same keys."""
+    """Every rank file present, non-empty, a readable torch archive with the same keys, each key's
+    pieces assembling into one tensor; the assembled index carried (`merge_engine.layouts.tensor_index`)."""
+    from merge_engine.layouts.tensor_index import carry
+
     world_size = world_size_of(url, files)
     archives = _open_archives(url, files, world_size)
     try:
@@ -166,6 +171,7 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
             if keys != key_sets[0]:
                 diff = sorted(keys ^ key_sets[0])[:3]
                 raise CorruptShard(f"rank {rank} holds different tensors than rank 0 (e.g. {diff})", archives[rank].url)
+        tensors = _assembled(url, archives)
     finally:
         for archive in archives:
             archive.close()
@@ -178,7 +184,8 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
         if version is not None:
             parallel["fsdp_version"] = version
     return Checkpoint(url=url, layout=NAME, files=entries, parallel=parallel, hf_dir=hf_dir,
-                      fingerprint=storage.fingerprint(entries))
+                      fingerprint=storage.fingerprint(entries), lora=holds_lora(tensors),
+                      index=carry(tensors, archives))
 
 
 def state_dict(archive: TorchArchive) -> dict[str, Any]:
@@ -222,22 +229,34 @@ def clean_name(name: str) -> str:
     return name
 
 
-def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb
-    """Assemble every key across ranks into a full-tensor view; reads headers only."""
+def _assembled(url: str, archives: list[TorchArchive]) -> dict[str, Any]:
+    """Every key of the loaded rank files assembled across ranks into its full lazy tensor (cleaned names)."""
     from merge_engine.layouts.fsdp_tensors import assemble
+
+    trees = [state_dict(a) for a in archives]
+    tensors = {}
+    for key in trees[0]:
+        values = [tree[key] for tree in trees]
+        name = clean_name(key)
+        if name in tensors:
+            raise CorruptShard(f"two keys clean to the same name {name!r}", url)
+        tensors[name] = assemble(key, values, archives)
+    return tensors
+
+
+def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb
+    """The full-tensor view of every key: from the index the check carried (nothing read), else from
+    the rank files' headers."""
+    from merge_engine.layouts.tensor_index import restore
     from merge_engine.formats.tensor_source import AssembledSource
 
+    if checkpoint.index is not None:
+        tensors, archives = restore(checkpoint.index)
+        return AssembledSource(checkpoint.url, tensors, archives)
     world_size = checkpoint.parallel["world_size"]
     archives = _open_archives(checkpoint.url, list(checkpoint.files), world_size)
     try:
-        trees = [state_dict(a) for a in archives]
-        tensors = {}
-        for key in trees[0]:
-            values = [tree[key] for tree in trees]
-            name = clean_name(key)
-            if name in tensors:
-                raise CorruptShard(f"two keys clean to the same name {name!r}", checkpoint.url)
-            tensors[name] = assemble(key, values, archives)
+        tensors = _assembled(checkpoint.url, archives)
     except Exception:
         for archive in archives:
             archive.close()

@@ -23,7 +23,7 @@ from merge_engine.errors import CorruptShard, IncompleteCheckpoint
 from merge_engine.formats.hf_metadata import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from merge_engine.formats.json_file import read_json_object
 from merge_engine.layouts import verl_v2
-from merge_engine.layouts.contract import ABSENT, DONE, HF_NAMES, INCOMPLETE, Checkpoint, Verdict, by_path
+from merge_engine.layouts.contract import ABSENT, DONE, HF_NAMES, INCOMPLETE, Checkpoint, Verdict, by_path, holds_lora
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:  # the readers import torch: imported when a folder is checked or opened, not with the registry
@@ -204,12 +204,12 @@ def _open_files(url: str, files: list[FileEntry]) -> tuple[list[SafetensorsFile]
 
 
 def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
-    opened, _ = _open_files(url, files)
+    opened, tensors = _open_files(url, files)
     for handle in opened:
         handle.close()
     entries = tuple(f for f in files if "/" not in f.path)
     return Checkpoint(url=url, layout=NAME, files=entries, parallel={}, hf_dir=url,
-                      fingerprint=storage.fingerprint(entries))
+                      fingerprint=storage.fingerprint(entries), lora=holds_lora(tensors))
 
 
 def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb

@@ -76,7 +76,7 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
                            + [f for f in files if f.path in MEGATRON_MARKERS], key=lambda f: f.path))
     return Checkpoint(url=url, layout=NAME, files=entries, parallel=megatron_dist.parallel_sizes(url, files),
                       hf_dir=hf_url,
-                      fingerprint=storage.fingerprint(entries), notes=("bridge export", *notes))
+                      fingerprint=storage.fingerprint(entries), notes=("bridge export", *notes), lora=inner.lora)
 
 
 def _check_tensor_set(inner: Checkpoint) -> tuple[str, ...]:

@@ -70,6 +70,7 @@ from merge_engine.layouts.contract import (
     Verdict,
     WriteCancelled,
     by_path,
+    holds_lora,
 )
 from merge_engine.layouts.megatron_lm_root import choose_iteration
 from merge_engine.storage import FileEntry
@@ -233,7 +234,7 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     if any(ADAPTER_KEY in k for k in index.tensors):  # the registry hands it to `megatron_lora`
         notes += (HOLDS_LORA,)
     return Checkpoint(url=root, layout=NAME, files=entries, parallel=parallel_sizes(root, files), hf_dir=hf_dir,
-                      fingerprint=storage.fingerprint(entries), notes=notes)
+                      fingerprint=storage.fingerprint(entries), notes=notes, lora=holds_lora(index.tensors))
 
 
 def canonical_tensors(index: DcpIndex, files: DcpFiles) -> dict[str, DcpTensor]:

@@ -60,6 +60,7 @@ from merge_engine.layouts.contract import (
     ParallelSizes,
     Verdict,
     WriteCancelled,
+    holds_lora,
 )
 from merge_engine.layouts.megatron_lm_root import choose_iteration
 from merge_engine.storage import FileEntry
@@ -144,13 +145,25 @@ def _choose_root(url: str, files: list[FileEntry]) -> tuple[str, list[FileEntry]
     return choose_iteration(url, files, iterations, holds="rank files")
 
 
-def _open_archive(url: str, entry: FileEntry) -> TorchArchive:
+Opened = dict[str, "TorchArchive"]  # rank file path -> its archive, opened and parsed once per check or open
+
+
+def _open_archive(url: str, entry: FileEntry, opened: Opened) -> TorchArchive:
+    """The archive of ``entry``, opened once into ``opened`` (which the caller closes)."""
     from merge_engine.formats.torch_archive import TorchArchive
 
-    file_url = storage.join(url, entry.path)
-    if entry.size == 0:
-        raise IncompleteCheckpoint("rank file is empty (0 bytes)", file_url)
-    return TorchArchive(file_url, storage.RangeReader.listed(file_url, entry))
+    archive = opened.get(entry.path)
+    if archive is None:
+        file_url = storage.join(url, entry.path)
+        if entry.size == 0:
+            raise IncompleteCheckpoint("rank file is empty (0 bytes)", file_url)
+        archive = opened[entry.path] = TorchArchive(file_url, storage.RangeReader.listed(file_url, entry))
+    return archive
+
+
+def _close_all(opened: Opened) -> None:
+    for archive in opened.values():
+        archive.close()
 
 
 def chunk_states(tree: Any, archive: TorchArchive) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -181,8 +194,9 @@ def chunk_states(tree: Any, archive: TorchArchive) -> tuple[list[dict[str, Any]]
     return states, args
 
 
-def _grid(url: str, files: list[FileEntry]) -> RankGrid:
-    """Parallel sizes from the folder names (+ Megatron-LM args), every cell checked present."""
+def _grid(url: str, files: list[FileEntry], opened: Opened) -> RankGrid:
+    """Parallel sizes from the folder names (+ Megatron-LM args), every cell checked present. The rank
+    files it parses (TP rank 0's, maybe one more) stay in ``opened`` for the caller to reuse."""
     cells: dict[tuple[int, ...], FileEntry] = {}
     kinds, prefixes = set(), set()
     for entry in files:
@@ -204,27 +218,24 @@ def _grid(url: str, files: list[FileEntry]) -> RankGrid:
     ndim = dims.pop()
     spans = [max(c[i] for c in cells) + 1 for i in range(ndim)]
     prefix = prefixes.pop()
-    first = _open_archive(url, cells[(0,) * ndim]) if (0,) * ndim in cells else None
+    first = _open_archive(url, cells[(0,) * ndim], opened) if (0,) * ndim in cells else None
     if first is None:
         raise IncompleteCheckpoint("rank folder of TP rank 0 missing", storage.join(url, prefix + _folder((0,) * ndim)))
-    try:
-        states, args = chunk_states(first.load(), first)
-        tp, rest = spans[0], spans[1:]
-        if ndim == 1:
-            pp, ep = 1, 1
-        elif ndim == 3:
-            pp, ep = rest
+    states, args = chunk_states(first.load(), first)
+    tp, rest = spans[0], spans[1:]
+    if ndim == 1:
+        pp, ep = 1, 1
+    elif ndim == 3:
+        pp, ep = rest
+    else:
+        if rest[0] == 1:
+            raise IncompleteCheckpoint(f"only {_folder((0, 0))}-style folders: the suffix says PP or EP > 1, "
+                                       "but no second stage or expert rank is here", url)
+        if args:
+            stage_axis = _arg_size(args, "pipeline_model_parallel_size", first.url) > 1
         else:
-            if rest[0] == 1:
-                raise IncompleteCheckpoint(f"only {_folder((0, 0))}-style folders: the suffix says PP or EP > 1, "
-                                           "but no second stage or expert rank is here", url)
-            if args:
-                stage_axis = _arg_size(args, "pipeline_model_parallel_size", first.url) > 1
-            else:
-                stage_axis = not _holds_embedding(url, cells.get((0, 1)))
-            pp, ep = (rest[0], 1) if stage_axis else (1, rest[0])
-    finally:
-        first.close()
+            stage_axis = not _holds_embedding(url, cells.get((0, 1)), opened)
+        pp, ep = (rest[0], 1) if stage_axis else (1, rest[0])
     vpp = len(states)
     if args:
         recorded = {"tp": args.get("tensor_model_parallel_size"), "pp": args.get("pipeline_model_parallel_size"),
@@ -268,15 +279,12 @@ def _folder(coords: tuple[int, ...]) -> str:
     return f"mp_rank_{coords[0]:02d}" + "".join(f"_{c:03d}" for c in coords[1:])
 
 
-def _holds_embedding(url: str, entry: FileEntry | None) -> bool:
+def _holds_embedding(url: str, entry: FileEntry | None, opened: Opened) -> bool:
     if entry is None:
         return False
-    archive = _open_archive(url, entry)
-    try:
-        states, _ = chunk_states(archive.load(), archive)
-        return any(k.endswith(EMBEDDING) for k in states[0])
-    finally:
-        archive.close()
+    archive = _open_archive(url, entry, opened)
+    states, _ = chunk_states(archive.load(), archive)
+    return any(k.endswith(EMBEDDING) for k in states[0])
 
 
 def _hf_dir(url: str, files: list[FileEntry], prefix: str) -> str | None:
@@ -289,15 +297,18 @@ def _hf_dir(url: str, files: list[FileEntry], prefix: str) -> str | None:
 
 
 def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
-    """Every rank file present, non-empty and readable; sizes consistent (see module docstring)."""
+    """Every rank file present, non-empty and readable (each parsed once); sizes consistent (see module
+    docstring); the canonical tensors' index carried (`merge_engine.layouts.tensor_index`)."""
+    from merge_engine.layouts.tensor_index import carry
+
     root, files = _choose_root(url, files)
-    grid = _grid(root, files)
-    archives = _open_all(root, grid)
+    opened: Opened = {}
     try:
-        _states_by_rank(grid, archives)
+        grid = _grid(root, files, opened)
+        archives = _open_all(root, grid, opened)
+        tensors = canonical_tensors(grid, archives)
     finally:
-        for archive in archives.values():
-            archive.close()
+        _close_all(opened)
     prefix = RANK_FILE.match(next(iter(grid.files.values())).path).group("prefix")
     hf_dir = _hf_dir(root, files, prefix)
     hf_folder = hf_dir.rstrip("/").rsplit("/", 1)[-1] + "/" if hf_dir else None
@@ -306,19 +317,16 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     notes = ("Megatron-LM model_optim_rng.pt" if grid.kind == MEGATRON_LM_FILE else "verl legacy model.pt",)
     return Checkpoint(url=root, layout=NAME, files=entries,
                       parallel={"tp": grid.tp, "pp": grid.pp, "ep": grid.ep, "vpp": grid.vpp},
-                      hf_dir=hf_dir, fingerprint=storage.fingerprint(entries), notes=notes)
+                      hf_dir=hf_dir, fingerprint=storage.fingerprint(entries), notes=notes,
+                      lora=holds_lora(tensors), index=carry(tensors, list(archives.values())))
 
 
-def _open_all(url: str, grid: RankGrid) -> dict[tuple[int, int, int], TorchArchive]:
+def _open_all(url: str, grid: RankGrid, opened: Opened) -> dict[tuple[int, int, int], TorchArchive]:
+    """Every rank file of the grid, parsed (those `_grid` parsed are reused from ``opened``)."""
     archives: dict[tuple[int, int, int], TorchArchive] = {}
-    try:
-        for coords, entry in grid.files.items():
-            archives[coords] = _open_archive(url, entry)
-            archives[coords].load()
-    except Exception:
-        for archive in archives.values():
-            archive.close()
-        raise
+    for coords, entry in grid.files.items():
+        archives[coords] = _open_archive(url, entry, opened)
+        archives[coords].load()
     return archives
 
 
@@ -491,18 +499,23 @@ def _canonical(key: str, first_layer: int, ep_rank: int, local_experts: int) -> 
 
 
 def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb
-    """The canonical Megatron tensors of the checkpoint, lazily (headers read, no weights)."""
+    """The canonical Megatron tensors of the checkpoint, lazily: from the index the check carried
+    (nothing read), else from the rank files' headers (no weights)."""
+    from merge_engine.layouts.tensor_index import restore
     from merge_engine.formats.tensor_source import AssembledSource
 
-    grid = _grid(checkpoint.url, list(checkpoint.files))
-    archives = _open_all(checkpoint.url, grid)
-    try:
-        tensors = canonical_tensors(grid, archives)
-    except Exception:
-        for archive in archives.values():
-            archive.close()
-        raise
-    source = AssembledSource(checkpoint.url, tensors, list(archives.values()))
+    if checkpoint.index is not None:
+        tensors, handles = restore(checkpoint.index)
+    else:
+        opened: Opened = {}
+        try:
+            grid = _grid(checkpoint.url, list(checkpoint.files), opened)
+            tensors = canonical_tensors(grid, _open_all(checkpoint.url, grid, opened))
+        except Exception:
+            _close_all(opened)
+            raise
+        handles = list(opened.values())
+    source = AssembledSource(checkpoint.url, tensors, handles)
     source.parallel = dict(checkpoint.parallel)
     return source
 

@@ -191,7 +191,7 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
             or (folder is not None and f.path.startswith(folder) and "/" not in f.path[len(folder):])]
     entries = tuple(sorted(keep, key=lambda f: f.path))
     return Checkpoint(url=url, layout=NAME, files=entries, parallel=megatron_dist.parallel_sizes(url, files),
-                      hf_dir=hf_dir, fingerprint=storage.fingerprint(entries), notes=tuple(notes))
+                      hf_dir=hf_dir, fingerprint=storage.fingerprint(entries), notes=tuple(notes), lora=True)
 
 
 def holds_base(checkpoint: Checkpoint) -> bool:

@@ -25,7 +25,8 @@ import torch
 from merge_engine import storage
 from merge_engine.errors import AdapterError, CorruptShard, InvalidOption
 from merge_engine.formats.json_file import read_json_object
-from merge_engine.layouts import Checkpoint, open_checkpoint
+from merge_engine.layouts import Checkpoint
+from merge_engine.layouts.contract import holds_lora
 from merge_engine.lora.adapter_io import Adapter, lora_modules
 from merge_engine.lora.config import LoraSettings
 from merge_engine.lora.fuse import WeightedAdapter, plan_fused_model
@@ -49,19 +50,9 @@ TASK_TYPES = {"ForCausalLM": "CAUSAL_LM", "ForTokenClassification": "TOKEN_CLS",
 
 
 def is_lora_checkpoint(metas: Mapping[str, TensorMeta]) -> bool:
-    return any(".lora_A." in key or ".lora_embedding_A." in key for key in metas)
-
-
-def checkpoint_holds_lora(checkpoint: Checkpoint) -> bool:
-    """Does a checked checkpoint hold LoRA factors? From its tensor names (headers only, no weight); a verl
-    Megatron LoRA step (`merge_engine.layouts.megatron_lora`) always does."""
-    if checkpoint.layout == "megatron_lora":
-        return True
-    source = open_checkpoint(checkpoint)
-    try:
-        return is_lora_checkpoint(source.metas())
-    finally:
-        source.close()
+    """Do these tensors hold LoRA factors (`merge_engine.layouts.contract.holds_lora`, which a check records
+    as `Checkpoint.lora`)?"""
+    return holds_lora(metas)
 
 
 @dataclass(frozen=True)

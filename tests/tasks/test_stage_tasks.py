@@ -123,7 +123,8 @@ def test_results_can_be_kept_in_s3(prefect, s3_bucket_url, monkeypatch):
 
 
 def test_the_deep_check_runs_once_per_merge(prefect, template_run, tmp_path, monkeypatch):
-    """The check task's record is the checkpoint the merge uses: its headers are not checked twice."""
+    """The check task's record is the checkpoint the merge uses: its headers are not checked twice, and the
+    check reads discovery's listing of the step (not listing it again)."""
     import merge_engine.commands.merge
     import tasks.check
 
@@ -131,12 +132,13 @@ def test_the_deep_check_runs_once_per_merge(prefect, template_run, tmp_path, mon
     for module in (tasks.check, merge_engine.commands.merge):
         real = module.check_checkpoint
         monkeypatch.setattr(module, "check_checkpoint",
-                            lambda url, backend=None, _real=real: calls.append(url) or _real(url, backend))
+                            lambda url, backend=None, files=None, _real=real:
+                            calls.append((url, files is not None)) or _real(url, backend, files))
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [1])
     out = chain(run_root, 1, str(tmp_path / "releases"), str(tmp_path / "staging"))
     assert out["merge"][0] == "Completed" and verify_folder(out["publish"][1].url).ok
-    assert calls == [str(tmp_path / "run" / "global_step_1" / "actor")]
+    assert calls == [(str(tmp_path / "run" / "global_step_1" / "actor"), True)]
 
 
 def test_a_release_of_other_content_is_refused_and_the_staging_folder_removed(prefect, template_run, tmp_path):
