@@ -36,10 +36,10 @@ def check_against_reference(source_url: str, reference_url: str, options: MergeO
     ``reference_url``. Raises what ``merge``'s preparation raises."""
     prepared = MergeJob(source_url, "", options).prepare()  # no target: nothing is written
     try:
-        (output,) = prepared.outputs  # a merge plans one safetensors folder
+        (source,) = prepared.sources  # a merge plans one safetensors folder over one source
         reference = open_checkpoint(check_checkpoint(reference_url, "hf"))
         try:
-            checks = compare_plan_to_reference(output.plan, output.source, reference, atol=atol, rtol=rtol,
+            checks = compare_plan_to_reference(prepared.plan(), source, reference, atol=atol, rtol=rtol,
                                                chunk_bytes=options.chunk_bytes)
         finally:
             reference.close()

@@ -4,7 +4,8 @@ A `UnitTask` is everything a worker needs to write one unit (a safetensors shard
 ``split``...), and small: the `OutputJob` (URLs and options), a key naming the job, the unit's place in the
 job's outputs, the folder URL, and what the coordinator planned for it (file, size, tensors). `run_unit_task`
 is the body a worker runs: it gets the job's prepared outputs there (`prepared_outputs`: the job prepared
-again, metadata only: listing, headers, plan; once per worker process and job), checks that its unit there
+again, once per worker process and job, from the checked checkpoint the job carries: its listing, config and
+parsed tensor index, so no header is read again, only the plan is made), checks that its unit there
 is the one the coordinator planned, and runs it (`WorkUnit.run`) straight from the checkpoint's storage to
 the target URL. `RemoteExecutor.write` makes the tasks, hands them to `run_all` (Ray, or a Prefect task
 runner), then removes workers' debris and finishes each output (its ``finish`` and ``then`` files).
