@@ -1,6 +1,6 @@
 """Prefect flows: merge one step (`merge_step`), merge every new step (`merge_new_steps`, scheduled),
 release a LoRA adapter (`release_adapter`), verify every published release (`verify_releases`,
-scheduled). Their stages are declared by name in `flows.stages.CHAINS`, and what a run did is a
+scheduled). Their stages are chained in plain code in `flows.stages` (`model_chain`, `adapter_chain`), and what a run did is a
 record of `flows.outcomes`; parameters are pydantic models (`flows.params`). A deployed watcher
 (`merge_new_steps` submitting to a deployment) imports neither torch nor transformers. `flows.cli` is the ``stepmerge`` console program: the engine's commands
 plus ``notify`` (`flows.events`: the checkpoint-saved event).

@@ -8,7 +8,7 @@
     "not ready" ends Completed only when a watcher will merge the step later, in a state named
     ``NotReady`` with the tag ``not-ready`` (`flows.run_labels.ended`), and the artifact names the
     watcher; otherwise the run fails saying so (`flows.watchers`). No green run that did nothing.
-    model:   merge           -> validate         -> publish          (the chains of `flows.stages.CHAINS`)
+    model:   merge           -> validate         -> publish          (`flows.stages.model_chain`)
     adapter: extract-adapter -> validate-adapter -> publish-adapter  (LoRA checkpoints only)
 
 The merged model of a LoRA checkpoint is the trained model (adapters fused, as the engine defines

@@ -5,20 +5,23 @@
 exception when it failed). `ready_checkpoint` finds a step (a listing of its own folder only) and
 checks it, or says why it is not ready yet (the one rule for merge_step and release_adapter).
 
-`CHAINS` declares, per kind of output (the merged model, or the LoRA adapter), its stages as
-named `StageSpec` s: a name (shown in outcomes and summaries), a task, how the task's arguments come
-from the chain's `ReleaseInputs` and the earlier stages' results, and what its result is called::
+Each kind of output has its chain, plain code that reads top to bottom (`model_chain`,
+`adapter_chain`): three stage tasks, each fed by the ones before it::
 
-    model:   merge            -> output       (staging, or "already released": nothing read)
-             validate         -> validation   (report; a LoRA checkpoint's output is also compared with
-                                               the trained model PEFT rebuilds from it)
-             publish          -> release      (manifest and _COMPLETE marker)
-    adapter: extract-adapter  -> output
-             validate-adapter -> validation
-             publish-adapter  -> release
+    model:   merge            -> BuiltOutput       (staging, or "already released": nothing read)
+             validate         -> ValidationReport  (a LoRA checkpoint's output is also compared with
+                                                    the trained model PEFT rebuilds from it)
+             publish          -> Release           (manifest and _COMPLETE marker)
+    adapter: extract-adapter  -> BuiltOutput
+             validate-adapter -> ValidationReport
+             publish-adapter  -> Release
 
-`release_output` runs one chain and tells from its OWN stages' states whether it was all cache
-hits and whether this run published anything: a stage added to a chain counts, wherever it is.
+Records crossing a stage are the engine's own (`merge_engine.release.built.BuiltOutput`,
+`merge_engine.validate.ValidationReport`, `merge_engine.release.publish.Release`). `release_output`
+reads the release's state ONCE and gives it to every stage (a stage asks it instead of reading the
+release again; publishing reads it afresh only when it has something to write), runs the chain and
+tells from its OWN stages' states whether it was all cache hits and whether this run published
+anything: a stage added to a chain counts, wherever it is.
 
 Plain task calls: a re-run is all cache hits. A cached result whose output is gone (the release was
 deleted or damaged since) is not trusted: the tasks' cache policy moves to a new cache generation
@@ -38,17 +41,18 @@ that the watcher reads back.
 
 import os
 import time
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from flows.outcomes import ReleaseOutcome, StageRun, StepOutcome
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, StepNotFound
-from merge_engine.release.state import ADAPTER, MODEL, ReleaseProvenance
-from tasks.adapter import extract_adapter, validate_adapter
+from merge_engine.release.built import BuiltOutput
+from merge_engine.release.publish import Release
+from merge_engine.release.state import ADAPTER, MODEL, ReleaseProvenance, ReleaseState, release_state
+from merge_engine.validate import ValidationReport
+from tasks.build import BuildSpec, extract_adapter, merge_model
 from tasks.check import check_step
 from tasks.discover import discover_step, discover_steps
-from tasks.merge import merge_model
 from tasks.publish import publish_release
 from tasks.records import (
     AdapterSettings,
@@ -56,11 +60,10 @@ from tasks.records import (
     ExecutionSettings,
     MergeSettings,
     StepRecord,
-    ValidationRecord,
     ValidationSettings,
 )
 from tasks.results import configured_result_storage
-from tasks.validate import validate_output
+from tasks.validate import validate_adapter, validate_output
 
 SETTLE_S = float(os.environ.get("STEPMERGE_SETTLE_S", "3"))  # pause before listing a failed step again
 
@@ -165,69 +168,47 @@ class ReleaseInputs:
                                  checkpoint_lora=self.checkpoint.lora, settings=self.options)
 
 
-Arguments = Callable[[ReleaseInputs, Mapping[str, Any]], tuple]
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """One stage of a chain: ``name`` (outcomes, summaries), ``task``, ``arguments`` (the task's
-    positional arguments from the chain's inputs and the results of the stages before it, by what
-    they produce) and ``produces`` (what its result is called)."""
-
-    name: str
-    task: Any
-    arguments: Arguments
-    produces: str
-
-
-OUTPUT, VALIDATION, RELEASE = "output", "validation", "release"  # what every chain produces
-
-
-def _publish_arguments(inputs: ReleaseInputs, done: Mapping[str, Any]) -> tuple:
-    return (done[OUTPUT], done[VALIDATION], inputs.release, inputs.provenance().to_manifest_options(),
-            inputs.overwrite)
-
-
-CHAINS: Dict[str, Tuple[StageSpec, ...]] = {
-    MODEL: (
-        StageSpec("merge", merge_model, lambda i, done: (i.checkpoint, i.merge, i.release, i.staging_root,
-                                                         i.overwrite, i.execution), OUTPUT),
-        StageSpec("validate", validate_output, lambda i, done: (done[OUTPUT], i.validation, i.release,
-                                                                *i.trained_model_arguments()), VALIDATION),
-        StageSpec("publish", publish_release, _publish_arguments, RELEASE),
-    ),
-    ADAPTER: (
-        StageSpec("extract-adapter", extract_adapter, lambda i, done: (i.step, i.checkpoint, i.adapter, i.release,
-                                                                       i.staging_root, i.overwrite, i.execution),
-                  OUTPUT),
-        StageSpec("validate-adapter", validate_adapter,
-                  lambda i, done: (done[OUTPUT], i.validation, i.fused_model_url, i.release,
-                                   *i.trained_model_arguments()), VALIDATION),
-        StageSpec("publish-adapter", publish_release, _publish_arguments, RELEASE),
-    ),
-}
+    def build_spec(self) -> BuildSpec:
+        return BuildSpec(self.kind, self.step.fingerprint, self.checkpoint, self.merge or self.adapter)
 
 
 @dataclass(frozen=True)
 class ChainRun:
-    """What a chain did: each stage's result and `StageRun`, keyed by what the stage produces."""
+    """What a chain did: its three results and the `StageRun` of each stage it ran, in order."""
 
-    results: Dict[str, Any]
-    runs: Dict[str, StageRun]
+    output: BuiltOutput
+    validation: ValidationReport
+    release: Release
+    runs: Tuple[StageRun, ...]
 
     @property
     def cached(self) -> bool:
         """Every stage of the chain was a cache hit (whatever the chain's length)."""
-        return all(run.cached for run in self.runs.values())
+        return all(run.cached for run in self.runs)
 
 
-def run_chain(timer: StageTimer, chain: Tuple[StageSpec, ...], inputs: ReleaseInputs) -> ChainRun:
-    """Run ``chain`` in order, each stage's arguments taken from ``inputs`` and the results before it."""
-    done = ChainRun({}, {})
-    for spec in chain:
-        done.results[spec.produces], done.runs[spec.produces] = timer.call(
-            spec.name, spec.task, *spec.arguments(inputs, done.results))
-    return done
+def model_chain(timer: StageTimer, inputs: ReleaseInputs, state: ReleaseState) -> ChainRun:
+    """merge -> validate -> publish: the merged model of ``inputs.checkpoint`` at ``inputs.release``."""
+    first = len(timer.stages)
+    output = timer.run("merge", merge_model, inputs.build_spec(), inputs.release, inputs.staging_root,
+                       inputs.overwrite, inputs.execution, state)
+    report = timer.run("validate", validate_output, output, inputs.validation, inputs.release,
+                       *inputs.trained_model_arguments(), state)
+    released = timer.run("publish", publish_release, output, report, inputs.release,
+                         inputs.provenance().to_manifest_options(), inputs.overwrite, state)
+    return ChainRun(output, report, released, tuple(timer.stages[first:]))
+
+
+def adapter_chain(timer: StageTimer, inputs: ReleaseInputs, state: ReleaseState) -> ChainRun:
+    """extract-adapter -> validate-adapter -> publish-adapter: the PEFT adapter of ``inputs.checkpoint``."""
+    first = len(timer.stages)
+    output = timer.run("extract-adapter", extract_adapter, inputs.build_spec(), inputs.release, inputs.staging_root,
+                       inputs.overwrite, inputs.execution, state)
+    report = timer.run("validate-adapter", validate_adapter, output, inputs.validation, inputs.fused_model_url,
+                       inputs.release, *inputs.trained_model_arguments(), state)
+    released = timer.run("publish-adapter", publish_release, output, report, inputs.release,
+                         inputs.provenance().to_manifest_options(), inputs.overwrite, state)
+    return ChainRun(output, report, released, tuple(timer.stages[first:]))
 
 
 def release_output(timer: StageTimer, kind: str, step: StepRecord, checkpoint: CheckpointRecord, release: str, *,
@@ -235,28 +216,31 @@ def release_output(timer: StageTimer, kind: str, step: StepRecord, checkpoint: C
                    validation: ValidationSettings, staging_root: Optional[str], options: dict,
                    overwrite: bool = False, fused_model_url: Optional[str] = None,
                    execution: Optional[ExecutionSettings] = None) -> ReleaseOutcome:
-    """Build, validate and publish one output of ``checkpoint`` at ``release`` (the chain of ``kind``)."""
+    """Build, validate and publish one output of ``checkpoint`` at ``release`` (the chain of ``kind``).
+
+    The release's state is read once, here: every stage is given it (publishing reads it again only
+    when it has something to write)."""
     inputs = ReleaseInputs(kind=kind, step=step, checkpoint=checkpoint, release=release, validation=validation,
                            staging_root=staging_root, options=options, overwrite=overwrite, merge=merge,
                            adapter=adapter, fused_model_url=fused_model_url, execution=execution)
-    chain = run_chain(timer, CHAINS[kind], inputs)
-    output, report, released = (chain.results[name] for name in (OUTPUT, VALIDATION, RELEASE))
+    chain = (model_chain if kind == MODEL else adapter_chain)(timer, inputs, release_state(release))
+    output, report, released = chain.output, chain.validation, chain.release
     return ReleaseOutcome(kind=kind, url=released.url, fingerprint=released.fingerprint,
                           # publish a cache hit: this run published nothing
                           already_published=(released.already_published or output.released
-                                             or chain.runs[RELEASE].cached),
+                                             or chain.runs[-1].cached),
                           cached=chain.cached, validation_ok=report.ok,
                           validation_summary=released_summary(report, released.url), tensors=output.tensors,
                           tensor_bytes=output.tensor_bytes, files=released.files, total_bytes=released.total_bytes)
 
 
-def released_summary(report: ValidationRecord, release_url: str) -> str:
+def released_summary(report: ValidationReport, release_url: str) -> str:
     """The validation summary naming the RELEASE (validation ran on the staging copy, removed after the
     publish, whose bytes the publish checked against the shard jobs' sha256 while copying)."""
     if not report.model_url or report.model_url == release_url:
-        return report.summary
-    return replace(report.to_report(), model_url=release_url).summary()
+        return report.summary()
+    return replace(report, model_url=release_url).summary()
 
 
 __all__ = ["StageRun", "ReleaseOutcome", "StepOutcome", "StageTimer", "ReadyCheckpoint", "ready_checkpoint",
-           "ReleaseInputs", "StageSpec", "CHAINS", "ChainRun", "run_chain", "release_output", "MODEL", "ADAPTER"]
+           "ReleaseInputs", "ChainRun", "model_chain", "adapter_chain", "release_output", "MODEL", "ADAPTER"]

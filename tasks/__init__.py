@@ -2,14 +2,16 @@
 
     discover_steps / discover_step / find_published     listings (never cached, always fresh)
     check_step        deep completeness check            cached on the step's listing fingerprint
-    merge_model       checkpoint -> staged HF folder     cached on fingerprint + options + engine
-    extract_adapter   LoRA checkpoint -> staged adapter  cached likewise
+    build_output      checkpoint -> staged output        cached on listing + settings + release + engine;
+                      shown as merge_model ("merge-model": the HF folder) and extract_adapter
+                      ("extract-adapter": the PEFT adapter), one body over a `tasks.build.BuildSpec`
     validate_output / validate_adapter                   cached on the output's fingerprint + settings
     publish_release   staging -> release + manifest + marker
 
-Each task is a decorator, a cache key (`tasks.cache`) and a release-state check over the engine's
-records (`merge_engine.release.state`); the work itself is the engine's.
-Records in and out (`tasks.records`), never tensors. Retries: transient storage faults only
+Each task is a decorator, a cache key (`tasks.cache`) and a question to the release's state
+(`merge_engine.release.state.ReleaseState`); the work itself is the engine's.
+Records in: settings and checkpoint records (`tasks.records`); out: the engine's own types
+(`BuiltOutput`, `ValidationReport`, `Release`), never tensors. Retries: transient storage faults only
 (`tasks.retry`). Result storage: local by default, S3/GCS when configured (`tasks.results`).
 Importing ``tasks`` (or a light module of it: `tasks.discover`, `tasks.records`, `tasks.progress`)
 imports no torch: each task below is imported from its module on first use (PEP 562), so the
@@ -22,8 +24,9 @@ from typing import Any
 # task name -> the module that defines it
 TASK_MODULES = {
     "discover_steps": "tasks.discover", "discover_step": "tasks.discover", "find_published": "tasks.discover",
-    "check_step": "tasks.check", "merge_model": "tasks.merge", "extract_adapter": "tasks.adapter",
-    "validate_output": "tasks.validate", "validate_adapter": "tasks.adapter", "publish_release": "tasks.publish",
+    "check_step": "tasks.check", "build_output": "tasks.build", "merge_model": "tasks.build",
+    "extract_adapter": "tasks.build", "validate_output": "tasks.validate", "validate_adapter": "tasks.validate",
+    "publish_release": "tasks.publish",
 }
 
 __all__ = list(TASK_MODULES)

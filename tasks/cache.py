@@ -12,8 +12,9 @@ Contract:
 - Inputs named in ``listed`` are URLs of folders whose CONTENT decides the output (a replacement
   config folder, a reference model, a base model): the key holds their listing's fingerprint
   (names, sizes, versions), so the same URL with new files is a new key. One listing per key.
-- A cached result whose OUTPUT no longer exists is not trusted (``still_valid``: e.g. the release it
-  describes was deleted). The key then moves on to the next GENERATION, ``<key>-g1``, ``-g2``...:
+- A cached result whose OUTPUT no longer exists is not trusted (``still_valid(result, inputs)``: e.g. the
+  release it describes was deleted; it is given the task's inputs, so it can ask the release state the
+  flow passed the task instead of reading the release once per generation). The key then moves on to the next GENERATION, ``<key>-g1``, ``-g2``...:
   the first generation that is free, or whose result is still valid, is the key. Every run walks
   the same chain, so two runs racing to rebuild a deleted release agree on the key and the
   isolation below makes one wait for the other, instead of both recomputing (which
@@ -24,6 +25,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -48,6 +50,8 @@ LOCKS = CrashSafeFileLockManager()
 def _canonical(value: Any) -> Any:
     if isinstance(value, BaseModel):
         return value.model_dump(mode="json")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _canonical(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):
         return [_canonical(v) for v in value]
     if isinstance(value, dict):
@@ -92,8 +96,10 @@ def generation_key(key: str, generation: int) -> str:
     return key if generation == 0 else f"{key}-g{generation}"
 
 
-def live_generation(store: Any, key: str, still_valid: Callable[[Any], bool]) -> str:
-    """The first generation of ``key`` with no record in ``store``, or with a still-valid result."""
+def live_generation(store: Any, key: str, still_valid: Callable[[Any, dict[str, Any]], bool],
+                    inputs: dict[str, Any]) -> str:
+    """The first generation of ``key`` with no record in ``store``, or with a still-valid result (for the
+    task's ``inputs``)."""
     for generation in range(MAX_GENERATIONS):
         candidate = generation_key(key, generation)
         if not store.exists(candidate):
@@ -104,7 +110,7 @@ def live_generation(store: Any, key: str, still_valid: Callable[[Any], bool]) ->
             logger.warning("cached result %s unreadable (%s); not used", candidate, exc)
             continue
         try:
-            if still_valid(value):
+            if still_valid(value, inputs):
                 return candidate
         except Exception as exc:  # noqa: BLE001 - cannot tell: do not trust it
             logger.warning("could not check the output of cached result %s (%s); not used", candidate, exc)
@@ -117,7 +123,7 @@ def live_generation(store: Any, key: str, still_valid: Callable[[Any], bool]) ->
 class StageCachePolicy(CacheKeyFnPolicy):
     """`CacheKeyFnPolicy` + output validation by generations (see the module docstring)."""
 
-    still_valid: Optional[Callable[[Any], bool]] = None
+    still_valid: Optional[Callable[[Any, dict[str, Any]], bool]] = None
 
     def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
                     **kwargs: Any) -> Optional[str]:
@@ -125,7 +131,7 @@ class StageCachePolicy(CacheKeyFnPolicy):
         store = getattr(task_ctx, "result_store", None)
         if key is None or self.still_valid is None or store is None:
             return key
-        return live_generation(store, key, self.still_valid)
+        return live_generation(store, key, self.still_valid, inputs)
 
 
 def _key_fn(stage: str, fields: Sequence[str], listed: Sequence[str]) -> Callable[[Any, dict[str, Any]], str]:
@@ -136,7 +142,8 @@ def _key_fn(stage: str, fields: Sequence[str], listed: Sequence[str]) -> Callabl
     return cache_key
 
 
-def stage_cache_policy(stage: str, fields: Sequence[str], still_valid: Optional[Callable[[Any], bool]] = None,
+def stage_cache_policy(stage: str, fields: Sequence[str],
+                       still_valid: Optional[Callable[[Any, dict[str, Any]], bool]] = None,
                        listed: Sequence[str] = ()) -> StageCachePolicy:
     """The policy of one stage task: key from ``fields`` (and the listings of ``listed`` URLs),
     generations by ``still_valid``, serialised per key."""

@@ -4,7 +4,9 @@ Wraps `merge_engine.release.publish.publish` (copy with sha256, manifest, marker
 publishers never both write). The task adds:
 - cache key: the output's fingerprint and kind, the release URL and the validation verdict;
 - an output found already released (or a release that already holds this fingerprint) is returned
-  as it is: nothing is copied twice;
+  as it is: nothing is copied twice. ``state``: the release's state as the flow read it at the chain's
+  start (None: read here); a release published meanwhile by another run is found by the engine's publish,
+  which looks again under its claim;
 - a release whose marker is valid but whose files are damaged (a file deleted or resized; seen
   from one listing) loses its marker first, so the engine clears it and publishes it again;
 - a failed validation publishes nothing (the engine removes the staging folder and raises
@@ -27,39 +29,45 @@ from prefect import task
 import merge_engine
 from merge_engine import storage
 from merge_engine.errors import TargetExists
+from merge_engine.release.built import BuiltOutput
 from merge_engine.release.publish import Release, publish
-from merge_engine.release.state import release_state, withdraw_damaged
+from merge_engine.release.state import ReleaseState, release_state, state_of, withdraw_damaged
+from merge_engine.validate import ValidationReport
 from tasks.cache import stage_cache_policy
-from tasks.records import OutputRecord, ReleaseRecord, ValidationRecord
 from tasks.retry import RETRY_OPTIONS
 
 
-def release_current(release: ReleaseRecord) -> bool:
-    """Is a cached release record still true: the release whole, from its fingerprint, same attempt?"""
-    state = release_state(release.url)
-    return state.holds(release.fingerprint) and state.manifest is not None and state.manifest.attempt == release.attempt
+def release_current(release: Release, inputs: dict[str, Any]) -> bool:
+    """Is a cached release still true (`ReleaseState.is_current`)? Asks the state the flow gave the task; a
+    "no" from it is asked again of the release as it is now (a concurrent run may have published since)."""
+    given = inputs.get("state")
+    state = state_of(release.url, given)
+    if state.is_current(release.fingerprint, release.attempt):
+        return True
+    return state is given and release_state(release.url).is_current(release.fingerprint, release.attempt)
 
 
 @task(name="publish-release",
       cache_policy=stage_cache_policy("publish", ("output.fingerprint", "output.kind", "release", "validation.ok"),
                                       still_valid=release_current),
       persist_result=True, **RETRY_OPTIONS)
-def publish_release(output: OutputRecord, validation: ValidationRecord, release: str,
-                    options: Optional[dict[str, Any]] = None, overwrite: bool = False) -> ReleaseRecord:
+def publish_release(output: BuiltOutput, validation: ValidationReport, release: str,
+                    options: Optional[dict[str, Any]] = None, overwrite: bool = False,
+                    state: Optional[ReleaseState] = None) -> Release:
     """Publish ``output`` (validated by ``validation``) at ``release``; see the module docstring."""
-    state = release_state(release)
+    state = state_of(release, state)
     if state.holds(output.fingerprint):
-        return ReleaseRecord.from_release(Release.from_manifest(release, state.manifest, already_published=True))
+        return Release.from_manifest(release, state.manifest, already_published=True)
     withdraw_damaged(state)  # readers must stop trusting a damaged release; it is published again
     if output.released:  # the record says released, the release says otherwise (deleted meanwhile)
         raise FileNotFoundError(f"{output.url} no longer holds release {output.fingerprint[:12]}; run the step "
                                 "again to rebuild it")
     try:
         published = publish(output.url, release, source=output.source_url, fingerprint=output.fingerprint,
-                            options=dict(options or {}), validation=validation.to_report(),
+                            options=dict(options or {}), validation=validation,
                             engine_version=merge_engine.__version__, overwrite=overwrite,
                             checksums=dict(output.checksums))
     except TargetExists:
         storage.remove(output.url, recursive=True)  # refused: this staging folder will never be published
         raise
-    return ReleaseRecord.from_release(published)
+    return published

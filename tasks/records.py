@@ -1,8 +1,11 @@
-"""The records that cross a task boundary: small, typed, frozen, never a tensor.
+"""The records a flow hands its tasks: small, typed, frozen, never a tensor.
 
 Each is a pydantic model (Prefect caches it, pickles it and shows it in the UI). They carry URLs,
-fingerprints, counts, timings and reports; the bytes stay in storage. `from_*` constructors turn
+fingerprints, counts and settings; the bytes stay in storage. `from_*` constructors turn
 the engine's dataclasses into records, `to_*` turn them back where an engine call needs one.
+What the build, validate and publish tasks RETURN is the engine's own frozen dataclasses
+(`merge_engine.release.built.BuiltOutput`, `merge_engine.validate.ValidationReport`,
+`merge_engine.release.publish.Release`): no twin here.
 This module imports no torch (the engine classes are imported inside the `to_*` methods): the
 listings-only watcher reads `StepRecord` s.
 """
@@ -21,8 +24,6 @@ if TYPE_CHECKING:  # the engine's classes: imported where a record is turned int
     from merge_engine.layouts.discovery import Step
     from merge_engine.layouts import Checkpoint
     from merge_engine.output.jobs import OutputOptions
-    from merge_engine.release.publish import Release
-    from merge_engine.validate import ValidationReport
 
 
 class Record(BaseModel):
@@ -180,73 +181,3 @@ class ExecutionSettings(create_model("execution_settings", __base__=Settings, __
     """
 
     record = "execution"
-
-
-class OutputRecord(Record):
-    """A model or adapter folder a stage wrote, or found already released.
-
-    ``url`` is where its bytes are now: the staging folder, or the release when this output was
-    already published (``released``: no merge ran, nothing was read). ``fingerprint`` is the
-    digest of inputs + options + engine version that the release manifest records.
-    """
-
-    kind: str  # "model" | "adapter"
-    source_url: str
-    url: str
-    fingerprint: str
-    release: str = ""  # where this output is (to be) published
-    attempt: str = ""  # unique per execution of the stage that produced it (a rebuild gets a new one)
-    layout: str = ""
-    tensors: int = 0
-    tensor_bytes: int = 0
-    files: int = 0
-    total_bytes: int = 0
-    seconds: float = 0.0
-    released: bool = False
-    notes: tuple[str, ...] = ()
-    checksums: tuple[tuple[str, str], ...] = ()  # (file, sha256) per weight file and index, from the shard jobs
-
-
-class ValidationRecord(Record):
-    """A `ValidationReport`, as data: ``ok``, the markdown summary and every check."""
-
-    model_url: str
-    ok: bool
-    summary: str
-    checks: tuple[dict[str, Any], ...] = ()
-    reference_url: Optional[str] = None
-    seconds: float = 0.0
-
-    @classmethod
-    def from_report(cls, report: ValidationReport, seconds: float = 0.0) -> ValidationRecord:
-        data = report.to_dict()
-        return cls(model_url=report.model_url, ok=report.ok, summary=report.summary(),
-                   checks=tuple(data["checks"]), reference_url=report.reference_url, seconds=seconds)
-
-    def to_report(self) -> ValidationReport:
-        from merge_engine.validate import ValidationReport
-
-        return ValidationReport.from_dict({"model_url": self.model_url, "reference_url": self.reference_url,
-                                           "checks": list(self.checks)})
-
-
-class ReleaseRecord(Record):
-    """A published release (`merge_engine.release.publish.Release`)."""
-
-    url: str
-    source: str
-    fingerprint: str
-    engine_version: str
-    files: int
-    total_bytes: int
-    created: str
-    attempt: str
-    already_published: bool = False
-    validation_ok: Optional[bool] = None
-
-    @classmethod
-    def from_release(cls, release: Release) -> ReleaseRecord:
-        return cls(url=release.url, source=release.source, fingerprint=release.fingerprint,
-                   engine_version=release.engine_version, files=release.files, total_bytes=release.total_bytes,
-                   created=release.created, attempt=release.attempt, already_published=release.already_published,
-                   validation_ok=release.validation_ok)

@@ -1,10 +1,11 @@
-"""The validate task: a staged model folder -> a `ValidationRecord` (the publish task stores it).
+"""The validate tasks: a staged model or adapter folder -> a `ValidationReport` (the publish task stores it).
 
 Runs `merge_engine.validate.validate_model`: keys and shapes against the config's model class,
 index and paths, no NaN/inf, ``from_pretrained`` + a forward pass (GPU when present, else CPU), and
 with a reference, values and logits compared. A failed check is a result, not an error: the record
 says ``ok=False`` and the publish task refuses it. An output already released (found so by the merge, or published by
-an earlier run since) returns the validation its release's manifest recorded, reading nothing.
+an earlier run since) returns the validation its release's manifest recorded, reading nothing
+(`ReleaseState.recorded_validation`; ``state``: the release's state as the flow read it, else read here).
 For a LoRA checkpoint (``checkpoint`` given, ``lora``) the fused model is also compared with the TRAINED
 model, PEFT's own model of the run rebuilt from the checkpoint
 (`merge_engine.validate.trained.check_against_trained`: ``trained_model``, ``trained_vs_fused``); a
@@ -12,65 +13,80 @@ mismatch fails the record, so nothing is published. With ``forward`` off it is r
 Cached on the output (its fingerprint and the attempt that produced it: rebuilt bytes are
 validated again) + settings, with the listing of ``reference_url`` (a reference rewritten in place
 is a new comparison).
+
+`validate_adapter` does the same for an adapter (`merge_engine.validate.adapter.validate_adapter`: PEFT
+loads it on its base, logits reproduce the released fused model's, allowing for the rounding of its
+dtype); given the checkpoint, it also compares PEFT(base/ + adapter) with the trained model PEFT rebuilds
+from the checkpoint: an adapter that is not the trained LoRA is not published. Cached likewise, with the
+listing of ``fused_model_url``.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 from prefect import task
 
+from merge_engine.release.built import BuiltOutput
 from merge_engine import storage
-from merge_engine.release.state import release_state
+from merge_engine.release.state import ReleaseState, release_state, state_of
 from merge_engine.validate import Check, ValidationReport, validate_model
+from merge_engine.validate import adapter as adapter_validation
 from merge_engine.validate.trained import TRAINED, VS_ADAPTER, VS_FUSED, check_against_trained
 from tasks.cache import stage_cache_policy
-from tasks.records import CheckpointRecord, OutputRecord, ValidationRecord, ValidationSettings
+from tasks.records import CheckpointRecord, ValidationSettings
 from tasks.retry import RETRY_OPTIONS
 
 
-def recorded_validation(release: str) -> ValidationRecord:
-    """The validation the manifest of ``release`` recorded (for outputs that are already released)."""
-    manifest = release_state(release).manifest
-    recorded = dict(manifest.validation or {}) if manifest is not None else {}
-    if not recorded:
-        return ValidationRecord(model_url=release, ok=False, summary="no validation recorded in the manifest")
-    return ValidationRecord(model_url=recorded.get("model_url", release), ok=bool(recorded.get("ok")),
-                            summary=str(recorded.get("summary", "")), checks=tuple(recorded.get("checks", ())),
-                            reference_url=recorded.get("reference_url"))
-
-
-def already_released(output: OutputRecord, release: Optional[str]) -> Optional[str]:
-    """The release URL holding ``output`` when its bytes are there and no longer in staging; else None.
-
-    (An output found released at merge time, or one whose staging folder is gone because a run
-    before this one published it.)
-    """
-    if output.released:
-        return output.url
-    if release is not None and not storage.exists(output.url) and release_state(release).holds(output.fingerprint):
-        return release
-    return None
+def released_validation(output: BuiltOutput, release: Optional[str],
+                        state: Optional[ReleaseState]) -> Optional[ValidationReport]:
+    """The validation recorded in the release holding ``output`` when its bytes are there and no longer in
+    staging (`ReleaseState.recorded_validation`); None when ``output`` is to be validated."""
+    where = output.url if output.released else release
+    if where is None:
+        return None
+    known = state_of(where, state)
+    recorded = known.recorded_validation(output)
+    if recorded is None and known is state and not output.released and not storage.exists(output.url):
+        recorded = release_state(where).recorded_validation(output)  # published by another run since the flow read it
+    return recorded
 
 
 @task(name="validate-model",
       cache_policy=stage_cache_policy("validate", ("output.fingerprint", "output.url", "output.attempt", "settings"),
                                       listed=("settings.reference_url",)),
       persist_result=True, **RETRY_OPTIONS)
-def validate_output(output: OutputRecord, settings: ValidationSettings, release: Optional[str] = None,
+def validate_output(output: BuiltOutput, settings: ValidationSettings, release: Optional[str] = None,
                     checkpoint: Optional[CheckpointRecord] = None, lora_alpha: Optional[float] = None,
-                    config_url: Optional[str] = None) -> ValidationRecord:
+                    config_url: Optional[str] = None, state: Optional[ReleaseState] = None) -> ValidationReport:
     """Validate the model folder ``output.url`` (staging) with ``settings`` (see the module docstring);
     ``checkpoint`` (with ``lora_alpha`` / ``config_url`` as the merge got them): the trained-model check."""
-    released = already_released(output, release)
-    if released is not None:
-        return recorded_validation(released)
-    started = time.perf_counter()
+    recorded = released_validation(output, release, state)
+    if recorded is not None:
+        return recorded
     report = validate_model(output.url, settings.reference_url, forward=settings.forward, device=settings.device)
-    report = report.extended(trained_check(checkpoint, settings, fused_model_url=output.url, lora_alpha=lora_alpha,
-                                           config_url=config_url))
-    return ValidationRecord.from_report(report, seconds=time.perf_counter() - started)
+    return report.extended(trained_check(checkpoint, settings, fused_model_url=output.url, lora_alpha=lora_alpha,
+                                         config_url=config_url))
+
+
+@task(name="validate-adapter",
+      cache_policy=stage_cache_policy("validate-adapter", ("output.fingerprint", "output.url", "output.attempt",
+                                                           "settings", "fused_model_url"),
+                                      listed=("fused_model_url",)),
+      persist_result=True, **RETRY_OPTIONS)
+def validate_adapter(output: BuiltOutput, settings: ValidationSettings, fused_model_url: Optional[str] = None,
+                     release: Optional[str] = None, checkpoint: Optional[CheckpointRecord] = None,
+                     lora_alpha: Optional[float] = None, config_url: Optional[str] = None,
+                     state: Optional[ReleaseState] = None) -> ValidationReport:
+    """Check the adapter: config, fits its base, finite, PEFT loads it; logits reproduce ``fused_model_url``'s;
+    with ``checkpoint``, PEFT(base/ + adapter) reproduces the trained model (`trained_check`)."""
+    recorded = released_validation(output, release, state)
+    if recorded is not None:
+        return recorded
+    report = adapter_validation.validate_adapter(output.url, fused_model_url=fused_model_url,
+                                                 forward=settings.forward, device=settings.device)
+    return report.extended(trained_check(checkpoint, settings, adapter_url=output.url, lora_alpha=lora_alpha,
+                                         config_url=config_url))
 
 
 def trained_check(checkpoint: Optional[CheckpointRecord], settings: ValidationSettings, *,

@@ -193,12 +193,18 @@ def extract_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
 @dataclass
 class ExtractJob:
     """``stepmerge extract-lora --local_dir``: the checkpoint's adapter at ``target_url`` (and its clean
-    base under ``base/``)."""
+    base under ``base/``).
+
+    ``published_url``: where the folder will be read from once published, when it is written elsewhere
+    first (the pipeline's staging): the adapter's config then names the base as it will be there
+    (``<published_url>/base``), not the staging copy that dies with the staging folder. Not part of the
+    fingerprint (the config's base path is metadata)."""
 
     source_url: str
     target_url: str
     options: OutputOptions
     checkpoint: Checkpoint | None = None  # already checked (the pipeline's check stage): not checked again
+    published_url: str | None = None
     command = "extract-lora"
     kind = "adapter"
 
@@ -216,7 +222,7 @@ class ExtractJob:
     def prepare(self) -> PreparedJob:
         checkpoint, options = self._checked(), self.options
         if checkpoint.layout == megatron_lora.NAME:  # verl Megatron LoRA: the adapter as the run saved it
-            return prepare_adapter_release(checkpoint, options, self.source_url)
+            return prepare_adapter_release(checkpoint, options, self.source_url, self.published_url)
         source = open_checkpoint(checkpoint)
         opened: list[TensorSource] = [source]
         try:
@@ -257,7 +263,7 @@ class ExtractJob:
             check_base_metas = {t.name: TensorMeta(t.name, t.shape, t.dtype) for t in base_plan.tensors}
         check_exported_fits(exported, check_base_metas, checkpoint.url, check_url)
         write_base = options.write_base and base_plan is not None
-        base_out = storage.join(self.target_url, BASE_DIR) if write_base else options.base_model
+        base_out = storage.join(self.published_url or self.target_url, BASE_DIR) if write_base else options.base_model
         plan = adapter_plan(list(exported.tensors))
         adapter_json = extracted_adapter_config(lora, exported, task_type_of(config, lora.run.task_type), base_out,
                                                 config)

@@ -152,8 +152,11 @@ def _base(base_url: str, step: Mapping[str, Any]) -> tuple[TensorSource, dict[st
     return open_checkpoint(check_checkpoint(base_url, "hf")), config
 
 
-def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, source_url: str) -> PreparedJob:
-    """The step's adapter folder, validated (see the module docstring)."""
+def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, source_url: str,
+                            published_url: str | None = None) -> PreparedJob:
+    """The step's adapter folder, validated (see the module docstring). With ``published_url`` (where the
+    folder will be read from once published) and the base written under ``base/``, the adapter's config
+    names ``<published_url>/base``."""
     config, _ = step_config(checkpoint, options)
     adapter, source, json, origin = step_adapter(checkpoint, config, options)
     opened = [source]
@@ -171,6 +174,8 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
         if base_output is None and options.write_base and holds_base(checkpoint):
             base_output = _step_base(checkpoint, options, dtype)
             opened.append(base_output.source)
+        if base_output is not None and published_url is not None:
+            json["base_model_name_or_path"] = storage.join(published_url, BASE_DIR)
     except BaseException:
         for handle in opened:
             handle.close()

@@ -249,14 +249,3 @@ def write_adapter_config(target_url: str, config: Mapping[str, Any]) -> tuple[st
     data = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
     storage.write_bytes(storage.join(target_url, ADAPTER_CONFIG), data)
     return ADAPTER_CONFIG, len(data)
-
-
-def point_adapter_at_base(adapter_url: str, base_url: str) -> None:
-    """Make ``base_model_name_or_path`` of the adapter at ``adapter_url`` name ``base_url``.
-
-    (An adapter written to staging names the base beside it there; published elsewhere, that path
-    dies with the staging folder. The config is metadata: it is not part of any fingerprint.)
-    """
-    config = read_adapter_config(adapter_url)
-    if config.get("base_model_name_or_path") != base_url:
-        write_adapter_config(adapter_url, {**config, "base_model_name_or_path": base_url})

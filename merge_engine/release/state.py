@@ -28,6 +28,12 @@ steps are out. `ReleaseProvenance` is the typed record a release's manifest keep
 from (``options`` in ``manifest.json``): kind, the step listing and checkpoint it was built from,
 whether that checkpoint holds LoRA factors, and the options chosen.
 
+What the pipeline asks a `ReleaseState` (read once per flow run and output, then asked; `state_of` reuses
+a state read earlier for the same URL): `released_output` (a build already published here, or
+`TargetExists` for another one), `output_available` (is a cached build's output still in staging or
+here), `already_released` / `recorded_validation` (validate nothing: report what the manifest
+recorded) and `is_current` (is a cached publication still the one here).
+
 Staging: the merge writes to a local staging folder (``$STEPMERGE_STAGING_DIR``, else the system
 temp dir), validation reads it there, publishing uploads it once. `staging_url` derives a name from
 the release and the fingerprint, so a retry after a crash finds (and the engine reuses) a finished
@@ -45,15 +51,20 @@ import re
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from merge_engine import storage
+from merge_engine.release.built import BuiltOutput
 from merge_engine.release.checksums import file_damage
 from merge_engine.errors import InvalidConfig, StepmergeError, TargetExists
 from merge_engine.formats.json_file import parse_json
 from merge_engine.layouts.runs import VERL
+
+if TYPE_CHECKING:  # validate imports torch: for the type only
+    from merge_engine.validate.report import ValidationReport
 
 logger = logging.getLogger(__name__)
 
@@ -307,6 +318,59 @@ class ReleaseState:
                            f"replace the release with the new checkpoint's {what}", self.url)
 
 
+    # -- what the pipeline's stages ask (the state is read once per flow run and chain: `flows.stages`)
+
+    def released_output(self, kind: str, source_url: str, fingerprint: str, *, overwrite: bool = False,
+                        checkpoint_fingerprint: Optional[str] = None,
+                        settings: Optional[Mapping[str, Any]] = None) -> Optional[BuiltOutput]:
+        """The output this release already holds when it was built from ``fingerprint`` (nothing to build:
+        ``released``, its counts from the release's ``stepmerge.json`` and manifest); else None.
+
+        Raises `TargetExists` as `refuse_other` does (another build published here, not ``overwrite``)."""
+        from merge_engine.output.target import read_provenance
+
+        self.refuse_other(fingerprint, overwrite, kind, checkpoint_fingerprint, settings)
+        if not self.holds(fingerprint) or self.manifest is None:
+            return None
+        provenance = read_provenance(self.url) or {}
+        return BuiltOutput(kind=kind, source_url=source_url, url=self.url, fingerprint=fingerprint, release=self.url,
+                           attempt=uuid.uuid4().hex, layout=str(provenance.get("layout", "")),
+                           tensors=int(provenance.get("tensors", 0)),
+                           tensor_bytes=int(provenance.get("tensor_bytes", 0)), files=len(self.manifest.files),
+                           total_bytes=self.manifest.total_bytes, released=True)
+
+    def output_available(self, output: BuiltOutput) -> bool:
+        """Is ``output`` (built for this release) still somewhere: its staging folder still holds files, or
+        this release holds its fingerprint? (A cached build whose output is gone must be built again.)"""
+        if not output.released and storage.list_files(output.url):
+            return True
+        return self.url == output.release_url and self.holds(output.fingerprint)
+
+    def already_released(self, output: BuiltOutput) -> bool:
+        """Are ``output``'s bytes in this release and no longer to validate in staging: it was found released,
+        or its staging folder is gone (a run before this one published it) and this release holds it?"""
+        if output.released:
+            return self.url == output.url
+        return self.url == output.release and not storage.exists(output.url) and self.holds(output.fingerprint)
+
+    def recorded_validation(self, output: BuiltOutput) -> Optional[ValidationReport]:
+        """The validation this release's manifest recorded, when ``output`` is `already_released` here (None:
+        validate ``output`` in staging). A manifest recording none gives a failed report saying so."""
+        from merge_engine.validate.report import Check, ValidationReport
+
+        if not self.already_released(output):
+            return None
+        recorded = dict(self.manifest.validation or {}) if self.manifest is not None else {}
+        if not recorded:
+            return ValidationReport(self.url, (Check("validation", False, "no validation recorded in the manifest"),))
+        return ValidationReport.from_dict({"model_url": self.url, **recorded})
+
+    def is_current(self, fingerprint: str, attempt: str) -> bool:
+        """Is a publication recorded earlier (a cached `merge_engine.release.publish.Release`: its
+        ``fingerprint`` and ``attempt``) still the one here: whole, from that fingerprint, same attempt?"""
+        return self.holds(fingerprint) and self.manifest is not None and self.manifest.attempt == attempt
+
+
 def _shown(value: Any) -> str:
     return "as stored" if value is None else str(value)
 
@@ -350,6 +414,11 @@ def release_state(url: str) -> ReleaseState:
     if problems:
         return ReleaseState(url, DAMAGED, manifest, f"{len(problems)} bad file(s), e.g. {problems[0]}")
     return ReleaseState(url, PUBLISHED, manifest)
+
+
+def state_of(url: str, known: Optional[ReleaseState] = None) -> ReleaseState:
+    """``known`` when it is the state of ``url`` (read earlier in the same flow run), else `release_state(url)`."""
+    return known if known is not None and known.url == url else release_state(url)
 
 
 def withdraw_damaged(state: ReleaseState) -> bool:
@@ -442,6 +511,6 @@ __all__ = [
     "RELEASES_DIR", "MODEL", "ADAPTER", "KINDS", "MARKER", "MANIFEST", "CLAIMS", "RESERVED", "MANIFEST_FORMAT",
     "default_release_root", "release_folder_name", "release_url", "Manifest", "ManifestFile", "read_manifest",
     "released_manifest", "is_released", "ReleaseProvenance", "ABSENT", "IN_PROGRESS", "PUBLISHED", "DAMAGED",
-    "ReleaseState", "release_state", "withdraw_damaged", "published_releases", "default_staging_root",
+    "ReleaseState", "release_state", "state_of", "withdraw_damaged", "published_releases", "default_staging_root",
     "staging_url", "sweep_stale_staging", "STALE_STAGING_S",
 ]

@@ -23,17 +23,17 @@ WORKER = r"""
 import json, sys, time
 from pathlib import Path
 
-import tasks.merge
+import tasks.build
 
-merge = tasks.merge.merge_checkpoint
+run_job = tasks.build.run_job
 merged = []
 
-def slow_merge(*args, **kwargs):  # widen the race: the other run arrives while this one merges
-    merged.append(args[0])
+def slow_merge(job, **kwargs):  # widen the race: the other run arrives while this one merges
+    merged.append(job.source_url)
     time.sleep(2.0)
-    return merge(*args, **kwargs)
+    return run_job(job, **kwargs)
 
-tasks.merge.merge_checkpoint = slow_merge
+tasks.build.run_job = slow_merge
 
 from flows.merge_step import merge_step
 

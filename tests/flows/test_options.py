@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-import tasks.merge
+import tasks.build
 from flows.merge_new_steps import merge_new_steps
 from flows.merge_step import merge_step
 from flows.params import MergeStepParams, WatchParams
@@ -123,8 +123,8 @@ def test_a_rewritten_step_fails_fast_without_overwrite_and_is_replaced_with_it(p
     assert [(a.step, a.action) for a in merge_new_steps(**watch.flow_parameters()).actions] == [(1, "changed since release")]
 
     merged = []
-    real_merge = tasks.merge.merge_checkpoint
-    monkeypatch.setattr(tasks.merge, "merge_checkpoint", lambda *a, **k: merged.append(a) or real_merge(*a, **k))
+    real_run = tasks.build.run_job
+    monkeypatch.setattr(tasks.build, "run_job", lambda job, **k: merged.append(job) or real_run(job, **k))
     refused = merge_step(**_params(str(run_root), tmp_path, 1).flow_parameters(), return_state=True)
     with pytest.raises(TargetExists):
         refused.result()

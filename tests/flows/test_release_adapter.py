@@ -63,15 +63,17 @@ def test_a_fused_model_that_is_not_the_trained_model_is_not_published(prefect, t
     """The merge's staging folder is altered after the merge (layer 0's q_proj, a LoRA module, 2 % off):
     structure, finite values and the forward pass all pass; only the trained model tells. The run fails
     naming trained_vs_fused, and neither the model nor its adapter is published."""
-    import tasks.merge
+    import tasks.build
     from safetensors.torch import load_file, save_file
 
     from merge_engine.errors import ValidationFailed
 
     tampered = "model.layers.0.self_attn.q_proj.weight"
 
-    def wrong_merge(url, target, *args, _real=tasks.merge.merge_checkpoint, **kwargs):
-        result = _real(url, target, *args, **kwargs)
+    def wrong_merge(job, _real=tasks.build.run_job, **kwargs):
+        result = _real(job, **kwargs)
+        if job.command != "merge":
+            return result
         for path in sorted((tmp_path / "staging").rglob("*.safetensors")):
             tensors = load_file(str(path))
             if tampered in tensors:
@@ -80,7 +82,7 @@ def test_a_fused_model_that_is_not_the_trained_model_is_not_published(prefect, t
                 return result
         raise AssertionError(f"{tampered} not found in the staged merge")
 
-    monkeypatch.setattr(tasks.merge, "merge_checkpoint", wrong_merge)
+    monkeypatch.setattr(tasks.build, "run_job", wrong_merge)
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [LORA_STEP])
     state = merge_step(**MergeStepParams(run_root=run_root, step=LORA_STEP, staging_root=str(tmp_path / "staging"),

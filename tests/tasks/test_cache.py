@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import merge_engine
 from tasks.cache import stage_key
-from tasks.records import CheckpointRecord, MergeSettings, OutputRecord
+from merge_engine.release.built import BuiltOutput
+from tasks.records import CheckpointRecord, MergeSettings
 
 CHECKPOINT = CheckpointRecord(url="s3://b/run/global_step_3/actor", layout="fsdp", fingerprint="f" * 64,
                               files=(("model_world_size_2_rank_0.pt", 100, "etag-a"),
@@ -51,13 +53,13 @@ def test_a_changed_file_version_option_or_engine_gives_a_new_key(monkeypatch):
 def test_only_the_named_fields_count():
     assert merge_key() == stage_key("merge", {"checkpoint": CHECKPOINT, "settings": MergeSettings(),
                                               "release": RELEASE, "staging_root": "/elsewhere"}, FIELDS)
-    output = OutputRecord(kind="model", source_url="x", url="/stage/a", fingerprint="abc", seconds=1.0)
+    output = BuiltOutput(kind="model", source_url="x", url="/stage/a", fingerprint="abc", seconds=1.0)
     fields = ("output.fingerprint", "output.url")
-    same_but_slower = output.model_copy(update={"seconds": 99.0})
+    same_but_slower = replace(output, seconds=99.0)
     key = stage_key("validate", {"output": output}, fields)
     assert key == stage_key("validate", {"output": same_but_slower}, fields)
     assert stage_key("validate", {"output": output}, fields) != stage_key(
-        "validate", {"output": output.model_copy(update={"fingerprint": "abd"})}, fields)
+        "validate", {"output": replace(output, fingerprint="abd")}, fields)
     assert stage_key("validate", {"output": output}, fields) != stage_key("publish", {"output": output}, fields)
 
 
@@ -71,28 +73,29 @@ def _task_key(stage_task, **inputs) -> str:
 def test_folders_named_by_url_count_by_their_content(tmp_path):
     """hf_model_path (merge, extract) and reference_url (validate) are folders whose CONTENT decides
     the output or the verdict: the key follows their listing, not just their name."""
-    from tasks.adapter import extract_adapter
-    from tasks.merge import merge_model
+    from merge_engine.release.state import ADAPTER, MODEL
+    from tasks.build import BuildSpec, extract_adapter, merge_model
     from tasks.records import AdapterSettings, StepRecord, ValidationSettings
     from tasks.validate import validate_output
 
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
-    output = OutputRecord(kind="model", source_url="x", url="/stage/a", fingerprint="abc", attempt="1")
+    output = BuiltOutput(kind="model", source_url="x", url="/stage/a", fingerprint="abc", attempt="1")
     step = StepRecord(run_root="s3://b/run", step=3, role="actor", url=CHECKPOINT.url, status="complete",
                       layout="fsdp", fingerprint="s" * 64)
 
     def keys() -> tuple[str, ...]:
         return (
-            _task_key(merge_model, checkpoint=CHECKPOINT, settings=MergeSettings(hf_model_path=str(folder)),
+            _task_key(merge_model, spec=BuildSpec(MODEL, step.fingerprint, CHECKPOINT,
+                                                  MergeSettings(hf_model_path=str(folder))),
                       release=RELEASE, staging_root=None),
-            _task_key(extract_adapter, step=step, checkpoint=CHECKPOINT,
-                      settings=AdapterSettings(hf_model_path=str(folder)), release=RELEASE + "-adapter",
-                      staging_root=None),
-            _task_key(extract_adapter, step=step, checkpoint=CHECKPOINT,
-                      settings=AdapterSettings(base_model=str(folder)), release=RELEASE + "-adapter",
-                      staging_root=None),
+            _task_key(extract_adapter, spec=BuildSpec(ADAPTER, step.fingerprint, CHECKPOINT,
+                                                      AdapterSettings(hf_model_path=str(folder))),
+                      release=RELEASE + "-adapter", staging_root=None),
+            _task_key(extract_adapter, spec=BuildSpec(ADAPTER, step.fingerprint, CHECKPOINT,
+                                                      AdapterSettings(base_model=str(folder))),
+                      release=RELEASE + "-adapter", staging_root=None),
             _task_key(validate_output, output=output, settings=ValidationSettings(reference_url=str(folder)),
                       release=RELEASE),
         )

@@ -19,9 +19,10 @@ from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_setti
 
 from flows.stages import StageTimer
 from merge_engine import storage
-from merge_engine.release.state import read_manifest, release_url
+from merge_engine.release.state import MODEL, read_manifest, release_url
 from merge_engine.release.verify import verify_folder
 from tasks import check_step, discover_steps, merge_model, publish_release, validate_output
+from tasks.build import BuildSpec
 from tasks.cache import stage_cache_policy
 from tasks.records import MergeSettings, ValidationSettings
 from tests.fixtures_pipeline import copy_steps
@@ -35,7 +36,8 @@ def chain(run_root: str, step: int, release_root: str, staging_root: str) -> dic
     release = release_url(release_root, "actor", step)
     states = {"check": check_step(found, None, return_state=True)}
     checkpoint = states["check"].result()
-    states["merge"] = merge_model(checkpoint, MergeSettings(), release, staging_root, return_state=True)
+    states["merge"] = merge_model(BuildSpec(MODEL, found.fingerprint, checkpoint, MergeSettings()), release,
+                                  staging_root, return_state=True)
     output = states["merge"].result()
     states["validate"] = validate_output(output, ValidationSettings(), return_state=True)
     states["publish"] = publish_release(output, states["validate"].result(), release, {"dtype": None},
@@ -145,20 +147,20 @@ def test_a_release_of_other_content_is_refused_and_the_staging_folder_removed(pr
     """publish_release keeps nothing behind when it refuses (TargetExists: another fingerprint there)."""
     from merge_engine.errors import TargetExists
     from merge_engine.commands.merge import MergeOptions, merge_checkpoint
-    from tasks.records import OutputRecord, ValidationRecord
+    from merge_engine.release.built import BuiltOutput
+    from merge_engine.validate import Check, ValidationReport
 
     run_root, releases = str(tmp_path / "run"), str(tmp_path / "releases")
     copy_steps(template_run, run_root, [1, 2])
     published = chain(run_root, 1, releases, str(tmp_path / "staging"))["publish"][1]
     staged = str(tmp_path / "staging" / "other")
     result = merge_checkpoint(str(tmp_path / "run" / "global_step_2" / "actor"), staged, MergeOptions())
-    output = OutputRecord(kind="model", source_url=result.source_url, url=staged, fingerprint=result.fingerprint,
+    output = BuiltOutput(kind="model", source_url=result.source_url, url=staged, fingerprint=result.fingerprint,
                           release=published.url, attempt="x")
 
     @flow
     def publish_other():
-        validation = ValidationRecord(model_url=staged, ok=True, summary="",
-                                      checks=({"name": "forward", "ok": True, "detail": "logits"},))
+        validation = ValidationReport(staged, (Check("forward", True, "logits"),))
         return publish_release(output, validation, published.url, {})
 
     with pytest.raises(TargetExists):

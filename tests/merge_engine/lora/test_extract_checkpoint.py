@@ -44,6 +44,29 @@ def test_extracted_adapter_reproduces_the_trained_model(tmp_path, fsdp_lora_runs
     assert all(k.startswith("base_model.model.") and ".default." not in k for k in adapter_keys)
 
 
+def test_an_adapter_staged_for_a_release_names_the_base_it_will_be_published_with(tmp_path, fsdp_lora_runs):
+    """The pipeline writes the adapter to staging and publishes it elsewhere: the job writes the config
+    naming ``<published>/base`` at once (no edit after the write), so the sha256 that ``stepmerge.json``
+    records is the file's (it was the staged config's while the pipeline edited it afterwards)."""
+    import hashlib
+
+    from merge_engine.commands.extract import ExtractJob, extract_fingerprint
+    from merge_engine.layouts import check_checkpoint
+    from merge_engine.output.jobs import run_job
+
+    run = fsdp_lora_runs["lora_fsdp2_qwen2_r2"]
+    published = "s3://bucket/releases/actor-adapter/global_step_3"
+    staged = run_job(ExtractJob(run.checkpoint_dir, str(tmp_path / "staged"), ExtractOptions(),
+                                published_url=published))
+    config = json.load(open(tmp_path / "staged" / "adapter_config.json"))
+    assert config["base_model_name_or_path"] == f"{published}/base" and staged.kind == "adapter+base"
+    recorded = json.load(open(tmp_path / "staged" / "stepmerge.json"))["sha256"]
+    assert recorded["adapter_config.json"] == hashlib.sha256(
+        (tmp_path / "staged" / "adapter_config.json").read_bytes()).hexdigest()
+    # where it is published is no input: the same fingerprint as an extraction in place
+    assert staged.fingerprint == extract_fingerprint(check_checkpoint(run.checkpoint_dir), ExtractOptions())
+
+
 @pytest.mark.parametrize("name", LORA_RUNS)
 def test_plain_merge_writes_the_trained_model(tmp_path, fsdp_lora_runs, name):
     """`stepmerge merge` of a LoRA checkpoint fuses the LoRA: trained logits, not the base's."""

@@ -200,6 +200,21 @@ def test_the_adapter_release_is_the_runs_export_checked_against_dist_ckpt(lora_s
     assert config["base_model_name_or_path"] == str(step.base_dir)
 
 
+def test_an_adapter_release_staged_with_its_base_names_the_base_where_it_is_published(lora_steps, tmp_path):
+    """The pipeline's staging: with the base written under base/, the config names ``<published>/base`` (the
+    run's or --base-model's path otherwise, as above), written once by the job."""
+    from merge_engine.commands.extract import ExtractJob
+    from merge_engine.output.jobs import run_job
+
+    step = lora_steps["dense_tp2"]
+    published = "s3://bucket/releases/actor-adapter/global_step_1"
+    result = run_job(ExtractJob(str(step.step_dir), str(tmp_path / "adapter"), OutputOptions(base_model=str(step.base_dir)),
+                                published_url=published))
+    assert result.kind == "adapter+base" and (tmp_path / "adapter" / "base" / "config.json").exists()
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == f"{published}/base"
+
+
 def test_an_export_that_is_not_what_was_trained_is_refused(lora_steps, tmp_path):
     copy = tmp_path / "run" / "global_step_1" / "actor"
     shutil.copytree(lora_steps["dense_tp2"].step_dir, copy)

@@ -16,6 +16,7 @@ import pytest
 
 from merge_engine import storage
 from merge_engine.errors import InvalidConfig, TargetExists
+from merge_engine.release.built import BuiltOutput
 from merge_engine.release.publish import publish
 from merge_engine.release.state import (
     ABSENT,
@@ -31,6 +32,7 @@ from merge_engine.release.state import (
     release_state,
     release_url,
     staging_url,
+    state_of,
     sweep_stale_staging,
     withdraw_damaged,
 )
@@ -130,6 +132,92 @@ class TestState:
         state.refuse_other("fp-2", overwrite=True)
         state.refuse_other("fp-1", overwrite=False)
         release_state(release_url(root_url, "actor", 2)).refuse_other("fp-2", overwrite=False)  # absent: fine
+
+
+class TestWhatTheStagesAsk:
+    """The questions the pipeline's build, validate and publish stages ask one `ReleaseState` (read once)."""
+
+    @staticmethod
+    def built(root: str, release: str, fingerprint: str = "fp-1", validated: bool = True) -> tuple[str, str]:
+        """A release published from a staging folder holding a ``stepmerge.json`` (as a build writes one);
+        returns (release, staging folder: removed by the publish)."""
+        from merge_engine.validate import Check, ValidationReport
+
+        staging = storage.join(root, "staging", uuid.uuid4().hex[:8])
+        for name, data in {**FILES, "stepmerge.json": b'{"layout": "fsdp", "tensors": 3, "tensor_bytes": 2048}'}.items():
+            storage.write_bytes(storage.join(staging, name), data)
+        report = ValidationReport(staging, (Check("forward", True, "logits"),)) if validated else None
+        publish(staging, release, source="s3://run/global_step_7/actor", fingerprint=fingerprint,
+                options=PROVENANCE.to_manifest_options(), validation=report, engine_version="0.1.0")
+        return release, staging
+
+    def test_a_build_already_published_is_found_with_its_counts_and_another_one_is_refused(self, root_url):
+        release = release_url(root_url, "actor", 1)
+        assert release_state(release).released_output("model", "s3://run/a", "fp-1") is None  # absent: build it
+        self.built(root_url, release)
+        state = release_state(release)
+        found = state.released_output("model", "s3://run/a", "fp-1")
+        assert (found.url, found.release, found.released, found.fingerprint) == (release, release, True, "fp-1")
+        assert (found.layout, found.tensors, found.tensor_bytes) == ("fsdp", 3, 2048)  # its stepmerge.json
+        assert (found.files, found.total_bytes) == (len(state.manifest.files), state.manifest.total_bytes)
+        assert found.attempt != state.released_output("model", "s3://run/a", "fp-1").attempt
+        with pytest.raises(TargetExists, match="pass overwrite"):
+            state.released_output("model", "s3://run/a", "fp-2")
+        assert state.released_output("model", "s3://run/a", "fp-2", overwrite=True) is None
+
+    def test_a_cached_output_is_available_while_in_staging_or_released(self, root_url):
+        release = release_url(root_url, "actor", 1)
+        staging = storage.join(root_url, "staging", "kept")
+        storage.write_bytes(storage.join(staging, "model.safetensors"), b"staged")
+        output = BuiltOutput("model", "s3://run/a", staging, "fp-1", release=release)
+        assert release_state(release).output_available(output)  # staging holds it
+        storage.remove(staging, recursive=True)
+        assert not release_state(release).output_available(output)  # gone from staging, never published
+        self.built(root_url, release)
+        assert release_state(release).output_available(output)
+        assert not release_state(release).output_available(BuiltOutput("model", "x", staging, "fp-2", release=release))
+        storage.remove(storage.join(release, "config.json"))
+        assert not release_state(release).output_available(output)  # damaged: build it again
+
+    def test_an_output_already_released_reports_the_validation_its_manifest_recorded(self, root_url):
+        release = release_url(root_url, "actor", 1)
+        staging = storage.join(root_url, "staging", "kept")
+        storage.write_bytes(storage.join(staging, "model.safetensors"), b"staged")
+        output = BuiltOutput("model", "s3://run/a", staging, "fp-1", release=release)
+        self.built(root_url, release)
+        state = release_state(release)
+        assert not state.already_released(output) and state.recorded_validation(output) is None  # validate it
+        storage.remove(staging, recursive=True)  # published by an earlier run
+        report = state.recorded_validation(output)
+        assert state.already_released(output) and report.ok
+        assert [(c.name, c.ok, c.detail) for c in report.checks] == [("forward", True, "logits")]
+        recorded = {k: v for k, v in state.manifest.validation.items() if k != "summary"}
+        assert report.to_dict() == recorded and report.summary() == state.manifest.validation["summary"]
+        found = state.released_output("model", "s3://run/a", "fp-1")
+        assert state.recorded_validation(found).summary() == state.manifest.validation["summary"]
+
+        unvalidated = release_url(root_url, "actor", 2)
+        self.built(root_url, unvalidated, validated=False)
+        bare = release_state(unvalidated)
+        report = bare.recorded_validation(bare.released_output("model", "s3://run/a", "fp-1"))
+        assert not report.ok and "no validation recorded" in report.summary()
+
+    def test_a_cached_publication_is_current_until_the_release_is_published_again(self, root_url):
+        release, _ = self.built(root_url, release_url(root_url, "actor", 1))
+        state = release_state(release)
+        attempt = state.manifest.attempt
+        assert state.is_current("fp-1", attempt)
+        assert not state.is_current("fp-1", "another-attempt") and not state.is_current("fp-2", attempt)
+        storage.remove(storage.join(release, MARKER))
+        assert not release_state(release).is_current("fp-1", attempt)
+
+    def test_a_state_read_earlier_is_reused_for_its_own_url_only(self, root_url):
+        release = release_url(root_url, "actor", 1)
+        known = release_state(release)
+        assert state_of(release, known) is known
+        other = state_of(release_url(root_url, "actor", 2), known)
+        assert other.url == release_url(root_url, "actor", 2) and other is not known
+        assert state_of(release).url == release
 
 
 def test_published_releases_lists_only_trusted_folders(root_url):

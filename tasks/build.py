@@ -1,0 +1,141 @@
+"""The build task: one output of a checked checkpoint (its merged model, or its LoRA adapter) -> staging.
+
+`build_output` is the one body; `merge_model` and `extract_adapter` are its two names in the UI (the
+same task, the same cache policy and retries). What it builds is a `BuildSpec`: the kind of output
+(`MODEL`: `merge_engine.commands.merge.MergeJob`; `ADAPTER`: `merge_engine.commands.extract.ExtractJob`),
+the checked checkpoint and its settings.
+
+- Cache key: the step's listing fingerprint, the checkpoint record, the settings (and the listings of
+  ``hf_model_path`` and ``base_model``: their content, not their name, shapes the output), the release
+  it is for, the engine version (`tasks.cache`). Same key -> Prefect returns the record, nothing is
+  read; unless the output it describes is gone (`ReleaseState.output_available`: neither in staging
+  nor released), then the next cache generation is used and the build runs again.
+- Not in the cache but already released: when the release holds the engine's fingerprint of this very
+  build (`merge_fingerprint` / `extract_fingerprint`), nothing is built; the output names the release
+  (``released=True``). The release is the truth, the cache an accelerator.
+- A release built from something else (the step was rewritten since, or other options) without
+  ``overwrite``: `TargetExists` at once, before a byte is read or staged (publishing would refuse it
+  anyway, after the whole build).
+- Otherwise the engine's job writes the staging folder (atomically; a finished staging folder of the
+  same build is reused), with a progress artifact moving as bytes are written, from the checkpoint the
+  check task checked (no second completeness check). An adapter's config names the base as it will be
+  published (``<release>/base``), written so by the job. Staging folders left by crashed runs are swept
+  first (`merge_engine.release.state.sweep_stale_staging`).
+- ``state``: the release's state as the flow read it at the chain's start (`flows.stages`): the cache
+  check and the build ask it instead of reading the release again (None: read here, once).
+- Where the shard jobs run (``execution``, never part of the cache key: it changes no byte): Prefect
+  task runs on a Ray cluster when a Ray address is configured (the flow's ``ray_address``, else
+  ``STEPMERGE_RAY_ADDRESS`` in the worker's environment; `tasks.shard_runs.task_executor_address`), else
+  ``workers`` threads here (None: one per core). The output carries the shard jobs' sha256 of every weight file and index
+  (``checksums``): publishing checks the bytes it copies against them.
+- Retries: transient storage faults only; named errors (corrupt shard, ...) fail at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from prefect import task
+
+from merge_engine.output.executors import executor_at
+from merge_engine.output.jobs import OutputJob, run_job
+from merge_engine.release.built import BuiltOutput
+from merge_engine.release.state import (
+    ADAPTER,
+    MODEL,
+    ReleaseState,
+    release_state,
+    staging_url,
+    state_of,
+    sweep_stale_staging,
+)
+from tasks.cache import stage_cache_policy
+from tasks.progress import ProgressArtifact, release_artifact_key
+from tasks.records import AdapterSettings, CheckpointRecord, ExecutionSettings, MergeSettings
+from tasks.retry import RETRY_OPTIONS
+from tasks.shard_runs import task_executor_address
+
+# the settings a release records that a build of other options would differ in (`ReleaseState.refuse_other`)
+RECORDED_SETTINGS = {"dtype", "max_shard_size", "hf_model_path", "lora_alpha", "weights_format"}
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """What one build writes: ``kind`` (MODEL | ADAPTER) of ``checkpoint`` with ``settings``, from the step
+    whose listing fingerprint is ``source_listing`` (it also holds the run's LoRA metadata)."""
+
+    kind: str
+    source_listing: str
+    checkpoint: CheckpointRecord
+    settings: Union[MergeSettings, AdapterSettings]
+
+
+def output_available(output: BuiltOutput, inputs: dict[str, Any]) -> bool:
+    """Is a cached output still somewhere: its staging folder, or its release (`ReleaseState.output_available`)?
+    Asks the state the flow gave the task; a "no" from it is asked again of the release as it is now (a
+    concurrent run of the step may have published it since the flow read it)."""
+    given = inputs.get("state")
+    state = state_of(output.release_url, given)
+    if state.output_available(output):
+        return True
+    return state is given and release_state(output.release_url).output_available(output)
+
+
+def fingerprint_of(spec: BuildSpec) -> str:
+    """The engine's fingerprint of the build (metadata only: listings and small JSON files)."""
+    if spec.kind == MODEL:
+        from merge_engine.commands.merge import merge_fingerprint
+
+        return merge_fingerprint(spec.checkpoint.to_checkpoint(), spec.settings.to_options())
+    from merge_engine.commands.extract import extract_fingerprint
+
+    return extract_fingerprint(spec.checkpoint.to_checkpoint(), spec.settings.to_options())
+
+
+def output_job(spec: BuildSpec, target: str, release: str) -> OutputJob:
+    """The engine's `OutputJob` writing ``spec`` at ``target``, to be published at ``release`` (staging is
+    ours to replace: ``overwrite``)."""
+    options = spec.settings.to_options(overwrite=True)
+    checkpoint = spec.checkpoint.to_checkpoint()
+    if spec.kind == MODEL:
+        from merge_engine.commands.merge import MergeJob
+
+        return MergeJob(checkpoint.url, target, options, checkpoint)
+    from merge_engine.commands.extract import ExtractJob
+
+    return ExtractJob(checkpoint.url, target, options, checkpoint, published_url=release)
+
+
+def progress_title(spec: BuildSpec, release: str) -> str:
+    if spec.kind == MODEL:
+        return f"Merging {spec.checkpoint.url} -> {release}"
+    return f"Extracting the adapter of {spec.checkpoint.url}"
+
+
+@task(name="build-output",
+      cache_policy=stage_cache_policy("build", ("spec", "release"), still_valid=output_available,
+                                      listed=("spec.settings.hf_model_path", "spec.settings.base_model")),
+      persist_result=True, **RETRY_OPTIONS)
+def build_output(spec: BuildSpec, release: str, staging_root: Optional[str] = None, overwrite: bool = False,
+                 execution: Optional[ExecutionSettings] = None, state: Optional[ReleaseState] = None) -> BuiltOutput:
+    """Build ``spec`` into a staging folder for ``release`` (or find it already released there)."""
+    fingerprint = fingerprint_of(spec)
+    found = state_of(release, state).released_output(spec.kind, spec.checkpoint.url, fingerprint, overwrite=overwrite,
+                                  checkpoint_fingerprint=spec.checkpoint.fingerprint,
+                                  settings=spec.settings.model_dump(include=RECORDED_SETTINGS))
+    if found is not None:
+        return found
+    target = staging_url(staging_root, release, fingerprint)
+    sweep_stale_staging(staging_root, keep=target)
+    progress = ProgressArtifact(release_artifact_key("progress", release), progress_title(spec, release))
+    execution = execution or ExecutionSettings()
+    executor = executor_at(task_executor_address(execution.workers, execution.ray_address))
+    result = run_job(output_job(spec, target, release), on_bytes=progress.on_bytes, on_plan=progress.on_plan,
+                     executor=executor)
+    progress.finish()
+    return BuiltOutput.from_result(spec.kind, result, release)
+
+
+merge_model = build_output.with_options(name="merge-model")
+extract_adapter = build_output.with_options(name="extract-adapter")
