@@ -6,6 +6,7 @@ as (relative path, size, sha256), so that a refactor can be shown to change no o
     python -m benchmarks.output_identity --compare BASE.json --with NEW.json # two saved records, no run
     python -m benchmarks.output_identity --list                              # the cases
     python -m benchmarks.output_identity --out X.json --cases merge/hf_bf16 --keep DIR
+    python -m benchmarks.output_identity --out X.json --inputs DIR --jobs 2   # DIR's inputs, cases 2 at a time
 
 What it does:
 1. Builds the inputs the cases need into a fresh temp dir with fixed seeds, through `synthetic_runs`' own
@@ -49,6 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = 1
 WORK_MARK = "<WORK>"
 VOLATILE_MARK = b'"<VOLATILE>"'
+FILE_SIZE_MARK = b'"<SIZE OF THE FILE>"'
+FILE_SHA_MARK = b'"<SHA256 OF THE FILE>"'
+PROVENANCE_FILE = "stepmerge.json"
 CASE_TIMEOUT_S = 600
 
 # (file name, JSON key path) -> why it legitimately differs from run to run. A key path is dot-separated from
@@ -282,7 +286,8 @@ CASES: list[Case] = _cases()
 class Inputs:
     """Where each built input lives (absolute paths)."""
 
-    root: Path
+    root: Path  # masked as <WORK>/in: the built inputs' root, or the reused ones'
+    build_root: Path  # where the builders write
     paths: dict[tuple[str, str], Path] = dataclasses.field(default_factory=dict)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -298,7 +303,8 @@ def build_fsdp(inputs: Inputs, names: Sequence[str]) -> None:
     """verl FSDP runs (one step, global_step_1, weights of seed 1), one process group per world size."""
     import synthetic_runs
 
-    runs = synthetic_runs.write_fixture_matrix(inputs.root / "fsdp", steps=(1,), seed=0, specs=_fsdp_specs(names))
+    runs = synthetic_runs.write_fixture_matrix(inputs.build_root / "fsdp", steps=(1,), seed=0,
+                                               specs=_fsdp_specs(names))
     for name, run in runs.items():
         inputs.paths["fsdp", name] = Path(run.latest.checkpoint_dir)
 
@@ -307,7 +313,7 @@ def build_megatron(inputs: Inputs, names: Sequence[str]) -> None:
     """Megatron checkpoints written by real megatron-core (one gloo world), with their reference folders."""
     from synthetic_runs.megatron import REFERENCE_HF_DIR, write_fixture_matrix
 
-    jobs = write_fixture_matrix(inputs.root / "megatron", names=sorted(names), seed=0)
+    jobs = write_fixture_matrix(inputs.build_root / "megatron", names=sorted(names), seed=0)
     for name, job in jobs.items():
         # where a user points stepmerge: verl's global_step_N/actor, Megatron-LM's iter_N (tests/fixtures_merged.py)
         lm = job.spec.fmt in ("megatron_lm", "megatron_lm_dist")
@@ -320,7 +326,7 @@ def build_megatron_lora(inputs: Inputs, names: Sequence[str]) -> None:
     from synthetic_runs.megatron_lora import LoraRunSpec, write_base, write_lora_step
     from synthetic_runs.models import ModelSpec
 
-    root = inputs.root / "megatron_lora"
+    root = inputs.build_root / "megatron_lora"
     bases: dict[str, Path] = {}
     for name in sorted(names):
         family, tp, pp, ep, dist, export = MEGATRON_LORA_STEPS[name]
@@ -342,7 +348,7 @@ def build_hf(inputs: Inputs, names: Sequence[str]) -> None:
     from synthetic_runs.models import ModelSpec, build_model, write_hf_metadata
 
     spec = ModelSpec(family="qwen2")
-    root = inputs.root / "hf"
+    root = inputs.build_root / "hf"
     for name, seed in (("base", HF_BASE_SEED), ("finetuned", HF_FINETUNED_SEED)):
         if name not in names:
             continue
@@ -375,20 +381,58 @@ BUILDERS: dict[str, tuple[str, Callable[[Inputs, Sequence[str]], None]]] = {  # 
 }
 
 
-def build_inputs(root: Path, cases: Sequence[Case]) -> Inputs:
-    """Build only what ``cases`` name, each group in one call (one process group per world size)."""
-    inputs = Inputs(root)
+def input_path(root: Path, kind: str, name: str) -> Path:
+    """Where the builders put input ``kind:name`` under ``root`` (the folder a case names)."""
+    if kind == "fsdp":
+        step = root / "fsdp" / name / "global_step_1"
+        role = _fsdp_specs([name])[name].role
+        return step / role if role else step
+    if kind in ("megatron", "megatron_hf"):
+        from synthetic_runs.megatron import REFERENCE_HF_DIR, megatron_fixture_matrix
+
+        if kind == "megatron_hf":
+            return root / "megatron" / name / "reference" / REFERENCE_HF_DIR
+        lm = megatron_fixture_matrix()[name].fmt.startswith("megatron_lm")
+        step = root / "megatron" / name / "run" / ("iter_0000001" if lm else "global_step_1")
+        return step if lm else step / "actor"
+    if kind == "mlora":
+        return root / "megatron_lora" / name / "global_step_1" / "actor"
+    if kind == "mlora_base":
+        return root / "megatron_lora" / f"base_{MEGATRON_LORA_STEPS[name][0]}"
+    return root / "hf" / name
+
+
+def _wanted_inputs(cases: Sequence[Case]) -> set[tuple[str, str]]:
+    return {(kind, name) for case in cases for kind, name in case.inputs() if kind != "case"}
+
+
+REUSABLE_GROUPS = ("fsdp", "megatron")  # the costly ones (rank processes); the rest is built afresh in seconds
+
+
+def build_inputs(root: Path, cases: Sequence[Case], reuse: Path | None = None) -> Inputs:
+    """Build only what ``cases`` name, each group in one call (one process group per world size); with ``reuse``
+    (an earlier ``--keep`` run's ``in/``), take `REUSABLE_GROUPS` from there instead."""
+    inputs = Inputs(reuse or root, root)
     wanted: dict[str, set[str]] = {}
-    for case in cases:
-        for kind, name in case.inputs():
-            if kind != "case":
-                wanted.setdefault(BUILDERS[kind][0], set()).add(name.split("/", 1)[0])
+    for kind, name in _wanted_inputs(cases):
+        wanted.setdefault(BUILDERS[kind][0], set()).add(name)
     for group, builder in {g: b for g, b in BUILDERS.values()}.items():
-        if group in wanted:
+        if group in wanted and reuse is not None and group in REUSABLE_GROUPS:
+            for kind, name in sorted(_wanted_inputs(cases)):
+                if BUILDERS[kind][0] == group:
+                    inputs.paths[kind, name] = input_path(reuse, kind, name)
+                    if not inputs.paths[kind, name].is_dir():
+                        raise SystemExit(f"--inputs: {inputs.paths[kind, name]} is not there")
+            print(f"  reused {group}: {len(wanted[group])} input(s) from {reuse}", flush=True)
+        elif group in wanted:
             started = time.perf_counter()
             builder(inputs, sorted(wanted[group]))
             inputs.seconds[group] = round(time.perf_counter() - started, 1)
             print(f"  built {group}: {len(wanted[group])} input(s) in {inputs.seconds[group]:.1f} s", flush=True)
+    for kind, name in _wanted_inputs(cases):
+        expected = input_path(reuse if reuse is not None and BUILDERS[kind][0] in REUSABLE_GROUPS else root, kind,
+                              name)
+        assert inputs.paths[kind, name] == expected, (kind, name, inputs.paths[kind, name])
     return inputs
 
 
@@ -414,16 +458,40 @@ def _drop(value: object, path: Sequence[str]) -> None:
         _drop(value.get(path[0]), path[1:])
 
 
-def record_file(path: Path, work_root: str) -> dict:
-    """One output file: size and sha256 of its bytes, with ``work_root`` replaced by `WORK_MARK`; in a JSON file
-    named in `VOLATILE_KEYS`, those keys' values replaced by `VOLATILE_MARK`, and the document without them kept
-    as ``json``."""
+def _masked(data: bytes, masks: dict[str, str]) -> bytes:
+    for text, mark in sorted(masks.items(), key=lambda item: -len(item[0])):  # the longest first: an input
+        data = data.replace(text.encode(), mark.encode())                     # root inside the work dir
+    return data
+
+
+def _mask_recorded_files(data: bytes, path_holders: dict[str, tuple[int, str]]) -> bytes:
+    """In ``stepmerge.json``'s bytes: each file that holds the temp path (``path_holders``: name -> its size and
+    sha256 as written) is recorded with a size and a sha256 that follow the temp path's length and name; where they
+    are the file's own, they become `FILE_SIZE_MARK` / `FILE_SHA_MARK` (the file itself is compared, masked).
+    A recorded value that is not the file's stays, and differs."""
+    for name, (size, sha) in path_holders.items():
+        data = re.sub(rb'("' + re.escape(name.encode()) + rb'":\s*)' + str(size).encode() + rb"(?![0-9.])",
+                      rb"\1" + FILE_SIZE_MARK, data)
+        data = data.replace(b'"' + sha.encode() + b'"', FILE_SHA_MARK)
+    return data
+
+
+def record_file(path: Path, masks: dict[str, str], path_holders: dict[str, tuple[int, str]] | None = None) -> dict:
+    """One output file: size and sha256 of its bytes, with the temp paths of ``masks`` replaced by their marks
+    (``<WORK>``, `work_masks`); in ``stepmerge.json`` the sizes and sha256 of the files holding a temp path
+    (``path_holders``) masked where they are right (`_mask_recorded_files`); in a JSON file named in
+    `VOLATILE_KEYS`, those keys' values replaced by `VOLATILE_MARK`, and the document without them kept as
+    ``json``."""
     data = path.read_bytes()
     entry: dict = {}
     normalized: list[str] = []
-    if work_root.encode() in data:
-        data = data.replace(work_root.encode(), WORK_MARK.encode())
+    masked = _masked(data, masks)
+    if masked != data:
+        data = masked
         normalized.append("work_root")
+    if path.name == PROVENANCE_FILE and path_holders:
+        data = _mask_recorded_files(data, path_holders)
+        normalized.append("path_holders")
     volatile = [key for (file_name, key) in VOLATILE_KEYS if file_name == path.name]
     if volatile:
         # the value's own JSON text in the file's bytes becomes "<VOLATILE>": the rest stays byte-exact (layout,
@@ -447,31 +515,47 @@ def record_file(path: Path, work_root: str) -> dict:
     return entry
 
 
-def record_tree(folder: Path, work_root: str) -> dict[str, dict]:
-    """Every file under ``folder`` (relative ``/`` path -> `record_file`); a symlink is recorded as its target."""
-    files = {}
-    for path in sorted(folder.rglob("*")):
+def record_tree(folder: Path, masks: dict[str, str]) -> dict[str, dict]:
+    """Every file under ``folder`` (relative ``/`` path -> `record_file`); a symlink is recorded as its target.
+    ``stepmerge.json`` files last, told which files beside and below them hold a temp path."""
+    files: dict[str, dict] = {}
+    raw: dict[str, tuple[int, str]] = {}  # temp-path holders: rel -> size, sha256 as written
+    paths = sorted(folder.rglob("*"), key=lambda p: (p.name == PROVENANCE_FILE, p.as_posix()))
+    for path in paths:
         rel = path.relative_to(folder).as_posix()
         if path.is_symlink():
-            files[rel] = {"symlink": os.readlink(path).replace(work_root, WORK_MARK)}
+            files[rel] = {"symlink": _masked(os.readlink(path).encode(), masks).decode()}
         elif path.is_file():
-            files[rel] = record_file(path, work_root)
-    return files
+            holders = None
+            if path.name == PROVENANCE_FILE:
+                base = path.parent.relative_to(folder).as_posix()
+                prefix = "" if base == "." else base + "/"
+                holders = {r[len(prefix):]: v for r, v in raw.items() if r.startswith(prefix)}
+            files[rel] = record_file(path, masks, holders)
+            if "work_root" in files[rel].get("normalized", ()):
+                data = path.read_bytes()
+                raw[rel] = (len(data), hashlib.sha256(data).hexdigest())
+    return dict(sorted(files.items()))
 
 
 _SECONDS = re.compile(r"\b\d+(?:\.\d+)? s\b")
 _RATE = re.compile(r"\(\d+(?:\.\d+)? [kMG]?B/s\)")
 
 
-def normalize_output(text: str, work_root: str) -> list[str]:
+def work_masks(work: Path, inputs_root: Path) -> dict[str, str]:
+    """The temp paths to mask: the work dir, and the inputs' root (inside it, or reused from another run)."""
+    return {str(work): WORK_MARK, str(inputs_root): f"{WORK_MARK}/in"}
+
+
+def normalize_output(text: str, masks: dict[str, str]) -> list[str]:
     """Stdout lines with the temp dir, durations and rates masked (they differ run to run, nothing else does)."""
-    text = text.replace(work_root, WORK_MARK)
+    text = _masked(text.encode(), masks).decode()
     return [_RATE.sub("(<RATE>)", _SECONDS.sub("<T> s", line)) for line in text.splitlines()]
 
 
-def _stderr_lines(text: str, work_root: str) -> list[str]:
+def _stderr_lines(text: str, masks: dict[str, str]) -> list[str]:
     keep = ("planned ", "  note:", "stepmerge:")
-    return [line for line in normalize_output(text, work_root) if line.startswith(keep)]
+    return [line for line in normalize_output(text, masks) if line.startswith(keep)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -483,6 +567,7 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", DO_NOT_TRACK="1", CUDA_VISIBLE_DEVICES="")
+    env.pop("PYTHONHASHSEED", None)  # the engine runs as a user runs it: an output that follows set order differs
     return env
 
 
@@ -508,25 +593,78 @@ def resolve_args(case: Case, inputs: Inputs, work: Path) -> list[str]:
     return [_PLACEHOLDER.sub(resolve, arg).replace("{out}", str(_case_dir(work, case.name))) for arg in case.args]
 
 
-def run_case(case: Case, inputs: Inputs, work: Path) -> dict:
-    """Run one case in a child process; its record (command, exit code, output lines, files, seconds)."""
+def _case_record(case: Case, argv: list[str], inputs: Inputs, work: Path, code: int, stdout: str, stderr: str,
+                 seconds: float) -> dict:
+    masks = work_masks(work, inputs.root)
     target = _case_dir(work, case.name)
+    if code != 0:
+        print(f"    {case.name} exited {code}:\n{stderr[-2000:]}", flush=True)
+    return {
+        "command": ["merge_engine", *(_masked(a.encode(), masks).decode() for a in argv)],
+        "exit_code": code,
+        "stdout": normalize_output(stdout, masks),
+        "stderr": _stderr_lines(stderr, masks),
+        "files": record_tree(target, masks) if target.exists() else {},
+        "seconds": round(seconds, 2),
+    }
+
+
+def run_case(case: Case, inputs: Inputs, work: Path) -> dict:
+    """Run one case as ``python -m merge_engine ...`` in a child process of its own; its record (command, exit
+    code, output lines, files, seconds)."""
     argv = resolve_args(case, inputs, work)
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "merge_engine", *argv], env=_env(), cwd=work, capture_output=True,
                           text=True, timeout=CASE_TIMEOUT_S)
-    seconds = time.perf_counter() - started
-    root = str(work)
-    record = {
-        "command": ["merge_engine", *(a.replace(root, WORK_MARK) for a in argv)],
-        "exit_code": done.returncode,
-        "stdout": normalize_output(done.stdout, root),
-        "stderr": _stderr_lines(done.stderr, root),
-        "files": record_tree(target, root) if target.exists() else {},
-    }
-    if done.returncode != 0:
-        print(f"    {case.name} exited {done.returncode}:\n{done.stderr[-2000:]}", flush=True)
-    return record | {"seconds": round(seconds, 2)}
+    return _case_record(case, argv, inputs, work, done.returncode, done.stdout, done.stderr,
+                        time.perf_counter() - started)
+
+
+# `--batch`: what ``python -m merge_engine ARGS`` does (runpy of the package's __main__ with sys.argv), case after
+# case in one child process, its stdout and stderr (file descriptors 1 and 2) sent to each case's own files:
+# the imports (torch, transformers: most of a tiny case's CPU) are paid once per child, not once per case.
+_BATCH_RUNNER = r"""
+import json, os, runpy, sys, time, traceback
+for job in json.load(open(sys.argv[1])):
+    sys.stdout.flush(); sys.stderr.flush()
+    out = os.open(job["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    err = os.open(job["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(out, 1); os.dup2(err, 2); os.close(out); os.close(err)
+    sys.argv = ["merge_engine", *job["argv"]]
+    started, code = time.perf_counter(), 0
+    try:
+        runpy.run_module("merge_engine", run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc(); code = 1
+    sys.stdout.flush(); sys.stderr.flush()
+    with open(job["result"], "w") as handle:
+        json.dump({"code": code, "seconds": time.perf_counter() - started}, handle)
+"""
+
+
+def run_batch(cases: Sequence[Case], inputs: Inputs, work: Path) -> dict[str, dict]:
+    """Run ``cases`` in order in ONE child process (`_BATCH_RUNNER`); their records."""
+    logs = work / "batch" / cases[0].name.replace("/", "__")
+    logs.mkdir(parents=True)
+    jobs = []
+    for index, case in enumerate(cases):
+        stem = logs / f"{index:03d}"
+        jobs.append({"argv": resolve_args(case, inputs, work), "stdout": f"{stem}.out", "stderr": f"{stem}.err",
+                     "result": f"{stem}.json"})
+    (logs / "jobs.json").write_text(json.dumps(jobs))
+    subprocess.run([sys.executable, "-c", _BATCH_RUNNER, str(logs / "jobs.json")], env=_env(), cwd=work,
+                   timeout=CASE_TIMEOUT_S * len(cases), check=False)
+    records = {}
+    for case, job in zip(cases, jobs):
+        result = json.loads(Path(job["result"]).read_text()) if Path(job["result"]).exists() else \
+            {"code": -1, "seconds": 0.0}  # the child died before this case ended
+        records[case.name] = _case_record(case, job["argv"], inputs, work, result["code"],
+                                          Path(job["stdout"]).read_text() if Path(job["stdout"]).exists() else "",
+                                          Path(job["stderr"]).read_text() if Path(job["stderr"]).exists() else "",
+                                          result["seconds"])
+    return records
 
 
 def select_cases(patterns: str | None) -> list[Case]:
@@ -549,26 +687,39 @@ def _git(*args: str) -> str:
     return done.stdout.strip()
 
 
-def run_cases(cases: Sequence[Case], inputs: Inputs, work: Path, jobs: int = 1) -> dict[str, dict]:
-    """Run ``cases``, ``jobs`` at a time (a case naming another's output runs in a later wave); records in
-    ``cases``' order. Each case writes its own folder, so the order does not change a byte."""
+def run_cases(cases: Sequence[Case], inputs: Inputs, work: Path, jobs: int = 1, batch: bool = False
+              ) -> dict[str, dict]:
+    """Run ``cases``, ``jobs`` at a time (a case naming another's output runs in a later wave), each in a child
+    process of its own or (``batch``) ``jobs`` children taking a share of the cases each; records in ``cases``'
+    order. Each case writes its own folder, so neither the order nor the grouping changes a byte."""
     from concurrent.futures import ThreadPoolExecutor
 
     done: dict[str, dict] = {}
     waves = [[c for c in cases if not any(k == "case" for k, _ in c.inputs())],
              [c for c in cases if any(k == "case" for k, _ in c.inputs())]]
+
+    def report(name: str, record: dict) -> None:
+        done[name] = record
+        print(f"  [{len(done)}/{len(cases)}] {name}: exit {record['exit_code']}, {len(record['files'])} files, "
+              f"{record['seconds']:.1f} s", flush=True)
+
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for wave in waves:
-            for case, record in zip(wave, pool.map(lambda c: run_case(c, inputs, work), wave)):
-                done[case.name] = record
-                print(f"  [{len(done)}/{len(cases)}] {case.name}: exit {record['exit_code']}, "
-                      f"{len(record['files'])} files, {record['seconds']:.1f} s", flush=True)
+        for wave in (w for w in waves if w):
+            if batch:
+                shares = [wave[i::jobs] for i in range(min(jobs, len(wave)))]
+                for records in pool.map(lambda share: run_batch(share, inputs, work), shares):
+                    for name, record in records.items():
+                        report(name, record)
+            else:
+                for case, record in zip(wave, pool.map(lambda c: run_case(c, inputs, work), wave)):
+                    report(case.name, record)
     return {case.name: done[case.name] for case in cases}
 
 
-def run_all(cases: Sequence[Case], keep: Path | None = None, jobs: int = 1) -> dict:
-    """Build the inputs, run ``cases`` (``jobs`` at a time), record everything; the work dir is removed unless
-    ``keep``."""
+def run_all(cases: Sequence[Case], keep: Path | None = None, jobs: int = 1, reuse: Path | None = None,
+            batch: bool = False) -> dict:
+    """Build the inputs (or take those kept in ``reuse``), run ``cases`` (``jobs`` at a time), record everything;
+    the work dir is removed unless ``keep``."""
     started = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="stepmerge-identity-")) if keep is None else keep
     work.mkdir(parents=True, exist_ok=True)
@@ -579,12 +730,12 @@ def run_all(cases: Sequence[Case], keep: Path | None = None, jobs: int = 1) -> d
         raise SystemExit(f"the cases would run the engine at {location}, not this checkout's ({ROOT})")
     try:
         print(f"building the inputs under {work} ...", flush=True)
-        inputs = build_inputs(work / "in", cases)
+        inputs = build_inputs(work / "in", cases, reuse.resolve() / "in" if reuse is not None else None)
         built = time.perf_counter() - started
-        results = run_cases(cases, inputs, work, jobs)
+        results = run_cases(cases, inputs, work, jobs, batch)
         recorded_inputs = {}
         for (kind, name), path in sorted(inputs.paths.items()):
-            recorded_inputs[f"{kind}:{name}"] = record_tree(path, str(work)) if path.is_dir() else {}
+            recorded_inputs[f"{kind}:{name}"] = record_tree(path, work_masks(work, inputs.root))
         return {
             "schema": SCHEMA,
             "meta": {  # not compared
@@ -592,7 +743,7 @@ def run_all(cases: Sequence[Case], keep: Path | None = None, jobs: int = 1) -> d
                 "engine": location.replace(str(ROOT), "<REPO>"), "python": sys.version.split()[0],
                 "build_seconds": inputs.seconds, "inputs_seconds": round(built, 1),
                 "total_seconds": round(time.perf_counter() - started, 1),
-                "load_average": os.getloadavg(), "jobs": jobs,
+                "load_average": os.getloadavg(), "jobs": jobs, "batch": batch, "inputs_reused_from": str(reuse) if reuse else None,
                 "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             },
             "volatile_keys": {f"{f}:{k}": why for (f, k), why in VOLATILE_KEYS.items()},
@@ -686,6 +837,17 @@ def _load(path: str) -> dict:
         return json.load(handle)
 
 
+def _with_fixed_hash_seed(argv: Sequence[str] | None) -> None:
+    """Re-run this command with PYTHONHASHSEED=0: the inputs' builders (PEFT writes ``target_modules`` from a set)
+    and their rank processes then write the same bytes every time. The cases still run with a random seed."""
+    if os.environ.get("PYTHONHASHSEED") == "0":
+        return
+    args = sys.argv[1:] if argv is None else list(argv)
+    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.output_identity", *args],
+              dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=os.pathsep.join(
+                  p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.output_identity", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="write the record here (JSON)")
@@ -693,7 +855,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--with", dest="with_", metavar="NEW.json", help="with --compare: compare two saved records")
     parser.add_argument("--cases", help="comma-separated case names or prefixes (merge/, split/, ...)")
     parser.add_argument("--keep", type=Path, help="build and write in this (empty) folder and leave it there")
+    parser.add_argument("--inputs", type=Path, metavar="DIR",
+                        help="take the FSDP and Megatron checkpoints an earlier run kept (--keep DIR) instead of "
+                             "building them again (the rest is built afresh)")
     parser.add_argument("--jobs", type=int, default=1, help="cases run at a time (default 1; same bytes)")
+    parser.add_argument("--batch", action="store_true",
+                        help="run the cases in --jobs child processes (python -m merge_engine's runpy, case after "
+                             "case) instead of one child each: the imports paid once per child")
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
     args = parser.parse_args(argv)
     if args.list:
@@ -707,9 +875,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         if not args.out:
             parser.error("--out is required unless --compare BASE --with NEW")
+        _with_fixed_hash_seed(argv)
         cases = select_cases(args.cases)
         print(f"output identity: {len(cases)} case(s) of the engine at {ROOT}", flush=True)
-        record = run_all(cases, args.keep, args.jobs)
+        record = run_all(cases, args.keep, args.jobs, args.inputs, args.batch)
         with open(args.out, "w") as handle:
             json.dump(record, handle, indent=1, sort_keys=True)
         files = sum(len(c["files"]) for c in record["cases"].values())

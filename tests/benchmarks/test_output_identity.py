@@ -29,7 +29,7 @@ def compare(base: Path, new: Path) -> subprocess.CompletedProcess:
 def rerecorded(record: dict, work: Path, out: Path, path: Path) -> Path:
     """``record`` with the case's files recorded again from disk, saved at ``path``."""
     again = json.loads(json.dumps(record))
-    again["cases"][CASE]["files"] = record_tree(out, str(work))
+    again["cases"][CASE]["files"] = record_tree(out, {str(work): WORK_MARK})
     path.write_text(json.dumps(again))
     return path
 
