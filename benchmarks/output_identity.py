@@ -14,16 +14,22 @@ What it does:
    writer) and PEFT itself (adapters on a tiny Qwen2): the variants of the suite's session fixtures
    (tests/fixtures_checkpoints.py, tests/merge_engine/lora/conftest.py), tiny configs.
 2. Runs every case (`CASES`) as ``python -m merge_engine ...`` in a child process whose ``PYTHONPATH`` is this
-   checkout, so it drives the public command line only and works whatever the engine's modules are called.
+   checkout, so it drives the public command line only and works whatever the engine's modules are called
+   (``--batch``: ``--jobs`` children each run their share of the cases one after the other the way ``python -m``
+   does, runpy of the package's ``__main__``: the imports paid once per child, the same bytes).
 3. Records, per case, the command, its exit code, its stdout (and the ``planned``/``note``/``error`` lines of
    stderr) with durations and the temp dir masked, and every output file: path, size, sha256. The input files'
-   hashes are recorded too (``inputs``), so that a difference can be told from a changed input.
+   hashes are recorded too (``inputs``) and their differences shown, not counted: torch.save writes a random
+   ``serialization_id`` into every archive, so the FSDP and Megatron inputs differ on every build.
 
 Normalisation (every output file is recorded, none skipped): the temp dir's path in any file's bytes is replaced
-by ``<WORK>`` before hashing (the file is then marked ``"normalized": ["work_root"]``); JSON files named in
+by ``<WORK>`` before hashing (the file is then marked ``"normalized": ["work_root"]``); in ``stepmerge.json`` the
+size and sha256 it records for such a file (they follow the temp path) are replaced by ``"<SIZE OF THE FILE>"`` /
+``"<SHA256 OF THE FILE>"`` where they are that file's own (``"path_holders"``); JSON files named in
 `VOLATILE_KEYS` have those keys' values (each dropped with its reason) replaced by ``"<VOLATILE>"`` in their bytes
 before hashing, and the rest of the document is kept as JSON (``"json"``) to say which key differs. Nothing else
-is masked.
+is masked. The inputs are built with PYTHONHASHSEED=0 (PEFT writes ``target_modules`` from a set); the cases run
+with a random one, as users run them.
 
 ``--compare`` prints every difference (case, file, what differs: missing / extra / size / sha256 / each JSON
 key / exit code / stdout line) and exits 1 if there is any; 0 when identical.
@@ -806,8 +812,8 @@ def _lines_differences(prefix: str, base: list[str], new: list[str]) -> list[str
 
 
 def compare(base: dict, new: dict) -> list[str]:
-    """Every difference between two records, one line each (empty: identical). Cases present in only one
-    record are differences too; ``meta`` is not compared."""
+    """Every difference between the cases of two records, one line each (empty: identical). Cases present in
+    only one record are differences too; ``meta`` and ``inputs`` (`input_differences`) are not compared here."""
     out = []
     if base.get("volatile_keys") != new.get("volatile_keys"):
         out.append(f"volatile_keys table: {base.get('volatile_keys')} -> {new.get('volatile_keys')}")
@@ -827,6 +833,14 @@ def compare(base: dict, new: dict) -> list[str]:
         out += _lines_differences(f"{prefix} stdout", b["stdout"], n["stdout"])
         out += _lines_differences(f"{prefix} stderr", b["stderr"], n["stderr"])
         out += _file_differences(prefix, b["files"], n["files"])
+    return out
+
+
+def input_differences(base: dict, new: dict) -> list[str]:
+    """The inputs' differences: shown, not counted. The synthetic writers' ``torch.save`` archives hold a random
+    ``.data/serialization_id`` (and DeviceMesh pickles a ``_hash``), so FSDP rank files and Megatron ``.pt`` /
+    ``.distcp`` / ``.metadata`` files differ on every build; the outputs made from them must not."""
+    out = []
     for name in sorted(set(base.get("inputs", {})) & set(new.get("inputs", {}))):
         out += _file_differences(f"[input {name}]", base["inputs"][name], new["inputs"][name])
     return out
@@ -895,10 +909,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             base = dict(base, cases={k: v for k, v in base["cases"].items() if k in record["cases"]},
                         inputs={k: v for k, v in base.get("inputs", {}).items() if k in record.get("inputs", {})})
         differences = compare(base, record)
+        inputs = input_differences(base, record)
+        if inputs:
+            print(f"inputs: {len(inputs)} file(s) differ (not counted; see input_differences):")
+            for line in inputs:
+                print(f"  {line}")
         for line in differences:
             print(line)
+        files = sum(len(c["files"]) for c in record["cases"].values())
         print(f"{len(differences)} difference(s) against {args.compare}" if differences
-              else f"identical to {args.compare}: {len(record['cases'])} case(s)")
+              else f"identical to {args.compare}: {len(record['cases'])} case(s), {files} output files")
         return 1 if differences else 0
     return 0
 
