@@ -91,7 +91,7 @@ class OutputOptions(DeclaredOptions):
                 options[option.field] = value
         if "weights_format" in options:
             options["weights_format"] = parse_weights_format(self.weights_format)
-        if command == "merge" and "custom_mapping" in options:  # its content, not just its name, decides the output
+        if options.get("custom_mapping") is not None:  # its content, not just its name, decides the output
             options["custom_mapping"] = {"url": self.custom_mapping, "sha256": _content_digest(self.custom_mapping)}
         return options
 

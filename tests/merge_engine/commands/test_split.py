@@ -198,6 +198,23 @@ def test_cli_split_then_merge_and_rerun(megatron_runs, tmp_path, capsys):
     assert set(ours) == set(reference) and all(torch.equal(ours[k], v) for k, v in reference.items())
 
 
+def test_an_edited_custom_mapping_is_other_input_not_the_same_split(megatron_runs, tmp_path, capsys):
+    """The mapping's content decides the split, as it decides a merge: the same URL with other bytes is not
+    "already holds this split" (which would keep a split made from the old table), but a target holding other
+    input."""
+    hf = _reference_hf(megatron_runs["qwen2_tp2_pp1_tied_legacy"])
+    mapping = tmp_path / "mapping.json"
+    mapping.write_text(json.dumps({"extends": "qwen2", "model_types": ["qwen2"], "direct": {}}))
+    args = ["split", "--to", "megatron", "--format", "dist", "--hf-dir", hf, "--target-dir",
+            str(tmp_path / "megatron"), "--custom-mapping", str(mapping)]
+    assert main(args) == 0
+    assert main(args) == 0
+    assert "already holds this split" in capsys.readouterr().out
+    mapping.write_text(json.dumps({"extends": "qwen2", "model_types": ["qwen2"], "direct": {}}, indent=2))
+    assert main(args) != 0
+    assert "already holds" not in capsys.readouterr().out
+
+
 def _live_tensor_bytes() -> int:
     """Bytes of the distinct CPU storages behind every live tensor."""
     gc.collect()
