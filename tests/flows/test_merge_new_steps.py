@@ -115,9 +115,9 @@ def test_a_rank_file_still_being_written_is_not_ready_then_merged(prefect, templ
     real_check = tasks.check.check_checkpoint
     writing = [True]
 
-    def check_while_the_writer_finishes(url, backend=None):
+    def check_while_the_writer_finishes(url, backend=None, files=None):
         try:
-            return real_check(url, backend)
+            return real_check(url, backend, files)
         finally:
             if writing:  # the writer finishes once, during the first check (a rewrite later is a change too)
                 shard.write_bytes(whole)

@@ -36,7 +36,8 @@ def test_the_adapter_of_a_lora_step_is_released_and_loads_with_peft(prefect, tem
     for module in (tasks.check, merge_engine.commands.extract):
         real = module.check_checkpoint
         monkeypatch.setattr(module, "check_checkpoint",
-                            lambda url, backend=None, _real=real: checked.append(url) or _real(url, backend))
+                            lambda url, backend=None, files=None, _real=real:
+                            checked.append(url) or _real(url, backend, files))
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [LORA_STEP])
     staging = str(tmp_path / "staging")
@@ -140,9 +141,9 @@ def test_a_rank_file_still_being_written_is_not_ready(prefect, template_run, tmp
     shard.write_bytes(whole[: len(whole) // 3])
     real_check = tasks.check.check_checkpoint
 
-    def check_while_the_writer_finishes(url, backend=None):
+    def check_while_the_writer_finishes(url, backend=None, files=None):
         try:
-            return real_check(url, backend)
+            return real_check(url, backend, files)
         finally:
             shard.write_bytes(whole)
 
