@@ -299,7 +299,7 @@ def _with_base(dist: Path, spec: LoraRunSpec, base_dir: Path, adapter_metadata: 
     scratch = Path(tempfile.mkdtemp(prefix="lora-base-"))
     try:
         split_hf_to_megatron(str(base_dir), str(scratch / "out"),
-                             OutputOptions(fmt="dist", tp=spec.tp, pp=spec.pp, ep=spec.ep))
+                             OutputOptions(format="dist", tp=spec.tp, pp=spec.pp, ep=spec.ep))
         for item in (scratch / "out" / "dist_ckpt").iterdir():
             if item.name.endswith(".distcp"):
                 shutil.move(str(item), dist / item.name)
