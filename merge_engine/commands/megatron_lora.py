@@ -172,8 +172,8 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
         plan = adapter_plan(tensors)
         base_output = _base_copy(options, opened[1], dtype) if options.write_base and len(opened) > 1 else None
         if base_output is None and options.write_base and holds_base(checkpoint):
-            base_output = _step_base(checkpoint, options, dtype)
-            opened.append(base_output.source)
+            base_output, base_source = _step_base(checkpoint, options, dtype)
+            opened.append(base_source)
         if base_output is not None and published_url is not None:
             json["base_model_name_or_path"] = storage.join(published_url, BASE_DIR)
     except BaseException:
@@ -235,9 +235,10 @@ class StepBaseSource:
         self._source.close()
 
 
-def _step_base(checkpoint: Checkpoint, options: OutputOptions, dtype: Any) -> PlannedOutput:
+def _step_base(checkpoint: Checkpoint, options: OutputOptions, dtype: Any) -> tuple[PlannedOutput, TensorSource]:
     """``base/`` of the adapter release of a step holding its base: the step's base weights (adapter hidden)
-    planned by the Megatron planner as a merge would, in the requested weights format, config beside them."""
+    planned by the Megatron planner as a merge would, in the requested weights format, config beside them; and
+    the source it reads (the caller closes it)."""
     from merge_engine.plan.planner import plan_checkpoint
 
     config, folder = step_config(checkpoint, options)
@@ -251,7 +252,7 @@ def _step_base(checkpoint: Checkpoint, options: OutputOptions, dtype: Any) -> Pl
         source.close()
         raise
     return shard_output(plan, source, BASE_DIR, then=lambda url: copy_metadata(folder, url, config,
-                                                                               plan.config_updates))
+                                                                               plan.config_updates)), source
 
 
 def prepare_fused_model(checkpoint: Checkpoint, options: OutputOptions, source_url: str) -> PreparedJob:
