@@ -8,9 +8,9 @@ times when n times its size of its bytes were fetched. The step is verl's legacy
 
 - a first merge_step run (discover, check, merge, validate, publish) fetches each rank file's pickle
   exactly once: the check parses it, the LoRA verdict and the merge's source come from what the check
-  carried (main before this: 3 fetches, rank 0's 4);
+  carried (main before this: 3 fetches, rank 0's 6: the check parsed it twice);
 - a re-run, all cache hits, fetches no byte of any checkpoint file;
-- ``stepmerge merge`` from s3:// fetches each pickle once (before: 2, rank 0's 3).
+- ``stepmerge merge`` from s3:// fetches each pickle once (before: 2, rank 0's 4).
 """
 
 from __future__ import annotations
