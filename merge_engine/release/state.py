@@ -424,8 +424,13 @@ def state_of(url: str, known: Optional[ReleaseState] = None) -> ReleaseState:
 def withdraw_damaged(state: ReleaseState) -> bool:
     """Remove the marker of a DAMAGED release, so readers stop trusting it and a publish clears and
     rewrites it (a marker-holding release with the same fingerprint would be returned as it is).
-    Returns whether it did."""
-    if state.status != DAMAGED:
+    Returns whether it did. ``state`` may be minutes old (read when a flow's chain began): the marker is
+    withdrawn only if it is still the one that state read (same publish attempt), never a release another run
+    has published since."""
+    if state.status != DAMAGED or state.manifest is None:
+        return False
+    now = released_manifest(state.url)
+    if now is None or now.attempt != state.manifest.attempt:
         return False
     storage.remove(storage.join(state.url, MARKER))
     return True

@@ -109,6 +109,18 @@ class TestState:
         published(root_url, release)
         assert release_state(release).status == PUBLISHED
 
+    def test_a_damaged_state_read_before_another_run_republished_withdraws_nothing(self, root_url):
+        """A flow reads the state when its chain begins and publishes minutes later: if another run has
+        published the release again meanwhile, the stale DAMAGED state must not take the new marker away."""
+        release = published(root_url, release_url(root_url, "actor", 1))
+        storage.write_bytes(storage.join(release, "model.safetensors"), b"short")
+        stale = release_state(release)
+        assert stale.status == DAMAGED
+        published(root_url, release)  # another run: a new attempt, whole again
+        assert release_state(release).status == PUBLISHED
+        assert not withdraw_damaged(stale)
+        assert release_state(release).status == PUBLISHED
+
     @pytest.mark.parametrize("hostile", [b"[" * 100_000, b"[1, 2]", b"\xff\xfe"])
     def test_a_hostile_marker_or_manifest_is_not_trusted(self, root_url, hostile):
         """A marker nested past Python's parser, a list, or bytes that are not UTF-8: never a crash,
