@@ -52,8 +52,8 @@ def run_stages(params: MergeStepParams, timer: StageTimer) -> StepOutcome:
     """The body of merge_step (see the module docstring); raises the failing stage's error."""
     started = time.perf_counter()
     outcome = StepOutcome(run_root=params.run_root, step=params.step, role=params.role, status="not_ready")
-    merge = params.merge_settings()
-    ready = ready_checkpoint(timer, params.run_root, params.step, params.role, merge.backend)
+    settings = params.settings()
+    ready = ready_checkpoint(timer, params.run_root, params.step, params.role, settings["merge"].backend)
     if ready.checkpoint is None:
         watcher = retrying_watcher(params.run_root)
         if watcher is None:
@@ -64,17 +64,16 @@ def run_stages(params: MergeStepParams, timer: StageTimer) -> StepOutcome:
         outcome.seconds = time.perf_counter() - started
         return outcome
     step, checkpoint = ready.step, ready.checkpoint
-    common = dict(validation=params.validation_settings(), staging_root=params.staging_root,
-                  options=params.recorded_options(), overwrite=params.overwrite)
+    common = dict(settings=settings, staging_root=params.staging_root, options=params.recorded_options(),
+                  overwrite=params.overwrite)
     root = params.release_root_url
     model = release_output(timer, MODEL, step, checkpoint, release_url(root, params.role, params.step, MODEL),
-                           merge=merge, execution=params.execution_settings(), **common)
+                           **common)
     releases = [model]
     if checkpoint.lora and params.release_adapter:
         adapter_release = release_url(root, params.role, params.step, ADAPTER)
-        adapter = release_output(timer, ADAPTER, step, checkpoint, adapter_release,
-                                 adapter=params.adapter_settings(), fused_model_url=model.url,
-                                 execution=params.execution_settings(), **common)
+        adapter = release_output(timer, ADAPTER, step, checkpoint, adapter_release, fused_model_url=model.url,
+                                 **common)
         releases.append(adapter)
     outcome.releases = releases
     outcome.status = "already_published" if all(r.already_published for r in releases) else "published"

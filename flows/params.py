@@ -195,36 +195,21 @@ class FlowParams(BaseModel):
         """The options that decide a release's content: recorded in its manifest (`Option.shapes`)."""
         return self.model_dump(include={option.name for option in recorded(self.flow)})
 
-    def settings(self, record: Any) -> Any:
-        """The settings record ``record`` (a `tasks.records` settings class) from this flow's parameters; the
-        record's fields the flow does not take keep their defaults."""
+    def settings(self) -> Dict[str, Any]:
+        """Every settings record (`tasks.records.SETTINGS_RECORDS`, record name -> record) from this flow's
+        parameters: the stages take the ones they read; a record's fields the flow does not take keep their
+        defaults. (The execution record, where the shard jobs run, is never recorded in a manifest.)"""
+        from tasks.records import SETTINGS_RECORDS
+
+        return {name: self._settings_record(record) for name, record in SETTINGS_RECORDS.items()}
+
+    def _settings_record(self, record: Any) -> Any:
         values = {}
         for option in for_settings(record.record):
             if option.name in type(self).model_fields:
                 value = getattr(self, option.name)
                 values[setting_name(option, record.record)] = parse_size(value) if option.kind == "size" else value
         return record(**values)
-
-    def merge_settings(self):
-        from tasks.records import MergeSettings
-
-        return self.settings(MergeSettings)
-
-    def adapter_settings(self):
-        from tasks.records import AdapterSettings
-
-        return self.settings(AdapterSettings)
-
-    def validation_settings(self):
-        from tasks.records import ValidationSettings
-
-        return self.settings(ValidationSettings)
-
-    def execution_settings(self):
-        """Where the shard jobs run (never recorded in a manifest: the bytes are the same)."""
-        from tasks.records import ExecutionSettings
-
-        return self.settings(ExecutionSettings)
 
 
 class RunLocation(FlowParams):

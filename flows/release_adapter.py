@@ -75,10 +75,9 @@ def adapter_stages(params: AdapterParams) -> StepOutcome:
     release = release_url(root, params.role, params.step, ADAPTER)
     fused = release_url(root, params.role, params.step, MODEL)
     fused_url = fused if params.compare_with_model_release and model_release_of(fused, checkpoint, params) else None
-    adapter = release_output(timer, ADAPTER, step, checkpoint, release, adapter=params.adapter_settings(),
-                             validation=params.validation_settings(), staging_root=params.staging_root,
-                             options=params.recorded_options(), overwrite=params.overwrite,
-                             fused_model_url=fused_url, execution=params.execution_settings())
+    adapter = release_output(timer, ADAPTER, step, checkpoint, release, settings=params.settings(),
+                             staging_root=params.staging_root, options=params.recorded_options(),
+                             overwrite=params.overwrite, fused_model_url=fused_url)
     outcome.releases = [adapter]
     outcome.status = "already_published" if adapter.already_published else "published"
     outcome.stages, outcome.seconds = timer.stages, time.perf_counter() - started

@@ -42,7 +42,7 @@ that the watcher reads back.
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from flows.outcomes import ReleaseOutcome, StageRun, StepOutcome
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, StepNotFound
@@ -54,17 +54,11 @@ from tasks.build import BuildSpec, extract_adapter, merge_model
 from tasks.check import check_step
 from tasks.discover import discover_step, discover_steps
 from tasks.publish import publish_release
-from tasks.records import (
-    AdapterSettings,
-    CheckpointRecord,
-    ExecutionSettings,
-    MergeSettings,
-    StepRecord,
-    ValidationSettings,
-)
+from tasks.records import CheckpointRecord, Settings, StepRecord
 from tasks.results import configured_result_storage
 from tasks.validate import validate_adapter, validate_output
 
+BUILD_SETTINGS = {MODEL: "merge", ADAPTER: "adapter"}  # the settings record each kind's build reads
 SETTLE_S = float(os.environ.get("STEPMERGE_SETTLE_S", "3"))  # pause before listing a failed step again
 
 
@@ -141,26 +135,40 @@ def ready_checkpoint(timer: StageTimer, run_root: str, step: int, role: str,
 
 @dataclass(frozen=True)
 class ReleaseInputs:
-    """What one output's chain starts from: the checked step, where it is released and how."""
+    """What one output's chain starts from: the checked step, where it is released and how.
+
+    ``settings`` holds every settings record of the flow (`flows.params.FlowParams.settings`: record name ->
+    record); each stage takes the ones it reads (the build the record of its kind, `BUILD_SETTINGS`), so a
+    stage reading a new record needs no new field here nor in the flows."""
 
     kind: str  # MODEL | ADAPTER
     step: StepRecord
     checkpoint: CheckpointRecord
     release: str
-    validation: ValidationSettings
+    settings: Dict[str, Settings]
     staging_root: Optional[str]
     options: dict  # the options the flow records in the manifest
     overwrite: bool = False
-    merge: Optional[MergeSettings] = None
-    adapter: Optional[AdapterSettings] = None
     fused_model_url: Optional[str] = None  # adapters: the model release PEFT's logits must reproduce
-    execution: Optional[ExecutionSettings] = None  # where the shard jobs run (threads here, or Ray)
+
+    @property
+    def build(self) -> Settings:
+        """The build's settings: the merge record for a model, the adapter record for an adapter."""
+        return self.settings[BUILD_SETTINGS[self.kind]]
+
+    @property
+    def validation(self) -> Settings:
+        return self.settings["validation"]
+
+    @property
+    def execution(self) -> Settings:
+        """Where the shard jobs run (threads here, or Ray)."""
+        return self.settings["execution"]
 
     def trained_model_arguments(self) -> tuple:
         """(checkpoint, lora_alpha, config_url) of the trained-model check: the checkpoint PEFT's model is
         rebuilt from, with the alpha and the config the build got (`merge_engine.validate.trained`)."""
-        settings = self.merge or self.adapter
-        return (self.checkpoint, getattr(settings, "lora_alpha", None), getattr(settings, "hf_model_path", None))
+        return (self.checkpoint, getattr(self.build, "lora_alpha", None), getattr(self.build, "hf_model_path", None))
 
     def provenance(self) -> ReleaseProvenance:
         return ReleaseProvenance(kind=self.kind, source_listing=self.step.fingerprint,
@@ -169,7 +177,7 @@ class ReleaseInputs:
 
 
     def build_spec(self) -> BuildSpec:
-        return BuildSpec(self.kind, self.step.fingerprint, self.checkpoint, self.merge or self.adapter)
+        return BuildSpec(self.kind, self.step.fingerprint, self.checkpoint, self.build)
 
 
 @dataclass(frozen=True)
@@ -212,17 +220,16 @@ def adapter_chain(timer: StageTimer, inputs: ReleaseInputs, state: ReleaseState)
 
 
 def release_output(timer: StageTimer, kind: str, step: StepRecord, checkpoint: CheckpointRecord, release: str, *,
-                   merge: Optional[MergeSettings] = None, adapter: Optional[AdapterSettings] = None,
-                   validation: ValidationSettings, staging_root: Optional[str], options: dict,
-                   overwrite: bool = False, fused_model_url: Optional[str] = None,
-                   execution: Optional[ExecutionSettings] = None) -> ReleaseOutcome:
-    """Build, validate and publish one output of ``checkpoint`` at ``release`` (the chain of ``kind``).
+                   settings: Dict[str, Settings], staging_root: Optional[str], options: dict,
+                   overwrite: bool = False, fused_model_url: Optional[str] = None) -> ReleaseOutcome:
+    """Build, validate and publish one output of ``checkpoint`` at ``release`` (the chain of ``kind``), with
+    the flow's settings records (``settings``: `ReleaseInputs.settings`).
 
     The release's state is read once, here: every stage is given it (publishing reads it again only
     when it has something to write)."""
-    inputs = ReleaseInputs(kind=kind, step=step, checkpoint=checkpoint, release=release, validation=validation,
-                           staging_root=staging_root, options=options, overwrite=overwrite, merge=merge,
-                           adapter=adapter, fused_model_url=fused_model_url, execution=execution)
+    inputs = ReleaseInputs(kind=kind, step=step, checkpoint=checkpoint, release=release, settings=settings,
+                           staging_root=staging_root, options=options, overwrite=overwrite,
+                           fused_model_url=fused_model_url)
     chain = (model_chain if kind == MODEL else adapter_chain)(timer, inputs, release_state(release))
     output, report, released = chain.output, chain.validation, chain.release
     return ReleaseOutcome(kind=kind, url=released.url, fingerprint=released.fingerprint,

@@ -56,7 +56,21 @@ COMMANDS = ("discover", "merge", "test", "check", "verify", "extract-lora", "mer
             "notify")
 FLOWS = ("merge_step", "merge_new_steps", "release_adapter")
 OUTPUTS = ("merge", "extract-lora", "extract-lora --finetuned", "merge-lora", "split", "merge_step", "release_adapter")
-SETTINGS = ("merge", "adapter", "validation", "execution")
+# The pipeline's settings records (`tasks.records.SETTINGS_RECORDS` makes one class per name, this text its
+# docstring; a flow's stages get them all at once: `flows.params.FlowParams.settings`)
+SETTINGS: dict[str, str] = {
+    "merge": ("The merge options a flow exposes (the engine's `OutputOptions` minus target handling). "
+              "``lora_alpha`` matters to LoRA checkpoints whose run recorded no alpha: their merged model is the "
+              "trained one (every update fused with its alpha), so the merge needs it as much as the adapter."),
+    "adapter": ("The adapter-extraction options a flow exposes. ``include_base`` also writes the clean base model "
+                "under ``base/`` of the adapter release, so ``PeftModel.from_pretrained(<release>/base, <release>)`` "
+                "needs nothing else (and validation can load it); ``base_model`` names the base of a LoRA-only "
+                "checkpoint."),
+    "validation": "What to validate: the forward pass (GPU when present), and a reference to compare with.",
+    "execution": ("Where a merge's shard jobs run; never part of a cache key or a manifest (the bytes are the same). "
+                  "``ray_address``: Prefect task runs on that Ray cluster (`tasks.shard_runs`; None: the worker's "
+                  "``STEPMERGE_RAY_ADDRESS``, else none); otherwise ``workers`` threads here (None: one per core)."),
+}
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ the checked checkpoint and its settings.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from prefect import task
 
@@ -52,7 +52,7 @@ from merge_engine.release.state import (
 )
 from tasks.cache import stage_cache_policy
 from tasks.progress import ProgressArtifact, release_artifact_key
-from tasks.records import AdapterSettings, CheckpointRecord, ExecutionSettings, MergeSettings
+from tasks.records import SETTINGS_RECORDS, CheckpointRecord, Settings
 from tasks.retry import RETRY_OPTIONS
 from tasks.shard_runs import task_executor_address
 
@@ -68,7 +68,7 @@ class BuildSpec:
     kind: str
     source_listing: str
     checkpoint: CheckpointRecord
-    settings: Union[MergeSettings, AdapterSettings]
+    settings: Settings  # the merge record (a model) or the adapter record (`tasks.records.SETTINGS_RECORDS`)
 
 
 def output_available(output: BuiltOutput, inputs: dict[str, Any]) -> bool:
@@ -118,7 +118,7 @@ def progress_title(spec: BuildSpec, release: str) -> str:
                                       listed=("spec.settings.hf_model_path", "spec.settings.base_model")),
       persist_result=True, **RETRY_OPTIONS)
 def build_output(spec: BuildSpec, release: str, staging_root: Optional[str] = None, overwrite: bool = False,
-                 execution: Optional[ExecutionSettings] = None, state: Optional[ReleaseState] = None) -> BuiltOutput:
+                 execution: Optional[Settings] = None, state: Optional[ReleaseState] = None) -> BuiltOutput:
     """Build ``spec`` into a staging folder for ``release`` (or find it already released there)."""
     fingerprint = fingerprint_of(spec)
     found = state_of(release, state).released_output(spec.kind, spec.checkpoint.url, fingerprint, overwrite=overwrite,
@@ -129,7 +129,7 @@ def build_output(spec: BuildSpec, release: str, staging_root: Optional[str] = No
     target = staging_url(staging_root, release, fingerprint)
     sweep_stale_staging(staging_root, keep=target)
     progress = ProgressArtifact(release_artifact_key("progress", release), progress_title(spec, release))
-    execution = execution or ExecutionSettings()
+    execution = execution or SETTINGS_RECORDS["execution"]()
     executor = executor_at(task_executor_address(execution.workers, execution.ray_address))
     result = run_job(output_job(spec, target, release), on_bytes=progress.on_bytes, on_plan=progress.on_plan,
                      executor=executor)

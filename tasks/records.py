@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from merge_engine.plan.option_values import parse_size
-from merge_engine.options import for_settings, setting_name
+from merge_engine.options import SETTINGS, for_settings, setting_name
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:  # the engine's classes: imported where a record is turned into one (they import torch)
@@ -123,6 +123,11 @@ class Settings(Record):
 
     record: ClassVar[str]
 
+    def __reduce__(self) -> tuple:
+        # pickled by record name, not by class (the classes are generated: `SETTINGS_RECORDS`); the state is
+        # pydantic's own, restored by its ``__setstate__``
+        return _blank_settings, (self.record,), self.__getstate__()
+
     def to_options(self, overwrite: bool = False) -> OutputOptions:
         """The engine's options record: each field to the engine option it declares (``include_base`` ->
         ``write_base``, ...)."""
@@ -142,42 +147,19 @@ def settings_fields(record: str) -> dict[str, Any]:
     return fields
 
 
-class MergeSettings(create_model("merge_settings", __base__=Settings, __module__=__name__,
-                                 **settings_fields("merge"))):
-    """The merge options a flow exposes (the engine's `OutputOptions` minus target handling).
-
-    ``lora_alpha`` matters to LoRA checkpoints whose run recorded no alpha: their merged model is the
-    trained one (every update fused with its alpha), so the merge needs it as much as the adapter.
-    """
-
-    record = "merge"
+def _blank_settings(record: str) -> Settings:
+    """An empty instance of settings record ``record``, for pickle to fill with its state (`Settings.__reduce__`)."""
+    cls = SETTINGS_RECORDS[record]
+    return cls.__new__(cls)
 
 
-class AdapterSettings(create_model("adapter_settings", __base__=Settings, __module__=__name__,
-                                   **settings_fields("adapter"))):
-    """The adapter-extraction options a flow exposes.
-
-    ``include_base`` also writes the clean base model under ``base/`` of the adapter release, so
-    ``PeftModel.from_pretrained(<release>/base, <release>)`` needs nothing else (and validation
-    can load it); ``base_model`` names the base of a LoRA-only checkpoint.
-    """
-
-    record = "adapter"
+def settings_record(record: str) -> type[Settings]:
+    """The settings class of ``record`` (a name of `merge_engine.options.SETTINGS`): its fields are the options
+    declaring it (`settings_fields`), its docstring the declaration's text."""
+    name = f"{record.capitalize()}Settings"
+    return create_model(name, __base__=Settings, __module__=__name__, __doc__=SETTINGS[record],
+                        __namespace__={"record": record}, **settings_fields(record))
 
 
-class ValidationSettings(create_model("validation_settings", __base__=Settings, __module__=__name__,
-                                      **settings_fields("validation"))):
-    """What to validate: the forward pass (GPU when present), and a reference to compare with."""
-
-    record = "validation"
-
-
-class ExecutionSettings(create_model("execution_settings", __base__=Settings, __module__=__name__,
-                                     **settings_fields("execution"))):
-    """Where a merge's shard jobs run; never part of a cache key or a manifest (the bytes are the same).
-
-    ``ray_address``: Prefect task runs on that Ray cluster (`tasks.shard_runs`; None: the worker's
-    ``STEPMERGE_RAY_ADDRESS``, else none); otherwise ``workers`` threads here (None: one per core).
-    """
-
-    record = "execution"
+# One settings class per declared record: a new name in `merge_engine.options.SETTINGS` is a new record here.
+SETTINGS_RECORDS: dict[str, type[Settings]] = {record: settings_record(record) for record in SETTINGS}

@@ -34,7 +34,7 @@ from merge_engine.validate import Check, ValidationReport, validate_model
 from merge_engine.validate import adapter as adapter_validation
 from merge_engine.validate.trained import TRAINED, VS_ADAPTER, VS_FUSED, check_against_trained
 from tasks.cache import stage_cache_policy
-from tasks.records import CheckpointRecord, ValidationSettings
+from tasks.records import CheckpointRecord, Settings
 from tasks.retry import RETRY_OPTIONS
 
 
@@ -56,7 +56,7 @@ def released_validation(output: BuiltOutput, release: Optional[str],
       cache_policy=stage_cache_policy("validate", ("output.fingerprint", "output.url", "output.attempt", "settings"),
                                       listed=("settings.reference_url",)),
       persist_result=True, **RETRY_OPTIONS)
-def validate_output(output: BuiltOutput, settings: ValidationSettings, release: Optional[str] = None,
+def validate_output(output: BuiltOutput, settings: Settings, release: Optional[str] = None,
                     checkpoint: Optional[CheckpointRecord] = None, lora_alpha: Optional[float] = None,
                     config_url: Optional[str] = None, state: Optional[ReleaseState] = None) -> ValidationReport:
     """Validate the model folder ``output.url`` (staging) with ``settings`` (see the module docstring);
@@ -74,7 +74,7 @@ def validate_output(output: BuiltOutput, settings: ValidationSettings, release: 
                                                            "settings", "fused_model_url"),
                                       listed=("fused_model_url",)),
       persist_result=True, **RETRY_OPTIONS)
-def validate_adapter(output: BuiltOutput, settings: ValidationSettings, fused_model_url: Optional[str] = None,
+def validate_adapter(output: BuiltOutput, settings: Settings, fused_model_url: Optional[str] = None,
                      release: Optional[str] = None, checkpoint: Optional[CheckpointRecord] = None,
                      lora_alpha: Optional[float] = None, config_url: Optional[str] = None,
                      state: Optional[ReleaseState] = None) -> ValidationReport:
@@ -89,7 +89,7 @@ def validate_adapter(output: BuiltOutput, settings: ValidationSettings, fused_mo
                                          config_url=config_url))
 
 
-def trained_check(checkpoint: Optional[CheckpointRecord], settings: ValidationSettings, *,
+def trained_check(checkpoint: Optional[CheckpointRecord], settings: Settings, *,
                   fused_model_url: Optional[str] = None, adapter_url: Optional[str] = None,
                   lora_alpha: Optional[float] = None, config_url: Optional[str] = None) -> ValidationReport:
     """The trained-model check of a LoRA checkpoint's output (an empty report for other checkpoints)."""

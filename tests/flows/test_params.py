@@ -119,8 +119,8 @@ def test_good_parameters_and_derived_settings():
     assert params.run_root == "s3://bucket/run"
     assert params.release_root_url == "s3://bucket/run/releases"
     assert params.key == "s3://bucket/run:actor:3"
-    assert params.merge_settings().max_shard_size == 500 * 1024**2
-    assert params.merge_settings().dtype == "bfloat16"
+    assert params.settings()["merge"].max_shard_size == 500 * 1024**2
+    assert params.settings()["merge"].dtype == "bfloat16"
     assert MergeStepParams(run_root="/data/run", step=0, role="").release_root_url == "/data/run/releases"
     watch = WatchParams(run_root="gs://bucket/run", release_root="gs://bucket/releases")
     assert watch.release_root_url == "gs://bucket/releases"
@@ -206,23 +206,23 @@ def test_a_bad_parameter_fails_the_run_before_any_task(prefect):
 def test_lora_alpha_reaches_the_merge_and_its_cache_key():
     """The trained model of a LoRA run that recorded no alpha needs it as much as the adapter does."""
     params = MergeStepParams(run_root="s3://bucket/run", step=3, lora_alpha=16)
-    assert params.merge_settings().lora_alpha == 16
-    assert params.merge_settings().to_options().lora_alpha == 16
-    assert params.adapter_settings().lora_alpha == 16
-    assert params.merge_settings() != MergeStepParams(run_root="s3://bucket/run", step=3).merge_settings()
+    assert params.settings()["merge"].lora_alpha == 16
+    assert params.settings()["merge"].to_options().lora_alpha == 16
+    assert params.settings()["adapter"].lora_alpha == 16
+    assert params.settings()["merge"] != MergeStepParams(run_root="s3://bucket/run", step=3).settings()["merge"]
 
 
 def test_weights_format_reaches_the_merge_its_cache_key_and_the_manifest():
     """The form's weights_format is the command line's --weights-format (default hub)."""
     default = MergeStepParams(run_root="s3://bucket/run", step=3)
     stored = MergeStepParams(run_root="s3://bucket/run", step=3, weights_format="transformers")
-    assert default.merge_settings().to_options().weights_format == "hub"
-    assert stored.merge_settings().to_options().weights_format == "transformers"
-    assert stored.merge_settings() != default.merge_settings()  # another merge, not a cache hit
+    assert default.settings()["merge"].to_options().weights_format == "hub"
+    assert stored.settings()["merge"].to_options().weights_format == "transformers"
+    assert stored.settings()["merge"] != default.settings()["merge"]  # another merge, not a cache hit
     assert stored.recorded_options()["weights_format"] == "transformers"
     # the step's adapter release names its base/ and modules the same way (extract-lora --weights-format)
-    assert default.adapter_settings().to_options().weights_format == "hub"
-    assert stored.adapter_settings().to_options().weights_format == "transformers"
+    assert default.settings()["adapter"].to_options().weights_format == "hub"
+    assert stored.settings()["adapter"].to_options().weights_format == "transformers"
     watch = WatchParams(run_root="s3://bucket/run", weights_format="transformers")
     assert watch.step_params(type("Step", (), {"step": 3, "role": "actor"})()).weights_format == "transformers"
 

@@ -175,7 +175,7 @@ def test_the_adapter_extraction_runs_its_shard_jobs_on_ray(prefect, template_run
     assert verify_folder(adapter.url).ok
 
     checkpoint = f"{run_root}/global_step_{LORA_STEP}/{ROLE}"
-    one = extract_lora(checkpoint, str(tmp_path / "one"), params.adapter_settings().to_options(),
+    one = extract_lora(checkpoint, str(tmp_path / "one"), params.settings()["adapter"].to_options(),
                        executor=LocalExecutor(1))
     weights = sorted(f for f, _ in one.files if f.endswith((".safetensors", ".index.json")))
     assert "adapter_model.safetensors" in weights and any(f.startswith("base/") for f in weights)

@@ -30,14 +30,12 @@ from merge_engine import options as declared
 from merge_engine.cli import build_parser
 from merge_engine.output.jobs import OutputOptions
 from merge_engine.plan.option_values import parse_size
-from tasks.records import AdapterSettings, ExecutionSettings, MergeSettings, ValidationSettings
+from tasks.records import SETTINGS_RECORDS
 
 FLOWS = {"merge_step": (merge_step, MergeStepParams), "merge_new_steps": (merge_new_steps, WatchParams),
          "release_adapter": (release_adapter, AdapterParams)}
 SAMPLES = {"text": "x", "url": "/x", "int": 1, "count": 1, "float": 0.5, "alpha": 2.0, "floats": (1.0,),
            "names": ("q_proj",), "bool": True, "size": 1000, "dtype": "float16", "ray_address": "auto"}  # a set value
-SETTINGS = {"merge": MergeSettings, "adapter": AdapterSettings, "validation": ValidationSettings,
-            "execution": ExecutionSettings}
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -118,12 +116,31 @@ def test_each_flow_form_holds_exactly_its_declared_parameters(flow):
 
 @pytest.mark.parametrize("record", declared.SETTINGS)
 def test_each_settings_record_has_one_field_per_declared_option(record):
-    fields = SETTINGS[record].model_fields
+    fields = SETTINGS_RECORDS[record].model_fields
     expected = {declared.setting_name(o, record): o for o in reversed(declared.for_settings(record))}
     assert set(fields) == set(expected)
     for name, option in expected.items():
         default = parse_size(option.default) if option.kind == "size" else option.default
         assert fields[name].default == default, name
+
+
+def test_one_settings_record_per_declared_name_pickled_by_its_name():
+    """Each name of `SETTINGS` is a settings class (its record, its text); a record survives pickle and
+    cloudpickle (Prefect's results, Ray's task arguments) as an equal record of the same class."""
+    import pickle
+
+    import cloudpickle
+
+    assert list(SETTINGS_RECORDS) == list(declared.SETTINGS)
+    for name, record in SETTINGS_RECORDS.items():
+        assert record.record == name and record.__doc__ == declared.SETTINGS[name]
+        value = record()
+        for dumps in (pickle.dumps, cloudpickle.dumps):
+            again = pickle.loads(dumps(value))
+            assert type(again) is record and again == value and again.model_fields_set == value.model_fields_set
+    changed = SETTINGS_RECORDS["merge"](dtype="bfloat16", max_shard_size=1000)
+    again = pickle.loads(pickle.dumps(changed))
+    assert again == changed and again.model_fields_set == {"dtype", "max_shard_size"}
 
 
 def test_the_engine_options_record_has_one_field_per_declared_engine_option():

@@ -14,8 +14,9 @@ from dataclasses import replace
 import merge_engine
 from tasks.cache import stage_key
 from merge_engine.release.built import BuiltOutput
-from tasks.records import CheckpointRecord, MergeSettings
+from tasks.records import SETTINGS_RECORDS, CheckpointRecord
 
+MergeSettings, AdapterSettings, ValidationSettings = (SETTINGS_RECORDS[r] for r in ("merge", "adapter", "validation"))
 CHECKPOINT = CheckpointRecord(url="s3://b/run/global_step_3/actor", layout="fsdp", fingerprint="f" * 64,
                               files=(("model_world_size_2_rank_0.pt", 100, "etag-a"),
                                      ("model_world_size_2_rank_1.pt", 100, "etag-b")))
@@ -75,7 +76,7 @@ def test_folders_named_by_url_count_by_their_content(tmp_path):
     the output or the verdict: the key follows their listing, not just their name."""
     from merge_engine.release.state import ADAPTER, MODEL
     from tasks.build import BuildSpec, extract_adapter, merge_model
-    from tasks.records import AdapterSettings, StepRecord, ValidationSettings
+    from tasks.records import StepRecord
     from tasks.validate import validate_output
 
     folder = tmp_path / "hf"

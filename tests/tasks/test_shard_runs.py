@@ -38,7 +38,7 @@ def test_without_an_address_the_units_run_on_threads_here(monkeypatch):
 
 @pytest.mark.parametrize("address", ["auto", "local", "127.0.0.1:6379", "ray://head-node.internal:10001"])
 def test_ray_addresses_the_flows_accept(address):
-    assert MergeStepParams(run_root="/r", step=1, ray_address=address).execution_settings().ray_address == address
+    assert MergeStepParams(run_root="/r", step=1, ray_address=address).settings()["execution"].ray_address == address
 
 
 @pytest.mark.parametrize("field, value", [("ray_address", "ftp://head:1"), ("ray_address", "head"),
@@ -50,7 +50,7 @@ def test_bad_execution_parameters_are_refused(field, value):
 
 def test_workers_0_is_the_forms_one_per_core():
     """The form has no None toggle: 0 (its default) means one shard job per core, as the CLI's default."""
-    assert MergeStepParams(run_root="/r", step=1, workers=0).execution_settings().workers is None
+    assert MergeStepParams(run_root="/r", step=1, workers=0).settings()["execution"].workers is None
 
 
 def test_a_dead_ray_address_is_refused_before_ray_is_asked():

@@ -24,7 +24,7 @@ from merge_engine.release.verify import verify_folder
 from tasks import check_step, discover_steps, merge_model, publish_release, validate_output
 from tasks.build import BuildSpec
 from tasks.cache import stage_cache_policy
-from tasks.records import MergeSettings, ValidationSettings
+from tasks.records import SETTINGS_RECORDS
 from tests.fixtures_pipeline import copy_steps
 
 STAGES = ("check", "merge", "validate", "publish")
@@ -36,10 +36,10 @@ def chain(run_root: str, step: int, release_root: str, staging_root: str) -> dic
     release = release_url(release_root, "actor", step)
     states = {"check": check_step(found, None, return_state=True)}
     checkpoint = states["check"].result()
-    states["merge"] = merge_model(BuildSpec(MODEL, found.fingerprint, checkpoint, MergeSettings()), release,
+    states["merge"] = merge_model(BuildSpec(MODEL, found.fingerprint, checkpoint, SETTINGS_RECORDS["merge"]()), release,
                                   staging_root, return_state=True)
     output = states["merge"].result()
-    states["validate"] = validate_output(output, ValidationSettings(), return_state=True)
+    states["validate"] = validate_output(output, SETTINGS_RECORDS["validation"](), return_state=True)
     states["publish"] = publish_release(output, states["validate"].result(), release, {"dtype": None},
                                         return_state=True)
     return {name: (state.name, state.result()) for name, state in states.items()}
