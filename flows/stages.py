@@ -182,12 +182,14 @@ class ReleaseInputs:
 
 @dataclass(frozen=True)
 class ChainRun:
-    """What a chain did: its three results and the `StageRun` of each stage it ran, in order."""
+    """What a chain did: its three results, the `StageRun` of each stage it ran, in order, and its publish's
+    (a publish that was a cache hit published nothing this run, whatever stages follow it)."""
 
     output: BuiltOutput
     validation: ValidationReport
     release: Release
     runs: Tuple[StageRun, ...]
+    published: StageRun
 
     @property
     def cached(self) -> bool:
@@ -202,9 +204,9 @@ def model_chain(timer: StageTimer, inputs: ReleaseInputs, state: ReleaseState) -
                        inputs.overwrite, inputs.execution, state)
     report = timer.run("validate", validate_output, output, inputs.validation, inputs.release,
                        *inputs.trained_model_arguments(), state)
-    released = timer.run("publish", publish_release, output, report, inputs.release,
-                         inputs.provenance().to_manifest_options(), inputs.overwrite, state)
-    return ChainRun(output, report, released, tuple(timer.stages[first:]))
+    released, published = timer.call("publish", publish_release, output, report, inputs.release,
+                                     inputs.provenance().to_manifest_options(), inputs.overwrite, state)
+    return ChainRun(output, report, released, tuple(timer.stages[first:]), published)
 
 
 def adapter_chain(timer: StageTimer, inputs: ReleaseInputs, state: ReleaseState) -> ChainRun:
@@ -214,9 +216,9 @@ def adapter_chain(timer: StageTimer, inputs: ReleaseInputs, state: ReleaseState)
                        inputs.overwrite, inputs.execution, state)
     report = timer.run("validate-adapter", validate_adapter, output, inputs.validation, inputs.fused_model_url,
                        inputs.release, *inputs.trained_model_arguments(), state)
-    released = timer.run("publish-adapter", publish_release, output, report, inputs.release,
-                         inputs.provenance().to_manifest_options(), inputs.overwrite, state)
-    return ChainRun(output, report, released, tuple(timer.stages[first:]))
+    released, published = timer.call("publish-adapter", publish_release, output, report, inputs.release,
+                                     inputs.provenance().to_manifest_options(), inputs.overwrite, state)
+    return ChainRun(output, report, released, tuple(timer.stages[first:]), published)
 
 
 def release_output(timer: StageTimer, kind: str, step: StepRecord, checkpoint: CheckpointRecord, release: str, *,
@@ -235,7 +237,7 @@ def release_output(timer: StageTimer, kind: str, step: StepRecord, checkpoint: C
     return ReleaseOutcome(kind=kind, url=released.url, fingerprint=released.fingerprint,
                           # publish a cache hit: this run published nothing
                           already_published=(released.already_published or output.released
-                                             or chain.runs[-1].cached),
+                                             or chain.published.cached),
                           cached=chain.cached, validation_ok=report.ok,
                           validation_summary=released_summary(report, released.url), tensors=output.tensors,
                           tensor_bytes=output.tensor_bytes, files=released.files, total_bytes=released.total_bytes)

@@ -30,8 +30,8 @@ def four_stages(timer: StageTimer, value: str) -> ChainRun:
     uploaded = timer.run("upload", computes, value)
     output = timer.run("first", cacheable, uploaded)
     validation = timer.run("second", cacheable, output)
-    released = timer.run("third", cacheable, validation)
-    return ChainRun(output, validation, released, tuple(timer.stages[first:]))
+    released, published = timer.call("third", cacheable, validation)
+    return ChainRun(output, validation, released, tuple(timer.stages[first:]), published)
 
 
 @flow
@@ -46,6 +46,7 @@ def test_cached_means_every_stage_of_the_chain(prefect):
     assert names == ["upload", "first", "second", "third"] * 2
     assert second.release == "x+computed+cacheable+cacheable+cacheable"  # each fed by the one before
     assert [run.cached for run in second.runs] == [False, True, True, True]
+    assert second.published is second.runs[-1] and second.published.cached  # the publish's own run
     assert not first.cached and not second.cached  # the uncached first stage counts, wherever it is
 
 
