@@ -6,6 +6,8 @@ the engine's dataclasses into records, `to_*` turn them back where an engine cal
 What the build, validate and publish tasks RETURN is the engine's own frozen dataclasses
 (`merge_engine.release.built.BuiltOutput`, `merge_engine.validate.ValidationReport`,
 `merge_engine.release.publish.Release`): no twin here.
+The settings records are generated, one class per name of `merge_engine.options.SETTINGS`
+(`SETTINGS_RECORDS`), and pickled by that name.
 This module imports no torch (the engine classes are imported inside the `to_*` methods): the
 listings-only watcher reads `StepRecord` s.
 """
