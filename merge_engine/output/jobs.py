@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Protocol
 

@@ -27,7 +27,6 @@ import shutil
 import threading
 import time
 import uuid
-from typing import Any
 
 from merge_engine.output import owner_record
 from merge_engine.errors import StepmergeError

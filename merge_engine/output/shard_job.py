@@ -33,7 +33,6 @@ import queue
 import struct
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 
