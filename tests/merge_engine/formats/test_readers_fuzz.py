@@ -440,7 +440,7 @@ def test_readers_survive_malformed_inputs(tmp_path):
     assert len(inputs) == sum(COUNTS.values())
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps(inputs))
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, __file__, str(manifest)], capture_output=True, text=True, env=env,
                          timeout=PER_INPUT_SECONDS * 20 + 120)
