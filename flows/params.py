@@ -170,7 +170,7 @@ def form_type(option: Option) -> Any:
     return FORM_TYPES[option.kind]
 
 
-def form_field(option: Option) -> Any:
+def pydantic_field(option: Option) -> Any:
     """``option``'s default as the form shows it (the blank of an unset one; ``...``: required), with its text."""
     if option.required:
         default: Any = ...
@@ -224,7 +224,7 @@ class RunLocation(FlowParams):
 
 def parameters_of(flow: str) -> Any:
     """A parameter model with one field per option ``flow`` takes (`merge_engine.options.for_flow`), in order."""
-    fields = {option.name: (form_type(option), form_field(option)) for option in for_flow(flow)}
+    fields = {option.name: (form_type(option), pydantic_field(option)) for option in for_flow(flow)}
     return create_model(f"{flow}_parameters", __base__=RunLocation, __module__=__name__, **fields)
 
 
@@ -263,7 +263,7 @@ def takes(model: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
     def give(fn: Callable[..., Any]) -> Callable[..., Any]:
         fn.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-            [inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=form_field(option),
+            [inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=pydantic_field(option),
                                annotation=form_type(option)) for option in for_flow(model.flow)],
             return_annotation=inspect.signature(fn).return_annotation)
         return fn
