@@ -8,10 +8,14 @@
 Figures (each a ratio of two things measured in this run, on this machine, alternating within a repeat):
 - verl: wall and peak RSS of ``stepmerge merge`` (default flags) against verl 0.9.1's merger
   (`benchmarks.fsdp_merge`: verl in its own venv), the 4-rank fp32 FSDP2 Qwen2-0.5B-shaped checkpoint to
-  bf16, each from a warm page cache; the outputs compared tensor for tensor once.
+  bf16, each from a warm page cache; the outputs compared tensor for tensor once. stepmerge runs as a
+  run's next step (the config's Hub form in its memo, `merge_engine.plan.hub_config_memo`, from an untimed
+  merge at the start) and, beside it, as a run's first step (``STEPMERGE_CACHE_DIR=``: no memo). Its
+  bytecode is compiled once at the start, as ``pip install`` does.
 - workers: ``--workers 2`` / ``--workers 1`` on the same checkpoint (its bf16 output is one shard), and the
   peak RSS at ``--workers 1`` (README's memory claim).
-- startup: a merge of the demo's tiny checkpoint (4-rank FSDP2, 0.8 MB) against ``python -c "import torch"``.
+- startup: a merge of the demo's tiny checkpoint (4-rank FSDP2, 0.8 MB) against ``python -c "import torch"``,
+  as a run's next step and as its first step (no memo), as above.
 - ray: a private 2-CPU Ray cluster of this machine (``--ray-address``) against ``--workers 2``.
 - s3: the merge process's own CPU seconds (rusage from wait4: user + system of the merge process and its
   children; the SeaweedFS server is another process and is not counted) per GB of input, merging from
@@ -85,9 +89,15 @@ def figures(runs: dict[str, list[Run]], input_bytes: int) -> list[Figure]:
     if have("workers1", "workers2"):
         out.append(Figure("--workers 2 / --workers 1 (one shard)", f"{wall('workers2'):.2f} s",
                           f"{wall('workers1'):.2f} s", wall("workers2") / wall("workers1"), 0.6))
+    if have("stepmerge_first", "verl"):
+        out.append(Figure("  the same as a run's first step (no memo)", f"{wall('stepmerge_first'):.2f} s",
+                          f"{wall('verl'):.2f} s", wall("stepmerge_first") / wall("verl"), 0.35))
     if have("tiny", "import_torch"):
         out.append(Figure("tiny merge / python -c 'import torch'", f"{wall('tiny'):.2f} s",
                           f"{wall('import_torch'):.2f} s", wall("tiny") / wall("import_torch"), 1.3))
+    if have("tiny_first", "import_torch"):
+        out.append(Figure("  tiny, as a run's first step (no memo)", f"{wall('tiny_first'):.2f} s",
+                          f"{wall('import_torch'):.2f} s", wall("tiny_first") / wall("import_torch"), 1.3))
     if have("ray", "workers2"):
         out.append(Figure("Ray 2-CPU cluster / --workers 2", f"{wall('ray'):.2f} s", f"{wall('workers2'):.2f} s",
                           wall("ray") / wall("workers2"), 1.2))
@@ -151,11 +161,33 @@ class Bench:
             shutil.rmtree(target, ignore_errors=True)
 
 
+def first_step(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a merge as the first step of a run: no memo of the config's Hub form
+    (`merge_engine.plan.hub_config_memo`), so transformers is asked."""
+    return {**env, "STEPMERGE_CACHE_DIR": ""}
+
+
+def prepare_engine(env: dict[str, str], checkpoints: list[Path]) -> None:
+    """What an installed stepmerge has before its first merge of a run's next step: the engine's bytecode
+    compiled (``pip install`` compiles it; this shell may set ``PYTHONDONTWRITEBYTECODE``, and verl's venv
+    got its bytecode from pip), and the memo of each checkpoint's config (one untimed merge each, in
+    ``STEPMERGE_CACHE_DIR``, a folder of this run)."""
+    import compileall
+
+    compileall.compile_dir(str(Path(__file__).resolve().parents[1] / "merge_engine"), quiet=1)
+    for actor in checkpoints:
+        target = BENCH / "out" / "warm-up"
+        _remove(str(target), env)
+        subprocess.run(merge_command(str(actor), str(target)), env=env, check=True, stdout=subprocess.DEVNULL)
+        shutil.rmtree(target, ignore_errors=True)
+
+
 def bench_verl(bench: Bench, verl_python: Path, compare: bool) -> None:
     from benchmarks.fsdp_merge import outputs_identical
 
     ours, theirs = bench.out / "stepmerge", bench.out / "verl"
     bench.run("stepmerge", merge_command(str(bench.actor), str(ours)), clean=str(ours))
+    bench.run("stepmerge_first", merge_command(str(bench.actor), str(ours)), first_step(bench.env), clean=str(ours))
     bench.run("verl", [str(verl_python), "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir",
                        str(bench.actor), "--target_dir", str(theirs)], clean=str(theirs))
     if compare:
@@ -167,6 +199,7 @@ def bench_verl(bench: Bench, verl_python: Path, compare: bool) -> None:
 def bench_startup(bench: Bench, tiny: Path) -> None:
     target = str(bench.out / "tiny")
     bench.run("tiny", merge_command(str(tiny), target), clean=target, warm=False)
+    bench.run("tiny_first", merge_command(str(tiny), target), first_step(bench.env), clean=target, warm=False)
     bench.run("import_torch", [sys.executable, "-c", "import torch"], warm=False)
     shutil.rmtree(target, ignore_errors=True)
 
@@ -242,7 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load average at the start: {' '.join(f'{x:.2f}' for x in start_load)} ({os.cpu_count()} cores)",
           flush=True)
     BENCH.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+    memo = BENCH / "memo"
+    shutil.rmtree(memo, ignore_errors=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", "STEPMERGE_CACHE_DIR": str(memo)}
     tiny = args.checkpoint or (ensure_start_checkpoint() if (args.quick or "startup" in parts) else None)
     if args.quick:
         actor = tiny
@@ -257,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     if "verl" in parts and verl_python is None:
         print("verl could not be set up: no verl figures")
     bench = Bench(actor, env)
+    prepare_engine(env, [actor] + ([tiny] if tiny is not None and tiny != actor else []))
     with contextlib.ExitStack() as stack:
         ray = stack.enter_context(RayCluster()) if "ray" in parts else None
         s3 = stack.enter_context(S3Source(actor, env)) if "s3" in parts else None

@@ -1,6 +1,9 @@
 """Session-wide test setup: quiet Prefect, isolated caches, shared fixtures from plugin modules."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -9,6 +12,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Prefect's temporary servers (flows run in subprocesses, the demo) wait 20 s by default: not enough on a loaded machine
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
+# the engine's own memo (merge_engine.plan.hub_config_memo): one per session, never the user's ~/.cache
+if "STEPMERGE_CACHE_DIR" not in os.environ:
+    os.environ["STEPMERGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="stepmerge-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["STEPMERGE_CACHE_DIR"], True)
 
 pytest_plugins = ["tests.fixtures_storage", "tests.fixtures_checkpoints", "tests.fixtures_pipeline", "tests.fixtures_ray",
                   "tests.fixtures_merged", "tests.fixtures_readers"]

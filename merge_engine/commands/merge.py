@@ -27,7 +27,7 @@ from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, r
 from merge_engine.output.executors import Executor
 from merge_engine.output.shard_unit import shard_output
 from merge_engine.layouts import Checkpoint, check_checkpoint, check_unchanged, open_checkpoint
-from merge_engine.commands import megatron_lora
+from merge_engine.layouts import megatron_lora as megatron_lora_layout
 from merge_engine.plan.merge_plan import MergePlan, parse_dtype
 from merge_engine.plan.output_heads import check_dropped_head
 from merge_engine.output.target import PROVENANCE_FILE, read_provenance
@@ -96,7 +96,9 @@ class MergeJob:
                 self.checkpoint = check_checkpoint(self.source_url, self.options.backend)
             elif self.checkpoint.url.rstrip("/") != self.source_url.rstrip("/"):
                 raise InvalidOption(f"the checked checkpoint is {self.checkpoint.url}, not the source", self.source_url)
-            if megatron_lora.is_adapter_only(self.checkpoint) or megatron_lora.is_trained_in_step(self.checkpoint):
+            if self.checkpoint.layout == megatron_lora_layout.NAME:
+                from merge_engine.commands import megatron_lora  # a LoRA step only: the LoRA library is not free
+
                 self._config, hf_dir = megatron_lora.step_config(self.checkpoint, self.options)
                 return self.checkpoint, hf_dir, self._config
             self._config = read_config(self.options.hf_model_path or self.checkpoint.hf_dir)
@@ -108,12 +110,15 @@ class MergeJob:
 
     def prepare(self) -> PreparedJob:
         checkpoint, hf_dir, config = self._checked()
-        if megatron_lora.is_adapter_only(checkpoint):  # the adapter fused into the base the user names
-            return megatron_lora.prepare_fused_model(checkpoint, self.options, self.source_url)
+        lora_step = None
+        if checkpoint.layout == megatron_lora_layout.NAME:  # a Megatron LoRA step: its library is imported only then
+            from merge_engine.commands import megatron_lora as lora_step
+        if lora_step is not None and lora_step.is_adapter_only(checkpoint):  # the adapter fused into the base named
+            return lora_step.prepare_fused_model(checkpoint, self.options, self.source_url)
         source = open_checkpoint(checkpoint)
-        if megatron_lora.is_trained_in_step(checkpoint):  # base and adapter in model/dist_ckpt
+        if lora_step is not None and lora_step.is_trained_in_step(checkpoint):  # base and adapter in model/dist_ckpt
             try:
-                source = megatron_lora.trained_megatron_source(checkpoint, source, self.options)
+                source = lora_step.trained_megatron_source(checkpoint, source, self.options)
             except BaseException:
                 source.close()
                 raise

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from merge_engine.errors import UnsupportedLayout
-from merge_engine.plan.hub_config import hub_config
+from merge_engine.plan.hub_config_memo import hub_config_memo
 from merge_engine.plan.option_values import (  # noqa: F401 - the format names live with the other option values
     DEFAULT_WEIGHTS_FORMAT, HUB, TRANSFORMERS, WEIGHTS_FORMATS, parse_weights_format,
 )
@@ -72,8 +72,9 @@ def in_weights_format(plan: MergePlan, config: Mapping[str, Any], weights_format
 
 def with_hub_config(plan: MergePlan, config: Mapping[str, Any]) -> MergePlan:
     """``plan`` whose ``config_updates`` also write the keys transformers 4.x readers need
-    (`merge_engine.plan.hub_config`); what was added is in ``config_changes`` and a note."""
-    translated = hub_config({**dict(config), **plan.config_updates})
+    (`merge_engine.plan.hub_config`, kept per config: `merge_engine.plan.hub_config_memo`); what was added
+    is in ``config_changes`` and a note."""
+    translated = hub_config_memo({**dict(config), **plan.config_updates})
     return replace(plan, config_updates={**plan.config_updates, **translated.updates},
                    config_changes=translated.changes, notes=plan.notes + (translated.describe(),))
 

@@ -29,10 +29,12 @@ def runs(key: str, *measured: tuple[float, float, float]) -> list[Run]:
 def test_each_figure_is_a_ratio_of_medians_beside_its_goal():
     found = {f.name: f for f in figures({
         "stepmerge": runs("stepmerge", (4.0, 600, 5), (3.0, 500, 5), (9.0, 700, 5)),  # medians 4.0 s, 600 MB
+        "stepmerge_first": runs("stepmerge_first", (5.0, 650, 6)),
         "verl": runs("verl", (8.0, 3000, 9), (10.0, 2800, 9), (12.0, 2900, 9)),  # medians 10.0 s, 2900 MB
         "workers1": runs("workers1", (5.0, 450, 6)),
         "workers2": runs("workers2", (2.5, 500, 7.5)),
         "tiny": runs("tiny", (1.4, 300, 1)),
+        "tiny_first": runs("tiny_first", (2.2, 300, 1)),
         "import_torch": runs("import_torch", (1.0, 200, 1)),
         "ray": runs("ray", (3.5, 300, 2)),
         "s3_local": runs("s3_local", (9.0, 900, 9.0)),
@@ -40,6 +42,8 @@ def test_each_figure_is_a_ratio_of_medians_beside_its_goal():
     }, input_bytes=int(2.5e9))}
     assert {name: round(f.ratio, 3) for name, f in found.items()} == {
         "wall, stepmerge / verl 0.9.1": 0.4,
+        "  the same as a run's first step (no memo)": 0.5,
+        "  tiny, as a run's first step (no memo)": 2.2,
         "peak RSS, stepmerge / verl 0.9.1": round(600 / 2900, 3),
         "--workers 2 / --workers 1 (one shard)": 0.5,
         "tiny merge / python -c 'import torch'": 1.4,
