@@ -14,6 +14,11 @@ weight byte passes through the coordinator or Ray's object store: only `FileReco
   import torch in) fresh worker processes for every merge instead of reusing the idle ones.
 - Where each task ran: `RayExecutor.task_runs` holds a `TaskRun` (node id, pid, source bytes read) per
   unit of the last `run_all`, in the order of the tasks (the attempt that succeeded).
+- Start: `RayExecutor.at` (the CLI's ``--ray-address``) connects in a thread of its own while this process
+  checks and plans, and has each CPU of the cluster (up to `WARM_WORKERS`) start a worker that imports the
+  shard job (`warm_worker`): Ray's driver connection (about 2 s of wall) and its workers' start (Python,
+  Ray, torch: about 2 s of CPU each) then overlap the preparation instead of following it. Ray reuses those
+  idle workers for the job's unit tasks. `run_all` waits for the connection; its failure is raised there.
 - ``address``: "auto" (a cluster started with ``ray start``), ``host:port``, ``ray://host:port`` (Ray
   Client), or "local" (a private cluster of this machine). A ``host:port`` that answers nothing, or not as
   Ray does, is `RayClusterUnreachable` within seconds (`ray_address.check_ray_address`), never Ray's own
@@ -22,7 +27,9 @@ weight byte passes through the coordinator or Ray's object store: only `FileReco
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -38,6 +45,8 @@ __all__ = ["DEFAULT_MAX_RETRIES", "RayExecutor", "TaskRun"]
 
 DEFAULT_MAX_RETRIES = 3
 POLL_S = 0.2  # how often the coordinator looks for an interrupt while it waits for tasks
+WARM_WORKERS = 8  # at most this many workers are started ahead of the tasks
+_INIT_LOCK = threading.Lock()
 
 
 def import_ray() -> Any:
@@ -68,6 +77,24 @@ def run_ray_unit_task(task: UnitTask) -> tuple[FileRecord, TaskRun]:
     return record, TaskRun(ray.get_runtime_context().get_node_id(), os.getpid(), bytes_read() - before)
 
 
+def warm_worker() -> TaskRun:
+    """A worker's start, ahead of the tasks: the shard job's modules imported (torch among them); where it ran."""
+    import ray
+
+    import merge_engine.commands.merge  # noqa: F401
+    import merge_engine.output.shard_job  # noqa: F401
+
+    return TaskRun(ray.get_runtime_context().get_node_id(), os.getpid(), 0)
+
+
+class _NotMainThread(logging.Filter):
+    """Ray's driver says that it set no SIGTERM handler when connected from a thread: by design here
+    (`interrupts.reclaim_signals` owns the signals)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
 class RayExecutor(RemoteExecutor):
     """Work units as Ray tasks (see the module docstring)."""
 
@@ -75,21 +102,49 @@ class RayExecutor(RemoteExecutor):
         self.address = address
         self.max_retries = max_retries
         self.task_runs: list[TaskRun] = []
+        self.warm_ups: list[Any] = []  # refs of the `warm_worker` tasks started ahead (each gives where it ran)
+        self._connecting: threading.Thread | None = None
+        self._connect_error: BaseException | None = None
 
     @classmethod
     def at(cls, rest: str) -> RayExecutor:
         """``ray:<address>`` / ``ray://host:port``: a Ray address that names no live cluster is refused here,
-        within seconds, before anything is read (`ray_address.check_ray_address`)."""
+        within seconds, before anything is read (`ray_address.check_ray_address`); then the connection and
+        the workers' start begin in the background (`start_connecting`)."""
         executor = cls(rest or "auto")
         executor.check_address()
+        executor.start_connecting()
         return executor
+
+    def start_connecting(self) -> None:
+        """Connect and start the workers (`warm_worker`) in a thread of its own; `run_all` waits for it."""
+        def connect() -> None:
+            quiet = _NotMainThread()
+            logging.getLogger("ray._private.worker").addFilter(quiet)
+            try:
+                ray = self._init()
+                cpus = int(ray.cluster_resources().get("CPU", 0))
+                warm = ray.remote(warm_worker).options(num_cpus=1, name="stepmerge-warm-up")
+                self.warm_ups = [warm.remote() for _ in range(min(cpus, WARM_WORKERS))]  # not waited for
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread, by `_connect`
+                self._connect_error = exc
+            finally:
+                logging.getLogger("ray._private.worker").removeFilter(quiet)
+
+        if self._connecting is None and not import_ray().is_initialized():
+            self._connecting = threading.Thread(target=connect, name="stepmerge-ray-connect", daemon=True)
+            self._connecting.start()
 
     def check_address(self) -> None:
         """`InvalidOption` / `RayClusterUnreachable` within seconds for an address that is no live Ray cluster."""
         check_ray_address(self.address)
 
-    def _connect(self) -> Any:
+    def _init(self) -> Any:
         ray = import_ray()
+        with _INIT_LOCK:  # two executors connecting at once (a flow's threads) connect once
+            return self._init_once(ray)
+
+    def _init_once(self, ray: Any) -> Any:
         if not ray.is_initialized():
             self.check_address()
             try:
@@ -100,7 +155,17 @@ class RayExecutor(RemoteExecutor):
             except ConnectionError as exc:  # "auto" with no cluster on this machine, a cluster gone meanwhile
                 raise RayClusterUnreachable(f"no Ray cluster at the --ray-address: {exc}".splitlines()[0],
                                             self.address) from None
-            interrupts.reclaim_signals()  # Ray's driver aborts on SIGTERM: the unit tasks must be stopped first
+        return ray
+
+    def _connect(self) -> Any:
+        if self._connecting is not None:
+            self._connecting.join()
+            self._connecting = None
+            if self._connect_error is not None:
+                error, self._connect_error = self._connect_error, None
+                raise error
+        ray = self._init()
+        interrupts.reclaim_signals()  # Ray's driver aborts on SIGTERM: the unit tasks must be stopped first
         return ray
 
     def run_all(self, tasks: list[UnitTask], on_record: Callable[[FileRecord], None]) -> list[FileRecord]:

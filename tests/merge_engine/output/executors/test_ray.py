@@ -11,6 +11,9 @@ session's SeaweedFS:
   it (the storage held still from the first task's start until the kill, so no task can finish first):
   Ray runs the lost task again on the node left, the merge completes byte-identical to the local merge,
   and no temp file is left; the node is started again (not waited for) for the tests after it;
+- ``--ray-address`` (`RayExecutor.at`) connects and starts one worker per cluster CPU (importing the shard job) in
+  the background while the coordinator checks and plans: in a fresh process, every unit task then ran on one of
+  those workers, and the output is byte-identical to the local merge;
 - ``--ray-address`` naming no Ray cluster (a closed port, a web server's port) or no address at all
   (garbage, a port out of range, a web URL): the command exits non-zero with one line naming the error
   (`RayClusterUnreachable` / `InvalidOption`) and the address, within 10 s, and writes nothing.
@@ -18,10 +21,14 @@ session's SeaweedFS:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -178,3 +185,35 @@ def test_a_wrong_ray_address_is_a_named_error_at_once(address, error, fsdp_runs,
     assert code != 0 and wall < 10, (code, wall)
     assert len(err) == 1 and err[0].startswith(f"stepmerge: error: {error}: ") and address in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+WARMED_MERGE = """
+import json, sys
+import ray
+from merge_engine.commands.merge import MergeJob
+from merge_engine.output.executors import executor_at
+from merge_engine.output.jobs import OutputOptions, run_job
+
+executor = executor_at("ray:" + sys.argv[1])
+connecting = executor._connecting is not None
+result = run_job(MergeJob(sys.argv[2], sys.argv[3], OutputOptions(max_shard_size=int(sys.argv[4]))), executor=executor)
+print(json.dumps({"connecting": connecting, "warm": [[w.node_id, w.pid] for w in ray.get(executor.warm_ups)],
+                  "tasks": [[run.node_id, run.pid] for run in executor.task_runs]}))
+"""
+
+
+def test_workers_start_while_the_coordinator_prepares_and_run_the_tasks(fsdp_runs, local_merge, ray_local_cluster,
+                                                                         tmp_path):
+    source = fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir
+    root = Path(__file__).resolve().parents[4]
+    done = subprocess.run([sys.executable, "-c", WARMED_MERGE, ray_local_cluster.address, source,
+                           str(tmp_path / "out"), str(SHARD_BYTES)], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["connecting"]  # begun by executor_at, before the job was checked
+    warm = dict(seen["warm"])  # node -> the worker started there ahead (one per CPU: nodes a and b, 1 CPU each)
+    assert len(warm) == len(seen["warm"]) >= 1  # node b may still be coming back from the test that killed it
+    on_warm_nodes = [pid for node, pid in seen["tasks"] if node in warm]
+    assert on_warm_nodes and set(on_warm_nodes) <= set(warm.values())  # the tasks ran in the workers started ahead
+    assert _files(str(tmp_path / "out")) == local_merge
