@@ -2,6 +2,7 @@
 
 - `torch_archive`     ``torch.save`` zip archives: structure first (allow-list unpickler), bytes on demand
 - `zip_crc`           CRC-32 of zip records checked as they are read, in pieces of any size and order
+- `dtype_names`       dtypes by name and item size, without torch (a check reads headers only)
 - `torch_dcp`         torch.distributed.checkpoint folders, read and written without a process group
 - `dcp_file_names`    the file names DCP writes, for listings
 - `safetensors_file`  safetensors: header first, tensor bytes by ranged reads

@@ -12,34 +12,50 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint
+from merge_engine.formats.dtype_names import ITEMSIZES, SAFETENSORS_CODES, describe, torch_dtype
 from merge_engine.formats.json_file import parse_json
 from merge_engine.storage import RangeReader
 from merge_engine.formats.torch_archive import StorageRef, StoredTensor
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-}
-CODES: dict[torch.dtype, str] = {dtype: code for code, dtype in DTYPES.items()}
+if TYPE_CHECKING:  # a header is read without torch (a check); the byte reads import it
+    import torch
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES`` (code -> ``torch.dtype``) and ``CODES`` (``torch.dtype`` -> code), built on first use:
+    the writers and validators that ask for them work with torch dtypes; a header read needs neither."""
+    if name in ("DTYPES", "CODES"):
+        return _torch_tables()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@lru_cache(maxsize=1)
+def _torch_tables() -> dict[str, dict]:
+    return {"DTYPES": {code: torch_dtype(dtype) for code, dtype in SAFETENSORS_CODES.items()},
+            "CODES": {torch_dtype(dtype): code for code, dtype in SAFETENSORS_CODES.items()}}
+
+
 MAX_HEADER = 100 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class HeaderEntry:
-    """One tensor of a safetensors file: dtype, shape and absolute byte range in the file."""
+    """One tensor of a safetensors file: dtype (by name; ``dtype`` imports torch), shape and absolute
+    byte range in the file."""
 
     name: str
-    dtype: torch.dtype
+    dtype_name: str
     shape: tuple[int, ...]
     start: int
     end: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype_name)
 
 
 @dataclass(frozen=True)
@@ -71,13 +87,13 @@ def read_header(reader: RangeReader) -> Header:
     entries: dict[str, HeaderEntry] = {}
     for name, entry in raw.items():
         try:
-            dtype = DTYPES[entry["dtype"]]
+            dtype = SAFETENSORS_CODES[entry["dtype"]]
             shape = tuple(_integer(s) for s in entry["shape"])
             begin, end = (_integer(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CorruptShard(f"bad header entry for {name!r}", url) from None
-        if begin < 0 or end - begin != math.prod(shape) * dtype.itemsize or any(s < 0 for s in shape):
-            raise CorruptShard(f"{name!r}: bytes [{begin}, {end}) do not hold {list(shape)} {dtype}", url)
+        if begin < 0 or end - begin != math.prod(shape) * ITEMSIZES[dtype] or any(s < 0 for s in shape):
+            raise CorruptShard(f"{name!r}: bytes [{begin}, {end}) do not hold {list(shape)} {describe(dtype)}", url)
         entries[name] = HeaderEntry(name, dtype, shape, data_start + begin, data_start + end)
     cursor = data_start
     for entry in sorted(entries.values(), key=lambda e: (e.start, e.end)):
@@ -112,7 +128,7 @@ class SafetensorsFile:
             for s in reversed(entry.shape):
                 stride.append(acc)
                 acc *= s
-            ref = StorageRef(name, entry.dtype, math.prod(entry.shape))
+            ref = StorageRef(name, entry.dtype_name, math.prod(entry.shape))
             self._tensors[name] = StoredTensor(self, ref, 0, entry.shape, tuple(reversed(stride)))
 
     def tensors(self) -> dict[str, StoredTensor]:
@@ -123,7 +139,9 @@ class SafetensorsFile:
         return dict(sorted(self._entries.items(), key=lambda item: item[1].start))
 
     def read_storage_into(self, storage: StorageRef, element_offset: int, out: torch.Tensor) -> None:
-        start = self._entries[storage.key].start + element_offset * storage.dtype.itemsize
+        import torch
+
+        start = self._entries[storage.key].start + element_offset * storage.itemsize
         if out.numel():
             self.reader.read_into(start, memoryview(out.reshape(-1).view(torch.uint8).numpy()))
 

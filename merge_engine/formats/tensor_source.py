@@ -14,12 +14,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from merge_engine.errors import CorruptShard
+from merge_engine.formats.dtype_names import ITEMSIZES, describe, name_of, torch_dtype
 from merge_engine.formats.torch_archive import StoredTensor
+
+if TYPE_CHECKING:  # torch is imported by the reads; building an assembly (a check) needs none
+    import torch
 
 # A chunk: under glibc's mmap threshold, so its buffers are reused, not re-faulted. 4 MiB, not 16: a shard job
 # holds ~8 chunks (read ahead, being written, waiting for the hasher) and glibc's heap keeps about twice its
@@ -83,7 +85,7 @@ def flat_reader(piece: StoredTensor) -> Callable[[int, int], torch.Tensor]:
     range by range; a small non-contiguous one (a transposed view, storage span up to
     `MATERIALISE_BYTES`) is materialised once, at the first read, instead of once per chunk; a
     larger one is gathered range by range in bounded storage windows (`StoredTensor.read_flat`)."""
-    if piece.is_contiguous() or piece.span * piece.dtype.itemsize > MATERIALISE_BYTES:
+    if piece.is_contiguous() or piece.span * piece.itemsize > MATERIALISE_BYTES:
         return piece.read_flat
     flat: list[torch.Tensor] = []
 
@@ -97,19 +99,32 @@ def flat_reader(piece: StoredTensor) -> Callable[[int, int], torch.Tensor]:
 
 @dataclass(frozen=True)
 class ConcatTensor:
-    """A full tensor = its stored pieces concatenated along ``dim`` (pieces may be empty)."""
+    """A full tensor = its stored pieces concatenated along ``dim`` (pieces may be empty).
+
+    ``dtype_name`` is canonical (a ``torch.dtype`` or pickled dtype given for it is stored as its name):
+    built in a check without torch; ``dtype`` is the ``torch.dtype``."""
 
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype_name: str
     dim: int
     pieces: tuple[StoredTensor, ...]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype_name)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZES[self.dtype_name]
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype_name", name_of(self.dtype_name))
         where = self.pieces[0].archive.url if self.pieces else None
         total = 0
         for piece in self.pieces:
-            if piece.dtype != self.dtype:
-                raise CorruptShard(f"shard dtype {piece.dtype} differs from {self.dtype}", piece.archive.url)
+            if piece.dtype_name != self.dtype_name:
+                raise CorruptShard(f"shard dtype {describe(piece.dtype_name)} differs from "
+                                   f"{describe(self.dtype_name)}", piece.archive.url)
             if len(piece.shape) != len(self.shape) or any(
                 a != b for i, (a, b) in enumerate(zip(piece.shape, self.shape)) if i != self.dim
             ):
@@ -120,7 +135,9 @@ class ConcatTensor:
             raise CorruptShard(f"shards cover {total} of {self.shape[self.dim]} along dim {self.dim}", where)
 
     def iter_chunks(self, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
-        max_elems = max(1, max_bytes // self.dtype.itemsize)
+        import torch
+
+        max_elems = max(1, max_bytes // self.itemsize)
         if self.dim == 0 or len(self.pieces) == 1:
             for piece in self.pieces:
                 n = piece.numel
@@ -148,9 +165,11 @@ class ConcatTensor:
         """Elements ``[start, start+count)`` of the row-major flattening, in flat chunks of at most
         ``max_bytes``. Cut on dim 0 (or one piece), a range is a byte range of the pieces it crosses;
         cut on a later dim, each row of the range is gathered from its piece segments."""
+        import torch
+
         if count <= 0:
             return
-        max_elems = max(1, max_bytes // self.dtype.itemsize)
+        max_elems = max(1, max_bytes // self.itemsize)
         if self.dim == 0 or len(self.pieces) == 1:
             at = 0
             for piece in self.pieces:
@@ -184,6 +203,8 @@ class ConcatTensor:
                 buffer, held = [], 0
 
     def read(self) -> torch.Tensor:
+        import torch
+
         if not self.pieces:
             return torch.empty(self.shape, dtype=self.dtype)
         return torch.cat([p.read() for p in self.pieces], dim=self.dim) if len(self.pieces) > 1 else \
@@ -204,15 +225,25 @@ class ReplicatedTensor:
     def dtype(self) -> torch.dtype:
         return self.copies[0].dtype
 
+    @property
+    def dtype_name(self) -> str:
+        return self.copies[0].dtype_name
+
+    @property
+    def itemsize(self) -> int:
+        return self.copies[0].itemsize
+
     def __post_init__(self) -> None:
         first = self.copies[0]
         for other in self.copies[1:]:
-            if other.shape != first.shape or other.dtype != first.dtype:
-                raise CorruptShard(f"replicated tensor is {other.shape} {other.dtype} here but "
-                                   f"{first.shape} {first.dtype} on another rank", other.archive.url)
+            if other.shape != first.shape or other.dtype_name != first.dtype_name:
+                raise CorruptShard(f"replicated tensor is {other.shape} {describe(other.dtype_name)} here but "
+                                   f"{first.shape} {describe(first.dtype_name)} on another rank", other.archive.url)
 
     def iter_chunks(self, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
-        max_elems = max(1, max_bytes // self.dtype.itemsize)
+        import torch
+
+        max_elems = max(1, max_bytes // self.itemsize)
         first = self.copies[0]
         n = first.numel
         readers = [flat_reader(copy) for copy in self.copies]
@@ -227,7 +258,9 @@ class ReplicatedTensor:
 
     def iter_range(self, start: int, count: int, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
         """Elements ``[start, start+count)`` of the flattening; every copy's range is checked equal."""
-        max_elems = max(1, max_bytes // self.dtype.itemsize)
+        import torch
+
+        max_elems = max(1, max_bytes // self.itemsize)
         readers = [flat_reader(copy) for copy in self.copies]
         for a in range(start, start + count, max_elems):
             n = min(max_elems, start + count - a)
@@ -239,6 +272,8 @@ class ReplicatedTensor:
             yield chunk
 
     def read(self) -> torch.Tensor:
+        import torch
+
         return torch.cat(list(self.iter_chunks())).reshape(self.shape) if self.copies[0].numel else \
             torch.empty(self.shape, dtype=self.dtype)
 
@@ -249,15 +284,25 @@ class StackedTensor:
     FSDP rows x tensor-parallel columns). Streams band by band: memory is one band's chunk."""
 
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype_name: str
     bands: tuple[ConcatTensor, ...]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype_name)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZES[self.dtype_name]
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype_name", name_of(self.dtype_name))
         rows = 0
         for band in self.bands:
-            if band.dtype != self.dtype or tuple(band.shape[1:]) != tuple(self.shape[1:]):
+            if band.dtype_name != self.dtype_name or tuple(band.shape[1:]) != tuple(self.shape[1:]):
                 where = band.pieces[0].archive.url if band.pieces else None
-                raise CorruptShard(f"band {band.shape} {band.dtype} does not fit {self.shape} {self.dtype}", where)
+                raise CorruptShard(f"band {band.shape} {describe(band.dtype_name)} does not fit {self.shape} "
+                                   f"{describe(self.dtype_name)}", where)
             rows += band.shape[0]
         if rows != self.shape[0]:
             raise CorruptShard(f"bands cover {rows} of {self.shape[0]} rows", None)
@@ -276,6 +321,8 @@ class StackedTensor:
             at += n
 
     def read(self) -> torch.Tensor:
+        import torch
+
         return torch.cat([band.read() for band in self.bands], dim=0)
 
 
@@ -348,7 +395,7 @@ class AssembledSource:
             for piece in _pieces(tensor):
                 if not piece.numel:
                     continue
-                size = piece.dtype.itemsize
+                size = piece.itemsize
                 span = piece.span
                 key = (piece.archive.url, piece.storage.key, piece.offset * size, span * size,
                        None if span == piece.numel else (piece.shape, piece.stride))

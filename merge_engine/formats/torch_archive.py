@@ -28,42 +28,25 @@ import struct
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsafePickle
+from merge_engine.formats.dtype_names import (
+    ALIASES, ITEMSIZES, STORAGE_CLASSES, PickledDType, name_of, torch_dtype,
+)
 from merge_engine.storage import RangeReader
 from merge_engine.formats.zip_crc import RecordChecks
+
+if TYPE_CHECKING:  # torch is imported by the functions that read bytes into tensors, never by a check
+    import torch
 
 # --- stand-ins the unpickler may return ---------------------------------------------------
 
 
-def _storage_dtypes() -> dict[str, torch.dtype]:
-    import warnings
-
-    table = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the legacy typed-storage classes warn on attribute access
-        return _collect_storage_dtypes(table)
-
-
-def _collect_storage_dtypes(table: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
-    for name in dir(torch):
-        if name.endswith("Storage") and name not in ("Storage", "TypedStorage", "UntypedStorage"):
-            try:
-                table[name] = getattr(torch, name).dtype
-            except Exception:  # quantized storages have no plain dtype: leave them out
-                continue
-    table["UntypedStorage"] = torch.uint8
-    return table
-
-
-STORAGE_DTYPES = _storage_dtypes()
 MAX_PICKLE_BYTES = 1 << 30  # a state dict's structure; tensors live in separate records
 GATHER_ELEMENTS = 1 << 20  # non-contiguous reads: flat elements located per pass
 GATHER_WINDOW_BYTES = 32 << 20  # non-contiguous reads: most storage bytes held at once
-TORCH_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+DTYPE_GLOBALS = frozenset(ITEMSIZES) | frozenset(ALIASES)  # ``torch.<name>`` globals that are dtypes
 
 
 def is_row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -78,18 +61,33 @@ def is_row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 
 @dataclass(frozen=True)
 class StorageMarker:
-    """What a ``torch.FloatStorage``-style global unpickles to: only its element dtype."""
+    """What a ``torch.FloatStorage``-style global unpickles to: only its element dtype's name."""
 
-    dtype: torch.dtype
+    dtype_name: str
 
 
 @dataclass(frozen=True)
 class StorageRef:
-    """A storage record in the archive: key, dtype and element count (its bytes are found by key)."""
+    """A storage record in the archive: key, dtype name and element count (its bytes are found by key).
+
+    ``dtype_name`` is canonical (`merge_engine.formats.dtype_names`); a ``torch.dtype`` given for it is
+    stored as its name. ``dtype`` is the ``torch.dtype`` (imports torch), ``itemsize`` needs no torch.
+    """
 
     key: str
-    dtype: torch.dtype
+    dtype_name: str
     numel: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype_name", name_of(self.dtype_name))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype_name)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZES[self.dtype_name]
 
 
 @dataclass(frozen=True)
@@ -111,6 +109,14 @@ class StoredTensor:
         return self.storage.dtype
 
     @property
+    def dtype_name(self) -> str:
+        return self.storage.dtype_name
+
+    @property
+    def itemsize(self) -> int:
+        return self.storage.itemsize
+
+    @property
     def numel(self) -> int:
         n = 1
         for s in self.shape:
@@ -122,6 +128,8 @@ class StoredTensor:
 
     def read_flat(self, start: int, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements ``[start, start+count)`` of the row-major flattening, read into ``out`` (1-D) if given."""
+        import torch
+
         if out is None:
             out = torch.empty(count, dtype=self.dtype)
         if count == 0:
@@ -142,6 +150,8 @@ class StoredTensor:
         """Flat elements ``[start, start + len(out))`` of a non-contiguous view, read in storage
         windows of at most `GATHER_WINDOW_BYTES` (a transposed tensor's row touches its whole
         storage: memory stays bounded, and the bytes are read once per window they fall in)."""
+        import torch
+
         count = out.numel()
         flat = torch.arange(start, start + count, dtype=torch.int64)
         index = torch.zeros(count, dtype=torch.int64)
@@ -168,6 +178,8 @@ class StoredTensor:
 
     def read(self) -> torch.Tensor:
         """The whole tensor, materialised (contiguous)."""
+        import torch
+
         if self.is_contiguous():
             return self.read_flat(0, self.numel).reshape(self.shape)
         raw = torch.empty(self.span, dtype=self.dtype)
@@ -255,9 +267,13 @@ class WrapperTensor:
     """A tensor subclass (DTensor) rebuilt without torch: class record, global meta and its state."""
 
     cls: type[Record]
-    dtype: torch.dtype
+    dtype_name: str
     shape: tuple[int, ...]
     state: dict[str, Any]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype_name)
 
 
 def view_problem(storage_numel: int, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> str | None:
@@ -311,7 +327,9 @@ def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=Non
 
 
 def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
-    return WrapperTensor(cls, dtype, tuple(int(s) for s in size), {})
+    if not isinstance(dtype, PickledDType):
+        raise ValueError(f"tensor subclass rebuilt with dtype {dtype!r}")
+    return WrapperTensor(cls, dtype.name, tuple(int(s) for s in size), {})
 
 
 def _rebuild_from_type_v2(func, new_type, args, state):
@@ -406,10 +424,10 @@ class _SafeUnpickler(pickle.Unpickler):
             return _Allowed(_tensor_rebuilder(self._archive))
         if (module, name) in _FUNCTIONS:
             return _Allowed(_FUNCTIONS[(module, name)])
-        if module == "torch" and name in STORAGE_DTYPES:
-            return StorageMarker(STORAGE_DTYPES[name])
-        if module == "torch" and name in TORCH_DTYPES:
-            return TORCH_DTYPES[name]
+        if module == "torch" and name in STORAGE_CLASSES:
+            return StorageMarker(STORAGE_CLASSES[name])
+        if module == "torch" and name in DTYPE_GLOBALS:
+            return PickledDType(name)
         if module.startswith(_RECORD_MODULES) or module == "torch.distributed":
             return record_class(module, name)
         if (module, name) in _RECORD_GLOBALS or (module in _RECORD_GLOBAL_MODULES and name.endswith("DType")):
@@ -421,7 +439,7 @@ class _SafeUnpickler(pickle.Unpickler):
         if self._archive is None or not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise UnsafePickle(f"unknown persistent id {pid!r}", self._url)
         _, marker, key, _location, numel = pid
-        dtype = marker.dtype if isinstance(marker, StorageMarker) else None
+        dtype = marker.dtype_name if isinstance(marker, StorageMarker) else None
         if dtype is None:
             raise UnsafePickle(f"storage of unknown type {marker!r}", self._url)
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
@@ -626,7 +644,7 @@ class TorchArchive:
         """The record behind ``storage`` exists, is stored uncompressed, holds exactly the bytes the
         pickle declares, and fits before the next record (zip directory only, no read). `load()` calls
         this for every storage, so a listing judged complete is one `merge` can read."""
-        if (storage.key, storage.numel * storage.dtype.itemsize) in self._checked_records:
+        if (storage.key, storage.numel * storage.itemsize) in self._checked_records:
             return
         name = f"{self._prefix}data/{storage.key}"
         info = self._infos.get(name)
@@ -634,7 +652,7 @@ class TorchArchive:
             raise CorruptShard(f"storage record {name} missing", self.url)
         if info.compress_type != zipfile.ZIP_STORED:
             raise CorruptShard(f"storage record {name} is compressed; torch.save never does that", self.url)
-        expected = storage.numel * storage.dtype.itemsize
+        expected = storage.numel * storage.itemsize
         if info.file_size != expected:
             raise CorruptShard(f"storage record {name} holds {info.file_size} bytes, pickle says {expected}", self.url)
         end = info.header_offset + 30 + len(info.orig_filename.encode()) + info.file_size
@@ -659,7 +677,7 @@ class TorchArchive:
         for view in self._views:
             if not view.numel:
                 continue
-            size = view.dtype.itemsize
+            size = view.itemsize
             span = 1 + sum((s - 1) * st for s, st in zip(view.shape, view.stride))
             start = view.offset * size
             dense = span == view.numel
@@ -701,11 +719,13 @@ class TorchArchive:
 
     def read_storage_into(self, storage: StorageRef, element_offset: int, out: torch.Tensor) -> None:
         """Fill the contiguous tensor ``out`` with elements of ``storage`` starting at ``element_offset``."""
+        import torch
+
         if out.dtype != storage.dtype or not out.is_contiguous():
             raise ValueError("out must be contiguous and of the storage dtype")
         if element_offset + out.numel() > storage.numel:
             raise CorruptShard(f"tensor view runs past its storage {storage.key}", self.url)
-        record_offset = element_offset * storage.dtype.itemsize
+        record_offset = element_offset * storage.itemsize
         start = self._data_offset(storage) + record_offset
         data = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         self.reader.read_into(start, data)

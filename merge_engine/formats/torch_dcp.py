@@ -30,15 +30,19 @@ import reprlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy
 
 from merge_engine import storage
 from merge_engine.formats.dcp_file_names import DATA_FILE, METADATA_FILE
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout
+from merge_engine.formats.dtype_names import ITEMSIZES, PickledDType, describe, name_of, torch_dtype
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES
 from merge_engine.formats.torch_archive import Record, StoredTensor, TorchArchive, safe_unpickle
+
+if TYPE_CHECKING:  # reading ``.metadata`` (a check) needs no torch; the chunk reads and the writer import it
+    import torch
 
 MAX_METADATA_BYTES = 1 << 30  # an index of chunks and offsets; the weights live in the data files
 
@@ -63,9 +67,18 @@ class ChunkInfo:
 
 @dataclass(frozen=True)
 class TensorInfo:
+    """A global tensor of the index: shape, dtype by name (``dtype``: the ``torch.dtype``) and its chunks."""
+
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype_name: str
     chunks: tuple[ChunkInfo, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype_name", name_of(self.dtype_name))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype_name)
 
     @cached_property
     def _rows_index(self) -> tuple[list[int], list[ChunkInfo], int]:
@@ -99,12 +112,13 @@ def _fields(value: Any) -> dict[str, Any]:
     return value.fields if isinstance(value, Record) else {}
 
 
-def _dtype_of(properties: Any, url: str, key: str) -> torch.dtype:
+def _dtype_of(properties: Any, url: str, key: str) -> str:
+    """The name of the dtype the metadata records for ``key`` (a pickled ``torch.<dtype>`` global)."""
     state = properties.state if isinstance(properties, Record) else None
     dtype = state[0] if isinstance(state, tuple) and state else _fields(properties).get("dtype")
-    if not isinstance(dtype, torch.dtype):
+    if not isinstance(dtype, PickledDType):
         raise CorruptShard(f"no dtype recorded for {key!r}", url)
-    return dtype
+    return dtype.name
 
 
 def read_index(url: str) -> DcpIndex:
@@ -171,8 +185,8 @@ def _parse_index(url: str, fields: dict, meta_url: str) -> DcpIndex:
             if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
                     o + s > d for o, s, d in zip(offsets, sizes, shape)):
                 raise CorruptShard(f"{key!r}: chunk {offsets}+{sizes} lies outside {shape}", meta_url)
-            if location.length < math.prod(sizes) * dtype.itemsize:
-                raise CorruptShard(f"{key!r}: chunk {sizes} needs {math.prod(sizes) * dtype.itemsize} bytes, its "
+            if location.length < math.prod(sizes) * ITEMSIZES[dtype]:
+                raise CorruptShard(f"{key!r}: chunk {sizes} needs {math.prod(sizes) * ITEMSIZES[dtype]} bytes, its "
                                    f"item at {location.offset} of {location.file} has {location.length}", meta_url)
             chunks.append(ChunkInfo(offsets, sizes, location))
         problem = tiling_problem(shape, [(c.offsets, c.sizes) for c in chunks])
@@ -233,7 +247,7 @@ def tiling_problem(shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Se
     cuts = [sorted({0, n} | {o[d] for o, _ in boxes} | {o[d] + s[d] for o, s in boxes}) for d, n in enumerate(shape)]
     if math.prod(len(c) - 1 for c in cuts) <= MAX_GRID_CELLS:
         position = [{x: i for i, x in enumerate(c)} for c in cuts]
-        count = torch.zeros([len(c) - 1 for c in cuts], dtype=torch.int32)
+        count = numpy.zeros([len(c) - 1 for c in cuts], dtype=numpy.int32)
         for offsets, sizes in boxes:
             count[tuple(slice(p[o], p[o + s]) for p, o, s in zip(position, offsets, sizes))] += 1
         if bool((count > 1).any()):
@@ -248,8 +262,8 @@ def tiling_problem(shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Se
     return None if covered == total else f"chunks do not cover it ({covered} of {total} elements)"
 
 
-def _first_index(mask: torch.Tensor, cuts: Sequence[Sequence[int]]) -> tuple[int, ...]:
-    cell = mask.nonzero()[0].tolist()
+def _first_index(mask: numpy.ndarray, cuts: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    cell = numpy.argwhere(mask)[0].tolist()  # row-major order, as torch's nonzero
     return tuple(c[i] for c, i in zip(cuts, cell))
 
 
@@ -300,7 +314,8 @@ class DcpFiles:
         self._readers: dict[str, storage.RangeReader] = {}
         self._chunks: dict[ItemLocation, StoredTensor] = {}
 
-    def chunk(self, location: ItemLocation, key: str, info: ChunkInfo, dtype: torch.dtype) -> StoredTensor:
+    def chunk(self, location: ItemLocation, key: str, info: ChunkInfo, dtype: str) -> StoredTensor:
+        """The saved chunk at ``location`` (``dtype``: the metadata's dtype name, which it must hold)."""
         stored = self._chunks.get(location)
         if stored is None:
             file_url = storage.join(self.url, location.file)
@@ -309,8 +324,8 @@ class DcpFiles:
                 reader = self._readers[location.file] = self._open(file_url, location.file)
             archive = TorchArchive(f"{file_url}@{location.offset}", _Window(reader, location.offset, location.length))
             stored = archive.load()
-            if not isinstance(stored, StoredTensor) or stored.shape != info.sizes or stored.dtype != dtype:
-                raise CorruptShard(f"{key!r}: item at {location.offset} is not the {info.sizes} {dtype} chunk the "
+            if not isinstance(stored, StoredTensor) or stored.shape != info.sizes or stored.dtype_name != dtype:
+                raise CorruptShard(f"{key!r}: item at {location.offset} is not the {info.sizes} {describe(dtype)} chunk the "
                                    "metadata describes", file_url)
             self._chunks[location] = stored
         return stored
@@ -358,8 +373,14 @@ class DcpTensor:
     def dtype(self) -> torch.dtype:
         return self.info.dtype
 
+    @property
+    def dtype_name(self) -> str:
+        return self.info.dtype_name
+
     def read_box(self, starts: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
         """Elements ``[starts, starts + sizes)`` of this box (coordinates relative to it)."""
+        import torch
+
         g_starts = tuple(self.lead) + tuple(starts)
         g_sizes = (1,) * len(self.lead) + tuple(sizes)
         regions = []  # (chunk, low corner, high corner) of every chunk meeting the box
@@ -376,12 +397,12 @@ class DcpTensor:
                                self.files.url)
         if len(regions) == 1:  # the box lies in one saved chunk: no second buffer
             chunk, lo, hi = regions[0]
-            stored = self.files.chunk(chunk.location, self.key, chunk, self.dtype)
+            stored = self.files.chunk(chunk.location, self.key, chunk, self.dtype_name)
             return _read_region(stored, [l - c for l, c in zip(lo, chunk.offsets)],
                                 [h - l for l, h in zip(lo, hi)]).reshape(tuple(sizes))
         out = torch.empty(g_sizes, dtype=self.dtype)  # every element is written: the regions tile the box
         for chunk, lo, hi in regions:
-            stored = self.files.chunk(chunk.location, self.key, chunk, self.dtype)
+            stored = self.files.chunk(chunk.location, self.key, chunk, self.dtype_name)
             region = _read_region(stored, [l - c for l, c in zip(lo, chunk.offsets)], [h - l for l, h in zip(lo, hi)])
             out[tuple(slice(l - a, h - a) for l, h, a in zip(lo, hi, g_starts))] = region
             del region
@@ -396,7 +417,7 @@ class DcpTensor:
         if not shape:
             yield self.read().reshape(-1)
             return
-        row_bytes = math.prod(shape[1:]) * self.dtype.itemsize
+        row_bytes = math.prod(shape[1:]) * ITEMSIZES[self.dtype_name]
         rows = max(1, max_bytes // max(row_bytes, 1))
         for start in range(0, shape[0], rows):
             count = min(rows, shape[0] - start)
@@ -414,7 +435,7 @@ class DcpTensor:
         row = math.prod(shape[1:])
         if row == 0:
             return
-        rows = max(1, max_bytes // max(row * self.dtype.itemsize, 1))
+        rows = max(1, max_bytes // max(row * ITEMSIZES[self.dtype_name], 1))
         first, last = start // row, -(-(start + count) // row)
         for a in range(first, last, rows):
             b = min(last, a + rows)
@@ -429,6 +450,8 @@ def _read_region(stored: StoredTensor, lo: Sequence[int], counts: Sequence[int])
     Dims after ``k`` are taken whole, so each index over the dims before ``k`` is one run of
     ``counts[k]`` rows of dim ``k`` (one run in all when only leading indices are fixed).
     """
+    import torch
+
     shape = stored.shape
     if not shape:
         return stored.read()
@@ -500,6 +523,8 @@ class DcpDataFile(storage.CommitOnExit):
         return self._out.sha256()
 
     def add_chunk(self, key: str, global_shape: Sequence[int], offsets: Sequence[int], tensor: torch.Tensor) -> None:
+        import torch
+
         buffer = io.BytesIO()
         torch.save(tensor.detach().contiguous().clone(), buffer)
         at = self._out.size
@@ -523,6 +548,8 @@ def dcp_metadata_bytes(items: Iterable[DcpItem]) -> bytes:
     """``.metadata`` (torch's own record classes, pickled) for ``items`` of any data files, in their order.
 
     Raises `ValueError` when two chunks of one key disagree on the global shape or dtype."""
+    import torch
+
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -569,6 +596,8 @@ class DcpWriter:
         self._shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
 
     def add_chunk(self, key: str, global_shape: Sequence[int], offsets: Sequence[int], tensor: torch.Tensor) -> None:
+        import torch
+
         shape = (tuple(int(s) for s in global_shape), tensor.dtype)
         if self._shapes.setdefault(key, shape) != shape:
             raise ValueError(f"{key}: chunks disagree on global shape or dtype")

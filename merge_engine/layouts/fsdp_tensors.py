@@ -16,6 +16,7 @@ import math
 from typing import Any
 
 from merge_engine.errors import CorruptShard, UnsupportedLayout
+from merge_engine.formats.dtype_names import PickledDType
 from merge_engine.layouts.dtensor_blocks import Placement, local_block, placement_of
 from merge_engine.formats.tensor_source import ConcatTensor, ReplicatedTensor, StackedTensor
 from merge_engine.formats.torch_archive import StoredTensor, TorchArchive, WrapperTensor
@@ -64,14 +65,14 @@ def _assemble_dtensor(key: str, values: list[WrapperTensor], archives: list[Torc
     holding the same block are replicas (HSDP, a sub-mesh replicated over "tp"): each block must be
     held the same number of times, and its first holder is read. The blocks must tile the tensor:
     cut along one dim (`ConcatTensor`) or along dim 0 and one other (bands: `StackedTensor`)."""
-    shape, dtype = tuple(values[0].shape), values[0].dtype
+    shape, dtype = tuple(values[0].shape), values[0].dtype_name  # a name: a check imports no torch
     records = []
     for rank, (value, archive) in enumerate(zip(values, archives)):
         spec = value.state.get("_spec")
         local = value.state.get("_local_tensor")
         if spec is None or not isinstance(local, StoredTensor):
             raise CorruptShard(f"DTensor {key!r} without spec or local tensor", archive.url)
-        if tuple(value.shape) != shape or value.dtype != dtype:
+        if tuple(value.shape) != shape or value.dtype_name != dtype:
             raise CorruptShard(f"DTensor {key!r} global shape {value.shape} differs from rank 0's {shape}", archive.url)
         mesh = spec.fields["mesh"].fields
         names = tuple(mesh.get("_mesh_dim_names") or ())
@@ -165,5 +166,7 @@ def _assemble_sharded_tensor(key: str, values: list[WrapperTensor], archives: li
             raise CorruptShard(f"ShardedTensor {key!r}: shard at offset {offsets[dim]}, expected {at}",
                                tensor.archive.url)
         at += tensor.shape[dim] if tensor.shape else 1
-    stored_dtype = pieces[0][1].dtype if pieces else dtype
+    if not pieces and not isinstance(dtype, PickledDType):
+        raise CorruptShard(f"ShardedTensor {key!r} has no shards and no recorded dtype", archives[0].url)
+    stored_dtype = pieces[0][1].dtype_name if pieces else dtype.name
     return ConcatTensor(shape, stored_dtype, dim, tuple(t for _, t in pieces))

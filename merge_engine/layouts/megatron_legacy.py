@@ -375,10 +375,10 @@ def gather(pieces: list[StoredTensor], kind: TPKind, name: str):
         return ReplicatedTensor(tuple(pieces))
     if kind is TPKind.ROW:
         shape = (first.shape[0], sum(p.shape[1] for p in pieces), *first.shape[2:])
-        return ConcatTensor(shape, first.dtype, 1, tuple(pieces))
+        return ConcatTensor(shape, first.dtype_name, 1, tuple(pieces))
     shape = (sum(p.shape[0] for p in pieces), *first.shape[1:])
     if kind is TPKind.COLUMN:
-        return ConcatTensor(shape, first.dtype, 0, tuple(pieces))
+        return ConcatTensor(shape, first.dtype_name, 0, tuple(pieces))
     halves = []
     for piece in pieces:
         if piece.shape[0] % 2:
@@ -386,7 +386,7 @@ def gather(pieces: list[StoredTensor], kind: TPKind, name: str):
                                piece.archive.url)
         half = piece.shape[0] // 2
         halves.append((_row_slice(piece, 0, half), _row_slice(piece, half, piece.shape[0])))
-    return ConcatTensor(shape, first.dtype, 0, tuple(g for g, _ in halves) + tuple(u for _, u in halves))
+    return ConcatTensor(shape, first.dtype_name, 0, tuple(g for g, _ in halves) + tuple(u for _, u in halves))
 
 
 def _fc1_gated(state: dict[str, Any], key: str) -> bool:

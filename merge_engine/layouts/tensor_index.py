@@ -14,7 +14,8 @@ Bounded: an index whose pickle is over `MAX_INDEX_BYTES` is not carried (`carry`
 compressed (zlib: ~2 KB for a 2-rank test model, ~27 KB for a 4-rank 0.5B one, about 1/5 to 1/8), and
 `restore` never inflates more than the bound. Every byte of the index comes from this engine (the check
 of this run, or Prefect's result storage of it), and `restore` still unpickles it through an allow-list:
-the engine's own record classes (classes only: no engine function can be named) and torch dtypes, nothing else.
+the engine's own record classes (classes only: no engine function can be named), nothing else: the records
+hold dtypes by name (`merge_engine.formats.dtype_names`), so neither carrying nor restoring an index imports torch.
 """
 
 from __future__ import annotations
@@ -48,12 +49,8 @@ def restore(index: bytes) -> tuple[dict[str, Any], list[Any]]:
 
 class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        import torch
-
         if module.startswith(_MODULES):
             found = super().find_class(module, name)
             if isinstance(found, type):  # a record class; never a function a forged index could call
                 return found
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
         raise pickle.UnpicklingError(f"a carried tensor index names {module}.{name}: not one of the engine's records")

@@ -121,7 +121,7 @@ def lora_modules(factors: Mapping[str, Mapping[str, tuple[str, bool]]], metas: M
 def open_safetensors(url: str) -> TensorSource:
     """A lazy `TensorSource` over one safetensors file."""
     handle = SafetensorsFile(url)
-    tensors = {name: ConcatTensor(t.shape, t.dtype, 0, (t,)) for name, t in handle.tensors().items()}
+    tensors = {name: ConcatTensor(t.shape, t.dtype_name, 0, (t,)) for name, t in handle.tensors().items()}
     return AssembledSource(url, tensors, [handle])
 
 
