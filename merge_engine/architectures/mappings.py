@@ -19,11 +19,12 @@ import re
 from collections.abc import Mapping as MappingType
 from dataclasses import dataclass, field, replace
 from functools import cache
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from merge_engine.architectures import transforms
+
+if TYPE_CHECKING:  # the mappings' tensor maths lives in `transforms`, which imports torch when it runs
+    import torch
 
 Shape = tuple[int, ...]
 VISION_TOWER = "visual."  # a vision-language model's tower: the same names in Megatron-Bridge and Hugging Face

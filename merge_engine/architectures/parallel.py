@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the TP rules are read by a check (no torch); the tensor functions import it
+    import torch
 
 
 class TPKind(enum.Enum):
@@ -121,6 +123,8 @@ def is_gated_fc1(fc1_rows: int, fc2_cols: int) -> bool:
 
 def split_tp(tensor: torch.Tensor, kind: TPKind, tp: int) -> list[torch.Tensor]:
     """The ``tp`` pieces rank r holds of a full tensor (replicated: ``tp`` references to it)."""
+    import torch
+
     if tp == 1 or kind is TPKind.REPLICATED:
         return [tensor] * tp
     if kind is TPKind.ROW:
@@ -133,6 +137,8 @@ def split_tp(tensor: torch.Tensor, kind: TPKind, tp: int) -> list[torch.Tensor]:
 
 def gather_tp(pieces: list[torch.Tensor], kind: TPKind) -> torch.Tensor:
     """Inverse of `split_tp`: the full tensor from rank 0..tp-1's pieces (replicated: checked identical)."""
+    import torch
+
     if kind is TPKind.REPLICATED or len(pieces) == 1:
         for other in pieces[1:]:
             if not torch.equal(other, pieces[0]):
@@ -147,6 +153,8 @@ def gather_tp(pieces: list[torch.Tensor], kind: TPKind) -> torch.Tensor:
 
 
 def _even_chunks(tensor: torch.Tensor, parts: int, dim: int) -> list[torch.Tensor]:
+    import torch
+
     if tensor.shape[dim] % parts:
         raise ValueError(f"dimension {dim} of size {tensor.shape[dim]} does not split into {parts} equal parts")
     return [c.contiguous() for c in torch.chunk(tensor, parts, dim=dim)]

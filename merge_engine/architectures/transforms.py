@@ -13,8 +13,10 @@ Every function here takes and returns plain tensors, reads no file and knows no 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported by the functions that build tensors: the family tables load without torch
+    import torch
 
 
 def split_qkv(fused: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
@@ -41,6 +43,8 @@ def split_qkv(fused: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: 
 def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_kv_heads: int,
               head_dim: int) -> torch.Tensor:
     """Inverse of `split_qkv`: q ``[h d, ...]``, k and v ``[kv d, ...]`` -> grouped ``linear_qkv``."""
+    import torch
+
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} groups")
     per_group = num_heads // num_kv_heads
@@ -57,6 +61,8 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
 
 def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated ``linear_fc1`` ``[2 f, hidden]`` (global view) -> gate ``[f, hidden]``, up ``[f, hidden]``."""
+    import torch
+
     if fc1.shape[0] % 2:
         raise ValueError(f"gated linear_fc1 has an odd row count {fc1.shape[0]}")
     gate, up = torch.chunk(fc1, 2, dim=0)
@@ -65,6 +71,8 @@ def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def merge_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Inverse of `split_gate_up`."""
+    import torch
+
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
     return torch.cat([gate, up], dim=0)
@@ -85,6 +93,8 @@ def trim_vocab(padded: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def pad_vocab(rows: torch.Tensor, padded_size: int) -> torch.Tensor:
     """Inverse of `trim_vocab` up to the padding's values: zero rows appended up to ``padded_size``."""
+    import torch
+
     if padded_size < rows.shape[0]:
         raise ValueError(f"cannot pad {rows.shape[0]} rows down to {padded_size}")
     if padded_size == rows.shape[0]:

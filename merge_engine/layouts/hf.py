@@ -188,7 +188,7 @@ def source_of(url: str, opened: Sequence[SafetensorsFile], tensors: dict[str, St
     """The folder's tensors as a `TensorSource` (closing it closes ``opened``)."""
     from merge_engine.formats.tensor_source import AssembledSource, ConcatTensor
 
-    assembled = {name: ConcatTensor(t.shape, t.dtype, 0, (t,)) for name, t in tensors.items()}
+    assembled = {name: ConcatTensor(t.shape, t.dtype_name, 0, (t,)) for name, t in tensors.items()}
     return AssembledSource(url, assembled, list(opened))
 
 
@@ -201,6 +201,14 @@ def _open_files(url: str, files: list[FileEntry]) -> tuple[list[SafetensorsFile]
         for handle in opened:
             handle.close()
         raise
+
+
+def tensor_names(checkpoint: Checkpoint) -> set[str]:
+    """The names of the tensors a checked folder holds, from its headers (no weight read, no torch)."""
+    opened, tensors = _open_files(checkpoint.url, list(checkpoint.files))
+    for handle in opened:
+        handle.close()
+    return set(tensors)
 
 
 def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
