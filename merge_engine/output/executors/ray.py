@@ -19,6 +19,9 @@ weight byte passes through the coordinator or Ray's object store: only `FileReco
   shard job (`warm_worker`): Ray's driver connection (about 2 s of wall) and its workers' start (Python,
   Ray, torch: about 2 s of CPU each) then overlap the preparation instead of following it. Ray reuses those
   idle workers for the job's unit tasks. `run_all` waits for the connection; its failure is raised there.
+- Every core on every shard: a job with fewer unit tasks than the cluster has CPUs gives each task its share
+  of them (`threads_per_task`: at most a node's CPUs), and the task writes its byte ranges on that many
+  threads (a one-shard merge on a 2-CPU node: one task, 2 CPUs, 2 threads).
 - ``address``: "auto" (a cluster started with ``ray start``), ``host:port``, ``ray://host:port`` (Ray
   Client), or "local" (a private cluster of this machine). A ``host:port`` that answers nothing, or not as
   Ray does, is `RayClusterUnreachable` within seconds (`ray_address.check_ray_address`), never Ray's own
@@ -41,7 +44,7 @@ from merge_engine.output.executors.ray_address import check_ray_address
 from merge_engine.output.executors.remote import RemoteExecutor, UnitTask, run_unit_task, storage_env
 from merge_engine.storage.range_reader import bytes_read
 
-__all__ = ["DEFAULT_MAX_RETRIES", "RayExecutor", "TaskRun"]
+__all__ = ["DEFAULT_MAX_RETRIES", "RayExecutor", "TaskRun", "threads_per_task"]
 
 DEFAULT_MAX_RETRIES = 3
 POLL_S = 0.2  # how often the coordinator looks for an interrupt while it waits for tasks
@@ -170,7 +173,9 @@ class RayExecutor(RemoteExecutor):
 
     def run_all(self, tasks: list[UnitTask], on_record: Callable[[FileRecord], None]) -> list[FileRecord]:
         ray = self._connect()
-        remote = _remote_task(ray).options(max_retries=self.max_retries, retry_exceptions=False, num_cpus=1,
+        threads = threads_per_task([node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"]],
+                                   len(tasks))
+        remote = _remote_task(ray).options(max_retries=self.max_retries, retry_exceptions=False, num_cpus=threads,
                                            name="stepmerge-shard")
         env = tuple(storage_env().items())
         refs: list[Any] = []
@@ -178,7 +183,7 @@ class RayExecutor(RemoteExecutor):
         runs: dict[int, TaskRun] = {}
         try:
             for task in tasks:
-                refs.append(remote.remote(replace(task, env=env)))
+                refs.append(remote.remote(replace(task, env=env, threads=threads)))
             pending = {ref: position for position, ref in enumerate(refs)}
             while pending:
                 done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
@@ -196,6 +201,13 @@ class RayExecutor(RemoteExecutor):
             raise
         self.task_runs = [runs[position] for position in range(len(tasks))]
         return [records[position] for position in range(len(tasks))]
+
+
+def threads_per_task(node_cpus: list[float], tasks: int) -> int:
+    """The CPUs (and threads) each of ``tasks`` unit tasks takes on a cluster whose live nodes have ``node_cpus``:
+    the cluster's CPUs shared out between the tasks, at most the CPUs of its largest node, at least 1."""
+    whole = [int(cpus) for cpus in node_cpus]
+    return max(1, min(max(whole, default=1), sum(whole) // max(tasks, 1)))
 
 
 _REMOTE: dict[int, Any] = {}  # id(ray module) -> the remote function, made once per process

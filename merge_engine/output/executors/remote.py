@@ -45,6 +45,7 @@ class UnitTask:
     chunk_bytes: int
     planned: tuple[str, int, tuple[str, ...]]  # `WorkUnit.planned`: file, bytes (-1: not known), tensor names
     env: tuple[tuple[str, str], ...] = ()  # the coordinator's `storage_env`, applied by the worker
+    threads: int = 1  # threads the unit may use on its byte ranges (`WorkUnit.run`): the CPUs its task holds
 
     @property
     def file(self) -> str:
@@ -99,7 +100,7 @@ def run_unit_task(task: UnitTask) -> FileRecord:
         raise CorruptShard(f"this worker planned {planned[0]} ({planned[1]} bytes) where the coordinator planned "
                            f"{task.planned[0]} ({task.planned[1]} bytes): the checkpoint changed during the merge",
                            task.job.source_url)
-    return unit.run(task.folder_url, None, chunk_bytes=task.chunk_bytes)
+    return unit.run(task.folder_url, None, chunk_bytes=task.chunk_bytes, threads=task.threads)
 
 
 class RemoteExecutor:

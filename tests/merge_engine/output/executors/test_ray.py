@@ -14,6 +14,8 @@ session's SeaweedFS:
 - ``--ray-address`` (`RayExecutor.at`) connects and starts one worker per cluster CPU (importing the shard job) in
   the background while the coordinator checks and plans: in a fresh process, every unit task then ran on one of
   those workers, and the output is byte-identical to the local merge;
+- a job with fewer tasks than the cluster's CPUs gives each task its share, at most a node's
+  (`threads_per_task`); the task writes its byte ranges on that many threads;
 - ``--ray-address`` naming no Ray cluster (a closed port, a web server's port) or no address at all
   (garbage, a port out of range, a web URL): the command exits non-zero with one line naming the error
   (`RayClusterUnreachable` / `InvalidOption`) and the address, within 10 s, and writes nothing.
@@ -35,7 +37,7 @@ import pytest
 
 from merge_engine import storage
 from merge_engine.output.executors.local import LocalExecutor
-from merge_engine.output.executors.ray import RayExecutor
+from merge_engine.output.executors.ray import RayExecutor, threads_per_task
 from merge_engine.output.jobs import OutputOptions, run_job
 from merge_engine.commands.merge import MergeJob
 from merge_engine.storage.range_reader import bytes_read
@@ -217,3 +219,16 @@ def test_workers_start_while_the_coordinator_prepares_and_run_the_tasks(fsdp_run
     on_warm_nodes = [pid for node, pid in seen["tasks"] if node in warm]
     assert on_warm_nodes and set(on_warm_nodes) <= set(warm.values())  # the tasks ran in the workers started ahead
     assert _files(str(tmp_path / "out")) == local_merge
+
+
+@pytest.mark.parametrize(("node_cpus", "tasks", "threads"), [
+    ([2.0], 1, 2),  # a one-shard merge on a 2-CPU node: both CPUs on its byte ranges
+    ([0.0, 1.0, 1.0], 1, 1),  # the session's cluster: no node has 2 CPUs
+    ([0.0, 1.0, 1.0], 5, 1),
+    ([8.0, 8.0], 3, 5),  # 16 CPUs for 3 tasks
+    ([8.0, 8.0], 1, 8),  # never more than one node has
+    ([4.0], 9, 1),  # more tasks than CPUs: one each, queued
+    ([], 1, 1),
+])
+def test_each_task_takes_its_share_of_the_cluster_cpus(node_cpus, tasks, threads):
+    assert threads_per_task(node_cpus, tasks) == threads
