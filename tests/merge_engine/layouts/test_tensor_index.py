@@ -8,7 +8,8 @@ Specification, on the session's verl FSDP2 and legacy Megatron (TP 2) checkpoint
 - the carried index stays pinned to what the check listed: a rank file rewritten since is `SourceChanged`
   naming it (local: when opened; s3://: at the first read, S3 refusing the listed ETag);
 - bounded: an index over `MAX_INDEX_BYTES` is not carried, and `open` reads the headers as before;
-- restoring an index unpickles only the engine's records: any other global is refused, nothing runs;
+- restoring an index unpickles only the engine's records: any other global is refused, nothing runs; the
+  records hold dtypes by name, so a carried index names no torch global and restoring one imports no torch;
 - the check records the LoRA verdict from the names it read (`Checkpoint.lora`).
 """
 
@@ -139,6 +140,17 @@ def test_restoring_an_index_runs_no_foreign_code(callable_):
     forged = zlib.compress(pickle.dumps(({"w": callable_}, ())))
     with pytest.raises(pickle.UnpicklingError, match="not one of the engine.s records"):
         tensor_index.restore(forged)
+
+
+def test_an_index_naming_a_torch_dtype_is_refused_and_a_carried_one_names_none(fsdp_runs):
+    import torch
+
+    forged = zlib.compress(pickle.dumps(({"w": torch.float32}, ())))
+    with pytest.raises(pickle.UnpicklingError, match="torch.float32: not one of the engine.s records"):
+        tensor_index.restore(forged)
+    checkpoint = check_checkpoint(fsdp_runs["fsdp2_qwen2_tied_bf16"].latest.checkpoint_dir)
+    tensors, handles = tensor_index.restore(checkpoint.index)  # the allow-list admits no torch name
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16} and handles
 
 
 def test_the_check_records_the_lora_verdict(fsdp_runs):
