@@ -250,8 +250,9 @@ def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout con
     from merge_engine.layouts.tensor_index import restore
     from merge_engine.formats.tensor_source import AssembledSource
 
-    if checkpoint.index is not None:
-        tensors, archives = restore(checkpoint.index)
+    restored = restore(checkpoint.index) if checkpoint.index is not None else None
+    if restored is not None:
+        tensors, archives = restored
         return AssembledSource(checkpoint.url, tensors, archives)
     world_size = checkpoint.parallel["world_size"]
     archives = _open_archives(checkpoint.url, list(checkpoint.files), world_size)

@@ -504,8 +504,9 @@ def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout con
     from merge_engine.layouts.tensor_index import restore
     from merge_engine.formats.tensor_source import AssembledSource
 
-    if checkpoint.index is not None:
-        tensors, handles = restore(checkpoint.index)
+    restored = restore(checkpoint.index) if checkpoint.index is not None else None
+    if restored is not None:
+        tensors, handles = restored
     else:
         opened: Opened = {}
         try:

@@ -26,6 +26,9 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+# the records' shape: bump it whenever a class an index holds changes its fields (an index of another shape,
+# from Prefect's result storage of an older engine, is then not read: `restore` gives None)
+INDEX_FORMAT = 2
 MAX_INDEX_BYTES = 64 << 20  # the pickle, before compression: ~200k tensor pieces (hundreds of rank files)
 _MODULES = ("merge_engine.",)  # the engine's records: lazy tensors, their pieces, file handles
 
@@ -34,13 +37,23 @@ def carry(tensors: Mapping[str, Any], handles: Sequence[Any]) -> bytes | None:
     """The index of ``tensors`` (name -> lazy tensor) over the file ``handles`` they point into, as compressed
     bytes; None when its pickle is over `MAX_INDEX_BYTES` (not carried)."""
     data = pickle.dumps((dict(tensors), tuple(handles)), protocol=pickle.HIGHEST_PROTOCOL)
-    return zlib.compress(data) if len(data) <= MAX_INDEX_BYTES else None
+    return _tag() + zlib.compress(data) if len(data) <= MAX_INDEX_BYTES else None
 
 
-def restore(index: bytes) -> tuple[dict[str, Any], list[Any]]:
-    """A fresh copy of a carried index: (name -> lazy tensor, the file handles they read through)."""
+def _tag() -> bytes:
+    from merge_engine import __version__
+
+    return f"stepmerge {__version__} tensor index {INDEX_FORMAT}\n".encode()
+
+
+def restore(index: bytes) -> tuple[dict[str, Any], list[Any]] | None:
+    """A fresh copy of a carried index: (name -> lazy tensor, the file handles they read through); None for an
+    index another engine version or record shape carried (the caller reads the headers again)."""
+    tag = _tag()
+    if not index.startswith(tag):
+        return None
     inflate = zlib.decompressobj()
-    data = inflate.decompress(index, MAX_INDEX_BYTES)
+    data = inflate.decompress(index[len(tag):], MAX_INDEX_BYTES)
     if inflate.unconsumed_tail or not inflate.eof:
         raise pickle.UnpicklingError(f"a carried tensor index inflates past {MAX_INDEX_BYTES} bytes, or is cut short")
     tensors, handles = _IndexUnpickler(io.BytesIO(data)).load()

@@ -84,8 +84,9 @@ def warm_worker() -> TaskRun:
     """A worker's start, ahead of the tasks: the shard job's modules imported (torch among them); where it ran."""
     import ray
 
-    import merge_engine.commands.merge  # noqa: F401
-    import merge_engine.output.shard_job  # noqa: F401
+    import merge_engine.output.executors.remote  # noqa: F401 - the task's body
+    import merge_engine.output.shard_job  # noqa: F401 - the write (torch)
+    import merge_engine.plan.planner  # noqa: F401 - the job's re-preparation
 
     return TaskRun(ray.get_runtime_context().get_node_id(), os.getpid(), 0)
 

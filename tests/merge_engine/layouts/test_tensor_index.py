@@ -122,7 +122,7 @@ def test_an_index_over_the_bound_is_not_carried_and_open_reads_the_headers(megat
     source = str(Path(megatron_runs[MEGATRON].step_dir) / "actor")
     carried = check_checkpoint(source)
     names = set(tensor_index.restore(carried.index)[0])
-    pickled = len(zlib.decompress(carried.index))
+    pickled = len(zlib.decompress(carried.index[len(tensor_index._tag()):]))
     monkeypatch.setattr(tensor_index, "MAX_INDEX_BYTES", pickled - 1)
     bounded = check_checkpoint(source)
     assert bounded.index is None and bounded == carried
@@ -137,7 +137,7 @@ def test_an_index_over_the_bound_is_not_carried_and_open_reads_the_headers(megat
 
 @pytest.mark.parametrize("callable_", [os.getcwd, storage.remove], ids=["foreign", "an_engine_function"])
 def test_restoring_an_index_runs_no_foreign_code(callable_):
-    forged = zlib.compress(pickle.dumps(({"w": callable_}, ())))
+    forged = tensor_index._tag() + zlib.compress(pickle.dumps(({"w": callable_}, ())))
     with pytest.raises(pickle.UnpicklingError, match="not one of the engine.s records"):
         tensor_index.restore(forged)
 
@@ -145,12 +145,28 @@ def test_restoring_an_index_runs_no_foreign_code(callable_):
 def test_an_index_naming_a_torch_dtype_is_refused_and_a_carried_one_names_none(fsdp_runs):
     import torch
 
-    forged = zlib.compress(pickle.dumps(({"w": torch.float32}, ())))
+    forged = tensor_index._tag() + zlib.compress(pickle.dumps(({"w": torch.float32}, ())))
     with pytest.raises(pickle.UnpicklingError, match="torch.float32: not one of the engine.s records"):
         tensor_index.restore(forged)
     checkpoint = check_checkpoint(fsdp_runs["fsdp2_qwen2_tied_bf16"].latest.checkpoint_dir)
     tensors, handles = tensor_index.restore(checkpoint.index)  # the allow-list admits no torch name
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16} and handles
+
+
+def test_an_index_another_engine_carried_is_not_read_and_open_reads_the_headers(fsdp_runs, monkeypatch):
+    """An index from Prefect's result storage of an older engine (other record shapes) is never unpickled."""
+    carried = check_checkpoint(fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir)
+    names = set(tensor_index.restore(carried.index)[0])
+    monkeypatch.setattr(tensor_index, "INDEX_FORMAT", tensor_index.INDEX_FORMAT + 1)
+    assert tensor_index.restore(carried.index) is None
+    assert tensor_index.restore(zlib.compress(pickle.dumps(({}, ())))) is None  # no tag at all
+    before = bytes_read()
+    opened = open_checkpoint(carried)
+    try:
+        assert bytes_read() > before  # the rank files' headers, read again
+        assert set(opened.metas()) == names
+    finally:
+        opened.close()
 
 
 def test_the_check_records_the_lora_verdict(fsdp_runs):
