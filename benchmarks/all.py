@@ -86,12 +86,12 @@ def figures(runs: dict[str, list[Run]], input_bytes: int) -> list[Figure]:
                           wall("stepmerge") / wall("verl"), 0.35))
         out.append(Figure("peak RSS, stepmerge / verl 0.9.1", f"{rss('stepmerge'):.0f} MB", f"{rss('verl'):.0f} MB",
                           rss("stepmerge") / rss("verl"), 0.15))
-    if have("workers1", "workers2"):
-        out.append(Figure("--workers 2 / --workers 1 (one shard)", f"{wall('workers2'):.2f} s",
-                          f"{wall('workers1'):.2f} s", wall("workers2") / wall("workers1"), 0.6))
     if have("stepmerge_first", "verl"):
         out.append(Figure("  the same as a run's first step (no memo)", f"{wall('stepmerge_first'):.2f} s",
                           f"{wall('verl'):.2f} s", wall("stepmerge_first") / wall("verl"), 0.35))
+    if have("workers1", "workers2"):
+        out.append(Figure("--workers 2 / --workers 1 (one shard)", f"{wall('workers2'):.2f} s",
+                          f"{wall('workers1'):.2f} s", wall("workers2") / wall("workers1"), 0.6))
     if have("tiny", "import_torch"):
         out.append(Figure("tiny merge / python -c 'import torch'", f"{wall('tiny'):.2f} s",
                           f"{wall('import_torch'):.2f} s", wall("tiny") / wall("import_torch"), 1.3))

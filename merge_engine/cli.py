@@ -144,7 +144,18 @@ def rate_text(n_bytes: int, seconds: float) -> str:
     return f"{rate / 1e3:.0f} kB/s"
 
 
+def _ray_started(args: argparse.Namespace):
+    """With ``--ray-address``: the Ray executor, made before the command's modules (torch) are imported, so that
+    the cluster's connection and its workers' start overlap those imports (`RayExecutor.at`); else None."""
+    if not getattr(args, "ray_address", None):
+        return None
+    from merge_engine.output.executors import executor_address, executor_at
+
+    return executor_at(executor_address(None, args.ray_address))
+
+
 def cmd_merge(args: argparse.Namespace) -> int:
+    executor = _ray_started(args)
     from merge_engine.commands.merge import merge_checkpoint
 
     if args.hf_upload_path:
@@ -162,7 +173,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
     try:
         result = merge_checkpoint(args.local_dir, args.target_dir, _options(args, "merge"),
-                                  on_bytes=lambda n: bar.update(n) if bar else None, on_plan=on_plan)
+                                  on_bytes=lambda n: bar.update(n) if bar else None, on_plan=on_plan, executor=executor)
     finally:
         if bar is not None:
             bar.close()

@@ -204,6 +204,33 @@ print(json.dumps({"connecting": connecting, "warm": [[w.node_id, w.pid] for w in
 """
 
 
+CLI_MERGE = """
+import json, runpy, sys
+from merge_engine.output.executors.ray import RayExecutor
+
+report, sys.argv = sys.argv[1], ["stepmerge"] + sys.argv[2:]
+start = RayExecutor.start_connecting
+def recorded(self):
+    open(report, "w").write(json.dumps({"torch_imported": "torch" in sys.modules}))
+    start(self)
+RayExecutor.start_connecting = recorded
+runpy.run_module("merge_engine", run_name="__main__")
+"""
+
+
+def test_the_cli_connects_to_ray_before_it_imports_torch(fsdp_runs, local_merge, ray_local_cluster, tmp_path):
+    source = fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir
+    root = Path(__file__).resolve().parents[4]
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-c", CLI_MERGE, str(report), "merge", "--local_dir", source,
+                           "--target_dir", str(tmp_path / "out"), "--max-shard-size", str(SHARD_BYTES),
+                           "--ray-address", ray_local_cluster.address], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(report.read_text()) == {"torch_imported": False}
+    assert _files(str(tmp_path / "out")) == local_merge
+
+
 def test_workers_start_while_the_coordinator_prepares_and_run_the_tasks(fsdp_runs, local_merge, ray_local_cluster,
                                                                          tmp_path):
     source = fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir
