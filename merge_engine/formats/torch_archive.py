@@ -319,7 +319,22 @@ def _tensor_rebuilder(archive: TorchArchive):
         archive._views.append(tensor)
         return tensor
 
-    return _rebuild_tensor_v2
+    def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):
+        """A dtype with no typed storage of its own (float8, uint16/32/64): torch saves an untyped (byte)
+        storage and names the dtype here; the storage is read as that dtype, whole elements only."""
+        if not isinstance(storage, StorageRef) or storage.dtype_name != "uint8":
+            raise UnsafePickle(f"a dtype-named tensor rebuilt from {type(storage).__name__}, not an untyped storage",
+                               archive.url)
+        if not isinstance(dtype, PickledDType):
+            raise UnsafePickle(f"a tensor rebuilt with dtype {dtype!r}", archive.url)
+        itemsize = ITEMSIZES[name_of(dtype.name)]
+        if storage.numel % itemsize:
+            raise CorruptShard(f"storage {storage.key} holds {storage.numel} bytes: not whole {dtype.name} elements",
+                               archive.url)
+        typed = StorageRef(storage.key, dtype.name, storage.numel // itemsize)
+        return _rebuild_tensor_v2(typed, storage_offset, size, stride, requires_grad, backward_hooks, metadata)
+
+    return _rebuild_tensor_v2, _rebuild_tensor_v3
 
 
 def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
@@ -418,10 +433,12 @@ class _SafeUnpickler(pickle.Unpickler):
         self._url = archive.url if archive is not None else url
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+        if (module, name) in (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3")):
             if self._archive is None:
                 raise UnsafePickle("a bare pickle rebuilds a tensor; only torch.save archives hold tensors", self._url)
-            return _Allowed(_tensor_rebuilder(self._archive))
+            return _Allowed(_tensor_rebuilder(self._archive)[name.endswith("v3")])
+        if (module, name) == ("torch.storage", "UntypedStorage"):  # the bytes of a `_rebuild_tensor_v3` tensor
+            return StorageMarker(STORAGE_CLASSES[name])
         if (module, name) in _FUNCTIONS:
             return _Allowed(_FUNCTIONS[(module, name)])
         if module == "torch" and name in STORAGE_CLASSES:
