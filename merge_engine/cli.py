@@ -145,22 +145,26 @@ def rate_text(n_bytes: int, seconds: float) -> str:
 
 
 def _ray_started(args: argparse.Namespace):
-    """With ``--ray-address``: the Ray executor, made before the command's modules (torch) are imported, so that
-    the cluster's connection and its workers' start overlap those imports (`RayExecutor.at`); else None."""
+    """With ``--ray-address``: the checkpoint checked (torch-free, so a bad one fails before any cluster is
+    asked), then the Ray executor, made before the command's modules (torch) are imported, so that the
+    cluster's connection and its workers' start overlap those imports (`RayExecutor.at`). (None, None) else."""
     if not getattr(args, "ray_address", None):
-        return None
+        return None, None
+    from merge_engine.layouts import check_checkpoint
     from merge_engine.output.executors import executor_address, executor_at
 
-    return executor_at(executor_address(None, args.ray_address))
+    checkpoint = check_checkpoint(args.local_dir, args.backend)
+    same = checkpoint.url.rstrip("/") == args.local_dir.rstrip("/")  # else the merge finds its own (a LoRA step)
+    return (checkpoint if same else None), executor_at(executor_address(None, args.ray_address))
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    executor = _ray_started(args)
-    from merge_engine.commands.merge import merge_checkpoint
-
     if args.hf_upload_path:
         raise InvalidOption("--hf_upload_path: stepmerge does not upload to the Hugging Face Hub; merge to a folder "
                             "(--target_dir), then upload it with `hf upload REPO_ID FOLDER` (huggingface_hub)")
+    checkpoint, executor = _ray_started(args)
+    from merge_engine.commands.merge import merge_checkpoint
+
     bar = None
 
     def on_plan(plan) -> None:
@@ -173,7 +177,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
     try:
         result = merge_checkpoint(args.local_dir, args.target_dir, _options(args, "merge"),
-                                  on_bytes=lambda n: bar.update(n) if bar else None, on_plan=on_plan, executor=executor)
+                                  on_bytes=lambda n: bar.update(n) if bar else None, on_plan=on_plan, checkpoint=checkpoint,
+                                  executor=executor)
     finally:
         if bar is not None:
             bar.close()

@@ -231,6 +231,21 @@ def test_the_cli_connects_to_ray_before_it_imports_torch(fsdp_runs, local_merge,
     assert _files(str(tmp_path / "out")) == local_merge
 
 
+def test_a_bad_checkpoint_fails_before_the_cli_asks_the_cluster(ray_local_cluster, tmp_path):
+    """The CLI checks the checkpoint (no torch) before it connects: an empty folder is a named error and no
+    Ray connection is begun."""
+    root = Path(__file__).resolve().parents[4]
+    report = tmp_path / "report.json"
+    (tmp_path / "empty").mkdir()
+    done = subprocess.run([sys.executable, "-c", CLI_MERGE, str(report), "merge", "--local_dir", str(tmp_path / "empty"),
+                           "--target_dir", str(tmp_path / "out"), "--ray-address", ray_local_cluster.address],
+                          cwd=root, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)},
+                          timeout=600)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert done.stderr.strip().startswith("stepmerge: error: IncompleteCheckpoint: ")
+    assert not report.exists() and not (tmp_path / "out").exists()
+
+
 def test_workers_start_while_the_coordinator_prepares_and_run_the_tasks(fsdp_runs, local_merge, ray_local_cluster,
                                                                          tmp_path):
     source = fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir
