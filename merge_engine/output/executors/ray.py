@@ -15,8 +15,8 @@ weight byte passes through the coordinator or Ray's object store: only `FileReco
 - Where each task ran: `RayExecutor.task_runs` holds a `TaskRun` (node id, pid, source bytes read) per
   unit of the last `run_all`, in the order of the tasks (the attempt that succeeded).
 - Start: `RayExecutor.at` (the CLI's ``--ray-address``) connects in a thread of its own while this process
-  checks and plans, and has each CPU of the cluster (up to `WARM_WORKERS`) start a worker that imports the
-  shard job (`warm_worker`): Ray's driver connection (about 2 s of wall) and its workers' start (Python,
+  checks and plans, and has each CPU of the cluster (up to `WARM_WORKERS`, spread over the nodes) start a
+  worker that imports the shard job (`warm_worker`): Ray's driver connection (about 2 s of wall) and its workers' start (Python,
   Ray, torch: about 2 s of CPU each) then overlap the preparation instead of following it. Ray reuses those
   idle workers for the job's unit tasks. `run_all` waits for the connection; its failure is raised there.
 - Every core on every shard: a job with fewer unit tasks than the cluster has CPUs gives each task its share
@@ -128,7 +128,8 @@ class RayExecutor(RemoteExecutor):
             try:
                 ray = self._init()
                 cpus = int(ray.cluster_resources().get("CPU", 0))
-                warm = ray.remote(warm_worker).options(num_cpus=1, name="stepmerge-warm-up")
+                warm = ray.remote(warm_worker).options(num_cpus=1, name="stepmerge-warm-up",
+                                                       scheduling_strategy="SPREAD")  # every node, not the first
                 self.warm_ups = [warm.remote() for _ in range(min(cpus, WARM_WORKERS))]  # not waited for
             except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread, by `_connect`
                 self._connect_error = exc
