@@ -17,6 +17,7 @@ Contract:
 - `name_of(value)` -> canonical name of a name, a `PickledDType` or a real ``torch.dtype`` (read from
   its text: no torch import); `TypeError` for anything else.
 - `torch_dtype(name)` -> the ``torch.dtype`` (imports torch).
+- `DTypeByName`: the ``dtype`` and ``itemsize`` of every record that holds a ``dtype_name``.
 - `PickledDType`: what the allow-list unpickler returns for a pickled ``torch.<dtype>`` global. It is
   equal only to a `PickledDType` of the same name; comparing it with a ``torch.dtype`` raises
   `TypeError` (a silent False there would be a silent wrong merge).
@@ -99,6 +100,21 @@ def torch_dtype(name: str) -> Any:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"torch.{name} is not a dtype")
     return dtype
+
+
+class DTypeByName:
+    """For a record that holds a canonical ``dtype_name``: ``dtype`` (the ``torch.dtype``: imports torch) and
+    ``itemsize`` (bytes per element: no torch)."""
+
+    __slots__ = ()
+
+    @property
+    def dtype(self) -> Any:
+        return torch_dtype(self.dtype_name)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZES[self.dtype_name]
 
 
 class PickledDType:

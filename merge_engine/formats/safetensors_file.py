@@ -16,7 +16,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint
-from merge_engine.formats.dtype_names import ITEMSIZES, SAFETENSORS_CODES, describe, torch_dtype
+from merge_engine.formats.dtype_names import ITEMSIZES, SAFETENSORS_CODES, DTypeByName, describe, torch_dtype
 from merge_engine.formats.json_file import parse_json
 from merge_engine.storage import RangeReader
 from merge_engine.formats.torch_archive import StorageRef, StoredTensor
@@ -43,7 +43,7 @@ MAX_HEADER = 100 * 1024 * 1024
 
 
 @dataclass(frozen=True)
-class HeaderEntry:
+class HeaderEntry(DTypeByName):
     """One tensor of a safetensors file: dtype (by name; ``dtype`` imports torch), shape and absolute
     byte range in the file."""
 
@@ -52,10 +52,6 @@ class HeaderEntry:
     shape: tuple[int, ...]
     start: int
     end: int
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype_name)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from merge_engine.errors import CorruptShard
-from merge_engine.formats.dtype_names import ITEMSIZES, describe, name_of, torch_dtype
+from merge_engine.formats.dtype_names import DTypeByName, describe, name_of
 from merge_engine.formats.torch_archive import StoredTensor
 
 if TYPE_CHECKING:  # torch is imported by the reads; building an assembly (a check) needs none
@@ -98,7 +98,7 @@ def flat_reader(piece: StoredTensor) -> Callable[[int, int], torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class ConcatTensor:
+class ConcatTensor(DTypeByName):
     """A full tensor = its stored pieces concatenated along ``dim`` (pieces may be empty).
 
     ``dtype_name`` is canonical (a ``torch.dtype`` or pickled dtype given for it is stored as its name):
@@ -108,14 +108,6 @@ class ConcatTensor:
     dtype_name: str
     dim: int
     pieces: tuple[StoredTensor, ...]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype_name)
-
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZES[self.dtype_name]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype_name", name_of(self.dtype_name))
@@ -279,21 +271,13 @@ class ReplicatedTensor:
 
 
 @dataclass(frozen=True)
-class StackedTensor:
+class StackedTensor(DTypeByName):
     """A full tensor = bands stacked along dim 0, each band an assembly of its own (a 2-D tiling:
     FSDP rows x tensor-parallel columns). Streams band by band: memory is one band's chunk."""
 
     shape: tuple[int, ...]
     dtype_name: str
     bands: tuple[ConcatTensor, ...]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype_name)
-
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZES[self.dtype_name]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype_name", name_of(self.dtype_name))

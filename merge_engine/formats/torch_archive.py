@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsafePickle
 from merge_engine.formats.dtype_names import (
-    ALIASES, ITEMSIZES, STORAGE_CLASSES, PickledDType, name_of, torch_dtype,
+    ALIASES, ITEMSIZES, STORAGE_CLASSES, DTypeByName, PickledDType, name_of,
 )
 from merge_engine.storage import RangeReader
 from merge_engine.formats.zip_crc import RecordChecks
@@ -67,7 +67,7 @@ class StorageMarker:
 
 
 @dataclass(frozen=True)
-class StorageRef:
+class StorageRef(DTypeByName):
     """A storage record in the archive: key, dtype name and element count (its bytes are found by key).
 
     ``dtype_name`` is canonical (`merge_engine.formats.dtype_names`); a ``torch.dtype`` given for it is
@@ -80,14 +80,6 @@ class StorageRef:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype_name", name_of(self.dtype_name))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype_name)
-
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZES[self.dtype_name]
 
 
 @dataclass(frozen=True)
@@ -263,17 +255,13 @@ class _Allowed:
 
 
 @dataclass
-class WrapperTensor:
+class WrapperTensor(DTypeByName):
     """A tensor subclass (DTensor) rebuilt without torch: class record, global meta and its state."""
 
     cls: type[Record]
     dtype_name: str
     shape: tuple[int, ...]
     state: dict[str, Any]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype_name)
 
 
 def view_problem(storage_numel: int, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> str | None:

@@ -37,7 +37,7 @@ import numpy
 from merge_engine import storage
 from merge_engine.formats.dcp_file_names import DATA_FILE, METADATA_FILE
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout
-from merge_engine.formats.dtype_names import ITEMSIZES, PickledDType, describe, name_of, torch_dtype
+from merge_engine.formats.dtype_names import ITEMSIZES, DTypeByName, PickledDType, describe, name_of
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES
 from merge_engine.formats.torch_archive import Record, StoredTensor, TorchArchive, safe_unpickle
 
@@ -66,7 +66,7 @@ class ChunkInfo:
 
 
 @dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(DTypeByName):
     """A global tensor of the index: shape, dtype by name (``dtype``: the ``torch.dtype``) and its chunks."""
 
     shape: tuple[int, ...]
@@ -75,10 +75,6 @@ class TensorInfo:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype_name", name_of(self.dtype_name))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype_name)
 
     @cached_property
     def _rows_index(self) -> tuple[list[int], list[ChunkInfo], int]:

@@ -118,6 +118,17 @@ def _written(path: Path, data: bytes) -> Path:
     return path
 
 
+def _opens_reading_the_headers(checkpoint, names: set[str]) -> None:
+    """``open_checkpoint`` reads the rank files' headers again and finds the tensors ``names``."""
+    before = bytes_read()
+    opened = open_checkpoint(checkpoint)
+    try:
+        assert bytes_read() > before
+        assert set(opened.metas()) == names
+    finally:
+        opened.close()
+
+
 def test_an_index_over_the_bound_is_not_carried_and_open_reads_the_headers(megatron_runs, monkeypatch):
     source = str(Path(megatron_runs[MEGATRON].step_dir) / "actor")
     carried = check_checkpoint(source)
@@ -126,13 +137,7 @@ def test_an_index_over_the_bound_is_not_carried_and_open_reads_the_headers(megat
     monkeypatch.setattr(tensor_index, "MAX_INDEX_BYTES", pickled - 1)
     bounded = check_checkpoint(source)
     assert bounded.index is None and bounded == carried
-    before = bytes_read()
-    opened = open_checkpoint(bounded)
-    try:
-        assert bytes_read() > before  # the rank files' headers, read again
-        assert set(opened.metas()) == names
-    finally:
-        opened.close()
+    _opens_reading_the_headers(bounded, names)
 
 
 @pytest.mark.parametrize("callable_", [os.getcwd, storage.remove], ids=["foreign", "an_engine_function"])
@@ -160,13 +165,7 @@ def test_an_index_another_engine_carried_is_not_read_and_open_reads_the_headers(
     monkeypatch.setattr(tensor_index, "INDEX_FORMAT", tensor_index.INDEX_FORMAT + 1)
     assert tensor_index.restore(carried.index) is None
     assert tensor_index.restore(zlib.compress(pickle.dumps(({}, ())))) is None  # no tag at all
-    before = bytes_read()
-    opened = open_checkpoint(carried)
-    try:
-        assert bytes_read() > before  # the rank files' headers, read again
-        assert set(opened.metas()) == names
-    finally:
-        opened.close()
+    _opens_reading_the_headers(carried, names)
 
 
 def test_the_check_records_the_lora_verdict(fsdp_runs):
