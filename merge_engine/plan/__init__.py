@@ -6,7 +6,8 @@
 - `output_heads`      the tied / untied output-head rules every planner applies, once
 - `model_heads`       a model's input embedding and output head, named by the model itself
 - `stored_aliases`    names that share stored bytes: an output never holds more than the input justifies
-- `config_shapes`     what ``config.json`` implies about the tensors, checked before anything is written
+- `config_shapes`     whether ``config.json`` agrees with the tensors, checked before anything is written
+- `model_shapes`      every tensor's shape in transformers' own model of a config (meta device), kept per config
 - `hub_format`        Hub-format output: the names and per-expert tensors of the Hub checkpoint
 - `hub_config`        the Hub folder's ``config.json``, with the keys transformers 4.x reads
 - `hub_config_memo`   `hub_config`'s answer kept on disk per config: a run's next step asks transformers nothing

@@ -39,21 +39,49 @@ CACHE_ENV = "STEPMERGE_CACHE_DIR"
 ENTRY_FORMAT = 1
 
 
-def cache_dir() -> Path | None:
-    """The memo's folder, or None when ``STEPMERGE_CACHE_DIR`` is set empty."""
+def cache_root() -> Path | None:
+    """stepmerge's cache folder (every memo's parent), or None when ``STEPMERGE_CACHE_DIR`` is set empty."""
     given = os.environ.get(CACHE_ENV)
     if given is not None:
-        return Path(given) / "hub_config" if given else None
+        return Path(given) if given else None
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "stepmerge" / "hub_config"
+    return Path(base) / "stepmerge"
+
+
+def cache_dir() -> Path | None:
+    """The memo's folder, or None when ``STEPMERGE_CACHE_DIR`` is set empty."""
+    root = cache_root()
+    return root / "hub_config" if root is not None else None
+
+
+def transformers_version() -> str:
+    """The installed transformers' version, read from its distribution's metadata (nothing imported)."""
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def write_entry(entry: Path, text: str) -> None:
+    """``text`` written to ``entry`` through a temporary name renamed in place; an unwritable folder is
+    ignored (a memo is an optimisation: it costs only the computation)."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        fd, temp = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(text)
+            os.replace(temp, entry)
+        except BaseException:
+            os.unlink(temp)
+            raise
+    except OSError:
+        pass
 
 
 def memo_key(config: Mapping[str, Any]) -> str:
     """sha256 of the config (canonical JSON), the installed transformers' version and the rules' code."""
-    try:
-        version = metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        version = "none"
+    version = transformers_version()
     digest = hashlib.sha256()
     digest.update(json.dumps(dict(config), sort_keys=True, default=str).encode())  # as hub_config reads it
     digest.update(b"\0transformers " + version.encode())
@@ -104,15 +132,4 @@ def _write(entry: Path, answer: HubConfig) -> None:
     text = json.dumps(_to_json(answer), sort_keys=True)
     if _from_json(json.loads(text)) != answer:
         return  # a value JSON would not give back as it is (a tuple, a NaN): not kept
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(text)
-            os.replace(temp, entry)
-        except BaseException:
-            os.unlink(temp)
-            raise
-    except OSError:
-        pass  # the memo is an optimisation: an unwritable folder costs only the computation
+    write_entry(entry, text)
