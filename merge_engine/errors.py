@@ -52,6 +52,13 @@ class UnsafePickle(CorruptShard):
     """A pickle asks for a callable outside the allow-list; it was not run."""
 
 
+class UnsafeRecord(CorruptShard):
+    """A record carried between tasks or processes (a checkpoint's tensor index, a cached task result) is
+    not one the engine writes: a type outside the exact table, a field of the wrong kind, a size past its
+    bound, or a URL outside the checkpoint it describes. It was refused before anything in it was run,
+    imported or read; ``path`` is the checkpoint or result record at fault."""
+
+
 class UnsupportedLayout(StepmergeError):
     """No layout recognises the folder, or a layout feature is not supported."""
 

@@ -10,11 +10,13 @@ Integrity: every byte of a record read is folded into that record's CRC-32 as it
 checked by `TorchArchive.verify_reads`. A mismatch is `CorruptShard` naming the file and the record
 (``torch.load`` checks none of this). ``data.pkl`` is read by ``zipfile``, which checks its CRC.
 
-Safety: the pickle is read with an unpickler whose ``find_class`` answers from an allow-list of
-*stand-ins written here*: no function or class of torch (or anything else) is ever called while
-unpickling. Distributed-tensor classes (DTensor, DeviceMesh, placements, ShardedTensor, ...)
-become inert `Record` objects that only store their pickled state. Any other global raises
-`UnsafePickle` naming the global and the file, before anything runs.
+Safety: the pickle is read with an unpickler whose ``find_class`` answers exact (module, name) pairs
+from an allow-list of *stand-ins written here*: no function or class of torch (or anything else) is
+ever called while unpickling. Distributed-tensor classes (DTensor, DeviceMesh, placements,
+ShardedTensor, DCP metadata, ...) become inert `Record` objects that only store their pickled state
+(the exact pairs: `merge_engine.formats.pickle_globals`). A dotted name (an attribute walk out of a
+module), any other global, and any ``getattr`` but a listed nested class raise `UnsafePickle` naming
+the global and the file, before anything runs.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsafePickle
 from merge_engine.formats.dtype_names import (
     ALIASES, ITEMSIZES, STORAGE_CLASSES, DTypeByName, PickledDType, name_of,
 )
+from merge_engine.formats.pickle_globals import NESTED_RECORDS, RECORD_GLOBALS, is_plain_name
 from merge_engine.storage import RangeReader
 from merge_engine.formats.zip_crc import RecordChecks
 
@@ -348,11 +351,13 @@ def _rebuild_from_type_v2(func, new_type, args, state):
 
 
 def _record_getattr(owner, name):
-    """Only ``getattr(<record class>, "Nested")``: protocol 2 pickles nested classes this way
-    (``ShardedTensor.ProcessGroupState``). Anything else is refused."""
-    if isinstance(owner, type) and issubclass(owner, Record) and isinstance(name, str) and name.isidentifier():
+    """Only ``getattr(<record class>, "<Nested>")`` for the exact pairs of `NESTED_RECORDS`: protocol 2
+    pickles nested classes this way (``ShardedTensor.ProcessGroupState``). Anything else is refused."""
+    if isinstance(owner, type) and issubclass(owner, Record) and isinstance(name, str) \
+            and (owner.module, owner.qualname, name) in NESTED_RECORDS:
         return record_class(owner.module, f"{owner.qualname}.{name}")
-    raise UnsafePickle(f"pickle calls getattr({owner!r}, {name!r}); only nested record classes are allowed")
+    raise UnsafePickle(f"pickle calls getattr({owner!r}, {name!r}); only the nested record classes of the "
+                       "allow-list are reached this way")
 
 
 class TensorClassMarker:
@@ -397,21 +402,6 @@ _FUNCTIONS: dict[tuple[str, str], Any] = {
     ("torch.serialization", "_get_layout"): _get_layout,
 }
 
-# Modules whose classes may appear as inert records (their code is never run).
-_RECORD_MODULES = ("torch.distributed.",)
-# Single globals that may appear as inert records: Megatron-LM pickles its ``args`` (an
-# argparse.Namespace) and numpy RNG state (arrays rebuilt by ``_reconstruct``) beside the weights.
-# A record only stores the arguments and state it is given; no argparse or numpy code runs.
-_RECORD_GLOBALS = frozenset({
-    ("argparse", "Namespace"),
-    ("numpy", "ndarray"),
-    ("numpy", "dtype"),
-    ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy.core.multiarray", "_reconstruct"),
-})
-_RECORD_GLOBAL_MODULES = ("numpy.dtypes",)  # numpy 2 pickles dtypes as numpy.dtypes.UInt32DType etc.
-
-
 class _SafeUnpickler(pickle.Unpickler):
     """The allow-list unpickler. ``archive`` is None for a bare pickle (no storages allowed)."""
 
@@ -421,6 +411,9 @@ class _SafeUnpickler(pickle.Unpickler):
         self._url = archive.url if archive is not None else url
 
     def find_class(self, module: str, name: str) -> Any:
+        if not isinstance(module, str) or not is_plain_name(name):  # ``a.b``: an attribute walk, never answered
+            raise UnsafePickle(f"pickle asks for {module!s:.200}.{name!s:.200}: a dotted name walks attributes "
+                               "out of its module; nothing was run", self._url)
         if (module, name) in (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3")):
             if self._archive is None:
                 raise UnsafePickle("a bare pickle rebuilds a tensor; only torch.save archives hold tensors", self._url)
@@ -433,12 +426,10 @@ class _SafeUnpickler(pickle.Unpickler):
             return StorageMarker(STORAGE_CLASSES[name])
         if module == "torch" and name in DTYPE_GLOBALS:
             return PickledDType(name)
-        if module.startswith(_RECORD_MODULES) or module == "torch.distributed":
+        if (module, name) in RECORD_GLOBALS:  # exact pairs only (`merge_engine.formats.pickle_globals`)
             return record_class(module, name)
-        if (module, name) in _RECORD_GLOBALS or (module in _RECORD_GLOBAL_MODULES and name.endswith("DType")):
-            return record_class(module, name)
-        raise UnsafePickle(f"pickle asks for {module}.{name}, which is not on the allow-list; nothing was run",
-                           self._url)
+        raise UnsafePickle(f"pickle asks for {module:.200}.{name:.200}, which is not on the allow-list; "
+                           "nothing was run", self._url)
 
     def persistent_load(self, pid: Any) -> Any:
         if self._archive is None or not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -517,12 +508,17 @@ def safe_unpickle(data: bytes, url: str) -> Any:
     check_nesting(data, url)
     try:
         return _SafeUnpickler(data, None, url).load()
-    except (UnsafePickle, CorruptShard):
-        raise
+    except (UnsafePickle, CorruptShard) as exc:
+        raise _naming(exc, url) from None
     except RecursionError:
         raise CorruptShard("pickle nests objects too deeply to be checkpoint metadata", url) from None
     except Exception as exc:  # malformed pickle stream
         raise CorruptShard(f"pickle unreadable ({type(exc).__name__}: {exc})", url) from exc
+
+
+def _naming(error: CorruptShard, url: str | None) -> CorruptShard:
+    """``error`` naming ``url`` (a stand-in called by the pickle raises it without knowing the file)."""
+    return error if error.path is not None else type(error)(error.message, url)
 
 
 class _ReaderFile(io.RawIOBase):
@@ -571,11 +567,11 @@ class TorchArchive:
     readable torch zip archive (truncated, foreign format, legacy non-zip pickle) and
     `UnsafePickle` for a pickle that needs a global outside the allow-list.
 
-    Pickled (a checked checkpoint's carried index, `merge_engine.layouts.tensor_index`), a parsed archive
-    keeps its URL, the size and version its reads are pinned to and the zip entries of the storage
-    records its tensors were checked against: no reader, no tree, no byte read. Unpickled, it opens a
-    reader pinned to that size and version (nothing is read) and serves the `StoredTensor` s pickled
-    with it; it cannot `load()` again.
+    Carried (a checked checkpoint's index, `merge_engine.layouts.tensor_index`), a parsed archive is plain
+    data (`carried`): its URL, the size and version its reads are pinned to and the zip entries of its
+    storage records; no reader, no tree, no byte read, never a pickle. Rebuilt (`from_carried`), it opens
+    a reader pinned to that size and version (nothing is read) and serves the `StoredTensor` s rebuilt
+    on it; it cannot `load()` again.
     """
 
     def __init__(self, url: str, reader: RangeReader | None = None) -> None:
@@ -621,8 +617,8 @@ class TorchArchive:
             check_nesting(data, self.url)
             try:
                 tree = _SafeUnpickler(data, self).load()
-            except (UnsafePickle, CorruptShard):
-                raise
+            except (UnsafePickle, CorruptShard) as exc:
+                raise _naming(exc, self.url) from None
             except RecursionError:
                 raise CorruptShard("pickle nests objects too deeply to be a state dict", self.url) from None
             except Exception as exc:  # malformed pickle stream
@@ -660,7 +656,7 @@ class TorchArchive:
         expected = storage.numel * storage.itemsize
         if info.file_size != expected:
             raise CorruptShard(f"storage record {name} holds {info.file_size} bytes, pickle says {expected}", self.url)
-        end = info.header_offset + 30 + len(info.orig_filename.encode()) + info.file_size
+        end = info.header_offset + 30 + len(getattr(info, "orig_filename", info.filename).encode()) + info.file_size
         if end > self._record_end(info.header_offset):
             raise CorruptShard(f"storage record {name} of {info.file_size} bytes overruns the next record or "
                                "the end of the archive", self.url)
@@ -759,25 +755,35 @@ class TorchArchive:
     def close(self) -> None:
         self.reader.close()
 
-    def __getstate__(self) -> dict[str, Any]:
+    def carried(self) -> dict[str, Any]:
+        """A parsed archive as plain data (JSON-ready: str, int, lists): its URL, the size and version its
+        reads are pinned to, and the zip entries of its storage records. `from_carried` rebuilds it."""
         if self._loaded is None and self._zip is not None:
             raise ValueError(f"{self.url}: only a parsed archive is carried (call load() first)")
         data = f"{self._prefix}data/"
-        records = {name: tuple(StorageRecordInfo(info.filename, info.header_offset, info.file_size, info.CRC,
-                                                 info.compress_type))
-                   for name, info in self._infos.items() if name.startswith(data)}
+        records = [[info.filename, info.header_offset, info.file_size, info.CRC]
+                   for name, info in sorted(self._infos.items()) if name.startswith(data)
+                   and info.compress_type == zipfile.ZIP_STORED]
         return {"url": self.url, "size": self.reader.size, "version": self.reader.version, "prefix": self._prefix,
-                "records": records, "starts": tuple(self._record_starts), "checked": tuple(self._checked_records)}
+                "records": records, "starts": list(self._record_starts)}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.url = state["url"]
-        self.reader = RangeReader(self.url, state["size"], state["version"])
+    @classmethod
+    def from_carried(cls, url: str, size: int, version: str, prefix: str,
+                     records: list[StorageRecordInfo], starts: list[int]) -> TorchArchive:
+        """The archive `carried` described, over a reader pinned to ``size`` and ``version`` (nothing is
+        read). It serves the `StoredTensor` s built on it (each storage checked with `check_record`
+        against ``records``: zip directory only); it cannot `load()` again. The caller validates the
+        values (`merge_engine.layouts.tensor_index`): this only assembles them."""
+        self = cls.__new__(cls)
+        self.url = url
+        self.reader = RangeReader(url, size, version)
         self._zip = None
-        self._prefix = state["prefix"]
-        self._infos = {name: StorageRecordInfo(*info) for name, info in state["records"].items()}
-        self._record_starts = list(state["starts"])
+        self._prefix = prefix
+        self._infos = {info.filename: info for info in records}
+        self._record_starts = list(starts)
         self._data_offsets = {}
-        self._checked_records = set(state["checked"])
+        self._checked_records = set()
         self._views = []
         self._loaded = None
-        self._crc = RecordChecks(self.url)
+        self._crc = RecordChecks(url)
+        return self

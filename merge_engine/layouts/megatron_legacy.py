@@ -504,7 +504,7 @@ def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout con
     from merge_engine.layouts.tensor_index import restore
     from merge_engine.formats.tensor_source import AssembledSource
 
-    restored = restore(checkpoint.index) if checkpoint.index is not None else None
+    restored = restore(checkpoint)
     if restored is not None:
         tensors, handles = restored
     else:

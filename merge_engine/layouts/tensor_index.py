@@ -2,42 +2,48 @@
 
 A layout's deep check reads every rank file's header (the zip directory and the pickle of a
 ``torch.save`` file) and builds from them the table `open` serves: canonical name -> lazy tensor
-(`merge_engine.formats.tensor_source.Assembly`, pieces pointing into their files). `carry` pickles that table
-with its file handles; `restore` gives a fresh copy of both, in this process or in any other the
-checkpoint travels to (a Prefect task, a Ray worker), and reads nothing: a restored handle holds its
-file's zip directory and opens its reader pinned to the size and version the check listed
+(`merge_engine.formats.tensor_source.Assembly`, pieces pointing into their files). `carry` writes that
+table and its files as plain data: JSON of lists, strings and integers under a version tag, compressed
+(zlib). `restore` rebuilds the engine's records from it with their own constructors, in this process or in
+any other the checkpoint travels to (a Prefect result, a Ray worker), and reads nothing: a rebuilt file
+handle holds its zip directory and opens its reader pinned to the size and version the check listed
 (`merge_engine.storage.RangeReader.listed`), so a file changed since the check gives `SourceChanged`
 naming it at its first read, never bytes of another version.
 
-Bounded: an index whose pickle is over `MAX_INDEX_BYTES` is not carried (`carry` returns None) and
-`open` reads the headers again, as a checkpoint without an index does; what is carried is that pickle
-compressed (zlib: ~2 KB for a 2-rank test model, ~27 KB for a 4-rank 0.5B one, about 1/5 to 1/8), and
-`restore` never inflates more than the bound. Every byte of the index comes from this engine (the check
-of this run, or Prefect's result storage of it), and `restore` still unpickles it through an allow-list:
-the engine's own record classes (classes only: no engine function can be named), nothing else: the records
-hold dtypes by name (`merge_engine.formats.dtype_names`), so neither carrying nor restoring an index imports torch.
+The index is never a pickle: no name read from it is imported, looked up or called. Its bytes may come from
+a result store another party can write, so `restore` trusts nothing in them. It refuses with `UnsafeRecord`
+(naming the checkpoint) an index that
+- inflates past `MAX_INDEX_BYTES`, nests past the JSON bound or holds more than `MAX_ITEMS` tensors, files
+  or storages, or a tensor of more than `MAX_DIMS` dimensions;
+- names a file that is not one of the checkpoint's listed files (`Checkpoint.files`, joined to its URL) with
+  the listed size and version: an index cannot send a read to a host file, another bucket or another step;
+- holds a field of the wrong kind (a string for an integer, a bool, a negative size), a dtype torch does not
+  have, a storage that is not one zip record of its file holding exactly its bytes inside the file, a view
+  outside its storage (`view_problem`), or pieces that do not tile their tensor.
+An index of another engine version or format (the tag) is not read: `restore` gives None and the caller
+reads the headers again. Bounded: an index over `MAX_INDEX_BYTES` is not carried (`carry` gives None).
 """
 
 from __future__ import annotations
 
-import io
-import pickle
+import json
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-# the records' shape: bump it whenever a class an index holds changes its fields (an index of another shape,
-# from Prefect's result storage of an older engine, is then not read: `restore` gives None)
-INDEX_FORMAT = 2
-MAX_INDEX_BYTES = 64 << 20  # the pickle, before compression: ~200k tensor pieces (hundreds of rank files)
-_MODULES = ("merge_engine.",)  # the engine's records: lazy tensors, their pieces, file handles
+from merge_engine.errors import CorruptShard, UnsafeRecord
+from merge_engine.formats.json_text import parse_json
 
+if TYPE_CHECKING:
+    from merge_engine.layouts.contract import Checkpoint
 
-def carry(tensors: Mapping[str, Any], handles: Sequence[Any]) -> bytes | None:
-    """The index of ``tensors`` (name -> lazy tensor) over the file ``handles`` they point into, as compressed
-    bytes; None when its pickle is over `MAX_INDEX_BYTES` (not carried)."""
-    data = pickle.dumps((dict(tensors), tuple(handles)), protocol=pickle.HIGHEST_PROTOCOL)
-    return _tag() + zlib.compress(data) if len(data) <= MAX_INDEX_BYTES else None
+# the records' shape: bump it whenever what an index holds changes (an index of another shape, from Prefect's
+# result storage of an older engine, is then not read: `restore` gives None)
+INDEX_FORMAT = 3
+MAX_INDEX_BYTES = 64 << 20  # the JSON, before compression: ~200k tensor pieces (hundreds of rank files)
+MAX_ITEMS = 1 << 22  # tensors, files, storages, pieces of one tensor: each list of an index at most this long
+MAX_DIMS = 64  # dimensions of one tensor
+MAX_INT = (1 << 63) - 1  # offsets, sizes, element counts: what a file can address
 
 
 def _tag() -> bytes:
@@ -46,24 +52,228 @@ def _tag() -> bytes:
     return f"stepmerge {__version__} tensor index {INDEX_FORMAT}\n".encode()
 
 
-def restore(index: bytes) -> tuple[dict[str, Any], list[Any]] | None:
-    """A fresh copy of a carried index: (name -> lazy tensor, the file handles they read through); None for an
-    index another engine version or record shape carried (the caller reads the headers again)."""
+def carry(tensors: Mapping[str, Any], handles: Sequence[Any]) -> bytes | None:
+    """The index of ``tensors`` (name -> lazy tensor) over the torch archives ``handles`` they point into, as
+    tagged compressed JSON; None when its JSON is over `MAX_INDEX_BYTES`, or it holds a record this
+    format does not describe (then `open` reads the headers again)."""
+    try:
+        document = _Writer(handles).document(tensors)
+    except _NotCarried:
+        return None
+    data = json.dumps(document, separators=(",", ":")).encode()
+    return _tag() + zlib.compress(data) if len(data) <= MAX_INDEX_BYTES else None
+
+
+def restore(checkpoint: Checkpoint) -> tuple[dict[str, Any], list[Any]] | None:
+    """A fresh copy of ``checkpoint``'s carried index: (name -> lazy tensor, the file handles they read
+    through); None for no index, or one another engine version or format carried (the caller reads the
+    headers again). `UnsafeRecord` naming the checkpoint for an index that is not what `carry` writes for
+    this checkpoint (module docstring)."""
+    index = checkpoint.index
     tag = _tag()
-    if not index.startswith(tag):
+    if index is None or not index.startswith(tag):
         return None
     inflate = zlib.decompressobj()
-    data = inflate.decompress(index[len(tag):], MAX_INDEX_BYTES)
+    try:
+        data = inflate.decompress(index[len(tag):], MAX_INDEX_BYTES)
+    except zlib.error as exc:
+        raise UnsafeRecord(f"carried tensor index does not inflate ({exc})", checkpoint.url) from None
     if inflate.unconsumed_tail or not inflate.eof:
-        raise pickle.UnpicklingError(f"a carried tensor index inflates past {MAX_INDEX_BYTES} bytes, or is cut short")
-    tensors, handles = _IndexUnpickler(io.BytesIO(data)).load()
-    return tensors, list(handles)
+        raise UnsafeRecord(f"carried tensor index inflates past {MAX_INDEX_BYTES} bytes, or is cut short",
+                           checkpoint.url)
+    document = parse_json(data, checkpoint.url, error=UnsafeRecord)
+    try:
+        return _Reader(checkpoint).read(document)
+    except UnsafeRecord:
+        raise
+    except CorruptShard as exc:  # a record's own constructor refused the values (pieces that do not tile...)
+        raise UnsafeRecord(f"carried tensor index: {exc.message}", checkpoint.url) from None
 
 
-class _IndexUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(_MODULES):
-            found = super().find_class(module, name)
-            if isinstance(found, type):  # a record class; never a function a forged index could call
-                return found
-        raise pickle.UnpicklingError(f"a carried tensor index names {module}.{name}: not one of the engine's records")
+class _NotCarried(Exception):
+    """The table holds a record the index format does not describe."""
+
+
+class _Writer:
+    def __init__(self, handles: Sequence[Any]) -> None:
+        from merge_engine.formats.torch_archive import TorchArchive
+
+        if not all(isinstance(h, TorchArchive) for h in handles):
+            raise _NotCarried
+        self.handles = list(handles)
+        self.files = {id(h): i for i, h in enumerate(self.handles)}
+        self.storages: dict[tuple[int, str, str, int], int] = {}
+
+    def document(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        table = [[name, *self.tensor(t)] for name, t in tensors.items()]
+        return {"format": INDEX_FORMAT, "files": [h.carried() for h in self.handles],
+                "storages": [list(key) for key in self.storages], "tensors": table}
+
+    def tensor(self, tensor: Any) -> list[Any]:
+        from merge_engine.formats.tensor_source import ConcatTensor, ReplicatedTensor, StackedTensor
+
+        if isinstance(tensor, ConcatTensor):
+            return ["concat", *self.concat(tensor)]
+        if isinstance(tensor, ReplicatedTensor):
+            return ["replicated", [self.piece(p) for p in tensor.copies]]
+        if isinstance(tensor, StackedTensor):
+            return ["stacked", list(tensor.shape), tensor.dtype_name, [self.concat(b) for b in tensor.bands]]
+        raise _NotCarried
+
+    def concat(self, tensor: Any) -> list[Any]:
+        return [list(tensor.shape), tensor.dtype_name, tensor.dim, [self.piece(p) for p in tensor.pieces]]
+
+    def piece(self, piece: Any) -> list[Any]:
+        file = self.files.get(id(piece.archive))
+        if file is None:
+            raise _NotCarried
+        ref = piece.storage
+        key = (file, ref.key, ref.dtype_name, ref.numel)
+        storage = self.storages.setdefault(key, len(self.storages))
+        return [storage, piece.offset, list(piece.shape), list(piece.stride)]
+
+
+class _Reader:
+    """Rebuilds an index document with the engine's constructors, every value checked first."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        from merge_engine import storage
+
+        self.url = checkpoint.url
+        self.listed = {storage.join(checkpoint.url, f.path): f for f in checkpoint.files}
+
+    def fail(self, message: str) -> UnsafeRecord:
+        return UnsafeRecord(f"carried tensor index: {message}", self.url)
+
+    def read(self, document: Any) -> tuple[dict[str, Any], list[Any]]:
+        if not isinstance(document, dict) or set(document) != {"format", "files", "storages", "tensors"} \
+                or document["format"] != INDEX_FORMAT:
+            raise self.fail("not an index document of this format")
+        self.handles = [self.file(f) for f in self.items(document["files"], "files")]
+        self.storages = [self.storage(s) for s in self.items(document["storages"], "storages")]
+        tensors: dict[str, Any] = {}
+        for entry in self.items(document["tensors"], "tensors"):
+            if not isinstance(entry, list) or len(entry) < 2 or not isinstance(entry[0], str):
+                raise self.fail("a tensor entry is not [name, kind, ...]")
+            if entry[0] in tensors:
+                raise self.fail(f"tensor {entry[0]!r} listed twice")
+            tensors[entry[0]] = self.tensor(entry[1:])
+        return tensors, self.handles
+
+    # --- plain values ---------------------------------------------------------------------------------
+    def items(self, value: Any, what: str, length: int | None = None) -> list[Any]:
+        if not isinstance(value, list) or len(value) > MAX_ITEMS or (length is not None and len(value) != length):
+            raise self.fail(f"{what} is not a list of the expected length")
+        return value
+
+    def int(self, value: Any, what: str) -> int:
+        if type(value) is not int or not 0 <= value <= MAX_INT:
+            raise self.fail(f"{what} is {value!r}, not a non-negative integer")
+        return value
+
+    def str(self, value: Any, what: str) -> str:
+        if not isinstance(value, str) or len(value) > 4096:
+            raise self.fail(f"{what} is not a string")
+        return value
+
+    def dims(self, value: Any, what: str) -> tuple[int, ...]:
+        if not isinstance(value, list) or len(value) > MAX_DIMS:
+            raise self.fail(f"{what} is not a list of at most {MAX_DIMS} sizes")
+        return tuple(self.int(v, what) for v in value)
+
+    def dtype(self, value: Any) -> str:
+        from merge_engine.formats.dtype_names import ITEMSIZES
+
+        if not isinstance(value, str) or value not in ITEMSIZES:
+            raise self.fail(f"dtype {value!r} is not a canonical torch dtype name")
+        return value
+
+    # --- records ------------------------------------------------------------------------------------
+    def file(self, value: Any) -> Any:
+        from merge_engine.formats.torch_archive import StorageRecordInfo, TorchArchive
+
+        fields = {"url", "size", "version", "prefix", "records", "starts"}
+        if not isinstance(value, dict) or set(value) != fields:
+            raise self.fail("a file entry is not {url, size, version, prefix, records, starts}")
+        url = self.str(value["url"], "a file's URL")
+        entry = self.listed.get(url)
+        if entry is None:
+            raise self.fail(f"names the file {url!r}, which is not one of the checkpoint's listed files")
+        size = self.int(value["size"], "a file's size")
+        version = value["version"]
+        if version is not None and not isinstance(version, str) or size != entry.size \
+                or (version or None) != (entry.version or None):
+            raise self.fail(f"pins {url} to size {size} version {version!r}; the listing says {entry.size} "
+                            f"{entry.version!r}")
+        prefix = self.str(value["prefix"], "an archive prefix")
+        starts = [self.int(s, "a record start") for s in self.items(value["starts"], "record starts")]
+        if starts != sorted(set(starts)) or any(s > size for s in starts):
+            raise self.fail(f"record starts of {url} are not increasing offsets inside the file")
+        records = []
+        for record in self.items(value["records"], "storage records"):
+            name, offset, length, crc = self.items(record, "a storage record", 4)
+            name = self.str(name, "a storage record's name")
+            if not name.startswith(f"{prefix}data/"):
+                raise self.fail(f"storage record {name!r} of {url} lies outside {prefix}data/")
+            info = StorageRecordInfo(name, self.int(offset, "a record offset"), self.int(length, "a record size"),
+                                     self.int(crc, "a record CRC"))
+            if info.header_offset not in starts or info.header_offset + info.file_size > size or info.CRC >> 32:
+                raise self.fail(f"storage record {name!r} of {url} is not a zip record inside the file")
+            records.append(info)
+        return TorchArchive.from_carried(url, size, entry.version, prefix, records, starts)
+
+    def storage(self, value: Any) -> Any:
+        from merge_engine.formats.torch_archive import StorageRef
+
+        file, key, dtype, numel = self.items(value, "a storage", 4)
+        file = self.int(file, "a storage's file")
+        if file >= len(self.handles):
+            raise self.fail(f"a storage names file {file} of {len(self.handles)}")
+        archive = self.handles[file]
+        ref = StorageRef(self.str(key, "a storage key"), self.dtype(dtype), self.int(numel, "an element count"))
+        archive.check_record(ref)  # one zip record of the file holding exactly these bytes (no read)
+        return archive, ref
+
+    def piece(self, value: Any) -> Any:
+        from merge_engine.formats.torch_archive import StoredTensor, view_problem
+
+        storage, offset, shape, stride = self.items(value, "a piece", 4)
+        storage = self.int(storage, "a piece's storage")
+        if storage >= len(self.storages):
+            raise self.fail(f"a piece names storage {storage} of {len(self.storages)}")
+        archive, ref = self.storages[storage]
+        offset, shape, stride = self.int(offset, "an offset"), self.dims(shape, "a shape"), self.dims(stride, "strides")
+        problem = view_problem(ref.numel, offset, shape, stride)
+        if problem:
+            raise self.fail(f"a piece of storage {ref.key} of {archive.url}: {problem}")
+        return StoredTensor(archive, ref, offset, shape, stride)
+
+    def concat(self, value: Any) -> Any:
+        from merge_engine.formats.tensor_source import ConcatTensor
+
+        shape, dtype, dim, pieces = self.items(value, "a concatenation", 4)
+        shape = self.dims(shape, "a shape")
+        dim = self.int(dim, "a dimension")
+        if shape and dim >= len(shape):
+            raise self.fail(f"cut on dimension {dim} of a {len(shape)}-d tensor")
+        return ConcatTensor(shape, self.dtype(dtype), dim, tuple(self.piece(p) for p in self.items(pieces, "pieces")))
+
+    def tensor(self, value: list[Any]) -> Any:
+        from merge_engine.formats.tensor_source import ReplicatedTensor, StackedTensor
+
+        kind, rest = value[0], value[1:]
+        if kind == "concat":
+            return self.concat(rest)
+        if kind == "replicated":
+            (copies,) = self.items(rest, "a replicated tensor", 1)
+            copies = tuple(self.piece(p) for p in self.items(copies, "copies"))
+            if not copies:
+                raise self.fail("a replicated tensor without copies")
+            return ReplicatedTensor(copies)
+        if kind == "stacked":
+            shape, dtype, bands = self.items(rest, "a stacked tensor", 3)
+            shape = self.dims(shape, "a shape")
+            if not shape:
+                raise self.fail("a stacked tensor of no dimension")
+            return StackedTensor(shape, self.dtype(dtype), tuple(self.concat(b) for b in self.items(bands, "bands")))
+        raise self.fail(f"tensor kind {kind!r} is not concat, replicated or stacked")

@@ -8,8 +8,8 @@ Specification, on the session's verl FSDP2 and legacy Megatron (TP 2) checkpoint
 - the carried index stays pinned to what the check listed: a rank file rewritten since is `SourceChanged`
   naming it (local: when opened; s3://: at the first read, S3 refusing the listed ETag);
 - bounded: an index over `MAX_INDEX_BYTES` is not carried, and `open` reads the headers as before;
-- restoring an index unpickles only the engine's records: any other global is refused, nothing runs; the
-  records hold dtypes by name, so a carried index names no torch global and restoring one imports no torch;
+- a carried index is JSON rebuilt by the engine's constructors, never a pickle: a pickle under its tag is
+  `UnsafeRecord`; it names dtypes by name (attacks on it: test_tensor_index_attacks.py);
 - the check records the LoRA verdict from the names it read (`Checkpoint.lora`).
 """
 
@@ -27,7 +27,7 @@ import torch
 
 from merge_engine import storage
 from merge_engine.commands.merge import MergeJob
-from merge_engine.errors import SourceChanged
+from merge_engine.errors import SourceChanged, UnsafeRecord
 from merge_engine.layouts import check_checkpoint, open_checkpoint, tensor_index
 from merge_engine.output.jobs import OutputOptions
 from merge_engine.storage.range_reader import bytes_read
@@ -132,7 +132,7 @@ def _opens_reading_the_headers(checkpoint, names: set[str]) -> None:
 def test_an_index_over_the_bound_is_not_carried_and_open_reads_the_headers(megatron_runs, monkeypatch):
     source = str(Path(megatron_runs[MEGATRON].step_dir) / "actor")
     carried = check_checkpoint(source)
-    names = set(tensor_index.restore(carried.index)[0])
+    names = set(tensor_index.restore(carried)[0])
     pickled = len(zlib.decompress(carried.index[len(tensor_index._tag()):]))
     monkeypatch.setattr(tensor_index, "MAX_INDEX_BYTES", pickled - 1)
     bounded = check_checkpoint(source)
@@ -141,30 +141,34 @@ def test_an_index_over_the_bound_is_not_carried_and_open_reads_the_headers(megat
 
 
 @pytest.mark.parametrize("callable_", [os.getcwd, storage.remove], ids=["foreign", "an_engine_function"])
-def test_restoring_an_index_runs_no_foreign_code(callable_):
+def test_a_pickled_index_is_never_unpickled(callable_, fsdp_runs):
+    """An index is JSON: a pickle under the right tag (what an older engine carried, or a forgery) is refused."""
+    checkpoint = check_checkpoint(fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir)
     forged = tensor_index._tag() + zlib.compress(pickle.dumps(({"w": callable_}, ())))
-    with pytest.raises(pickle.UnpicklingError, match="not one of the engine.s records"):
-        tensor_index.restore(forged)
+    with pytest.raises(UnsafeRecord, match="not valid JSON") as error:
+        tensor_index.restore(dataclasses.replace(checkpoint, index=forged))
+    assert error.value.path == checkpoint.url
 
 
-def test_an_index_naming_a_torch_dtype_is_refused_and_a_carried_one_names_none(fsdp_runs):
-    import torch
+def test_a_carried_index_names_dtypes_by_name_and_no_global(fsdp_runs):
+    import json
 
-    forged = tensor_index._tag() + zlib.compress(pickle.dumps(({"w": torch.float32}, ())))
-    with pytest.raises(pickle.UnpicklingError, match="torch.float32: not one of the engine.s records"):
-        tensor_index.restore(forged)
     checkpoint = check_checkpoint(fsdp_runs["fsdp2_qwen2_tied_bf16"].latest.checkpoint_dir)
-    tensors, handles = tensor_index.restore(checkpoint.index)  # the allow-list admits no torch name
+    document = json.loads(zlib.decompress(checkpoint.index[len(tensor_index._tag()):]))
+    assert set(document) == {"format", "files", "storages", "tensors"}
+    assert {storage[2] for storage in document["storages"]} == {"bfloat16"}
+    tensors, handles = tensor_index.restore(checkpoint)
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16} and handles
 
 
 def test_an_index_another_engine_carried_is_not_read_and_open_reads_the_headers(fsdp_runs, monkeypatch):
-    """An index from Prefect's result storage of an older engine (other record shapes) is never unpickled."""
+    """An index from Prefect's result storage of an older engine (another format) is not read."""
     carried = check_checkpoint(fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir)
-    names = set(tensor_index.restore(carried.index)[0])
+    names = set(tensor_index.restore(carried)[0])
     monkeypatch.setattr(tensor_index, "INDEX_FORMAT", tensor_index.INDEX_FORMAT + 1)
-    assert tensor_index.restore(carried.index) is None
-    assert tensor_index.restore(zlib.compress(pickle.dumps(({}, ())))) is None  # no tag at all
+    assert tensor_index.restore(carried) is None
+    untagged = dataclasses.replace(carried, index=zlib.compress(pickle.dumps(({}, ()))))
+    assert tensor_index.restore(untagged) is None  # no tag at all
     _opens_reading_the_headers(carried, names)
 
 
