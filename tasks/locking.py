@@ -37,7 +37,6 @@ import contextlib
 import fcntl
 import json
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +47,7 @@ from prefect.locking.protocol import LockManager
 
 from merge_engine.errors import StepmergeError
 from merge_engine.formats.json_text import read_local_json
+from merge_engine.output.clock import SYSTEM_CLOCK, Clock
 from merge_engine.output.owner_record import Owner, finite_number, new_record
 
 DEFAULT_HOLD_S = 24 * 3600.0
@@ -67,9 +67,11 @@ def default_lock_directory() -> Path:
 class CrashSafeFileLockManager(LockManager):
     """See the module docstring. Thread- and process-safe on one filesystem."""
 
-    def __init__(self, directory: Optional[Path] = None, hold_timeout_s: float = DEFAULT_HOLD_S) -> None:
+    def __init__(self, directory: Optional[Path] = None, hold_timeout_s: float = DEFAULT_HOLD_S,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self._directory = directory
         self.hold_timeout_s = hold_timeout_s
+        self.clock = clock  # where heartbeats, expiry and the waits read the time (`merge_engine.output.clock`)
 
     @property
     def directory(self) -> Path:
@@ -111,13 +113,13 @@ class CrashSafeFileLockManager(LockManager):
         if owner is None or expires is None or not isinstance(info.get("holder"), str):
             return True
         life = min(expires - owner.heartbeat, max(self.hold_timeout_s, DEFAULT_HOLD_S))
-        return life <= 0 or owner.stale(time.time(), life)
+        return life <= 0 or owner.stale(self.clock.time(), life)
 
     def _create(self, key: str, holder: str, hold_timeout: Optional[float]) -> bool:
         directory = self.directory
         directory.mkdir(parents=True, exist_ok=True)
         hold = self.hold_timeout_s if hold_timeout is None else hold_timeout
-        body = new_record(holder=holder)
+        body = new_record(self.clock.time(), holder=holder)
         body["expires"] = body["heartbeat"] + hold
         temp = directory / f".{key}.{uuid.uuid4().hex}.tmp"
         temp.write_bytes(json.dumps(body).encode())
@@ -156,27 +158,27 @@ class CrashSafeFileLockManager(LockManager):
 
     def acquire_lock(self, key: str, holder: str, acquire_timeout: Optional[float] = None,
                      hold_timeout: Optional[float] = None) -> bool:
-        deadline = None if acquire_timeout is None else time.monotonic() + acquire_timeout
+        deadline = None if acquire_timeout is None else self.clock.monotonic() + acquire_timeout
         while True:
             got = self._try_acquire(key, holder, hold_timeout)
             if got:
                 return True
             if got is None:
                 continue
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and self.clock.monotonic() >= deadline:
                 return False
-            time.sleep(POLL_S)
+            self.clock.sleep(POLL_S)
 
     async def aacquire_lock(self, key: str, holder: str, acquire_timeout: Optional[float] = None,
                             hold_timeout: Optional[float] = None) -> bool:
-        deadline = None if acquire_timeout is None else time.monotonic() + acquire_timeout
+        deadline = None if acquire_timeout is None else self.clock.monotonic() + acquire_timeout
         while True:
             got = self._try_acquire(key, holder, hold_timeout)
             if got:
                 return True
             if got is None:
                 continue
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and self.clock.monotonic() >= deadline:
                 return False
             await anyio.sleep(POLL_S)
 
@@ -196,17 +198,17 @@ class CrashSafeFileLockManager(LockManager):
         return info is not None and info.get("holder") == holder and not self._stale(info)
 
     def wait_for_lock(self, key: str, timeout: Optional[float] = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else self.clock.monotonic() + timeout
         while self.is_locked(key):
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and self.clock.monotonic() >= deadline:
                 return False
-            time.sleep(POLL_S)
+            self.clock.sleep(POLL_S)
         return True
 
     async def await_for_lock(self, key: str, timeout: Optional[float] = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else self.clock.monotonic() + timeout
         while self.is_locked(key):
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and self.clock.monotonic() >= deadline:
                 return False
             await anyio.sleep(POLL_S)
         return True

@@ -11,5 +11,6 @@
 - `target_guard`      refusals that keep an output from destroying its input or a file in its way
 - `local_commit`      local folders committed by rename from temp siblings with a live owner
 - `owner_record`, `process_identity`  who owns a lease (claim, temp folder, lock) and whether it is dead
+- `clock`             where leases read the time and wait (a test passes one it moves)
 - `interrupts`        SIGINT / SIGTERM stop every unit of work and clean up what they started
 """

@@ -1,7 +1,7 @@
 """The owner record every lease stepmerge writes carries: publish claims, temp-folder owners, Prefect cache locks.
 
 One shape, one reader, one staleness rule, so no lease is judged by a pid alone somewhere:
-- `new_record(**extra)`: ``{**process_identity.current(), "heartbeat": time.time(), **extra}`` — host,
+- `new_record(now, **extra)`: ``{**process_identity.current(), "heartbeat": now or time.time(), **extra}`` — host,
   boot id, PID namespace, pid, process start time, and the writer's clock when it wrote the record.
 - `Owner.parse(value)`: the record type-checked, field by field: ``host`` a non-empty str; ``boot_id`` and
   ``pid_ns`` a str or null; ``pid`` an int in 1..`PID_LIMIT`; ``start`` an int >= 0 or null;
@@ -35,9 +35,10 @@ from merge_engine.formats.json_text import parse_json
 PID_LIMIT = 2**31 - 1  # Linux's PID_MAX_LIMIT is 2**22; anything beyond a C int is no pid anywhere
 
 
-def new_record(**extra: Any) -> dict[str, Any]:
-    """This process's owner record, heartbeat now, plus ``extra`` fields (JSON-serialisable)."""
-    return {**process_identity.current(), "heartbeat": time.time(), **extra}
+def new_record(now: float | None = None, **extra: Any) -> dict[str, Any]:
+    """This process's owner record, heartbeat ``now`` (default: `time.time()`), plus ``extra`` fields
+    (JSON-serialisable)."""
+    return {**process_identity.current(), "heartbeat": time.time() if now is None else now, **extra}
 
 
 def finite_number(value: Any) -> float | None:

@@ -64,7 +64,6 @@ import json
 import os
 import random
 import threading
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +73,7 @@ from typing import Any
 from merge_engine import storage
 
 from merge_engine.output import owner_record
+from merge_engine.output.clock import SYSTEM_CLOCK, Clock
 from merge_engine.errors import (
     ChecksumMismatch, CorruptShard, InvalidOption, TargetExists, ValidationFailed,
 )
@@ -153,10 +153,10 @@ def _claim_url(release_url: str, attempt: str) -> str:
     return storage.join(claims_url(release_url), f"{attempt}.json")
 
 
-def _write_claim(release_url: str, attempt: str, fingerprint: str) -> None:
+def _write_claim(release_url: str, attempt: str, fingerprint: str, clock: Clock = SYSTEM_CLOCK) -> None:
     """A claim is an owner record (`merge_engine.output.owner_record`: host, boot, PID namespace, pid, start
     time, heartbeat), so a dead publisher on this host and namespace is recognised at once."""
-    body = owner_record.new_record(attempt=attempt, fingerprint=fingerprint)
+    body = owner_record.new_record(clock.time(), attempt=attempt, fingerprint=fingerprint)
     storage.write_bytes(_claim_url(release_url, attempt), json.dumps(body).encode())
 
 
@@ -178,26 +178,27 @@ class _Heartbeat:
     `check` (before the manifest) raises `ClaimLost` if the claim is lost, gone or not ours.
     """
 
-    def __init__(self, release_url: str, attempt: str, fingerprint: str, ttl_s: float) -> None:
+    def __init__(self, release_url: str, attempt: str, fingerprint: str, ttl_s: float, clock: Clock) -> None:
         self._args = (release_url, attempt, fingerprint)
         self._ttl_s = ttl_s
-        self._last_beat = time.monotonic()  # the claim was written just before
+        self._clock = clock
+        self._last_beat = clock.monotonic()  # the claim was written just before
         self._stop = threading.Event()
         self.lost = False
         self._thread = threading.Thread(target=self._run, name=f"publish-heartbeat-{attempt[:8]}", daemon=True)
 
     def _run(self) -> None:
         release_url, attempt, fingerprint = self._args
-        while not self._stop.wait(self._ttl_s / 4):
-            if time.monotonic() - self._last_beat > self._ttl_s:
+        while not self._clock.wait(self._stop, self._ttl_s / 4):
+            if self._clock.monotonic() - self._last_beat > self._ttl_s:
                 self.lost = True  # stale for a while: another publisher may have taken over
                 return
             try:
                 if _read_claim(release_url, attempt) is None:
                     self.lost = True
                     return
-                beat = time.monotonic()
-                _write_claim(release_url, attempt, fingerprint)
+                beat = self._clock.monotonic()
+                _write_claim(release_url, attempt, fingerprint, self._clock)
                 self._last_beat = beat
             except Exception:  # noqa: BLE001 - a storage hiccup: the next beat retries
                 continue
@@ -205,7 +206,7 @@ class _Heartbeat:
     def check(self) -> None:
         release_url, attempt, _ = self._args
         body = _read_claim(release_url, attempt)
-        stale = self.lost or time.monotonic() - self._last_beat > self._ttl_s
+        stale = self.lost or self._clock.monotonic() - self._last_beat > self._ttl_s
         if stale or body is None or body.get("attempt") != attempt:
             raise ClaimLost(f"our publishing claim on {release_url} is {'stale' if stale else 'gone'} (this publisher "
                             "stalled past the claim TTL; another may own the release): manifest and marker not written")
@@ -228,7 +229,7 @@ def _remove_claim(release_url: str, attempt: str) -> None:
             pass  # another publisher's claim is still there, or the folder is already gone
 
 
-def _live_claims(release_url: str, ttl_s: float) -> list[str]:
+def _live_claims(release_url: str, ttl_s: float, clock: Clock = SYSTEM_CLOCK) -> list[str]:
     """Attempts holding a claim with a fresh heartbeat whose publisher is not certainly dead; the
     others are deleted on the way (a dead publisher on this host and PID namespace at once, one
     elsewhere once its heartbeat is older than ``ttl_s``, or more than ``ttl_s`` in the future; a
@@ -242,17 +243,17 @@ def _live_claims(release_url: str, ttl_s: float) -> list[str]:
             owner = owner_record.Owner.parse(owner_record.read_record(storage.read_bytes(url), url))
         except FileNotFoundError:
             continue  # released between the listing and the read
-        if owner is None or owner.stale(time.time(), ttl_s):  # claims are written whole: a malformed one is debris
+        if owner is None or owner.stale(clock.time(), ttl_s):  # claims are written whole: a malformed one is debris
             storage.remove(url)
             continue
         live.append(entry.path.removesuffix(".json"))
     return live
 
 
-def _try_claim(release_url: str, attempt: str, fingerprint: str, ttl_s: float) -> bool:
+def _try_claim(release_url: str, attempt: str, fingerprint: str, ttl_s: float, clock: Clock) -> bool:
     """Write our claim, then look: own the release only if no other live claim is there."""
-    _write_claim(release_url, attempt, fingerprint)
-    if any(other != attempt for other in _live_claims(release_url, ttl_s)):
+    _write_claim(release_url, attempt, fingerprint, clock)
+    if any(other != attempt for other in _live_claims(release_url, ttl_s, clock)):
         _remove_claim(release_url, attempt)
         return False
     return True
@@ -317,7 +318,8 @@ def _drop_staging(staging_url: str, remove_staging: bool) -> None:
 def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str, options: Mapping[str, Any],
             validation: ValidationReport | None, engine_version: str, overwrite: bool = False,
             remove_staging: bool = True, wait_s: float = 600.0, claim_ttl_s: float = CLAIM_TTL_S,
-            max_workers: int = 4, checksums: Mapping[str, str] | None = None) -> Release:
+            max_workers: int = 4, checksums: Mapping[str, str] | None = None,
+            clock: Clock = SYSTEM_CLOCK) -> Release:
     """Publish `staging_url` at `release_url` (see the module docstring for every rule).
 
     `validation` None publishes without a validation record (the manifest says ``null``).
@@ -328,7 +330,7 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
     `ReleaseBusy` (another publisher held the release longer than ``wait_s``), `ClaimLost` (a
     `ReleaseBusy`: our claim vanished while we copied; no manifest or marker written, staging kept),
     `ChecksumMismatch` (a staged file differs from ``checksums`` or is gone; nothing published, staging
-    removed).
+    removed). ``clock`` is where the waits, deadlines and heartbeats read the time (`merge_engine.output.clock`).
     """
     if overlaps(staging_url, release_url):
         raise InvalidOption(f"staging and release must not contain each other: {staging_url}, {release_url}")
@@ -350,7 +352,7 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
     options = json.loads(json.dumps(dict(options), sort_keys=True, default=str))
 
     attempt = uuid.uuid4().hex
-    deadline = time.monotonic() + wait_s
+    deadline = clock.monotonic() + wait_s
     delay = 0.05
     while True:
         current = released_manifest(release_url)
@@ -362,11 +364,11 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
             elif not overwrite:
                 raise TargetExists(f"released from another checkpoint (fingerprint {current.fingerprint[:12]}…); "
                                    "pass overwrite to replace it", release_url)
-        if _try_claim(release_url, attempt, fingerprint, claim_ttl_s):
+        if _try_claim(release_url, attempt, fingerprint, claim_ttl_s, clock):
             break
-        if time.monotonic() > deadline:
+        if clock.monotonic() >= deadline:
             raise ReleaseBusy(f"another publisher holds {release_url} (waited {wait_s:.0f}s)")
-        time.sleep(delay * random.uniform(0.5, 1.5))
+        clock.sleep(delay * random.uniform(0.5, 1.5))
         delay = min(delay * 2, 2.0)
 
     try:
@@ -378,7 +380,7 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
         if current is not None and current.fingerprint != fingerprint and not overwrite:
             raise TargetExists("released from another checkpoint meanwhile", release_url)
         validation_record = None if validation is None else {**validation.to_dict(), "summary": validation.summary()}
-        with _Heartbeat(release_url, attempt, fingerprint, claim_ttl_s) as heartbeat:
+        with _Heartbeat(release_url, attempt, fingerprint, claim_ttl_s, clock) as heartbeat:
 
             def write_release(dest: str) -> Manifest:
                 copied = _copy_all(staging_url, dest, files, max_workers, checksums or {})

@@ -1,7 +1,8 @@
 """Two concurrent runs of one step (two worker processes, one Prefect API, one result store) publish once.
 
-Both processes start merge_step for the same step at the same moment (a file barrier); the merge
-is slowed down so that the second run arrives while the first is merging. With SERIALIZABLE cache
+Both processes start merge_step for the same step at the same moment (a file barrier); the run that
+merges holds its merge until the other run has found the lock held (a file it touches then), so the
+second run certainly arrives while the first is merging. With SERIALIZABLE cache
 isolation the second waits for the first's lock and then takes its result: exactly one merge and
 one publish run, the other run's stages are Cached, and the release is whole with one manifest.
 """
@@ -24,20 +25,32 @@ import json, sys, time
 from pathlib import Path
 
 import tasks.build
+import tasks.locking
 
+run_root, staging, barrier, me = sys.argv[1:5]
 run_job = tasks.build.run_job
+try_acquire = tasks.locking.CrashSafeFileLockManager._try_acquire
 merged = []
 
-def slow_merge(job, **kwargs):  # widen the race: the other run arrives while this one merges
+def held_merge(job, **kwargs):  # the race, made certain: this run merges until the other waits for its lock
     merged.append(job.source_url)
-    time.sleep(2.0)
+    deadline = time.monotonic() + 120  # bounds a hang only
+    while not [p for p in Path(barrier).glob("blocked-*") if p.name != f"blocked-{me}"]:
+        assert time.monotonic() < deadline, "the other run never waited for the lock"
+        time.sleep(0.01)
     return run_job(job, **kwargs)
 
-tasks.build.run_job = slow_merge
+def watched_try_acquire(self, key, holder, hold_timeout):
+    got = try_acquire(self, key, holder, hold_timeout)
+    if got is False:  # held by the other run: say so
+        Path(barrier, f"blocked-{me}").touch()
+    return got
+
+tasks.build.run_job = held_merge
+tasks.locking.CrashSafeFileLockManager._try_acquire = watched_try_acquire
 
 from flows.merge_step import merge_step
 
-run_root, staging, barrier, me = sys.argv[1:5]
 Path(barrier, f"ready-{me}").touch()
 while len(list(Path(barrier).glob("ready-*"))) < 2:
     time.sleep(0.01)

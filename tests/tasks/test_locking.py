@@ -12,23 +12,26 @@ import time
 import pytest
 
 from merge_engine.output.owner_record import new_record
-from tasks.locking import CrashSafeFileLockManager
+from tasks.locking import POLL_S, CrashSafeFileLockManager
+from tests.clock import HANG_S, ManualClock
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_one_holder_at_a_time_and_the_next_gets_it_after_release(tmp_path):
-    locks = CrashSafeFileLockManager(tmp_path)
+    clock = ManualClock()
+    locks = CrashSafeFileLockManager(tmp_path, clock=clock)
     assert locks.acquire_lock("k", "A")
     assert locks.is_locked("k") and locks.is_lock_holder("k", "A") and not locks.is_lock_holder("k", "B")
-    assert not locks.acquire_lock("k", "B", acquire_timeout=0.3)
+    assert not locks.acquire_lock("k", "B", acquire_timeout=0)
     got = []
-    waiter = threading.Thread(target=lambda: got.append(locks.acquire_lock("k", "B", acquire_timeout=10)))
+    waiter = threading.Thread(target=lambda: got.append(locks.acquire_lock("k", "B", acquire_timeout=600)))
     waiter.start()
-    time.sleep(0.3)
+    clock.until_waiting(1)  # B found the lock held and polls
     assert not got
     locks.release_lock("k", "A")
-    waiter.join(10)
+    clock.advance(POLL_S)  # B's next look
+    waiter.join(HANG_S)
     assert got == [True] and locks.is_lock_holder("k", "B")
 
 
@@ -61,11 +64,13 @@ def test_a_lock_left_by_a_dead_process_is_broken(tmp_path):
 
 
 def test_an_expired_lock_is_broken_but_a_live_one_is_waited_for(tmp_path):
-    locks = CrashSafeFileLockManager(tmp_path)
-    assert locks.acquire_lock("k", "A", hold_timeout=0.2)
-    assert not locks.acquire_lock("k", "B", acquire_timeout=0.05)
-    time.sleep(0.3)
-    assert locks.acquire_lock("k", "B", acquire_timeout=1)
+    clock = ManualClock(sleeps=False)
+    locks = CrashSafeFileLockManager(tmp_path, clock=clock)
+    assert locks.acquire_lock("k", "A", hold_timeout=3600)
+    clock.advance(3599)
+    assert not locks.acquire_lock("k", "B", acquire_timeout=0)  # A lives (this process) and holds it an hour
+    clock.advance(2)
+    assert locks.acquire_lock("k", "B", acquire_timeout=0)
     body = json.loads((tmp_path / "k.lock").read_text())
     assert body["holder"] == "B" and body["pid"] == os.getpid()
 
@@ -76,8 +81,7 @@ def test_two_breakers_of_one_stale_lock_never_both_win(tmp_path, monkeypatch):
     on. B must not remove A's lock: at most one of them holds it."""
     lock = tmp_path / "k.lock"
     a, b = CrashSafeFileLockManager(tmp_path), CrashSafeFileLockManager(tmp_path)
-    assert a.acquire_lock("k", "crashed", hold_timeout=0.01)
-    time.sleep(0.05)  # expired: stale
+    assert a.acquire_lock("k", "crashed", hold_timeout=0)  # expired at once: stale
     stale_inode = os.stat(lock).st_ino
     b_judged, go_on = threading.Event(), threading.Event()
     real_stale = CrashSafeFileLockManager._stale

@@ -3,7 +3,8 @@
 Specification (`merge_engine.output.local_commit`, `merge_engine.output.target`):
 - case 10: replacing a folder (``--overwrite``) is an atomic swap: an observer listing the target
   while it is replaced again and again only ever sees the whole old folder or the whole new one,
-  never a mix and never nothing; a merge killed at any instant leaves a whole folder;
+  never a mix and never nothing; a merge killed in its commit window (held there: its output written
+  beside the target, or just swapped in) leaves the whole old folder or the whole new one;
 - case 9: concurrent merges of one checkpoint into one target all succeed (no "Directory not
   empty"), the target is whole and no temp folder is left;
 - case 8: a live temp folder of a writer in another PID namespace (a real one, `unshare`) survives
@@ -99,24 +100,46 @@ def _whole(target) -> bool:
     return listed == record["files"]
 
 
-def test_a_merge_killed_at_any_instant_leaves_a_whole_folder(checkpoint, fsdp_runs, tmp_path):
+KILLED_IN_THE_COMMIT = """
+import sys, threading
+import merge_engine.output.target as target
+real = target.commit_folder
+def held(folder, path):
+    if sys.argv[1] == "entered":
+        print("entered", flush=True)  # every file written in the temp folder; the target not yet touched
+        threading.Event().wait()  # until killed
+    replaced = real(folder, path)
+    print("swapped", flush=True)  # the new folder at the target, the old one at the temp name
+    threading.Event().wait()
+target.commit_folder = held
+from merge_engine.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("window, expected", [("entered", "old"), ("swapped", "new")])
+def test_a_merge_killed_in_its_commit_window_leaves_a_whole_folder(window, expected, checkpoint, fsdp_runs,
+                                                                    tmp_path):
+    """The merge is held at an instant of its commit (its output written whole beside the target, or just
+    swapped in) and SIGKILLed there: the target is the whole old folder, or the whole new one."""
     target = tmp_path / "out"
     other = fsdp_runs["fsdp2_llama_buffer_mqa"].latest.checkpoint_dir
     merge_checkpoint(str(checkpoint), str(target))
-    command = [sys.executable, "-m", "merge_engine", "merge", "--local_dir", str(other), "--target_dir",
-               str(target), "--overwrite"]
-    env = {**os.environ, "PYTHONPATH": REPO}
-    started = time.monotonic()
-    subprocess.run(command, env=env, check=True, capture_output=True)
-    full = time.monotonic() - started
-    merge_checkpoint(str(checkpoint), str(target), MergeOptions(overwrite=True))
-    for fraction in (0.85, 0.97):  # the write and the commit come last
-        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(full * fraction)
+    old = json.loads((target / "stepmerge.json").read_text())["fingerprint"]
+    process = subprocess.Popen([sys.executable, "-c", KILLED_IN_THE_COMMIT, window, "merge", "--local_dir", str(other),
+                                "--target_dir", str(target), "--overwrite"],
+                               env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, text=True)
+    try:
+        reached = process.stdout.readline().strip()  # the merge holds there until killed
+    finally:
         process.send_signal(signal.SIGKILL)
         process.wait()
-        assert target.is_dir() and _whole(target), f"mixed folder after a kill at {fraction:.0%}"
-        merge_checkpoint(str(checkpoint), str(target), MergeOptions(overwrite=True))  # back to the old one
+    assert reached == window, f"the merge ended without reaching the commit window {window!r}"
+    assert target.is_dir() and _whole(target), f"mixed folder after a kill at {window!r}"
+    fingerprint = json.loads((target / "stepmerge.json").read_text())["fingerprint"]
+    assert (fingerprint == old) == (expected == "old"), (window, fingerprint, old)
+    assert sweep_dead_siblings(str(target))  # the killed writer's temp folder: its owner is dead, swept at once
+    assert sorted(os.listdir(tmp_path)) == ["actor", "out"] and _whole(target)
 
 
 def test_concurrent_merges_into_one_target_all_succeed(checkpoint, tmp_path):

@@ -21,6 +21,7 @@ from merge_engine.release.publish import ReleaseBusy, publish
 from merge_engine.release.state import CLAIMS, MANIFEST, MARKER, is_released, read_manifest
 from merge_engine.validate import Check, ValidationReport
 from merge_engine.release.verify import verify_folder
+from tests.clock import HANG_S, ManualClock, until
 
 # "memory" is fsspec's in-process filesystem (remote code paths, no server). Add "s3", "gcs" once
 # tests/fixtures_storage.py is a plugin in conftest (the fixture asks for *_bucket_url).
@@ -267,21 +268,24 @@ class TestConcurrency:
         assert paths(release_url) <= {f"{CLAIMS}/other-attempt.json"}  # nothing but the claim was written
 
     def test_waiting_publisher_returns_the_winners_release(self, root_url):
-        """The holder finishes while we wait: we see its marker and copy nothing."""
+        """The holder finishes while we wait (backed off, on our clock): we see its marker and copy nothing."""
         release_url = storage.join(root_url, "rel")
         publish_module._write_claim(release_url, "holder", "fp-1")
+        clock = ManualClock()
+        finished = []
 
         def holder_finishes():
-            time.sleep(0.3)
+            clock.until_waiting(1)  # we found its claim and back off
             publish_module._remove_claim(release_url, "holder")
-            do_publish(stage(root_url, "holder-staging"), release_url)
+            finished.append(do_publish(stage(root_url, "holder-staging"), release_url))
+            clock.advance(60)  # our back-off ends
 
         thread = threading.Thread(target=holder_finishes)
         thread.start()
-        waited = do_publish(stage(root_url), release_url, wait_s=30)
-        thread.join()
-        # Either order is legal: whoever got the claim copied, the other one found the marker.
-        assert read_manifest(release_url).attempt == waited.attempt
+        waited = do_publish(stage(root_url), release_url, wait_s=600, clock=clock)
+        thread.join(HANG_S)
+        assert waited.already_published and not finished[0].already_published and clock.slept
+        assert read_manifest(release_url).attempt == waited.attempt == finished[0].attempt
         assert verify_folder(release_url).ok
 
     def test_stale_claim_of_a_crashed_publisher_is_ignored(self, root_url):
@@ -323,43 +327,49 @@ class TestClaimHeartbeat:
         monkeypatch.setattr(publish_module, "_copy_with_sha256", slow)
 
     def test_a_file_copy_longer_than_the_ttl_keeps_the_claim_live(self, root_url, monkeypatch):
-        """While one copy runs for several TTLs, another publisher still sees our claim live, backs
-        off (`ReleaseBusy`) and writes nothing; ours completes."""
+        """While one copy runs for several TTLs (on the publisher's clock), its heartbeat refreshes the
+        claim every quarter TTL: another publisher still sees it live, backs off (`ReleaseBusy`) and writes
+        nothing; ours completes."""
         release_url = storage.join(root_url, "rel")
-        ttl = 0.4
+        ttl, clock = publish_module.CLAIM_TTL_S, ManualClock()
         staging = stage(root_url, "a")
         copying, go = threading.Event(), threading.Event()
-        self._slow_copy(monkeypatch, staging, hold=lambda: go.wait(30), during=copying.set)
+        self._slow_copy(monkeypatch, staging, hold=lambda: go.wait(HANG_S), during=copying.set)
         result, errors = [], []
 
         def first():
             try:
-                result.append(do_publish(staging, release_url, claim_ttl_s=ttl))
+                result.append(do_publish(staging, release_url, clock=clock))
             except Exception as exc:  # noqa: BLE001 - asserted below
                 errors.append(exc)
 
         thread = threading.Thread(target=first)
         thread.start()
         try:
-            assert copying.wait(30)
-            time.sleep(3 * ttl)  # mid-copy, well past the TTL
-            live = publish_module._live_claims(release_url, ttl)
+            assert copying.wait(HANG_S)
+            for _ in range(12):  # three TTLs, one heartbeat at a time
+                clock.until_waiting(1)  # the heartbeat waits for its next beat
+                clock.advance(ttl / 4)
+            clock.until_waiting(1)
+            live = publish_module._live_claims(release_url, ttl, clock)
             with pytest.raises(ReleaseBusy):
-                do_publish(stage(root_url, "b"), release_url, fingerprint="fp-2", claim_ttl_s=ttl, wait_s=0.2,
-                           overwrite=True)
+                do_publish(stage(root_url, "b"), release_url, fingerprint="fp-2", wait_s=0, overwrite=True,
+                           clock=clock)
         finally:
             go.set()
-            thread.join(30)
+            thread.join(HANG_S)
         assert not errors and len(live) == 1
         assert result[0].attempt == live[0] == read_manifest(release_url).attempt
         assert read_manifest(release_url).fingerprint == "fp-1" and verify_folder(release_url).ok
 
     def test_a_publisher_whose_claim_was_taken_writes_no_manifest(self, root_url, monkeypatch):
         """If our claim disappears while we copy (we stalled past the TTL and another publisher
-        cleared it), we stop: `ClaimLost` (a `ReleaseBusy`), no manifest, no marker, staging kept."""
+        cleared it), our heartbeat does not bring it back and we stop: `ClaimLost` (a `ReleaseBusy`),
+        no manifest, no marker, staging kept."""
         from merge_engine.release.publish import ClaimLost
 
         release_url = storage.join(root_url, "rel")
+        ttl, clock = publish_module.CLAIM_TTL_S, ManualClock()
         once = threading.Lock()
 
         def taken():
@@ -368,11 +378,14 @@ class TestClaimHeartbeat:
             for entry in storage.list_files(publish_module.claims_url(release_url)):
                 storage.remove(storage.join(publish_module.claims_url(release_url), entry.path))
             publish_module._write_claim(release_url, "intruder", "fp-2")
+            clock.until_waiting(1)
+            clock.advance(ttl / 4)  # the heartbeat's next beat finds our claim gone
+            until(lambda: not _heartbeats(), "the heartbeat stopped")
 
         staging = stage(root_url)
-        self._slow_copy(monkeypatch, staging, hold=lambda: time.sleep(0.3), during=taken)
+        self._slow_copy(monkeypatch, staging, hold=lambda: None, during=taken)
         with pytest.raises(ClaimLost, match="claim"):
-            do_publish(staging, release_url, claim_ttl_s=0.4)
+            do_publish(staging, release_url, clock=clock)
         assert isinstance(ClaimLost("x"), ReleaseBusy)
         assert not {MANIFEST, MARKER} & paths(release_url)
         assert paths(publish_module.claims_url(release_url)) == {"intruder.json"}  # never resurrected ours
@@ -384,13 +397,27 @@ class TestClaimHeartbeat:
         from merge_engine.release.publish import ClaimLost
 
         release_url = storage.join(root_url, "rel")
+        ttl, clock = publish_module.CLAIM_TTL_S, ManualClock()
+        once = threading.Lock()
 
         def storage_fails(*_):
             raise OSError("storage unreachable")
 
+        def stall():
+            if not once.acquire(blocking=False):
+                return  # the copies run in parallel: stall once
+            monkeypatch.setattr(publish_module, "_write_claim", storage_fails)
+            for _ in range(5):  # four failed refreshes in a TTL, then past it: the heartbeat gives the claim up
+                clock.until_waiting(1)
+                clock.advance(ttl / 4)
+            until(lambda: not _heartbeats(), "the heartbeat stopped")
+
         staging = stage(root_url)
-        self._slow_copy(monkeypatch, staging, hold=lambda: time.sleep(1.0),
-                        during=lambda: monkeypatch.setattr(publish_module, "_write_claim", storage_fails))
+        self._slow_copy(monkeypatch, staging, hold=stall)
         with pytest.raises(ClaimLost, match="stale"):
-            do_publish(staging, release_url, claim_ttl_s=0.3)
+            do_publish(staging, release_url, clock=clock)
         assert not {MANIFEST, MARKER} & paths(release_url)
+
+
+def _heartbeats() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("publish-heartbeat-")]

@@ -30,19 +30,20 @@ from merge_engine.output import process_identity
 from merge_engine.release.publish import ReleaseBusy, claims_url, publish
 from merge_engine.release.state import MARKER, is_released, read_manifest
 from merge_engine.release.verify import verify_folder
+from tests.clock import ManualClock, until
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FILES = {"config.json": b'{"model_type": "x"}', "model-00001-of-00002.safetensors": b"a" * 4096,
          "model-00002-of-00002.safetensors": b"b" * 4096}
 
 KILLED_PUBLISHER = """
-import sys, time
+import sys, threading
 import merge_engine.release.publish as p
 real = p._copy_with_sha256
 def slow(src, dst, size):
     digest = real(src, dst, size)
     print("copied", flush=True)
-    time.sleep(600)
+    threading.Event().wait()  # until killed
     return digest
 p._copy_with_sha256 = slow
 p.publish(sys.argv[1], sys.argv[2], source="src", fingerprint="fp-dead", options={}, validation=None,
@@ -66,16 +67,23 @@ def _publish(staging: str, release: str, **kwargs):
 def test_a_local_release_appears_whole(tmp_path, monkeypatch):
     release = str(tmp_path / "releases" / "actor" / "global_step_1")
     seen_without_marker = []
+    looks = [0]
     stop = threading.Event()
 
     def observe() -> None:
         while not stop.is_set():
             if os.path.isdir(release) and not os.path.exists(os.path.join(release, MARKER)):
                 seen_without_marker.append(sorted(os.listdir(release)) if os.path.isdir(release) else None)
+            looks[0] += 1
 
     real = publish_module._copy_with_sha256
-    monkeypatch.setattr(publish_module, "_copy_with_sha256",
-                        lambda src, dst, size: (time.sleep(0.2), real(src, dst, size))[1])
+
+    def observed_copy(src, dst, size):  # the observer looks at the release path while each file is copied
+        seen = looks[0]
+        until(lambda: looks[0] >= seen + 2, "the observer looked")
+        return real(src, dst, size)
+
+    monkeypatch.setattr(publish_module, "_copy_with_sha256", observed_copy)
     observer = threading.Thread(target=observe)
     observer.start()
     try:
@@ -105,9 +113,9 @@ def test_a_killed_publisher_leaves_nothing_trusted_and_blocks_nobody(tmp_path, w
         assert not os.path.exists(storage.local_path(release))  # nothing from_pretrained could load
     assert [e.path for e in storage.list_files(claims_url(release))]  # its claim is still there
 
-    started = time.monotonic()
-    result = _publish(_stage(tmp_path, "staging2"), release, wait_s=20)
-    assert time.monotonic() - started < 20 and not result.already_published
+    clock = ManualClock(sleeps=False)  # a wait for the dead publisher's claim fails the test
+    result = _publish(_stage(tmp_path, "staging2"), release, wait_s=600, clock=clock)
+    assert not result.already_published and clock.slept == []
     assert verify_folder(release).ok and read_manifest(release).fingerprint == "fp-1"
     assert storage.list_files(claims_url(release)) == []
 
@@ -121,7 +129,7 @@ def test_a_fresh_claim_from_elsewhere_still_blocks(tmp_path, other):
              **process_identity.current(), "pid": dead.pid, **other}
     storage.write_bytes(storage.join(claims_url(release), "elsewhere.json"), json.dumps(claim).encode())
     with pytest.raises(ReleaseBusy):
-        _publish(_stage(tmp_path), release, wait_s=0.5)
+        _publish(_stage(tmp_path), release, wait_s=0, clock=ManualClock(sleeps=False))
     assert not os.path.exists(release)
 
 
@@ -137,9 +145,9 @@ def test_a_claim_from_the_far_future_does_not_block_for_ever(tmp_path, heartbeat
     if heartbeat == "1e999":
         text = text.replace(repr(claim["heartbeat"]), "1e999")
     storage.write_bytes(storage.join(claims_url(release), "skewed.json"), text.encode())
-    started = time.monotonic()
-    result = _publish(_stage(tmp_path), release, wait_s=5)
-    assert time.monotonic() - started < 5 and not result.already_published
+    clock = ManualClock(sleeps=False)  # waiting for the claim fails the test
+    result = _publish(_stage(tmp_path), release, wait_s=600, clock=clock)
+    assert not result.already_published and clock.slept == []
     assert verify_folder(release).ok and storage.list_files(claims_url(release)) == []
 
 
@@ -151,7 +159,7 @@ def test_a_claim_a_little_ahead_still_blocks(tmp_path):
              "heartbeat": time.time() + 60}
     storage.write_bytes(storage.join(claims_url(release), "ahead.json"), json.dumps(claim).encode())
     with pytest.raises(ReleaseBusy):
-        _publish(_stage(tmp_path), release, wait_s=0.5)
+        _publish(_stage(tmp_path), release, wait_s=0, clock=ManualClock(sleeps=False))
     assert not os.path.exists(release)
 
 

@@ -9,39 +9,80 @@ Specification (on top of `test_atomic_writer`'s, which every backend meets):
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from merge_engine import storage
 from merge_engine.storage.s3_upload import S3NumberedParts, S3PartsUpload
 from merge_engine.storage.schemes import backend_for
+from tests.clock import HANG_S, until
 from tests.merge_engine.storage.patterned import MiB, patterned_bytes
 
 
+class _WatchedSlots:
+    """The upload's slot semaphore, watched: ``blocked`` is set when the writer asks for a slot and none is
+    free; ``taken_when_blocked`` lists the slots held at each such moment."""
+
+    def __init__(self, slots: threading.BoundedSemaphore) -> None:
+        self._slots, self.blocked, self.taken_when_blocked = slots, threading.Event(), []
+        self._taken, self._lock = 0, threading.Lock()
+
+    def acquire(self) -> bool:
+        if not self._slots.acquire(blocking=False):
+            with self._lock:
+                self.taken_when_blocked.append(self._taken)
+            self.blocked.set()  # the writer waits for a part to finish: the bound holds it back
+            self._slots.acquire()
+        with self._lock:
+            self._taken += 1
+        return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._taken -= 1
+        self._slots.release()
+
+
 def test_parts_in_flight_are_bounded_and_the_object_is_exact(s3_bucket_url, monkeypatch):
+    """No part can finish until the writer is seen waiting for a slot: it waits with exactly the bound's
+    parts held, then the parts go and the object is byte-exact."""
     monkeypatch.setattr(storage.tuning, "UPLOAD_PARTS_IN_FLIGHT", 2)
-    held, peak, lock = [0], [0], threading.Lock()
-    put_part = S3PartsUpload._put_part
+    network = threading.Event()  # closed: a part being sent waits for it
+    put_part, init = S3PartsUpload._put_part, S3PartsUpload.__init__
+    uploads: list[S3PartsUpload] = []
 
-    def slow_put_part(self, number, body):
-        with lock:
-            held[0] += 1
-            peak[0] = max(peak[0], held[0])
-        time.sleep(0.2)  # a slow network: the writer must not run ahead of the bound
-        try:
-            return put_part(self, number, body)
-        finally:
-            with lock:
-                held[0] -= 1
+    def watched_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._slots = _WatchedSlots(self._slots)
+        uploads.append(self)
 
-    monkeypatch.setattr(S3PartsUpload, "_put_part", slow_put_part)
+    def held_put_part(self, number, body):
+        assert network.wait(HANG_S), "the network never opened"
+        return put_part(self, number, body)
+
+    monkeypatch.setattr(S3PartsUpload, "__init__", watched_init)
+    monkeypatch.setattr(S3PartsUpload, "_put_part", held_put_part)
     url = storage.join(s3_bucket_url, "parts.bin")
     data = patterned_bytes(MiB, seed=3) * 26  # 5 full parts of 5 MiB and a 1 MiB tail
-    with storage.open_write(url, block_size=5 * MiB) as out:
-        for at in range(0, len(data), 3 * MiB):
-            out.write(data[at:at + 3 * MiB])
-    assert peak[0] == 2
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            with storage.open_write(url, block_size=5 * MiB) as out:
+                for at in range(0, len(data), 3 * MiB):
+                    out.write(data[at:at + 3 * MiB])
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        until(lambda: uploads and uploads[0]._slots.blocked.is_set(), "the writer waits for a slot")
+        assert uploads[0]._slots.taken_when_blocked == [2]  # the bound, not fewer, not more
+    finally:
+        network.set()
+        writer.join(HANG_S)
+    assert not errors and not writer.is_alive()
     assert storage.read_bytes(url) == data
     (entry,) = storage.list_files(url.rsplit("/", 1)[0])
     assert entry.version.endswith("-6")

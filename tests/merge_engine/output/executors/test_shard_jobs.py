@@ -34,6 +34,7 @@ from merge_engine.output.jobs import OutputOptions, run_job
 from merge_engine.commands.merge import MergeJob
 from merge_engine.commands.split import SplitJob
 from synthetic_runs.megatron import REFERENCE_HF_DIR
+from tests.clock import until
 from tests.fault_proxy import FaultProxy, Network
 
 SHARD_BYTES = 120_000  # several shards from the tiny fixture models
@@ -123,8 +124,8 @@ def _truncate_a_rank_file(source: str):
 def test_a_source_fault_mid_merge_fails_the_whole_merge(executor, fsdp_runs, tmp_path, request):
     """The rank file is cut after the plan was made: a shard job meets the end of the file (a Ray worker,
     which re-reads the archive's index, finds it unreadable), the merge fails with a named error naming
-    the file, the other jobs have stopped when it is raised, and neither the target nor a temp folder
-    is left (then or a second later)."""
+    the file, the other jobs have stopped when it is raised (no unit thread left; no Ray worker still runs
+    a shard task once they are all back to idle), and neither the target nor a temp folder is left."""
     source = str(tmp_path / "actor")
     shutil.copytree(fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir, source)
     runner = LocalExecutor(2) if executor == "workers2" else RayExecutor(request.getfixturevalue("ray_cluster"))
@@ -135,7 +136,13 @@ def test_a_source_fault_mid_merge_fails_the_whole_merge(executor, fsdp_runs, tmp
     assert "model_world_size" in str(info.value)
     assert not target.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["actor"]
-    time.sleep(1.0)  # the other jobs have stopped: none writes a shard (re-creating a folder) after the failure
+    if executor == "workers2":  # the unit threads are gone when the error is raised
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("stepmerge-unit")]
+    else:  # every shard task has ended (its worker is back to ray::IDLE, or gone)
+        cluster = request.getfixturevalue("ray_local_cluster")
+        until(lambda: not [p for p in psutil.pids() if _runs_task(p, "stepmerge-shard", cluster.sessions())],
+              "every shard task ended")
+    # none of them wrote a shard (re-creating a folder) after the failure
     assert [p.name for p in tmp_path.iterdir()] == ["actor"] and not target.exists()
 
 
