@@ -8,6 +8,9 @@ Fixtures:
 - ``template_run`` (session): a real verl FSDP run written once with torch.distributed (2 ranks,
   FSDP2, a tiny Qwen2): ``global_step_1..3`` full fine-tuning, ``global_step_4`` with LoRA.
   Tests copy the steps they need (`copy_steps`) to a local folder or a bucket and change them there.
+  What each step was written from is known outside stepmerge (`TemplateRun.reference_weights`,
+  `TemplateRun.trained_model`: the writer's references, PEFT's own model of the LoRA step), for
+  `tests.release_checks`.
 - ``weight_reads`` (function): every ranged read made through `merge_engine.storage.RangeReader`
   (all checkpoint and model bytes go through it), as (url, bytes).
 Helpers: `copy_steps`, `task_runs` (the task runs of a flow run, from the API), `flow_run_id`.
@@ -15,6 +18,7 @@ Helpers: `copy_steps`, `task_runs` (the task runs of a flow run, from the API), 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator, Sequence
@@ -62,9 +66,10 @@ def prefect(prefect_api: PrefectApi, tmp_path: Path) -> Iterator[PrefectApi]:
 
 @dataclass(frozen=True)
 class TemplateRun:
-    """A run root on local disk that tests copy from (never modify it)."""
+    """A run root on local disk that tests copy from (never modify it), and the references of its steps."""
 
     root: Path
+    references: Path
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"global_step_{step}"
@@ -72,18 +77,41 @@ class TemplateRun:
     def files(self, step: int) -> list[Path]:
         return sorted(p for p in self.step_dir(step).rglob("*") if p.is_file())
 
+    def trained_model(self, step: int):
+        """The model the step's rank files shard, built again by `synthetic_runs` from its spec and seed
+        (for the LoRA step: the PeftModel PEFT makes of it), in eval mode."""
+        from synthetic_runs.fsdp import FsdpSpec, build_reference_model
+
+        written = json.loads((self.references / f"global_step_{step}" / "spec.json").read_text())
+        return build_reference_model(FsdpSpec.from_dict(written["spec"]), written["seed"]).eval()
+
+    def reference_weights(self, step: int) -> dict:
+        """The Hugging Face weights a release of ``step`` must hold: what ``save_pretrained`` wrote for the
+        model the writer sharded (a full step), or PEFT's ``merge_and_unload`` of the trained model (LoRA)."""
+        from safetensors.torch import load_file
+
+        hf = self.references / f"global_step_{step}" / "hf" / "model.safetensors"
+        if hf.exists():
+            return load_file(str(hf))
+        fused = self.trained_model(step).merge_and_unload()
+        state = {k: v.detach().clone().contiguous() for k, v in fused.state_dict().items()}
+        if fused.config.tie_word_embeddings:
+            del state["lm_head.weight"]
+        return state
+
 
 @pytest.fixture(scope="session")
 def template_run(tmp_path_factory: pytest.TempPathFactory) -> TemplateRun:
     from synthetic_runs.fsdp import FsdpSpec, LoraSpec, StepJob, write_fsdp_steps
 
-    root = tmp_path_factory.mktemp("template-run") / "run"
+    base = tmp_path_factory.mktemp("template-run")
+    root, references = base / "run", base / "references"
     full = FsdpSpec(world_size=2, strategy="fsdp2")
     lora = FsdpSpec(world_size=2, strategy="fsdp2", lora=LoraSpec(r=4, alpha=8))
-    jobs = [StepJob(str(root / f"global_step_{s}"), full, s) for s in FULL_STEPS]
-    jobs.append(StepJob(str(root / f"global_step_{LORA_STEP}"), lora, LORA_STEP))
-    write_fsdp_steps(jobs)
-    return TemplateRun(root)
+    specs = {**dict.fromkeys(FULL_STEPS, full), LORA_STEP: lora}
+    write_fsdp_steps([StepJob(str(root / f"global_step_{s}"), spec, s, str(references / f"global_step_{s}"))
+                      for s, spec in specs.items()])
+    return TemplateRun(root, references)
 
 
 def copy_steps(template: TemplateRun, run_root: str, steps: Sequence[int], omit: Sequence[str] = ()) -> list[str]:

@@ -4,7 +4,8 @@ Both processes start merge_step for the same step at the same moment (a file bar
 merges holds its merge until the other run has found the lock held (a file it touches then), so the
 second run certainly arrives while the first is merging. With SERIALIZABLE cache
 isolation the second waits for the first's lock and then takes its result: exactly one merge and
-one publish run, the other run's stages are Cached, and the release is whole with one manifest.
+one publish run, the other run's stages are Cached, and the release is whole with one manifest and
+holds the step's own weights (judged from outside stepmerge, `tests.release_checks`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from merge_engine.release.publish import claims_url
 from merge_engine.release.state import read_manifest, release_url
 from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import copy_steps
+from tests.release_checks import assert_release_of_step
 
 WORKER = r"""
 import json, sys, time
@@ -86,5 +88,6 @@ def test_two_concurrent_runs_of_one_step_publish_once(prefect, template_run, tmp
     release = release_url(str(tmp_path / "run" / "releases"), "actor", 1)
     assert {r["release"] for r in results} == {release}
     assert verify_folder(release).ok
+    assert_release_of_step(release, template_run, 1)
     assert not list(Path(claims_url(str(tmp_path / "run" / "releases" / "actor" / "global_step_1"))).glob("*.json"))
     assert read_manifest(release).attempt

@@ -4,7 +4,8 @@ success; a corrupted shard fails at once, without retries, and publishes nothing
 - an S3 outage longer than the engine's own per-request retries fails the first task attempt with
   a transient error; the task's retry condition says "retry", the outage ends, the retry succeeds;
 - connection resets and a stall in the middle of downloads are ridden out (engine retries), the
-  release is whole;
+  release is whole: the step's own weights bit for bit and its logits, judged from outside stepmerge
+  (`tests.release_checks`), as after the outage;
 - a rank file overwritten with garbage (same size, so the listing calls the step complete) fails
   the check task once (`CorruptShard`, run count 1): no release, no marker, and the watcher still
   merges the other steps and reports the failure.
@@ -26,6 +27,7 @@ from merge_engine.release.verify import verify_folder
 from tasks.retry import failure_exception, transient_fault
 from tests.fault_proxy import Fault
 from tests.fixtures_pipeline import copy_steps, flow_run_id, latest_artifacts, rank_file, task_runs
+from tests.release_checks import assert_release_of_step
 
 
 def _stage_tasks():
@@ -60,6 +62,7 @@ def test_an_outage_longer_than_the_engine_retries_is_retried_by_the_task(
     (discover,) = task_runs(flow_run_id(state))["discover-step"]
     assert discover.run_count == 2 and discover.state.name == "Completed"
     assert verify_folder(release_url(f"{run_root}/releases", "actor", 1)).ok
+    assert_release_of_step(release_url(f"{run_root}/releases", "actor", 1), template_run, 1)
 
 
 @pytest.mark.parametrize("fault", [
@@ -75,6 +78,7 @@ def test_resets_and_stalls_during_the_merge_are_ridden_out(prefect, template_run
     assert s3_fault_proxy.fired == fault.connections  # every fault really happened
     assert outcome.status == "published"
     assert verify_folder(outcome.releases[0].url).ok
+    assert_release_of_step(outcome.releases[0].url, template_run, 2)  # no byte lost or doubled on a retry
 
 
 def test_a_corrupted_shard_fails_without_retries_and_publishes_nothing(prefect, template_run, tmp_path):
@@ -89,6 +93,7 @@ def test_a_corrupted_shard_fails_without_retries_and_publishes_nothing(prefect, 
     assert "1 step(s) failed" in str(state.result(raise_on_failure=False))
     releases = str(tmp_path / "run" / "releases")
     assert is_released(release_url(releases, "actor", 1))  # the good step was merged anyway
+    assert_release_of_step(release_url(releases, "actor", 1), template_run, 1)
     assert not is_released(release_url(releases, "actor", 2))
     assert not storage.list_files(release_url(releases, "actor", 2))  # not one file, not even a claim
     assert not storage.list_files(str(staging))  # nothing was merged for it, nothing left behind

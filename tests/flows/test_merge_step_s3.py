@@ -1,11 +1,12 @@
 """merge_step from an s3:// run root to s3:// releases, on a real SeaweedFS server and a real Prefect API.
 
-- end to end: a 2-rank FSDP step in a bucket becomes a release in the bucket whose every file
-  matches its manifest's sha256, with the validation report, a markdown artifact and a progress
-  artifact that reached 100 %;
+- end to end: a 2-rank FSDP step in a bucket becomes a release in the bucket holding the weights the
+  step was written from, bit for bit, that transformers loads with the model's own logits (judged from
+  outside stepmerge, `tests.release_checks`); every file matches its manifest's sha256, with the
+  validation report, a markdown artifact and a progress artifact that reached 100 %;
 - a re-run is a cache hit: every stage task is Cached and no byte of the checkpoint or the
   release is read (every ranged read is counted; the only reads are small metadata files);
-- deleting the release makes the next run rebuild it.
+- deleting the release makes the next run rebuild it (the same weights again, judged from outside).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from merge_engine import storage
 from merge_engine.release.state import MARKER, is_released, read_manifest, release_url
 from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import copy_steps, flow_run_id, latest_artifacts, task_runs
+from tests.release_checks import assert_release_of_step
 
 STAGE_TASKS = ("check-checkpoint", "merge-model", "validate-model", "publish-release")
 
@@ -48,6 +50,7 @@ def test_an_s3_step_is_merged_validated_and_published_to_s3(prefect, template_ru
     release = release_url(f"{s3_bucket_url}/run/releases", "actor", 1)
     assert outcome.status == "published" and [r.url for r in outcome.releases] == [release]
     assert release.startswith("s3://")
+    assert_release_of_step(release, template_run, 1)  # the step's own weights and logits, judged from outside
     assert verify_folder(release).ok  # every file re-hashed against the manifest
     manifest = read_manifest(release)
     assert manifest.source == f"{s3_bucket_url}/run/global_step_1/actor"
@@ -99,9 +102,11 @@ def test_deleting_the_release_makes_the_next_run_rebuild_it(prefect, template_ru
     assert runs["check-checkpoint"][0].state.name == "Cached"  # same listing: no need to re-check headers
     assert {runs[n][0].state.name for n in ("merge-model", "validate-model", "publish-release")} == {"Completed"}
     assert verify_folder(release).ok and read_manifest(release).attempt != attempt
+    assert_release_of_step(release, template_run, 3)
 
     # a damaged release (a file gone, marker still there) is rebuilt too
     storage.remove(storage.join(release, "tokenizer.json"))
     again = merge_step(**_params(s3_bucket_url, tmp_path, 3).flow_parameters())
     assert again.status == "published" and verify_folder(release).ok
+    assert_release_of_step(release, template_run, 3)
     assert json.loads(storage.read_text(storage.join(release, MARKER)))["attempt"] == read_manifest(release).attempt

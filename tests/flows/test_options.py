@@ -10,7 +10,9 @@
   merge_step fails at once (before merging anything: no staging left); with it the release is
   replaced and records the new listing;
 - ``hf_model_path``: a changed folder content (same URL) is a new merge, not a cache hit;
-- ``reference_url``: values and logits compared; a different model fails validation, publishes nothing;
+- ``reference_url``: values and logits compared; a different model fails validation, publishes nothing
+  (the reference, an earlier release, and the release compared with it are both judged from outside
+  stepmerge first: each holds the step's own weights, `tests.release_checks`);
 - ``weights_format="transformers"`` on a MoE run (Mixtral, FSDP2): the release holds the stored, fused
   expert tensors, records the format, and passes validation against those names (the default ``hub``
   release of the same step holds the per-expert Hub names).
@@ -34,6 +36,7 @@ from merge_engine.errors import AdapterError, TargetExists, ValidationFailed
 from merge_engine.release.state import is_released, read_manifest, release_url
 from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import LORA_STEP, ROLE, copy_steps
+from tests.release_checks import assert_release_of_step
 
 
 def _params(run_root: str, tmp_path: Path, step: int, **options) -> MergeStepParams:
@@ -159,10 +162,12 @@ def test_reference_url_compares_values_and_a_different_model_fails(prefect, temp
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [1, 2])
     reference = merge_step(**_params(run_root, tmp_path, 1, release_root=str(tmp_path / "first")).flow_parameters()).releases[0].url
+    assert_release_of_step(reference, template_run, 1)  # the reference is the step's model, judged from outside
 
     same = merge_step(**_params(run_root, tmp_path, 1, release_root=str(tmp_path / "second"), reference_url=reference).flow_parameters())
     checks = _checks(same.releases[0].url)
     assert checks["reference_values"]["ok"] and checks["reference_logits"]["ok"]
+    assert_release_of_step(same.releases[0].url, template_run, 1)
 
     other = merge_step(**_params(run_root, tmp_path, 2, release_root=str(tmp_path / "second"), reference_url=reference).flow_parameters(),
                        return_state=True)

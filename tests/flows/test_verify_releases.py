@@ -3,7 +3,9 @@
 Specification, on a real SeaweedFS server and local disk, with a real Prefect API:
 - one flipped byte in a published release (same size; on local disk even the same mtime):
   `stepmerge verify` exits 6 naming the file; `stepmerge check` on the release exits 6 too;
-- merge_step no longer calls it "already published": it rebuilds it, and the new release verifies;
+- merge_step no longer calls it "already published": it rebuilds it, and the new release verifies and
+  holds the step's own weights again (judged from outside stepmerge, `tests.release_checks`), as the
+  first one did before the flip;
 - on S3 the quick check reads no byte: the object's ETag recorded at publish time differs;
 - the `verify-releases` flow sweeps a release root: an intact release passes, a damaged one is
   named, its marker removed (readers stop trusting it) and the run fails.
@@ -22,6 +24,7 @@ from merge_engine.cli import main as stepmerge
 from merge_engine.release.state import MARKER, is_released, read_manifest
 from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import copy_steps
+from tests.release_checks import assert_release_of_step
 
 WEIGHTS = "model.safetensors"
 
@@ -54,6 +57,7 @@ def test_a_flipped_byte_is_caught_and_the_release_rebuilt(prefect, template_run,
     copy_steps(template_run, root, [1])
     release = merge_step(**_params(root, tmp_path, 1)).releases[0].url
     assert stepmerge(["verify", release]) == 0
+    assert_release_of_step(release, template_run, 1)
     attempt = read_manifest(release).attempt
 
     _flip_one_byte(storage.join(release, WEIGHTS))
@@ -69,6 +73,7 @@ def test_a_flipped_byte_is_caught_and_the_release_rebuilt(prefect, template_run,
     assert again.status == "published"  # not "already_published": the damage was seen and rebuilt
     assert read_manifest(release).attempt != attempt
     assert stepmerge(["verify", release]) == 0
+    assert_release_of_step(release, template_run, 1)
 
 
 def test_verify_releases_flow_names_and_unmarks_damaged_releases(prefect, template_run, tmp_path):
@@ -76,6 +81,8 @@ def test_verify_releases_flow_names_and_unmarks_damaged_releases(prefect, templa
     copy_steps(template_run, root, [1, 2])
     good, bad = (merge_step(**_params(root, tmp_path, step)).releases[0].url for step in (1, 2))
     assert verify_releases(f"{root}/releases").damaged == []
+    for release, step in ((good, 1), (bad, 2)):
+        assert_release_of_step(release, template_run, step)
 
     _flip_one_byte(storage.join(bad, "config.json"))
     state = verify_releases(f"{root}/releases", return_state=True)

@@ -2,7 +2,8 @@
 
 A tiny flow chains discover -> check -> merge -> validate -> publish on a copy of a real 2-rank
 FSDP step. Checked: the records (and the result files Prefect writes for them) are small and hold
-no tensor; the release is verified byte for byte; a second run is all cache hits and reads no
+no tensor; the release is verified byte for byte and holds the step's own weights and logits (judged from
+outside stepmerge, `tests.release_checks`); a second run is all cache hits and reads no
 checkpoint byte; with the cache lost but the release in place, nothing is merged again; results
 can live in S3.
 """
@@ -26,6 +27,7 @@ from tasks.build import BuildSpec
 from tasks.cache import stage_cache_policy
 from tasks.records import SETTINGS_RECORDS
 from tests.fixtures_pipeline import copy_steps
+from tests.release_checks import assert_release_of_step
 
 STAGES = ("check", "merge", "validate", "publish")
 
@@ -60,6 +62,7 @@ def test_records_are_small_and_the_release_is_whole(prefect, template_run, tmp_p
     release = out["publish"][1]
     assert release.url == release_url(releases, "actor", 1) and not release.already_published
     assert verify_folder(release.url).ok
+    assert_release_of_step(release.url, template_run, 1)
     manifest = read_manifest(release.url)
     assert manifest.fingerprint == out["merge"][1].fingerprint
     assert manifest.source == str(tmp_path / "run" / "global_step_1" / "actor")
@@ -140,6 +143,7 @@ def test_the_deep_check_runs_once_per_merge(prefect, template_run, tmp_path, mon
     copy_steps(template_run, run_root, [1])
     out = chain(run_root, 1, str(tmp_path / "releases"), str(tmp_path / "staging"))
     assert out["merge"][0] == "Completed" and verify_folder(out["publish"][1].url).ok
+    assert_release_of_step(out["publish"][1].url, template_run, 1)
     assert calls == [(str(tmp_path / "run" / "global_step_1" / "actor"), True)]
 
 
