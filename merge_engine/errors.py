@@ -166,6 +166,13 @@ class BaseModelRequired(InvalidOption):
     base fails the same way, so a watcher must not submit it again."""
 
 
+class InvalidDevice(InvalidOption):
+    """A ``--device`` (a flow's ``device``) that names no torch device (``gpu9``), or one this machine's torch
+    cannot use: ``cuda`` with a CPU-only build of torch or no CUDA device visible, ``cuda:3`` on a machine
+    with fewer GPUs. Raised before anything is read or written (`merge_engine.devices.resolve_device`);
+    ``path``: the device name as given."""
+
+
 class RayClusterUnreachable(InvalidOption):
     """The ``--ray-address`` (``ray_address``) names no live Ray cluster: nothing answers there within a few
     seconds, or what answers is not Ray (`merge_engine.output.executors.ray_address`). ``path``: the address."""

@@ -283,9 +283,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("staging_root", "url", form="Local folder for staging merges; empty: $STEPMERGE_STAGING_DIR or the temp dir",
            flows=FLOWS),
     Option("check_trained", "bool", False, CHECK_TRAINED_HELP, {"merge": "", "extract-lora": ""}),
-    Option("device", "text", None, "SVD: torch device (default: cuda when available, else cpu)",
-           {"extract-lora": "", "merge-lora": "SVD device (default: cuda when available, else cpu)",
-            "check-trained": "torch device of the forward passes (default: cuda when available)"},
+    Option("device", "text", None, "SVD: torch device, cpu, cuda, cuda:N or auto (default auto: cuda when this torch "
+           "sees a GPU, else cpu)",
+           {"extract-lora": "", "merge-lora": "SVD device: cpu, cuda, cuda:N or auto (default: cuda when available)",
+            "check-trained": "torch device of the forward passes: cpu, cuda, cuda:N or auto (default: cuda when "
+                             "available)"},
            field="device", settings={"validation": ""}),
     Option("workers", "count", None, "threads writing on this machine, shared out between the output files and their "
            "byte ranges, so a one-file model uses them all (default: one per core)", _each(RUNS),

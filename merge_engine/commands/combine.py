@@ -300,6 +300,8 @@ def check_merge_lora_options(base_url: str | None, adapter_urls: Sequence[str], 
             raise InvalidOption("--rank / --energy re-factor an adapter: use them with --output adapter")
     elif options.rank is not None or options.energy is not None:
         check_targets(options.rank, options.energy)
+    if options.device is not None:
+        svd_device(options.device)  # a device this machine cannot use fails before anything is read
     if options.lora_alpha is not None and len(options.lora_alpha) != len(adapter_urls):
         raise AdapterError(f"{len(options.lora_alpha)} --lora-alpha values for {len(adapter_urls)} adapters")
     parse_dtype(options.dtype)

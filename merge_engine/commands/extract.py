@@ -20,6 +20,7 @@ and so is every other tensor the fine-tune changed (an adapter does not carry th
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -54,7 +55,8 @@ from merge_engine.lora.hub_names import ExportedAdapter, check_exported_fits, ex
 from merge_engine.lora.keys import LORA_A, LORA_B, adapter_file_key, parse_key
 from merge_engine.lora.peft_settings import check_adapter_loads
 from merge_engine.lora.sources import RenamedSource
-from merge_engine.lora.svd import Factors, ModuleReport, check_targets, factor_dense, svd_device
+from merge_engine.lora.svd import AUTO, Factors, ModuleReport, check_targets, svd_device
+from merge_engine.commands.svd_updates import factor_updates
 from merge_engine.commands.adapter_target import inputs_fingerprint, module_reports_json
 from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, parse_dtype
 from merge_engine.plan.output_heads import check_dropped_head
@@ -335,9 +337,13 @@ def changed_tensors(base: TensorSource, tuned: TensorSource, names: Sequence[str
     return changed
 
 
+SVD_REVISION = 2  # the factoring's revision (2: randomized SVD where it serves): other factors, same errors
+
+
 def svd_extract_fingerprint(base_url: str, finetuned_url: str, options: OutputOptions) -> str:
-    """The cache key of an SVD extraction: both folders' listings, the options, the engine version."""
-    return inputs_fingerprint({"base": base_url, "finetuned": finetuned_url},
+    """The cache key of an SVD extraction: both folders' listings, the options, the engine version and
+    the factoring's revision (`SVD_REVISION`)."""
+    return inputs_fingerprint({"base": base_url, "finetuned": finetuned_url}, svd_revision=SVD_REVISION,
                               **options.output_options("extract-lora --finetuned"))
 
 
@@ -348,7 +354,9 @@ class SvdExtractJob:
 
     ``base_url``: a Hugging Face folder. ``source_url`` (the fine-tune): a Hugging Face folder or any
     checkpoint whose tensors carry Hugging Face names (a verl FSDP checkpoint: no merge needed first).
-    One module's two weights and its update are in memory at a time, plus the factors found so far.
+    Updates are read ahead and factored in batches of one shape (`merge_engine.commands.svd_updates`: a few
+    updates read ahead plus one batch per shape in memory, and the factors found so far). ``svd_method``:
+    `merge_engine.lora.svd.METHODS` (``full``: every module by the full SVD, as before the randomized method).
     """
 
     base_url: str
@@ -356,11 +364,13 @@ class SvdExtractJob:
     target_url: str
     options: OutputOptions
     on_module: Callable[[ModuleReport], None] | None = None
+    svd_method: str = AUTO
     command = "extract-lora --finetuned"
     kind = "adapter"
 
     def fingerprint(self) -> str:
         check_targets(self.options.rank, self.options.energy)
+        svd_device(self.options.device)  # a device this machine cannot use fails before anything is read
         parse_dtype(self.options.dtype)
         return svd_extract_fingerprint(self.base_url, self.source_url, self.options)
 
@@ -398,20 +408,22 @@ class SvdExtractJob:
             raise AdapterError(f"{bad[0]} is {tuple(bm[bad[0]].shape)} in the base, {tuple(tm[bad[0]].shape)} in "
                                "the fine-tune", finetuned_url)
         device = svd_device(options.device)
-        table: dict[str, Factors] = {}
-        reports, unchanged = [], []
-        for module in modules:
+
+        def read_update(module: str) -> torch.Tensor | None:
             name = f"{module}.weight"
             delta = tuned.read(name).to(torch.float32) - base.read(name).to(torch.float32)
             finite_or_raise(delta, name, finetuned_url)
-            if not bool(delta.any()):
-                unchanged.append(module)
-                continue
-            table[module] = factor_dense(delta, rank=options.rank, energy=options.energy, device=device)
-            del delta
-            reports.append(ModuleReport(module, table[module].rank, table[module].relative_error))
-            if self.on_module:
-                self.on_module(reports[-1])
+            return delta if bool(delta.any()) else None
+
+        def on_factors(module: str, factors: Factors | None) -> None:
+            if factors is not None and self.on_module:
+                self.on_module(ModuleReport(module, factors.rank, factors.relative_error))
+
+        found = factor_updates(modules, read_update, rank=options.rank, energy=options.energy, device=device,
+                               method=self.svd_method, on_factors=on_factors)
+        table: dict[str, Factors] = {m: f for m, f in found.items() if f is not None}
+        unchanged = [m for m, f in found.items() if f is None]
+        reports = [ModuleReport(m, f.rank, f.relative_error) for m, f in table.items()]
         if not table:
             raise AdapterError("the fine-tuned model equals the base on every target module: nothing to extract",
                                finetuned_url)
@@ -439,6 +451,7 @@ class SvdExtractJob:
                          f"carry them): {listed}{' ...' if len(changed) > 5 else ''}")
         provenance = {"command": "extract-lora --finetuned", "base": base_url, "finetuned": finetuned_url,
                       "options": options.output_options(self.command), "device": str(device),
+                      "svd_methods": dict(Counter(f.method for f in table.values())),
                       "tensors": len(plan.tensors), "tensor_bytes": plan.total_size,
                       "svd": module_reports_json(reports), "notes": notes}
         output = shard_output(plan, tuned, then=lambda url: [write_adapter_config(url, adapter_json)])

@@ -38,7 +38,7 @@ from typing import Any, Optional
 from merge_engine import storage
 from merge_engine.errors import StepmergeError
 from merge_engine.validate.compare import LOGIT_TOLERANCE
-from merge_engine.validate.forward import default_device, loaded_model, logits_of, model_logits
+from merge_engine.validate.forward import checked_device, loaded_model, logits_of, model_logits
 from merge_engine.validate.report import Check, ValidationReport
 from merge_engine.validate.staging import local_folder
 from merge_engine.validate.structure import recorded_weights_format, validate_structure
@@ -171,7 +171,7 @@ def validate_adapter(adapter_url: str, *, fused_model_url: Optional[str] = None,
     if forward and has_base and all(c.ok for c in checks):
         import torch
 
-        device = device or default_device()
+        device = checked_device(device)
         with local_folder(adapter_url) as adapter_path:
             try:
                 peft_logits, base_logits = _peft_logits(f"{adapter_path}/{BASE_DIR}", adapter_path, device)

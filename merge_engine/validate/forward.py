@@ -5,7 +5,9 @@ token / sequence classification, image-text-to-text, masked LM; else ``AutoModel
 runs `fixed_token_ids` (the same ids for every model compared) and returns float32 logits on the
 CPU. `forward_check` uses them for a merged model (finite logits; with a reference, the logits
 compared within `LOGIT_TOLERANCE`), `merge_engine.validate.adapter` for PEFT(base + adapter) and
-the fused model. One model is in memory at a time; each is freed before the next loads.
+the fused model. The device is `checked_device` (cuda when this torch sees one; a device that cannot be
+used is `InvalidDevice` before anything loads). One model is on the device at a time; each is freed
+(`release_model`: its device memory handed back) before the next loads; logits are compared on the CPU.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from merge_engine.devices import resolve_device
 from merge_engine.validate.compare import LOGIT_TOLERANCE
 from merge_engine.validate.report import Check, ValidationReport
 from merge_engine.validate.staging import local_folder
@@ -24,9 +27,27 @@ FORWARD_SEQ_LEN = 16
 
 
 def default_device() -> str:
+    """cuda when this torch sees a CUDA device, else cpu."""
+    return str(resolve_device(None))
+
+
+def checked_device(device: str | None) -> str:
+    """``device`` checked (`merge_engine.devices.resolve_device`; None or ``auto``: `default_device`)."""
+    return str(resolve_device(device))
+
+
+def release_model(model: Any) -> None:
+    """Hand back the device memory of ``model`` now, even while a caller still holds the module: a model
+    on a GPU is moved to the ``meta`` device (no storage), then the allocator's cache is emptied."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    on_gpu = any(p.device.type == "cuda" for p in model.parameters())
+    if on_gpu:
+        with contextlib.suppress(Exception):  # a module that refuses the move is freed by reference count
+            model.to("meta")
+    gc.collect()
+    if on_gpu:
+        torch.cuda.empty_cache()
 
 
 def fixed_token_ids(vocab_size: int, length: int = FORWARD_SEQ_LEN) -> list[int]:
@@ -69,10 +90,9 @@ def model_class(config: Any) -> tuple[Any, bool]:
 @contextlib.contextmanager
 def loaded_model(local_path: str, device: str, *, dtype: Any = "auto",
                  trust_remote_code: bool = False) -> Iterator[tuple[Any, Any]]:
-    """(model in eval mode on ``device``, its config); the model is freed on exit.
+    """(model in eval mode on ``device``, its config); the model is freed on exit (`release_model`).
 
     ``dtype``: "auto" (as stored) or a torch dtype to compute in."""
-    import torch
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(local_path, trust_remote_code=trust_remote_code)
@@ -82,10 +102,8 @@ def loaded_model(local_path: str, device: str, *, dtype: Any = "auto",
         model.to(device).eval()
         yield model, config
     finally:
+        release_model(model)
         del model
-        gc.collect()
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
 
 
 def logits_of(model: Any, config: Any, device: str) -> Any:
@@ -114,7 +132,7 @@ def forward_check(model_url: str, reference_url: str | None = None, device: str 
     One model is in memory at a time."""
     import torch
 
-    device = device or default_device()
+    device = checked_device(device)
     checks: list[Check] = []
     with local_folder(model_url) as path:
         started = time.perf_counter()

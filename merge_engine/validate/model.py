@@ -6,7 +6,7 @@ import contextlib
 
 from merge_engine import storage
 from merge_engine.validate.compare import LOGIT_TOLERANCE, WEIGHT_TOLERANCE, compare_to_reference
-from merge_engine.validate.forward import forward_check
+from merge_engine.validate.forward import checked_device, forward_check
 from merge_engine.validate.report import ValidationReport
 from merge_engine.validate.staging import local_folder
 from merge_engine.validate.structure import validate_structure
@@ -25,6 +25,8 @@ def validate_model(model_url: str, reference_url: str | None = None, *, forward:
     A remote folder is staged once into a temp dir when a forward pass needs it, and every check
     then reads the staged copy; the report names the original URLs.
     """
+    if forward:
+        device = checked_device(device)  # a device this machine cannot use fails before anything is read
     with contextlib.ExitStack() as stack:
         model_path, reference_path = model_url, reference_url
         if forward and not storage.is_local(model_url):

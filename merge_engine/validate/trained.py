@@ -46,7 +46,6 @@ of the run's r/alpha FAILS (``trained_model``): the release could not be the tra
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import time
 from collections import Counter
@@ -60,7 +59,7 @@ from merge_engine.formats.hf_metadata import CONFIG_FILE
 from merge_engine.layouts import Checkpoint, check_checkpoint, open_checkpoint
 from merge_engine.validate.adapter import BASE_DIR, _folder_dtypes, _peft_logits, coarsest_dtype, compare_logits
 from merge_engine.validate.compare import LOGIT_TOLERANCE
-from merge_engine.validate.forward import default_device, logits_of, model_class
+from merge_engine.validate.forward import checked_device, logits_of, model_class, release_model
 from merge_engine.validate.report import Check, ValidationReport
 from merge_engine.validate.staging import local_folder
 
@@ -256,8 +255,6 @@ def rebuilt_model(checkpoint: Checkpoint, *, lora_alpha: float | None = None, co
 
     Raises `NotRebuildable` (report a skip), `NoTrainedConfig` (report a failure), or the named error of
     bad run metadata (`AdapterError`: alpha unknown or contradicted)."""
-    import torch
-
     from merge_engine.lora.checkpoint import read_run_metadata, resolve_alpha, split_checkpoint, task_type_of
     from merge_engine.lora.keys import PEFT_PREFIX
 
@@ -306,10 +303,8 @@ def rebuilt_model(checkpoint: Checkpoint, *, lora_alpha: float | None = None, co
                               "alpha_pattern": dict(peft_config.alpha_pattern or {})}}
         yield model, config, facts
     finally:
+        release_model(model)  # also when `trained_logits` moved it to a GPU
         del model
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 def _numel(shape: Any) -> int:
@@ -413,13 +408,15 @@ def check_against_trained(checkpoint: Checkpoint | str, *, fused_model_url: Opti
                           max_bytes: int | None = None, backend: str | None = None) -> ValidationReport:
     """Compare ``fused_model_url`` and/or ``adapter_url`` with PEFT's trained model of ``checkpoint``
     (a checked `Checkpoint` or its URL; see the module docstring). Never raises for bad content:
-    bad run metadata, a LoRA PEFT cannot have trained, or a mismatch are failed checks."""
+    bad run metadata, a LoRA PEFT cannot have trained, or a mismatch are failed checks. A ``device`` this
+    machine cannot use is `InvalidDevice`, raised first. The models run there one at a time; logits are
+    compared on the CPU."""
+    device = checked_device(device)
     if isinstance(checkpoint, str):
         checkpoint = check_checkpoint(checkpoint, backend)
     subject = fused_model_url or adapter_url or checkpoint.url
     compared = ([VS_FUSED] if fused_model_url else []) + ([VS_ADAPTER] if adapter_url else [])
     budget = memory_budget() if max_bytes is None else max_bytes
-    device = device or default_device()
     started = time.perf_counter()
     try:
         trained = trained_logits(checkpoint, device, lora_alpha=lora_alpha, config_url=config_url, max_bytes=budget)

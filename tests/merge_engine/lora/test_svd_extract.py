@@ -142,3 +142,70 @@ def test_cli_reports_the_error_of_each_module(tmp_path, tiny_base, finetuned, pe
     assert main(["extract-lora", "--base-model", tiny_base, "--finetuned", finetuned["with_norm"],
                  "--lora-alpha", "3", "--rank", "1", "--target-dir", str(tmp_path / "x")]) == 2
     assert "InvalidOption" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def medium_finetune(tmp_path_factory) -> dict[str, str]:
+    """A Qwen2 large enough for the randomized SVD (hidden 256, intermediate 512; k/v 128 x 256), and its fine-tune:
+    every linear weight + a rank-4 update + noise (a full fine-tune's update: low rank, not exactly)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    root = tmp_path_factory.mktemp("medium")
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(str(root / "base"))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith("proj.weight"):
+                out_features, in_features = weight.shape
+                weight += 0.02 * torch.randn(out_features, 4, generator=generator) @ torch.randn(
+                    4, in_features, generator=generator) / in_features ** 0.5
+                weight += 2e-4 * torch.randn(weight.shape, generator=generator)
+    model.save_pretrained(str(root / "tuned"))
+    return {"base": str(root / "base"), "tuned": str(root / "tuned")}
+
+
+def test_the_randomized_svd_keeps_the_full_svds_ranks_and_errors(tmp_path, medium_finetune):
+    """Every module factored by the randomized SVD has the rank and (within 1e-3) the relative error of the
+    full SVD (the factoring before it: ``svd_method="full"``), and the error reported is that of the files."""
+    from merge_engine.commands.extract import SvdExtractJob
+    from merge_engine.output.jobs import run_job
+
+    base, tuned = medium_finetune["base"], medium_finetune["tuned"]
+    fast = extract_lora_svd(base, tuned, str(tmp_path / "fast"), SvdExtractOptions(rank=8))
+    full = run_job(SvdExtractJob(base, tuned, str(tmp_path / "full"), SvdExtractOptions(rank=8), svd_method="full"))
+    assert len(fast.modules) == 14
+    provenance = json.load(open(tmp_path / "fast" / "stepmerge.json"))
+    assert provenance["svd_methods"] == {"randomized": 14}
+    assert json.load(open(tmp_path / "full" / "stepmerge.json"))["svd_methods"] == {"full": 14}
+    exact = {r.module: r for r in full.modules}
+    base_weights = load_file(os.path.join(base, "model.safetensors"))
+    tuned_weights = load_file(os.path.join(tuned, "model.safetensors"))
+    adapter = load_file(str(tmp_path / "fast" / "adapter_model.safetensors"))
+    for report in fast.modules:
+        assert report.rank == exact[report.module].rank == 8
+        assert abs(report.relative_error - exact[report.module].relative_error) <= 1e-3
+        delta = (tuned_weights[f"{report.module}.weight"] - base_weights[f"{report.module}.weight"]).double()
+        a = adapter[f"base_model.model.{report.module}.lora_A.weight"].double()
+        b = adapter[f"base_model.model.{report.module}.lora_B.weight"].double()
+        assert float(torch.linalg.norm(delta - b @ a) / torch.linalg.norm(delta)) == pytest.approx(
+            report.relative_error, abs=1e-5)
+    peft_logits(base, str(tmp_path / "fast"))  # PEFT loads it
+
+
+def test_a_device_this_machine_cannot_use_is_a_named_error_before_anything_is_read(tmp_path, capsys):
+    """``--device gpu9`` (no such device), and ``--device cuda`` with a CPU-only torch: one line, exit 2."""
+    from merge_engine.cli import main
+
+    names = ["gpu9"] + (["cuda"] if torch.version.cuda is None else [])
+    for name in names:
+        assert main(["extract-lora", "--base-model", str(tmp_path / "missing"), "--finetuned",
+                     str(tmp_path / "missing2"), "--rank", "8", "--target-dir", str(tmp_path / "out"),
+                     "--device", name]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("stepmerge: error: InvalidDevice: --device") and err.count("\n") == 1, err
+        assert "CPU-only" in err if name == "cuda" else "not a torch device" in err
+    assert not os.path.exists(tmp_path / "out")
