@@ -26,7 +26,9 @@ Contract:
 - Faults: when a part's fetch failed, came back short or was cancelled, the bytes a read wants
   from it are read again by ``fetch_again(start, end)`` (the caller's retried read, which names a
   truncated file); a part fetched ahead but never read never raises.
-- Thread-safe; `close()` cancels what is in flight and returns the budget.
+- Thread-safe; `close()` cancels what is in flight and returns the budget. A window collected without
+  `close()` hands its parts to the budget, which gives them back at its next locked step: a collection
+  may run inside this very thread's locked section, so a finalizer never takes the lock.
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ class _Budget:
         self.holders = 0
         self.clock = 0
         self.windows: weakref.WeakSet[ReadAhead] = weakref.WeakSet()
+        self.orphans: deque[list[_Stream]] = deque()  # streams of windows collected unclosed
+
+    def reap(self) -> None:
+        """Give back the parts of windows collected without `ReadAhead.close` (the lock held)."""
+        while self.orphans:
+            for stream in self.orphans.popleft():
+                ReadAhead.drop_all(stream)
 
     def share(self, part: int) -> int:
         """Parts one stream may hold: an equal share of the budget between the streams holding parts
@@ -92,7 +101,9 @@ _BUDGET = _Budget()
 
 def budget_in_use() -> int:
     """Read-ahead bytes held now by every window of this process (tests: 0 once readers are closed)."""
-    return _BUDGET.used
+    with _BUDGET.lock:
+        _BUDGET.reap()
+        return _BUDGET.used
 
 
 @dataclass
@@ -136,6 +147,7 @@ class ReadAhead:
     def read(self, offset: int, out: memoryview) -> int:
         end = min(offset + len(out), self.size)
         with _BUDGET.lock:
+            _BUDGET.reap()
             serving = self._plan_read(offset, end)
         filled = 0
         for part in serving:
@@ -215,11 +227,12 @@ class ReadAhead:
         part.future.cancel()
         _BUDGET.used -= part.end - part.start
 
-    def drop_all(self, stream: _Stream) -> None:
+    @staticmethod
+    def drop_all(stream: _Stream) -> None:
         """Give back every part of ``stream`` (the budget's lock held)."""
         while stream.parts:
-            self._drop(stream.parts.popleft())
-        self._account(stream, False)
+            ReadAhead._drop(stream.parts.popleft())
+        ReadAhead._account(stream, False)
 
     @staticmethod
     def _result(part: _Part) -> bytes | bytearray | Body | None:
@@ -234,14 +247,16 @@ class ReadAhead:
 
     def close(self) -> None:
         with _BUDGET.lock:
+            _BUDGET.reap()
             self._closed = True
             for stream in self.streams:
                 self.drop_all(stream)
             self.streams.clear()
             _BUDGET.windows.discard(self)
 
-    def __del__(self) -> None:  # a reader never closed gives its budget back when it goes
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+    def __del__(self) -> None:
+        # a reader never closed gives its budget back when it goes, through the budget's next locked step:
+        # never the lock here (a collection can run inside a locked section of this thread: a deadlock)
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            _BUDGET.orphans.append(self.streams)

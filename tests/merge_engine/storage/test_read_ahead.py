@@ -4,7 +4,8 @@ Specification:
 - reads that move forward (small and large, with the small gaps of zip record headers) come back
   byte-exact from S3 and GCS, and are served by parts fetched ahead: far fewer GETs than reads;
 - a reader that jumps around fetches nothing ahead (no GET for bytes it does not read);
-- the parts held never exceed the process-wide budget, and closing a reader returns its budget;
+- the parts held never exceed the process-wide budget, and closing a reader returns its budget; a reader
+  never closed returns it when collected, even by a collection inside this thread's locked step (no deadlock);
 - a part whose fetch fails is fetched again with the storage layer's retries (bytes still exact);
   a file shorter than its listing is still `IncompleteCheckpoint` when the reader reaches the gap.
 """
@@ -192,4 +193,35 @@ class TestWindows:
             assert bytes(out[:n]) == data[offset:offset + n]
             offset += n
         ahead.close()
+        assert read_ahead.budget_in_use() == 0
+
+    def test_a_window_collected_inside_a_locked_step_of_this_thread_gives_its_parts_back(self, small_parts):
+        """The garbage collector can finalize an unclosed window at any allocation, also while this thread
+        holds the budget's lock (it did inside another window's read, comparing tensors from S3): the
+        finalizer must not wait for that lock. Its parts go back at the budget's next locked step."""
+        import gc
+
+        data = patterned_bytes(SIZE, seed=9)
+
+        def fetch(start: int, end: int) -> Future:
+            future: Future = Future()
+            future.set_result(data[start:end])
+            return future
+
+        ahead = read_ahead.ReadAhead(SIZE, fetch, lambda start, end: data[start:end])
+        ahead.read(0, memoryview(bytearray(100)))
+        ahead.read(100, memoryview(bytearray(1000)))
+        assert read_ahead.budget_in_use() > 0
+        finished = threading.Event()
+
+        def collect_under_the_lock():
+            nonlocal ahead
+            with read_ahead._BUDGET.lock:
+                ahead = None  # the last reference: finalized here, the lock held by this very thread
+                gc.collect()
+            finished.set()
+
+        worker = threading.Thread(target=collect_under_the_lock, daemon=True)
+        worker.start()
+        assert finished.wait(60), "the finalizer waited for the budget's lock its own thread holds"
         assert read_ahead.budget_in_use() == 0
