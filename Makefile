@@ -8,7 +8,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: demo test install clean deploy ui-check bench
+.PHONY: demo test compat install clean deploy ui-check bench
 
 $(VENV)/.runtime: pyproject.toml constraints.txt
 	@echo "== creating $(VENV) and installing stepmerge (first time: torch's CPU wheel and Prefect, a few minutes)"
@@ -36,6 +36,12 @@ demo-s3: $(VENV)/.test
 test: $(VENV)/.test
 	$(PY) -m tests.readers_env
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The compatibility matrix (tests/compat_matrix.py): stepmerge itself run in transformers 4.57 / 5.5.3 / 5.10 / 5.17
+# environments and the newest (.venv) on checkpoints each writes; the environments are cached per machine (keyed by
+# their pins, torch shared with .venv). About 6 min on 2 cores, 1-2 more the first time. CI runs it after `test`.
+compat: $(VENV)/.test
+	$(PY) -m tests.compat_matrix
 
 # Every figure of the performance goals measured in one run, as ratios, with the load average (benchmarks/all.py;
 # docs/scaling.md). First time: writes a 2.5 GB checkpoint and verl 0.9.1's venv under .bench/ (minutes).

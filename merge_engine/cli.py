@@ -425,6 +425,11 @@ SUBCOMMANDS: Commands = {
 }
 
 
+# the commands that read models with transformers / peft: refused at start unless the installed pair is a tested
+# one (`merge_engine.versions`, read from package metadata); check, discover and verify need neither
+NEEDS_TRANSFORMERS = frozenset({"merge", "test", "extract-lora", "merge-lora", "split", "check-trained"})
+
+
 def build_parser(commands: Commands = SUBCOMMANDS) -> argparse.ArgumentParser:
     """The parser of ``commands`` (name -> (help, add its arguments and ``run``)); by default the engine's."""
     from merge_engine import __version__
@@ -461,6 +466,10 @@ def main(argv: Sequence[str] | None = None, commands: Commands = SUBCOMMANDS) ->
     started = time.perf_counter()
     with interrupts.handling_signals():
         try:
+            if args.command in NEEDS_TRANSFORMERS:
+                from merge_engine.versions import require_tested_versions
+
+                require_tested_versions()
             return args.run(args)
         except StepmergeError as exc:
             sys.stdout.flush()  # what was printed before the error comes before it, even through one pipe

@@ -193,3 +193,11 @@ class RunRootNotFound(StepmergeError):
 
 class StepNotFound(StepmergeError):
     """The run root holds no checkpoint for the requested step and role (the message lists those it has)."""
+
+
+class UnsupportedVersions(StepmergeError):
+    """The installed transformers / peft are not a pair stepmerge is tested with (`merge_engine.versions`):
+    the message names the installed versions and the tested ranges. Exit code 1, as for a fault of the machine:
+    nothing is wrong with the input, and the same command runs once a tested pair is installed."""
+
+    exit_code = 1

@@ -41,6 +41,7 @@ from prefect import task
 from merge_engine.output.executors import executor_at
 from merge_engine.output.jobs import OutputJob, run_job
 from merge_engine.release.built import BuiltOutput
+from merge_engine.versions import require_tested_versions
 from merge_engine.release.state import (
     ADAPTER,
     MODEL,
@@ -126,6 +127,7 @@ def build_output(spec: BuildSpec, release: str, staging_root: Optional[str] = No
                                   settings=spec.settings.model_dump(include=RECORDED_SETTINGS))
     if found is not None:
         return found
+    require_tested_versions()  # a worker with an untested transformers / peft fails here, in one line, not retried
     target = staging_url(staging_root, release, fingerprint)
     sweep_stale_staging(staging_root, keep=target)
     progress = ProgressArtifact(release_artifact_key("progress", release), progress_title(spec, release))

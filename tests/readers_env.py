@@ -14,6 +14,8 @@ Contract:
   renamed into place once every pinned package's requirements are met (checked with
   ``importlib.metadata`` inside it): a half-built environment is never used. `ReadersEnvError`
   carries pip's or the check's output when the build fails.
+- `pinned_python(name, pins)`: the same for any pins (`tests.compat_matrix`'s environments), under
+  ``<name>-<digest>``; pip runs with ``-c constraints.txt`` and ``--no-deps``, so torch is never installed there.
 - ``python -m tests.readers_env`` builds it (``make test`` runs this first) and prints where and how long.
 """
 
@@ -31,7 +33,8 @@ from pathlib import Path
 
 PINS = ("transformers==4.57.6", "peft==0.17.1", "tokenizers==0.22.2", "huggingface_hub==0.36.2")
 READY = ".stepmerge-readers-ready"
-MAIN_PTH = "zz_stepmerge_main_env.pth"  # after the pinned packages in sys.path (site reads .pth files in order)
+MAIN_PTH = "zz_stepmerge_main_env.pth"
+CONSTRAINTS = Path(__file__).resolve().parents[1] / "constraints.txt"  # the CPU torch pin: never a CUDA build  # after the pinned packages in sys.path (site reads .pth files in order)
 
 # Run inside the new environment: every requirement of the pinned distributions is met there.
 _CHECK = r"""
@@ -68,10 +71,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stepmerge"
 
 
-def env_dir() -> Path:
+def env_dir(name: str = "readers", pins: tuple[str, ...] = PINS) -> Path:
+    """The cache folder of the environment ``name`` holding ``pins`` (keyed by them, the Python and the main
+    environment)."""
     main_site = sysconfig.get_paths()["purelib"]
-    key = "\n".join((*PINS, sys.version, main_site))
-    return cache_root() / f"readers-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    key = "\n".join((*pins, sys.version, main_site))
+    return cache_root() / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def _python(folder: Path) -> Path:
@@ -86,19 +91,25 @@ def _run(command: list[str], what: str) -> str:
     return done.stdout
 
 
-def _build(folder: Path) -> None:
+def _build(folder: Path, pins: tuple[str, ...]) -> None:
     _run([sys.executable, "-m", "venv", "--without-pip", str(folder)], "creating the venv")
     site = Path(_run([str(_python(folder)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                      "locating its site-packages").strip())
     _run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-          "--no-compile", "--target", str(site), *PINS], "pip install " + " ".join(PINS))
+          "--no-compile", "-c", str(CONSTRAINTS), "--target", str(site), *pins], "pip install " + " ".join(pins))
     (site / MAIN_PTH).write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _run([str(_python(folder)), "-c", _CHECK, *PINS], "checking the pinned packages' requirements")
+    _run([str(_python(folder)), "-c", _CHECK, *pins], "checking the pinned packages' requirements")
 
 
 def readers_python() -> Path:
     """The readers' interpreter (see the module docstring), built on first use."""
-    folder = env_dir()
+    return pinned_python("readers", PINS)
+
+
+def pinned_python(name: str, pins: tuple[str, ...]) -> Path:
+    """The interpreter of the environment ``name`` with ``pins`` over the main one (the module docstring's
+    contract, for any pins), built on first use."""
+    folder = env_dir(name, pins)
     if (folder / READY).exists():
         return _python(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -109,14 +120,14 @@ def readers_python() -> Path:
         staging = folder.parent / (folder.name + f".building-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            _build(staging)
+            _build(staging, pins)
             # venv scripts name their folder: build at the final path's sibling, then move the whole tree
             shutil.rmtree(folder, ignore_errors=True)
             staging.rename(folder)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        (folder / READY).write_text("\n".join(PINS) + "\n")
+        (folder / READY).write_text("\n".join(pins) + "\n")
     return _python(folder)
 
 

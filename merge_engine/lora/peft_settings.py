@@ -105,7 +105,7 @@ def _peft_layers(config_json: str, lora_json: str) -> tuple[tuple[tuple[str, Mod
         wrapped = peft.get_peft_model(model, config, low_cpu_mem_usage=True)
     resolved = wrapped.peft_config["default"]
     patterns = {"rank_pattern": dict(resolved.rank_pattern or {}), "alpha_pattern": dict(resolved.alpha_pattern or {}),
-                "target_parameters": _jsonable(resolved.target_parameters or [])}
+                "target_parameters": _jsonable(getattr(resolved, "target_parameters", None) or [])}
     layers = []
     from peft.tuners.lora import LoraLayer
 

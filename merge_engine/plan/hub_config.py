@@ -31,6 +31,12 @@ Contract:
      sub-config) gets the top-level ``tie_word_embeddings`` copied into it, where 4.x's
      ``tie_weights`` reads it (5.x reads the top one). This is the one rule transformers 5 does not
      state in a class, hence written here.
+- Under a transformers 4.x (its classes have no ``convert_rope_params_to_dict``: a config in the 5.x
+  spelling, e.g. from a trainer on transformers 5), rule 2 is read from the 4.x class itself
+  (`legacy_rope_spelling`: each ``rope_parameters`` entry its constructor takes by name, ``rope_scaling``
+  the rest), and each change's ``source`` names that transformers version; the read-alike check then
+  covers the keys not added. A family whose 5.x class renames rope keys (GPT-NeoX's ``rotary_pct``) gets
+  only the keys its 4.x class takes by the 5.x name.
 - A config transformers cannot build (a model type it does not know, remote code) is returned as it
   is, with no change; ``unread`` says why (and the plan's note).
 """
@@ -82,6 +88,12 @@ class HubConfig:
         if not self.changes:
             return "config.json: already in the Hub form (nothing to add for transformers 4.x readers)"
         return "config.json: keys added for transformers 4.x readers: " + ", ".join(c.key for c in self.changes)
+
+
+def _installed_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _plain(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -194,14 +206,39 @@ def _is_default_rope(rest: Mapping[str, Any], default_type: str) -> bool:
     return set(rest) <= {"rope_type"} and rest.get("rope_type", default_type) == default_type
 
 
+def _nested_rope_keys(cfg: Any, params: Mapping[str, Any]) -> list[str]:
+    """The keys ``rope_parameters`` is nested under (one dict per layer type), [] for a flat dict: the config's
+    own ``nested_rope_parameter_keys`` where this transformers has it (5.18+), else its rule applied here
+    (an entry named as one of the config's rope labels or layer types is a nested one)."""
+    method = getattr(cfg, "nested_rope_parameter_keys", None)
+    if callable(method):
+        return list(method(params))
+    labels = getattr(cfg, "_rope_type_labels", None) or getattr(cfg, "layer_types", None) or ()
+    return [key for key in params if key in labels]
+
+
+def legacy_rope_spelling(cfg: Any, params: Mapping[str, Any]) -> RopeSpelling:
+    """How a transformers 4.x config class (no ``convert_rope_params_to_dict``) reads the rope settings: each
+    ``rope_parameters`` entry its constructor takes under the same name (``rope_theta``,
+    ``partial_rotary_factor``), and ``rope_scaling`` for the rest when it takes one."""
+    fields = _fields(type(cfg))
+    keys = {entry: entry for entry in params if entry != "rope_type" and entry in fields}
+    return RopeSpelling(keys, "rope_scaling" if "rope_scaling" in fields else None)
+
+
 def _rope_changes(cfg: Any, scope: dict[str, Any], prefix: str) -> Iterator[ConfigChange]:
     params = scope.get(ROPE_PARAMETERS)
-    if not isinstance(params, dict) or not params or not hasattr(cfg, ROPE_METHOD):
+    if not isinstance(params, dict) or not params:
         return
-    if cfg.nested_rope_parameter_keys(params):
+    if _nested_rope_keys(cfg, params):
         return  # per layer type: no 4.x form
-    spelling = rope_spelling(cfg)
-    source = f"{type(cfg).__name__}.{ROPE_METHOD}"
+    if hasattr(cfg, ROPE_METHOD):
+        spelling = rope_spelling(cfg)
+        source = f"{type(cfg).__name__}.{ROPE_METHOD}"
+    else:  # the installed transformers is a 4.x: its own class says which keys it reads
+        spelling = legacy_rope_spelling(cfg, params)
+        source = f"transformers {_installed_version()} {type(cfg).__name__}.__init__ (no {ROPE_METHOD})"
+        scope = {}  # its in-memory values are its own defaults, not the stored ones: compared with the stored config
     used = set()
     for legacy, entry in spelling.keys.items():
         if entry in params:
@@ -297,6 +334,8 @@ def hub_config(config: Mapping[str, Any]) -> HubConfig:
     result = copy.deepcopy(stored)
     for change in changes:
         _apply(result, change)
+    if not hasattr(cfg, ROPE_METHOD):  # a 4.x reads the added keys (that is their point): the rest must be read alike
+        mirrored |= {change.key for change in changes}
     _check_read_alike(cfg, result, mirrored)
     top = {change.key.split(".")[0] for change in changes}
     return HubConfig({key: result[key] for key in sorted(top)}, tuple(changes))

@@ -122,6 +122,8 @@ def conversion_known(config: Mapping[str, Any]) -> bool:
     """Cheap test, before building any model: does transformers convert names for this config?
     Answered without importing ``transformers.conversion_mapping`` (0.6-0.9 s of imports) when the
     table's source lists none of the config's model types and classes (`conversion_table_keys`)."""
+    if not has_conversion_mapping():
+        return False  # transformers 4.x: the Hub's names are the model's own, nothing to convert
     keys = list(config.get("architectures") or [])
     scopes = [config] + [v for v in config.values() if isinstance(v, Mapping) and "model_type" in v]
     keys += [s.get("model_type") for s in scopes if s.get("model_type")]
@@ -138,6 +140,23 @@ _TABLE_FUNCTION = "_build_checkpoint_conversion_mapping"
 _ALIASES = "_MODEL_TO_CONVERSION_PATTERN"
 
 
+def _transformers_file(name: str) -> pathlib.Path | None:
+    """``name`` inside the installed transformers package (found without importing it), None without one."""
+    spec = importlib.util.find_spec("transformers")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    return pathlib.Path(roots[0], name) if roots else None
+
+
+@functools.lru_cache(maxsize=1)
+def has_conversion_mapping() -> bool:
+    """Whether the installed transformers converts weight names at load time at all (5.x has
+    ``transformers.conversion_mapping``; 4.x has none: its models hold the Hub's names). Nothing imported."""
+    if CONVERSION_MODULE in sys.modules:
+        return True
+    path = _transformers_file("conversion_mapping.py")
+    return path is not None and (path.is_file() or path.with_suffix("").is_dir())
+
+
 @functools.lru_cache(maxsize=1)
 def conversion_table_keys() -> frozenset[str] | None:
     """Every model type and class name transformers' checkpoint conversion table may hold an entry for,
@@ -147,9 +166,8 @@ def conversion_table_keys() -> frozenset[str] | None:
     the real keys. None (the caller imports the module and asks it) when the source does anything this
     reader does not follow: a computed key, ``mapping`` passed on, rebound or mutated by a method."""
     try:
-        spec = importlib.util.find_spec("transformers")
-        roots = list(spec.submodule_search_locations or []) if spec else []
-        source = pathlib.Path(roots[0], "conversion_mapping.py").read_text(encoding="utf-8") if roots else None
+        path = _transformers_file("conversion_mapping.py")
+        source = path.read_text(encoding="utf-8") if path is not None else None
         return _table_keys(ast.parse(source)) if source is not None else None
     except (OSError, SyntaxError, ValueError, ImportError):
         return None

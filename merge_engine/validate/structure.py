@@ -74,8 +74,10 @@ def _in_hub_layout(model: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, 
     tensor transformers transposes on load only when its shape asks: Qwen3-VL-MoE's fused experts),
     as stepmerge writes them (`merge_engine.plan.transformers_conversion`)."""
     from merge_engine.errors import UnsupportedLayout
-    from merge_engine.plan.transformers_conversion import trace_reverse_conversion
+    from merge_engine.plan.transformers_conversion import has_conversion_mapping, trace_reverse_conversion
 
+    if not has_conversion_mapping():
+        return shapes  # transformers 4.x: the model holds the Hub's names and layout
     memory = {key: tuple(value.shape) for key, value in model.state_dict().items()}
     try:
         views = trace_reverse_conversion(model, memory)
