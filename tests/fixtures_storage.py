@@ -9,6 +9,10 @@ Fixtures:
   ``s3://bucket-1f2e3d4c5b6a``, with the server's environment applied.
 - ``storage_root`` (function, parametrized ``local`` / ``file`` / ``s3`` / ``gs``): an empty
   folder URL on each backend in turn; a test taking it runs four times.
+- ``root_url`` (function, parametrized ``local`` / ``memory`` / ``s3`` / ``gs``): a fresh, empty root
+  URL on every backend the product serves (a plain path, fsspec's in-process ``memory://``, a
+  SeaweedFS bucket, a fake-gcs-server bucket); the storage-sensitive unit tests (discovery, publish,
+  release state, validation) take it.
 - ``s3_fault_proxy`` / ``gcs_fault_proxy`` (function): a `FaultProxy` in front of the session's
   server, with the environment pointing `merge_engine.storage` through it for this test and
   ``STEPMERGE_STORAGE_TIMEOUT=1`` so that a stall is noticed within a second (not botocore's 60 s).
@@ -27,6 +31,7 @@ from tests.fault_proxy import FaultProxy
 from tests.servers import FakeGcsServer, SeaweedS3Server
 
 STORAGE_BACKENDS = ("local", "file", "s3", "gs")
+ROOT_BACKENDS = ("local", "memory", "s3", "gs")
 
 
 def fresh_bucket_name() -> str:
@@ -47,7 +52,9 @@ def gcs_server() -> Iterator[FakeGcsServer]:
         storage.clear_filesystems()
 
 
-def _apply(monkeypatch: pytest.MonkeyPatch, server: SeaweedS3Server | FakeGcsServer) -> None:
+def apply_server_env(monkeypatch: pytest.MonkeyPatch, server: SeaweedS3Server | FakeGcsServer) -> None:
+    """Point `merge_engine.storage` (and any client built from the environment) at ``server``, through
+    ``monkeypatch`` (a module-scoped fixture passes its own ``pytest.MonkeyPatch.context()``)."""
     for key in server.unset_env():
         monkeypatch.delenv(key, raising=False)
     for key, value in server.env().items():
@@ -56,13 +63,13 @@ def _apply(monkeypatch: pytest.MonkeyPatch, server: SeaweedS3Server | FakeGcsSer
 
 @pytest.fixture
 def s3_env(s3_server: SeaweedS3Server, monkeypatch: pytest.MonkeyPatch) -> SeaweedS3Server:
-    _apply(monkeypatch, s3_server)
+    apply_server_env(monkeypatch, s3_server)
     return s3_server
 
 
 @pytest.fixture
 def gcs_env(gcs_server: FakeGcsServer, monkeypatch: pytest.MonkeyPatch) -> FakeGcsServer:
-    _apply(monkeypatch, gcs_server)
+    apply_server_env(monkeypatch, gcs_server)
     return gcs_server
 
 
@@ -87,6 +94,17 @@ def storage_root(request: pytest.FixtureRequest, tmp_path) -> str:
     if kind == "s3":
         return request.getfixturevalue("s3_bucket_url") + "/root"
     return request.getfixturevalue("gcs_bucket_url") + "/root"
+
+
+@pytest.fixture(params=ROOT_BACKENDS)
+def root_url(request: pytest.FixtureRequest, tmp_path) -> str:
+    """A fresh, empty root URL on one backend: a plain path, ``memory://``, ``s3://`` or ``gs://``."""
+    kind = request.param
+    if kind == "local":
+        return str(tmp_path)
+    if kind == "memory":
+        return f"memory:///{uuid.uuid4().hex}"
+    return request.getfixturevalue("s3_bucket_url" if kind == "s3" else "gcs_bucket_url")
 
 
 @pytest.fixture

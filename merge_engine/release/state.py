@@ -351,7 +351,8 @@ class ReleaseState:
         or its staging folder is gone (a run before this one published it) and this release holds it?"""
         if output.released:
             return self.url == output.url
-        return self.url == output.release and not storage.exists(output.url) and self.holds(output.fingerprint)
+        # gone = no file listed: an emptied folder can stay listed as a prefix on S3 gateways (SeaweedFS)
+        return self.url == output.release and not storage.list_files(output.url) and self.holds(output.fingerprint)
 
     def recorded_validation(self, output: BuiltOutput) -> Optional[ValidationReport]:
         """The validation this release's manifest recorded, when ``output`` is `already_released` here (None:

@@ -1,13 +1,13 @@
 """Discovery: a run root's listing -> steps, roles, layouts and completeness, without reading weights.
 
 The trees are written through `merge_engine.storage`, so each test runs on any backend the
-`root_url` fixture offers (local folders now; s3/gcs buckets when the server fixtures are added).
+`root_url` fixture offers (`tests.fixtures_storage`: a local folder, ``memory://``, a SeaweedFS S3
+bucket, a fake-GCS bucket).
 File contents are placeholders: discovery must decide from names and sizes alone.
 """
 
 from __future__ import annotations
 
-import uuid
 
 import pytest
 
@@ -26,21 +26,6 @@ from merge_engine.layouts.discovery import (
 )
 from merge_engine.layouts.fsdp import listing_verdict as fsdp_listing_verdict
 from merge_engine.storage import FileEntry
-
-# "memory" is fsspec's in-process filesystem (object-store-like listings, no server). Add "s3",
-# "gcs" once tests/fixtures_storage.py is a plugin in conftest (the fixture asks for *_bucket_url).
-BACKENDS = ["local", "memory"]
-
-
-@pytest.fixture(params=BACKENDS)
-def root_url(request, tmp_path) -> str:
-    """A fresh, empty root URL on one storage backend."""
-    if request.param == "local":
-        return str(tmp_path)
-    if request.param == "memory":
-        return f"memory:///{uuid.uuid4().hex}"
-    return request.getfixturevalue(f"{request.param}_bucket_url")
-
 
 def write_tree(root: str, files: dict[str, bytes | int]) -> None:
     """Write `files` (relative path -> bytes, or a size in bytes of placeholder content) under root."""

@@ -10,7 +10,6 @@ import hashlib
 import json
 import threading
 import time
-import uuid
 
 import pytest
 
@@ -23,10 +22,6 @@ from merge_engine.validate import Check, ValidationReport
 from merge_engine.release.verify import verify_folder
 from tests.clock import HANG_S, ManualClock, until
 
-# "memory" is fsspec's in-process filesystem (remote code paths, no server). Add "s3", "gcs" once
-# tests/fixtures_storage.py is a plugin in conftest (the fixture asks for *_bucket_url).
-BACKENDS = ["local", "memory"]
-
 FILES = {
     "config.json": b'{"architectures": ["Qwen2ForCausalLM"]}',
     "model-00001-of-00002.safetensors": bytes(range(256)) * 40,
@@ -36,16 +31,6 @@ FILES = {
 }
 GOOD = ValidationReport("staging", (Check("finite", True, "ok"), Check("forward", True, "logits ok")))
 BAD = ValidationReport("staging", (Check("finite", True), Check("expected_keys", False, "missing ['x']")))
-
-
-@pytest.fixture(params=BACKENDS)
-def root_url(request, tmp_path) -> str:
-    """A fresh, empty root URL on one storage backend."""
-    if request.param == "local":
-        return str(tmp_path)
-    if request.param == "memory":
-        return f"memory:///{uuid.uuid4().hex}"
-    return request.getfixturevalue(f"{request.param}_bucket_url")
 
 
 def stage(root: str, name: str = "staging", files: dict[str, bytes] = FILES) -> str:

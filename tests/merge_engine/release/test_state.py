@@ -1,8 +1,9 @@
 """Releases: the layout's names, the four states a release URL can be in, the published listing,
 the provenance record a manifest keeps, and staging names with their sweep.
 
-Releases are made by the real `publish` (small files with known bytes) on the local disk and on
-fsspec's in-process ``memory`` filesystem (the remote code paths), like tests/merge_engine/release/test_publish.py.
+Releases are made by the real `publish` (small files with known bytes) on every backend of the
+``root_url`` fixture (`tests.fixtures_storage`: local disk, fsspec's in-process ``memory``, SeaweedFS S3,
+fake-GCS), like tests/merge_engine/release/test_publish.py.
 """
 
 from __future__ import annotations
@@ -41,11 +42,6 @@ FILES = {"config.json": b'{"architectures": ["Qwen2ForCausalLM"]}', "model.safet
 PROVENANCE = ReleaseProvenance(kind="model", source_listing="listing-1", checkpoint_fingerprint="ckpt-1",
                                checkpoint_lora=True, settings={"dtype": "bfloat16", "lora_alpha": 16.0,
                                                                "hf_model_path": None})
-
-
-@pytest.fixture(params=["local", "memory"])
-def root_url(request, tmp_path) -> str:
-    return str(tmp_path) if request.param == "local" else f"memory:///{uuid.uuid4().hex}"
 
 
 def published(root: str, release: str, fingerprint: str = "fp-1",
