@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 import urllib.error
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ import psutil
 import pytest
 
 from merge_engine import storage
+from tests.clock import HANG_S
 from tests.fault_proxy import Fault, FaultProxy, Network, http_response
 from tests.servers import FakeGcsServer, SeaweedS3Server, applied_env
 
@@ -240,14 +242,16 @@ class TestRecoveryOnS3:
         assert s3_fault_proxy.fired == 1
 
     def test_ranged_read_recovers_from_a_stall(self, s3_bucket_url, s3_fault_proxy, only_library_retries):
-        """The stall (60 s) outlasts STEPMERGE_STORAGE_TIMEOUT (1 s) many times over: the read times out
-        and is retried long before the stall ends (the bound leaves a loaded 2-core machine ample room)."""
+        """The stall does not end within the test (an hour) and outlasts STEPMERGE_STORAGE_TIMEOUT (1 s): a
+        read that returns at all timed out and was retried (the thread's join only bounds a hang)."""
         url, data = self._object(s3_bucket_url)
+        got: list[bytes] = []
         with storage.RangeReader(url) as reader:
-            s3_fault_proxy.set_fault(Fault.stall(60, after_bytes=100_000))
-            started = time.monotonic()
-            assert reader.read(0, 3 * MiB) == data[:3 * MiB]
-        assert time.monotonic() - started < 30
+            s3_fault_proxy.set_fault(Fault.stall(3600, after_bytes=100_000))
+            reading = threading.Thread(target=lambda: got.append(reader.read(0, 3 * MiB)), daemon=True)
+            reading.start()
+            reading.join(HANG_S)
+        assert got == [data[:3 * MiB]], "the read waited on the stall instead of retrying"
         assert s3_fault_proxy.fired == 1
 
     def test_refused_and_throttled_requests_are_retried(self, s3_bucket_url, s3_fault_proxy, only_library_retries):

@@ -25,8 +25,8 @@ output_layer of ONE row        replicated     verl's critic value head (a plain 
   on every rank                               layer, not a vocabulary cut)
 ============================  =============  =========================================
 
-`split_tp` and `gather_tp` are the pure pair (HF -> Megatron split, tests); readers of per-rank
-files build the same gather lazily from the same `tp_kind`.
+`split_tp` cuts a full tensor into the ranks' pieces (HF -> Megatron); readers of per-rank files
+build the inverse gather lazily from the same `tp_kind`.
 """
 
 from __future__ import annotations
@@ -133,23 +133,6 @@ def split_tp(tensor: torch.Tensor, kind: TPKind, tp: int) -> list[torch.Tensor]:
         return _even_chunks(tensor, tp, 0)
     gate, up = _even_chunks(tensor, 2, 0)
     return [torch.cat([g, u], dim=0) for g, u in zip(_even_chunks(gate, tp, 0), _even_chunks(up, tp, 0))]
-
-
-def gather_tp(pieces: list[torch.Tensor], kind: TPKind) -> torch.Tensor:
-    """Inverse of `split_tp`: the full tensor from rank 0..tp-1's pieces (replicated: checked identical)."""
-    import torch
-
-    if kind is TPKind.REPLICATED or len(pieces) == 1:
-        for other in pieces[1:]:
-            if not torch.equal(other, pieces[0]):
-                raise ValueError("replicated tensor differs between TP ranks")
-        return pieces[0]
-    if kind is TPKind.ROW:
-        return torch.cat(pieces, dim=1)
-    if kind is TPKind.COLUMN:
-        return torch.cat(pieces, dim=0)
-    halves = [_even_chunks(p, 2, 0) for p in pieces]
-    return torch.cat([g for g, _ in halves] + [u for _, u in halves], dim=0)
 
 
 def _even_chunks(tensor: torch.Tensor, parts: int, dim: int) -> list[torch.Tensor]:

@@ -35,7 +35,7 @@ from merge_engine.plan.planner import plan_checkpoint
 from merge_engine.formats.tensor_source import TensorSource
 
 __all__ = ["PROVENANCE_FILE", "MergeJob", "MergeOptions", "MergeResult", "in_weights_format", "merge_checkpoint",
-           "merge_fingerprint", "plan_merge", "plan_stored_names", "read_provenance"]
+           "merge_fingerprint", "plan_stored_names", "read_provenance"]
 
 MergeOptions = OutputOptions  # the engine's one options record, under the name the merge's callers know
 MergeResult = OutputResult
@@ -51,11 +51,6 @@ def merge_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
     if options.hf_model_path is not None:
         extra["hf_model_listing"] = storage.fingerprint(storage.list_files(options.hf_model_path, recursive=False))
     return storage.fingerprint(checkpoint.files, **options.output_options("merge"), **extra, **engine_identity())
-
-
-def plan_merge(checkpoint: Checkpoint, source: TensorSource, config: dict, options: OutputOptions) -> MergePlan:
-    """`plan_stored_names` in the requested weights format (`merge_engine.plan.hub_format`)."""
-    return in_weights_format(plan_stored_names(checkpoint, source, config, options), config, options)
 
 
 def in_weights_format(plan: MergePlan, config: dict, options: OutputOptions) -> MergePlan:

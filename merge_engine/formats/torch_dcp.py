@@ -15,8 +15,8 @@ Reading (`read_index`, `DcpTensor`):
 - `DcpTensor` is a box of a global tensor (some leading indices fixed, e.g. one layer of a
   stacked ``[layers, ...]`` tensor): it reads exactly the chunk regions that intersect it.
 
-Writing (`DcpWriter`): items are appended to one data file, each tensor chunk as its own
-``torch.save`` archive; ``.metadata`` is written last with torch's own record classes, so
+Writing (`DcpDataFile`, one per job, then `dcp_metadata_bytes` of all their items): items are appended
+to a data file, each tensor chunk as its own ``torch.save`` archive; ``.metadata`` is written last with torch's own record classes, so
 ``torch.distributed.checkpoint`` and megatron-core load the result.
 """
 
@@ -577,35 +577,3 @@ def dcp_metadata_bytes(items: Iterable[DcpItem]) -> bytes:
     return pickle.dumps(Metadata(state_dict_metadata=state, storage_data=storage_data))
 
 
-class DcpWriter:
-    """Write a DCP folder: tensor chunks and bytes entries into one data file, then ``.metadata``.
-
-    `add_chunk(key, global_shape, offsets, tensor)` appends a chunk (its own ``torch.save``
-    archive); `add_object(key, data)` a bytes entry; `close()` writes ``.metadata`` last and
-    returns the file names written. Memory: one chunk at a time. (A folder of several data files
-    written by several jobs: `DcpDataFile` each, then `dcp_metadata_bytes` of all their items.)
-    """
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self._data = DcpDataFile(url)
-        self._shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-
-    def add_chunk(self, key: str, global_shape: Sequence[int], offsets: Sequence[int], tensor: torch.Tensor) -> None:
-        import torch
-
-        shape = (tuple(int(s) for s in global_shape), tensor.dtype)
-        if self._shapes.setdefault(key, shape) != shape:
-            raise ValueError(f"{key}: chunks disagree on global shape or dtype")
-        self._data.add_chunk(key, global_shape, offsets, tensor)
-
-    def add_object(self, key: str, data: bytes) -> None:
-        self._data.add_object(key, data)
-
-    def close(self) -> list[str]:
-        self._data.close()
-        storage.write_bytes(storage.join(self.url, METADATA_FILE), dcp_metadata_bytes(self._data.items))
-        return [DATA_FILE, METADATA_FILE]
-
-    def abort(self) -> None:
-        self._data.abort()

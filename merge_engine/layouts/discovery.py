@@ -35,8 +35,8 @@ from merge_engine.layouts.contract import COMPLETE, INCOMPLETE, INVALID, Verdict
 from merge_engine.layouts.tracker import TRACKER_FILE, parse_tracker, read_tracker_hint
 from merge_engine.storage import FileEntry
 
-__all__ = ["COMPLETE", "INCOMPLETE", "INVALID", "POLICY_ROLES", "TRACKER_FILE", "Discovery",
-           "Step", "Verdict", "classify", "discover", "discover_step", "discover_steps", "latest_complete_step",
+__all__ = ["COMPLETE", "INCOMPLETE", "INVALID", "TRACKER_FILE", "Discovery",
+           "Step", "Verdict", "classify", "discover", "discover_step", "discover_steps",
            "parse_tracker", "read_tracker_hint", "steps_from_listing"]
 
 
@@ -193,20 +193,3 @@ def discover_steps(run_root_url: str) -> list[Step]:
     return list(discover(run_root_url).steps)
 
 
-POLICY_ROLES = ("actor", "")  # "the model" of a run: the RL actor, or the SFT trainer's model
-
-
-def latest_complete_step(source: str | Discovery | Iterable[Step], role: str | None = None) -> Step | None:
-    """The highest complete step of `role` (None: the policy, i.e. ``actor`` or SFT's ``""``).
-
-    `source` is a run root URL (listed once) or steps already discovered. None when there is none.
-    """
-    if isinstance(source, str):
-        steps: Iterable[Step] = discover(source).steps
-    elif isinstance(source, Discovery):
-        steps = source.steps
-    else:
-        steps = source
-    roles = POLICY_ROLES if role is None else (role,)
-    candidates = [s for s in steps if s.complete and s.role in roles]
-    return max(candidates, key=lambda s: (s.step, roles.index(s.role) * -1), default=None)

@@ -138,11 +138,6 @@ def read_weight_index(url: str, files: Sequence[FileEntry]) -> WeightIndex:
     return WeightIndex(expected, indexed=True, declared_total_size=declared)
 
 
-def weight_files(url: str, files: list[FileEntry]) -> dict[str, list[str]]:
-    """Safetensors file -> tensor names it must hold (empty list: whatever its header says)."""
-    return read_weight_index(url, files).files
-
-
 def open_weight_files(url: str, files: Sequence[FileEntry], index: WeightIndex) -> list[SafetensorsFile]:
     """Every weight file opened, its header parsed and checked (`SafetensorsFile`); closed again on failure."""
     from merge_engine.formats.safetensors_file import SafetensorsFile

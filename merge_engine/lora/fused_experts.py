@@ -18,7 +18,7 @@ columns are rank-major, ``B.reshape(out, r, E)``; so expert e's update is
 
     delta_e = scale * B[:, e::E] @ A[e*r:(e+1)*r]        (out, in), scale = alpha / r
 
-`expert_factors` cuts them; `merge_engine.lora.hub_names` writes them as one adapter module per
+`merge_engine.lora.hub_names` cuts them and writes them as one adapter module per
 Hub expert tensor (``experts.N.gate_proj``), with ranged reads.
 """
 
@@ -28,8 +28,6 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from merge_engine.errors import AdapterError
 from merge_engine.lora.config import LoraSettings
@@ -156,7 +154,3 @@ def check_experts_fit(experts: Mapping[str, ExpertLora], base_metas: Mapping[str
                                f"{tuple(meta.shape)}", adapter_url)
 
 
-def expert_factors(a: torch.Tensor, b: torch.Tensor, expert: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A_e, B_e) of expert ``expert`` from PEFT's fused factors: ``A[e*r:(e+1)*r]``, ``B[:, e::E]``."""
-    rank = a.shape[0] // num_experts
-    return a[expert * rank:(expert + 1) * rank], b[:, expert::num_experts]

@@ -5,7 +5,7 @@
 - `shard_unit`        a safetensors shard as a unit; a `MergePlan` as a job's output (units, then the index)
 - `shard_job`         one output shard: ranged reads -> cast -> write -> sha256 -> a small record
 - `shard_ranges`      one shard cut into byte ranges written in parallel at their offsets
-- `writer`            units on this machine's threads: the one pool loop; a whole `MergePlan`, then the index
+- `writer`            units on this machine's threads: the one pool loop
 - `executors/`        where units run, one registry keyed by address: ``threads:N``, ``ray:...``, ...
 - `target`            a folder at any URL that receives everything or nothing
 - `target_guard`      refusals that keep an output from destroying its input or a file in its way

@@ -21,8 +21,6 @@ Contract of `run_units`:
   `shard_ranges.BUFFERS_PER_WORKER` parts of `shard_ranges.PART_BYTES` plus a chunk in hand each; a rank
   file, its tensors), plus the storage layer's read-ahead budget for remote sources;
 - ``on_bytes`` (progress) is called from the worker threads, one call at a time.
-
-`write_plan` is a `MergePlan` written this way, then its index.
 """
 
 from __future__ import annotations
@@ -32,27 +30,15 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 
 import torch
 
-from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
+from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES
 from merge_engine.layouts.contract import FileRecord, WriteCancelled
 from merge_engine.output import interrupts
-from merge_engine.output.shard_unit import shard_output
 from merge_engine.output.work_unit import WorkUnit
-from merge_engine.plan.merge_plan import MergePlan
 
-__all__ = ["WrittenModel", "run_units", "write_plan"]
-
-
-@dataclass(frozen=True)
-class WrittenModel:
-    """What `write_plan` produced: file names (relative to the target) with their sizes, and their records."""
-
-    files: tuple[tuple[str, int], ...]
-    tensor_bytes: int
-    records: tuple[FileRecord, ...] = ()
+__all__ = ["run_units"]
 
 
 def run_units(units: Sequence[WorkUnit], folder_url: str, *, workers: int | None = 1,
@@ -95,17 +81,6 @@ def run_units(units: Sequence[WorkUnit], folder_url: str, *, workers: int | None
                 failed = next((f for f in failures if not isinstance(f.exception(), WriteCancelled)), failures[0])
                 raise failed.exception()  # type: ignore[misc]
             return [f.result() for f in futures]
-
-
-def write_plan(plan: MergePlan, source: TensorSource, target_url: str, *,
-               chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_bytes: Callable[[int], None] | None = None,
-               workers: int | None = 1) -> WrittenModel:
-    """Write every shard of ``plan`` under ``target_url`` (`run_units`), then the index when there are
-    several shards. ``workers``: threads in all (None: one per core)."""
-    output = shard_output(plan, source)
-    records = run_units(output.units, target_url, workers=workers, chunk_bytes=chunk_bytes, on_bytes=on_bytes)
-    records += output.finish(records, target_url)
-    return WrittenModel(tuple((r.file, r.size) for r in records), plan.total_size, tuple(records))
 
 
 def _serialised(callback: Callable[[int], None]) -> Callable[[int], None] | None:

@@ -57,7 +57,7 @@ class PlannedTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     source_name: str
-    build: Any = None  # a TensorBuilder, or None to copy ``source_name``
+    build: TensorBuilder | None = None  # None: copy ``source_name``
 
     @property
     def nbytes(self) -> int:

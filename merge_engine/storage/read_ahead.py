@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from merge_engine.storage import tuning
 from merge_engine.storage.body import Body, copy_range, is_body
 
-__all__ = ["STREAMS", "ReadAhead", "budget_in_use", "part_bytes"]
+__all__ = ["STREAMS", "ReadAhead", "part_bytes"]
 
 STREAMS = 8  # read positions followed per file (a few shard jobs, plus a jump or two)
 FORWARD_GAP = 4096  # a read this far past the stream's last one still continues it (zip record headers)
@@ -97,13 +97,6 @@ class _Budget:
 
 
 _BUDGET = _Budget()
-
-
-def budget_in_use() -> int:
-    """Read-ahead bytes held now by every window of this process (tests: 0 once readers are closed)."""
-    with _BUDGET.lock:
-        _BUDGET.reap()
-        return _BUDGET.used
 
 
 @dataclass

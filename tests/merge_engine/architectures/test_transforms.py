@@ -15,10 +15,25 @@ import pytest
 import torch
 
 from merge_engine.architectures import transforms
-from merge_engine.architectures.parallel import TPKind, gather_tp, is_gated_fc1, split_tp, tp_kind
+from merge_engine.architectures.parallel import TPKind, is_gated_fc1, split_tp, tp_kind
 
 HIDDEN = 8
 HEAD_CASES = [(4, 4, 2), (4, 2, 2), (4, 1, 3), (6, 3, 2)]  # (heads, kv_heads, head_dim)
+
+
+def gather_tp(pieces: list[torch.Tensor], kind: TPKind) -> torch.Tensor:
+    """Inverse of `split_tp`: the full tensor from rank 0..tp-1's pieces (replicated: checked identical)."""
+    if kind is TPKind.REPLICATED or len(pieces) == 1:
+        for other in pieces[1:]:
+            if not torch.equal(other, pieces[0]):
+                raise ValueError("replicated tensor differs between TP ranks")
+        return pieces[0]
+    if kind is TPKind.ROW:
+        return torch.cat(pieces, dim=1)
+    if kind is TPKind.COLUMN:
+        return torch.cat(pieces, dim=0)
+    halves = [p.chunk(2, dim=0) for p in pieces]
+    return torch.cat([g for g, _ in halves] + [u for _, u in halves], dim=0)
 
 
 def _per_head_layout(q, k, v, heads, kv_heads, d):

@@ -58,7 +58,7 @@ def seed_files(folder: Path) -> dict[str, Path]:
     import torch
     from safetensors.torch import save_file
 
-    from merge_engine.formats.torch_dcp import DcpWriter
+    from tests.merge_engine.formats.dcp_writer import DcpWriter
 
     folder.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(SEED)
@@ -376,9 +376,10 @@ def read_replaced(path: str) -> str:
     archive = TorchArchive(path, storage.RangeReader.listed(path, entry))
     try:
         archive.load()
-        time.sleep(0.01)  # past the filesystem's timestamp tick
+        before = os.stat(path)
         with open(path, "r+b") as f:
             f.write(replacement)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # a later write: a later mtime
         for view in archive._views:
             _read_all(view)
     finally:

@@ -20,7 +20,8 @@ import torch
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsafePickle
-from merge_engine.formats.torch_dcp import DcpFiles, DcpTensor, DcpWriter, read_index
+from merge_engine.formats.torch_dcp import DcpFiles, DcpTensor, read_index
+from tests.merge_engine.formats.dcp_writer import DcpWriter
 
 FULL = torch.arange(4 * 6 * 10, dtype=torch.float32).reshape(4, 6, 10)
 # chunks cut on dims 0 and 1 and 2, unevenly, in a scrambled order

@@ -22,10 +22,10 @@ from merge_engine.layouts.discovery import (
     discover,
     discover_step,
     discover_steps,
-    latest_complete_step,
 )
 from merge_engine.layouts.fsdp import listing_verdict as fsdp_listing_verdict
 from merge_engine.storage import FileEntry
+from tests.merge_engine.layouts.latest_step import latest_complete_step
 
 def write_tree(root: str, files: dict[str, bytes | int]) -> None:
     """Write `files` (relative path -> bytes, or a size in bytes of placeholder content) under root."""

@@ -26,13 +26,19 @@ from safetensors import safe_open
 
 from merge_engine.errors import AdapterError
 from merge_engine.commands.extract import ExtractOptions, extract_lora
-from merge_engine.lora.fused_experts import expert_factors, find_expert_loras
+from merge_engine.lora.fused_experts import find_expert_loras
 from merge_engine.commands.merge import merge_checkpoint
 from merge_engine.formats.tensor_source import TensorMeta
 from tests.merge_engine.lora.conftest import load_causal_lm, logits
 
 CASE = "qwen3_moe_lora_w2"
 LAYER = "base_model.model.model.layers.0.mlp.experts"
+
+
+def expert_factors(a: torch.Tensor, b: torch.Tensor, expert: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A_e, B_e) of expert ``expert`` from PEFT's fused factors: ``A[e*r:(e+1)*r]``, ``B[:, e::E]``."""
+    rank = a.shape[0] // num_experts
+    return a[expert * rank:(expert + 1) * rank], b[:, expert::num_experts]
 
 
 def _keys(path: str) -> set[str]:

@@ -36,7 +36,7 @@ from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, assign_shards
 from merge_engine.output.shard_ranges import GAUGE
 from merge_engine.storage import s3_upload
 from merge_engine.storage.schemes import backend_for
-from merge_engine.output.writer import write_plan
+from tests.merge_engine.output.plan_writer import write_plan
 
 MiB = 1024 * 1024
 SMALL = {  # an odd-sized bool tensor puts every tensor after it off its element alignment

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from merge_engine.errors import CorruptShard
 from merge_engine.layouts import check_checkpoint, open_checkpoint
 from merge_engine.plan.merge_plan import INDEX_FILE, MergePlan, PlannedTensor, assign_shards
-from merge_engine.output.writer import write_plan
+from tests.merge_engine.output.plan_writer import write_plan
 
 TENSORS = {
     "a.weight": torch.randn(33, 17, generator=torch.Generator().manual_seed(1)),

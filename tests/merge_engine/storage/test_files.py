@@ -4,7 +4,7 @@ Tests taking ``storage_root`` run once per backend."""
 
 from __future__ import annotations
 
-import time
+import os
 
 import pytest
 
@@ -15,9 +15,13 @@ from tests.merge_engine.storage.patterned import patterned_bytes as _payload
 def _rewrite_in_place(url: str, data: bytes) -> None:
     """Rewrite a file the way a trainer saving again would: same name, new content."""
     if storage.is_local(url):
-        time.sleep(0.02)  # past the filesystem's timestamp tick (in place: the inode is kept)
-        with open(storage.local_path(url), "r+b") as f:
+        path = storage.local_path(url)
+        before = os.stat(path)
+        with open(path, "r+b") as f:
             f.write(data)
+        # in place the inode is kept; a rewrite within the filesystem's timestamp tick would keep the
+        # mtime too: the trainer's rewrite comes later, so its mtime is set later (no wait for the tick)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
     else:
         storage.write_bytes(url, data)
 

@@ -28,6 +28,14 @@ SIZE = 200_000
 PART = 4096
 
 
+def budget_in_use() -> int:
+    """Read-ahead bytes held now by every window of this process (0 once readers are closed); the parts of
+    windows the garbage collector finalized are given back first, as the budget's next locked step does."""
+    with read_ahead._BUDGET.lock:
+        read_ahead._BUDGET.reap()
+        return read_ahead._BUDGET.used
+
+
 @pytest.fixture
 def small_parts(monkeypatch):
     monkeypatch.setattr(storage.tuning, "READ_PART_BYTES", PART)
@@ -79,8 +87,8 @@ def test_forward_reads_are_exact_and_served_ahead(remote_root, small_parts, coun
     with RangeReader(url, size=SIZE) as reader:
         for offset, length in reads:
             assert reader.read(offset, length) == data[offset:offset + length], (offset, length)
-        assert read_ahead.budget_in_use() <= storage.tuning.READ_AHEAD_BUDGET
-    assert read_ahead.budget_in_use() == 0
+        assert budget_in_use() <= storage.tuning.READ_AHEAD_BUDGET
+    assert budget_in_use() == 0
     gets = counted_gets["ahead"] + counted_gets["direct"]
     assert counted_gets["ahead"] > 0 and gets <= SIZE // PART + 4 and gets < len(reads) // 4, counted_gets
 
@@ -119,7 +127,7 @@ def test_a_file_shorter_than_its_listing_fails_when_the_reader_reaches_the_gap(s
             for offset in range(SIZE // 2 - 1000, SIZE, 1000):
                 reader.read(offset, 1000)
         assert info.value.path == url
-    assert read_ahead.budget_in_use() == 0
+    assert budget_in_use() == 0
 
 
 class TestWindows:
@@ -159,12 +167,12 @@ class TestWindows:
             n = ahead.read(offset, memoryview(out))
             assert n > 0 and bytes(out[:n]) == data[offset:offset + n]
             offset += n
-            peak = max(peak, read_ahead.budget_in_use())
+            peak = max(peak, budget_in_use())
         assert peak <= storage.tuning.READ_AHEAD_BUDGET
         assert max(len(s.parts) for s in ahead.streams) <= storage.tuning.REQUESTS_IN_FLIGHT
         assert len(log) == -(-(SIZE - 100) // PART)  # every byte fetched once, in parts
         ahead.close()
-        assert read_ahead.budget_in_use() == 0
+        assert budget_in_use() == 0
 
     def test_two_readers_of_one_file_keep_their_own_windows(self, source):
         data, ahead, log, _ = source
@@ -193,7 +201,7 @@ class TestWindows:
             assert bytes(out[:n]) == data[offset:offset + n]
             offset += n
         ahead.close()
-        assert read_ahead.budget_in_use() == 0
+        assert budget_in_use() == 0
 
     def test_a_window_collected_inside_a_locked_step_of_this_thread_gives_its_parts_back(self, small_parts):
         """The garbage collector can finalize an unclosed window at any allocation, also while this thread
@@ -211,7 +219,7 @@ class TestWindows:
         ahead = read_ahead.ReadAhead(SIZE, fetch, lambda start, end: data[start:end])
         ahead.read(0, memoryview(bytearray(100)))
         ahead.read(100, memoryview(bytearray(1000)))
-        assert read_ahead.budget_in_use() > 0
+        assert budget_in_use() > 0
         finished = threading.Event()
 
         def collect_under_the_lock():
@@ -224,4 +232,4 @@ class TestWindows:
         worker = threading.Thread(target=collect_under_the_lock, daemon=True)
         worker.start()
         assert finished.wait(60), "the finalizer waited for the budget's lock its own thread holds"
-        assert read_ahead.budget_in_use() == 0
+        assert budget_in_use() == 0
