@@ -4,7 +4,6 @@
 ``cpu``; any other name must be a torch device this machine can use, else `InvalidDevice` (one line
 naming the device and why: a CPU-only torch, no GPU visible, an index past the GPUs there, or no such
 device type) -- never torch's own ``AssertionError: Torch not compiled with CUDA enabled``.
-`device_summary(device)`: the device in words, for reports (``cuda:0 (NVIDIA H200)``).
 """
 
 from __future__ import annotations
@@ -64,15 +63,3 @@ def _available(torch_module, kind: str) -> bool:
             except Exception:  # noqa: BLE001 - a backend that cannot even answer is not available
                 return False
     return False
-
-
-def device_summary(device: "torch.device") -> str:
-    """``cpu (16 threads)`` or ``cuda:0 (NVIDIA H200)``: where the work ran, for reports."""
-    import torch
-
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
-    if device.type == "cpu":
-        return f"cpu ({torch.get_num_threads()} threads)"
-    return str(device)

@@ -1,6 +1,6 @@
 """Low-rank factoring of weight updates: ``delta ~= B @ A`` with B (out, k), A (k, in).
 
-- `factor_dense(delta, ...)`: a dense update (a full fine-tune minus its base) by a thin SVD.
+- `factor_dense_batch(deltas, ...)`: dense updates (a full fine-tune minus its base) by a thin SVD.
 - `factor_product(b, a, ...)`: an update already given as a product of thin factors (stacked
   adapters) -- QR of each factor, then the SVD of the small (R x R) core: exact, and it never forms
   the (out x in) matrix.
@@ -93,14 +93,6 @@ def relative_error(singular_values: torch.Tensor, k: int) -> float:
     s2 = singular_values.to(torch.float64) ** 2
     total = float(s2.sum())
     return math.sqrt(float(s2[k:].sum()) / total) if total > 0 else 0.0
-
-
-def factor_dense(delta: torch.Tensor, *, rank: int | None, energy: float | None,
-                 device: torch.device | None = None, method: str = AUTO) -> Factors:
-    """One dense update factored on ``device`` (`factor_dense_batch` of one)."""
-    device = device or svd_device()
-    return factor_dense_batch(delta.to(device=device, dtype=torch.float32)[None], rank=rank, energy=energy,
-                              method=method)[0]
 
 
 def sketch_size(shape: tuple[int, int], rank: int | None, energy: float | None) -> int | None:

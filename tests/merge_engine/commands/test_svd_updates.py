@@ -10,7 +10,7 @@ import torch
 
 from merge_engine.commands.svd_updates import factor_updates
 from merge_engine.errors import AdapterError
-from merge_engine.lora.svd import factor_dense
+from tests.merge_engine.lora.dense_factors import factor_dense
 
 CPU = torch.device("cpu")
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from merge_engine.lora import lowrank
-from merge_engine.lora.svd import FULL, RANDOMIZED, factor_dense, factor_dense_batch, sketch_size
+from merge_engine.lora.svd import FULL, RANDOMIZED, factor_dense_batch, sketch_size
+from tests.merge_engine.lora.dense_factors import factor_dense
 
 SHAPES = ((1024, 320), (320, 1024))
 
