@@ -7,8 +7,7 @@ from outside too: the weights a synthetic checkpoint was written from (`syntheti
 own state and logits, PEFT's own model of a LoRA run, or a folder transformers wrote itself.
 
 - `release_tensors(url)`: every tensor of the folder's ``*.safetensors`` files, by name.
-- `assert_release_weights_equal(url, reference)`: the same names, dtypes and values (bit for bit;
-  ``atol`` only for a model fused from LoRA factors, where the order of float operations is free).
+- `assert_release_weights_equal(url, reference)`: the same names, dtypes and values, bit for bit.
 - `assert_model_logits(url, expected)` / `assert_adapter_logits(url, expected)`: transformers loads the
   release (strictly: no missing or unexpected key) / PEFT loads the adapter onto the release's ``base/``,
   and the logits on `TOKENS` are ``expected`` (a tensor, or a model to run on `TOKENS`).
@@ -100,8 +99,8 @@ def download(url: str, dest: str) -> str:
 # ------------------------------------------------------------------------------------------- judging
 
 
-def assert_release_weights_equal(url: str, reference: Mapping[str, torch.Tensor], atol: float = 0.0) -> None:
-    """The release's tensors are ``reference``: the same names, dtypes and values (``atol`` 0: bit for bit)."""
+def assert_release_weights_equal(url: str, reference: Mapping[str, torch.Tensor]) -> None:
+    """The release's tensors are ``reference``: the same names, dtypes and values, bit for bit."""
     got = release_tensors(url)
     assert set(got) == set(reference), (f"{url}: names differ: missing {sorted(set(reference) - set(got))[:5]}, "
                                         f"unexpected {sorted(set(got) - set(reference))[:5]}")
@@ -109,11 +108,7 @@ def assert_release_weights_equal(url: str, reference: Mapping[str, torch.Tensor]
         tensor = got[name]
         assert tensor.dtype == expected.dtype and tensor.shape == expected.shape, \
             f"{url}: {name} is {tensor.dtype} {list(tensor.shape)}, expected {expected.dtype} {list(expected.shape)}"
-        if atol:
-            diff = (tensor.float() - expected.float()).abs().max().item()
-            assert diff <= atol, f"{url}: {name} differs from the reference by {diff:g} (atol {atol:g})"
-        else:
-            assert torch.equal(tensor, expected), f"{url}: {name} differs from the reference"
+        assert torch.equal(tensor, expected), f"{url}: {name} differs from the reference"
 
 
 def _logits(model: torch.nn.Module, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
