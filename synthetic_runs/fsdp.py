@@ -661,11 +661,15 @@ def _write_reference(model: torch.nn.Module, job: StepJob) -> None:
         model.save_pretrained(hf_dir)
 
 
-def _decoder_layer_class(model: torch.nn.Module, spec: FsdpSpec) -> type:
-    for module in model.modules():
-        if type(module).__name__ == spec.model.decoder_layer_class:
-            return type(module)
-    raise LookupError(f"no {spec.model.decoder_layer_class} in the model")
+def _decoder_layer_class(model: torch.nn.Module, spec: FsdpSpec) -> type | tuple[type, ...]:
+    """The class FSDP wraps per layer; for a model given by its config, every class of its
+    ``_no_split_modules`` (verl's wrap policy: decoder layers and vision blocks alike)."""
+    wanted = set(getattr(model, "_no_split_modules", None) or ()) if spec.model.hf_config else \
+        {spec.model.decoder_layer_class}
+    found = tuple(dict.fromkeys(type(module) for module in model.modules() if type(module).__name__ in wanted))
+    if not found:
+        raise LookupError(f"no {sorted(wanted)} in the model")
+    return found[0] if len(found) == 1 else found
 
 
 def _verl_fsdp1_wrap_policy(model: torch.nn.Module, spec: FsdpSpec):
@@ -683,7 +687,7 @@ def _verl_fsdp1_wrap_policy(model: torch.nn.Module, spec: FsdpSpec):
 
         policies.append(functools.partial(lambda_auto_wrap_policy, lambda_fn=trainable_leaf))
     layer = _decoder_layer_class(model, spec)
-    policies.append(functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer}))
+    policies.append(functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(layer if isinstance(layer, tuple) else (layer,))))
     return functools.partial(_or_policy, policies=policies)
 
 
@@ -725,7 +729,7 @@ def _shard_fsdp2(spec: FsdpSpec, seed: int, mesh) -> tuple[torch.nn.Module, list
     dtype = torch_dtype(spec.dtype)
     with init_empty_weights(include_buffers=False):  # buffers (rotary inv_freq) stay real
         model = model_class(spec.model)(build_config(spec.model, dtype))
-    if spec.model.tie_word_embeddings:
+    if spec.model.tie_word_embeddings or spec.model.hf_config:
         model.tie_weights()  # parameters registered through init_empty_weights come out untied
     model.to(dtype)
     if spec.model.extra_buffer:
@@ -742,15 +746,21 @@ def _shard_fsdp2(spec: FsdpSpec, seed: int, mesh) -> tuple[torch.nn.Module, list
     if spec.shard_dim == 1:
         kwargs["shard_placement_fn"] = verl_shard_placement_fn(mesh.shape[-1])
     layer_class = _decoder_layer_class(model, spec)
-    for module in list(model.modules()):
-        if isinstance(module, layer_class) or (
-            isinstance(module, torch.nn.Embedding) and not spec.model.tie_word_embeddings
-        ):
+    tied = spec.model.tie_word_embeddings or (bool(spec.model.hf_config) and _is_tied(model))
+    seen: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        seen[id(param)] = seen.get(id(param), 0) + 1
+    modules = list(model.modules())
+    if spec.model.hf_config:
+        modules.reverse()  # inner wrapped modules before the ones holding them (FSDP2 shards bottom-up)
+    for module in modules:
+        shared = any(seen.get(id(p), 0) > 1 for p in module.parameters(recurse=False))  # tied: sharded by its root
+        if isinstance(module, layer_class) or (isinstance(module, torch.nn.Embedding) and not tied and not shared):
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
 
     model.to_empty(device="cpu")
-    if spec.model.tie_word_embeddings and not _is_tied(model):
+    if tied and not _is_tied(model):
         raise AssertionError("tied embeddings came apart while sharding")
     persistent = set(model.state_dict().keys())
     with torch.no_grad():
@@ -777,7 +787,8 @@ def _parallelize_tp(model: torch.nn.Module, spec: FsdpSpec, tp_mesh) -> None:
 
 
 def _is_tied(model: torch.nn.Module) -> bool:
-    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    return output is not None and embedding is not None and output.weight is embedding.weight
 
 
 def _sharded_model(spec: FsdpSpec, seed: int, mesh, job: StepJob, rank: int) -> tuple[torch.nn.Module, list[str]]:

@@ -1,7 +1,9 @@
 """Tiny `transformers` models with known, deterministic weights.
 
 Contract:
-- `ModelSpec` names a model (family, sizes, tying, task, an optional extra persistent buffer).
+- `ModelSpec` names a model (family, sizes, tying, task, an optional extra persistent buffer), or carries a
+  whole Hugging Face config (``hf_config``, JSON: any class transformers builds from it, e.g. the tiny
+  configs of `synthetic_runs.tiny_configs`; the sizes and family fields are then unused).
 - `build_config(spec)` gives the Hugging Face config; `build_model(spec, seed, dtype)` the model,
   every parameter and persistent buffer set by `synthetic_value`, so the same spec and seed always
   give bit-identical weights, whatever `transformers` would have initialised.
@@ -53,8 +55,13 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     task: str = "causal_lm"  # or "token_classification" (verl's critic: num_labels=1 -> score.*)
     extra_buffer: bool = False  # a PERSISTENT buffer: a plain tensor replicated on every rank
+    hf_config: str = ""  # a full config as JSON ("architectures" names the class): defines the model alone
 
     def __post_init__(self) -> None:
+        if self.hf_config:
+            if self.task != "causal_lm" or self.extra_buffer:
+                raise ValueError("a model given by its config is built as its config's class, nothing added")
+            return
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
         if self.task not in TASKS:
@@ -69,6 +76,8 @@ class ModelSpec:
     @property
     def architecture(self) -> str:
         """The class name Hugging Face records in config.json `architectures`."""
+        if self.hf_config:
+            return self.config_dict["architectures"][0]
         if self.family in OTHER_FAMILIES:
             return OTHER_FAMILIES[self.family].causal_lm
         prefix = {"qwen2": "Qwen2", "llama": "Llama"}[self.family]
@@ -76,8 +85,27 @@ class ModelSpec:
         return prefix + suffix
 
     @property
+    def config_dict(self) -> dict:
+        import json
+
+        return json.loads(self.hf_config)
+
+    @property
+    def text_vocab_size(self) -> int:
+        """The vocabulary the tokenizer is built for."""
+        if not self.hf_config:
+            return self.vocab_size
+        config = self.config_dict
+        for scope in (config, config.get("text_config") or {}):
+            if isinstance(scope.get("vocab_size"), int):
+                return scope["vocab_size"]
+        return self.vocab_size
+
+    @property
     def decoder_layer_class(self) -> str:
-        """The class FSDP wraps per layer (the model's `_no_split_modules`)."""
+        """The class FSDP wraps per layer (the model's `_no_split_modules`; a config-given model: all of them)."""
+        if self.hf_config:
+            return ""
         if self.family in OTHER_FAMILIES:
             return OTHER_FAMILIES[self.family].decoder_layer
         return {"qwen2": "Qwen2DecoderLayer", "llama": "LlamaDecoderLayer"}[self.family]
@@ -107,6 +135,12 @@ def _token_ids() -> dict[str, int]:
 def build_config(spec: ModelSpec, dtype: str | torch.dtype = "float32") -> transformers.PretrainedConfig:
     """The Hugging Face config of `spec`; `dtype` is recorded as the config's dtype (verl saves the
     config of a model loaded in that dtype)."""
+    if spec.hf_config:
+        data = spec.config_dict
+        data.pop("model_type", None)
+        config = model_class(spec).config_class(**data)
+        config.dtype = torch_dtype(dtype)
+        return config
     if spec.family in OTHER_FAMILIES:
         config = build_family_config(spec, _token_ids())
         config.dtype = torch_dtype(dtype)
@@ -228,4 +262,4 @@ def write_hf_metadata(directory: str | os.PathLike[str], spec: ModelSpec, dtype:
     build_config(spec, dtype).save_pretrained(directory)
     if spec.task == "causal_lm":
         write_generation_config(directory, spec)
-    save_tokenizer(directory, spec.vocab_size)
+    save_tokenizer(directory, spec.text_vocab_size)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from merge_engine.errors import AdapterError
+from merge_engine.errors import AdapterError, UnsupportedLayout
 from merge_engine.plan.hub_format import HUB, hub_naming, parse_weights_format
 from merge_engine.lora.adapter_io import LoraModule
 from merge_engine.lora.fuse import CheckedCopy, finite_or_raise
@@ -38,7 +38,7 @@ from merge_engine.lora.fused_experts import ExpertLora
 from merge_engine.lora.keys import LORA_A, LORA_B, PEFT_PREFIX, adapter_file_key, parse_key
 from merge_engine.plan.merge_plan import PlannedTensor
 from merge_engine.formats.tensor_source import TensorMeta, TensorSource, iter_flat_range
-from merge_engine.plan.transformers_conversion import TensorView
+from merge_engine.plan.transformers_conversion import ComputedTensor, TensorView
 
 WEIGHT = ".weight"
 
@@ -218,8 +218,12 @@ def export_adapter(modules: Mapping[str, LoraModule], experts: Mapping[str, Expe
     """
     naming = hub_naming(base_shapes, config) if parse_weights_format(weights_format) == HUB else None
     pieces: dict[str, list[tuple[str, TensorView]]] = {}
+    computed: dict[str, str] = {}  # a stored weight -> the Hub tensor computed from it and others
     if naming is not None:
         for hub_name, view in naming.views.items():
+            if isinstance(view, ComputedTensor):
+                computed.update(dict.fromkeys(view.sources, hub_name))
+                continue
             pieces.setdefault(view.source, []).append((hub_name, view))
         base_modules = {_module(n) for n in naming.views if n.endswith(WEIGHT)}
     else:
@@ -227,6 +231,10 @@ def export_adapter(modules: Mapping[str, LoraModule], experts: Mapping[str, Expe
     out = _Builder(metas, dtype)
     renamed = 0
     for lora in modules.values():
+        if lora.weight_name in computed:
+            raise UnsupportedLayout(f"{lora.module}: its Hub tensor {computed[lora.weight_name]} is computed from "
+                                    "several stored tensors, so no Hub module carries its LoRA: pass "
+                                    "--weights-format transformers", where)
         views = pieces.get(lora.weight_name)
         if not views or (len(views) == 1 and views[0][1].is_whole(lora.weight_shape)):
             name = _module(views[0][0]) if views else lora.module

@@ -17,8 +17,9 @@ Contract:
   are the Hub names (a checkpoint written under transformers 4.x, a dense model).
 - A transposed view (Qwen3-VL-MoE's fused experts: `transformers_conversion`'s Hub transpose) is read one
   leading index (one expert's matrix) at a time and transposed in memory (`_strided_blocks`).
-- A conversion that is not a view of one source tensor (a concatenation, an interleave) is refused
-  with `UnsupportedLayout` naming the tensor: ``--weights-format transformers`` writes it as stored.
+- A Hub tensor that transformers' reverse conversion computes from several stored tensors (Kimi-K2.5's
+  vision ``wqkv``: q, k, v permuted back for rope and concatenated) is computed by that conversion's own
+  ops from the whole source tensors (`ComputedBuilder`; such tensors are small: vision projections).
 - `to_hub_format(plan, config)` -> the plan with the Hub names; every output is planned as ranged
   reads of its source (a per-expert slice of a tensor fused on dim 0 is one contiguous byte range),
   so no fused tensor is ever held whole.
@@ -43,7 +44,9 @@ from merge_engine.plan.option_values import (  # noqa: F401 - the format names l
 from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, assign_shards
 from merge_engine.formats.tensor_source import TensorSource, iter_flat_range
 from merge_engine.plan.transformers_conversion import (
+    ComputedTensor,
     TensorView,
+    compute_reverse,
     conversion_known,
     meta_model,
     trace_reverse_conversion,
@@ -83,7 +86,7 @@ def with_hub_config(plan: MergePlan, config: Mapping[str, Any]) -> MergePlan:
 class HubNaming:
     """Output name -> view of a source tensor, in write order (sources in their order, then offset)."""
 
-    views: dict[str, TensorView]
+    views: dict[str, TensorView | ComputedTensor]
     description: str
 
 
@@ -99,24 +102,68 @@ def hub_naming(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any])
     if model is None:
         return None
     memory = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    model_hub = trace_reverse_conversion(model, memory)
+    model_hub = trace_reverse_conversion(model, memory, computed=True)
     in_memory_only = set(memory) - set(model_hub)
-    relaid = {v.source for v in model_hub.values() if not v.is_whole(memory[v.source])}  # e.g. transposed
+    relaid = {s for v in model_hub.values() for s in _changed_sources(v, memory)}  # e.g. transposed, computed
     if not (in_memory_only | relaid) & set(shapes):
         return None  # already Hub names (or a model whose names never change)
-    views = trace_reverse_conversion(model, shapes)
-    if all(name == v.source and v.is_whole(shapes[name]) for name, v in views.items()):
+    views = trace_reverse_conversion(model, shapes, computed=True)
+    if all(isinstance(v, TensorView) and name == v.source and v.is_whole(shapes[name]) for name, v in views.items()):
         return None  # already the Hub's names and layout (a checkpoint written under transformers 4.x)
     order = {name: i for i, name in enumerate(shapes)}
-    ordered = dict(sorted(views.items(), key=lambda kv: (order[kv[1].source], kv[1].offset, kv[0])))
+    ordered = dict(sorted(views.items(), key=lambda kv: (order[_first_source(kv[1])], getattr(kv[1], "offset", 0),
+                                                         kv[0])))
     import transformers
 
-    split = sum(1 for v in views.values() if not v.is_whole(shapes[v.source]) and v.is_contiguous())
-    transposed = sum(1 for v in views.values() if not v.is_contiguous())
-    renamed = sum(1 for name, v in views.items() if name != v.source)
+    plain = {name: v for name, v in views.items() if isinstance(v, TensorView)}
+    split = sum(1 for v in plain.values() if not v.is_whole(shapes[v.source]) and v.is_contiguous())
+    transposed = sum(1 for v in plain.values() if not v.is_contiguous())
+    renamed = sum(1 for name, v in plain.items() if name != v.source)
     return HubNaming(ordered, f"Hub names (transformers {transformers.__version__} conversion for "
                               f"{type(model).__name__}): {renamed} of {len(views)} tensors renamed, "
-                              f"{split} cut from fused tensors, {transposed} transposed")
+                              f"{split} cut from fused tensors, {transposed} transposed, "
+                              f"{len(views) - len(plain)} computed from several")
+
+
+def _first_source(view: TensorView | ComputedTensor) -> str:
+    return view.sources[0] if isinstance(view, ComputedTensor) else view.source
+
+
+def _changed_sources(view: TensorView | ComputedTensor, shapes: Mapping[str, tuple[int, ...]]) -> tuple[str, ...]:
+    if isinstance(view, ComputedTensor):
+        return view.sources
+    return () if view.is_whole(shapes[view.source]) else (view.source,)
+
+
+@dataclass(frozen=True)
+class ComputedBuilder:
+    """Builds one Hub tensor that transformers' reverse conversion computes from several planned tensors:
+    each read whole, the conversion run on them (`compute_reverse`). Memory: those tensors, twice."""
+
+    bases: tuple[PlannedTensor, ...]
+    computed: ComputedTensor
+    out_name: str
+    config_json: str
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(i for base in self.bases for i in getattr(base.build, "inputs", (base.source_name,))))
+
+    def chunks(self, source: TensorSource, max_bytes: int) -> Iterator[torch.Tensor]:
+        import json
+
+        tensors = {}
+        for base in self.bases:
+            numel = 1
+            for size in base.shape:
+                numel *= size
+            flat = [c.reshape(-1) for c in _planned_range(base, source, 0, numel, max_bytes)]
+            tensors[base.name] = (torch.cat(flat) if flat else torch.empty(0, dtype=base.dtype)).reshape(base.shape)
+        value = compute_reverse(meta_model(json.loads(self.config_json)), self.computed, tensors, self.out_name)
+        flat = value.reshape(-1)
+        step = max(1, max_bytes // max(1, flat.element_size()))
+        for start in range(0, flat.numel(), step):
+            yield flat[start:start + step]
 
 
 @dataclass(frozen=True)
@@ -185,7 +232,16 @@ def to_hub_format(plan: MergePlan, config: Mapping[str, Any], max_shard_size: in
     if naming is None:
         return plan
     tensors: list[PlannedTensor] = []
+    config_json = None
     for out_name, view in naming.views.items():
+        if isinstance(view, ComputedTensor):
+            import json
+
+            config_json = config_json or json.dumps(merged_config, sort_keys=True, default=str)
+            bases = tuple(by_name[name] for name in view.sources)
+            tensors.append(PlannedTensor(out_name, view.shape, bases[0].dtype, bases[0].source_name,
+                                         ComputedBuilder(bases, view, out_name, config_json)))
+            continue
         base = by_name[view.source]
         if view.is_whole(base.shape):
             tensors.append(replace(base, name=out_name))

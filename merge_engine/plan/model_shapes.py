@@ -73,7 +73,7 @@ def compute_model_shapes(config: Mapping[str, Any]) -> tuple[Shapes | None, str 
     shapes: Shapes = {name: [shape] for name, shape in memory.items()}
     if conversion_known(config):
         try:
-            hub = trace_reverse_conversion(model, memory)
+            hub = trace_reverse_conversion(model, memory, computed=True)
         except UnsupportedLayout:
             hub = {}  # the Hub names are refused by the merge itself, with its reason
         for name, view in hub.items():

@@ -8,7 +8,10 @@
   conversion (``revert_weight_conversion``'s transforms, in its order), run on meta tensors of
   ``shapes`` whose ``contiguous()`` keeps the view: each output name -> the `TensorView` of the one
   source tensor it is. An output computed from several sources (a concatenation) or a copy (an
-  interleave) is refused with `UnsupportedLayout`.
+  interleave) is refused with `UnsupportedLayout`, unless ``computed=True``: it is then a `ComputedTensor`
+  (its sources, shape and the reverse converter that makes it), and `compute_reverse` makes it from the
+  real source tensors with transformers' own ops (Kimi-K2.5's vision ``wqkv``: q, k, v permuted back for
+  rope and concatenated), so the Hub tensor is what ``save_pretrained`` would write.
 - The Hub layout of a tensor that transformers transposes on load only when its shape asks for it
   (``Transpose(check_dims=True)``, e.g. Qwen3-VL-MoE's fused experts): ``save_pretrained`` keeps the
   in-memory layout, the Hub's checkpoints (and transformers 4.x) hold the transposed one. The trace
@@ -92,6 +95,22 @@ class TensorView:
             else:
                 break
         return inner
+
+
+@dataclass(frozen=True)
+class ComputedTensor:
+    """An output tensor that transformers' reverse conversion computes from ``sources`` (stored names, in the
+    order the converter takes them): ``group`` is the converter's first target (its key in the trace) and
+    ``pattern`` the source pattern that selects it."""
+
+    sources: tuple[str, ...]
+    shape: tuple[int, ...]
+    group: str
+    pattern: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 class _Traced(torch.Tensor):
@@ -303,10 +322,11 @@ def _reverse_transforms(model, conversions=None):
     return renamings, converters, {p: c for c in converters for p in c.source_patterns}
 
 
-def trace_reverse_conversion(model, shapes: Mapping[str, tuple[int, ...]], conversions=None) -> dict[str, TensorView]:
+def trace_reverse_conversion(model, shapes: Mapping[str, tuple[int, ...]], conversions=None,
+                             computed: bool = False) -> dict[str, TensorView]:
     """Run transformers' save-time conversion of ``model`` on meta tensors of ``shapes`` and return,
-    for every output name, the view of the source tensor it is. `UnsupportedLayout` when an output is
-    not a view of a single source (its values would have to be computed)."""
+    for every output name, the view of the source tensor it is. An output that is not a view of a single
+    source (its values have to be computed): a `ComputedTensor` with ``computed=True``, else `UnsupportedLayout`."""
     from copy import deepcopy
 
     from transformers.core_model_loading import (
@@ -323,6 +343,7 @@ def trace_reverse_conversion(model, shapes: Mapping[str, tuple[int, ...]], conve
     if len(owner) != len(bases):
         raise RuntimeError("meta tensors share storage: cannot trace the conversion")
     groups: dict[str, Any] = {}
+    members: dict[str, list[tuple[str, str]]] = {}
     for name in sorted(shapes, key=dot_natural_key):
         renamed, pattern = apply_converters(name, converters)
         if pattern is not None:
@@ -332,6 +353,7 @@ def trace_reverse_conversion(model, shapes: Mapping[str, tuple[int, ...]], conve
             group = groups.setdefault(renamed, WeightRenaming(name, renamed))
             pattern = name
         group.add_tensor(renamed, name, pattern, bases[name])
+        members.setdefault(renamed, []).append((name, pattern))
     views: dict[str, TensorView] = {}
     for first, group in groups.items():
         for out_name, value in group.convert(first, model=model, config=model.config).items():
@@ -339,6 +361,12 @@ def trace_reverse_conversion(model, shapes: Mapping[str, tuple[int, ...]], conve
             if isinstance(group, WeightConverter):
                 out_name = apply_renamings(out_name, renamings)
             source = owner.get(value.untyped_storage()._cdata)
+            if source is None and computed and isinstance(group, WeightConverter):
+                if out_name in views:
+                    raise UnsupportedLayout(f"{out_name}: two stored tensors map to the same Hub name")
+                views[out_name] = ComputedTensor(tuple(n for n, _ in members[first]), tuple(value.shape), first,
+                                                 members[first][0][1])
+                continue
             if source is None:
                 raise UnsupportedLayout(f"{out_name}: transformers computes this Hub tensor from several stored "
                                         f"ones ({group.source_patterns}); pass --weights-format transformers "
@@ -347,3 +375,26 @@ def trace_reverse_conversion(model, shapes: Mapping[str, tuple[int, ...]], conve
                 raise UnsupportedLayout(f"{out_name}: two stored tensors map to the same Hub name")
             views[out_name] = TensorView(source, value.storage_offset(), tuple(value.shape), tuple(value.stride()))
     return views
+
+
+def compute_reverse(model, computed: ComputedTensor, tensors: Mapping[str, torch.Tensor], out_name: str,
+                    conversions=None) -> torch.Tensor:
+    """The Hub tensor ``out_name`` made from the real ``tensors`` (stored name -> tensor, every one of
+    ``computed.sources``) by transformers' own reverse converter, as ``save_pretrained`` makes it."""
+    from copy import deepcopy
+
+    from transformers.core_model_loading import apply_converters, apply_renamings
+
+    renamings, converters, by_pattern = _reverse_transforms(model, conversions)
+    group = deepcopy(by_pattern[computed.pattern])
+    for name in computed.sources:
+        renamed, pattern = apply_converters(name, converters)
+        group.add_tensor(renamed, name, pattern, tensors[name])
+    with torch.no_grad():
+        for name, value in group.convert(computed.group, model=model, config=model.config).items():
+            if apply_renamings(name, renamings) == out_name:
+                value = value[0] if isinstance(value, list) else value
+                if tuple(value.shape) != computed.shape:
+                    raise UnsupportedLayout(f"{out_name}: computed {tuple(value.shape)}, traced {computed.shape}")
+                return value.contiguous()
+    raise UnsupportedLayout(f"{out_name}: transformers' reverse conversion did not make it")

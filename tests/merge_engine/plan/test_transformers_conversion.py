@@ -4,7 +4,10 @@ Specification: the traced reversal names what ``save_pretrained`` names (its per
 the slices of the fused one that transformers' ops cut), and a view's element runs are exactly the
 elements ``torch.as_strided`` takes. A tensor transformers transposes on load only when its shape asks
 (``Transpose(check_dims=True)``: Qwen3-VL-MoE's experts) is traced to the Hub's transposed layout when it
-has the in-memory shape, left as it is when it already has the Hub's, refused when square.
+has the in-memory shape, left as it is when it already has the Hub's, refused when square. A Hub tensor
+computed from several stored ones is refused by default; asked for (``computed=True``) it is a
+`ComputedTensor`, and `compute_reverse` makes it, bit for bit, as ``save_pretrained`` writes it (Kimi-K2.5's
+vision ``wqkv``: q and k permuted back for rope, then q, k, v concatenated).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import torch
 
 from merge_engine.errors import UnsupportedLayout
 from merge_engine.plan.transformers_conversion import (
+    ComputedTensor,
     TensorView,
+    compute_reverse,
     _table_keys,
     conversion_known,
     conversion_table_keys,
@@ -50,6 +55,39 @@ class TestTrace:
         shapes = {"model.layers.0.mlp.gate_proj.weight": (112, 64), "model.layers.0.mlp.up_proj.weight": (112, 64)}
         with pytest.raises(UnsupportedLayout, match="several stored"):
             trace_reverse_conversion(model, shapes, [split])
+        computed = trace_reverse_conversion(model, shapes, [split], computed=True)
+        assert computed == {"model.layers.0.mlp.gate_up_proj.weight": ComputedTensor(
+            tuple(shapes), (224, 64), "model.layers.0.mlp.gate_up_proj.weight", "mlp.gate_proj.weight")}
+        gate, up = torch.randn(112, 64), torch.randn(112, 64)
+        fused = compute_reverse(model, computed["model.layers.0.mlp.gate_up_proj.weight"],
+                                dict(zip(shapes, (gate, up))), "model.layers.0.mlp.gate_up_proj.weight", [split])
+        assert torch.equal(fused, torch.cat([gate, up]))
+
+    def test_kimi_k25_vision_wqkv_is_computed_as_save_pretrained_writes_it(self, tmp_path):
+        import transformers
+        from safetensors.torch import load_file
+
+        from synthetic_runs.tiny_configs import registry_families, tiny_config
+
+        family = next(f for f in registry_families() if f.model_type == "kimi_k25")
+        config = tiny_config(family)
+        model = transformers.Kimi_K25ForConditionalGeneration._from_config(
+            transformers.Kimi_K25ForConditionalGeneration.config_class(**config)).eval()
+        model.save_pretrained(tmp_path)
+        saved = {k: v for path in tmp_path.glob("*.safetensors") for k, v in load_file(path).items()}
+        state = model.state_dict()
+        views = trace_reverse_conversion(meta_model(config), {k: tuple(v.shape) for k, v in state.items()},
+                                         computed=True)
+        wqkv = {name: view for name, view in views.items() if isinstance(view, ComputedTensor)}
+        assert wqkv and all(".wqkv." in name for name in wqkv)
+        for name, view in wqkv.items():
+            assert torch.equal(compute_reverse(meta_model(config), view, state, name), saved[name]), name
+        assert set(saved) <= set(views)  # (save_pretrained drops a tied head)
+        for name in saved:
+            view = views[name]
+            if isinstance(view, TensorView):
+                taken = torch.as_strided(state[view.source].reshape(-1), view.shape, view.stride, view.offset)
+                assert torch.equal(taken, saved[name]), name
 
 
 class TestHubTranspose:
