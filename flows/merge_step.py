@@ -39,6 +39,7 @@ from flows.summaries import step_summary
 from flows.watchers import not_ready_error, retrying_watcher
 from merge_engine.release.state import ADAPTER, MODEL, release_url
 from tasks.progress import artifact_key
+from tasks.result_records import RECORD_SERIALIZER
 
 
 def summary_key(params: MergeStepParams) -> str:
@@ -82,7 +83,8 @@ def run_stages(params: MergeStepParams, timer: StageTimer) -> StepOutcome:
     return outcome
 
 
-@flow(name="merge-step", flow_run_name=step_run_name, log_prints=True, persist_result=True)
+@flow(name="merge-step", flow_run_name=step_run_name, log_prints=True, persist_result=True,
+      result_serializer=RECORD_SERIALIZER)
 @takes(MergeStepParams)
 def merge_step(**parameters) -> StepOutcome:
     """Merge, validate and publish one step of a training run (see the module docstring)."""

@@ -13,6 +13,7 @@ from typing import List, Optional
 from pydantic import BaseModel
 
 from flows.step_keys import step_key
+from tasks.result_records import register_result_type
 
 
 class StageRun(BaseModel):
@@ -43,6 +44,7 @@ class ReleaseOutcome(BaseModel):
     total_bytes: int = 0
 
 
+@register_result_type
 class StepOutcome(BaseModel):
     """What a merge_step run did: status, releases, and every stage with its state and time."""
 

@@ -35,6 +35,7 @@ from merge_engine.errors import AdapterError
 from merge_engine.release.state import ADAPTER, MODEL, release_state, release_url
 from tasks.progress import release_artifact_key
 from tasks.records import CheckpointRecord
+from tasks.result_records import RECORD_SERIALIZER
 
 
 def model_release_of(url: str, checkpoint: CheckpointRecord, params: AdapterParams) -> bool:
@@ -44,7 +45,8 @@ def model_release_of(url: str, checkpoint: CheckpointRecord, params: AdapterPara
     return state.intact and state.provenance.is_trained_model_of(checkpoint.fingerprint, params.lora_alpha)
 
 
-@flow(name="release-adapter", flow_run_name=adapter_run_name, log_prints=True, persist_result=True)
+@flow(name="release-adapter", flow_run_name=adapter_run_name, log_prints=True, persist_result=True,
+      result_serializer=RECORD_SERIALIZER)
 @takes(AdapterParams)
 def release_adapter(**parameters) -> StepOutcome:
     """Extract, validate and publish the LoRA adapter of one step (see the module docstring)."""

@@ -50,7 +50,7 @@ from merge_engine.release.built import BuiltOutput
 from merge_engine.release.publish import Release
 from merge_engine.release.state import ADAPTER, MODEL, ReleaseProvenance, ReleaseState, release_state
 from merge_engine.validate import ValidationReport
-from tasks.build import BuildSpec, extract_adapter, merge_model
+from tasks.build import BuildSpec, extract_adapter, merge_model, verified_output
 from tasks.check import check_step
 from tasks.discover import discover_step, discover_steps
 from tasks.publish import publish_release
@@ -123,7 +123,7 @@ def ready_checkpoint(timer: StageTimer, run_root: str, step: int, role: str,
     if found.status == "incomplete":  # "not yet", never an error; "invalid" fails in the check
         return ReadyCheckpoint(found, None, found.reason or "incomplete")
     try:
-        return ReadyCheckpoint(found, timer.run("check", check_step, found, backend))
+        checked = timer.run("check", check_step, found, backend)
     except (IncompleteCheckpoint, CorruptShard) as exc:
         time.sleep(SETTLE_S)
         again = timer.run("discover-again", discover_step, run_root, step, role)
@@ -131,6 +131,7 @@ def ready_checkpoint(timer: StageTimer, run_root: str, step: int, role: str,
             return ReadyCheckpoint(found, None, f"its files are still being written (they changed while being "
                                                 f"checked; the check said: {exc.message})")
         raise
+    return ReadyCheckpoint(found, checked.verified_for(found))  # a cached check is not trusted blindly
 
 
 @dataclass(frozen=True)
@@ -200,8 +201,9 @@ class ChainRun:
 def model_chain(timer: StageTimer, inputs: ReleaseInputs, state: ReleaseState) -> ChainRun:
     """merge -> validate -> publish: the merged model of ``inputs.checkpoint`` at ``inputs.release``."""
     first = len(timer.stages)
-    output = timer.run("merge", merge_model, inputs.build_spec(), inputs.release, inputs.staging_root,
-                       inputs.overwrite, inputs.execution, state)
+    output = verified_output(timer.run("merge", merge_model, inputs.build_spec(), inputs.release,
+                                       inputs.staging_root, inputs.overwrite, inputs.execution, state),
+                             inputs.build_spec(), inputs.release, inputs.staging_root)
     report = timer.run("validate", validate_output, output, inputs.validation, inputs.release,
                        *inputs.trained_model_arguments(), state)
     released, published = timer.call("publish", publish_release, output, report, inputs.release,
@@ -212,8 +214,9 @@ def model_chain(timer: StageTimer, inputs: ReleaseInputs, state: ReleaseState) -
 def adapter_chain(timer: StageTimer, inputs: ReleaseInputs, state: ReleaseState) -> ChainRun:
     """extract-adapter -> validate-adapter -> publish-adapter: the PEFT adapter of ``inputs.checkpoint``."""
     first = len(timer.stages)
-    output = timer.run("extract-adapter", extract_adapter, inputs.build_spec(), inputs.release, inputs.staging_root,
-                       inputs.overwrite, inputs.execution, state)
+    output = verified_output(timer.run("extract-adapter", extract_adapter, inputs.build_spec(), inputs.release,
+                                       inputs.staging_root, inputs.overwrite, inputs.execution, state),
+                             inputs.build_spec(), inputs.release, inputs.staging_root)
     report = timer.run("validate-adapter", validate_adapter, output, inputs.validation, inputs.fused_model_url,
                        inputs.release, *inputs.trained_model_arguments(), state)
     released, published = timer.call("publish-adapter", publish_release, output, report, inputs.release,

@@ -54,6 +54,7 @@ from merge_engine.release.state import (
 from tasks.cache import stage_cache_policy
 from tasks.progress import ProgressArtifact, release_artifact_key
 from tasks.records import SETTINGS_RECORDS, CheckpointRecord, Settings
+from tasks.result_records import RECORD_SERIALIZER
 from tasks.retry import RETRY_OPTIONS
 from tasks.shard_runs import task_executor_address
 
@@ -81,6 +82,21 @@ def output_available(output: BuiltOutput, inputs: dict[str, Any]) -> bool:
     if state.output_available(output):
         return True
     return state is given and release_state(output.release_url).output_available(output)
+
+
+def verified_output(output: BuiltOutput, spec: BuildSpec, release: str, staging_root: Optional[str]) -> BuiltOutput:
+    """``output`` when it can be the build of ``spec`` for ``release`` (a cached build comes from a result store
+    another party may write): its kind and source are the spec's, and its bytes are where this build puts them
+    (the release itself when found released, else the staging folder of its fingerprint). Else `UnsafeRecord`
+    naming the output's URL: a forged record cannot make publishing copy another place into the release."""
+    from merge_engine.errors import UnsafeRecord
+
+    where = release if output.released else staging_url(staging_root, release, output.fingerprint)
+    if output.kind != spec.kind or output.source_url != spec.checkpoint.url or output.url != where \
+            or output.release_url != release:
+        raise UnsafeRecord(f"a built output of {output.source_url} at {output.url} is not where the build of "
+                           f"{spec.checkpoint.url} for {release} puts its bytes ({where})", output.url)
+    return output
 
 
 def fingerprint_of(spec: BuildSpec) -> str:
@@ -117,7 +133,7 @@ def progress_title(spec: BuildSpec, release: str) -> str:
 @task(name="build-output",
       cache_policy=stage_cache_policy("build", ("spec", "release"), still_valid=output_available,
                                       listed=("spec.settings.hf_model_path", "spec.settings.base_model")),
-      persist_result=True, **RETRY_OPTIONS)
+      persist_result=True, result_serializer=RECORD_SERIALIZER, **RETRY_OPTIONS)
 def build_output(spec: BuildSpec, release: str, staging_root: Optional[str] = None, overwrite: bool = False,
                  execution: Optional[Settings] = None, state: Optional[ReleaseState] = None) -> BuiltOutput:
     """Build ``spec`` into a staging folder for ``release`` (or find it already released there)."""

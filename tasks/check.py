@@ -17,11 +17,12 @@ from merge_engine.errors import IncompleteCheckpoint, WorldSizeMismatch
 from merge_engine.layouts import check_checkpoint
 from tasks.cache import stage_cache_policy
 from tasks.records import CheckpointRecord, StepRecord
+from tasks.result_records import RECORD_SERIALIZER
 from tasks.retry import RETRY_OPTIONS
 
 
 @task(name="check-checkpoint", cache_policy=stage_cache_policy("check", ("step", "backend")),
-      persist_result=True, **RETRY_OPTIONS)
+      persist_result=True, result_serializer=RECORD_SERIALIZER, **RETRY_OPTIONS)
 def check_step(step: StepRecord, backend: Optional[str] = None) -> CheckpointRecord:
     """The checkpoint of ``step`` after the deep completeness check (headers only, no weights), of the listing
     discovery made (not listed again), with what the check learned: LoRA or not, the parsed tensor index."""

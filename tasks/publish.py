@@ -34,6 +34,7 @@ from merge_engine.release.publish import Release, publish
 from merge_engine.release.state import ReleaseState, release_state, state_of, withdraw_damaged
 from merge_engine.validate import ValidationReport
 from tasks.cache import stage_cache_policy
+from tasks.result_records import RECORD_SERIALIZER
 from tasks.retry import RETRY_OPTIONS
 
 
@@ -50,7 +51,7 @@ def release_current(release: Release, inputs: dict[str, Any]) -> bool:
 @task(name="publish-release",
       cache_policy=stage_cache_policy("publish", ("output.fingerprint", "output.kind", "release", "validation.ok"),
                                       still_valid=release_current),
-      persist_result=True, **RETRY_OPTIONS)
+      persist_result=True, result_serializer=RECORD_SERIALIZER, **RETRY_OPTIONS)
 def publish_release(output: BuiltOutput, validation: ValidationReport, release: str,
                     options: Optional[dict[str, Any]] = None, overwrite: bool = False,
                     state: Optional[ReleaseState] = None) -> Release:

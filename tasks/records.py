@@ -1,6 +1,6 @@
 """The records a flow hands its tasks: small, typed, frozen, never a tensor.
 
-Each is a pydantic model (Prefect caches it, pickles it and shows it in the UI). They carry URLs,
+Each is a pydantic model (Prefect caches it as JSON, `tasks.result_records`, and shows it in the UI). They carry URLs,
 fingerprints, counts and settings; the bytes stay in storage. `from_*` constructors turn
 the engine's dataclasses into records, `to_*` turn them back where an engine call needs one.
 What the build, validate and publish tasks RETURN is the engine's own frozen dataclasses
@@ -82,7 +82,8 @@ class CheckpointRecord(Record):
     the layout's findings (what a verl Megatron LoRA step holds: `merge_engine.layouts.megatron_lora`).
     ``index`` is the check's parsed tensor index (`merge_engine.layouts.tensor_index`, bounded): the merge
     and its workers open the checkpoint from it without reading a header again. It is derived from the
-    listing, so it takes no part in cache keys or the UI (``exclude``); it travels in the pickled record.
+    listing, so it takes no part in cache keys or the UI (``exclude``); it travels in the cached record
+    (as base64 JSON text: `tasks.result_records`).
     """
 
     url: str
@@ -103,6 +104,34 @@ class CheckpointRecord(Record):
                    parallel=dict(checkpoint.parallel), hf_dir=checkpoint.hf_dir, lora=bool(checkpoint.lora),
                    total_bytes=sum(f.size for f in checkpoint.files), notes=tuple(checkpoint.notes),
                    index=checkpoint.index)
+
+    def verified_for(self, step: StepRecord) -> CheckpointRecord:
+        """This record, when it can be the check of ``step`` (a cached check comes from a result store another
+        party may write): its URL is the step's folder or under it, its config folder under that, its files
+        relative paths inside it, each listed by discovery with the same size and version (when ``step``
+        carries its listing). Else `UnsafeRecord` naming the record's URL: a forged record cannot send the
+        merge to a host file, another bucket or another step."""
+        from merge_engine import storage
+        from merge_engine.errors import UnsafeRecord
+
+        def inside(url: Optional[str], root: str) -> bool:
+            return url is not None and ".." not in url.split("/") and (
+                url.rstrip("/") == root.rstrip("/") or url.startswith(root.rstrip("/") + "/"))
+
+        if not inside(self.url, step.url) or (self.hf_dir is not None and not inside(self.hf_dir, self.url)):
+            raise UnsafeRecord(f"a checked checkpoint record names {self.url} (config {self.hf_dir}), outside the "
+                               f"step it was checked for ({step.url})", self.url)
+        listed = None if step.files is None else {storage.join(step.url, p): (size, version)
+                                                  for p, size, version in step.files}
+        for path, size, version in self.files:
+            parts = path.split("/")
+            if not path or path.startswith("/") or "://" in path or "\\" in path or ".." in parts:
+                raise UnsafeRecord(f"a checked checkpoint record lists the file {path!r}: not a path inside it",
+                                   self.url)
+            if listed is not None and listed.get(storage.join(self.url, path)) != (size, version):
+                raise UnsafeRecord(f"a checked checkpoint record lists {path} ({size} bytes, version {version!r}), "
+                                   "which the step's listing does not hold", self.url)
+        return self
 
     def to_checkpoint(self) -> Checkpoint:
         from merge_engine.layouts.contract import Checkpoint

@@ -35,6 +35,7 @@ from merge_engine.validate import adapter as adapter_validation
 from merge_engine.validate.trained import TRAINED, VS_ADAPTER, VS_FUSED, check_against_trained
 from tasks.cache import stage_cache_policy
 from tasks.records import CheckpointRecord, Settings
+from tasks.result_records import RECORD_SERIALIZER
 from tasks.retry import RETRY_OPTIONS
 
 
@@ -55,7 +56,7 @@ def released_validation(output: BuiltOutput, release: Optional[str],
 @task(name="validate-model",
       cache_policy=stage_cache_policy("validate", ("output.fingerprint", "output.url", "output.attempt", "settings"),
                                       listed=("settings.reference_url",)),
-      persist_result=True, **RETRY_OPTIONS)
+      persist_result=True, result_serializer=RECORD_SERIALIZER, **RETRY_OPTIONS)
 def validate_output(output: BuiltOutput, settings: Settings, release: Optional[str] = None,
                     checkpoint: Optional[CheckpointRecord] = None, lora_alpha: Optional[float] = None,
                     config_url: Optional[str] = None, state: Optional[ReleaseState] = None) -> ValidationReport:
@@ -73,7 +74,7 @@ def validate_output(output: BuiltOutput, settings: Settings, release: Optional[s
       cache_policy=stage_cache_policy("validate-adapter", ("output.fingerprint", "output.url", "output.attempt",
                                                            "settings", "fused_model_url"),
                                       listed=("fused_model_url",)),
-      persist_result=True, **RETRY_OPTIONS)
+      persist_result=True, result_serializer=RECORD_SERIALIZER, **RETRY_OPTIONS)
 def validate_adapter(output: BuiltOutput, settings: Settings, fused_model_url: Optional[str] = None,
                      release: Optional[str] = None, checkpoint: Optional[CheckpointRecord] = None,
                      lora_alpha: Optional[float] = None, config_url: Optional[str] = None,

@@ -62,8 +62,9 @@ class Checkpoint:
 
     What the check learned, carried so that nothing is read twice: ``lora`` (the weights hold LoRA
     factors: `holds_lora` of the tensor names read; None where the layout read no names) and
-    ``index`` (the parsed tensor index, `merge_engine.layouts.tensor_index`: `Layout.open` builds the
-    source from it without reading a header again, in this process or any other it is pickled to;
+    ``index`` (the parsed tensor index as JSON bytes, `merge_engine.layouts.tensor_index`: `Layout.open`
+    builds the source from it without reading a header again, in this process or any other it travels to,
+    reading only files ``files`` lists;
     None where the layout carries none or it was over `tensor_index.MAX_INDEX_BYTES`: then `open`
     reads the headers itself). Neither takes part in equality: the listing decides what a checkpoint is.
     """

@@ -12,6 +12,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.stages import ChainRun, StageTimer
+from tasks.result_records import RECORD_SERIALIZER
 
 
 @task(cache_policy=NO_CACHE)
@@ -19,7 +20,8 @@ def computes(value: str) -> str:
     return value + "+computed"
 
 
-@task(cache_key_fn=lambda context, inputs: f"test-stages-{inputs['value']}", persist_result=True)
+@task(cache_key_fn=lambda context, inputs: f"test-stages-{inputs['value']}", persist_result=True,
+      result_serializer=RECORD_SERIALIZER)  # the flows' result storage reads no other record
 def cacheable(value: str) -> str:
     return value + "+cacheable"
 

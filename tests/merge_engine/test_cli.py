@@ -101,7 +101,7 @@ def _zero_stride_tensor(checkpoint):
     import torch.distributed.tensor  # noqa: F401 - DTensor classes for torch.load of our own fixture
 
     for rank in range(4):
-        state = torch.load(_rank(checkpoint, rank), weights_only=False)
+        state = torch.load(_rank(checkpoint, rank), weights_only=True)
         state["model.extra_zeros"] = torch.zeros(1).expand(4000, 4000)
         torch.save(state, _rank(checkpoint, rank))
     return _rank(checkpoint, 0), "CorruptShard"

@@ -106,13 +106,16 @@ def test_with_the_cache_lost_an_existing_release_is_not_rebuilt(prefect, templat
 
 
 def test_results_can_be_kept_in_s3(prefect, s3_bucket_url, monkeypatch):
-    """STEPMERGE_RESULT_STORAGE=s3://...: the flows save a RemoteFileSystem block and every stage uses it."""
+    """STEPMERGE_RESULT_STORAGE=s3://...: the flows save a (guarded) RemoteFileSystem block and every stage uses it."""
+    from merge_engine.validate import ValidationReport
+    from tasks.result_records import RECORD_SERIALIZER
+
     calls = []
 
-    @task(cache_policy=stage_cache_policy("probe", ("x",)), persist_result=True)
-    def probe(x: int) -> dict:
+    @task(cache_policy=stage_cache_policy("probe", ("x",)), persist_result=True, result_serializer=RECORD_SERIALIZER)
+    def probe(x: int) -> ValidationReport:
         calls.append(x)
-        return {"x": x}
+        return ValidationReport(f"x{x}")
 
     @flow
     def run(x: int):
@@ -120,7 +123,7 @@ def test_results_can_be_kept_in_s3(prefect, s3_bucket_url, monkeypatch):
         return state
 
     monkeypatch.setenv("STEPMERGE_RESULT_STORAGE", f"{s3_bucket_url}/prefect-results")
-    assert run(7) == {"x": 7} and run(7) == {"x": 7}
+    assert run(7) == ValidationReport("x7") and run(7) == ValidationReport("x7")
     assert calls == [7]  # the second run read the cached result back from S3
     stored = storage.list_files(f"{s3_bucket_url}/prefect-results")
     assert [e.path for e in stored if e.path.startswith("stepmerge-probe-")]

@@ -20,14 +20,15 @@ from typing import Any
 
 from merge_engine import storage
 from merge_engine.storage import tuning
-from merge_engine.errors import CorruptShard
+from merge_engine.errors import CorruptShard, UnsafeRecord
 from merge_engine.layouts.contract import FileRecord
 from merge_engine.output.executors import WrittenFiles, finish_output
 from merge_engine.output.work_unit import PlannedOutput
 from merge_engine.storage.backend import TIMEOUT_ENV
 from merge_engine.storage.schemes import registered_backends
 
-__all__ = ["RemoteExecutor", "UnitTask", "apply_storage_env", "prepared_outputs", "run_unit_task", "storage_env"]
+__all__ = ["RemoteExecutor", "UnitTask", "apply_storage_env", "prepared_outputs", "run_unit_task", "storage_env",
+           "storage_env_keys"]
 
 _PREPARED: dict[str, Any] = {}  # in a worker process: job key -> its PreparedJob (sources open)
 
@@ -52,22 +53,34 @@ class UnitTask:
         return self.planned[0]
 
 
-def storage_env() -> dict[str, str]:
-    """The environment variables every storage backend reads, as this process has them: what a worker
-    needs to reach the same storage (endpoints, credentials, timeouts, requests in flight, read-ahead)."""
+def storage_env_keys() -> frozenset[str]:
+    """The environment variables every storage backend reads (endpoints, credentials, timeouts, requests in
+    flight, read-ahead): the only ones a task may set in a worker."""
     keys = {key for backend in registered_backends() for key in getattr(backend, "env_keys", ())}
     keys.update((TIMEOUT_ENV, "STEPMERGE_REQUESTS_IN_FLIGHT", "STEPMERGE_READ_AHEAD_BYTES"))
-    return {key: os.environ[key] for key in sorted(keys) if key in os.environ}
+    return frozenset(keys)
+
+
+def storage_env() -> dict[str, str]:
+    """`storage_env_keys` as this process has them: what a worker needs to reach the same storage."""
+    return {key: os.environ[key] for key in sorted(storage_env_keys()) if key in os.environ}
 
 
 _WORKER_ENV: dict[str, str | None] = {}  # in a worker process: its own value of each key a task has set
 
 
-def apply_storage_env(env: tuple[tuple[str, str], ...]) -> None:
+def apply_storage_env(env: tuple[tuple[str, str], ...], where: str | None = None) -> None:
     """Make this worker process see ``env`` (a coordinator's `storage_env`) as a Ray ``runtime_env`` would:
     those keys set, every key an earlier task set and this one does not back to the worker's own value.
-    Storage clients are cached by these values (`storage.backend`), so a change reaches the next request."""
+    Storage clients are cached by these values (`storage.backend`), so a change reaches the next request.
+    A key that is not a storage setting (`storage_env_keys`: never ``PATH``, ``LD_PRELOAD``, ``PYTHONPATH``...)
+    is `UnsafeRecord` naming ``where`` (the job's source), nothing set: a task decides where the worker's storage is, never what code it loads."""
     wanted = dict(env)
+    allowed = storage_env_keys()
+    foreign = sorted(key for key in wanted if key not in allowed)
+    if foreign:
+        raise UnsafeRecord(f"a work unit sets the environment variable {foreign[0][:100]!r}, which is not a "
+                           "storage setting; nothing was set", where)
     for key in set(_WORKER_ENV) | set(wanted):
         _WORKER_ENV.setdefault(key, os.environ.get(key))
         value = wanted.get(key, _WORKER_ENV[key])
@@ -93,7 +106,7 @@ def prepared_outputs(job: Any, key: str) -> list[PlannedOutput]:
 
 def run_unit_task(task: UnitTask) -> FileRecord:
     """Write one work unit in this process (see the module docstring); its record."""
-    apply_storage_env(task.env)
+    apply_storage_env(task.env, getattr(task.job, "source_url", None))
     unit = prepared_outputs(task.job, task.key)[task.output_index].units[task.unit_index]
     planned = unit.planned
     if planned != task.planned:

@@ -1,0 +1,178 @@
+"""Forged records in Prefect's result storage (issue 26): nothing in them runs, nothing outside the step is read.
+
+Specification:
+- the stage tasks and flows store their results with `RecordSerializer` (JSON of an exact table of records);
+  reading one back builds the record by its constructor; a pickle, a document naming a type outside the table
+  (or Prefect's JSON ``__class__`` form naming ``subprocess.Popen``) or a malformed field is `UnsafeRecord`;
+- the result storage blocks the flows use read only such records: a record naming Prefect's pickle serializer
+  (every forged payload of `tests.forged_pickles`, and ``picklelib`` naming another module) is `UnsafeRecord`
+  naming its key, before Prefect deserialises it; no marker file, no child process;
+- end to end, a forged pickle planted at the very key of a step's check task is never loaded: the flow's check
+  runs again (and overwrites it), the next run is served from the cache (caching still works), nothing runs;
+- a cached check record (JSON, well formed) that names another place is refused by the flow
+  (`CheckpointRecord.verified_for`): a URL outside the step (host file, other bucket, other step), a file
+  path leaving the checkpoint, a file the step's listing does not hold.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+
+import pytest
+from prefect import flow
+
+from flows.stages import StageTimer, ready_checkpoint
+from merge_engine.errors import UnsafeRecord
+from merge_engine.layouts.discovery import discover_step
+from tasks.cache import stage_key
+from tasks.records import CheckpointRecord, StepRecord
+from tasks.result_records import RECORD_SERIALIZER, checked_record
+from tests.fixtures_pipeline import copy_steps
+from tests.forged_pickles import INDEX_MODULE, PAYLOAD_IDS, PAYLOADS, Inert, forged
+
+
+def _record(serializer: dict, result: bytes) -> bytes:
+    """A result record as Prefect writes one: metadata naming the serializer, and the serialized result."""
+    return json.dumps({"metadata": {"storage_key": "k", "expiration": None, "serializer": serializer,
+                                    "prefect_version": "3.9.1", "storage_block_id": None},
+                       "result": base64.b64encode(result).decode()}).encode()
+
+
+@pytest.mark.parametrize(("gadget", "protocol", "opcode"), PAYLOADS, ids=PAYLOAD_IDS)
+def test_a_forged_pickle_record_is_refused_unread(gadget, protocol, opcode, tmp_path):
+    marker = tmp_path / "pwned"
+    payload = forged(gadget, marker, protocol, opcode, INDEX_MODULE)
+    with Inert(marker):
+        for serializer in ({"type": "pickle"}, {"type": "pickle", "picklelib": "pickle"},
+                           {"type": "stepmerge-records", "picklelib": "pickle"}):
+            with pytest.raises(UnsafeRecord) as error:
+                checked_record(_record(serializer, payload), "stepmerge-check-forged")
+            assert error.value.path == "stepmerge-check-forged"
+        with pytest.raises(UnsafeRecord):  # the serializer itself never unpickles either
+            RECORD_SERIALIZER.loads(payload)
+
+
+@pytest.mark.parametrize("document", [
+    {"format": 1, "type": "subprocess.Popen", "data": ["sh", "-c", "id"]},
+    {"format": 1, "type": "__class__", "data": {}},
+    {"__class__": "subprocess.Popen", "data": {"args": ["sh", "-c", "id"]}},  # Prefect's JSON object form
+    {"format": 1, "type": "error", "data": {"class": "os.system", "message": "id", "path": None, "x": 1}},
+    {"format": 1, "type": "CheckpointRecord", "data": {"url": "u", "layout": "fsdp", "fingerprint": "f",
+                                                       "files": [], "index": "not base64!"}},
+    {"format": 1, "type": "CheckpointRecord", "data": {"url": "u", "layout": "fsdp", "fingerprint": "f",
+                                                       "files": [], "index": None, "extra": "field"}},
+    {"format": 1, "type": "BuiltOutput", "data": {"kind": "model", "source_url": "a", "url": "b",
+                                                  "fingerprint": "c", "tensors": "many"}},
+    {"format": 2, "type": "None", "data": None},
+], ids=["type_named_popen", "dunder_type", "prefect_json_class", "error_with_extra", "index_not_base64",
+        "extra_field", "count_not_a_number", "other_format"])
+def test_a_result_document_outside_the_table_is_refused(document):
+    with pytest.raises(UnsafeRecord):
+        RECORD_SERIALIZER.loads(json.dumps(document).encode())
+
+
+def test_a_stored_error_comes_back_named_or_as_text():
+    from merge_engine.errors import CorruptShard
+    from tasks.result_records import RemoteError
+
+    named = RECORD_SERIALIZER.loads(RECORD_SERIALIZER.dumps(CorruptShard("bad header", "s3://b/x.pt")))
+    assert type(named) is CorruptShard and named.path == "s3://b/x.pt"
+    other = RECORD_SERIALIZER.loads(RECORD_SERIALIZER.dumps(KeyError("k")))
+    assert type(other) is RemoteError and "KeyError" in str(other)
+
+
+# --- end to end: the check task of a real step --------------------------------------------------------
+
+
+@flow
+def _checked(run_root: str) -> CheckpointRecord:
+    return ready_checkpoint(StageTimer(), run_root, 1, "actor").checkpoint
+
+
+def _check_key(run_root: str) -> tuple[StepRecord, str]:
+    step = StepRecord.from_step(discover_step(run_root, 1, "actor"))
+    return step, stage_key("check", {"step": step, "backend": None}, ("step", "backend"))
+
+
+@pytest.mark.parametrize(("gadget", "protocol", "opcode"), [p for p in PAYLOADS if p[0].name == "popen_dotted"],
+                         ids=[i for i in PAYLOAD_IDS if i.startswith("popen_dotted")])
+def test_a_forged_check_record_at_its_key_is_never_loaded(gadget, protocol, opcode, prefect, template_run, tmp_path,
+                                                          monkeypatch):
+    import tasks.check
+
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [1])
+    _, key = _check_key(run_root)
+    marker = tmp_path / "pwned"
+    planted = prefect.results / key
+    planted.write_bytes(_record({"type": "pickle", "picklelib": "pickle"},
+                                forged(gadget, marker, protocol, opcode, INDEX_MODULE)))
+    checks = []
+    real = tasks.check.check_checkpoint
+    monkeypatch.setattr(tasks.check, "check_checkpoint", lambda *a, **k: checks.append(a[0]) or real(*a, **k))
+    with Inert(marker):
+        first = _checked(run_root)
+        assert checks and first.index is not None  # the forged record was not a result: the check ran
+        assert json.loads(planted.read_bytes())["metadata"]["serializer"] == {"type": "stepmerge-records"}  # replaced
+        again = _checked(run_root)
+    assert len(checks) == 1 and again == first and again.index == first.index  # served from the cache, as JSON
+
+
+@pytest.mark.parametrize("forge", ["host_file", "other_bucket", "other_step", "file_outside", "file_not_listed",
+                                   "config_outside"])
+def test_a_cached_check_naming_another_place_is_refused(forge, template_run, tmp_path):
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [1])
+    step, _ = _check_key(run_root)
+    from merge_engine.layouts import check_checkpoint
+
+    good = CheckpointRecord.from_checkpoint(check_checkpoint(step.url, None, step.listing()))
+    assert good.verified_for(step) is good
+    first = good.files[0]
+    forged_record = {
+        "host_file": lambda: good.model_copy(update={"url": "/etc"}),
+        "other_bucket": lambda: good.model_copy(update={"url": "s3://another-bucket/run/global_step_1/actor"}),
+        "other_step": lambda: good.model_copy(update={"url": good.url.replace("global_step_1", "global_step_2")}),
+        "file_outside": lambda: good.model_copy(update={"files": (("../../../etc/passwd", *first[1:]),)}),
+        "file_not_listed": lambda: good.model_copy(update={"files": ((first[0], first[1] + 1, first[2]),)}),
+        "config_outside": lambda: good.model_copy(update={"hf_dir": "s3://another-bucket/config"}),
+    }[forge]()
+    with pytest.raises(UnsafeRecord) as error:
+        forged_record.verified_for(step)
+    assert error.value.path == forged_record.url
+
+
+@pytest.mark.parametrize("forge", ["other_bucket", "host_folder", "other_source", "other_release", "other_kind"])
+def test_a_cached_build_naming_another_place_is_refused(forge, tmp_path):
+    """A cached `BuiltOutput` is published from its URL: one naming another place is refused by the flow."""
+    from merge_engine.release.built import BuiltOutput
+    from merge_engine.release.state import MODEL, staging_url
+    from tasks.build import BuildSpec, verified_output
+    from tasks.records import SETTINGS_RECORDS
+
+    checkpoint = CheckpointRecord(url=str(tmp_path / "run/global_step_1/actor"), layout="fsdp", fingerprint="f",
+                                  files=(("model_world_size_1_rank_0.pt", 10, "v"),))
+    spec = BuildSpec(MODEL, "listing", checkpoint, SETTINGS_RECORDS["merge"]())
+    release, staging = str(tmp_path / "releases/actor/global_step_1"), str(tmp_path / "staging")
+    good = BuiltOutput(kind=MODEL, source_url=checkpoint.url, url=staging_url(staging, release, "a" * 64),
+                       fingerprint="a" * 64, release=release)
+    assert verified_output(good, spec, release, staging) is good
+    forged_output = {
+        "other_bucket": lambda: dataclasses.replace(good, url="s3://another-bucket/model"),
+        "host_folder": lambda: dataclasses.replace(good, url="/root/.ssh", released=True),
+        "other_source": lambda: dataclasses.replace(good, source_url="s3://another-bucket/run/global_step_9/actor"),
+        "other_release": lambda: dataclasses.replace(good, release=release + "-other"),
+        "other_kind": lambda: dataclasses.replace(good, kind="adapter"),
+    }[forge]()
+    with pytest.raises(UnsafeRecord) as error:
+        verified_output(forged_output, spec, release, staging)
+    assert error.value.path == forged_output.url
+
+
+def test_plain_values_round_trip_and_only_as_their_own_type():
+    for value in ("text", 3, 2.5, True):
+        assert RECORD_SERIALIZER.loads(RECORD_SERIALIZER.dumps(value)) == value
+    with pytest.raises(UnsafeRecord):
+        RECORD_SERIALIZER.loads(json.dumps({"format": 1, "type": "int", "data": "3"}).encode())
