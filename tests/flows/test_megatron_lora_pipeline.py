@@ -8,7 +8,8 @@ Specification:
   ckpt_contents.json) is not submitted without ``lora_alpha`` and ``hf_model_path`` ("needs ...", each run,
   nothing merged); with them its fused model is released, exactly;
 - with ``base_model`` it releases the fused model (the trained weights, exactly) and the adapter
-  (the run's export, base/ beside it; PEFT loads it and reproduces the fused model's logits).
+  (the run's export, base/ beside it; PEFT loads it and reproduces the fused model's logits: the manifest's
+  verdict, and from outside, `PeftModel.from_pretrained` against a model holding the known fused weights).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from merge_engine.release.state import read_manifest
 from merge_engine.release.verify import verify_folder
 from synthetic_runs.megatron_lora import reference_fused_state
 from tests.fixtures_checkpoints import LORA_ALPHA
+from tests.release_checks import assert_adapter_logits, load_model
 
 
 def _run_root(lora_steps, tmp_path, name: str = "dense_tp2") -> str:
@@ -57,6 +59,10 @@ def test_with_base_model_the_fused_model_and_the_adapter_are_released(prefect, l
     assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
     checks = {c["name"]: c for c in read_manifest(kinds["adapter"]).validation["checks"]}
     assert checks["peft_load"]["ok"] and checks["peft_logits"]["ok"]
+    # from outside: PEFT loads the adapter onto its base/ and gives the logits of the known fused weights
+    trained = load_model(str(step.base_dir))
+    trained.load_state_dict(want, strict=not trained.config.tie_word_embeddings)
+    assert_adapter_logits(kinds["adapter"], trained)
 
 
 def test_a_use_dist_checkpointing_step_waits_for_lora_alpha_then_releases_the_trained_model(prefect, lora_steps,

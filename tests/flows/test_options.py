@@ -25,7 +25,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 import tasks.build
 from flows.merge_new_steps import merge_new_steps
@@ -36,7 +38,13 @@ from merge_engine.errors import AdapterError, TargetExists, ValidationFailed
 from merge_engine.release.state import is_released, read_manifest, release_url
 from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import LORA_STEP, ROLE, copy_steps
-from tests.release_checks import assert_release_of_step
+from tests.release_checks import (
+    assert_adapter_logits,
+    assert_release_of_step,
+    assert_release_weights_equal,
+)
+
+BF16_LOGITS_RTOL = 2e-2  # an adapter and base in bfloat16 against PEFT's float32 model of the run
 
 
 def _params(run_root: str, tmp_path: Path, step: int, **options) -> MergeStepParams:
@@ -67,6 +75,9 @@ def test_lora_alpha_reaches_the_merge_when_the_run_did_not_record_it(prefect, te
     config = json.loads(storage.read_text(storage.join(kinds["adapter"].url, "adapter_config.json")))
     assert config["lora_alpha"] == 8
     assert _checks(kinds["adapter"].url)["peft_logits"]["ok"]  # fused with the same alpha
+    trained = template_run.trained_model(LORA_STEP)  # from outside: PEFT's model of the run, alpha 8
+    assert_release_of_step(kinds["model"].url, template_run, LORA_STEP)
+    assert_adapter_logits(kinds["adapter"].url, trained)
 
 
 def test_a_bfloat16_release_of_a_lora_step_passes_adapter_validation(prefect, template_run, tmp_path):
@@ -79,6 +90,11 @@ def test_a_bfloat16_release_of_a_lora_step_passes_adapter_validation(prefect, te
     assert verify_folder(kinds["adapter"].url).ok
     logits = _checks(kinds["adapter"].url)["peft_logits"]
     assert logits["ok"] and "bfloat16" in logits["detail"]
+    # from outside: the model is PEFT's merge_and_unload cast to bfloat16 by torch; the adapter gives PEFT's
+    # logits of the run within bfloat16's rounding
+    reference = {k: v.to(torch.bfloat16) for k, v in template_run.reference_weights(LORA_STEP).items()}
+    assert_release_weights_equal(kinds["model"].url, reference)
+    assert_adapter_logits(kinds["adapter"].url, template_run.trained_model(LORA_STEP), rtol=BF16_LOGITS_RTOL)
 
 
 def test_release_adapter_false_releases_the_model_only(prefect, template_run, tmp_path):
@@ -139,6 +155,7 @@ def test_a_rewritten_step_fails_fast_without_overwrite_and_is_replaced_with_it(p
     assert replaced.status == "published" and len(merged) == 1
     manifest = read_manifest(release)
     assert manifest.fingerprint != first.releases[0].fingerprint and verify_folder(release).ok
+    assert_release_of_step(release, template_run, 2)  # the rewritten step's weights (step 2's), judged from outside
     assert merge_new_steps(**watch.flow_parameters()).actions == []  # the release now records the new listing
 
 
@@ -186,6 +203,8 @@ def test_weights_format_transformers_releases_the_stored_moe_names_and_validates
     (release,) = outcome.releases
     assert outcome.status == "published" and release.validation_ok
     assert read_manifest(release.url).options["weights_format"] == "transformers"
+    # from outside: the tensors as the run stored them, bit for bit (transformers v5's in-memory names)
+    assert_release_weights_equal(release.url, load_file(family_runs["mixtral_w2"].latest.reference_state_dict))
     checks = _checks(release.url)
     assert "in-memory names" in checks["expected_keys"]["detail"] and checks["forward"]["ok"]
     with safe_open(str(Path(release.url) / "model.safetensors"), "pt") as weights:

@@ -26,6 +26,7 @@ from merge_engine.cli import main as stepmerge
 from merge_engine.storage.backends.s3 import S3Backend
 from merge_engine.release.verify import verify_folder
 from tests.pickle_reads import pickle_fetches, pickle_range
+from tests.release_checks import assert_release_of_megatron_job
 
 STEP = "qwen2_tp2_pp1_tied_legacy"
 
@@ -65,13 +66,14 @@ def fetches(gets: list[tuple[str, int, int]], ranks: dict[str, tuple[int, int]])
 
 
 def test_a_first_pipeline_run_fetches_each_rank_pickle_once_and_a_cache_hit_none(
-        prefect, s3_megatron_run, s3_gets, tmp_path):
+        prefect, s3_megatron_run, s3_gets, tmp_path, megatron_runs):
     run_root, ranks = s3_megatron_run
     params = MergeStepParams(run_root=run_root, step=1, release_root=str(tmp_path / "releases"),
                              staging_root=str(tmp_path / "staging")).flow_parameters()
     first = merge_step(**params)
     assert first.status == "published" and verify_folder(first.releases[0].url).ok
     assert fetches(s3_gets, ranks) == {"mp_rank_00": 1.0, "mp_rank_01": 1.0}
+    assert_release_of_megatron_job(first.releases[0].url, megatron_runs[STEP])  # judged from outside stepmerge
 
     s3_gets.clear()
     again = merge_step(**params)

@@ -25,6 +25,7 @@ from merge_engine.errors import AdapterError
 from merge_engine.release.state import is_released, read_manifest, release_url
 from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import LORA_STEP, ROLE, copy_steps, deploy_watcher, rank_file
+from tests.release_checks import assert_adapter_logits, assert_release_of_step
 
 
 def test_the_adapter_of_a_lora_step_is_released_and_loads_with_peft(prefect, template_run, tmp_path, monkeypatch):
@@ -49,6 +50,8 @@ def test_the_adapter_of_a_lora_step_is_released_and_loads_with_peft(prefect, tem
     checks = {c["name"]: c["ok"] for c in read_manifest(adapter.url).validation["checks"]}
     assert checks["peft_load"] and checks["adapter_fits_base"] and checks["adapter_finite"]
     assert "peft_logits" not in checks  # no merged model released yet to compare with
+    # from outside: PEFT loads the release onto its base/ and gives the logits of PEFT's own model of the run
+    assert_adapter_logits(adapter.url, template_run.trained_model(LORA_STEP))
 
     assert checks["trained_model"] and checks["trained_vs_adapter"]  # PEFT's trained model of the checkpoint
 
@@ -58,6 +61,7 @@ def test_the_adapter_of_a_lora_step_is_released_and_loads_with_peft(prefect, tem
     assert kinds["adapter"].url == adapter.url
     model_checks = {c["name"]: c for c in read_manifest(kinds["model"].url).validation["checks"]}
     assert model_checks["trained_vs_fused"]["ok"] and not model_checks["trained_vs_fused"].get("skipped")
+    assert_release_of_step(kinds["model"].url, template_run, LORA_STEP)
 
 
 def test_a_fused_model_that_is_not_the_trained_model_is_not_published(prefect, template_run, tmp_path, monkeypatch):
@@ -119,6 +123,7 @@ def test_a_model_release_of_another_checkpoint_is_not_the_reference(prefect, tem
     (adapter,) = outcome.releases
     assert outcome.status == "published" and adapter.validation_ok
     assert "peft_logits" not in {c["name"] for c in read_manifest(adapter.url).validation["checks"]}
+    assert_adapter_logits(adapter.url, template_run.trained_model(LORA_STEP))  # the trained model, not step 1's
 
 
 def test_the_model_release_of_this_checkpoint_is_the_reference(prefect, template_run, tmp_path):
@@ -129,6 +134,7 @@ def test_the_model_release_of_this_checkpoint_is_the_reference(prefect, template
     outcome = release_adapter(**AdapterParams(run_root=run_root, step=LORA_STEP, staging_root=staging).flow_parameters())
     checks = {c["name"]: c["ok"] for c in read_manifest(outcome.releases[0].url).validation["checks"]}
     assert checks["peft_logits"]
+    assert_adapter_logits(outcome.releases[0].url, template_run.trained_model(LORA_STEP))
 
 
 def test_a_rank_file_still_being_written_is_not_ready(prefect, template_run, tmp_path, monkeypatch):
@@ -173,6 +179,7 @@ def test_the_adapter_extraction_runs_its_shard_jobs_on_ray(prefect, template_run
     state = release_adapter(**params.flow_parameters(), return_state=True)
     (adapter,) = state.result().releases
     assert verify_folder(adapter.url).ok
+    assert_adapter_logits(adapter.url, template_run.trained_model(LORA_STEP))
 
     checkpoint = f"{run_root}/global_step_{LORA_STEP}/{ROLE}"
     one = extract_lora(checkpoint, str(tmp_path / "one"), params.settings()["adapter"].to_options(),
