@@ -4,7 +4,8 @@ Wings by purpose, each importing only from those below it (checked by ``tests/te
 ``cli`` -> ``commands`` (merge, extract, combine, megatron_lora, split, reference_check), ``release``,
 ``validate`` -> ``output`` (jobs, shard jobs, executors, targets) -> ``plan`` (planner, plan records, Hub
 format) -> ``layouts``, ``architectures``, ``lora`` -> ``formats`` (byte formats, tensor sources) ->
-``storage``, ``errors``, ``options`` (every user-facing option, declared once: data only). The README's
+``storage``, ``errors``, ``devices`` (the ``--device`` a user names, checked), ``options`` (every user-facing
+option, declared once: data only). The README's
 layout section maps the modules.
 """
 

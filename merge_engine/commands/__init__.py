@@ -2,6 +2,7 @@
 
 - `merge`             checkpoint URL -> Hugging Face folder (`MergeJob`)
 - `extract`           a LoRA checkpoint -> PEFT adapter + clean base; SVD extraction from a full fine-tune
+- `svd_updates`       many modules' updates factored: reads prefetched by a thread, same-shape batches on the device
 - `combine`           several adapters -> one (concat / weighted / average, fused or exact or SVD)
 - `megatron_lora`     a verl Megatron LoRA step as an adapter release and as a fused model
 - `split`             Hugging Face model -> Megatron shards

@@ -14,7 +14,9 @@ Modules, one job each:
 - `fuse`        W + scale * B @ A as a streaming TensorBuilder; the fused-model plan
 - `checkpoint`  the LoRA of a PEFT-wrapped training checkpoint (keys, alpha from the run); the
                 trained-model plan the planner picks for a plain `merge`
-- `svd`         low-rank factoring with per-module relative error, GPU when present
+- `svd`         low-rank factoring with per-module relative error, on the device asked (cuda when present):
+                the rank rules, and the method per batch of same-shape updates (randomized, or full SVD)
+- `lowrank`     the randomized SVD of a batch (seeded sketch, power iterations), checked against its residual
 The commands built on this library (extract, svd-extract, combine, a Megatron LoRA step's release) are output
 jobs in `merge_engine.commands`; everything here sits below the planner.
 Validating an adapter folder (PEFT loads it on its base, logits equal the fused model's) is

@@ -117,7 +117,7 @@ def factor_dense_batch(deltas: torch.Tensor, *, rank: int | None, energy: float 
         q = min(shape) if rank is None else min(rank + lowrank.OVERSAMPLE, min(shape))
     out: list[Factors | None] = [None] * deltas.shape[0]
     if q is not None:
-        totals = (deltas.double() ** 2).sum(dim=(-2, -1)).cpu()
+        totals = lowrank.squared_norms(deltas)
 
         def keep(i: int, s: torch.Tensor) -> int:
             return choose_rank(s, rank, energy, shape, total=float(totals[i]))
