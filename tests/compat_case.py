@@ -16,7 +16,11 @@ is installed there only). Each cell of the row passes only when:
 - ``extract-lora``: exit 0; the adapter's factors and the clean base are the trained ones bit for bit; this
   peft's ``PeftModel.from_pretrained`` on the base gives the trained PEFT model's logits;
 - ``merge-lora``: exit 0; fusing the extracted adapter into its base writes exactly what ``merge`` of the LoRA
-  checkpoint writes, and its logits are the trained model's (within PEFT's unfused-vs-fused 5e-5).
+  checkpoint writes, and its logits are the trained model's (within PEFT's unfused-vs-fused 5e-5);
+- ``check-trained``: stepmerge's own comparison of the fused model and the adapter with PEFT's model of the run
+  passes (exit 0);
+- ``extract-lora SVD``: ``--finetuned`` (the fused model) minus its base at rank 4 on q/v: PEFT on the base gives
+  the fused model's logits (within 5e-5).
 RESULTS gets ``{"versions", "cells": {cell: {"ok", "detail", "seconds"}}}``; a failure is a result, never a crash.
 """
 
@@ -36,8 +40,6 @@ ADAPTER_ATOL, ADAPTER_RTOL = 5e-5, 1e-5  # PEFT's unfused forward vs the fused m
 MEGATRON_ATOL = 1e-4  # transformers vs megatron-core's own forward (tests/merge_engine/layouts/test_megatron_merge.py)
 MEGATRON_CASES = ("legacy", "dist")
 LOGITS_SUFFIX = ".logits.pt"
-CELLS = ("check", "merge FSDP1", "merge FSDP2", "merge Megatron legacy", "merge Megatron dist", "extract-lora",
-         "merge-lora")
 
 
 class CellFailed(AssertionError):
@@ -153,6 +155,22 @@ def merge_lora(step, adapter: Path, out: Path, merged: Path) -> None:
     torch.testing.assert_close(got, expected, atol=ADAPTER_ATOL, rtol=ADAPTER_RTOL)
 
 
+def check_trained(step, adapter: Path, fused: Path) -> None:
+    """stepmerge's own check of both outputs against PEFT's model of the run, rebuilt here from the checkpoint."""
+    _cli("check-trained", "--local_dir", step.checkpoint_dir, "--fused-model", str(fused), "--adapter", str(adapter),
+         "--device", "cpu")
+
+
+def extract_svd(adapter: Path, fused: Path, out: Path) -> None:
+    """SVD of (fused - base) at the run's rank on its modules: PEFT on the base gives the fused model's logits."""
+    from peft import PeftModel
+
+    _cli("extract-lora", "--base-model", str(adapter / "base"), "--finetuned", str(fused), "--rank", "4",
+         "--target-modules", "q_proj,v_proj", "--device", "cpu", "--target-dir", str(out))
+    got, expected = _logits(PeftModel.from_pretrained(_load(adapter / "base"), str(out))), _logits(_load(fused))
+    torch.testing.assert_close(got, expected, atol=ADAPTER_ATOL, rtol=ADAPTER_RTOL)
+
+
 def check_all(steps: dict[str, object], megatron_dir: Path) -> None:
     for step in steps.values():
         _cli("check", "--local_dir", step.checkpoint_dir)
@@ -190,6 +208,8 @@ def run_row(workdir: Path, megatron_dir: Path) -> dict[str, object]:
     if steps:
         cell("extract-lora", lambda: extract_lora(steps["lora"], out / "adapter"))
         cell("merge-lora", lambda: merge_lora(steps["lora"], out / "adapter", out / "fused", out / "lora_merged"))
+        cell("check-trained", lambda: check_trained(steps["lora"], out / "adapter", out / "fused"))
+        cell("extract-lora SVD", lambda: extract_svd(out / "adapter", out / "fused", out / "svd_adapter"))
     return {"versions": {"transformers": transformers.__version__, "peft": peft.__version__,
                          "torch": torch.__version__},
             "cells": cells, "seconds": round(time.perf_counter() - started, 1)}

@@ -4,24 +4,27 @@ Contract:
 - `ENVIRONMENTS`: one row per environment: a label, the pins installed over the main environment (`tests.readers_env`'s
   builder: cached per machine, keyed by the pins; torch and everything else shared with the main environment,
   ``pip --no-deps`` from the registry, so no second torch is ever pulled), or None for the main (dev) environment.
-  Every row of `merge_engine.versions.TESTED` is covered at its ends.
-- ``python -m tests.compat_matrix [--workdir DIR] [--only LABEL,...]``: writes the Megatron checkpoints once with the
-  main environment (megatron-core is installed there only), runs `tests.compat_case` in each environment (its own
-  FSDP checkpoints written there by gloo ranks; check, merge FSDP1 / FSDP2 / Megatron legacy / dist, extract-lora,
-  merge-lora), then holds each environment's Megatron merges to the newest's: every file but ``stepmerge.json``
-  byte-identical, logits equal. Then an environment holding an untested pair (`UNTESTED_PAIR`) must refuse a merge at
-  start in one line (exit 1). Prints the matrix and the time each part took; exit 0 only when every cell passed.
+  Each row of `merge_engine.versions.TESTED` has an environment at its ends (4.57.x: its last release, 4.57.6).
+- ``python -m tests.compat_matrix [--workdir DIR] [--only LABEL,...] [--jobs N]``: writes the Megatron checkpoints
+  once with the main environment (megatron-core is installed there only), runs `tests.compat_case` in each
+  environment, N at a time (its own FSDP checkpoints written there by gloo ranks; check, merge FSDP1 / FSDP2 /
+  Megatron legacy / dist, extract-lora, merge-lora, check-trained, extract-lora SVD), then holds each environment's
+  Megatron merges to the newest's: every file but ``stepmerge.json`` byte-identical, logits equal. Then an
+  environment holding an untested pair (`UNTESTED_PAIR`) must refuse a merge at start in one line (exit 1).
+  Prints the matrix and the time each part took; exit 0 only when every cell passed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +55,7 @@ ENVIRONMENTS: tuple[Environment, ...] = (
 # transformers 4.57 with the main environment's peft: each is tested, the pair is not
 UNTESTED_PAIR = ("compat-untested", ("transformers==4.57.6", "tokenizers==0.22.2", "huggingface_hub==0.36.2"))
 CELLS = ("check", "merge FSDP1", "merge FSDP2", "merge Megatron legacy", "merge Megatron dist", "extract-lora",
-         "merge-lora")
+         "merge-lora", "check-trained", "extract-lora SVD")
 MEGATRON_OUTPUTS = ("megatron_legacy", "megatron_dist")
 
 
@@ -76,8 +79,6 @@ def write_megatron(root: Path) -> float:
 
 
 def _env() -> dict[str, str]:
-    import os
-
     return {**os.environ, "PYTHONPATH": str(REPO)}
 
 
@@ -165,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.compat_matrix", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", help="keep everything here (default: a temporary folder, removed)")
     parser.add_argument("--only", help="comma-separated environment labels (default: all)")
+    parser.add_argument("--jobs", type=int, default=2, help="environments run at a time (default 2: one per core)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     envs = [e for e in ENVIRONMENTS if not args.only or e.label in args.only.split(",")]
@@ -181,9 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         megatron = workdir / "megatron"
         print(f"Megatron checkpoints written by the main environment in {write_megatron(megatron):.0f} s", flush=True)
         rows = {}
-        for env in sorted(envs, key=lambda e: e.label != NEWEST):  # the newest first: the others are compared to it
-            rows[env.label] = run_row(env, workdir, megatron)
-            print(f"row {env.label}: {rows[env.label].get('seconds', '-')} s", flush=True)
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each row is its own process
+            running = {pool.submit(run_row, env, workdir, megatron): env for env in envs}
+            for done in as_completed(running):
+                env = running[done]
+                rows[env.label] = done.result()
+                print(f"row {env.label}: {rows[env.label].get('seconds', '-')} s", flush=True)
         for env in envs:
             if env.label != NEWEST and "error" not in rows[env.label]:
                 rows[env.label]["same_as_newest"] = same_as_newest(workdir, env.label)
