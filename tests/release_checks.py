@@ -204,9 +204,9 @@ def _flip_in_place(data: bytearray) -> str:
 
 
 def flip_one_weight(url: str) -> str:
-    """Change one weight of the release ``url`` (same size) and make its records agree: ``stepmerge.json``'s
-    sha256, the manifest's size, sha256 and store version of each rewritten file, the marker's manifest
-    sha256. `merge_engine.release.verify.verify_folder` then finds the release intact. Returns the
+    """Change one weight of the release (or merged folder) ``url`` (same size) and make its records agree:
+    ``stepmerge.json``'s sha256, the manifest's size, sha256 and store version of each rewritten file, the
+    marker's manifest sha256. `merge_engine.release.verify.verify_folder` then finds the release intact. Returns the
     changed tensor's name. (Written through stepmerge's storage: the store versions are the ones it lists.)"""
     import hashlib
 
@@ -226,6 +226,8 @@ def flip_one_weight(url: str) -> str:
             text = json.dumps(provenance, indent=2, sort_keys=True).encode()
             storage.write_bytes(provenance_url, text)
             rewritten["stepmerge.json"] = text
+    if not storage.exists(storage.join(url, MANIFEST)):
+        return tensor  # a merged folder (no release): its stepmerge.json is what verify checks
     manifest = json.loads(storage.read_bytes(storage.join(url, MANIFEST)))
     versions = {e.path: e.version for e in storage.list_files(url)}
     for entry in manifest["files"]:
