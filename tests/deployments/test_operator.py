@@ -6,7 +6,7 @@
   ``gpu`` worker runs the ``merge-step/gpu`` run it submitted; the release is judged from outside
   (`tests.release_checks`: the safetensors library against the weights the synthetic checkpoint was
   written from, bit for bit);
-- ``prefect flow-run cancel`` while a ``merge-step/gpu`` run is merging (held there: the store stalls its
+- a cancel (``prefect flow-run cancel``'s request) while a ``merge-step/gpu`` run is merging (held there: the store stalls its
   merge reads, never its check's) ends it Cancelled, with no release without its marker and nothing a
   reader could take for a model in staging; the next run of the step publishes the exact weights.
 
@@ -95,6 +95,9 @@ class Operator:
 
 @pytest.fixture(scope="module")
 def operator(tmp_path_factory, template_run, s3_server):
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.workers.process import ProcessWorker
+
     home = tmp_path_factory.mktemp("operator")
     run_root = home / "run"
     copy_steps(template_run, str(run_root), [1])
@@ -105,10 +108,10 @@ def operator(tmp_path_factory, template_run, s3_server):
             op.start("server", ["server", "start", "--host", "127.0.0.1", "--port", str(op.port)],
                      {**op.env, "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1"}, signal.SIGTERM)
             _until(op.healthy, "the Prefect server answering")
-            for pool in ("gpu", "cpu"):
-                done = subprocess.run([sys.executable, "-m", "prefect", "work-pool", "create", pool, "--type",
-                                       "process"], env=op.env, cwd=REPO, capture_output=True, text=True)
-                assert done.returncode == 0, done.stdout + done.stderr
+            with op.client() as client:  # `prefect work-pool create <pool> --type process`, without a CLI process
+                for pool in ("gpu", "cpu"):
+                    client.create_work_pool(WorkPoolCreate(name=pool, type="process",
+                                                           base_job_template=ProcessWorker.get_default_base_job_template()))
             done = subprocess.run([sys.executable, "-m", "deployments.deploy"], env=op.env, cwd=REPO,
                                   capture_output=True, text=True)
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -147,17 +150,26 @@ def test_the_schedule_fires_and_workers_of_the_pools_merge_and_publish_the_exact
         watch = _deployment(client, "merge-new-steps/watch")
         merge = _deployment(client, "merge-step/gpu")
         (schedule,) = client.read_deployment_schedules(watch.id)
-        assert schedule.active and schedule.schedule.interval == timedelta(seconds=600)  # prefect.yaml's
-        soon = datetime.now(timezone.utc) + timedelta(seconds=2)
-        client.update_deployment_schedule(watch.id, schedule.id, schedule=IntervalSchedule(
-            interval=timedelta(seconds=600), anchor_date=soon))  # the same schedule, its next tick now
+    assert schedule.active and schedule.schedule.interval == timedelta(seconds=600)  # prefect.yaml's
 
-    def scheduled_run():  # the scheduler's run at the moved tick (its runs of the old ticks lie 600 s ahead)
+    def scheduled_at(tick: datetime) -> list:
         with op.client() as client:
             return [r for r in _runs(client, watch.id)
-                    if r.auto_scheduled and abs((r.expected_start_time - soon).total_seconds()) < 1]
+                    if r.auto_scheduled and abs((r.expected_start_time - tick).total_seconds()) < 1]
 
-    fired = _final(op, _until(scheduled_run, "a run made by the scheduler")[0].id, "the scheduled watcher run")
+    lead = 3.0
+    while True:  # the same schedule, its next tick moved to now + lead: a tick the scheduler only saw after
+        tick = datetime.now(timezone.utc) + timedelta(seconds=lead)  # it had passed is never run; move it again
+        with op.client() as client:
+            client.update_deployment_schedule(watch.id, schedule.id, schedule=IntervalSchedule(
+                interval=timedelta(seconds=600), anchor_date=tick))
+        runs = _until(lambda: scheduled_at(tick) or datetime.now(timezone.utc) > tick + timedelta(seconds=5),
+                      "the scheduler's run at the moved tick, or the tick passed", poll_s=0.2)
+        if runs is not True:
+            break
+        assert lead < 60, "the scheduler never made a run at a tick a minute ahead"
+        lead *= 2
+    fired = _final(op, runs[0].id, "the scheduled watcher run")
     assert fired.state.is_completed(), (fired.state, op.log("worker-cpu"))
     assert fired.work_pool_name == "cpu" and fired.infrastructure_pid, fired
 
@@ -180,6 +192,8 @@ def test_the_schedule_fires_and_workers_of_the_pools_merge_and_publish_the_exact
 def test_a_cancel_mid_merge_leaves_nothing_unmarked_and_the_next_run_publishes(operator, template_run, s3_env,
                                                                                s3_bucket_url):
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.objects import State, StateType
+    from prefect.client.schemas.responses import SetStateStatus
 
     op = operator
     run_root = f"{s3_bucket_url}/cancelled-run"
@@ -199,9 +213,9 @@ def test_a_cancel_mid_merge_leaves_nothing_unmarked_and_the_next_run_publishes(o
             return op.proxy.fired > 0 and any(t.name.startswith("merge-model") and t.state.is_running() for t in tasks)
 
         _until(merging, "the merge of step 2 held mid-read")
-        done = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "cancel", str(run.id)], env=op.env,
-                              cwd=REPO, capture_output=True, text=True)
-        assert done.returncode == 0, done.stdout + done.stderr
+        with op.client() as client:  # what `prefect flow-run cancel <id>` does, without a CLI process to start
+            answer = client.set_flow_run_state(run.id, State(type=StateType.CANCELLING))
+        assert answer.status == SetStateStatus.ACCEPT, answer
         cancelled = _final(op, run.id, "the cancelled merge")
         assert cancelled.state.is_cancelled(), (cancelled.state, op.log("worker-gpu"))
     finally:
