@@ -29,8 +29,10 @@ def _hf_folder(tmp_path) -> str:
     folder = tmp_path / "hf"
     folder.mkdir()
     save_file(TENSORS, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                                    "tie_word_embeddings": False}))
+    (folder / "config.json").write_text(json.dumps({  # the sizes of TENSORS: the config must not contradict them
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "tie_word_embeddings": False, "vocab_size": 6,
+        "hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
+        "num_key_value_heads": 1}))
     return str(folder)
 
 
