@@ -7,8 +7,9 @@ Per family of `synthetic_runs.tiny_configs.registry_families` (a tiny config of 
   `INPUT_IDS` (a family that cannot be built from a config on CPU is listed with the reason, never passed);
 - merged: a real FSDP2 checkpoint (world 2, gloo; `synthetic_runs.fsdp`, as verl writes it) merged by
   ``stepmerge merge`` with the default options (Hub format), in this process;
-- exact: the merged folder holds exactly the tensors ``save_pretrained`` of the model writes, same names,
-  bit for bit;
+- exact: the merged folder holds exactly the tensors ``save_pretrained`` of the model writes, bit for bit, under
+  the same names, but for a sub-model prefix the Hub's checkpoints hold and transformers 5 leaves out (a VLM's
+  ``vision_tower.vision_model.*``: counted in ``details.hub_prefix_restored``);
 - 5.x: the class ``config.json`` names loads the folder with no missing, unexpected or mismatched key, and
   its logits equal the model's (``torch.equal``);
 - 4.57: the same in transformers 4.57 (`tests.readers_env`, `tests.readers_check`), where 4.57 knows the
@@ -21,6 +22,7 @@ Prints the table and the counts, and writes them as JSON (``--json``). `FamilyRe
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -36,7 +38,7 @@ from typing import Any
 
 INPUT_IDS = [[(7919 * i + 13) % 997 + 3 for i in range(12)]]
 READER_TOLERANCE = 1e-5  # of the logits' scale (tests/merge_engine/plan/test_hub_readers.py)
-WRITE_BATCH = 8  # families written by one group of FSDP ranks (a failing batch is written again one by one)
+WRITE_BATCH = 8  # families swept together: one group of FSDP ranks writes them (one by one if that fails)
 COLUMNS = ("built", "merged", "exact", "5.x", "4.57")
 
 
@@ -68,10 +70,19 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".replace("\n", " ")[:400]
 
 
-def sweep(families: list, workdir: Path, readers_python: Path | None, log=print) -> list[FamilyResult]:
-    """Run every column for ``families`` (`RegistryFamily`) under ``workdir``; 4.57 only with ``readers_python``."""
-    import torch
+def sweep(families: list, workdir: Path, readers_python: Path | None, log=print, on_batch=None) -> list[FamilyResult]:
+    """Run every column for ``families`` (`RegistryFamily`) under ``workdir``, `WRITE_BATCH` families at a
+    time (built, written, merged, read); 4.57 only with ``readers_python``. ``on_batch(results)`` after each."""
+    results: list[FamilyResult] = []
+    for start in range(0, len(families), WRITE_BATCH):
+        results += _sweep_batch(families[start:start + WRITE_BATCH], workdir, readers_python, log)
+        log(f"{len(results)}/{len(families)} families swept")
+        if on_batch is not None:
+            on_batch(results)
+    return results
 
+
+def _sweep_batch(families: list, workdir: Path, readers_python: Path | None, log) -> list[FamilyResult]:
     from synthetic_runs.fsdp import FsdpSpec, StepJob
     from synthetic_runs.models import ModelSpec
     from synthetic_runs.tiny_configs import TinyConfigError, tiny_config
@@ -96,7 +107,6 @@ def sweep(families: list, workdir: Path, readers_python: Path | None, log=print)
         jobs[family.name] = StepJob(str(root / "global_step_1"), FsdpSpec(model=spec, world_size=2, strategy="fsdp2",
                                                                           save_contents=("model",)),
                                     seed=1, reference_dir=str(root / "reference"))
-    log(f"{len(jobs)} of {len(families)} families built; writing their FSDP2 checkpoints")
     written = _write(jobs, log)
     by_name = {r.family: r for r in results}
     for name, job in jobs.items():
@@ -110,9 +120,10 @@ def sweep(families: list, workdir: Path, readers_python: Path | None, log=print)
         for used in (root / "global_step_1", root / "reference"):  # only the merged folder is read again (4.57)
             shutil.rmtree(used, ignore_errors=True)
         gc.collect()
-        log(f"  {name}: " + " ".join(f"{c}={'-' if v is None else v}" for c, v in zip(COLUMNS, result.cells())))
     if readers_python is not None:
         _readers_457(results, references, readers_python, workdir, log)
+    for result in results:
+        log(f"  {result.family}: " + " ".join(f"{c}={'-' if v is None else v}" for c, v in zip(COLUMNS, result.cells())))
     return results
 
 
@@ -131,27 +142,24 @@ def _reference(spec) -> tuple[int, Any]:
 
 
 def _write(jobs: dict, log) -> dict[str, str | None]:
-    """name -> None (written) or why its write failed; batches of `WRITE_BATCH`, a failed batch one by one."""
+    """name -> None (written) or why its write failed: one group of ranks for all, one by one if that fails."""
     from synthetic_runs.fsdp import SyntheticRunError, write_fsdp_steps
 
+    if not jobs:
+        return {}
+    try:
+        write_fsdp_steps(list(jobs.values()), timeout_s=1800)
+        return dict.fromkeys(jobs)
+    except SyntheticRunError:
+        pass
     outcome: dict[str, str | None] = {}
-    names = list(jobs)
-    for start in range(0, len(names), WRITE_BATCH):
-        batch = names[start:start + WRITE_BATCH]
+    for name, job in jobs.items():
         try:
-            write_fsdp_steps([jobs[n] for n in batch], timeout_s=1800)
-            outcome.update(dict.fromkeys(batch))
-            continue
-        except SyntheticRunError:
-            pass
-        for name in batch:
-            try:
-                write_fsdp_steps([jobs[name]], timeout_s=900)
-                outcome[name] = None
-            except SyntheticRunError as exc:
-                tail = [line for line in str(exc).splitlines() if line.strip()][-1:]
-                outcome[name] = (tail[0] if tail else str(exc))[:400]
-        log(f"  written {min(start + WRITE_BATCH, len(names))}/{len(names)}")
+            write_fsdp_steps([job], timeout_s=900)
+            outcome[name] = None
+        except SyntheticRunError as exc:
+            tail = [line for line in str(exc).splitlines() if line.strip()][-1:]
+            outcome[name] = (tail[0] if tail else str(exc))[:400]
     return outcome
 
 
@@ -162,6 +170,19 @@ def _tensors(folder: Path) -> dict:
     for path in sorted(folder.glob("*.safetensors")):
         out.update(load_file(str(path)))
     return out
+
+
+def _restored_prefixes(only_merged: set[str], only_saved: set[str]) -> dict[str, str]:
+    """Merged name -> ``save_pretrained``'s name, where the merge wrote a sub-model prefix that transformers 5's
+    ``save_pretrained`` leaves out (one more path segment, the rest equal): the Hub's names of that tensor."""
+    pairs = {}
+    for name in only_merged:
+        parts = name.split(".")
+        found = [".".join(parts[:i] + parts[i + 1:]) for i in range(len(parts))]
+        found = [f for f in dict.fromkeys(found) if f in only_saved]
+        if len(found) == 1:
+            pairs[name] = found[0]
+    return pairs
 
 
 def _merge_and_check(result: FamilyResult, job, root: Path, logits, log) -> None:
@@ -179,10 +200,18 @@ def _merge_and_check(result: FamilyResult, job, root: Path, logits, log) -> None
         result.merged, result.reasons["merged"] = False, _why(exc)
         log(f"  {result.family}: merge refused: {result.reasons['merged']}")
         return
+    recorded = json.loads((target / "stepmerge.json").read_text()).get("transformers_4")
+    if recorded is not None:
+        result.details["stepmerge.json transformers_4"] = recorded["reason"]
     merged, expected = _tensors(target), _tensors(root / "reference" / "hf")
-    differ = sorted(n for n in set(merged) & set(expected)
-                    if merged[n].shape != expected[n].shape or not torch.equal(merged[n], expected[n].to(merged[n].dtype)))
-    result.exact = set(merged) == set(expected) and not differ
+    pairs = {n: n for n in set(merged) & set(expected)}
+    restored = _restored_prefixes(set(merged) - set(expected), set(expected) - set(merged))
+    pairs.update(restored)
+    if restored:
+        result.details["hub_prefix_restored"] = len(restored)  # e.g. vision_tower.vision_model.* (4.x reads it)
+    differ = sorted(n for n, e in pairs.items()
+                    if merged[n].shape != expected[e].shape or not torch.equal(merged[n], expected[e].to(merged[n].dtype)))
+    result.exact = len(pairs) == len(merged) == len(expected) and not differ
     if not result.exact:
         result.reasons["exact"] = (f"names only in the merge: {sorted(set(merged) - set(expected))[:4]}, only in "
                                    f"save_pretrained's: {sorted(set(expected) - set(merged))[:4]}, values differ: "
@@ -209,10 +238,7 @@ def _readers_457(results: list[FamilyResult], references: dict, python: Path, wo
 
     import torch
 
-    known = set(json.loads(subprocess.run(
-        [str(python), "-c", "import json, transformers; from transformers import CONFIG_MAPPING; "
-                            "print(json.dumps([k for k in CONFIG_MAPPING.keys()]))"],
-        capture_output=True, text=True, check=True, timeout=600).stdout))
+    known = _known_457(str(python))
     jobs, owners = [], []
     for result in results:
         if not result.merged:
@@ -226,6 +252,8 @@ def _readers_457(results: list[FamilyResult], references: dict, python: Path, wo
         torch.save(logits, reference)
         jobs.append({"kind": "model", "folder": str(root / "merged"), "ids": INPUT_IDS, "reference": str(reference)})
         owners.append(result)
+    if not jobs:
+        return
     log(f"reading {len(jobs)} folders in transformers 4.57")
     check = Path(__file__).resolve().parents[1] / "tests" / "readers_check.py"
     jobs_file, results_file = workdir / "readers_jobs.json", workdir / "readers_results.json"
@@ -240,6 +268,16 @@ def _readers_457(results: list[FamilyResult], references: dict, python: Path, wo
         if not result.loads_457:
             problems.setdefault("max_abs_diff", read.get("max_abs_diff"))
             result.reasons["4.57"] = json.dumps(problems, default=str)[:400]
+
+
+@functools.lru_cache(maxsize=2)
+def _known_457(python: str) -> frozenset[str]:
+    """The model types the readers' transformers (4.57) knows."""
+    import subprocess
+
+    return frozenset(json.loads(subprocess.run(
+        [python, "-c", "import json; from transformers import CONFIG_MAPPING; print(json.dumps(list(CONFIG_MAPPING.keys())))"],
+        capture_output=True, text=True, check=True, timeout=600).stdout))
 
 
 def count(results: list[FamilyResult]) -> dict[str, int]:
@@ -264,13 +302,43 @@ def table(results: list[FamilyResult]) -> str:
     return "\n".join(lines)
 
 
+def markdown(data: dict[str, Any]) -> str:
+    """The sweep's JSON (as ``--json`` writes it) as the Markdown table README points to (``docs/families.md``)."""
+    def mark(cell: Any) -> str:
+        return {True: "yes", False: "**no**", None: "-"}[cell]
+
+    counts = data["counts"]
+    lines = ["# Families: merged exactly, loaded by transformers 5 and 4.57",
+             "",
+             f"Generated by `python -m benchmarks.family_sweep --json docs/family_sweep.json --markdown docs/families.md` "
+             f"(transformers {data['transformers']}){'; a PARTIAL run: only the families listed were swept' if data.get('partial') else ''}. "
+             "Each family is a tiny config of its class, written as a real FSDP2 checkpoint (world 2) and merged with "
+             "the default options; `-`: not reached, or (4.57) a model type transformers 4.57 does not have.",
+             *([f"Families swept: {data['selection']}."] if data.get("selection") else []),
+             "",
+             "Counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()),
+             "",
+             "| family | class | built | merged | exact | 5.x | 4.57 | why not |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in data["families"]:
+        cells = (row["built"], row["merged"], row["exact"], row["loads_5x"], row["loads_457"])
+        why = "; ".join(f"{k}: {v}" for k, v in row["reasons"].items()).replace("|", "/")[:300]
+        lines.append(f"| {row['model_type']} | {row['class_name']} | " + " | ".join(mark(c) for c in cells) + f" | {why} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.family_sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--families", help="comma-separated family names or model types (default: all)")
     parser.add_argument("--json", default="family_sweep.json", help="where the table goes as JSON")
     parser.add_argument("--workdir", help="keep the checkpoints and merges here (default: a temporary folder)")
     parser.add_argument("--no-readers", action="store_true", help="skip transformers 4.57")
+    parser.add_argument("--markdown", help="also write the table as Markdown here (docs/families.md)")
+    parser.add_argument("--render", action="store_true", help="only render --json as --markdown (no sweep)")
     args = parser.parse_args(argv)
+    if args.render:
+        Path(args.markdown).write_text(markdown(json.loads(Path(args.json).read_text())))
+        return 0
     logging.disable(logging.WARNING)
     warnings.simplefilter("ignore")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -292,17 +360,31 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="family_sweep_") as scratch:
         workdir = Path(args.workdir or scratch)
         workdir.mkdir(parents=True, exist_ok=True)
-        results = sweep(families, workdir, readers, log=lambda line: print(line, file=sys.stderr, flush=True))
+        def keep(done: list[FamilyResult]) -> None:
+            _save(Path(args.json), done, started, partial=len(done) < len(families), selection=args.families)
+
+        results = sweep(families, workdir, readers, log=lambda line: print(line, file=sys.stderr, flush=True),
+                        on_batch=keep)
     counts = count(results)
     print(table(results))
     print(json.dumps(counts))
     for r in results:
         for column, why in r.reasons.items():
             print(f"{r.family} [{column}]: {why}")
-    Path(args.json).write_text(json.dumps({"transformers": transformers.__version__, "counts": counts,
-                                           "seconds": round(time.monotonic() - started, 1),
-                                           "families": [asdict(r) for r in results]}, indent=1))
+    _save(Path(args.json), results, started, partial=False, selection=args.families)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(json.loads(Path(args.json).read_text())))
     return 0
+
+
+def _save(path: Path, results: list[FamilyResult], started: float, partial: bool, selection: str | None) -> None:
+    import transformers
+
+    chosen = f"the {len(results)} named by --families ({selection})" if selection else "the whole registry"
+    path.write_text(json.dumps({"transformers": transformers.__version__, "partial": partial, "selection": chosen,
+                                "counts": count(results),
+                                "seconds": round(time.monotonic() - started, 1),
+                                "families": [asdict(r) for r in results]}, indent=1))
 
 
 if __name__ == "__main__":

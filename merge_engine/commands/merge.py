@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from merge_engine import engine_identity, storage
 from merge_engine.plan.config_shapes import check_config_against_tensors
+from merge_engine.plan.legacy_readers import legacy_reader_note
 from merge_engine.errors import InvalidOption
 from merge_engine.formats.hf_metadata import CONFIG_FILE, copy_metadata, read_config
 from merge_engine.plan import hub_format
@@ -137,6 +138,9 @@ class MergeJob:
                       "tensors": len(plan.tensors), "tensor_bytes": plan.total_size,
                       "config_translation": [change.to_json() for change in plan.config_changes],
                       **stored.records}
+        legacy = legacy_reader_note({**config, **plan.config_updates})
+        if legacy is not None:  # a family new in transformers 5: no 4.x reader builds it
+            provenance["transformers_4"] = legacy
         return PreparedJob([shard_output(plan, source, then=metadata)], provenance, kind=self.kind,
                            layout=checkpoint.layout, notes=plan.notes, sources=[source])
 

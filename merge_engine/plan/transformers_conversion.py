@@ -12,6 +12,9 @@
   (its sources, shape and the reverse converter that makes it), and `compute_reverse` makes it from the
   real source tensors with transformers' own ops (Kimi-K2.5's vision ``wqkv``: q, k, v permuted back for
   rope and concatenated), so the Hub tensor is what ``save_pretrained`` would write.
+- A sub-model's prefix the Hub's checkpoints hold and transformers 5 drops in memory (a VLM's vision tower,
+  ``vision_tower.vision_model.*``; a scoped ``PrefixChange``) is written back, as 4.x readers need it;
+  ``save_pretrained`` of transformers 5 leaves it out (`_hub_prefix`).
 - The Hub layout of a tensor that transformers transposes on load only when its shape asks for it
   (``Transpose(check_dims=True)``, e.g. Qwen3-VL-MoE's fused experts): ``save_pretrained`` keeps the
   in-memory layout, the Hub's checkpoints (and transformers 4.x) hold the transposed one. The trace
@@ -315,11 +318,19 @@ def _reverse_transforms(model, conversions=None):
 
     if conversions is None:
         conversions = get_model_conversion_mapping(model, add_legacy=False)
-    conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
+    conversions = [c for c in conversions if not isinstance(c, PrefixChange) or _hub_prefix(c)]
     reverse = [c.reverse_transform() for c in conversions[::-1]]
     renamings = [r for r in reverse if isinstance(r, WeightRenaming)]
     converters = [_hub_layout_ops(r) for r in reverse if isinstance(r, WeightConverter)]
     return renamings, converters, {p: c for c in converters for p in c.source_patterns}
+
+
+def _hub_prefix(change) -> bool:
+    """A sub-model's load-time ``PrefixChange`` that removes a prefix its Hub checkpoints hold (a VLM's vision
+    tower: ``vision_tower.vision_model.*``, which transformers 4.x reads) is reversed for the Hub names;
+    ``save_pretrained`` drops every ``PrefixChange`` (it cannot tell whether the loaded checkpoint had the
+    prefix), and a root-level one (a text model read from a VLM checkpoint) stays dropped."""
+    return bool(getattr(change, "prefix_to_remove", None)) and bool(getattr(change, "scope_prefix", None))
 
 
 def trace_reverse_conversion(model, shapes: Mapping[str, tuple[int, ...]], conversions=None,
