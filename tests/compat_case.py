@@ -108,6 +108,14 @@ def merge_fsdp(step, out: Path) -> None:
     _require(torch.equal(got, expected), f"logits differ from the trained model's by {(got - expected).abs().max():.3g}")
 
 
+def validate(step, merged: Path) -> None:
+    """The product's own validation (structure, Hub names, reference values, load, forward) of a merge passes here."""
+    from merge_engine.validate.model import validate_model
+
+    report = validate_model(str(merged), step.reference_hf_dir)
+    _require(report.ok, report.text())
+
+
 def merge_megatron(megatron_dir: Path, fmt: str, out: Path) -> None:
     from synthetic_runs.megatron import REFERENCE_HF_DIR, REFERENCE_INPUT_IDS_FILE, REFERENCE_LOGITS_FILE
 
@@ -203,6 +211,7 @@ def run_row(workdir: Path, megatron_dir: Path) -> dict[str, object]:
         cell("check", lambda: check_all(steps, megatron_dir))
         cell("merge FSDP1", lambda: merge_fsdp(steps["fsdp1"], out / "fsdp1"))
         cell("merge FSDP2", lambda: merge_fsdp(steps["fsdp2"], out / "fsdp2"))
+        cell("validate", lambda: validate(steps["fsdp2"], out / "fsdp2"))
     for fmt in MEGATRON_CASES:
         cell(f"merge Megatron {fmt}", lambda fmt=fmt: merge_megatron(megatron_dir, fmt, out / f"megatron_{fmt}"))
     if steps:

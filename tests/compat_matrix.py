@@ -54,8 +54,8 @@ ENVIRONMENTS: tuple[Environment, ...] = (
 )
 # transformers 4.57 with the main environment's peft: each is tested, the pair is not
 UNTESTED_PAIR = ("compat-untested", ("transformers==4.57.6", "tokenizers==0.22.2", "huggingface_hub==0.36.2"))
-CELLS = ("check", "merge FSDP1", "merge FSDP2", "merge Megatron legacy", "merge Megatron dist", "extract-lora",
-         "merge-lora", "check-trained", "extract-lora SVD")
+CELLS = ("check", "merge FSDP1", "merge FSDP2", "validate", "merge Megatron legacy", "merge Megatron dist",
+         "extract-lora", "merge-lora", "check-trained", "extract-lora SVD")
 MEGATRON_OUTPUTS = ("megatron_legacy", "megatron_dist")
 
 

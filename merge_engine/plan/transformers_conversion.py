@@ -314,11 +314,13 @@ def _reverse_transforms(model, conversions=None):
     load-time ``conversions``): (renamings, converters, pattern -> converter), exactly as
     ``revert_weight_conversion`` builds them."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
+    from transformers import core_model_loading
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
 
     if conversions is None:
         conversions = get_model_conversion_mapping(model, add_legacy=False)
-    conversions = [c for c in conversions if not isinstance(c, PrefixChange) or _hub_prefix(c)]
+    prefix_change = getattr(core_model_loading, "PrefixChange", ())  # a class from 5.10 on
+    conversions = [c for c in conversions if not isinstance(c, prefix_change) or _hub_prefix(c)]
     reverse = [c.reverse_transform() for c in conversions[::-1]]
     renamings = [r for r in reverse if isinstance(r, WeightRenaming)]
     converters = [_hub_layout_ops(r) for r in reverse if isinstance(r, WeightConverter)]
@@ -333,6 +335,24 @@ def _hub_prefix(change) -> bool:
     return bool(getattr(change, "prefix_to_remove", None)) and bool(getattr(change, "scope_prefix", None))
 
 
+def apply_renamings(name: str, renamings) -> str:
+    """``name`` after every renaming in turn, as transformers' save does (its own ``apply_renamings``
+    is missing before 5.18; each transform's ``rename_source_key`` is there from 5.5.3)."""
+    for renaming in renamings:
+        name, _ = renaming.rename_source_key(name)
+    return name
+
+
+def apply_converters(name: str, converters) -> tuple[str, str | None]:
+    """``name`` after the first converter that matches it, and that converter's source pattern (None: none
+    matched), as transformers' own ``apply_converters`` answers."""
+    for converter in converters:
+        renamed, pattern = converter.rename_source_key(name)
+        if pattern is not None:
+            return renamed, pattern
+    return name, None
+
+
 def trace_reverse_conversion(model, shapes: Mapping[str, tuple[int, ...]], conversions=None,
                              computed: bool = False) -> dict[str, TensorView]:
     """Run transformers' save-time conversion of ``model`` on meta tensors of ``shapes`` and return,
@@ -340,13 +360,7 @@ def trace_reverse_conversion(model, shapes: Mapping[str, tuple[int, ...]], conve
     source (its values have to be computed): a `ComputedTensor` with ``computed=True``, else `UnsupportedLayout`."""
     from copy import deepcopy
 
-    from transformers.core_model_loading import (
-        WeightConverter,
-        WeightRenaming,
-        apply_converters,
-        apply_renamings,
-        dot_natural_key,
-    )
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key
 
     renamings, converters, by_pattern = _reverse_transforms(model, conversions)
     bases = {name: torch.empty(tuple(shape), device="meta").as_subclass(_Traced) for name, shape in shapes.items()}
@@ -393,8 +407,6 @@ def compute_reverse(model, computed: ComputedTensor, tensors: Mapping[str, torch
     """The Hub tensor ``out_name`` made from the real ``tensors`` (stored name -> tensor, every one of
     ``computed.sources``) by transformers' own reverse converter, as ``save_pretrained`` makes it."""
     from copy import deepcopy
-
-    from transformers.core_model_loading import apply_converters, apply_renamings
 
     renamings, converters, by_pattern = _reverse_transforms(model, conversions)
     group = deepcopy(by_pattern[computed.pattern])

@@ -75,6 +75,7 @@ def test_the_forward_check_runs_on_the_gpu_one_model_at_a_time(model_folder):
     """On cuda: the report says so, the logits equal the CPU's, the peak GPU memory of a check that loads
     the model and its reference stays under two models, and the memory is handed back after."""
     folder, model_bytes = model_folder
+    torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # cuBLAS's workspace, kept for the process
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -82,7 +83,8 @@ def test_the_forward_check_runs_on_the_gpu_one_model_at_a_time(model_folder):
     assert report.ok, report.summary()
     assert "on cuda" in report.check("load").detail
     assert torch.cuda.max_memory_allocated() - before < 2 * model_bytes
-    assert torch.cuda.memory_allocated() == before
+    # handed back: what stays is the allocator's and cuBLAS's per-stream workspaces (33 MiB seen on an H200), no model
+    assert torch.cuda.memory_allocated() - before < model_bytes // 4
     on_gpu, _ = model_logits(folder, "cuda", dtype=torch.float32)
     on_cpu, _ = model_logits(folder, "cpu", dtype=torch.float32)
     assert on_gpu.device.type == "cpu"  # compared on the CPU
@@ -95,4 +97,5 @@ def test_the_trained_check_runs_on_the_gpu_and_frees_it(lora_step):
     before = torch.cuda.memory_allocated()
     report = check_against_trained(checkpoint, fused_model_url=fused, device="cuda")
     assert report.ok and report.check(VS_FUSED).ok, report.text()
-    assert torch.cuda.memory_allocated() == before
+    # handed back: what stays is the allocator's and cuBLAS's per-stream workspaces (33 MiB seen on an H200), no model
+    assert torch.cuda.memory_allocated() - before < model_bytes // 4
