@@ -149,6 +149,11 @@ def conversion_known(config: Mapping[str, Any]) -> bool:
     keys = list(config.get("architectures") or [])
     scopes = [config] + [v for v in config.values() if isinstance(v, Mapping) and "model_type" in v]
     keys += [s.get("model_type") for s in scopes if s.get("model_type")]
+    nested = [s.get("model_type") for s in scopes[1:] if isinstance(s.get("model_type"), str)]
+    if nested:  # a sub-model's own class may have a conversion (a VLM's SiglipVisionModel tower): its name too
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+        keys += [MODEL_MAPPING_NAMES.get(t) for t in nested]
     listed = None if CONVERSION_MODULE in sys.modules else conversion_table_keys()
     if listed is not None and not listed.intersection(k for k in keys if isinstance(k, str)):
         return False

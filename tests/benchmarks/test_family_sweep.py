@@ -27,7 +27,9 @@ SAMPLE = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_k25", "gemma3"
 NEW_IN_5 = {"qwen3_5_text", "qwen3_5_moe_text", "kimi_k25"}  # model types transformers 4.57 does not have
 # family -> what 4.57 makes of the folder today
 KNOWN_457_GAPS = {
-    "olmo3": "max_abs_diff",  # 4.57's OLMo-3 reads the rope / sliding-window settings otherwise
+    # rope_parameters per layer type (the same theta for both): transformers 5's Olmo3Config names no 4.x spelling
+    # (merge_engine.plan.hub_config writes none for per-layer-type rope), so 4.57 runs its default rope_theta
+    "olmo3": "max_abs_diff",
 }
 
 
