@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -68,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                                     "are spent (0: no limit)")
     parser.add_argument("--no-full-cpu", action="store_true", help="leave out the full SVD on the CPU in this process "
                         "(with --baseline-src the old tree's CLI run is the before)")
+    parser.add_argument("--cli-only", action="store_true", help="with --baseline-src: only the two CLI runs")
     parser.add_argument("--json", help="write the figures here as JSON")
     parser.add_argument("--allow-all-imports", action="store_true")
     return parser.parse_args(argv)
@@ -156,19 +158,28 @@ def forward(tuned: str, device: str) -> tuple[float, object]:
     return seconds, logits
 
 
-def cli_extract(src: str, base: str, tuned: str, target: str, rank: int) -> float:
-    """Wall seconds of ``python -m merge_engine extract-lora --finetuned ... --device cpu`` from the tree ``src``."""
+CHILD_CPU: list[float] = []  # CPU seconds of each child run so far (rusage of children is cumulative)
+
+
+def cli_extract(src: str, base: str, tuned: str, target: str, rank: int) -> tuple[float, float]:
+    """(wall, CPU) seconds of ``python -m merge_engine extract-lora --finetuned ... --device cpu`` from the tree
+    ``src`` (CPU: the child's user + system time, which a loaded machine inflates less than the wall time)."""
     shutil.rmtree(target, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": src}
     command = [sys.executable, "-m", "merge_engine", "extract-lora", "--base-model", base, "--finetuned", tuned,
                "--rank", str(rank), "--target-dir", target, "--device", "cpu"]
     started = time.perf_counter()
-    done = subprocess.run(command, env=env, cwd=src, capture_output=True, text=True)
+    proc = subprocess.Popen(command, env=env, cwd=src, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, stderr = proc.communicate()
     seconds = time.perf_counter() - started
-    if done.returncode != 0:
-        raise SystemExit(f"extract-lora from {src} failed:\n{done.stderr[-3000:]}")
-    print(f"  CLI extract-lora --finetuned --device cpu from {src}: {seconds:.2f} s", flush=True)
-    return seconds
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = usage.ru_utime + usage.ru_stime - sum(CHILD_CPU)
+    CHILD_CPU.append(cpu)
+    if proc.returncode != 0:
+        raise SystemExit(f"extract-lora from {src} failed:\n{stderr[-3000:]}")
+    print(f"  CLI extract-lora --finetuned --device cpu from {src}: {seconds:.2f} s wall, {cpu:.1f} s CPU "
+          f"(load average {os.getloadavg()[0]:.1f})", flush=True)
+    return seconds, cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     out = os.path.join(args.work, "out")
     seconds: dict[str, float] = {}
     errors: dict[str, dict] = {}
+    if args.cli_only:
+        devices = []
     print("SVD extraction (the engine's job, in this process):")
     for device in devices:
         if budget.allows(f"new/{device}"):
@@ -208,9 +221,10 @@ def main(argv: list[str] | None = None) -> int:
                 base, tuned, os.path.join(out, f"full_{device}"), args.rank, device, "full")
     if args.baseline_src and budget.allows("CLI before/after"):
         print("the CLI, old tree against this one (cpu):")
-        seconds["cli_before_cpu"] = cli_extract(os.path.abspath(args.baseline_src), base, tuned,
-                                                os.path.join(out, "cli_before"), args.rank)
-        seconds["cli_after_cpu"] = cli_extract(REPO, base, tuned, os.path.join(out, "cli_after"), args.rank)
+        seconds["cli_before_cpu"], seconds["cli_before_cpu_time"] = cli_extract(
+            os.path.abspath(args.baseline_src), base, tuned, os.path.join(out, "cli_before"), args.rank)
+        seconds["cli_after_cpu"], seconds["cli_after_cpu_time"] = cli_extract(
+            REPO, base, tuned, os.path.join(out, "cli_after"), args.rank)
         for run in ("before", "after"):  # each module's relative error, as the command recorded it
             recorded = json.load(open(os.path.join(out, f"cli_{run}", "stepmerge.json")))["svd"]
             errors[f"cli_{run}"] = {m: r["relative_error"] for m, r in recorded.items()}
@@ -236,7 +250,8 @@ def report(seconds: dict[str, float], errors: dict[str, dict], logits: dict) -> 
             figures[name] = seconds[numerator] / seconds[denominator]
 
     ratio("SVD full CPU / new CPU (speed-up on this CPU)", "svd_full_cpu", "svd_new_cpu")
-    ratio("SVD CLI before / after, CPU (speed-up of the command)", "cli_before_cpu", "cli_after_cpu")
+    ratio("SVD CLI before / after, CPU, wall (speed-up of the command)", "cli_before_cpu", "cli_after_cpu")
+    ratio("SVD CLI before / after, CPU seconds", "cli_before_cpu_time", "cli_after_cpu_time")
     ratio("SVD full GPU / new GPU", "svd_full_cuda", "svd_new_cuda")
     ratio("SVD new CPU / new GPU (the GPU's gain)", "svd_new_cpu", "svd_new_cuda")
     ratio("SVD full CPU (before) / new GPU (goal >= 10)", "svd_full_cpu", "svd_new_cuda")
