@@ -7,7 +7,8 @@
 # Steps, each printed as PASS/FAIL with its time (its log in $OUT/<step>.log):
 #   env        python, torch, CUDA, transformers, peft versions; the GPU seen
 #   devices    `extract-lora --device cuda:99` / `--device gpu9` refused in one line (InvalidDevice, exit 2)
-#   tests      the device and GPU tests (the CUDA ones run only where CUDA is present): pytest --noconftest
+#   tests      the device and GPU tests (the CUDA ones run only where CUDA is present): pytest --noconftest;
+#   lora_tests SVD extraction and re-factoring per device against PEFT (tests/merge_engine/lora/test_device_paths.py)
 #   merge      a tiny verl FSDP2 run (2 ranks, gloo) written here, merged by `python3 -m merge_engine merge`
 #   validate   validate_model of the merge against the run's reference on the default device (cuda when present)
 #   bench      benchmarks/gpu.py (SVD extraction new/full x GPU/CPU, validation forward) within $BENCH_BUDGET_S
@@ -61,6 +62,10 @@ if $PY -c "import pytest" 2>/dev/null; then
         tests/merge_engine/test_devices.py tests/merge_engine/validate/test_device_forward.py \
         tests/merge_engine/lora/test_lowrank.py
     grep -E "passed|failed|SKIPPED|error" "$OUT/tests.log" | tail -n 6 | sed 's/^/    /'
+    # SVD extraction and re-factoring on each device against PEFT's truth: its folder's own conftest only
+    step lora_tests 180 $PY -m pytest --confcutdir=tests/merge_engine/lora -p no:cacheprovider -q -rs \
+        tests/merge_engine/lora/test_device_paths.py
+    grep -E "passed|failed|SKIPPED|error" "$OUT/lora_tests.log" | tail -n 3 | sed 's/^/    /'
 else
     echo "FAIL tests (pytest is not installed for $PY)"; failed=$((failed + 1))
 fi
