@@ -324,7 +324,7 @@ def _reverse_transforms(model, conversions=None):
 
     if conversions is None:
         conversions = get_model_conversion_mapping(model, add_legacy=False)
-    prefix_change = getattr(core_model_loading, "PrefixChange", ())  # a class from 5.10 on
+    prefix_change = getattr(core_model_loading, "PrefixChange", ())  # absent in 5.5.3
     conversions = [c for c in conversions if not isinstance(c, prefix_change) or _hub_prefix(c)]
     reverse = [c.reverse_transform() for c in conversions[::-1]]
     renamings = [r for r in reverse if isinstance(r, WeightRenaming)]
@@ -342,7 +342,7 @@ def _hub_prefix(change) -> bool:
 
 def apply_renamings(name: str, renamings) -> str:
     """``name`` after every renaming in turn, as transformers' save does (its own ``apply_renamings``
-    is missing before 5.18; each transform's ``rename_source_key`` is there from 5.5.3)."""
+    is absent in 5.17 and older; each transform's ``rename_source_key`` is there from 5.5.3)."""
     for renaming in renamings:
         name, _ = renaming.rename_source_key(name)
     return name
