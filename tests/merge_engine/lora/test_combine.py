@@ -124,14 +124,15 @@ def test_stacked_adapter_equals_peft_cat(tmp_path, tiny_base, peft_adapters, wei
         torch.testing.assert_close(ours[module], theirs[module], atol=1e-6, rtol=1e-6, msg=module)
 
 
-def test_svd_adapter_matches_peft_svd_and_reports_its_error(tmp_path, tiny_base, peft_adapters):
-    """--rank 3 re-factors each module's combined update; PEFT's "svd" gives the same product, and
-    the reported relative error is ||delta - B'A'||_F / ||delta||_F."""
+def svd_refactoring_and_peft_svd(tmp_path, tiny_base: str, peft_adapters: dict[str, str], **options):
+    """0.7 * qv - 0.4 * qv2 re-factored to rank 3 by stepmerge (``options`` added to its `MergeLoraOptions`)
+    and by PEFT's ``add_weighted_adapter(..., "svd")``: (stepmerge's result, its per-module B@A, PEFT's,
+    the exact combined update)."""
     from peft import PeftModel
 
     adapters = [peft_adapters["qv"], peft_adapters["qv2"]]
-    result = merge_lora(tiny_base, adapters, str(tmp_path / "ours"),
-                        MergeLoraOptions(method="weighted", weights=(0.7, -0.4), output="adapter", rank=3))
+    result = merge_lora(tiny_base, adapters, str(tmp_path / "ours"), MergeLoraOptions(
+        method="weighted", weights=(0.7, -0.4), output="adapter", rank=3, **options))
     model = PeftModel.from_pretrained(load_causal_lm(tiny_base), adapters[0], adapter_name="a")
     model.load_adapter(adapters[1], adapter_name="b")
     model.add_weighted_adapter(["a", "b"], [0.7, -0.4], "svd", combination_type="svd", svd_rank=3)
@@ -140,6 +141,13 @@ def test_svd_adapter_matches_peft_svd_and_reports_its_error(tmp_path, tiny_base,
     exact = {name[:-len(".weight")]: 0.7 * u for name, u in adapter_updates(adapters[0]).items()}
     for name, u in adapter_updates(adapters[1]).items():
         exact[name[:-len(".weight")]] -= 0.4 * u
+    return result, ours, theirs, exact
+
+
+def test_svd_adapter_matches_peft_svd_and_reports_its_error(tmp_path, tiny_base, peft_adapters):
+    """--rank 3 re-factors each module's combined update; PEFT's "svd" gives the same product, and
+    the reported relative error is ||delta - B'A'||_F / ||delta||_F."""
+    result, ours, theirs, exact = svd_refactoring_and_peft_svd(tmp_path, tiny_base, peft_adapters)
     reports = {r.module: r for r in result.modules}
     assert sorted(ours) == sorted(theirs) == sorted(reports)
     for module in ours:

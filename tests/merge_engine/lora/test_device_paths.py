@@ -18,10 +18,9 @@ import json
 import pytest
 import torch
 
-from merge_engine.commands.combine import MergeLoraOptions, merge_lora
 from merge_engine.commands.extract import SvdExtractOptions, extract_lora_svd
 from tests.merge_engine.lora.conftest import load_causal_lm, logits, peft_logits
-from tests.merge_engine.lora.test_combine import adapter_updates, lora_products
+from tests.merge_engine.lora.test_combine import svd_refactoring_and_peft_svd
 from tests.merge_engine.lora.test_fuse import ATOL, RTOL
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -56,19 +55,7 @@ def test_svd_extraction_on_the_device_recovers_the_finetune(device, tmp_path, ti
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_svd_refactoring_on_the_device_is_peft_svd(device, tmp_path, tiny_base, peft_adapters):
-    from peft import PeftModel
-
-    adapters = [peft_adapters["qv"], peft_adapters["qv2"]]
-    result = merge_lora(tiny_base, adapters, str(tmp_path / "ours"), MergeLoraOptions(
-        method="weighted", weights=(0.7, -0.4), output="adapter", rank=3, device=device))
-    model = PeftModel.from_pretrained(load_causal_lm(tiny_base), adapters[0], adapter_name="a")
-    model.load_adapter(adapters[1], adapter_name="b")
-    model.add_weighted_adapter(["a", "b"], [0.7, -0.4], "svd", combination_type="svd", svd_rank=3)
-    model.save_pretrained(str(tmp_path / "peft"), selected_adapters=["svd"])
-    ours, theirs = lora_products(str(tmp_path / "ours")), lora_products(str(tmp_path / "peft" / "svd"))
-    exact = {name[:-len(".weight")]: 0.7 * u for name, u in adapter_updates(adapters[0]).items()}
-    for name, u in adapter_updates(adapters[1]).items():
-        exact[name[:-len(".weight")]] -= 0.4 * u
+    result, ours, theirs, exact = svd_refactoring_and_peft_svd(tmp_path, tiny_base, peft_adapters, device=device)
     reports = {r.module: r for r in result.modules}
     assert sorted(ours) == sorted(theirs) == sorted(reports)
     for module in ours:
