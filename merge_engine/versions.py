@@ -16,14 +16,15 @@ Contract:
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from importlib import metadata
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 from merge_engine.errors import UnsupportedVersions
 
 OVERRIDE_ENV = "STEPMERGE_UNTESTED_VERSIONS"
-_RELEASE = re.compile(r"^(\d+(?:\.\d+)*)(.*)$")
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,9 @@ class TestedPair:
     tested_with: str  # the matrix's environments for this row
 
     def holds(self, transformers: str, peft: str) -> bool:
-        if _key(transformers)[-1] < 0 or _key(peft)[-1] < 0:
-            return False  # a pre-release (or an unparsable version) is no tested release
-        return (_key(self.transformers_from) <= _key(transformers) < _key(self.transformers_below)
-                and _key(self.peft_from) <= _key(peft) < _key(self.peft_below))
+        """A release (never a pre-release, nor an unparsable version) inside both ranges."""
+        return (_within(transformers, self.transformers_from, self.transformers_below)
+                and _within(peft, self.peft_from, self.peft_below))
 
     def describe(self) -> str:
         return (f"transformers >={self.transformers_from},<{self.transformers_below} with "
@@ -56,18 +56,11 @@ TESTED: tuple[TestedPair, ...] = (
 )
 
 
-def _key(version: str) -> tuple[int, ...]:
-    """A release's sort key: its numeric parts, trailing zeros dropped (``5.10.4`` > ``5.9``, ``5.26.0`` ==
-    ``5.26``), then 0 for a release (or a post-release) and -1 for a pre-release (``5.26.0rc1``, ``5.26.0.dev0``).
-    Unparsable: ``(-1,)``."""
-    match = _RELEASE.match(version.strip())
-    if match is None:
-        return (-1,)
-    parts = [int(part) for part in match.group(1).split(".")]
-    while len(parts) > 1 and parts[-1] == 0:
-        parts.pop()
-    rest = match.group(2).split("+")[0]
-    return (*parts, -1 if rest and not rest.startswith(".post") else 0)
+def _within(version: str, lowest: str, below: str) -> bool:
+    try:
+        return SpecifierSet(f">={lowest},<{below}").contains(Version(version))  # pre-releases excluded
+    except (InvalidVersion, InvalidSpecifier):
+        return False
 
 
 def installed_versions() -> dict[str, str | None]:
