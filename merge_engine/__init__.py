@@ -1,15 +1,37 @@
 """stepmerge's engine: distributed training checkpoints -> exact Hugging Face models. No Prefect here.
 
-Wings by purpose, each importing only from those below it (checked by ``tests/test_layers.py``):
-``cli`` -> ``commands`` (merge, extract, combine, megatron_lora, split, reference_check), ``release``,
-``validate`` -> ``output`` (jobs, shard jobs, executors, targets) -> ``plan`` (planner, plan records, Hub
-format) -> ``layouts``, ``architectures``, ``lora`` -> ``formats`` (byte formats, tensor sources) ->
-``storage``, ``errors``, ``devices`` (the ``--device`` a user names, checked), ``options`` (every user-facing
-option, declared once: data only). The README's
-layout section maps the modules.
+The engine is built in wings by purpose, one folder (or top-level module) each, and `WINGS` is their one
+written order, bottom to top: a module imports only from its own wing and the wings below it, never from
+one above, and no imports form a cycle (``tests/test_layers.py`` reads `WINGS` and checks every import).
+A record two wings need lives in the lower one; a dispatcher lives above what it dispatches to. The
+README's layout section maps the modules of each wing.
 """
 
 __version__ = "0.1.0"
+
+WINGS = (
+    "merge_engine.errors",          # the named errors users see
+    "merge_engine.options",         # every user-facing option declared once (data only)
+    "merge_engine.devices",         # the torch device a user names, checked
+    "merge_engine.versions",        # the tested ranges of transformers, peft and torch
+    "merge_engine.storage",         # any URL: backends, listings, ranged reads, atomic writes, guarded JSON
+    "merge_engine.formats",         # byte formats read lazily and safely; tensor sources
+    "merge_engine.plan",            # the plan records (MergePlan, output heads) and the Hub's format
+    "merge_engine.architectures",   # declarative Megatron <-> HF tables; the Megatron plan
+    "merge_engine.layouts",         # one module per on-disk checkpoint format; runs; discovery
+    "merge_engine.lora",            # the LoRA library: keys, PEFT config, fuse, SVD; the trained model's plan
+    "merge_engine.output",          # OutputJob, work units, executors, targets, local commit
+    "merge_engine.validate",        # structure, compare, forward, the trained model
+    "merge_engine.release",         # release state, publish, verify, checksums
+    "merge_engine.commands",        # the jobs: merge, extract, combine, split, reference_check
+    "merge_engine.cli",             # `python -m merge_engine ...`
+    "merge_engine.__main__",
+    "tasks",                        # Prefect tasks (above the engine)
+    "flows",                        # Prefect flows
+    "deployments",                  # what runs them
+)
+"""The wings of the house, bottom to top (see the module docstring). The package itself (this module) is
+below them all and imports none of them."""
 
 OUTPUT_REVISION = 2
 """The revision of the bytes the engine writes, bumped whenever the output for the same input and options

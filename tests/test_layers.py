@@ -1,57 +1,39 @@
-"""Dependencies point down, and there are no import cycles.
+"""Dependencies point down, wing by wing, and there are no import cycles.
 
-Every module of ``merge_engine``, ``tasks``, ``flows`` and ``deployments`` is given a layer below
-(the most specific prefix wins); its imports are read with `ast` (module-level ones and those inside
+`merge_engine.WINGS` is the one written order of the wings, bottom to top: each entry is a module prefix (a
+folder of the engine, one of its top-level modules, or a package above it: ``tasks``, ``flows``,
+``deployments``), and a module's layer is the position of the one wing it is or lies under. There is no
+other rule and no exception per module. Imports are read with `ast` (module-level ones and those inside
 functions alike: a lazy import is still a dependency). The test fails when:
-- a module has no layer (say where it belongs: add it to `LAYERS`);
-- a module imports one of a HIGHER layer (the order is ARCHITECTURE.md's: cli/flows -> jobs ->
-  planner -> layouts/architectures -> storage);
-- the imports between modules form a cycle (same layer included);
-- ``merge_engine`` imports Prefect.
+- a module lies in no wing, or a wing names no module (say where it belongs: edit `WINGS`);
+- a module imports one of a HIGHER wing;
+- the imports between modules form a cycle (same wing included);
+- the package ``merge_engine`` itself (below every wing) imports any of them;
+- ``merge_engine`` imports Prefect;
+- the README's layout section does not list the engine's wings in that order (top to bottom, as it draws them).
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
+from merge_engine import WINGS
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("merge_engine", "tasks", "flows", "deployments")
-
-# layer -> module prefixes (a prefix names a module or a package and everything under it)
-LAYERS: dict[int, tuple[str, ...]] = {
-    # storage, errors, and the few leaf modules every wing reads (JSON, value spellings)
-    0: ("merge_engine", "merge_engine.options", "merge_engine.errors", "merge_engine.storage", "merge_engine.formats.json_text",
-        "merge_engine.formats.dcp_file_names", "merge_engine.plan.option_values"),
-    # byte formats, and the plan records every planner fills
-    1: ("merge_engine.formats", "merge_engine.plan.merge_plan", "merge_engine.plan.output_heads",
-        "merge_engine.plan.transformers_conversion", "merge_engine.plan.model_heads", "merge_engine.plan.hub_config"),
-    # checkpoint layouts and model families
-    2: ("merge_engine.layouts", "merge_engine.architectures"),
-    # planners of one kind of source, and the LoRA library they plan from
-    3: ("merge_engine.architectures.megatron_to_hf", "merge_engine.plan", "merge_engine.lora"),
-    # the planner (picks a plan) and discovery (run root -> steps)
-    4: ("merge_engine.plan.planner", "merge_engine.layouts.discovery"),
-    # how an output is written: units of work, executors, targets, commits
-    5: ("merge_engine.output", "merge_engine.release.checksums"),
-    # jobs and the commands built on them; validation; releases
-    6: ("merge_engine.output.jobs", "merge_engine.commands", "merge_engine.validate", "merge_engine.release"),
-    7: ("merge_engine.cli", "merge_engine.__main__"),
-    8: ("tasks",),
-    9: ("flows",),
-    10: ("deployments",),
-}
+ENGINE = "merge_engine"  # the package itself: below every wing
 
 
 def layer_of(module: str) -> int | None:
-    best, found = -1, None
-    for layer, prefixes in LAYERS.items():
-        for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
-                best, found = len(prefix), layer
-    return found
+    """The position in `WINGS` of the wing ``module`` is or lies under (-1: the package itself; None: none)."""
+    if module == ENGINE:
+        return -1
+    found = [i for i, wing in enumerate(WINGS) if module == wing or module.startswith(wing + ".")]
+    return found[0] if found else None
 
 
 def module_files() -> dict[str, pathlib.Path]:
@@ -93,29 +75,45 @@ def imports_of(module: str, path: pathlib.Path) -> set[str]:
 GRAPH = {module: imports_of(module, path) for module, path in MODULES.items()}
 
 
-def test_every_module_has_a_layer():
+def test_the_wings_are_one_order_of_distinct_prefixes():
+    """No wing is listed twice or lies inside another (a module has exactly one wing), and each holds a module."""
+    assert len(set(WINGS)) == len(WINGS)
+    assert [(a, b) for a in WINGS for b in WINGS if b.startswith(a + ".")] == []
+    assert [wing for wing in WINGS if not any(m == wing or m.startswith(wing + ".") for m in MODULES)] == []
+
+
+def test_every_module_has_a_wing():
     assert [m for m in MODULES if layer_of(m) is None] == []
 
 
+def test_the_package_itself_imports_no_wing():
+    assert GRAPH[ENGINE] == set()
+
+
 def upward_imports(module: str, targets: set[str]) -> list[str]:
-    """The imports of ``module`` from a higher layer (a package is its own modules' parent, not above)."""
+    """The imports of ``module`` from a higher wing, each as ``target (wing)``."""
     own = layer_of(module)
-    return sorted(f"{t} (layer {layer_of(t)})" for t in targets
-                  if own is not None and layer_of(t) is not None and layer_of(t) > own and not module.startswith(t + "."))
+    return sorted(f"{t} ({WINGS[layer_of(t)]})" for t in targets
+                  if own is not None and layer_of(t) is not None and layer_of(t) > own)
 
 
 # upward imports still to remove, each with who removes it; the test fails once one is gone (delete it here)
-KNOWN_UPWARD: dict[str, list[str]] = {}
+KNOWN_UPWARD: dict[str, list[str]] = {
+    # layers (issue 27, point 1): sha256_of moves to storage
+    "merge_engine.output.jobs": ["merge_engine.release.checksums (merge_engine.release)"],
+    # layers (issue 27, point 1): the planner moves above the wings it dispatches to
+    "merge_engine.plan.planner": ["merge_engine.architectures.megatron_to_hf (merge_engine.architectures)",
+                                  "merge_engine.layouts (merge_engine.layouts)",
+                                  "merge_engine.lora.checkpoint (merge_engine.lora)"],
+    # layers (issue 27, point 1): json_text moves to storage
+    "merge_engine.storage.copies": ["merge_engine.formats.json_text (merge_engine.formats)"],
+}
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
-def test_no_import_from_a_higher_layer(module):
+def test_no_import_from_a_higher_wing(module):
     assert upward_imports(module, GRAPH[module]) == KNOWN_UPWARD.get(module, []), \
-        f"{module} (layer {layer_of(module)}) imports from above"
-
-
-# cycles still to break, each with who breaks it; the test fails once one is gone (delete it here)
-KNOWN_CYCLES: list[list[str]] = []
+        f"{module} (wing {WINGS[layer_of(module)] if layer_of(module) is not None else None}) imports from above"
 
 
 def test_no_import_cycles():
@@ -136,14 +134,7 @@ def test_no_import_cycles():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
-    assert [_rotated(c) for c in cycles] == [_rotated(c) for c in KNOWN_CYCLES]
-
-
-def _rotated(cycle: list[str]) -> list[str]:
-    """A cycle written from its smallest module on (the same cycle found from another start compares equal)."""
-    ring = cycle[:-1]
-    start = ring.index(min(ring))
-    return ring[start:] + ring[:start] + [ring[start]]
+    assert cycles == []
 
 
 def test_the_engine_never_imports_prefect():
@@ -158,12 +149,36 @@ def test_the_engine_never_imports_prefect():
     assert offenders == []
 
 
+def readme_wings() -> list[str]:
+    """The engine's wings as README's layout section draws them, top to bottom: the names indented under
+    ``merge_engine/`` (``storage/``, ``cli``, ...), in the order they appear."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Layout"):]
+    block = section[section.index("```\n") + 4:]
+    block = block[:block.index("```")]
+    lines = block.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("merge_engine/"))
+    names = []
+    for line in lines[start + 1:]:
+        if line and not line.startswith(" "):
+            break
+        match = re.match(r"^  (\w+)/?\s", line)
+        if match:
+            names.append(f"merge_engine.{match.group(1)}")
+    return names
+
+
+def test_the_readme_draws_the_wings_in_their_order():
+    engine_wings = [w for w in WINGS if w.startswith(ENGINE + ".") and w != "merge_engine.__main__"]
+    assert readme_wings() == engine_wings[::-1]
+
+
 def test_the_checker_sees_lazy_and_relative_upward_imports(tmp_path):
     """The rules can fail: a layout importing the planner inside a function, or the CLI relatively, is seen."""
     fake = tmp_path / "fake.py"
-    fake.write_text("from ..plan import planner\n\ndef f():\n    from merge_engine.cli import main\n    import flows.events\n")
-    found = imports_of("merge_engine.layouts.fake", fake)
-    assert found == {"merge_engine.plan", "merge_engine.plan.planner", "merge_engine.cli", "flows.events"}
-    assert upward_imports("merge_engine.layouts.fake", found) == [
-        "flows.events (layer 9)", "merge_engine.cli (layer 7)", "merge_engine.plan (layer 3)",
-        "merge_engine.plan.planner (layer 4)"]
+    fake.write_text("from ..plan import hf_plan\n\ndef f():\n    from merge_engine.cli import main\n    import flows.events\n")
+    found = imports_of("merge_engine.formats.fake", fake)
+    assert found == {"merge_engine.plan", "merge_engine.plan.hf_plan", "merge_engine.cli", "flows.events"}
+    assert upward_imports("merge_engine.formats.fake", found) == [
+        "flows.events (flows)", "merge_engine.cli (merge_engine.cli)", "merge_engine.plan (merge_engine.plan)",
+        "merge_engine.plan.hf_plan (merge_engine.plan)"]
