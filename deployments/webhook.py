@@ -66,7 +66,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictInt, Validat
 from flows.step_keys import normalized_run_root, step_key
 from flows.url_checks import checked_url
 from merge_engine.errors import StepmergeError
-from merge_engine.formats.json_text import parse_json
+from merge_engine.storage.json_text import parse_json
 from merge_engine.storage.schemes import remote_schemes
 from merge_engine.storage.urls import scheme_of
 

@@ -46,7 +46,7 @@ import anyio
 from prefect.locking.protocol import LockManager
 
 from merge_engine.errors import StepmergeError
-from merge_engine.formats.json_text import read_local_json
+from merge_engine.storage.json_text import read_local_json
 from merge_engine.output.clock import SYSTEM_CLOCK, Clock
 from merge_engine.output.owner_record import Owner, finite_number, new_record
 

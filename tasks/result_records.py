@@ -29,7 +29,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 
 from merge_engine import errors
 from merge_engine.errors import StepmergeError, UnsafeRecord
-from merge_engine.formats.json_text import parse_json
+from merge_engine.storage.json_text import parse_json
 
 SERIALIZER_TYPE = "stepmerge-records"
 RESULT_FORMAT = 1

@@ -105,8 +105,6 @@ KNOWN_UPWARD: dict[str, list[str]] = {
     "merge_engine.plan.planner": ["merge_engine.architectures.megatron_to_hf (merge_engine.architectures)",
                                   "merge_engine.layouts (merge_engine.layouts)",
                                   "merge_engine.lora.checkpoint (merge_engine.lora)"],
-    # layers (issue 27, point 1): json_text moves to storage
-    "merge_engine.storage.copies": ["merge_engine.formats.json_text (merge_engine.formats)"],
 }
 
 

@@ -6,7 +6,6 @@
 - `torch_dcp`         torch.distributed.checkpoint folders, read and written without a process group
 - `dcp_file_names`    the file names DCP writes, for listings
 - `safetensors_file`  safetensors: header first, tensor bytes by ranged reads
-- `json_text`         the one guarded JSON parser (bounded size, depth and numbers)
 - `json_file`         small JSON metadata files read from a folder URL
 - `hf_metadata`       a Hugging Face folder's non-weight files: config, generation config, tokenizer
 - `tensor_source`     `TensorSource`, the lazy view every layout gives of a checkpoint

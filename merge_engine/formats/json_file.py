@@ -1,6 +1,6 @@
 """Small JSON metadata files (``ckpt_contents.json``, ``metadata.json``, ``config.json``, indexes, ...).
 
-One parser (`merge_engine.formats.json_text.parse_json`, re-exported here: bounded size and depth, a named
+One parser (`merge_engine.storage.json_text.parse_json`, re-exported here: bounded size and depth, a named
 error for anything else), so every caller reports a broken file the same way, with the file's URL:
 
 - `parse_json(data, url, error=...)`: the JSON value in ``data`` (str or bytes); ``error(message,
@@ -16,7 +16,7 @@ from typing import Any
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, StepmergeError
-from merge_engine.formats.json_text import parse_json
+from merge_engine.storage.json_text import parse_json
 
 
 def read_json(url: str, *, error: type[StepmergeError] = CorruptShard) -> Any:

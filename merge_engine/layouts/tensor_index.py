@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from merge_engine.errors import CorruptShard, UnsafeRecord
-from merge_engine.formats.json_text import parse_json
+from merge_engine.storage.json_text import parse_json
 
 if TYPE_CHECKING:
     from merge_engine.layouts.contract import Checkpoint

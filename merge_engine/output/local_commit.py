@@ -30,7 +30,7 @@ import uuid
 
 from merge_engine.output import owner_record
 from merge_engine.errors import StepmergeError
-from merge_engine.formats.json_text import read_local_json
+from merge_engine.storage.json_text import read_local_json
 
 HEARTBEAT_S = float(os.environ.get("STEPMERGE_TEMP_HEARTBEAT_S", "30"))
 STALE_S = float(os.environ.get("STEPMERGE_TEMP_STALE_S", "600"))

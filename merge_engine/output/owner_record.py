@@ -17,7 +17,7 @@ One shape, one reader, one staleness rule, so no lease is judged by a pid alone 
   tolerance and is stale at once, instead of blocking forever. Clocks must agree within a TTL in both
   directions: a writer whose clock is behind by more already looks stale by age.
 - `read_record(path_or_bytes, url)`: the JSON object of a record through the guarded parser
-  (`merge_engine.formats.json_text`), or None when it is not an object or not acceptable JSON (too big, too deep).
+  (`merge_engine.storage.json_text`), or None when it is not an object or not acceptable JSON (too big, too deep).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 from merge_engine.output import process_identity
 from merge_engine.errors import StepmergeError
-from merge_engine.formats.json_text import parse_json
+from merge_engine.storage.json_text import parse_json
 
 PID_LIMIT = 2**31 - 1  # Linux's PID_MAX_LIMIT is 2**22; anything beyond a C int is no pid anywhere
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from merge_engine.errors import IncompleteCheckpoint, StepmergeError
-from merge_engine.formats.json_text import read_local_json
+from merge_engine.storage.json_text import read_local_json
 from merge_engine.storage import tuning
 from merge_engine.storage.atomic_writer import open_write
 from merge_engine.storage.backends.local import temp_name, unlink_quietly

@@ -11,7 +11,7 @@ owner records, stage manifests, webhook bodies) is parsed by `parse_json`.
   a limit of our own is the same everywhere, and ``RecursionError`` is still caught as a last guard;
 - it is not valid UTF-8 JSON, or (``unique_keys``) an object names a key twice.
 No other exception leaves it. It reads no file: `merge_engine.formats.json_file` reads files (any URL) with it;
-modules below storage (local temp-folder owners, stage manifests) read local files with `read_local_json`,
+what reads a local file only (stage manifests, temp-folder owners, locks) reads it with `read_local_json`,
 which reads at most `MAX_JSON_BYTES` + 1 bytes.
 """
 
