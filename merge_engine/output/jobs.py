@@ -34,7 +34,6 @@ from typing import Any, Protocol
 
 from merge_engine import __version__, engine_identity, storage
 from merge_engine import options as declared
-from merge_engine.release.checksums import sha256_of
 from merge_engine.errors import InvalidOption
 from merge_engine.plan.hub_format import parse_weights_format
 from merge_engine.lora.svd import ModuleReport
@@ -44,6 +43,7 @@ from merge_engine.output.target import read_provenance, target_state, write_targ
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
 from merge_engine.output.executors import Executor, WrittenFiles, executor_address, executor_at
 from merge_engine.output.work_unit import Files, PlannedOutput
+from merge_engine.storage.sha256 import sha256_of
 
 __all__ = ["OutputJob", "OutputOptions", "OutputResult", "job_inputs",
            "PreparedJob", "run_job"]

@@ -3,8 +3,8 @@
 `file_damage(url, files, listing, mode)` compares manifest entries (anything with ``path``,
 ``size``, ``sha256`` and ``version``) with one listing of ``url`` and returns one line per bad
 file. Two costs (``mode``):
-- ``"full"``: every byte is re-hashed (sha256, ranged reads, `HASH_CHUNK` of memory): the cost of
-  reading the files once.
+- ``"full"``: every byte is re-hashed (`merge_engine.storage.sha256.sha256_of`: ranged reads, bounded
+  memory): the cost of reading the files once.
 - ``"quick"``: on object stores, the version the store gave each file when it was published (S3
   ETag: an MD5 the server computed from the bytes it received; GCS generation), recorded in the
   manifest, is compared with the listing: no byte read. Any rewrite of an object changes it.
@@ -22,7 +22,6 @@ size 0) is damage and is never opened.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import threading
@@ -31,8 +30,8 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from merge_engine import storage
+from merge_engine.storage.sha256 import sha256_of
 
-HASH_CHUNK = 8 * 1024 * 1024
 MEMO_S = float(os.environ.get("STEPMERGE_VERIFY_MEMO_S", "300"))
 MODES = ("full", "quick")
 
@@ -42,20 +41,6 @@ class RecordedFile(Protocol):
     size: int
     sha256: str
     version: str
-
-
-def sha256_of(url: str, size: int | None = None) -> str:
-    """sha256 of one file, streamed with ranged reads (`HASH_CHUNK` of memory)."""
-    digest = hashlib.sha256()
-    with storage.RangeReader(url, size) as reader:
-        buffer = bytearray(min(HASH_CHUNK, reader.size) or 1)
-        offset = 0
-        while offset < reader.size:
-            view = memoryview(buffer)[: min(len(buffer), reader.size - offset)]
-            reader.read_into(offset, view)
-            digest.update(view)
-            offset += len(view)
-    return digest.hexdigest()
 
 
 def _change_time(url: str, path: str, remote: bool) -> int:
@@ -133,4 +118,4 @@ def file_damage(url: str, files: Iterable[RecordedFile], listing: Mapping[str, s
 
 
 
-__all__ = ["HASH_CHUNK", "MEMO_S", "MODES", "RecordedFile", "file_damage", "sha256_of"]
+__all__ = ["MEMO_S", "MODES", "RecordedFile", "file_damage"]
