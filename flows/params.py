@@ -12,8 +12,8 @@ anything is scheduled, never sent to a worker:
   character (`url_pattern`); in the flow, `flows.url_checks.checked_url` checks the same again and
   `flows.step_keys.normalized_run_root` gives one spelling (no trailing slash, ``file:///x`` -> ``/x``),
   so one run root has one key per step whatever route named it;
-- `ShardSize`: ``5GB``, ``500MiB``, ... (`merge_engine.plan.option_values.SIZE_PATTERN`);
-- `DtypeName`: the spellings the command line accepts too (`merge_engine.plan.option_values.DTYPE_SPELLINGS`),
+- `ShardSize`: ``5GB``, ``500MiB``, ... (`merge_engine.option_values.SIZE_PATTERN`);
+- `DtypeName`: the spellings the command line accepts too (`merge_engine.option_values.DTYPE_SPELLINGS`),
   recorded as the canonical name (``fp16`` -> ``float16``);
 - a choice (``weights_format``, ``role``): one of the declared choices, the command line's too;
 - `StepNumber` (>= 0), positive ``lora_alpha``, ``workers``, ``max_steps`` (`Count`; 0: unset).
@@ -40,7 +40,7 @@ from pydantic import (
 
 from flows.step_keys import normalized_run_root, step_key
 from flows.url_checks import checked_url
-from merge_engine.plan.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, canonical_dtype, parse_size
+from merge_engine.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, canonical_dtype, parse_size
 from merge_engine.options import Option, for_flow, for_settings, recorded, setting_name
 from merge_engine.storage.schemes import backend_for_scheme, url_schemes
 

@@ -52,9 +52,9 @@ class StepmergeParser(argparse.ArgumentParser):
 
 
 def _dtype(text: str) -> str:
-    """argparse ``type=``: any spelling of `merge_engine.plan.option_values.DTYPE_SPELLINGS` -> its canonical name
+    """argparse ``type=``: any spelling of `merge_engine.option_values.DTYPE_SPELLINGS` -> its canonical name
     (what is recorded in stepmerge.json), the same words the Prefect form accepts."""
-    from merge_engine.plan.option_values import canonical_dtype
+    from merge_engine.option_values import canonical_dtype
 
     try:
         return canonical_dtype(text)
@@ -116,7 +116,7 @@ def _engine_value(option: declared.Option, kind: str, value):
     if value is None:
         return None
     if kind == "size":
-        from merge_engine.plan.option_values import parse_size
+        from merge_engine.option_values import parse_size
 
         return parse_size(value)
     if kind == "floats":

@@ -45,7 +45,7 @@ KINDS = {
     "names": "comma-separated names -> a tuple of strings",
     "bool": "a switch (store_true on the command line)",
     "size": "a size such as 5GB or 500MiB (the engine's value: bytes)",
-    "dtype": "a dtype spelling (merge_engine.plan.option_values.DTYPE_SPELLINGS) -> its canonical name",
+    "dtype": "a dtype spelling (merge_engine.option_values.DTYPE_SPELLINGS) -> its canonical name",
     "choice": "one of ``choices``",
     "choices": "a list of ``choices``",
     "ray_address": "auto, local, host:port or ray://host:port",

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from merge_engine.plan.option_values import parse_size
+from merge_engine.option_values import parse_size
 from merge_engine.options import SETTINGS, for_settings, setting_name
 from merge_engine.storage import FileEntry
 

@@ -38,7 +38,7 @@ from merge_engine.errors import InvalidOption
 from merge_engine.plan.hub_format import parse_weights_format
 from merge_engine.lora.svd import ModuleReport
 from merge_engine.plan.merge_plan import MergePlan
-from merge_engine.plan.option_values import parse_size
+from merge_engine.option_values import parse_size
 from merge_engine.output.target import read_provenance, target_state, write_target
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
 from merge_engine.output.executors import Executor, WrittenFiles, executor_address, executor_at

@@ -12,5 +12,4 @@
 - `hub_config`        the Hub folder's ``config.json``, with the keys transformers 4.x reads
 - `hub_config_memo`   `hub_config`'s answer kept on disk per config: a run's next step asks transformers nothing
 - `transformers_conversion`  transformers' own weight-name conversion, read from the installed package
-- `option_values`     the spellings of option values (dtypes, weights formats) users type
 """

@@ -38,7 +38,7 @@ import torch
 
 from merge_engine.errors import UnsupportedLayout
 from merge_engine.plan.hub_config_memo import hub_config_memo
-from merge_engine.plan.option_values import (  # noqa: F401 - the format names live with the other option values
+from merge_engine.option_values import (  # noqa: F401 - the format names live with the other option values
     DEFAULT_WEIGHTS_FORMAT, HUB, TRANSFORMERS, WEIGHTS_FORMATS, parse_weights_format,
 )
 from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, assign_shards

@@ -20,7 +20,7 @@ import torch
 
 from merge_engine.errors import UnsupportedLayout
 from merge_engine.formats.hf_metadata import INDEX_FILE, SINGLE_FILE
-from merge_engine.plan.option_values import DEFAULT_MAX_SHARD_SIZE, DTYPE_SPELLINGS, canonical_dtype, parse_size
+from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE, DTYPE_SPELLINGS, canonical_dtype, parse_size
 from merge_engine.formats.safetensors_file import CODES
 from merge_engine.formats.tensor_source import TensorSource
 
@@ -32,7 +32,7 @@ DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_SPELLINGS
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:
-    """Any spelling of `merge_engine.plan.option_values.DTYPE_SPELLINGS` -> its torch dtype; None stays None."""
+    """Any spelling of `merge_engine.option_values.DTYPE_SPELLINGS` -> its torch dtype; None stays None."""
     canonical = canonical_dtype(name)
     return None if canonical is None else getattr(torch, canonical)
 

@@ -379,7 +379,7 @@ def _shown(value: Any) -> str:
 def differing_options(released: Mapping[str, Any], asked: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """(name, released value, asked value) of every recorded option the two differ in (a size compared
     in bytes, so ``5GB`` and ``5000000000`` agree); options one side does not record are skipped."""
-    from merge_engine.plan.option_values import parse_size
+    from merge_engine.option_values import parse_size
 
     def same(name: str, a: Any, b: Any) -> bool:
         if name == "max_shard_size" and a is not None and b is not None:

@@ -21,7 +21,7 @@ from merge_engine import storage
 from merge_engine.architectures.mtp import hub_mtp_names
 from merge_engine.errors import InvalidOption
 from merge_engine.formats.hf_metadata import CONFIG_FILE
-from merge_engine.plan.option_values import HUB, TRANSFORMERS, parse_weights_format
+from merge_engine.option_values import HUB, TRANSFORMERS, parse_weights_format
 from merge_engine.formats.json_file import read_json_object
 from merge_engine.output.target import PROVENANCE_FILE, read_provenance
 from merge_engine.validate.forward import architecture_of, model_class

@@ -25,7 +25,7 @@ from flows.params import (
 from flows.release_adapter import release_adapter
 from flows.verify_releases import verify_releases
 from flows.url_checks import checked_url
-from merge_engine.plan.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, WEIGHTS_FORMATS, parse_size
+from merge_engine.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, WEIGHTS_FORMATS, parse_size
 from tests.fixtures_pipeline import flow_run_id, no_task_runs
 
 FLOWS = [(merge_step, MergeStepParams), (merge_new_steps, WatchParams), (release_adapter, AdapterParams)]

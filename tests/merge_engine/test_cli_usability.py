@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from merge_engine.cli import _progress, build_parser, main
-from merge_engine.plan.option_values import DTYPE_SPELLINGS
+from merge_engine.option_values import DTYPE_SPELLINGS
 
 VARIANT = "fsdp2_qwen2"
 

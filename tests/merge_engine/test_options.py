@@ -29,7 +29,7 @@ from flows.release_adapter import release_adapter
 from merge_engine import options as declared
 from merge_engine.cli import build_parser
 from merge_engine.output.jobs import OutputOptions
-from merge_engine.plan.option_values import parse_size
+from merge_engine.option_values import parse_size
 from tasks.records import SETTINGS_RECORDS
 
 FLOWS = {"merge_step": (merge_step, MergeStepParams), "merge_new_steps": (merge_new_steps, WatchParams),
