@@ -21,6 +21,7 @@ WINGS = (
     "merge_engine.architectures",   # declarative Megatron <-> HF tables; the Megatron plan
     "merge_engine.layouts",         # one module per on-disk checkpoint format; runs; discovery
     "merge_engine.lora",            # the LoRA library: keys, PEFT config, fuse, SVD; the trained model's plan
+    "merge_engine.planner",         # picks a checkpoint's plan: dispatches to architectures, lora and plan
     "merge_engine.output",          # OutputJob, work units, executors, targets, local commit
     "merge_engine.validate",        # structure, compare, forward, the trained model
     "merge_engine.release",         # release state, publish, verify, checksums

@@ -97,18 +97,9 @@ def upward_imports(module: str, targets: set[str]) -> list[str]:
                   if own is not None and layer_of(t) is not None and layer_of(t) > own)
 
 
-# upward imports still to remove, each with who removes it; the test fails once one is gone (delete it here)
-KNOWN_UPWARD: dict[str, list[str]] = {
-    # layers (issue 27, point 1): the planner moves above the wings it dispatches to
-    "merge_engine.plan.planner": ["merge_engine.architectures.megatron_to_hf (merge_engine.architectures)",
-                                  "merge_engine.layouts (merge_engine.layouts)",
-                                  "merge_engine.lora.checkpoint (merge_engine.lora)"],
-}
-
-
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_import_from_a_higher_wing(module):
-    assert upward_imports(module, GRAPH[module]) == KNOWN_UPWARD.get(module, []), \
+    assert upward_imports(module, GRAPH[module]) == [], \
         f"{module} (wing {WINGS[layer_of(module)] if layer_of(module) is not None else None}) imports from above"
 
 

@@ -239,7 +239,7 @@ def _step_base(checkpoint: Checkpoint, options: OutputOptions, dtype: Any) -> tu
     """``base/`` of the adapter release of a step holding its base: the step's base weights (adapter hidden)
     planned by the Megatron planner as a merge would, in the requested weights format, config beside them; and
     the source it reads (the caller closes it)."""
-    from merge_engine.plan.planner import plan_checkpoint
+    from merge_engine.planner import plan_checkpoint
 
     config, folder = step_config(checkpoint, options)
     source = StepBaseSource(open_checkpoint(checkpoint))

@@ -32,7 +32,7 @@ from merge_engine.layouts import megatron_lora as megatron_lora_layout
 from merge_engine.plan.merge_plan import MergePlan, parse_dtype
 from merge_engine.plan.output_heads import check_dropped_head
 from merge_engine.output.target import PROVENANCE_FILE, read_provenance
-from merge_engine.plan.planner import plan_checkpoint
+from merge_engine.planner import plan_checkpoint
 from merge_engine.formats.tensor_source import TensorSource
 
 __all__ = ["PROVENANCE_FILE", "MergeJob", "MergeOptions", "MergeResult", "in_weights_format", "merge_checkpoint",
@@ -61,7 +61,7 @@ def in_weights_format(plan: MergePlan, config: dict, options: OutputOptions) -> 
 
 def plan_stored_names(checkpoint: Checkpoint, source: TensorSource, config: dict,
                       options: OutputOptions) -> MergePlan:
-    """`merge_engine.plan.planner.plan_checkpoint` with these options: the tensors under their stored names."""
+    """`merge_engine.planner.plan_checkpoint` with these options: the tensors under their stored names."""
     return plan_checkpoint(checkpoint, source, config, dtype=parse_dtype(options.dtype),
                            max_shard_size=options.max_shard_size, tie_flag=options.tie_word_embedding,
                            lora_alpha=options.lora_alpha, custom_mapping=options.custom_mapping,

@@ -1,6 +1,7 @@
-"""Planning: a checkpoint's tensors + its config -> the `MergePlan` of the model it holds, named as the Hub holds it.
+"""The plan records and the Hub's format: what every planner fills (`MergePlan`) and the rules each applies; the
+planners themselves sit above (`merge_engine.architectures.megatron_to_hf`, `merge_engine.lora.checkpoint`, and
+`merge_engine.planner`, which picks one).
 
-- `planner`           picks the plan for a source (Hugging Face names, Megatron tables, a trained LoRA)
 - `merge_plan`        `MergePlan`: every output tensor (name, shape, dtype, how to build it) and its shard
 - `hf_plan`           the plan of a source whose tensors already carry Hugging Face names
 - `output_heads`      the tied / untied output-head rules every planner applies, once

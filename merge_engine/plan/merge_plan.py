@@ -5,7 +5,7 @@ A `PlannedTensor` either copies one source tensor (``build is None``: streamed c
 cast to the output dtype) or names a `TensorBuilder` — a small object that computes the output
 from one or more source tensors (Megatron QKV splits, LoRA fusion, ...). Shards are filled
 greedily in plan order up to ``max_shard_size`` bytes, like ``save_pretrained``. The planners
-(`merge_engine.plan.planner` picks one) build it; writers and jobs consume it. Also here: the output
+(`merge_engine.planner` picks one) build it; writers and jobs consume it. Also here: the output
 dtype and size options every planner parses.
 """
 

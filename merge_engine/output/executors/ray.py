@@ -86,7 +86,7 @@ def warm_worker() -> TaskRun:
 
     import merge_engine.output.executors.remote  # noqa: F401 - the task's body
     import merge_engine.output.shard_job  # noqa: F401 - the write (torch)
-    import merge_engine.plan.planner  # noqa: F401 - the job's re-preparation
+    import merge_engine.planner  # noqa: F401 - the job's re-preparation
 
     return TaskRun(ray.get_runtime_context().get_node_id(), os.getpid(), 0)
 

@@ -1,4 +1,4 @@
-"""The planner (`merge_engine.plan.planner`) picks the plan from the layout's tensor naming, once.
+"""The planner (`merge_engine.planner`) picks the plan from the layout's tensor naming, once.
 
 Specification: Hugging Face names are planned under their own names; ``--custom-mapping`` is refused
 for them (it extends Megatron tables); every layout declares how it names its tensors; the one tied
@@ -12,7 +12,7 @@ import torch
 
 from merge_engine.errors import InvalidConfig, InvalidOption
 from merge_engine.layouts import HF_NAMES, LAYOUTS, MEGATRON_NAMES, check_checkpoint, open_checkpoint
-from merge_engine.plan.planner import check_tied_copy, plan_checkpoint
+from merge_engine.planner import check_tied_copy, plan_checkpoint
 from tests.merge_engine.output.test_jobs import TENSORS, _hf_folder
 
 
