@@ -11,8 +11,8 @@ adapters are released, its adapter release too: one rule, the one merge_step fol
 never submitted again for a release merge_step would not make. (A model release from before that
 record: the model alone.)
 
-A verl Megatron LoRA step (layout ``megatron_lora``, decided by discovery from verl's ``ckpt_contents.json``)
-is merged only with the parameters it does not record (`StepRecord.needs`): ``base_model`` when its base
+A step whose layout says its merge needs parameters it does not record (`StepRecord.needs`, from discovery's
+second look: a verl Megatron LoRA step, told by verl's ``ckpt_contents.json``) is merged only with them: ``base_model`` when its base
 weights were not saved, ``lora_alpha`` when no PEFT export records it (``use_dist_checkpointing: true``, or
 a missing bridge export), ``hf_model_path`` when a step holding its base saved no config. Without them the
 step is not submitted (every merge would fail the same way), it is reported as "needs <parameter>", and the
@@ -120,10 +120,9 @@ NEED_TEXT = {
 
 
 def missing_params(step: StepRecord, params: WatchParams) -> List[str]:
-    """The parameters ``step`` needs (`StepRecord.needs`; an adapter-only ``megatron_lora`` step recorded
-    before ``needs`` existed: base_model) that ``params`` does not give. Such a step is not submitted."""
-    needs = step.needs or (("base_model",) if step.layout == "megatron_lora" else ())
-    return [name for name in needs if getattr(params, name, None) is None]
+    """The parameters ``step`` needs (`StepRecord.needs`) that ``params`` does not give. Such a step is not
+    submitted."""
+    return [name for name in step.needs if getattr(params, name, None) is None]
 
 
 def missing_action(step: StepRecord, missing: List[str]) -> StepAction:

@@ -78,8 +78,8 @@ class CheckpointRecord(Record):
     """A checkpoint found complete by its layout's deep check (`merge_engine.layouts.Checkpoint`).
 
     ``files`` is the listing the check used, as (path, size, version): the merge fingerprint is
-    computed from it without listing again. ``lora`` says the weights hold LoRA factors; ``notes`` are
-    the layout's findings (what a verl Megatron LoRA step holds: `merge_engine.layouts.megatron_lora`).
+    computed from it without listing again. ``lora``, ``adapter_only`` and ``adapter_dir`` are the check's typed
+    facts (`merge_engine.layouts.Checkpoint`); ``notes`` its findings for a person (never read back).
     ``index`` is the check's parsed tensor index (`merge_engine.layouts.tensor_index`, bounded): the merge
     and its workers open the checkpoint from it without reading a header again. It is derived from the
     listing, so it takes no part in cache keys or the UI (``exclude``); it travels in the cached record
@@ -95,6 +95,8 @@ class CheckpointRecord(Record):
     lora: bool = False
     total_bytes: int = 0
     notes: tuple[str, ...] = ()
+    adapter_only: bool = False
+    adapter_dir: Optional[str] = None  # relative to ``url`` (`verified_for`: a path inside it)
     index: Optional[bytes] = Field(default=None, repr=False, exclude=True)
 
     @classmethod
@@ -103,7 +105,7 @@ class CheckpointRecord(Record):
                    files=tuple((f.path, f.size, f.version) for f in checkpoint.files),
                    parallel=dict(checkpoint.parallel), hf_dir=checkpoint.hf_dir, lora=bool(checkpoint.lora),
                    total_bytes=sum(f.size for f in checkpoint.files), notes=tuple(checkpoint.notes),
-                   index=checkpoint.index)
+                   adapter_only=checkpoint.adapter_only, adapter_dir=checkpoint.adapter_dir, index=checkpoint.index)
 
     def verified_for(self, step: StepRecord) -> CheckpointRecord:
         """This record, when it can be the check of ``step`` (a cached check comes from a result store another
@@ -123,9 +125,16 @@ class CheckpointRecord(Record):
                                f"step it was checked for ({step.url})", self.url)
         listed = None if step.files is None else {storage.join(step.url, p): (size, version)
                                                   for p, size, version in step.files}
+
+        def relative(path: str) -> bool:
+            return bool(path) and not path.startswith("/") and "://" not in path and "\\" not in path \
+                and ".." not in path.split("/")
+
+        if self.adapter_dir is not None and not relative(self.adapter_dir):
+            raise UnsafeRecord(f"a checked checkpoint record names the adapter folder {self.adapter_dir!r}: not a "
+                               "path inside it", self.url)
         for path, size, version in self.files:
-            parts = path.split("/")
-            if not path or path.startswith("/") or "://" in path or "\\" in path or ".." in parts:
+            if not relative(path):
                 raise UnsafeRecord(f"a checked checkpoint record lists the file {path!r}: not a path inside it",
                                    self.url)
             if listed is not None and listed.get(storage.join(self.url, path)) != (size, version):
@@ -138,7 +147,8 @@ class CheckpointRecord(Record):
 
         return Checkpoint(url=self.url, layout=self.layout, files=tuple(FileEntry(*f) for f in self.files),
                           parallel=dict(self.parallel), hf_dir=self.hf_dir, fingerprint=self.fingerprint,
-                          notes=tuple(self.notes), lora=self.lora, index=self.index)
+                          notes=tuple(self.notes), lora=self.lora, adapter_only=self.adapter_only,
+                          adapter_dir=self.adapter_dir, index=self.index)
 
 
 # The type of each kind of value in a settings record (`merge_engine.options.KINDS`): the engine's value

@@ -4,7 +4,8 @@
 - `extract`           a LoRA checkpoint -> PEFT adapter + clean base; SVD extraction from a full fine-tune
 - `svd_updates`       many modules' updates factored: reads prefetched by a thread, same-shape batches on the device
 - `combine`           several adapters -> one (concat / weighted / average, fused or exact or SVD)
-- `megatron_lora`     a verl Megatron LoRA step as an adapter release and as a fused model
+- `layout_jobs`       finds the jobs module a layout with its own semantics names (its ``JOBS``: a verl Megatron
+                      LoRA step's, as an adapter release and as a fused model)
 - `split`             Hugging Face model -> Megatron shards
 - `reference_check`   verl's ``test``: a checkpoint, merged, against a reference folder
 - `adapter_target`    fingerprints and reports shared by the adapter commands

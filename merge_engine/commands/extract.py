@@ -46,9 +46,8 @@ from merge_engine.lora.checkpoint import (
     resolve_checkpoint_lora,
     task_type_of,
 )
-from merge_engine.layouts import megatron_lora
 from merge_engine.commands.combine import TableFactor
-from merge_engine.commands.megatron_lora import prepare_adapter_release
+from merge_engine.commands.layout_jobs import jobs_of
 from merge_engine.lora.config import adapter_config, infer_target_modules, rank_layout, settings_layout, targets
 from merge_engine.lora.fuse import aligned, finite_or_raise
 from merge_engine.lora.hub_names import ExportedAdapter, check_exported_fits, export_adapter
@@ -223,8 +222,9 @@ class ExtractJob:
 
     def prepare(self) -> PreparedJob:
         checkpoint, options = self._checked(), self.options
-        if checkpoint.layout == megatron_lora.NAME:  # verl Megatron LoRA: the adapter as the run saved it
-            return prepare_adapter_release(checkpoint, options, self.source_url, self.published_url)
+        jobs = jobs_of(checkpoint)
+        if jobs is not None:  # a layout with its own semantics (a Megatron LoRA step: the adapter as saved)
+            return jobs.prepare_extract(checkpoint, options, self.source_url, self.published_url)
         source = open_checkpoint(checkpoint)
         opened: list[TensorSource] = [source]
         try:

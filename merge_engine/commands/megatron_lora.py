@@ -9,18 +9,18 @@ The step's adapter (`step_adapter`), under PEFT's Hugging Face names:
   exactly; r from the factors (``rank_pattern`` where a module differs), ``lora_alpha`` from
   ``--lora-alpha`` (such a step records none; it is never guessed).
 
-Outputs:
-- `prepare_adapter_release` (``extract-lora``, the pipeline's adapter stage): the adapter folder,
+Outputs (the layout's jobs: `merge_engine.commands.layout_jobs.LayoutJobs`):
+- `prepare_adapter_release` (`prepare_extract`) (``extract-lora``, the pipeline's adapter stage): the adapter folder,
   ``adapter_config.json`` as the run wrote it (``base_model_name_or_path``: the ``--base-model`` given,
   else the run's, a hint); checked against ``--base-model``'s shapes when one is given, and that base
   copied under ``base/`` (``write_base``, the release's ``include_base``) so PEFT can load the release alone;
   a step holding its base (``use_dist_checkpointing: true``) puts that base under ``base/`` instead: the
   step's Megatron weights with the adapter factors hidden (`StepBaseSource`), through the Megatron planner
   and the family table like any merge (`_step_base`), the adapter NOT applied;
-- `prepare_fused_model` (``merge`` of an adapter-only step): the adapter fused into the base the user
+- `prepare_fused_model` (`prepare_merge`: ``merge`` of an adapter-only step): the adapter fused into the base the user
   names (``--base-model``; the run's ``base_model_name_or_path`` is never used on its own), whose
   config must agree with the step's; `BaseModelRequired` without one;
-- `trained_megatron_source` (``merge`` when the base is in the step): the canonical Megatron tensors
+- `merge_source` (``merge`` when the base is in the step): the canonical Megatron tensors
   with every update fused (W + (alpha / r) B @ A on the fused Megatron weight), for the Megatron planner.
 """
 
@@ -40,7 +40,7 @@ from merge_engine.output.jobs import OutputOptions, PreparedJob
 from merge_engine.output.shard_unit import shard_output
 from merge_engine.output.work_unit import PlannedOutput
 from merge_engine.layouts import Checkpoint, check_checkpoint, open_checkpoint
-from merge_engine.layouts.megatron_lora import adapter_folder, holds_base
+from merge_engine.layouts.megatron_lora import adapter_folder
 from merge_engine.lora.adapter_io import (
     Adapter,
     adapter_plan,
@@ -171,7 +171,7 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
                    for name, meta in source.metas().items()]
         plan = adapter_plan(tensors)
         base_output = _base_copy(options, opened[1], dtype) if options.write_base and len(opened) > 1 else None
-        if base_output is None and options.write_base and holds_base(checkpoint):
+        if base_output is None and options.write_base and not checkpoint.adapter_only:
             base_output, base_source = _step_base(checkpoint, options, dtype)
             opened.append(base_source)
         if base_output is not None and published_url is not None:
@@ -355,21 +355,19 @@ class TrainedMegatronSource:
         self._source.close()
 
 
-def trained_megatron_source(checkpoint: Checkpoint, source: TensorSource, options: OutputOptions) -> TensorSource:
-    """``source`` (the step's canonical tensors) with the adapter fused; `AdapterError` without ``--lora-alpha``."""
+def merge_source(checkpoint: Checkpoint, source: TensorSource, options: OutputOptions) -> TensorSource:
+    """What the merge of a step holding its base plans from (`merge_engine.commands.layout_jobs.LayoutJobs`):
+    ``source`` (the step's canonical tensors) with the adapter fused; `AdapterError` without ``--lora-alpha``."""
     if options.lora_alpha is None:
         raise AdapterError("this step (use_dist_checkpointing: base and adapter in model/dist_ckpt) records no "
                            "lora_alpha: pass --lora-alpha (the run's lora alpha; never guessed)", checkpoint.url)
     return TrainedMegatronSource(source, options.lora_alpha, checkpoint.url)
 
 
-def is_adapter_only(checkpoint: Checkpoint) -> bool:
-    from merge_engine.layouts import megatron_lora
+def prepare_merge(checkpoint: Checkpoint, options: OutputOptions, source_url: str) -> PreparedJob | None:
+    """The merge of an adapter-only step: its adapter fused into ``--base-model`` (`prepare_fused_model`); None
+    for a step holding its base (planned from `merge_source`)."""
+    return prepare_fused_model(checkpoint, options, source_url) if checkpoint.adapter_only else None
 
-    return checkpoint.layout == megatron_lora.NAME and not holds_base(checkpoint)
 
-
-def is_trained_in_step(checkpoint: Checkpoint) -> bool:
-    from merge_engine.layouts import megatron_lora
-
-    return checkpoint.layout == megatron_lora.NAME and holds_base(checkpoint)
+prepare_extract = prepare_adapter_release  # ``extract-lora`` of a step: the adapter as the run saved it

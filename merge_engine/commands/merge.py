@@ -28,11 +28,11 @@ from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, r
 from merge_engine.output.executors import Executor
 from merge_engine.output.shard_unit import shard_output
 from merge_engine.layouts import Checkpoint, check_checkpoint, check_unchanged, open_checkpoint
-from merge_engine.layouts import megatron_lora as megatron_lora_layout
 from merge_engine.plan.merge_plan import MergePlan, parse_dtype
 from merge_engine.plan.output_heads import check_dropped_head
 from merge_engine.output.target import PROVENANCE_FILE, read_provenance
 from merge_engine.planner import plan_checkpoint
+from merge_engine.commands.layout_jobs import jobs_of
 from merge_engine.formats.tensor_source import TensorSource
 
 __all__ = ["PROVENANCE_FILE", "MergeJob", "MergeOptions", "MergeResult", "in_weights_format", "merge_checkpoint",
@@ -92,10 +92,9 @@ class MergeJob:
                 self.checkpoint = check_checkpoint(self.source_url, self.options.backend)
             elif self.checkpoint.url.rstrip("/") != self.source_url.rstrip("/"):
                 raise InvalidOption(f"the checked checkpoint is {self.checkpoint.url}, not the source", self.source_url)
-            if self.checkpoint.layout == megatron_lora_layout.NAME:
-                from merge_engine.commands import megatron_lora  # a LoRA step only: the LoRA library is not free
-
-                self._config, hf_dir = megatron_lora.step_config(self.checkpoint, self.options)
+            jobs = jobs_of(self.checkpoint)  # a layout with its own semantics (imported only then: not free)
+            if jobs is not None:
+                self._config, hf_dir = jobs.step_config(self.checkpoint, self.options)
                 return self.checkpoint, hf_dir, self._config
             self._config = read_config(self.options.hf_model_path or self.checkpoint.hf_dir)
         return self.checkpoint, self.options.hf_model_path or self.checkpoint.hf_dir, self._config
@@ -106,15 +105,14 @@ class MergeJob:
 
     def prepare(self) -> PreparedJob:
         checkpoint, hf_dir, config = self._checked()
-        lora_step = None
-        if checkpoint.layout == megatron_lora_layout.NAME:  # a Megatron LoRA step: its library is imported only then
-            from merge_engine.commands import megatron_lora as lora_step
-        if lora_step is not None and lora_step.is_adapter_only(checkpoint):  # the adapter fused into the base named
-            return lora_step.prepare_fused_model(checkpoint, self.options, self.source_url)
+        jobs = jobs_of(checkpoint)  # a layout with its own semantics: its own job, or what the plan reads
+        prepared = jobs.prepare_merge(checkpoint, self.options, self.source_url) if jobs is not None else None
+        if prepared is not None:
+            return prepared
         source = open_checkpoint(checkpoint)
-        if lora_step is not None and lora_step.is_trained_in_step(checkpoint):  # base and adapter in model/dist_ckpt
+        if jobs is not None:
             try:
-                source = lora_step.trained_megatron_source(checkpoint, source, self.options)
+                source = jobs.merge_source(checkpoint, source, self.options)
             except BaseException:
                 source.close()
                 raise

@@ -20,7 +20,8 @@ Helpers with no format of their own: `contract` (the protocol and its records), 
 `verl_v2` (verl's ``ckpt_contents.json`` marker).
 
 Entry points: `layout_named`, `find_layout`, `listing_verdicts` (discovery), `check_checkpoint`,
-`open_checkpoint`. Adding a format is one module plus one line in `LAYOUTS`.
+`open_checkpoint`. Adding a format is one module plus one line in `LAYOUTS`; a format with its own
+semantics answers through the contract's optional hooks (``REFINES``/``refine``, ``second_look``, ``JOBS``).
 
 Importing the registry imports no torch (nor transformers): a layout module holds its names,
 detection and listing verdict at module level and imports its readers (torch archives, safetensors,
@@ -61,7 +62,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
 
 __all__ = ["ALIASES", "BY_NAME", "HF_NAMES", "LAYOUTS", "MEGATRON_NAMES", "Checkpoint", "Layout", "Verdict",
            "WritableLayout", "check_checkpoint", "check_unchanged", "find_layout", "layout_named",
-           "listing_verdicts", "open_checkpoint"]
+           "listing_verdicts", "open_checkpoint", "refined"]
 
 
 def layout_named(name: str) -> Layout:
@@ -140,10 +141,17 @@ def check_checkpoint(url: str, backend: str | None = None, files: Sequence[FileE
     check_local_tree(url)
     files = storage.list_files(url) if files is None else list(files)
     checkpoint = find_layout(url, files, backend).check_complete(url, files)
-    if checkpoint.layout == megatron_dist.NAME and megatron_dist.HOLDS_LORA in checkpoint.notes:
-        # a LoRA run's dist checkpoint (use_dist_checkpointing, or no PEFT export): its own layout
-        same = checkpoint.url == url
-        return megatron_lora.check_complete(checkpoint.url, files if same else storage.list_files(checkpoint.url))
+    return refined(checkpoint, files if checkpoint.url == url else checkpoint.files)
+
+
+def refined(checkpoint: Checkpoint, files: Sequence[FileEntry]) -> Checkpoint:
+    """``checkpoint`` as the first layout that refines its layout claims it (`Layout.REFINES`: a LoRA run's
+    dist checkpoint), from what its check carried; else as it is. ``files``: the listing, relative to its URL."""
+    for layout in LAYOUTS:
+        if getattr(layout, "REFINES", None) == checkpoint.layout:
+            found = layout.refine(checkpoint, files)
+            if found is not None:
+                return found
     return checkpoint
 
 

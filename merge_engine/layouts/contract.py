@@ -58,15 +58,19 @@ class Checkpoint:
     """A complete checkpoint, decided from its listing and headers: what the merge needs to start.
 
     ``parallel`` holds the parallel sizes (``world_size`` for FSDP; ``tp``/``pp``/... for Megatron),
-    ``hf_dir`` the folder with config and tokenizer, ``fingerprint`` the listing's digest.
+    ``hf_dir`` the folder with config and tokenizer, ``fingerprint`` the listing's digest, ``notes`` what
+    the check found, for a person (shown, never read back by code: a fact code needs is a field).
 
-    What the check learned, carried so that nothing is read twice: ``lora`` (the weights hold LoRA
-    factors: `holds_lora` of the tensor names read; None where the layout read no names) and
+    What the check learned, typed and carried so that nothing is read twice: ``lora`` (the weights hold LoRA
+    factors: `holds_lora` of the tensor names read, or a Megatron-Bridge adapter's keys; None where the
+    layout read no names), ``adapter_only`` (the weights are an adapter without its base: a fused model
+    needs the base the run trained from), ``adapter_dir`` (a PEFT adapter folder saved with the weights,
+    relative to ``url``; None: none) and
     ``index`` (the parsed tensor index as JSON bytes, `merge_engine.layouts.tensor_index`: `Layout.open`
     builds the source from it without reading a header again, in this process or any other it travels to,
     reading only files ``files`` lists;
     None where the layout carries none or it was over `tensor_index.MAX_INDEX_BYTES`: then `open`
-    reads the headers itself). Neither takes part in equality: the listing decides what a checkpoint is.
+    reads the headers itself). None of these takes part in equality: the listing decides what a checkpoint is.
     """
 
     url: str
@@ -77,7 +81,19 @@ class Checkpoint:
     fingerprint: str = ""
     notes: tuple[str, ...] = ()
     lora: bool | None = field(default=None, compare=False)
+    adapter_only: bool = field(default=False, compare=False)
+    adapter_dir: str | None = field(default=None, compare=False)
     index: bytes | None = field(default=None, repr=False, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class StepLook:
+    """Discovery's second look at a step (`Layout.second_look`): the layout it is, its verdict, and the
+    merge parameters (flow parameter names) a merge needs that the step does not record."""
+
+    layout: str
+    verdict: Verdict
+    needs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,6 +122,20 @@ class Layout(Protocol):
       only) -> `Checkpoint`; raises `IncompleteCheckpoint` / `WorldSizeMismatch` / `CorruptShard` /
       `UnsupportedLayout` naming the path at fault. Never reads a weight.
     - ``open(checkpoint)``: the lazy full-tensor `TensorSource` (headers read, bytes on demand).
+
+    A layout with its own semantics (its steps are merged or extracted otherwise than by planning what
+    `open` gives; the one now: a Megatron-Bridge LoRA step) answers through optional attributes, so that
+    no code elsewhere names it:
+
+    - ``REFINES``: the name of a layout whose checkpoints may turn out to be this one's once read (a LoRA
+      run's dist checkpoint lists like any other); with ``refine(checkpoint, files)``: the check's
+      `Checkpoint` of that layout -> this layout's, from what that check carried (no read), or None when
+      it is not one (`merge_engine.layouts.check_checkpoint` asks after every check of ``REFINES``);
+    - ``second_look(url, files)``: discovery's look at a complete step of its own or of ``REFINES``:
+      a `StepLook` (this layout, its verdict, the merge parameters the step does not record) or None;
+      a small read at most, never failing (`merge_engine.layouts.discovery`);
+    - ``JOBS``: the module of ``merge_engine.commands`` that merges and extracts its checkpoints
+      (`merge_engine.commands.layout_jobs.LayoutJobs`); a name, not an import: the commands sit above.
 
     A layout that ``stepmerge split`` writes is also a `WritableLayout`.
     """

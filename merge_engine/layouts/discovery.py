@@ -2,10 +2,10 @@
 
 Contract:
 - `discover(run_root_url)` lists the run root once (`storage.list_files`, recursive) and reads no
-  weight byte; the only reads are the tracker file, when the listing shows one, and verl's
-  ``ckpt_contents.json`` of a complete Megatron step (`merge_engine.layouts.megatron_lora.marker_verdict`):
-  a LoRA step whose names look like a plain dist checkpoint (``use_dist_checkpointing: true``, or no PEFT
-  export) is called ``megatron_lora`` and `Step.needs` says which merge parameters it does not record.
+  weight byte; the only reads are the tracker file, when the listing shows one, and the small file a
+  layout with a second look reads of a complete step (`Layout.second_look`: verl's ``ckpt_contents.json``
+  says a step whose names look like a plain dist checkpoint is a LoRA step); `Step.needs` says which merge
+  parameters such a step does not record.
 - Step folders are the ones a run layout names (`merge_engine.layouts.runs`: verl's ``global_step_<N>/``,
   Megatron-LM's ``iter_<N>/``). Inside a step, the run layout's role folders are roles (verl RL:
   ``actor/`` and ``critic/``); weights straight in the step folder are role ``""`` (verl SFT trainers,
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from merge_engine import storage
 from merge_engine.errors import RunRootNotFound
-from merge_engine.layouts import listing_verdicts, megatron_dist, megatron_lora, runs
+from merge_engine.layouts import LAYOUTS, listing_verdicts, runs
 from merge_engine.layouts.contract import COMPLETE, INCOMPLETE, INVALID, Verdict
 from merge_engine.layouts.tracker import TRACKER_FILE, parse_tracker, read_tracker_hint
 from merge_engine.storage import FileEntry
@@ -140,21 +140,22 @@ def steps_from_listing(run_root_url: str, entries: Iterable[FileEntry]) -> list[
     return sorted(steps, key=lambda s: (s.step, s.role))
 
 
-MARKER_READ_LAYOUTS = (megatron_lora.NAME, megatron_dist.NAME)  # complete steps whose verl marker is read
-
-
-def read_markers(steps: Iterable[Step]) -> list[Step]:
-    """``steps`` with each complete Megatron step's verl marker read (`megatron_lora.marker_verdict`): a LoRA
-    step becomes layout ``megatron_lora`` with the marker's verdict and `Step.needs`; others are unchanged."""
+def second_looks(steps: Iterable[Step]) -> list[Step]:
+    """``steps`` with each complete one looked at again by the layouts that read one small file to say what a
+    step is (`Layout.second_look`, asked for steps of their own layout or of the one they refine): a step one
+    of them claims takes its layout, verdict and `Step.needs`; the others are unchanged."""
+    lookers = [layout for layout in LAYOUTS if hasattr(layout, "second_look")]
     out = []
     for step in steps:
-        found = megatron_lora.marker_verdict(step.url, step.files) if (
-            step.complete and step.layout in MARKER_READ_LAYOUTS) else None
-        if found is not None:
-            verdict, needs = found
-            layouts = (megatron_lora.NAME, *(n for n in step.layouts if n != megatron_lora.NAME))
-            step = replace(step, status=verdict.status, reason=verdict.reason, layout=megatron_lora.NAME,
-                           layouts=layouts, needs=needs)
+        for layout in lookers if step.complete else ():
+            if step.layout not in (layout.NAME, getattr(layout, "REFINES", None)):
+                continue
+            look = layout.second_look(step.url, step.files)
+            if look is not None:
+                layouts = (look.layout, *(n for n in step.layouts if n != look.layout))
+                step = replace(step, status=look.verdict.status, reason=look.verdict.reason, layout=look.layout,
+                               layouts=layouts, needs=look.needs)
+                break
         out.append(step)
     return out
 
@@ -172,7 +173,7 @@ def discover(run_root_url: str) -> Discovery:
     hint = None
     if any(e.path == TRACKER_FILE for e in entries):
         hint = read_tracker_hint(run_root_url)
-    return Discovery(run_root_url, tuple(read_markers(steps_from_listing(run_root_url, entries))), hint)
+    return Discovery(run_root_url, tuple(second_looks(steps_from_listing(run_root_url, entries))), hint)
 
 
 def discover_step(run_root_url: str, step: int, role: str) -> Step | None:
@@ -184,7 +185,7 @@ def discover_step(run_root_url: str, step: int, role: str) -> Step | None:
         if entries:
             inside = (FileEntry(f"{folder}/{e.path}", e.size, e.version) for e in entries)
             found = [s for s in steps_from_listing(run_root_url, inside) if s.role == role]
-            return next(iter(read_markers(found)), None)
+            return next(iter(second_looks(found)), None)
     return None
 
 

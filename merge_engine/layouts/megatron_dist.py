@@ -70,7 +70,6 @@ from merge_engine.layouts.contract import (
     Verdict,
     WriteCancelled,
     by_path,
-    holds_lora,
 )
 from merge_engine.layouts.megatron_lm_root import choose_iteration
 from merge_engine.storage import FileEntry
@@ -99,7 +98,6 @@ NON_MODEL_KEY = re.compile(r"^(?:chained_\d+\.)?(?:optimizer|rng_state|lr_schedu
 STACKED = "decoder.layers."
 # Megatron-Bridge PEFT's adapter keys (``...linear_qkv.adapter.linear_in.weight``): a LoRA run's step
 ADAPTER_KEY = ".adapter.linear_"
-HOLDS_LORA = "holds a Megatron-Bridge LoRA adapter"
 STACKED_EXPERTS = "mlp.experts.experts."
 
 
@@ -192,8 +190,11 @@ def parallel_sizes(url: str, files: list[FileEntry]) -> dict[str, int]:
 
 
 def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
-    """See the module docstring; reads ``.metadata`` and the small JSON files, no weights."""
+    """See the module docstring; reads ``.metadata`` and the small JSON files, no weights. The checkpoint
+    carries the parsed index (`Checkpoint.index`: `open` reads ``.metadata`` no more) and, for a LoRA run's
+    step, what the marker and the keys say of its adapter (`Checkpoint.lora`, ``adapter_only``, ``adapter_dir``)."""
     from merge_engine.formats.torch_dcp import read_index
+    from merge_engine.layouts.tensor_index import carry_dcp
 
     root, files = _choose_root(url, files)
     folder = _model_folder(root, files)
@@ -204,8 +205,8 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
                                        storage.join(root, V2_MARKER))
         contents = read_json_object(storage.join(root, V2_MARKER)) or {}
         model = (contents.get("contents") or {}).get("model") or {}
-        peft = (contents.get("contents") or {}).get("peft_adapters") or {}  # a LoRA run: the adapter is here
-        if model.get("format") not in (None, "megatron_dist_checkpoint") and not peft:
+        # a LoRA run: the adapter is here, the model's folder holds config and the PEFT export
+        if model.get("format") not in (None, "megatron_dist_checkpoint") and not verl_v2.trains_lora(contents):
             raise UnsupportedLayout(f"{V2_MARKER} says the model is saved as {model.get('format')!r} in "
                                     f"{model.get('path')!r}, not as a dist checkpoint", storage.join(root, V2_MARKER))
     folder_url = storage.join(root, folder.rstrip("/")) if folder else root
@@ -231,10 +232,13 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     entries = tuple(sorted(keep, key=lambda f: f.path))
     notes = ({"model/dist_ckpt/": "verl v2 dist_ckpt", "dist_ckpt/": "verl v1 dist_ckpt",
               "": "Megatron-LM torch_dist"}[folder],)
-    if any(ADAPTER_KEY in k for k in index.tensors):  # the registry hands it to `megatron_lora`
-        notes += (HOLDS_LORA,)
+    adapter = [k for k in index.tensors if ADAPTER_KEY in k]  # Megatron-Bridge PEFT: a layout REFINES this one
+    base = any(is_model_key(k) and ADAPTER_KEY not in k for k in index.tensors)
     return Checkpoint(url=root, layout=NAME, files=entries, parallel=parallel_sizes(root, files), hf_dir=hf_dir,
-                      fingerprint=storage.fingerprint(entries), notes=notes, lora=holds_lora(index.tensors))
+                      fingerprint=storage.fingerprint(entries), notes=notes,
+                      lora=bool(adapter), adapter_only=bool(adapter) and not base,
+                      adapter_dir=verl_v2.declared_adapter_dir(contents) if folder == "model/dist_ckpt/" else None,
+                      index=carry_dcp(index))
 
 
 def canonical_tensors(index: DcpIndex, files: DcpFiles) -> dict[str, DcpTensor]:
@@ -305,8 +309,10 @@ def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout con
     from merge_engine.formats.tensor_source import AssembledSource
     from merge_engine.formats.torch_dcp import DcpFiles, read_index
 
+    from merge_engine.layouts.tensor_index import restore_dcp
+
     folder, folder_url = _folder_url(checkpoint)
-    index = read_index(folder_url)
+    index = restore_dcp(checkpoint, folder) or read_index(folder_url)
     listed = [f for f in checkpoint.files if _in_folder(f.path, folder)]
     files = DcpFiles(folder_url, {f.path[len(folder):]: f.size for f in listed},
                      {f.path[len(folder):]: f.version for f in listed})

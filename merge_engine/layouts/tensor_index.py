@@ -277,3 +277,124 @@ class _Reader:
                 raise self.fail("a stacked tensor of no dimension")
             return StackedTensor(shape, self.dtype(dtype), tuple(self.concat(b) for b in self.items(bands, "bands")))
         raise self.fail(f"tensor kind {kind!r} is not concat, replicated or stacked")
+
+
+# --------------------------------------------------------------------------------------------------
+# A DCP ``.metadata`` index (`merge_engine.formats.torch_dcp.DcpIndex`), carried the same way: plain JSON of
+# keys, shapes, dtype names and item locations, rebuilt by the records' own constructors and checked as
+# `merge_engine.formats.torch_dcp.read_index` checks the file (every chunk inside its tensor, the chunks
+# tiling it, each item long enough and no two sharing bytes), each data file one the checkpoint lists
+# in the index's folder, holding the bytes its items name.
+
+DCP_INDEX_FORMAT = 1
+
+
+def _dcp_tag() -> bytes:
+    from merge_engine import __version__
+
+    return f"stepmerge {__version__} dcp index {DCP_INDEX_FORMAT}\n".encode()
+
+
+def carry_dcp(index: Any) -> bytes | None:
+    """``index`` (a `DcpIndex`) as tagged compressed JSON; None when its JSON is over `MAX_INDEX_BYTES`."""
+    def where(loc: Any) -> list[Any]:
+        return [loc.file, loc.offset, loc.length]
+
+    document = {"format": DCP_INDEX_FORMAT,
+                "tensors": [[key, list(info.shape), info.dtype_name,
+                             [[list(c.offsets), list(c.sizes), *where(c.location)] for c in info.chunks]]
+                            for key, info in index.tensors.items()],
+                "objects": [[key, *where(loc)] for key, loc in index.objects.items()]}
+    data = json.dumps(document, separators=(",", ":")).encode()
+    return _dcp_tag() + zlib.compress(data) if len(data) <= MAX_INDEX_BYTES else None
+
+
+def restore_dcp(checkpoint: Checkpoint, folder: str) -> Any | None:
+    """The `DcpIndex` of the DCP folder ``folder`` (relative to the checkpoint, ``""`` or ending in ``/``)
+    that ``checkpoint.index`` carries; None for no index or one of another engine version or format (the
+    caller reads ``.metadata``). `UnsafeRecord` naming the checkpoint for anything `carry_dcp` does not write
+    for this checkpoint."""
+    from merge_engine import storage
+
+    index, tag = checkpoint.index, _dcp_tag()
+    if index is None or not index.startswith(tag):
+        return None
+    inflate = zlib.decompressobj()
+    try:
+        data = inflate.decompress(index[len(tag):], MAX_INDEX_BYTES)
+    except zlib.error as exc:
+        raise UnsafeRecord(f"carried DCP index does not inflate ({exc})", checkpoint.url) from None
+    if inflate.unconsumed_tail or not inflate.eof:
+        raise UnsafeRecord(f"carried DCP index inflates past {MAX_INDEX_BYTES} bytes, or is cut short",
+                           checkpoint.url)
+    document = parse_json(data, checkpoint.url, error=UnsafeRecord)
+    sizes = {f.path[len(folder):]: f.size for f in checkpoint.files
+             if f.path.startswith(folder) and "/" not in f.path[len(folder):]}
+    folder_url = storage.join(checkpoint.url, folder.rstrip("/")) if folder else checkpoint.url
+    return _DcpReader(checkpoint.url, sizes).read(document, folder_url)
+
+
+class _DcpReader(_Reader):
+    def __init__(self, url: str, sizes: Mapping[str, int]) -> None:  # noqa: D107 - no listing of archives here
+        self.url = url
+        self.sizes = sizes
+
+    def fail(self, message: str) -> UnsafeRecord:
+        return UnsafeRecord(f"carried DCP index: {message}", self.url)
+
+    def location(self, file: Any, offset: Any, length: Any) -> Any:
+        from merge_engine.formats.torch_dcp import ItemLocation
+
+        file = self.str(file, "a data file")
+        offset, length = self.int(offset, "an item offset"), self.int(length, "an item length")
+        size = self.sizes.get(file)
+        if size is None or "/" in file or file.startswith("."):
+            raise self.fail(f"names the data file {file!r}, which is not one the checkpoint lists beside its index")
+        if offset + length > size:
+            raise self.fail(f"an item at {offset}+{length} of {file} lies past its {size} bytes")
+        return ItemLocation(file, offset, length)
+
+    def read(self, document: Any, folder_url: str) -> Any:  # type: ignore[override]
+        import math
+
+        from merge_engine.formats.dtype_names import ITEMSIZES
+        from merge_engine.formats.torch_dcp import ChunkInfo, DcpIndex, TensorInfo, tiling_problem
+
+        if not isinstance(document, dict) or set(document) != {"format", "tensors", "objects"} \
+                or document["format"] != DCP_INDEX_FORMAT:
+            raise self.fail("not a DCP index document of this format")
+        tensors, objects, items = {}, {}, []
+        for entry in self.items(document["tensors"], "tensors"):
+            key, shape, dtype, chunks = self.items(entry, "a tensor", 4)
+            key, shape, dtype = self.str(key, "a key"), self.dims(shape, "a shape"), self.dtype(dtype)
+            if key in tensors:
+                raise self.fail(f"tensor {key!r} listed twice")
+            infos = []
+            for chunk in self.items(chunks, "chunks"):
+                offsets, sizes, *where = self.items(chunk, "a chunk", 5)
+                offsets, sizes = self.dims(offsets, "chunk offsets"), self.dims(sizes, "chunk sizes")
+                location = self.location(*where)
+                if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                        o + s > d for o, s, d in zip(offsets, sizes, shape)):
+                    raise self.fail(f"{key!r}: chunk {offsets}+{sizes} lies outside {shape}")
+                if location.length < math.prod(sizes) * ITEMSIZES[dtype]:
+                    raise self.fail(f"{key!r}: chunk {sizes} needs more bytes than its item's {location.length}")
+                infos.append(ChunkInfo(offsets, sizes, location))
+                items.append(location)
+            problem = tiling_problem(shape, [(c.offsets, c.sizes) for c in infos])
+            if problem:
+                raise self.fail(f"{key!r} {shape}: its {problem}")
+            tensors[key] = TensorInfo(shape, dtype, tuple(infos))
+        for entry in self.items(document["objects"], "objects"):
+            key, *where = self.items(entry, "an object", 4)
+            key = self.str(key, "a key")
+            if key in objects:
+                raise self.fail(f"object {key!r} listed twice")
+            objects[key] = self.location(*where)
+            items.append(objects[key])
+        previous = None
+        for loc in sorted(items, key=lambda loc: (loc.file, loc.offset)):
+            if previous is not None and previous.file == loc.file and previous.offset + previous.length > loc.offset:
+                raise self.fail(f"two items share bytes of {loc.file} at {loc.offset}")
+            previous = loc
+        return DcpIndex(folder_url, tensors, objects)

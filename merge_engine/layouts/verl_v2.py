@@ -20,3 +20,28 @@ def marker_verdict(files: Sequence[FileEntry]) -> Verdict:
     if any(f.path == CONTENTS_MARKER for f in files):
         return DONE
     return Verdict(INCOMPLETE, f"{CONTENTS_MARKER} (written last) not present yet")
+
+
+def _section(obj: dict, key: str) -> dict:
+    value = obj.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def trains_lora(contents: dict) -> bool:
+    """Does the marker say the run trained a PEFT adapter (``backend.peft``, ``contents.peft_adapters`` or
+    ``contents.model.peft_adapter_path``)?"""
+    inner = _section(contents, "contents")
+    return (_section(contents, "backend").get("peft") is True or "peft_adapters" in inner
+            or bool(_section(inner, "model").get("peft_adapter_path")))
+
+
+def saves_base(contents: dict) -> bool:
+    """Does the marker say the base weights were saved beside the adapter (``backend.use_dist_checkpointing``)?"""
+    return _section(contents, "backend").get("use_dist_checkpointing") is True
+
+
+def declared_adapter_dir(contents: dict) -> str | None:
+    """The PEFT folder the marker names (``contents.model.peft_adapter_path``, with a trailing ``/``), as
+    written: the layout reading it decides whether it may be read; None when it names none."""
+    declared = _section(_section(contents, "contents"), "model").get("peft_adapter_path")
+    return declared.rstrip("/") + "/" if isinstance(declared, str) and declared else None

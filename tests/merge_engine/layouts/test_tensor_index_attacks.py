@@ -162,3 +162,71 @@ def test_a_forged_rank_file_runs_nothing(layout, gadget, protocol, opcode, tmp_p
     with Inert(marker), pytest.raises(UnsafePickle) as error:
         check_checkpoint(str(tmp_path / "step" / root) if root else str(tmp_path / "step"))
     assert error.value.path == str(rank_file)
+
+
+# --- a carried DCP index (`tensor_index.carry_dcp`: a dist or Megatron LoRA step's ``.metadata``) -------------
+
+
+@pytest.fixture(scope="module")
+def dcp_checked(lora_steps):
+    checkpoint = check_checkpoint(str(lora_steps["dense_tp2_dist"].step_dir))
+    assert checkpoint.index is not None and checkpoint.index.startswith(tensor_index._dcp_tag())
+    return checkpoint
+
+
+def _dcp_document(checkpoint) -> dict:
+    return json.loads(zlib.decompress(checkpoint.index[len(tensor_index._dcp_tag()):]))
+
+
+def _dcp_carrying(checkpoint, document):
+    return dataclasses.replace(checkpoint, index=tensor_index._dcp_tag() + zlib.compress(json.dumps(document).encode()))
+
+
+def _first_chunk(doc) -> list:
+    return doc["tensors"][0][3][0]
+
+
+def _twice(doc):
+    doc["tensors"][0][3].append(copy.deepcopy(_first_chunk(doc)))  # one saved chunk standing for two
+
+
+def _shared_bytes(doc):
+    other = next(chunk for entry in doc["tensors"][1:] for chunk in entry[3] if chunk[2] == _first_chunk(doc)[2])
+    other[3] = _first_chunk(doc)[3]  # another tensor's item over the same bytes
+
+
+DCP_FORGERIES = {
+    "host_file": lambda doc: _first_chunk(doc).__setitem__(2, "/etc/passwd"),
+    "traversal": lambda doc: _first_chunk(doc).__setitem__(2, "../../optimizer/dist_ckpt/__0_0.distcp"),
+    "file_not_listed": lambda doc: _first_chunk(doc).__setitem__(2, "__99_0.distcp"),
+    "item_past_the_file": lambda doc: _first_chunk(doc).__setitem__(4, 1 << 40),
+    "chunk_outside_its_tensor": lambda doc: _first_chunk(doc).__setitem__(0, [1 << 20] * len(_first_chunk(doc)[0])),
+    "item_too_short": lambda doc: _first_chunk(doc).__setitem__(4, 1),
+    "chunk_twice": _twice,
+    "items_sharing_bytes": _shared_bytes,
+    "dtype_not_torch": lambda doc: doc["tensors"][0].__setitem__(2, "posix.system"),
+    "bool_for_int": lambda doc: _first_chunk(doc).__setitem__(3, True),
+    "extra_field": _set(["class"], "subprocess.Popen"),
+    "other_format": _set(["format"], 2),
+}
+
+
+@pytest.mark.parametrize("forgery", list(DCP_FORGERIES))
+def test_a_forged_dcp_index_is_refused_before_any_read(dcp_checked, forgery):
+    document = copy.deepcopy(_dcp_document(dcp_checked))
+    DCP_FORGERIES[forgery](document)
+    _opening_is_refused(_dcp_carrying(dcp_checked, document))
+
+
+def test_the_carried_dcp_index_opens_as_the_metadata_file_reads(dcp_checked):
+    """The forgeries above are forgeries: the index as carried opens, with the tensors ``.metadata`` gives."""
+    carried = open_checkpoint(_dcp_carrying(dcp_checked, _dcp_document(dcp_checked)))
+    read = open_checkpoint(dataclasses.replace(dcp_checked, index=None))
+    try:
+        assert {n: (m.shape, m.dtype) for n, m in carried.metas().items()} == \
+               {n: (m.shape, m.dtype) for n, m in read.metas().items()}
+        name = next(iter(read.metas()))
+        assert carried.read(name).equal(read.read(name))
+    finally:
+        carried.close()
+        read.close()

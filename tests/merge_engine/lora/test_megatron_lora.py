@@ -114,11 +114,12 @@ def test_a_step_without_its_marker_is_incomplete(lora_steps, tmp_path):
 def test_check_names_the_layout_and_what_the_step_holds(lora_steps, capsys):
     adapter_only = check_checkpoint(str(lora_steps["dense_pp2"].step_dir))
     assert adapter_only.layout == "megatron_lora"
-    assert any("adapter only" in n for n in adapter_only.notes)
+    assert (adapter_only.lora, adapter_only.adapter_only) == (True, True)  # typed facts, not notes parsed back
+    assert adapter_only.adapter_dir == "model/huggingface/adapter/"
     assert adapter_only.parallel == {"tp": 1, "pp": 2, "ep": 1}
     with_base = check_checkpoint(str(lora_steps["dense_tp2_dist"].step_dir))  # listed as a dist checkpoint
     assert with_base.layout == "megatron_lora"
-    assert any("base weights in model/dist_ckpt" in n for n in with_base.notes)
+    assert (with_base.lora, with_base.adapter_only, with_base.adapter_dir) == (True, False, None)
     assert main(["check", "--local_dir", str(lora_steps["moe_tp2_ep2"].step_dir)]) == 0
     assert "megatron_lora" in capsys.readouterr().out
 
