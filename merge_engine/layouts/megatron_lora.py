@@ -14,18 +14,20 @@ What such a step holds (verl's ``MegatronCheckpointManager``; ``ckpt_contents.js
 Detection (names only): the PEFT folder's ``adapter_config.json``. A step without one (``use_dist_checkpointing:
 true``, or a run whose bridge export is missing) lists like any dist checkpoint (a non-LoRA verl v2 step
 also has ``model/huggingface/config.json`` without weights: names cannot tell them apart); the registry
-hands it here once `merge_engine.layouts.megatron_dist.check_complete` has seen adapter keys in its
-``.metadata`` (`merge_engine.layouts.check_checkpoint`).
+hands it here (`REFINES`, `refine`) once `merge_engine.layouts.megatron_dist.check_complete` has seen adapter
+keys in its ``.metadata`` (`Checkpoint.lora`), from what that check carried: nothing is read again.
 
 Listing verdict: the v2 marker; complete with the reason "adapter only" (an adapter release can be
-made; a fused model needs ``--base-model``). Discovery then reads the marker itself (`marker_verdict`: one
+made; a fused model needs ``--base-model``). Discovery then reads the marker itself (`second_look`: one
 small JSON through the guarded reader), so a step the names cannot tell from a dist checkpoint
-(``use_dist_checkpointing: true``, or no PEFT export) is called ``megatron_lora`` too, with what its merge
-needs that the step does not record (`NEEDS_*`: ``base_model``, ``lora_alpha``, ``hf_model_path``). `check_complete` reads ``ckpt_contents.json`` and the
-dist index (no weight): adapter keys present, the PEFT folder complete when the marker names one.
-`open` gives the canonical Megatron tensors (`merge_engine.layouts.megatron_dist`), the adapter's
-among them (``decoder.layers.N.<module>.adapter.linear_in.weight``); `holds_base` and
-`adapter_folder` say what else the step gives. Importing this module imports no torch.
+(``use_dist_checkpointing: true``, or no PEFT export) is this layout too, with what its merge needs that
+the step does not record (`NEEDS_*`: ``base_model``, ``lora_alpha``, ``hf_model_path``). `check_complete`
+reads ``ckpt_contents.json`` and the dist index once (no weight): adapter keys present, the PEFT folder
+complete when the marker names one; the checkpoint's typed facts say what else the step gives
+(``adapter_only``; ``adapter_dir``, the PEFT folder: `adapter_folder`). `open` gives the canonical Megatron
+tensors (`merge_engine.layouts.megatron_dist`), the adapter's among them
+(``decoder.layers.N.<module>.adapter.linear_in.weight``). Its jobs (`JOBS`): `merge_engine.commands.megatron_lora`.
+Importing this module imports no torch.
 """
 
 from __future__ import annotations
@@ -52,7 +54,6 @@ HF_DIR = verl_v2.MODEL_HF_DIR
 ADAPTER_DIR = HF_DIR + "adapter/"  # save_hf_adapter's folder (verl: ``<hf path>/adapter``)
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_KEY = megatron_dist.ADAPTER_KEY  # ``...linear_qkv.adapter.linear_in.weight``
 NOTE = "verl Megatron LoRA step"  # `Checkpoint.notes`, for a person; the facts are its typed fields
 REFINES = megatron_dist.NAME  # a LoRA run's dist checkpoint lists like any other (`Layout.REFINES`)
 JOBS = "merge_engine.commands.megatron_lora"  # how its steps are merged and extracted (`Layout.JOBS`)
@@ -66,10 +67,6 @@ NEEDS_LORA_ALPHA = "lora_alpha"  # no PEFT export: nothing in the step records a
 NEEDS_HF_MODEL_PATH = "hf_model_path"  # base in the step but no model/huggingface/config.json
 MARKER_MAX_BYTES = 1 << 20  # the largest ckpt_contents.json discovery reads (verl's: a few KB)
 CLI_FLAGS = {NEEDS_BASE_MODEL: "--base-model", NEEDS_LORA_ALPHA: "--lora-alpha", NEEDS_HF_MODEL_PATH: "--hf_model_path"}
-
-
-def _top(files: Sequence[FileEntry], folder: str) -> list[str]:
-    return [f.path[len(folder):] for f in files if f.path.startswith(folder) and "/" not in f.path[len(folder):]]
 
 
 def detect(files: Sequence[FileEntry]) -> bool:
@@ -128,10 +125,6 @@ def second_look(url: str, files: Sequence[FileEntry]) -> StepLook | None:
     return StepLook(NAME, Verdict(COMPLETE, reason), needs)
 
 
-def is_adapter_key(key: str) -> bool:
-    return ADAPTER_KEY in key
-
-
 def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     """The step complete (marker), its dist index readable and holding adapter keys, the PEFT folder the
     marker names complete (`refine` of `megatron_dist.check_complete`: ``ckpt_contents.json``,
@@ -186,11 +179,6 @@ def refine(checkpoint: Checkpoint, files: Sequence[FileEntry]) -> Checkpoint | N
     entries = tuple(sorted(keep, key=lambda f: f.path))
     return replace(checkpoint, layout=NAME, files=entries, fingerprint=storage.fingerprint(entries),
                    notes=tuple(notes), adapter_dir=folder)
-
-
-def holds_base(checkpoint: Checkpoint) -> bool:
-    """Does the step hold its base weights (``use_dist_checkpointing: true``)?"""
-    return not checkpoint.adapter_only
 
 
 def adapter_folder(checkpoint: Checkpoint) -> str | None:
