@@ -7,7 +7,7 @@ submits one ``write-shard`` task run per unit (an output shard, a rank file), na
 unit's file (``global_step_40/actor: model-00003-of-00012.safetensors``), so each is a task run in the UI
 with its own state and retries. Each task calls `merge_engine.output.executors.remote.run_unit_task` on a
 Ray worker: it reads straight from the checkpoint's storage and writes straight to the target URL; only
-the small `merge_engine.layouts.contract.FileRecord` (file, size, sha256, tensor names) comes back to the
+the small `merge_engine.storage.written.FileRecord` (file, size, sha256, tensor names) comes back to the
 driver, never a tensor. The engine itself never imports Prefect: this module plugs into it.
 
 - Retries: a unit's task retries transient storage faults only (`tasks.retry.RETRY_OPTIONS`); Ray runs a
@@ -35,7 +35,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from merge_engine.errors import InvalidOption
-from merge_engine.layouts.contract import FileRecord
+from merge_engine.storage.written import FileRecord
 from merge_engine.layouts.runs import from_step_folder
 from merge_engine.output.executors import executor_address, register_executor
 from merge_engine.output.executors.ray_address import check_ray_address

@@ -46,7 +46,8 @@ from merge_engine.formats.hf_metadata import copy_metadata, read_config
 from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, run_job
 from merge_engine.layouts import Checkpoint, check_checkpoint, layout_named, open_checkpoint
 from merge_engine.output.work_unit import PlannedOutput
-from merge_engine.layouts.contract import FileJob, FileRecord, ParallelSizes, WritableLayout
+from merge_engine.layouts.contract import FileJob, ParallelSizes, WritableLayout
+from merge_engine.storage.written import FileRecord
 from merge_engine.plan.merge_plan import parse_dtype
 
 

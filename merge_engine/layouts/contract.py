@@ -4,7 +4,8 @@ A layout is a module under ``merge_engine/layouts/`` (a module satisfies a `Prot
 attributes) listed once in `merge_engine.layouts.LAYOUTS`. It owns everything about its format:
 file-name constants, detection, the completeness verdict from a listing, the deep check, the lazy
 reader, the naming of the tensors it reads and, for formats ``stepmerge split`` writes, the writer.
-Layouts import neither discovery nor the planner: they sit below both (see ``tests/test_layers.py``).
+A layout imports nothing of the wings above its own (`merge_engine.WINGS`), nor `discovery`, which asks the
+registry. What a writer hands back (`FileRecord`) is storage's record of a written file.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from merge_engine.storage import FileEntry
+from merge_engine.storage.written import FileRecord
 
 if TYPE_CHECKING:  # `Layout.open`'s result; the contract itself imports no torch (the registry is read torch-free)
     from merge_engine.formats.tensor_source import TensorSource
@@ -161,26 +163,6 @@ class FileJob:
     file: str
     part: tuple[int, ...]
     tensors: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class FileRecord:
-    """One written file, the record of every work unit (a merge's shard, a layout's file) and of the files
-    written after them (an index, a DCP ``.metadata``): name relative to the output folder, size, sha256
-    computed while writing, the tensors it holds (empty for an index) and ``items``: what the layout's
-    `WritableLayout.finish` needs to know of it (a DCP data file's item locations); small and picklable,
-    what a worker process hands back."""
-
-    file: str
-    size: int
-    sha256: str
-    tensors: tuple[str, ...] = ()
-    items: tuple[Any, ...] = ()
-
-
-class WriteCancelled(Exception):
-    """A work unit stopped because another unit of the same job failed, or an interrupt (not a user-facing
-    error: the other unit's error, or the interrupt, is the one reported)."""
 
 
 class WritableLayout(Layout, Protocol):

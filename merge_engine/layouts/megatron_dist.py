@@ -65,12 +65,11 @@ from merge_engine.layouts.contract import (
     MEGATRON_NAMES,
     Checkpoint,
     FileJob,
-    FileRecord,
     ParallelSizes,
     Verdict,
-    WriteCancelled,
     by_path,
 )
+from merge_engine.storage.written import FileRecord, WriteCancelled
 from merge_engine.layouts.megatron_lm_root import choose_iteration
 from merge_engine.storage import FileEntry
 

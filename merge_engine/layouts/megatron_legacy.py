@@ -56,12 +56,11 @@ from merge_engine.layouts.contract import (
     MEGATRON_NAMES,
     Checkpoint,
     FileJob,
-    FileRecord,
     ParallelSizes,
     Verdict,
-    WriteCancelled,
     holds_lora,
 )
+from merge_engine.storage.written import FileRecord, WriteCancelled
 from merge_engine.layouts.megatron_lm_root import choose_iteration
 from merge_engine.storage import FileEntry
 from merge_engine.storage.hashing_writer import HashingWriter

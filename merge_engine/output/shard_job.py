@@ -40,7 +40,7 @@ from merge_engine import storage
 from merge_engine.errors import CorruptShard
 from merge_engine.formats.safetensors_file import CODES as SAFETENSORS_DTYPES
 from merge_engine.formats.tensor_source import TensorSource
-from merge_engine.layouts.contract import FileRecord, WriteCancelled
+from merge_engine.storage.written import FileRecord, WriteCancelled
 from merge_engine.plan.merge_plan import INDEX_FILE, MergePlan, PlannedTensor, ShardFile
 from merge_engine.storage.hashing_writer import HashingWriter
 

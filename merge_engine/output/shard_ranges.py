@@ -48,7 +48,7 @@ import torch
 from merge_engine import storage
 from merge_engine.errors import CorruptShard
 from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, ShardFile
-from merge_engine.layouts.contract import FileRecord, WriteCancelled
+from merge_engine.storage.written import FileRecord, WriteCancelled
 from merge_engine.output.shard_job import shard_header, write_shard
 from merge_engine.formats.tensor_source import TensorSource, iter_flat_range
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from merge_engine.formats.tensor_source import TensorSource
-from merge_engine.layouts.contract import FileRecord
+from merge_engine.storage.written import FileRecord
 from merge_engine.output.shard_job import write_index, write_shard
 from merge_engine.output.shard_ranges import write_shard_ranges
 from merge_engine.output.work_unit import Files, PlannedOutput

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from merge_engine.layouts.contract import FileRecord
+from merge_engine.storage.written import FileRecord
 
 if TYPE_CHECKING:
     from merge_engine.plan.merge_plan import MergePlan
@@ -34,7 +34,7 @@ class WorkUnit(Protocol):
       while writing (`merge_engine.storage.hashing_writer.HashingWriter`); its `FileRecord`. Its bytes
       depend on the unit alone: never on the process, the order, ``threads`` or ``chunk_bytes``.
       ``cancel`` (an Event, or None) is checked between chunks: once set, the unit raises
-      `merge_engine.layouts.contract.WriteCancelled` and leaves no file. ``threads``: how many threads it
+      `merge_engine.storage.written.WriteCancelled` and leaves no file. ``threads``: how many threads it
       may use on its own byte ranges (a unit that cannot be cut uses one); ``on_bytes``: progress, in
       bytes, from the threads running it.
     """

@@ -34,7 +34,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 import torch
 
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES
-from merge_engine.layouts.contract import FileRecord, WriteCancelled
+from merge_engine.storage.written import FileRecord, WriteCancelled
 from merge_engine.output import interrupts
 from merge_engine.output.work_unit import WorkUnit
 

@@ -34,7 +34,8 @@ classification chain, `retrying`; a persistent fault becomes `StorageUnavailable
 backend contract and the fsspec body), `backends/` (one per store, each with its client's faults),
 `schemes` (the registry; `is_transient` over every backend), `files` (listings, metadata, small
 reads and writes), `range_reader`, `read_ahead`, `body` (a ranged GET's pieces, copied once),
-`atomic_writer`, `copies` (`copy_file`, `copy_tree`, `stage_in`), `sha256` (`sha256_of` a stored file), `json_text` (the one guarded JSON parser:
+`atomic_writer`, `copies` (`copy_file`, `copy_tree`, `stage_in`), `sha256` (`sha256_of` a stored file),
+`written` (`FileRecord`: a written file's record; `WriteCancelled`), `json_text` (the one guarded JSON parser:
 bounded size, depth and numbers; every JSON stepmerge reads goes through it).
 """
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from merge_engine.errors import InvalidOption
-from merge_engine.layouts.contract import FileRecord
+from merge_engine.storage.written import FileRecord
 from merge_engine.output.work_unit import Files, PlannedOutput
 
 __all__ = ["EXECUTORS", "Executor", "WrittenFiles", "executor_address", "executor_at", "finish_output",

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from merge_engine.errors import InvalidOption, RayClusterUnreachable, StepmergeError
-from merge_engine.layouts.contract import FileRecord
+from merge_engine.storage.written import FileRecord
 from merge_engine.output import interrupts
 from merge_engine.output.executors.ray_address import check_ray_address
 from merge_engine.output.executors.remote import RemoteExecutor, UnitTask, run_unit_task, storage_env

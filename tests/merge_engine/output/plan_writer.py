@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
-from merge_engine.layouts.contract import FileRecord
+from merge_engine.storage.written import FileRecord
 from merge_engine.output.shard_unit import shard_output
 from merge_engine.output.writer import run_units
 from merge_engine.plan.merge_plan import MergePlan

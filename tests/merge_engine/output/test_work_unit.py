@@ -20,7 +20,7 @@ import pytest
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard
-from merge_engine.layouts.contract import FileRecord, WriteCancelled
+from merge_engine.storage.written import FileRecord, WriteCancelled
 from merge_engine.output.executors.local import LocalExecutor
 from merge_engine.output.work_unit import PlannedOutput
 from merge_engine.output.writer import run_units
