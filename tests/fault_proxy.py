@@ -26,6 +26,10 @@ Contract:
   ``release()``: whatever a client waits for then waits at a known state, for as long as a test
   needs (e.g. a worker caught in the middle of reading a file). Bytes already handed to the kernel
   before ``hold()`` returned may still arrive.
+- Every wait the proxy makes for a fault or the network (a stall, a latency, the bandwidth's pacing) goes
+  through its ``clock`` (`ProxyClock`: ``time()`` and ``async sleep(seconds)``; default the event loop's
+  own), so a test can see each wait and decide when it ends instead of measuring wall time
+  (``tests/test_servers.py``: `VirtualClock`, `HeldClock`).
 - ``accepted`` counts connections, ``faulted`` the connections a fault was assigned to, and
   ``fired`` the faults that really happened (a reset sent, a stall begun, a connection refused, a
   canned response sent): a reset armed for after N bytes on a connection that carries fewer never
@@ -40,9 +44,9 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
-__all__ = ["Fault", "FaultProxy", "Network", "http_response"]
+__all__ = ["Fault", "FaultProxy", "LoopClock", "Network", "ProxyClock", "http_response"]
 
 Direction = Literal["down", "up"]  # count server-to-client bytes (downloads) or client-to-server (uploads)
 
@@ -86,26 +90,45 @@ class Network:
     bandwidth: float = 0.0
 
 
+class ProxyClock(Protocol):
+    """The time the proxy shapes and stalls by: ``time()`` in seconds, and ``sleep``, awaited on the proxy's
+    event loop for every wait it makes (``kind``: "latency", "bandwidth" or "stall")."""
+
+    def time(self) -> float: ...
+
+    async def sleep(self, seconds: float, kind: str) -> None: ...
+
+
+class LoopClock:
+    """The real clock: the event loop's time and `asyncio.sleep`."""
+
+    def time(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def sleep(self, seconds: float, kind: str) -> None:
+        await asyncio.sleep(seconds)
+
+
 class _Link:
     """One connection's shaping state: who spoke last (a request starts when the client speaks after
     the server, or first) and, per direction, when the bytes sent so far may have left."""
 
-    def __init__(self, network: Network) -> None:
+    def __init__(self, network: Network, clock: ProxyClock) -> None:
         self.network = network
+        self.clock = clock
         self.last_speaker = "down"
         self.free_at = {"down": 0.0, "up": 0.0}
 
     async def before(self, direction: str, nbytes: int) -> None:
-        loop = asyncio.get_running_loop()
         if direction == "up" and self.last_speaker == "down" and self.network.latency:
-            await asyncio.sleep(self.network.latency)
+            await self.clock.sleep(self.network.latency, "latency")
         self.last_speaker = direction
         if self.network.bandwidth:
-            start = max(loop.time(), self.free_at[direction])
+            start = max(self.clock.time(), self.free_at[direction])
             self.free_at[direction] = start + nbytes / self.network.bandwidth
-            delay = self.free_at[direction] - loop.time()
+            delay = self.free_at[direction] - self.clock.time()
             if delay > 0:
-                await asyncio.sleep(delay)
+                await self.clock.sleep(delay, "bandwidth")
 
 
 def http_response(status: int, reason: str, body: bytes = b"", content_type: str = "text/plain") -> bytes:
@@ -133,9 +156,11 @@ def _reset(writer: asyncio.StreamWriter) -> None:
 class FaultProxy:
     """See the module docstring."""
 
-    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1", network: Network | None = None) -> None:
+    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1", network: Network | None = None,
+                 clock: ProxyClock | None = None) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.network = network
+        self.clock: ProxyClock = clock or LoopClock()
         self.port = 0
         self.accepted = 0
         self.faulted = 0
@@ -287,13 +312,13 @@ class FaultProxy:
         self._open.update((client_writer, upstream_writer))
         down_fault = fault if fault is not None and fault.direction == "down" else None
         up_fault = fault if fault is not None and fault.direction == "up" else None
-        link = _Link(self.network) if self.network is not None else None
+        link = _Link(self.network, self.clock) if self.network is not None else None
         if link is not None:
             self._links.add(link)
         down = asyncio.ensure_future(self._pipe(upstream_reader, client_writer, down_fault, client_writer, self._fire,
-                                                link, "down", self._flowing))
+                                                link, "down", self._flowing, self.clock))
         up = asyncio.ensure_future(self._pipe(client_reader, upstream_writer, up_fault, client_writer, self._fire,
-                                              link, "up", self._flowing))
+                                              link, "up", self._flowing, self.clock))
         try:
             done, _ = await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
             # the server closing its side ends the exchange; a client's half-close lets the server finish
@@ -321,6 +346,7 @@ class FaultProxy:
         link: _Link | None = None,
         direction: Direction = "down",
         flowing: asyncio.Event | None = None,
+        clock: ProxyClock | None = None,
     ) -> None:
         passed = 0
         armed = fault is not None and fault.kind in ("reset", "stall")
@@ -345,7 +371,7 @@ class FaultProxy:
                     _reset(client_writer)
                     raise ConnectionResetError("fault proxy: injected reset")
                 armed = False
-                await asyncio.sleep(fault.seconds)
+                await (clock or LoopClock()).sleep(fault.seconds, "stall")
             if data:
                 writer.write(data)
                 await writer.drain()

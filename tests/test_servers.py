@@ -3,10 +3,10 @@ really injects the faults that the retry tests rely on (and the storage layer re
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
-import time
 import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 import urllib.request
@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from merge_engine import storage
-from tests.clock import HANG_S
+from tests.clock import HANG_S, until
 from tests.fault_proxy import Fault, FaultProxy, Network, http_response
 from tests.servers import FakeGcsServer, SeaweedS3Server, applied_env
 
@@ -56,12 +56,12 @@ class TestSeaweedS3Server:
         assert os.environ.get("STEPMERGE_S3_ENDPOINT") != s3_server.endpoint_url
 
     def test_start_and_stop(self):
-        """A second, private server: ready within seconds, then SIGTERM (or SIGKILL) ends it and its temp
-        folder (data + TMPDIR) is gone."""
+        """A second, private server: answering once start returns (the wait for it bounded by ``startup_timeout``,
+        never measured), then SIGTERM (or SIGKILL) ends it and its temp folder (data + TMPDIR) is gone."""
         server = SeaweedS3Server()
         with server:
             pid, root = server.pid, server._root
-            assert server.startup_seconds < 20
+            assert server.running and server.make_bucket("started") == "s3://started"  # it answers
             assert (root / "data").is_dir() and (root / "tmp").is_dir()
             assert any(p.name.startswith("weed.") for p in (root / "tmp").iterdir())  # its logs went there
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -82,7 +82,7 @@ class TestFakeGcsServer:
     def test_start_and_stop(self):
         with FakeGcsServer() as server:
             pid, root = server.pid, server._root
-            assert server.startup_seconds < 10
+            assert server.running and server.make_bucket("started") == "gs://started"  # it answers
         assert not root.exists()
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
@@ -106,21 +106,74 @@ def big_gcs_object(gcs_bucket_url) -> tuple[str, bytes]:
     return gcs_bucket_url[5:], data
 
 
-def _raw_get(port: int, bucket: str, key: str, timeout: float = 10.0) -> tuple[bytes, OSError | None, list[float]]:
-    """GET an object over a raw socket; return (bytes received, the error that ended it, arrival times)."""
+def _raw_get(port: int, bucket: str, key: str, timeout: float = HANG_S,
+             received: bytearray | None = None) -> tuple[bytes, OSError | None]:
+    """GET an object over a raw socket; return (bytes received, the error that ended it). ``received``, when
+    given, grows as the bytes arrive (another thread can watch the transfer's progress)."""
     request = (f"GET /download/storage/v1/b/{bucket}/o/{key}?alt=media HTTP/1.1\r\n"
                f"Host: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n").encode()
-    received, times = bytearray(), []
+    received = bytearray() if received is None else received
     try:
         # a reset can reach the client while connect() returns: that too is a refused connection
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
             sock.sendall(request)
             while chunk := sock.recv(1 << 16):
                 received += chunk
-                times.append(time.monotonic())
     except OSError as error:
-        return bytes(received), error, times
-    return bytes(received), None, times
+        return bytes(received), error
+    return bytes(received), None
+
+
+class VirtualClock:
+    """The proxy's time, moved only by the proxy's own waits: each returns at once with the time moved on
+    by its length. ``waits`` lists them as (kind, seconds); ``now`` is their sum."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.waits: list[tuple[str, float]] = []
+
+    def time(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float, kind: str) -> None:
+        self.waits.append((kind, seconds))
+        self.now += seconds
+        await asyncio.sleep(0)
+
+
+class HeldClock:
+    """Proxy waits that last until the test ends them: `until_waiting(n)` returns once n waits are under
+    way at the same time; `release` ends them (and lets every later one pass at once). ``waits`` lists
+    every wait begun as (kind, seconds)."""
+
+    def __init__(self) -> None:
+        self.waits: list[tuple[str, float]] = []
+        self._waiting = 0
+        self._changed = threading.Condition()
+        self._released = threading.Event()
+
+    def time(self) -> float:
+        return 0.0
+
+    async def sleep(self, seconds: float, kind: str) -> None:
+        with self._changed:
+            self.waits.append((kind, seconds))
+            self._waiting += 1
+            self._changed.notify_all()
+        try:
+            while not self._released.is_set():  # on the proxy's loop: look again soon, never block it
+                await asyncio.sleep(0.005)
+        finally:
+            with self._changed:
+                self._waiting -= 1
+
+    def until_waiting(self, count: int) -> None:
+        with self._changed:
+            assert self._changed.wait_for(lambda: self._waiting >= count, HANG_S), \
+                f"fewer than {count} proxy waits under way after {HANG_S:.0f} s"
+
+    def release(self) -> None:
+        self._released.set()
 
 
 def _body(response: bytes) -> bytes:
@@ -131,7 +184,7 @@ class TestFaultProxy:
     def test_passes_through(self, gcs_server, big_gcs_object):
         bucket, data = big_gcs_object
         with FaultProxy(gcs_server.port) as proxy:
-            response, error, _ = _raw_get(proxy.port, bucket, "big")
+            response, error = _raw_get(proxy.port, bucket, "big")
         assert error is None and _body(response) == data
         assert (proxy.accepted, proxy.faulted, proxy.fired) == (1, 0, 0)
 
@@ -139,10 +192,10 @@ class TestFaultProxy:
         bucket, data = big_gcs_object
         with FaultProxy(gcs_server.port) as proxy:
             proxy.set_fault(Fault.reset(after_bytes=100_000))
-            response, error, _ = _raw_get(proxy.port, bucket, "big")
+            response, error = _raw_get(proxy.port, bucket, "big")
             assert isinstance(error, ConnectionResetError)
             assert len(response) <= 100_000
-            response, error, _ = _raw_get(proxy.port, bucket, "big")  # only the first connection
+            response, error = _raw_get(proxy.port, bucket, "big")  # only the first connection
             assert error is None and _body(response) == data
             assert (proxy.accepted, proxy.faulted, proxy.fired) == (2, 1, 1)
 
@@ -152,29 +205,36 @@ class TestFaultProxy:
         bucket, data = big_gcs_object
         with FaultProxy(gcs_server.port) as proxy:
             proxy.set_fault(Fault.reset(after_bytes=10 * MiB))
-            response, error, _ = _raw_get(proxy.port, bucket, "big")
+            response, error = _raw_get(proxy.port, bucket, "big")
             assert error is None and _body(response) == data
             assert (proxy.faulted, proxy.fired) == (1, 0)
             proxy.set_fault(Fault.reset(after_bytes=100_000))
-            _, error, _ = _raw_get(proxy.port, bucket, "big")
+            _, error = _raw_get(proxy.port, bucket, "big")
             assert isinstance(error, ConnectionResetError)
             assert (proxy.faulted, proxy.fired) == (2, 1)
 
     def test_stall_pauses_then_resumes(self, gcs_server, big_gcs_object):
+        """A stall after 50 000 bytes: exactly those bytes arrive, then nothing while the stall lasts (here:
+        until the test ends it), then the rest of the response."""
         bucket, data = big_gcs_object
-        with FaultProxy(gcs_server.port) as proxy:
+        clock, received = HeldClock(), bytearray()
+        with FaultProxy(gcs_server.port, clock=clock) as proxy, ThreadPoolExecutor(1) as pool:
             proxy.set_fault(Fault.stall(0.6, after_bytes=50_000))
-            response, error, times = _raw_get(proxy.port, bucket, "big")
+            get = pool.submit(_raw_get, proxy.port, bucket, "big", HANG_S, received)
+            clock.until_waiting(1)
+            until(lambda: len(received) >= 50_000, "50 000 bytes received before the stall")
+            assert proxy.fired == 1 and clock.waits == [("stall", 0.6)]
+            assert len(received) == 50_000 and not get.done()  # the stall holds the rest
+            clock.release()
+            response, error = get.result()
         assert error is None and _body(response) == data
-        assert max(b - a for a, b in zip(times, times[1:])) >= 0.55
-        assert proxy.fired == 1
 
     def test_refuse_and_respond_for_the_first_k_connections(self, gcs_server, big_gcs_object):
         bucket, data = big_gcs_object
         with FaultProxy(gcs_server.port) as proxy:
             proxy.set_fault(Fault.refuse(connections=2))
             for _ in range(2):
-                response, error, _ = _raw_get(proxy.port, bucket, "big")
+                response, error = _raw_get(proxy.port, bucket, "big")
                 assert response == b"" and isinstance(error, ConnectionResetError)
             assert _body(_raw_get(proxy.port, bucket, "big")[0]) == data
             proxy.set_fault(Fault.respond(http_response(503, "Slow Down", b"busy")))
@@ -185,36 +245,41 @@ class TestFaultProxy:
 
 
     def test_network_latency_is_paid_once_per_request(self, gcs_server, big_gcs_object):
-        """Each request waits the simulated latency before it reaches the server: four requests one after
-        another cost at least four latencies, four in flight together about one."""
+        """Each request waits the simulated latency once, before it reaches the server (four requests one
+        after another: four latencies on the proxy's clock, none for the answers); four requests in flight
+        together wait theirs at the same time (none is answered until the test ends the waits), so together
+        they cost about one."""
         bucket, data = big_gcs_object
-        with FaultProxy(gcs_server.port, network=Network(latency=0.25)) as proxy:
-            started = time.monotonic()
+        clock = VirtualClock()
+        with FaultProxy(gcs_server.port, network=Network(latency=0.25), clock=clock) as proxy:
             for _ in range(4):
                 assert _body(_raw_get(proxy.port, bucket, "big")[0]) == data
-            one_at_a_time = time.monotonic() - started
-            started = time.monotonic()
-            with ThreadPoolExecutor(4) as pool:
-                bodies = list(pool.map(lambda _: _body(_raw_get(proxy.port, bucket, "big")[0]), range(4)))
-            in_flight = time.monotonic() - started
-        assert bodies == [data] * 4
-        assert one_at_a_time >= 4 * 0.25
-        assert in_flight < one_at_a_time / 2
+        assert clock.waits == [("latency", 0.25)] * 4
+
+        held = HeldClock()
+        with FaultProxy(gcs_server.port, network=Network(latency=0.25), clock=held) as proxy, \
+                ThreadPoolExecutor(4) as pool:
+            gets = [pool.submit(_raw_get, proxy.port, bucket, "big") for _ in range(4)]
+            held.until_waiting(4)
+            assert not any(get.done() for get in gets)
+            held.release()
+            bodies = [_body(get.result()[0]) for get in gets]
+        assert bodies == [data] * 4 and held.waits == [("latency", 0.25)] * 4
 
     def test_network_bandwidth_caps_each_connection(self, gcs_server, big_gcs_object):
-        """2 MiB at 4 MiB/s per connection takes at least half a second; unshaped it is loopback-fast."""
+        """At 4 MiB/s per connection, every byte of a 2 MiB response waits its share: the proxy's clock moves
+        on by at least half a second; unshaped, the proxy never waits."""
         bucket, data = big_gcs_object
-        with FaultProxy(gcs_server.port) as proxy:
+        clock = VirtualClock()
+        with FaultProxy(gcs_server.port, clock=clock) as proxy:
             proxy.set_network(Network(bandwidth=4 * MiB))
-            started = time.monotonic()
-            response, error, _ = _raw_get(proxy.port, bucket, "big")
-            shaped = time.monotonic() - started
+            response, error = _raw_get(proxy.port, bucket, "big")
+            shaped = clock.now
             proxy.set_network(None)
-            started = time.monotonic()
             assert _body(_raw_get(proxy.port, bucket, "big")[0]) == data
-            unshaped = time.monotonic() - started
         assert error is None and _body(response) == data
-        assert shaped >= 0.45 and unshaped < shaped
+        assert {kind for kind, _ in clock.waits} == {"bandwidth"}
+        assert shaped >= len(response) / (4 * MiB) and clock.now == shaped
 
 
 # --------------------------------------------------------------------------------------------
