@@ -18,9 +18,10 @@ place, between its listing and its reads, with a same-size valid archive of othe
 be `SourceChanged`.
 
 Every input is read to the end in one worker process (tensors streamed in small ranges), with
-`PER_INPUT_SECONDS` per input (SIGALRM), the worker's data segment capped at its start size +
-`MEMORY_HEADROOM_BYTES` (an unbounded allocation fails there instead of taking the machine), and
-its peak RSS reported. The outcome of each input must be ``ok`` (then the values must equal what
+`PER_INPUT_CPU_SECONDS` of CPU time per input (SIGPROF: a reader that spins; CPU time, so a busy machine
+cannot fail it), `PER_INPUT_HANG_S` of wall time (SIGALRM: one that blocks, e.g. a deadlock), the
+worker's data segment capped at its start size + `MEMORY_HEADROOM_BYTES` (an unbounded allocation fails
+there instead of taking the machine), and its peak RSS reported. The outcome of each input must be ``ok`` (then the values must equal what
 torch / safetensors / json themselves read from the same bytes, when they read it) or a
 `StepmergeError`; a worker that dies (a segfault) fails the test naming the input. Same seed, same
 inputs: the files written here are byte-reproducible.
@@ -41,7 +42,8 @@ import zipfile
 from pathlib import Path
 
 SEED = 20261130
-PER_INPUT_SECONDS = 10
+PER_INPUT_CPU_SECONDS = 10
+PER_INPUT_HANG_S = 120  # bounds a hang only, never a measurement
 MEMORY_HEADROOM_BYTES = 1 << 30
 RSS_GROWTH_LIMIT_MB = 400
 COUNTS = {"torch_raw": 70, "torch_pickle": 80, "safetensors_raw": 50, "safetensors_header": 60,
@@ -410,14 +412,19 @@ def worker(manifest_path: str) -> None:
     limit = _data_segment_bytes() + MEMORY_HEADROOM_BYTES
     resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
 
-    def alarm(signum, frame):
-        raise TimeoutError(f"more than {PER_INPUT_SECONDS} s")
+    def spinning(signum, frame):
+        raise TimeoutError(f"more than {PER_INPUT_CPU_SECONDS} s of CPU time")
 
-    signal.signal(signal.SIGALRM, alarm)
+    def hanging(signum, frame):
+        raise TimeoutError(f"not done after {PER_INPUT_HANG_S} s")
+
+    signal.signal(signal.SIGPROF, spinning)
+    signal.signal(signal.SIGALRM, hanging)
     for item in json.loads(Path(manifest_path).read_text()):
         print(json.dumps({"start": item["id"]}), flush=True)
-        started = time.perf_counter()
-        signal.alarm(PER_INPUT_SECONDS)
+        started = time.process_time()
+        signal.setitimer(signal.ITIMER_PROF, PER_INPUT_CPU_SECONDS)
+        signal.alarm(PER_INPUT_HANG_S)
         try:
             outcome = READERS[item["kind"]](item["path"])
         except StepmergeError as exc:
@@ -425,9 +432,10 @@ def worker(manifest_path: str) -> None:
         except BaseException as exc:  # noqa: BLE001 - exactly what the fuzz test looks for
             outcome = f"TRACEBACK {type(exc).__name__}: {str(exc)[:200]}"
         finally:
+            signal.setitimer(signal.ITIMER_PROF, 0)
             signal.alarm(0)
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(json.dumps({"id": item["id"], "outcome": outcome, "seconds": time.perf_counter() - started,
+        print(json.dumps({"id": item["id"], "outcome": outcome, "cpu_seconds": time.process_time() - started,
                           "peak_mb": peak_mb}), flush=True)
 
 
@@ -444,7 +452,7 @@ def test_readers_survive_malformed_inputs(tmp_path):
     root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, __file__, str(manifest)], capture_output=True, text=True, env=env,
-                         timeout=PER_INPUT_SECONDS * 20 + 120)
+                         timeout=PER_INPUT_HANG_S * 20)
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     results = {line["id"]: line for line in lines if "outcome" in line}
     started_ids = [line["start"] for line in lines if "start" in line]
@@ -458,8 +466,8 @@ def test_readers_survive_malformed_inputs(tmp_path):
              if inputs[i]["kind"] in EXPECTED and r["outcome"] != EXPECTED[inputs[i]["kind"]]]
     assert not wrong, f"{len(wrong)} issue-17 inputs did not end in their named error: {wrong[:10]}"
     assert len(results) == len(inputs)
-    slowest = max(results.values(), key=lambda r: r["seconds"])
-    assert slowest["seconds"] < PER_INPUT_SECONDS
+    slowest = max(results.values(), key=lambda r: r["cpu_seconds"])
+    assert slowest["cpu_seconds"] < PER_INPUT_CPU_SECONDS
     peak = max(r["peak_mb"] for r in results.values())
     baseline = results[0]["peak_mb"]
     assert peak - baseline < RSS_GROWTH_LIMIT_MB, f"peak RSS grew {peak - baseline:.0f} MB"
@@ -468,7 +476,7 @@ def test_readers_survive_malformed_inputs(tmp_path):
         key = r["outcome"].split(":")[0]
         outcomes[key] = outcomes.get(key, 0) + 1
     print(f"fuzz: {len(inputs)} inputs in {time.perf_counter() - started:.1f} s; slowest "
-          f"{slowest['seconds']:.2f} s ({inputs[slowest['id']]['how']}); peak RSS {peak:.0f} MB "
+          f"{slowest['cpu_seconds']:.2f} CPU s ({inputs[slowest['id']]['how']}); peak RSS {peak:.0f} MB "
           f"(+{peak - baseline:.0f}); outcomes {dict(sorted(outcomes.items()))}")
     assert outcomes.get("ok", 0) > 0 and sum(v for k, v in outcomes.items() if k.startswith("named")) > 0
 
