@@ -48,7 +48,7 @@ from flows.run_labels import label_flow_run, run_tags, watch_run_name
 from flows.step_keys import step_key
 from flows.submission import SubmittedRun, submit_step_run
 from flows.summaries import watch_summary
-from merge_engine.release.state import ADAPTER, MODEL, release_folder_name
+from merge_engine.release.folders import ADAPTER, MODEL, release_folder_name
 from tasks.discover import PublishedRelease, discover_steps, find_published
 from tasks.progress import artifact_key
 from tasks.records import StepRecord

@@ -37,7 +37,7 @@ from flows.run_labels import ended, label_flow_run, step_label, step_run_name
 from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_output
 from flows.summaries import step_summary
 from flows.watchers import not_ready_error, retrying_watcher
-from merge_engine.release.state import ADAPTER, MODEL, release_url
+from merge_engine.release.folders import ADAPTER, MODEL, release_url
 from tasks.progress import artifact_key
 from tasks.result_records import RECORD_SERIALIZER
 

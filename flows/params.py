@@ -217,7 +217,7 @@ class RunLocation(FlowParams):
 
     @property
     def release_root_url(self) -> str:
-        from merge_engine.release.state import default_release_root
+        from merge_engine.release.folders import default_release_root
 
         return self.release_root or default_release_root(self.run_root)
 

@@ -2,7 +2,7 @@
 
     discover-step -> check-checkpoint -> extract-adapter -> validate-adapter -> publish-adapter
 
-The adapter release (`merge_engine.release.state.release_url` with ``kind=ADAPTER``) holds
+The adapter release (`merge_engine.release.folders.release_url` with ``kind=ADAPTER``) holds
 ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's names; r, target_modules and
 rank_pattern from the tensors, lora_alpha from the run's metadata, never guessed) and, with
 ``include_base``, the clean base model under ``base/``. Validation loads base + adapter with PEFT;
@@ -32,7 +32,8 @@ from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_outp
 from flows.summaries import step_summary
 from flows.watchers import not_ready_error, retrying_watcher
 from merge_engine.errors import AdapterError
-from merge_engine.release.state import ADAPTER, MODEL, release_state, release_url
+from merge_engine.release.folders import ADAPTER, MODEL, release_url
+from merge_engine.release.state import release_state
 from tasks.progress import release_artifact_key
 from tasks.records import CheckpointRecord
 from tasks.result_records import RECORD_SERIALIZER

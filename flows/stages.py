@@ -34,7 +34,7 @@ role (`StepNotFound`). Not ready (an error only when no watcher will come back f
 again after `SETTLE_S`): its files are still being written (a shared disk shows a rank file while
 it grows). A file that is broken and stays as it is fails the check, once.
 
-Each release's manifest records its `merge_engine.release.state.ReleaseProvenance`, ``checkpoint_lora``
+Each release's manifest records its `merge_engine.release.provenance.ReleaseProvenance`, ``checkpoint_lora``
 among it (the checkpoint holds LoRA factors): the one answer to "does this step have an adapter"
 that the watcher reads back.
 """
@@ -48,7 +48,9 @@ from flows.outcomes import ReleaseOutcome, StageRun, StepOutcome
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, StepNotFound
 from merge_engine.release.built import BuiltOutput
 from merge_engine.release.publish import Release
-from merge_engine.release.state import ADAPTER, MODEL, ReleaseProvenance, ReleaseState, release_state
+from merge_engine.release.folders import ADAPTER, MODEL
+from merge_engine.release.provenance import ReleaseProvenance
+from merge_engine.release.state import ReleaseState, release_state
 from merge_engine.validate import ValidationReport
 from tasks.build import BuildSpec, extract_adapter, merge_model, verified_output
 from tasks.check import check_step

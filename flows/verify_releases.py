@@ -29,7 +29,8 @@ from flows.credentials import storage_credentials
 from flows.params import StorageUrl
 from flows.run_labels import label_flow_run_with, short_run_name, verify_run_name
 from merge_engine import storage
-from merge_engine.release.state import MARKER, published_releases
+from merge_engine.release.folders import MARKER
+from merge_engine.release.state import published_releases
 from merge_engine.release.verify import MODES, verify_folder
 from tasks.progress import artifact_key
 from tasks.retry import RETRY_OPTIONS

@@ -20,7 +20,7 @@ the checked checkpoint and its settings.
   same build is reused), with a progress artifact moving as bytes are written, from the checkpoint the
   check task checked (no second completeness check). An adapter's config names the base as it will be
   published (``<release>/base``), written so by the job. Staging folders left by crashed runs are swept
-  first (`merge_engine.release.state.sweep_stale_staging`).
+  first (`merge_engine.release.staging.sweep_stale_staging`).
 - ``state``: the release's state as the flow read it at the chain's start (`flows.stages`): the cache
   check and the build ask it instead of reading the release again (None: read here, once).
 - Where the shard jobs run (``execution``, never part of the cache key: it changes no byte): Prefect
@@ -42,15 +42,9 @@ from merge_engine.output.executors import executor_at
 from merge_engine.output.jobs import OutputJob, run_job
 from merge_engine.release.built import BuiltOutput
 from merge_engine.versions import require_tested_versions
-from merge_engine.release.state import (
-    ADAPTER,
-    MODEL,
-    ReleaseState,
-    release_state,
-    staging_url,
-    state_of,
-    sweep_stale_staging,
-)
+from merge_engine.release.folders import ADAPTER, MODEL
+from merge_engine.release.state import ReleaseState, release_state, state_of
+from merge_engine.release.staging import staging_url, sweep_stale_staging
 from tasks.cache import stage_cache_policy
 from tasks.progress import ProgressArtifact, release_artifact_key
 from tasks.records import SETTINGS_RECORDS, CheckpointRecord, Settings

@@ -13,7 +13,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from merge_engine.layouts import discovery
-from merge_engine.release.state import published_releases, read_manifest
+from merge_engine.release.state import published_releases
+from merge_engine.release.manifest import read_manifest
 from tasks.records import DiscoveryRecord, Record, StepRecord
 from tasks.retry import RETRY_OPTIONS
 
@@ -22,7 +23,7 @@ class PublishedRelease(Record):
     """A release readers trust: where, the step listing it was built from, and whether that checkpoint
     holds LoRA factors (as merge_step found them: ``checkpoint_lora``), when recorded."""
 
-    name: str  # release folder name (`merge_engine.release.state.release_folder_name`)
+    name: str  # release folder name (`merge_engine.release.folders.release_folder_name`)
     step: int
     url: str
     fingerprint: str

@@ -211,7 +211,7 @@ def flip_one_weight(url: str) -> str:
     import hashlib
 
     from merge_engine import storage
-    from merge_engine.release.state import MANIFEST, MARKER
+    from merge_engine.release.folders import MANIFEST, MARKER
 
     name = sorted(e.path for e in storage.list_files(url) if e.path.endswith(WEIGHT_SUFFIX) and "/" not in e.path)[0]
     data = bytearray(storage.read_bytes(storage.join(url, name)))

@@ -12,7 +12,7 @@ import pytest
 
 from flows.merge_step import merge_step
 from flows.params import MergeStepParams
-from merge_engine.release.state import is_released
+from merge_engine.release.manifest import is_released
 from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import LORA_STEP, copy_steps
 from tests.release_checks import (

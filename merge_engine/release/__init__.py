@@ -1,6 +1,11 @@
 """Releases: their layout and state, atomic publishing with a manifest, and verifying what was published.
 
-- `state`             where releases live, what a release folder holds, what state one is in
+- `folders`           where releases live and the names inside a release folder
+- `manifest`          a release's manifest and the marker that vouches for it (`is_released`)
+- `provenance`        `ReleaseProvenance`: where a release came from, as its manifest records it
+- `state`             what state a release is in, and what the pipeline asks it
+- `staging`           staging folders: names stable per release and fingerprint, the sweep of stale ones
+- `built`             `BuiltOutput`: an output built for a release
 - `publish`           staging folder -> release prefix; manifest of checksums; commit marker last
 - `verify`            is a release (or a merged folder) still exactly what was published?
 - `checksums`         each published file against the sha256 its manifest recorded

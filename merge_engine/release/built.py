@@ -25,7 +25,7 @@ __all__ = ["BuiltOutput"]
 class BuiltOutput:
     """A model or adapter folder built for ``release`` (see the module docstring)."""
 
-    kind: str  # MODEL | ADAPTER (`merge_engine.release.state`)
+    kind: str  # MODEL | ADAPTER (`merge_engine.release.folders`)
     source_url: str
     url: str
     fingerprint: str

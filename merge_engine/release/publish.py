@@ -1,8 +1,8 @@
 """Staging folder -> release prefix, with a manifest of checksums and a commit marker written last.
 
-The release's names and records (``manifest.json``, ``_COMPLETE``, ``_PUBLISHING/``, `Manifest`) and
-how a reader tells its state (`is_released`, `release_state`) are `merge_engine.release.state`'s; this
-module writes them.
+The release's names (``manifest.json``, ``_COMPLETE``, ``_PUBLISHING/``: `merge_engine.release.folders`), its
+records (`merge_engine.release.manifest.Manifest`) and how a reader tells its state (`is_released`,
+`merge_engine.release.state.release_state`) are defined there; this module writes them.
 
 Contract:
 - `publish` copies every staged file to the release (sha256 computed while copying: each byte is
@@ -78,17 +78,9 @@ from merge_engine.errors import (
     ChecksumMismatch, CorruptShard, InvalidOption, TargetExists, ValidationFailed,
 )
 from merge_engine.output.local_commit import LiveFolder, commit_folder, sweep_dead_siblings
-from merge_engine.release.state import (
-    CLAIMS,
-    MANIFEST,
-    MARKER,
-    RESERVED,
-    Manifest,
-    ManifestFile,
-    release_state,
-    released_manifest,
-    sha256_hex,
-)
+from merge_engine.release.folders import CLAIMS, MANIFEST, MARKER, RESERVED
+from merge_engine.release.manifest import Manifest, ManifestFile, released_manifest, sha256_hex
+from merge_engine.release.state import release_state
 from merge_engine.storage import FileEntry
 from merge_engine.output.target_guard import overlaps, refuse_overlap
 from merge_engine.validate import Check, ValidationReport

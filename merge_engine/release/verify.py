@@ -32,7 +32,8 @@ from merge_engine import storage
 from merge_engine.release.checksums import MODES, file_damage
 from merge_engine.errors import InvalidConfig, ReleaseDamaged, ReleaseIncomplete
 from merge_engine.output.target import PROVENANCE_FILE, read_provenance
-from merge_engine.release.state import CLAIMS, MANIFEST, MARKER, released_manifest
+from merge_engine.release.folders import CLAIMS, MANIFEST, MARKER
+from merge_engine.release.manifest import released_manifest
 
 
 @dataclass(frozen=True)

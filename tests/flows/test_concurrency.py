@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 from merge_engine.release.publish import claims_url
-from merge_engine.release.state import read_manifest, release_url
+from merge_engine.release.manifest import read_manifest
+from merge_engine.release.folders import release_url
 from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import copy_steps
 from tests.release_checks import assert_release_of_step

@@ -22,7 +22,8 @@ from flows.merge_step import merge_step, summary_key
 from flows.params import MergeStepParams, WatchParams
 from merge_engine import storage
 from merge_engine.errors import CorruptShard
-from merge_engine.release.state import is_released, release_url
+from merge_engine.release.manifest import is_released
+from merge_engine.release.folders import release_url
 from merge_engine.release.verify import verify_folder
 from tasks.retry import failure_exception, transient_fault
 from tests.fault_proxy import Fault

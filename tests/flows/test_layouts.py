@@ -18,7 +18,7 @@ from flows.merge_step import merge_step
 from flows.params import MergeStepParams, WatchParams
 from merge_engine import storage
 from merge_engine.commands.merge import read_provenance
-from merge_engine.release.state import read_manifest
+from merge_engine.release.manifest import read_manifest
 from merge_engine.release.verify import verify_folder
 from tests.release_checks import assert_release_of_megatron_job
 

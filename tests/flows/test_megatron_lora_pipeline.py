@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from flows.merge_new_steps import merge_new_steps
 from flows.params import WatchParams
 from merge_engine import storage
-from merge_engine.release.state import read_manifest
+from merge_engine.release.manifest import read_manifest
 from merge_engine.release.verify import verify_folder
 from synthetic_runs.megatron_lora import reference_fused_state
 from tests.fixtures_checkpoints import LORA_ALPHA

@@ -22,7 +22,8 @@ import json
 from flows.merge_new_steps import merge_new_steps
 from flows.params import WatchParams
 from merge_engine import storage
-from merge_engine.release.state import is_released, read_manifest, release_url
+from merge_engine.release.manifest import is_released, read_manifest
+from merge_engine.release.folders import release_url
 from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import LORA_STEP, copy_steps, rank_file
 from tests.release_checks import assert_adapter_logits, assert_release_of_step

@@ -21,7 +21,8 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowR
 from flows.merge_step import merge_step
 from merge_engine import storage
 from merge_engine.errors import CorruptShard
-from merge_engine.release.state import MANIFEST, MARKER, read_manifest, release_url
+from merge_engine.release.folders import MANIFEST, MARKER, release_url
+from merge_engine.release.manifest import read_manifest
 from tests.fixtures_pipeline import copy_steps, flow_run_id, task_runs
 
 SHARD_SIZE = "300KB"  # several shards of the template's tiny Qwen2

@@ -17,7 +17,8 @@ import json
 from flows.merge_step import merge_step, summary_key
 from flows.params import MergeStepParams
 from merge_engine import storage
-from merge_engine.release.state import MARKER, is_released, read_manifest, release_url
+from merge_engine.release.folders import MARKER, release_url
+from merge_engine.release.manifest import is_released, read_manifest
 from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import copy_steps, flow_run_id, latest_artifacts, task_runs
 from tests.release_checks import assert_release_of_step

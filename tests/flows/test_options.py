@@ -35,7 +35,8 @@ from flows.merge_step import merge_step
 from flows.params import MergeStepParams, WatchParams
 from merge_engine import storage
 from merge_engine.errors import AdapterError, TargetExists, ValidationFailed
-from merge_engine.release.state import is_released, read_manifest, release_url
+from merge_engine.release.manifest import is_released, read_manifest
+from merge_engine.release.folders import release_url
 from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import LORA_STEP, ROLE, copy_steps
 from tests.release_checks import (

@@ -22,7 +22,8 @@ from flows.merge_step import merge_step
 from flows.params import AdapterParams, MergeStepParams
 from flows.release_adapter import release_adapter
 from merge_engine.errors import AdapterError
-from merge_engine.release.state import is_released, read_manifest, release_url
+from merge_engine.release.manifest import is_released, read_manifest
+from merge_engine.release.folders import release_url
 from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import LORA_STEP, ROLE, copy_steps, deploy_watcher, rank_file
 from tests.release_checks import assert_adapter_logits, assert_release_of_step

@@ -12,7 +12,9 @@ from __future__ import annotations
 import re
 
 from flows.merge_step import merge_step
-from merge_engine.release.state import differing_options, read_manifest, release_url
+from merge_engine.release.state import differing_options
+from merge_engine.release.manifest import read_manifest
+from merge_engine.release.folders import release_url
 from tests.fixtures_pipeline import ROLE, copy_steps
 
 

@@ -20,7 +20,7 @@ from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_setti
 from flows.merge_step import merge_step
 from flows.params import MergeStepParams
 from merge_engine import storage
-from merge_engine.release.state import release_url
+from merge_engine.release.folders import release_url
 from tests.fixtures_pipeline import copy_steps
 
 

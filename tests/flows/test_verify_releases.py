@@ -21,7 +21,8 @@ from flows.merge_step import merge_step
 from flows.verify_releases import verify_releases
 from merge_engine import storage
 from merge_engine.cli import main as stepmerge
-from merge_engine.release.state import MARKER, is_released, read_manifest
+from merge_engine.release.folders import MARKER
+from merge_engine.release.manifest import is_released, read_manifest
 from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import copy_steps
 from tests.release_checks import assert_release_of_step

@@ -74,7 +74,7 @@ def _task_key(stage_task, **inputs) -> str:
 def test_folders_named_by_url_count_by_their_content(tmp_path):
     """hf_model_path (merge, extract) and reference_url (validate) are folders whose CONTENT decides
     the output or the verdict: the key follows their listing, not just their name."""
-    from merge_engine.release.state import ADAPTER, MODEL
+    from merge_engine.release.folders import ADAPTER, MODEL
     from tasks.build import BuildSpec, extract_adapter, merge_model
     from tasks.records import StepRecord
     from tasks.validate import validate_output

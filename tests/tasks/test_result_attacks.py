@@ -148,7 +148,8 @@ def test_a_cached_check_naming_another_place_is_refused(forge, template_run, tmp
 def test_a_cached_build_naming_another_place_is_refused(forge, tmp_path):
     """A cached `BuiltOutput` is published from its URL: one naming another place is refused by the flow."""
     from merge_engine.release.built import BuiltOutput
-    from merge_engine.release.state import MODEL, staging_url
+    from merge_engine.release.folders import MODEL
+    from merge_engine.release.staging import staging_url
     from tasks.build import BuildSpec, verified_output
     from tasks.records import SETTINGS_RECORDS
 

@@ -20,7 +20,8 @@ from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_setti
 
 from flows.stages import StageTimer
 from merge_engine import storage
-from merge_engine.release.state import MODEL, read_manifest, release_url
+from merge_engine.release.folders import MODEL, release_url
+from merge_engine.release.manifest import read_manifest
 from merge_engine.release.verify import verify_folder
 from tasks import check_step, discover_steps, merge_model, publish_release, validate_output
 from tasks.build import BuildSpec
@@ -182,7 +183,7 @@ def test_staging_left_by_crashed_runs_is_swept(prefect, template_run, tmp_path):
     import os
     import time
 
-    from merge_engine.release.state import STALE_STAGING_S
+    from merge_engine.release.staging import STALE_STAGING_S
 
     run_root, releases, staging = str(tmp_path / "run"), str(tmp_path / "releases"), tmp_path / "staging"
     copy_steps(template_run, run_root, [1])

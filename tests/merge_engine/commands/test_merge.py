@@ -272,7 +272,8 @@ def test_an_output_of_an_older_output_revision_is_not_taken_for_current(fsdp_run
     import merge_engine
     from merge_engine.layouts import check_checkpoint
     from merge_engine.commands.merge import merge_fingerprint
-    from merge_engine.release.state import Manifest, ReleaseState, PUBLISHED
+    from merge_engine.release.manifest import Manifest
+    from merge_engine.release.state import ReleaseState, PUBLISHED
 
     step = fsdp_runs["fsdp2_qwen2"].latest
     target = str(tmp_path / "out")

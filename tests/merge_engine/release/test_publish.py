@@ -17,7 +17,8 @@ from merge_engine.release import publish as publish_module
 from merge_engine import storage
 from merge_engine.errors import ChecksumMismatch, InvalidOption, TargetExists, ValidationFailed
 from merge_engine.release.publish import ReleaseBusy, publish
-from merge_engine.release.state import CLAIMS, MANIFEST, MARKER, is_released, read_manifest
+from merge_engine.release.folders import CLAIMS, MANIFEST, MARKER
+from merge_engine.release.manifest import is_released, read_manifest
 from merge_engine.validate import Check, ValidationReport
 from merge_engine.release.verify import verify_folder
 from tests.clock import HANG_S, ManualClock, until

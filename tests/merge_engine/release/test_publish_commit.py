@@ -28,7 +28,8 @@ import merge_engine.release.publish as publish_module
 from merge_engine import storage
 from merge_engine.output import process_identity
 from merge_engine.release.publish import ReleaseBusy, claims_url, publish
-from merge_engine.release.state import MARKER, is_released, read_manifest
+from merge_engine.release.folders import MARKER
+from merge_engine.release.manifest import is_released, read_manifest
 from merge_engine.release.verify import verify_folder
 from tests.clock import ManualClock, until
 

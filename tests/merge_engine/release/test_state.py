@@ -1,5 +1,5 @@
-"""Releases: the layout's names, the four states a release URL can be in, the published listing,
-the provenance record a manifest keeps, and staging names with their sweep.
+"""Releases: the four states a release URL can be in, what the pipeline's stages ask a state, and the
+published listing.
 
 Releases are made by the real `publish` (small files with known bytes) on every backend of the
 ``root_url`` fixture (`tests.fixtures_storage`: local disk, fsspec's in-process ``memory``, SeaweedFS S3,
@@ -9,8 +9,6 @@ fake-GCS), like tests/merge_engine/release/test_publish.py.
 from __future__ import annotations
 
 import json
-import os
-import time
 import uuid
 
 import pytest
@@ -23,20 +21,15 @@ from merge_engine.release.state import (
     ABSENT,
     DAMAGED,
     IN_PROGRESS,
-    MARKER,
     PUBLISHED,
-    ReleaseProvenance,
-    default_release_root,
     published_releases,
-    read_manifest,
-    release_folder_name,
     release_state,
-    release_url,
-    staging_url,
     state_of,
-    sweep_stale_staging,
     withdraw_damaged,
 )
+from merge_engine.release.folders import MARKER, default_release_root, release_url
+from merge_engine.release.provenance import ReleaseProvenance
+from merge_engine.release.manifest import read_manifest
 
 FILES = {"config.json": b'{"architectures": ["Qwen2ForCausalLM"]}', "model.safetensors": bytes(range(256)) * 8}
 PROVENANCE = ReleaseProvenance(kind="model", source_listing="listing-1", checkpoint_fingerprint="ckpt-1",
@@ -52,19 +45,6 @@ def published(root: str, release: str, fingerprint: str = "fp-1",
     publish(staging, release, source="s3://run/global_step_7/actor", fingerprint=fingerprint,
             options=provenance.to_manifest_options(), validation=None, engine_version="0.1.0")
     return release
-
-
-class TestLayout:
-    def test_names(self):
-        """Model and adapter releases of a role (or of an SFT run) sit side by side under the release root."""
-        root = default_release_root("s3://b/run")
-        assert root == "s3://b/run/releases"
-        assert release_url(root, "actor", 7) == "s3://b/run/releases/actor/global_step_7"
-        assert release_url(root, "critic", 7, "adapter") == "s3://b/run/releases/critic-adapter/global_step_7"
-        assert release_url(root, "", 3) == "s3://b/run/releases/model/global_step_3"
-        assert release_folder_name("", "adapter") == "model-adapter"
-        with pytest.raises(ValueError):
-            release_folder_name("actor", "tokenizer")
 
 
 class TestState:
@@ -238,60 +218,3 @@ def test_published_releases_lists_only_trusted_folders(root_url):
 
     assert published_releases(root) == {("actor", 1): release_url(root, "actor", 1),
                                         ("actor-adapter", 2): release_url(root, "actor", 2, "adapter")}
-
-
-class TestProvenance:
-    def test_round_trips_through_the_manifest(self, root_url):
-        release = published(root_url, release_url(root_url, "actor", 1))
-        options = read_manifest(release).options
-        assert options == {"kind": "model", "source_listing": "listing-1", "checkpoint_fingerprint": "ckpt-1",
-                           "checkpoint_lora": True, "dtype": "bfloat16", "lora_alpha": 16.0, "hf_model_path": None}
-        provenance = read_manifest(release).provenance
-        assert provenance == PROVENANCE and provenance.lora_alpha == 16.0 and provenance.hf_model_path is None
-
-    def test_an_older_or_odd_manifest_reads_as_unknown(self):
-        """Fields a manifest lacks, or holds with the wrong type, are None: never guessed."""
-        assert ReleaseProvenance.from_manifest_options(None) == ReleaseProvenance()
-        odd = ReleaseProvenance.from_manifest_options({"checkpoint_lora": "yes", "source_listing": 3, "dtype": None})
-        assert (odd.checkpoint_lora, odd.source_listing, odd.settings) == (None, None, {"dtype": None})
-
-    def test_is_trained_model_of(self):
-        """An adapter's logits must reproduce a model release only of its own checkpoint, alpha and config."""
-        assert PROVENANCE.is_trained_model_of("ckpt-1", 16.0)
-        assert not PROVENANCE.is_trained_model_of("ckpt-2", 16.0)
-        assert not PROVENANCE.is_trained_model_of("ckpt-1", None)
-        replaced = ReleaseProvenance(checkpoint_fingerprint="ckpt-1", settings={"hf_model_path": "s3://b/cfg"})
-        assert not replaced.is_trained_model_of("ckpt-1", None)
-
-    def test_settings_cannot_shadow_provenance(self):
-        with pytest.raises(ValueError, match="kind"):
-            ReleaseProvenance(kind="model", settings={"kind": "adapter"}).to_manifest_options()
-
-
-class TestStaging:
-    def test_names_are_stable_per_release_and_fingerprint(self, tmp_path):
-        root = str(tmp_path)
-        one = staging_url(root, "s3://b/r/actor/global_step_1", "ab" * 32)
-        assert one == staging_url(root, "s3://b/r/actor/global_step_1", "ab" * 32)
-        assert one != staging_url(root, "s3://b/r/actor/global_step_2", "ab" * 32)
-        assert one != staging_url(root, "s3://b/r/actor/global_step_1", "cd" * 32)
-        assert os.path.dirname(one) == root
-
-    def test_sweep_removes_only_stale_folders_of_ours(self, tmp_path):
-        root = str(tmp_path)
-        old, fresh, kept = (staging_url(root, f"s3://b/r/{n}", "ab" * 32) for n in ("old", "fresh", "kept"))
-        temp_sibling = os.path.join(root, f".{os.path.basename(old)}.stepmerge-1234")
-        foreign = os.path.join(root, "my-notes")
-        for folder in (old, fresh, kept, temp_sibling, foreign):
-            os.makedirs(folder)
-            with open(os.path.join(folder, "f"), "wb") as handle:
-                handle.write(b"x")
-        long_ago = time.time() - 7200
-        for folder in (old, kept, temp_sibling, foreign):
-            os.utime(os.path.join(folder, "f"), (long_ago, long_ago))
-            os.utime(folder, (long_ago, long_ago))
-
-        removed = sweep_stale_staging(root, keep=kept, stale_s=3600)
-        assert sorted(removed) == sorted([old, temp_sibling])
-        assert {os.path.exists(p) for p in (fresh, kept, foreign)} == {True}
-        assert sweep_stale_staging("s3://bucket/staging", stale_s=0) == []  # remote roots are left alone

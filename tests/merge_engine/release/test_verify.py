@@ -22,7 +22,7 @@ import threading
 from merge_engine import storage
 from merge_engine.cli import main
 from merge_engine.release.publish import publish
-from merge_engine.release.state import MANIFEST, MARKER
+from merge_engine.release.folders import MANIFEST, MARKER
 from merge_engine.release.verify import verify_folder
 
 VARIANT = "fsdp2_qwen2"

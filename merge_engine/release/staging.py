@@ -1,0 +1,76 @@
+"""Staging: the merge writes to a local staging folder (``$STEPMERGE_STAGING_DIR``, else the system temp dir),
+validation reads it there, publishing uploads it once. `staging_url` derives a name from the release and the
+fingerprint, so a retry after a crash finds (and the engine reuses) a finished merge. Publishing removes its
+staging folder (also when it refuses); a folder of ours that nobody has written to for `STALE_STAGING_S` is
+removed by the next merge into the same staging root (`sweep_stale_staging`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from typing import Optional
+
+from merge_engine import storage
+
+logger = logging.getLogger(__name__)
+
+# staging folders (`staging_url`) and the engine's temp siblings of them (`merge_engine.output.target`)
+_STAGING_NAME = re.compile(r"^\.?[0-9a-f]{16}-[0-9a-f]{16}(\.stepmerge-.*)?$")
+STALE_STAGING_S = float(os.environ.get("STEPMERGE_STALE_STAGING_S", str(6 * 3600)))
+
+
+def default_staging_root() -> str:
+    return os.environ.get("STEPMERGE_STAGING_DIR") or os.path.join(tempfile.gettempdir(), "stepmerge-staging")
+
+
+def staging_url(staging_root: Optional[str], release: str, fingerprint: str) -> str:
+    """A staging folder for one (release, fingerprint): stable across retries, distinct otherwise."""
+    root = staging_root or default_staging_root()
+    digest = hashlib.sha256(release.encode()).hexdigest()[:16]
+    return storage.join(root, f"{digest}-{fingerprint[:16]}")
+
+
+def _newest_mtime(path: str) -> float:
+    newest = os.stat(path).st_mtime
+    for folder, dirs, files in os.walk(path):
+        for name in dirs + files:
+            try:
+                newest = max(newest, os.stat(os.path.join(folder, name)).st_mtime)
+            except FileNotFoundError:
+                continue
+    return newest
+
+
+def sweep_stale_staging(staging_root: Optional[str], keep: str = "", stale_s: Optional[float] = None) -> list[str]:
+    """Remove staging folders of ours under a LOCAL ``staging_root`` not written to for ``stale_s``
+    (default `STALE_STAGING_S`), except ``keep``; only names `staging_url` (or the engine's temp
+    siblings) give are touched. Returns the removed paths. Remote staging roots are left alone."""
+    root = staging_root or default_staging_root()
+    if not storage.is_local(root):
+        return []
+    root = storage.local_path(root)
+    limit = time.time() - (STALE_STAGING_S if stale_s is None else stale_s)
+    keep_name = os.path.basename(keep.rstrip("/")) if keep else ""
+    removed = []
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        path = os.path.join(root, name)
+        if name == keep_name or not _STAGING_NAME.match(name) or not os.path.isdir(path):
+            continue
+        try:
+            if _newest_mtime(path) < limit:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+                logger.info("removed stale staging folder %s", path)
+        except FileNotFoundError:
+            continue
+    return removed
