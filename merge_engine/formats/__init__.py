@@ -1,6 +1,9 @@
 """Byte formats, read lazily and safely over any storage URL; no knowledge of trainers or models.
 
-- `torch_archive`     ``torch.save`` zip archives: structure first (allow-list unpickler), bytes on demand
+- `torch_archive`     ``torch.save`` zip archives: structure first, bytes on demand
+- `safe_unpickler`    the allow-list unpickler: a pickle's globals answered by inert stand-ins, nothing run
+- `pickle_globals`    the exact (module, name) pairs a pickle may name as an inert record
+- `stored_tensor`     a tensor as a file stores it (`StoredTensor`: a view on a storage record, no data)
 - `zip_crc`           CRC-32 of zip records checked as they are read, in pieces of any size and order
 - `dtype_names`       dtypes by name and item size, without torch (a check reads headers only)
 - `torch_dcp`         torch.distributed.checkpoint folders, read and written without a process group

@@ -2,7 +2,7 @@
 
 A check reads headers (a ``torch.save`` pickle, a safetensors header) and proves sizes; it never
 touches a tensor, so it need not import torch (1.5 s). The records it builds
-(`merge_engine.formats.torch_archive.StorageRef`, the assemblies of `merge_engine.formats.tensor_source`)
+(`merge_engine.formats.stored_tensor.StorageRef`, the assemblies of `merge_engine.formats.tensor_source`)
 hold a dtype's canonical NAME (torch's spelling: ``"bfloat16"``); their ``dtype`` property asks
 `torch_dtype` for the real ``torch.dtype`` (importing torch then), so engine code that casts, compares
 or allocates still sees exactly the ``torch.dtype`` it saw before.

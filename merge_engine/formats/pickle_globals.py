@@ -1,6 +1,6 @@
 """The exact (module, name) pairs a checkpoint's pickle may name as an inert record: data, never code.
 
-`merge_engine.formats.torch_archive`'s unpickler answers a global on this table with a `Record` class that
+`merge_engine.formats.safe_unpickler` answers a global on this table with a `Record` class that
 only stores the arguments and state the pickle gives it (no function of torch, numpy or argparse runs);
 any other global is `UnsafePickle`. The table is exact: no "any name under a module", no dotted name (a
 pickle's ``STACK_GLOBAL`` resolves ``a.b`` by walking attributes, which is how a name under an allowed

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from merge_engine.errors import CorruptShard
 from merge_engine.formats.dtype_names import DTypeByName, describe, name_of
-from merge_engine.formats.torch_archive import StoredTensor
+from merge_engine.formats.stored_tensor import StoredTensor
 
 if TYPE_CHECKING:  # torch is imported by the reads; building an assembly (a check) needs none
     import torch

@@ -39,7 +39,9 @@ from merge_engine.formats.dcp_file_names import DATA_FILE, METADATA_FILE
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout
 from merge_engine.formats.dtype_names import ITEMSIZES, DTypeByName, PickledDType, describe, name_of
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES
-from merge_engine.formats.torch_archive import Record, StoredTensor, TorchArchive, safe_unpickle
+from merge_engine.formats.safe_unpickler import Record, safe_unpickle
+from merge_engine.formats.stored_tensor import StoredTensor
+from merge_engine.formats.torch_archive import TorchArchive
 
 if TYPE_CHECKING:  # reading ``.metadata`` (a check) needs no torch; the chunk reads and the writer import it
     import torch

@@ -4,7 +4,7 @@ pickles, computed as torch computes it, without importing ``torch.distributed.te
 torch's answer (``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``) costs
 0.4-0.5 s of imports (sympy, the DTensor op tables) for a few integer divisions; a merge of a small
 checkpoint spent a third of its time there. The placements are read by the allow-list unpickler
-(`merge_engine.formats.torch_archive`) as inert records; this module turns them into `Placement` values and
+(`merge_engine.formats.safe_unpickler`) as inert records; this module turns them into `Placement` values and
 does the arithmetic.
 
 Contract:
@@ -48,7 +48,7 @@ class Placement:
 
 
 def placement_of(record: Any) -> Placement | None:
-    """The `Placement` a pickled placement record (`merge_engine.formats.torch_archive.Record`) stands for;
+    """The `Placement` a pickled placement record (`merge_engine.formats.safe_unpickler.Record`) stands for;
     None when it is not ``Shard`` / ``_StridedShard`` / ``Replicate`` with sound fields."""
     name = getattr(record, "qualname", type(record).__name__)
     fields = getattr(record, "fields", None) or {}

@@ -1,7 +1,7 @@
 """verl FSDP rank files' values for one key -> the full tensor they are shards of (lazy, no byte read).
 
 `assemble(key, values, archives)`: ``values`` are that key's value in each rank file (rank order), as
-stepmerge's unpickler gives them (`merge_engine.formats.torch_archive`): DTensors (placements and mesh
+stepmerge's unpickler gives them (`merge_engine.formats.safe_unpickler`): DTensors (placements and mesh
 coordinate decide each rank's block, as torch computes it), ShardedTensors (local shards with
 offsets), or plain tensors (replicated: taken once). The result is a `merge_engine.formats.tensor_source`
 lazy tensor whose pieces are the ranks' stored bytes; blocks that leave a gap or overlap, ranks that
@@ -19,7 +19,9 @@ from merge_engine.errors import CorruptShard, UnsupportedLayout
 from merge_engine.formats.dtype_names import PickledDType
 from merge_engine.layouts.dtensor_blocks import Placement, local_block, placement_of
 from merge_engine.formats.tensor_source import ConcatTensor, ReplicatedTensor, StackedTensor
-from merge_engine.formats.torch_archive import StoredTensor, TorchArchive, WrapperTensor
+from merge_engine.formats.stored_tensor import StoredTensor
+from merge_engine.formats.torch_archive import TorchArchive
+from merge_engine.formats.safe_unpickler import WrapperTensor
 
 
 def assemble(key: str, values: list[Any], archives: list[TorchArchive]):

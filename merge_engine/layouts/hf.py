@@ -29,7 +29,7 @@ from merge_engine.storage import FileEntry
 if TYPE_CHECKING:  # the readers import torch: imported when a folder is checked or opened, not with the registry
     from merge_engine.formats.safetensors_file import SafetensorsFile
     from merge_engine.formats.tensor_source import TensorSource
-    from merge_engine.formats.torch_archive import StoredTensor
+    from merge_engine.formats.stored_tensor import StoredTensor
 
 NAME = "hf"
 TENSOR_NAMING = HF_NAMES

@@ -71,7 +71,8 @@ if TYPE_CHECKING:  # readers, lazy tensors, TP rules: they import torch
     from merge_engine.architectures.hf_to_megatron import MegatronViewOfHf
     from merge_engine.architectures.parallel import TPKind
     from merge_engine.formats.tensor_source import TensorSource
-    from merge_engine.formats.torch_archive import StoredTensor, TorchArchive
+    from merge_engine.formats.stored_tensor import StoredTensor
+    from merge_engine.formats.torch_archive import TorchArchive
 
 NAME = "megatron_legacy"
 TENSOR_NAMING = MEGATRON_NAMES
@@ -167,7 +168,7 @@ def _close_all(opened: Opened) -> None:
 
 def chunk_states(tree: Any, archive: TorchArchive) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """A rank file's object tree -> (one state dict per VPP chunk, Megatron-LM ``args`` fields or {})."""
-    from merge_engine.formats.torch_archive import Record
+    from merge_engine.formats.safe_unpickler import Record
 
     if isinstance(tree, list):
         states = tree
@@ -354,7 +355,7 @@ def _states_by_rank(grid: RankGrid, archives: dict[tuple[int, int, int], TorchAr
 
 
 def _row_slice(piece: StoredTensor, start: int, stop: int) -> StoredTensor:
-    from merge_engine.formats.torch_archive import StoredTensor
+    from merge_engine.formats.stored_tensor import StoredTensor
 
     return StoredTensor(piece.archive, piece.storage, piece.offset + start * piece.stride[0],
                         (stop - start, *piece.shape[1:]), piece.stride)
@@ -364,7 +365,7 @@ def gather(pieces: list[StoredTensor], kind: TPKind, name: str):
     """The lazy full tensor from TP rank 0..n-1's pieces (see `merge_engine.architectures.parallel`)."""
     from merge_engine.architectures.parallel import TPKind
     from merge_engine.formats.tensor_source import ConcatTensor, ReplicatedTensor
-    from merge_engine.formats.torch_archive import StoredTensor
+    from merge_engine.formats.stored_tensor import StoredTensor
 
     if any(not isinstance(p, StoredTensor) for p in pieces):
         bad = next(p for p in pieces if not isinstance(p, StoredTensor))
@@ -390,7 +391,7 @@ def gather(pieces: list[StoredTensor], kind: TPKind, name: str):
 
 def _fc1_gated(state: dict[str, Any], key: str) -> bool:
     from merge_engine.architectures.parallel import is_gated_fc1
-    from merge_engine.formats.torch_archive import StoredTensor
+    from merge_engine.formats.stored_tensor import StoredTensor
 
     fc2 = state.get(key.replace("linear_fc1", "linear_fc2").replace(".bias", ".weight"))
     fc1 = state.get(key.replace(".bias", ".weight"))
@@ -418,7 +419,7 @@ def _layer_counts(states: dict[tuple[int, int, int], list[dict[str, Any]]], grid
 def canonical_tensors(grid: RankGrid, archives: dict[tuple[int, int, int], TorchArchive]) -> dict[str, Any]:
     """Canonical Megatron name -> lazy full tensor, in model order (see module docstring)."""
     from merge_engine.architectures.parallel import MLA_KV_DOWN, MLA_Q_DOWN, tp_kind
-    from merge_engine.formats.torch_archive import StoredTensor
+    from merge_engine.formats.stored_tensor import StoredTensor
 
     states = _states_by_rank(grid, archives)
     offsets = _layer_counts(states, grid)
@@ -455,7 +456,7 @@ def _mla_down_kind(key: str, tp_states: list[dict[str, Any]], url: str) -> TPKin
     from merge_engine.architectures.parallel import (
         MLA_KV_DOWN, MLA_Q_DOWN, MLA_Q_UP, MLA_TE_NORMS, mla_down_projection_kind,
     )
-    from merge_engine.formats.torch_archive import StoredTensor
+    from merge_engine.formats.stored_tensor import StoredTensor
 
     prefix = key[: -len(MLA_KV_DOWN if key.endswith(MLA_KV_DOWN) else MLA_Q_DOWN)]
     q_pieces = [state.get(prefix + MLA_Q_DOWN) for state in tp_states]

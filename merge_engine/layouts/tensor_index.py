@@ -223,7 +223,7 @@ class _Reader:
         return TorchArchive.from_carried(url, size, entry.version, prefix, records, starts)
 
     def storage(self, value: Any) -> Any:
-        from merge_engine.formats.torch_archive import StorageRef
+        from merge_engine.formats.stored_tensor import StorageRef
 
         file, key, dtype, numel = self.items(value, "a storage", 4)
         file = self.int(file, "a storage's file")
@@ -235,7 +235,7 @@ class _Reader:
         return archive, ref
 
     def piece(self, value: Any) -> Any:
-        from merge_engine.formats.torch_archive import StoredTensor, view_problem
+        from merge_engine.formats.stored_tensor import StoredTensor, view_problem
 
         storage, offset, shape, stride = self.items(value, "a piece", 4)
         storage = self.int(storage, "a piece's storage")

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from merge_engine.formats.torch_archive import is_row_major
+from merge_engine.formats.stored_tensor import is_row_major
 from merge_engine.errors import UnsupportedLayout
 
 

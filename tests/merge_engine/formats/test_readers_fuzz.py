@@ -267,7 +267,8 @@ def _read_all(stored, piece: int = 1 << 12):
 def read_torch(path: str) -> str:
     import torch
 
-    from merge_engine.formats.torch_archive import StoredTensor, TorchArchive
+    from merge_engine.formats.stored_tensor import StoredTensor
+    from merge_engine.formats.torch_archive import TorchArchive
 
     archive = TorchArchive(path)
     try:

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsafePickle
-from merge_engine.formats.torch_archive import StoredTensor, TorchArchive
+from merge_engine.formats.stored_tensor import StoredTensor
+from merge_engine.formats.torch_archive import TorchArchive
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
           torch.bool,
@@ -150,7 +151,7 @@ def test_a_pickle_cannot_alter_the_allow_listed_objects(tmp_path):
             TorchArchive(path).load()
     tree = TorchArchive(_save(tmp_path / "clean.pt", {"w": torch.nn.Parameter(torch.ones(2))})).load()
     assert torch.equal(tree["w"].read(), torch.ones(2))
-    from merge_engine.formats.torch_archive import record_class
+    from merge_engine.formats.safe_unpickler import record_class
 
     assert not hasattr(record_class("torch.distributed.tensor", "DTensor"), "x")
 
@@ -294,12 +295,12 @@ def test_zip_entries_sharing_bytes_are_refused(tmp_path):
 def test_a_non_contiguous_view_is_read_in_bounded_windows(tmp_path, monkeypatch):
     """A transposed tensor read range by range touches at most GATHER_WINDOW_BYTES of storage per read,
     and every range comes back exact."""
-    import merge_engine.formats.torch_archive as torch_archive
+    import merge_engine.formats.stored_tensor as stored_tensor
 
     value = torch.randn(64, 48)
     path = _save(tmp_path / "t.pt", {"w": value.t()})
-    monkeypatch.setattr(torch_archive, "GATHER_WINDOW_BYTES", 256)
-    monkeypatch.setattr(torch_archive, "GATHER_ELEMENTS", 100)
+    monkeypatch.setattr(stored_tensor, "GATHER_WINDOW_BYTES", 256)
+    monkeypatch.setattr(stored_tensor, "GATHER_ELEMENTS", 100)
     archive = TorchArchive(path)
     stored = archive.load()["w"]
     reads = []
@@ -320,7 +321,7 @@ def test_tuples_nested_a_million_deep_are_refused_before_they_crash_the_process(
     """Case 11/14: CPython hashes nested tuples recursively without a limit: a 3 MB pickle whose dict
     key is a tuple nested a million deep killed the process (SIGSEGV) inside the unpickler. The
     opcode scan refuses it first, memo references included; deep lists (hashed never) still load."""
-    from merge_engine.formats.torch_archive import safe_unpickle
+    from merge_engine.formats.safe_unpickler import safe_unpickle
 
     depth = 1_000_000
     key = b"\x80\x02}" + b")" + b"\x85" * depth + b"K\x01s."  # {((((),),),...): 1}

@@ -18,7 +18,8 @@ import pickle
 import pytest
 
 from merge_engine.errors import UnsafePickle
-from merge_engine.formats.torch_archive import TorchArchive, safe_unpickle
+from merge_engine.formats.torch_archive import TorchArchive
+from merge_engine.formats.safe_unpickler import safe_unpickle
 from merge_engine.formats.torch_dcp import read_index
 from tests.forged_pickles import INDEX_MODULE, PAYLOAD_IDS, PAYLOADS, TORCH_MODULE, Inert, forged, zip_with_pickle
 

@@ -25,7 +25,8 @@ import torch
 
 from merge_engine.errors import CorruptShard
 from merge_engine.commands.merge import MergeOptions, merge_checkpoint
-from merge_engine.formats.torch_archive import StoredTensor, TorchArchive
+from merge_engine.formats.stored_tensor import StoredTensor
+from merge_engine.formats.torch_archive import TorchArchive
 from merge_engine.formats.zip_crc import RecordChecks, crc32_combine
 from tests.merge_engine.formats.zip_records import data_records, flip_bit
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from merge_engine.layouts.dtensor_blocks import REPLICATE, SHARD, STRIDED_SHARD, Placement, local_block, placement_of
-from merge_engine.formats.torch_archive import Record, record_class, safe_unpickle
+from merge_engine.formats.safe_unpickler import Record, record_class, safe_unpickle
 
 OURS_AND_TORCH = (
     [(Placement(REPLICATE), Replicate())]
