@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from merge_engine import engine_identity, storage
 from merge_engine.plan.config_shapes import check_config_against_tensors
 from merge_engine.plan.legacy_readers import legacy_reader_note
+from merge_engine.plan.model_shapes import model_ties
 from merge_engine.errors import InvalidOption
 from merge_engine.formats.hf_metadata import CONFIG_FILE, copy_metadata, read_config
 from merge_engine.plan import hub_format
@@ -120,7 +121,7 @@ class MergeJob:
             stored = plan_stored_names(checkpoint, source, config, self.options)
             check_config_against_tensors({**config, **stored.config_updates},  # the config is copied beside them
                                          ((t.name, t.shape) for t in stored.tensors), storage.join(hf_dir, CONFIG_FILE))
-            check_dropped_head(source, stored, self.options.chunk_bytes, config)
+            check_dropped_head(source, stored, self.options.chunk_bytes, config, model_ties(config))
             plan = in_weights_format(stored, config, self.options)
         except BaseException:
             source.close()
@@ -135,8 +136,8 @@ class MergeJob:
                       "options": self.options.output_options("merge"), "parallel": checkpoint.parallel,
                       "tensors": len(plan.tensors), "tensor_bytes": plan.total_size,
                       "config_translation": [change.to_json() for change in plan.config_changes],
-                      **stored.records}
-        legacy = legacy_reader_note({**config, **plan.config_updates})
+                      **{k: v for k, v in plan.records.items() if k != "transformers_4"}}
+        legacy = legacy_reader_note({**config, **plan.config_updates}) or plan.records.get("transformers_4")
         if legacy is not None:  # a family new in transformers 5: no 4.x reader builds it
             provenance["transformers_4"] = legacy
         return PreparedJob([shard_output(plan, source, then=metadata)], provenance, kind=self.kind,

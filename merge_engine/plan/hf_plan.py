@@ -19,6 +19,8 @@ from merge_engine.plan.merge_plan import (
     stored_dtype_update,
 )
 from merge_engine.errors import InvalidConfig
+from merge_engine.plan.model_heads import model_head_names
+from merge_engine.plan.model_shapes import model_ties
 from merge_engine.plan.output_heads import (
     CRITIC_HEAD,
     check_tie_flag,
@@ -36,7 +38,8 @@ def plan_hf_merge(metas: Mapping[str, TensorMeta], config: Mapping[str, Any], *,
     """Plan a merge whose source names already are Hugging Face names (FSDP, HF folders).
 
     - Output dtype: ``dtype`` for floating-point tensors if given, else each tensor's stored dtype.
-    - Tied embeddings come from the config; the output head (``lm_head.weight``, or the model's own
+    - Tied weights come from the model (`merge_engine.plan.model_shapes.model_ties`, transformers 5): every
+      tied name is dropped, its copy checked by the caller; else from the config: the output head (``lm_head.weight``, or the model's own
       name for it: `merge_engine.plan.output_heads.find_heads`) is dropped when tied (the caller
       checks the copy equals the embedding: `merge_engine.plan.output_heads.check_tied_copy`).
       ``tie_flag`` (verl's ``--tie-word-embedding``) may only confirm the config (`InvalidOption`).
@@ -48,9 +51,22 @@ def plan_hf_merge(metas: Mapping[str, TensorMeta], config: Mapping[str, Any], *,
     notes: list[str] = []
     updates: dict[str, Any] = {}
     heads = find_heads(metas, config)  # the model's own names where the common ones do not apply
+    ties = model_ties(config)
     if CRITIC_HEAD in metas and heads.head is None:
         updates.update(critic_config(config, metas[CRITIC_HEAD]))
         notes.append("critic head score.weight -> token classification model")
+    elif ties is not None:  # the model's own ties decide what is written (output_heads)
+        for name in sorted(t for t in ties if t in metas):
+            if ties[name] not in metas:  # the copy we drop is checked against it before writing
+                raise InvalidConfig(f"the model ties {name} to {ties[name]}, which the checkpoint does not hold: "
+                                    "no input embedding (or other tensor) to tie it to and check it against",
+                                    config_url)
+            names.remove(name)
+            notes.append(f"tied weights: {name} not written (it equals {ties[name]})")
+        if heads.embedding is not None and heads.head is None:
+            head_names = model_head_names(config)
+            if not any(n in ties for n in (head_names.head if head_names else ())):
+                raise untied_without_head(config_url)
     elif tied:
         if heads.head is not None:
             if heads.embedding is None:  # the copy we drop is checked against it before writing

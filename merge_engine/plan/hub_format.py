@@ -16,7 +16,9 @@ Contract:
   None when no name changes: transformers has no conversion for the model, or the names already
   are the Hub names (a checkpoint written under transformers 4.x, a dense model).
 - A transposed view (Qwen3-VL-MoE's fused experts: `transformers_conversion`'s Hub transpose) is read one
-  leading index (one expert's matrix) at a time and transposed in memory (`_strided_blocks`).
+  leading index (one expert's matrix) at a time and transposed in memory (`_strided_blocks`). Square ones stay
+  in transformers 5's layout: the plan's ``records["transformers_4"]`` (``stepmerge.json``) says 4.x readers
+  cannot load the folder (`square_reader_note`).
 - A Hub tensor that transformers' reverse conversion computes from several stored tensors (Kimi-K2.5's
   vision ``wqkv``: q, k, v permuted back for rope and concatenated) is computed by that conversion's own
   ops from the whole source tensors (`ComputedBuilder`; such tensors are small: vision projections).
@@ -49,6 +51,7 @@ from merge_engine.plan.transformers_conversion import (
     compute_reverse,
     conversion_known,
     meta_model,
+    square_hub_transposes,
     trace_reverse_conversion,
 )
 
@@ -88,6 +91,7 @@ class HubNaming:
 
     views: dict[str, TensorView | ComputedTensor]
     description: str
+    square: tuple[str, ...] = ()  # written in transformers 5's layout: 4.x readers take it transposed
 
 
 def hub_naming(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any]) -> HubNaming | None:
@@ -108,6 +112,7 @@ def hub_naming(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any])
     if not (in_memory_only | relaid) & set(shapes):
         return None  # already Hub names (or a model whose names never change)
     views = trace_reverse_conversion(model, shapes, computed=True)
+    square = tuple(square_hub_transposes(model, shapes))
     if all(isinstance(v, TensorView) and name == v.source and v.is_whole(shapes[name]) for name, v in views.items()):
         return None  # already the Hub's names and layout (a checkpoint written under transformers 4.x)
     order = {name: i for i, name in enumerate(shapes)}
@@ -122,7 +127,9 @@ def hub_naming(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any])
     return HubNaming(ordered, f"Hub names (transformers {transformers.__version__} conversion for "
                               f"{type(model).__name__}): {renamed} of {len(views)} tensors renamed, "
                               f"{split} cut from fused tensors, {transposed} transposed, "
-                              f"{len(views) - len(plain)} computed from several")
+                              f"{len(views) - len(plain)} computed from several"
+                              + (f", {len(square)} square fused tensors in transformers 5's layout" if square else ""),
+                     square)
 
 
 def _first_source(view: TensorView | ComputedTensor) -> str:
@@ -247,6 +254,18 @@ def to_hub_format(plan: MergePlan, config: Mapping[str, Any], max_shard_size: in
             tensors.append(replace(base, name=out_name))
             continue
         tensors.append(PlannedTensor(out_name, view.shape, base.dtype, base.source_name, ViewBuilder(base, view)))
+    records = dict(plan.records)
+    if naming.square:
+        records["transformers_4"] = square_reader_note(naming.square)
     return MergePlan(tuple(tensors), assign_shards(tensors, max_shard_size), plan.config_updates,
-                     plan.notes + (naming.description,))
+                     plan.notes + (naming.description,), records=records)
+
+
+def square_reader_note(names: tuple[str, ...]) -> dict[str, Any]:
+    """What ``stepmerge.json`` records of a folder whose square fused tensors are in transformers 5's layout."""
+    return {"loads": False, "square_tensors": list(names),
+            "reason": f"{names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}: square fused experts, "
+                      "written in transformers 5's layout (transformers 5 transposes them on load only when their "
+                      "shape differs, so no layout loads the same in 4.x and 5.x); 4.x readers would read them "
+                      "transposed: this folder is for transformers 5"}
 

@@ -13,7 +13,12 @@ Contract:
   remote-code model type) or its model cannot be built on the meta device (validation judges it then).
 - A config transformers' own config class refuses (``num_hidden_layers`` beside a ``layer_types`` of
   another length, a value of the wrong type) is `InvalidConfig` with transformers' reason; never kept.
-- Kept on disk like `merge_engine.plan.hub_config_memo` (``$STEPMERGE_CACHE_DIR/model_shapes/``), keyed by
+- `model_ties(config)` -> {tied name: the name it is tied to}: every tie the model itself makes
+  (transformers 5's ``all_tied_weights_keys``, chains resolved to the name ``save_pretrained`` keeps: an
+  input embedding and output head, a decoder's bias and its head's, an encoder-decoder's shared embeddings;
+  none at all where the class ties nothing, whatever the config's flag says), in memory and Hub names. None
+  where there are no shapes or transformers does not list ties (4.x): the tie flag's rule applies then.
+- Both kept on disk like `merge_engine.plan.hub_config_memo` (``$STEPMERGE_CACHE_DIR/model_shapes/``), keyed by
   the config as canonical JSON, the installed transformers' version and this module's and
   `transformers_conversion`'s code: a run's next step imports neither torch's model code nor transformers.
 """
@@ -28,34 +33,51 @@ from typing import Any
 
 from merge_engine.plan import hub_config_memo
 
-ENTRY_FORMAT = 1
+ENTRY_FORMAT = 2
 Shapes = dict[str, list[tuple[int, ...]]]
+Ties = dict[str, str]
 
 
 def model_shapes(config: Mapping[str, Any]) -> Shapes | None:
     """Every state-dict tensor of ``config``'s transformers model -> its shapes (module docstring)."""
+    return _facts(config)[0]
+
+
+def model_ties(config: Mapping[str, Any]) -> Ties | None:
+    """The ties ``config``'s transformers model makes (module docstring)."""
+    ties = _facts(config)[1]
+    return dict(ties) if ties is not None else None
+
+
+def _facts(config: Mapping[str, Any]) -> tuple[Shapes | None, Ties | None]:
     root = hub_config_memo.cache_root()
     entry = root / "model_shapes" / f"{memo_key(config)}.json" if root is not None else None
     if entry is not None:
         kept = _read(entry)
         if kept is not None:
-            return kept[0]
-    shapes, reason = compute_model_shapes(config)
+            return kept
+    shapes, ties, reason = _compute(config)
     if entry is not None:
-        hub_config_memo.write_entry(entry, json.dumps({"format": ENTRY_FORMAT, "shapes": shapes, "reason": reason}))
-    return shapes
+        hub_config_memo.write_entry(entry, json.dumps({"format": ENTRY_FORMAT, "shapes": shapes, "ties": ties,
+                                                       "reason": reason}))
+    return shapes, ties
 
 
-def compute_model_shapes(config: Mapping[str, Any]) -> tuple[Shapes | None, str | None]:
-    """`model_shapes` asked of the installed transformers (no memo): (shapes, why there are none)."""
+def _compute(config: Mapping[str, Any]) -> tuple[Shapes | None, Ties | None, str | None]:
+    """Asked of the installed transformers (no memo): (shapes, ties, why there are none)."""
     from transformers import CONFIG_MAPPING
 
     from merge_engine.errors import InvalidConfig, UnsupportedLayout
-    from merge_engine.plan.transformers_conversion import conversion_known, meta_model, trace_reverse_conversion
+    from merge_engine.plan.transformers_conversion import (
+        TensorView,
+        conversion_known,
+        meta_model,
+        trace_reverse_conversion,
+    )
 
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
-        return None, "transformers has no class for it"
+        return None, None, "transformers has no class for it"
     try:
         data = json.loads(json.dumps(dict(config)))
         data.pop("model_type")
@@ -66,11 +88,12 @@ def compute_model_shapes(config: Mapping[str, Any]) -> tuple[Shapes | None, str 
     try:
         model = meta_model(config)
     except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is judged by validation
-        return None, f"transformers cannot build it: {type(exc).__name__}: {exc}"[:500]
+        return None, None, f"transformers cannot build it: {type(exc).__name__}: {exc}"[:500]
     if model is None:
-        return None, "transformers has no class for it"
+        return None, None, "transformers has no class for it"
     memory = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     shapes: Shapes = {name: [shape] for name, shape in memory.items()}
+    hub_name: dict[str, str] = {}
     if conversion_known(config):
         try:
             hub = trace_reverse_conversion(model, memory, computed=True)
@@ -80,7 +103,23 @@ def compute_model_shapes(config: Mapping[str, Any]) -> tuple[Shapes | None, str 
             known = shapes.setdefault(name, [])
             if view.shape not in known:
                 known.append(view.shape)
-    return shapes, None
+            if isinstance(view, TensorView) and view.is_whole(memory[view.source]):
+                hub_name[view.source] = name
+    return shapes, _ties(model, hub_name), None
+
+
+def _ties(model: Any, hub_name: Mapping[str, str]) -> Ties | None:
+    listed = getattr(model, "all_tied_weights_keys", None)
+    if not isinstance(listed, Mapping):
+        return None  # transformers 4.x: its models do not list their ties
+    ties = {str(target): str(source) for target, source in listed.items()}
+    for target in list(ties):  # the name save_pretrained keeps: the end of a chain
+        seen = {target}
+        while ties[target] in ties and ties[target] not in seen:
+            seen.add(ties[target])
+            ties[target] = ties[ties[target]]
+    ties.update({hub_name[t]: hub_name.get(s, s) for t, s in list(ties.items()) if t in hub_name})
+    return ties
 
 
 def memo_key(config: Mapping[str, Any]) -> str:
@@ -94,17 +133,20 @@ def memo_key(config: Mapping[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def _read(entry: Path) -> tuple[Shapes | None] | None:
+def _read(entry: Path) -> tuple[Shapes | None, Ties | None] | None:
     try:
         data = json.loads(entry.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or data.get("format") != ENTRY_FORMAT or "shapes" not in data:
         return None
-    shapes = data["shapes"]
+    shapes, ties = data["shapes"], data.get("ties")
+    if ties is not None and not (isinstance(ties, dict) and all(isinstance(v, str) for v in ties.values())):
+        return None
     if shapes is None:
-        return (None,)
+        return None, ties
     try:
-        return ({str(name): [tuple(int(d) for d in shape) for shape in known] for name, known in shapes.items()},)
+        return ({str(name): [tuple(int(d) for d in shape) for shape in known] for name, known in shapes.items()},
+                ties)
     except (AttributeError, TypeError, ValueError):
         return None

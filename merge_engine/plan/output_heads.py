@@ -3,6 +3,11 @@
 Tied embeddings (`tie_word_embeddings` reads the config's flag):
 - ``--tie-word-embedding`` (verl's flag) may only confirm the config: `check_tie_flag` raises
   `InvalidOption` on a contradiction;
+- where transformers lists the model's ties (`merge_engine.plan.model_shapes.model_ties`, transformers 5),
+  they decide: every tied name is not written, the one it is tied to is (``save_pretrained``'s choice),
+  whatever the name (Mamba's ``backbone.embeddings``, ERNIE's decoder bias, Florence-2's shared
+  embeddings); a class that ties nothing (BigBird-Pegasus's causal LM) has its head written even under
+  ``tie_word_embeddings``. Else the flag decides:
 - a tied model's output head is not written (``save_pretrained`` drops it); when the checkpoint
   stores it anyway, the stored copy must equal the input embedding (`check_tied_copy`, or the
   in-stream comparison of a planner that reads both, raising `tied_copy_error`). A copy that differs
@@ -111,8 +116,16 @@ def check_tied_copy(source: TensorSource, copy: str, embedding: str, chunk_bytes
 
 
 def check_dropped_head(source: TensorSource, plan: MergePlan, chunk_bytes: int,
-                       config: Mapping[str, Any] | None = None) -> None:
-    """Hugging Face names: a stored head the plan does not write (tied) equals the embedding."""
+                       config: Mapping[str, Any] | None = None, ties: Mapping[str, str] | None = None) -> None:
+    """Hugging Face names: a stored head the plan does not write (tied) equals the embedding; given the
+    model's ties (`merge_engine.plan.model_shapes.model_ties`), every tied name not written equals the one
+    written."""
+    if ties is not None:
+        metas, written = source.metas(), plan.by_name()
+        for name in sorted(metas):
+            if name not in written and ties.get(name) in metas:
+                check_tied_copy(source, name, ties[name], chunk_bytes)
+        return
     heads = find_heads(source.metas(), config)
     if heads.head is None or heads.head in plan.by_name():
         return

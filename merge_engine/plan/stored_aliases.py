@@ -4,11 +4,13 @@ A ``torch.save`` file may give one storage any number of names (tied weights: th
 and the output head are one parameter, pickled once, named twice). Every name becomes a tensor of
 its own in the output, so 200 names over one 4 MB storage made an 801 MB output from 11 MB of input.
 
-Rule (issue 17 point 4): names may share stored bytes only where the config ties them: exactly the
-input embedding and the output head, in a config with ``tie_word_embeddings`` (the plan then writes
-the head not at all, `merge_engine.plan.output_heads`). Any other sharing, and a shared embedding and head
-under an untied config, is `AliasedTensors` naming the file, from metadata alone, before a byte is
-written. A source that cannot share bytes between names (safetensors, DCP: their readers refuse
+Rule (issue 17 point 4): names may share stored bytes only where the model ties them. Where transformers
+lists the model's ties (`merge_engine.plan.model_shapes.model_ties`, transformers 5): a group is every name
+tied to one of them plus that one (Mamba's ``backbone.embeddings`` and ``lm_head``, ERNIE's decoder bias,
+Florence-2's shared embeddings), and the plan writes only that one (`merge_engine.plan.output_heads`).
+Besides (and where transformers does not say, or the names are Megatron's): exactly the input embedding and
+the output head, in a config with ``tie_word_embeddings``. Any other sharing, and a shared embedding and head under an untied
+config, is `AliasedTensors` naming the file, from metadata alone, before a byte is written. A source that cannot share bytes between names (safetensors, DCP: their readers refuse
 overlapping items) has no ``alias_groups`` and passes.
 """
 
@@ -18,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from merge_engine.errors import AliasedTensors
+from merge_engine.plan.model_shapes import model_ties
 from merge_engine.plan.output_heads import EMBED_SUFFIXES, LM_HEAD, find_heads, tie_word_embeddings
 from merge_engine.formats.tensor_source import AliasGroup
 
@@ -39,17 +42,33 @@ def _tied_pair(names: Sequence[str], config: Mapping[str, Any]) -> bool:
     return find_heads(names, config).head == head
 
 
+def _model_tied(names: Sequence[str], ties: Mapping[str, str] | None) -> bool:
+    """Every name but one is tied by the model to that one."""
+    if ties is None:
+        return False
+    kept = {ties.get(n, n) for n in names}
+    return len(kept) == 1 and kept <= set(names)
+
+
 def check_aliases(source: object, config: Mapping[str, Any]) -> None:
-    """`AliasedTensors` unless every group of names sharing stored bytes is the tied embedding and head."""
+    """`AliasedTensors` unless every group of names sharing stored bytes is one the model ties (module docstring)."""
     groups = getattr(source, "alias_groups", None)
     if groups is None:
         return
+    groups = groups()
+    if not groups:
+        return
     tied = tie_word_embeddings(dict(config))
-    for group in groups():
-        if tied and _tied_pair(group.names, config):
+    ties = model_ties(config)
+    for group in groups:
+        if _model_tied(group.names, ties) or (tied and _tied_pair(group.names, config)):
             continue
         shown = ", ".join(group.names[:4]) + (f", ... ({len(group.names)} names)" if len(group.names) > 4 else "")
-        why = ("only the input embedding and the output head of a tied config may" if not _tied_pair(group.names, config)
-               else "the config does not tie the embeddings (tie_word_embeddings=false)")
+        if not tied and _tied_pair(group.names, config):
+            why = "the config does not tie the embeddings (tie_word_embeddings=false)"
+        elif ties is not None:
+            why = "only names the config's model ties to one another may (transformers' all_tied_weights_keys)"
+        else:
+            why = "only the input embedding and the output head of a tied config may"
         raise AliasedTensors(f"{shown} share {group.nbytes} stored bytes: {why}; writing each name would put "
                              f"those bytes {len(group.names)} times into the output", group.url)

@@ -19,8 +19,11 @@
   (``Transpose(check_dims=True)``, e.g. Qwen3-VL-MoE's fused experts): ``save_pretrained`` keeps the
   in-memory layout, the Hub's checkpoints (and transformers 4.x) hold the transposed one. The trace
   writes the transposed one (a strided view) when the stored tensor has the in-memory
-  shape, keeps a tensor that already has the Hub shape, and refuses a square one (transformers 5 would
-  not transpose it back on load: no folder loads the same in 4.x and 5.x) with `UnsupportedLayout`.
+  shape, keeps a tensor that already has the Hub shape. A square one (both dims equal) transformers 5 does
+  not transpose on load at all, so no folder loads the same in 4.x and 5.x: it is written in transformers 5's
+  layout (what ``save_pretrained`` writes), read as stored when the config's ``transformers_version`` is 5+,
+  transposed from the Hub's when it is 4.x, and refused (`UnsupportedLayout`) when the config does not say;
+  `square_hub_transposes` lists such tensors (their folder's ``stepmerge.json`` says 4.x readers cannot load it).
 """
 
 from __future__ import annotations
@@ -282,7 +285,8 @@ def _hub_transpose_class():
     class HubTranspose(Transpose):
         """The save-time reverse of a load-time ``Transpose(check_dims=True)``, as the Hub holds the tensor
         (see the module docstring): transposed when the tensor has the in-memory shape, kept when it has
-        the transposed one; `UnsupportedLayout` when both shapes are the same."""
+        the transposed one; when both shapes are the same, transformers 5's layout by the config's
+        ``transformers_version`` (`UnsupportedLayout` when it names none)."""
 
         def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
             target = self.get_target_pattern(input_dict, source_patterns, target_patterns)
@@ -291,16 +295,45 @@ def _hub_transpose_class():
             name = kwargs["full_layer_name"]
             memory = tuple(kwargs["model"].get_parameter(name).shape)
             transposed = tuple(torch.empty(memory, device="meta").transpose(self.dim0, self.dim1).shape)
-            if memory == transposed:
-                raise UnsupportedLayout(f"{name}: transformers 5 transposes it on load only when its shape "
-                                        f"differs from {memory}, which its transpose does not; no Hub layout "
-                                        "loads the same in transformers 4.x and 5.x: pass --weights-format "
-                                        "transformers")
+            if memory == transposed:  # square: the shape cannot say which layout is stored
+                major = stored_by_major(kwargs["config"])
+                if major is None:
+                    raise UnsupportedLayout(f"{name}: square {memory}, and config.json names no transformers_version "
+                                            "to tell whether the trainer stored it in transformers 5's layout or "
+                                            "the Hub's (4.x); write one there")
+                if major >= 5:
+                    return {target: tensor}  # transformers 5's layout, as save_pretrained writes it and 5.x reads it
+                return {target: torch.transpose(tensor, self.dim0, self.dim1).contiguous()}  # 4.x's: made 5.x's
             if tuple(tensor.shape) == transposed:
                 return {target: tensor}  # already the Hub's layout
             return {target: torch.transpose(tensor, self.dim0, self.dim1).contiguous()}
 
     return HubTranspose
+
+
+def stored_by_major(config: Any) -> int | None:
+    """The major version of the transformers that wrote ``config`` (its ``transformers_version``), None if unsaid."""
+    version = config.get("transformers_version") if isinstance(config, Mapping) else \
+        getattr(config, "transformers_version", None)
+    head = str(version).split(".", 1)[0] if version else ""
+    return int(head) if head.isdigit() else None
+
+
+def square_hub_transposes(model, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """The names among ``shapes`` that a ``Transpose(check_dims=True)`` of ``model``'s conversion matches while
+    square in its two dims: written in transformers 5's layout, which 4.x readers take as the Hub's (transposed)."""
+    _, converters, _ = _reverse_transforms(model)
+    square = []
+    for name, shape in shapes.items():
+        for converter in converters:
+            if converter.rename_source_key(name)[1] is None:
+                continue
+            for op in converter.operations:
+                if isinstance(op, _hub_transpose_class()) and len(shape) > max(op.dim0, op.dim1) and \
+                        shape[op.dim0] == shape[op.dim1]:
+                    square.append(name)
+            break
+    return square
 
 
 def _hub_layout_ops(converter):

@@ -112,13 +112,16 @@ def test_the_model_shapes_are_kept_per_config(monkeypatch):
     config = {**CONFIG, "intermediate_size": 97}  # an entry of its own
     first = model_shapes.model_shapes(config)
     assert first["model.layers.1.mlp.up_proj.weight"] == [(97, 64)]
+    ties = model_shapes.model_ties(config)
+    assert ties == {} and model_shapes.model_ties({**config, "tie_word_embeddings": True}) == {
+        "lm_head.weight": "model.embed_tokens.weight"}
     assert model_shapes.model_shapes({"model_type": "custom_remote_code"}) is None
 
     def asked(_config):
         raise AssertionError("transformers asked again")
 
-    monkeypatch.setattr(model_shapes, "compute_model_shapes", asked)
-    assert model_shapes.model_shapes(config) == first
+    monkeypatch.setattr(model_shapes, "_compute", asked)  # shapes and ties are one entry
+    assert model_shapes.model_shapes(config) == first and model_shapes.model_ties(config) == ties
     assert model_shapes.model_shapes({"model_type": "custom_remote_code"}) is None  # "no class" is kept too
 
 

@@ -4,7 +4,8 @@ Specification: the traced reversal names what ``save_pretrained`` names (its per
 the slices of the fused one that transformers' ops cut), and a view's element runs are exactly the
 elements ``torch.as_strided`` takes. A tensor transformers transposes on load only when its shape asks
 (``Transpose(check_dims=True)``: Qwen3-VL-MoE's experts) is traced to the Hub's transposed layout when it
-has the in-memory shape, left as it is when it already has the Hub's, refused when square. A Hub tensor
+has the in-memory shape, left as it is when it already has the Hub's; a square one is written in transformers
+5's layout, from the layout its writer's ``transformers_version`` says it was stored in (refused without one). A Hub tensor
 computed from several stored ones is refused by default; asked for (``computed=True``) it is a
 `ComputedTensor`, and `compute_reverse` makes it, bit for bit, as ``save_pretrained`` writes it (Kimi-K2.5's
 vision ``wqkv``: q and k permuted back for rope, then q, k, v concatenated).
@@ -26,6 +27,7 @@ from merge_engine.plan.transformers_conversion import (
     conversion_known,
     conversion_table_keys,
     meta_model,
+    square_hub_transposes,
     trace_reverse_conversion,
 )
 from synthetic_runs.models import ModelSpec, build_config
@@ -93,11 +95,12 @@ class TestTrace:
 class TestHubTranspose:
     EXPERTS = "model.language_model.layers.0.mlp.experts."
 
-    def _model(self, **text):
+    def _model(self, version: str | None = "5.0.0", **text):
         from synthetic_runs.models import ModelSpec
 
         config = build_config(ModelSpec(family="qwen3_vl_moe")).to_dict()
         config["text_config"].update(text)
+        config["transformers_version"] = version
         return meta_model(config)
 
     def test_in_memory_experts_are_traced_to_the_hub_layout(self):
@@ -115,10 +118,22 @@ class TestHubTranspose:
         views = trace_reverse_conversion(self._model(), {self.EXPERTS + "down_proj": (4, 56, 64)})
         assert views[self.EXPERTS + "down_proj"].is_whole((4, 56, 64))
 
-    def test_square_experts_are_refused(self):
-        """hidden == moe_intermediate_size: 5.x would not transpose the Hub layout back on load."""
-        model = self._model(hidden_size=64, moe_intermediate_size=64)
-        with pytest.raises(UnsupportedLayout, match="transposes it on load only"):
+    def test_square_experts_are_written_in_transformers_5_layout_by_the_writers_version(self):
+        """hidden == moe_intermediate_size: 5.x does not transpose on load, so the folder holds its layout: a
+        checkpoint of a 5.x trainer as stored, one of a 4.x trainer (the Hub's layout) transposed; listed."""
+        name = self.EXPERTS + "down_proj"
+        stored = torch.arange(4 * 64 * 64).reshape(4, 64, 64)
+        for version, expected in (("5.3.0", stored), ("4.57.1", stored.transpose(1, 2))):
+            model = self._model(version, hidden_size=64, moe_intermediate_size=64)
+            view = trace_reverse_conversion(model, {name: (4, 64, 64)})[name]
+            assert torch.equal(torch.as_strided(stored.reshape(-1), view.shape, view.stride, view.offset), expected)
+            assert square_hub_transposes(model, {name: (4, 64, 64)}) == [name]
+        assert square_hub_transposes(self._model(), {name: (4, 64, 56)}) == []
+
+    def test_square_experts_of_an_unknown_writer_are_refused(self):
+        """No transformers_version in config.json: the stored layout is unknown, never guessed."""
+        model = self._model(None, hidden_size=64, moe_intermediate_size=64)
+        with pytest.raises(UnsupportedLayout, match="names no transformers_version"):
             trace_reverse_conversion(model, {self.EXPERTS + "down_proj": (4, 64, 64)})
 
 
