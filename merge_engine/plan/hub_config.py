@@ -25,8 +25,9 @@ Contract:
      methods it overrides), to learn which legacy key feeds which ``rope_parameters`` entry and which
      one carries the whole dict (``rope_scaling``); the inverse writes them. ``rope_scaling`` is the
      rest of ``rope_parameters``, written ``null`` when that is the default rope (explicit: a 4.x class
-     may default to a scaled rope, gpt-oss's yarn). Rope parameters per layer type have no 4.x form:
-     left as they are.
+     may default to a scaled rope, gpt-oss's yarn). Rope parameters per layer type: the legacy keys whose
+     standardisation by the same method gives them back exactly (OLMo-3's one ``rope_theta``, Gemma 3's
+     ``rope_theta`` and ``rope_local_base_freq``); where none does, left as they are.
   3. the tie flag: a config with a nested text config (``get_text_config(decoder=True)`` is a
      sub-config) gets the top-level ``tie_word_embeddings`` copied into it, where 4.x's
      ``tie_weights`` reads it (5.x reads the top one). This is the one rule transformers 5 does not
@@ -157,13 +158,18 @@ _PROBE = "__stepmerge_probe__"
 
 def _probe_rope(cfg: Any, key: str, value: Any) -> dict[str, Any] | None:
     """``rope_parameters`` after the class's standardisation saw only ``key=value``; None if it failed."""
+    return _standardised(cfg, {key: value})
+
+
+def _standardised(cfg: Any, legacy: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``rope_parameters`` after the class's standardisation saw only the ``legacy`` keys; None if it failed."""
     probe = copy.deepcopy(cfg)
     try:
         object.__setattr__(probe, ROPE_PARAMETERS, None)
         for name in ("rope_theta", "partial_rotary_factor"):  # the 5.x object keeps no legacy attributes,
             if name in vars(probe):                          # but a remote class might
                 object.__delattr__(probe, name)
-        getattr(probe, ROPE_METHOD)(**{key: value})
+        getattr(probe, ROPE_METHOD)(**copy.deepcopy(dict(legacy)))
     except Exception:  # noqa: BLE001 - a key the method cannot take is not one of its legacy keys
         return None
     result = getattr(probe, ROPE_PARAMETERS, None)
@@ -230,8 +236,11 @@ def _rope_changes(cfg: Any, scope: dict[str, Any], prefix: str) -> Iterator[Conf
     params = scope.get(ROPE_PARAMETERS)
     if not isinstance(params, dict) or not params:
         return
-    if _nested_rope_keys(cfg, params):
-        return  # per layer type: no 4.x form
+    nested = _nested_rope_keys(cfg, params)
+    if nested:
+        if hasattr(cfg, ROPE_METHOD):
+            yield from _nested_rope_changes(cfg, scope, prefix, params, nested)
+        return
     if hasattr(cfg, ROPE_METHOD):
         spelling = rope_spelling(cfg)
         source = f"{type(cfg).__name__}.{ROPE_METHOD}"
@@ -251,6 +260,49 @@ def _rope_changes(cfg: Any, scope: dict[str, Any], prefix: str) -> Iterator[Conf
         if scope.get(spelling.carrier, _PROBE) != value:
             yield ConfigChange(prefix + spelling.carrier, value,
                                f"{source}: {spelling.carrier} -> rope_parameters (the rest of it)")
+
+
+def _nested_rope_changes(cfg: Any, scope: dict[str, Any], prefix: str, params: Mapping[str, Any],
+                         nested: list[str]) -> Iterator[ConfigChange]:
+    """Rope parameters per layer type: the legacy keys from which the class's own standardisation makes exactly
+    ``params`` again (OLMo-3: one ``rope_theta`` for both layer types, ``rope_scaling`` for full attention),
+    learnt by probing it as `rope_spelling` does; none when no set of them gives ``params`` back."""
+    legacy: dict[str, Any] = {}
+    fed: dict[str, set[str]] = {}  # layer type -> its entries a scalar legacy key sets
+    carrier = None
+    logger = logging.getLogger("transformers.modeling_rope_utils")
+    previous = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        for i, name in enumerate(_rope_candidates(type(cfg))):
+            marker = 7919.0 + i / 64
+            found = _probe_rope(cfg, name, marker) or {}
+            hits = [(kind, entry) for kind in nested if isinstance(found.get(kind), dict)
+                    for entry, value in found[kind].items() if isinstance(value, float) and value == marker]
+            if hits:
+                values = [params.get(kind, {}).get(entry, _PROBE) for kind, entry in hits]
+                if all(v is not _PROBE and v == values[0] for v in values):
+                    legacy[name] = values[0]
+                    for kind, entry in hits:
+                        fed.setdefault(kind, set()).add(entry)
+                continue
+            found = _probe_rope(cfg, name, {"rope_type": "default", _PROBE: marker}) or {}
+            carried = [kind for kind in nested if isinstance(found.get(kind), dict) and found[kind].get(_PROBE) == marker]
+            if len(carried) == 1:
+                carrier = (name, carried[0])
+        if carrier is not None:
+            name, kind = carrier
+            rest = {k: v for k, v in params.get(kind, {}).items() if k not in fed.get(kind, set())}
+            legacy[name] = None if _is_default_rope(rest, getattr(cfg, "default_rope_type", "default")) else rest
+        back = _standardised(cfg, legacy) if legacy else None
+    finally:
+        logger.setLevel(previous)
+    if back is None or json.dumps(back, sort_keys=True) != json.dumps(dict(params), sort_keys=True):
+        return  # no 4.x spelling gives this per-layer-type rope back
+    source = f"{type(cfg).__name__}.{ROPE_METHOD} (per layer type; read back equal)"
+    for key, value in legacy.items():
+        if scope.get(key, _PROBE) != value:
+            yield ConfigChange(prefix + key, value, f"{source}: {key}")
 
 
 def _text_config_key(cfg: Any) -> str | None:

@@ -26,11 +26,7 @@ from benchmarks.family_sweep import FamilyResult, count, sweep, table
 SAMPLE = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_k25", "gemma3", "llava", "mixtral", "olmo3")
 NEW_IN_5 = {"qwen3_5_text", "qwen3_5_moe_text", "kimi_k25"}  # model types transformers 4.57 does not have
 # family -> what 4.57 makes of the folder today
-KNOWN_457_GAPS = {
-    # rope_parameters per layer type (the same theta for both): transformers 5's Olmo3Config names no 4.x spelling
-    # (merge_engine.plan.hub_config writes none for per-layer-type rope), so 4.57 runs its default rope_theta
-    "olmo3": "max_abs_diff",
-}
+KNOWN_457_GAPS: dict[str, str] = {}  # OLMo-3's per-layer-type rope is written as 4.57's rope_theta (hub_config)
 
 
 @pytest.fixture(scope="module")

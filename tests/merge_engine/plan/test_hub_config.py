@@ -129,3 +129,26 @@ def test_unknown_model_type_is_left_alone():
     translated = hub_config({"model_type": "not_a_transformers_model", "architectures": ["X"]})
     assert translated.changes == () and translated.updates == {}
     assert "not_a_transformers_model" in translated.describe()
+
+
+def _olmo3(**rope) -> dict:
+    from transformers import Olmo3Config
+
+    config = Olmo3Config(vocab_size=1003, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, rope_parameters=rope or None).to_diff_dict()
+    config["model_type"] = "olmo3"
+    return config
+
+
+def test_rope_per_layer_type_is_written_when_the_legacy_keys_give_it_back():
+    """OLMo-3 (one theta for both layer types): rope_theta and rope_scaling, as its own standardisation reads
+    them (what 4.57 runs); other thetas per layer type have no 4.x form: nothing written."""
+    config = _olmo3()
+    theta = config["rope_parameters"]["full_attention"]["rope_theta"]
+    assert config["rope_parameters"]["sliding_attention"]["rope_theta"] == theta
+    changes = {c.key: c for c in hub_config(config).changes}
+    assert changes["rope_theta"].value == theta and changes["rope_scaling"].value is None
+    assert "per layer type; read back equal" in changes["rope_theta"].source
+    different = _olmo3(full_attention={"rope_type": "default", "rope_theta": 500000.0},
+                       sliding_attention={"rope_type": "default", "rope_theta": 10000.0})
+    assert not {"rope_theta", "rope_scaling"} & {c.key for c in hub_config(different).changes}
