@@ -6,7 +6,8 @@ Contract:
   both list under one class is one family; under two classes, two), in name order.
 - `tiny_config(family)` -> the config as a JSON-able dict: the class's defaults with every size attribute
   shrunk by `SIZE_RULES` (declarative: attribute name -> tiny value), in every nested config; per-layer
-  lists (``layer_types``...) cut to the layers kept, which are as few as show each layer type once;
+  lists (``layer_types``...) cut to the layers kept, which are as few as show each layer type once (run
+  lengths of layer kinds, GPT-Neo's ``attention_types``, repeated to them);
   special token ids moved inside the tiny vocabulary; ``architectures`` the family's class.
   `TinyConfigError` says why none could be made (the config class refuses it, the model does not build
   on the meta device, or it has more than `MAX_PARAMETERS` parameters).
@@ -133,6 +134,7 @@ def tiny_config(family: RegistryFamily) -> dict[str, Any]:
         if scope.get("kv_lora_rank") and isinstance(scope.get("num_key_value_heads"), int):
             scope["num_key_value_heads"] = scope.get("num_attention_heads")  # one latent KV per head
     _fit_mrope(data)
+    _fit_run_lengths(data)
     _tokens_inside(data)
     data["architectures"] = [family.class_name]
     data["model_type"] = config_class.model_type
@@ -225,6 +227,20 @@ def _fit_mrope(data: dict[str, Any]) -> None:
                 scaled = [max(1, s * half // total) for s in section]
                 scaled[0] += half - sum(scaled)
                 holder["mrope_section"] = scaled
+
+
+def _fit_run_lengths(data: dict[str, Any]) -> None:
+    """Layer kinds given as run lengths (GPT-Neo's ``attention_types``: ``[[["global", "local"], 12]]``) repeated
+    to the layers kept, as a real config's agree with its layer count (transformers 4.57 checks they do)."""
+    for scope in _scopes(data):
+        runs = scope.get("attention_types")
+        layers = next((scope[k] for k in LAYER_COUNTS if isinstance(scope.get(k), int)), None)
+        if not (isinstance(runs, list) and len(runs) == 1 and isinstance(runs[0], list) and len(runs[0]) == 2
+                and isinstance(runs[0][0], list) and runs[0][0] and isinstance(layers, int)):
+            continue
+        kinds = runs[0][0]
+        if len(kinds) * runs[0][1] != layers and layers % len(kinds) == 0:
+            scope["attention_types"] = [[kinds, layers // len(kinds)]]
 
 
 def _scopes(data: dict[str, Any]):

@@ -8,8 +8,9 @@ Contract:
 - `TRANSFORMERS_4_MODEL_TYPES`: every key of ``CONFIG_MAPPING`` in transformers 4.57.6, as that version lists
   them (regenerate with ``tests.readers_env``'s interpreter:
   ``python -c "from transformers import CONFIG_MAPPING; print(sorted(CONFIG_MAPPING))"``).
-- `legacy_reader_note(config)` -> None when 4.57 knows the config's model type (and every nested config's),
-  else a one-line record naming the types it lacks.
+- `legacy_reader_note(config)` -> None when 4.57 knows the config's model type (and every nested config's that
+  names one: an empty ``model_type``, Evolla's protein encoder's, names none), else a one-line record naming the
+  types it lacks.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def legacy_reader_note(config: Mapping[str, Any]) -> dict[str, Any] | None:
     """What ``stepmerge.json`` records when transformers 4.x cannot build the model at all (module docstring)."""
     types = [config.get("model_type")] + [v.get("model_type") for v in config.values()
                                           if isinstance(v, Mapping) and isinstance(v.get("model_type"), str)]
-    missing = sorted({t for t in types if isinstance(t, str) and t not in TRANSFORMERS_4_MODEL_TYPES})
+    missing = sorted({t for t in types if isinstance(t, str) and t and t not in TRANSFORMERS_4_MODEL_TYPES})
     if not missing:
         return None
     return {"loads": False, "transformers": TRANSFORMERS_4_VERSION, "unknown_model_types": missing,

@@ -10,6 +10,7 @@ def test_known_families_get_no_note():
     assert legacy_reader_note({"model_type": "qwen2"}) is None
     assert legacy_reader_note({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"},
                                "vision_config": {"model_type": "siglip_vision_model"}}) is None
+    assert legacy_reader_note({"model_type": "evolla", "protein_encoder_config": {"model_type": ""}}) is None
 
 
 def test_a_family_new_in_5_is_named_with_its_unknown_types():
