@@ -196,7 +196,7 @@ def _rank_chunks(spec: LoraRunSpec, name: str, tensor: torch.Tensor, tp_rank: in
 
 def write_adapter_dist(folder: Path, spec: LoraRunSpec, factors: dict[str, torch.Tensor]) -> list:
     """Each (pp, tp, ep) rank's adapter chunks into its own data file; returns the DCP items."""
-    from merge_engine.formats.torch_dcp import DcpDataFile
+    from merge_engine.formats.torch_dcp_writer import DcpDataFile
 
     d = _dims(spec)
     per_stage = d["layers"] // spec.pp
@@ -251,7 +251,7 @@ def write_base(base_dir: Path, model: ModelSpec, seed: int) -> Path:
 def write_lora_step(step_dir: Path, spec: LoraRunSpec, base_dir: Path, seed: int = 0, step: int = 1) -> LoraStep:
     """One verl Megatron LoRA step at ``step_dir`` (``.../global_step_N/actor``) for the base at ``base_dir``."""
     from merge_engine.layouts.megatron_dist import MEGATRON_DIST_METADATA
-    from merge_engine.formats.torch_dcp import dcp_metadata_bytes
+    from merge_engine.formats.torch_dcp_writer import dcp_metadata_bytes
 
     factors = megatron_factors(spec, seed)
     hf = hf_factors(spec, factors)

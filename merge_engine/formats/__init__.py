@@ -6,7 +6,9 @@
 - `stored_tensor`     a tensor as a file stores it (`StoredTensor`: a view on a storage record, no data)
 - `zip_crc`           CRC-32 of zip records checked as they are read, in pieces of any size and order
 - `dtype_names`       dtypes by name and item size, without torch (a check reads headers only)
-- `torch_dcp`         torch.distributed.checkpoint folders, read and written without a process group
+- `dcp_index`         a torch.distributed.checkpoint folder's ``.metadata``, parsed safely and checked (tiling)
+- `torch_dcp`         torch.distributed.checkpoint folders read without a process group
+- `torch_dcp_writer`  torch.distributed.checkpoint folders written without a process group
 - `dcp_file_names`    the file names DCP writes, for listings
 - `safetensors_file`  safetensors: header first, tensor bytes by ranged reads
 - `json_file`         small JSON metadata files read from a folder URL

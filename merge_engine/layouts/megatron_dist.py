@@ -78,7 +78,8 @@ if TYPE_CHECKING:  # the reader and writer import torch: imported by check_compl
 
     from merge_engine.architectures.hf_to_megatron import MegatronViewOfHf
     from merge_engine.formats.tensor_source import TensorSource
-    from merge_engine.formats.torch_dcp import DcpFiles, DcpIndex, DcpTensor
+    from merge_engine.formats.torch_dcp import DcpFiles, DcpTensor
+    from merge_engine.formats.dcp_index import DcpIndex
 
 NAME = "megatron_dist"
 TENSOR_NAMING = MEGATRON_NAMES
@@ -192,7 +193,7 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     """See the module docstring; reads ``.metadata`` and the small JSON files, no weights. The checkpoint
     carries the parsed index (`Checkpoint.index`: `open` reads ``.metadata`` no more) and, for a LoRA run's
     step, what the marker and the keys say of its adapter (`Checkpoint.lora`, ``adapter_only``, ``adapter_dir``)."""
-    from merge_engine.formats.torch_dcp import read_index
+    from merge_engine.formats.dcp_index import read_index
     from merge_engine.layouts.tensor_index import carry_dcp
 
     root, files = _choose_root(url, files)
@@ -306,7 +307,8 @@ def _folder_url(checkpoint: Checkpoint) -> tuple[str, str]:
 def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb
     """The canonical Megatron tensors, lazily (``.metadata`` read; chunk headers on first use)."""
     from merge_engine.formats.tensor_source import AssembledSource
-    from merge_engine.formats.torch_dcp import DcpFiles, read_index
+    from merge_engine.formats.torch_dcp import DcpFiles
+    from merge_engine.formats.dcp_index import read_index
 
     from merge_engine.layouts.tensor_index import restore_dcp
 
@@ -376,7 +378,7 @@ def write_file(view: MegatronViewOfHf, job: FileJob, target_url: str, sizes: Par
                dtype: torch.dtype | None, cancel: Any = None) -> FileRecord:
     """One data file (`WritableLayout`): torch_dist keys, one DCP chunk per layer (and expert), extra states
     as bytes entries; its record carries the items' locations for `finish`. Memory: one tensor at a time."""
-    from merge_engine.formats.torch_dcp import DcpDataFile
+    from merge_engine.formats.torch_dcp_writer import DcpDataFile
 
     dims = view.dims
     renames = {} if is_mla(view.metas()) else _DIST_RENAMES
@@ -422,7 +424,7 @@ def _none_object() -> bytes:
 def finish(records: Sequence[FileRecord], target_url: str) -> list[FileRecord]:
     """``dist_ckpt/.metadata`` from every data file's items (last of the DCP files), then megatron-core's
     ``metadata.json`` and ``common.pt`` (`WritableLayout`)."""
-    from merge_engine.formats.torch_dcp import dcp_metadata_bytes
+    from merge_engine.formats.torch_dcp_writer import dcp_metadata_bytes
 
     folder = storage.join(target_url, DIST_DIR)
     out = []

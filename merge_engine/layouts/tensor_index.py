@@ -280,9 +280,9 @@ class _Reader:
 
 
 # --------------------------------------------------------------------------------------------------
-# A DCP ``.metadata`` index (`merge_engine.formats.torch_dcp.DcpIndex`), carried the same way: plain JSON of
+# A DCP ``.metadata`` index (`merge_engine.formats.dcp_index.DcpIndex`), carried the same way: plain JSON of
 # keys, shapes, dtype names and item locations, rebuilt by the records' own constructors and checked as
-# `merge_engine.formats.torch_dcp.read_index` checks the file (every chunk inside its tensor, the chunks
+# `merge_engine.formats.dcp_index.read_index` checks the file (every chunk inside its tensor, the chunks
 # tiling it, each item long enough and no two sharing bytes), each data file one the checkpoint lists
 # in the index's folder, holding the bytes its items name.
 
@@ -343,7 +343,7 @@ class _DcpReader(_Reader):
         return UnsafeRecord(f"carried DCP index: {message}", self.url)
 
     def location(self, file: Any, offset: Any, length: Any) -> Any:
-        from merge_engine.formats.torch_dcp import ItemLocation
+        from merge_engine.formats.dcp_index import ItemLocation
 
         file = self.str(file, "a data file")
         offset, length = self.int(offset, "an item offset"), self.int(length, "an item length")
@@ -358,7 +358,7 @@ class _DcpReader(_Reader):
         import math
 
         from merge_engine.formats.dtype_names import ITEMSIZES
-        from merge_engine.formats.torch_dcp import ChunkInfo, DcpIndex, TensorInfo, tiling_problem
+        from merge_engine.formats.dcp_index import ChunkInfo, DcpIndex, TensorInfo, tiling_problem
 
         if not isinstance(document, dict) or set(document) != {"format", "tensors", "objects"} \
                 or document["format"] != DCP_INDEX_FORMAT:

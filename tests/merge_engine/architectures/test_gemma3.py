@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from merge_engine.commands.merge import MergeOptions, merge_checkpoint
 from merge_engine.commands.split import SplitOptions, split_hf_to_megatron
-from merge_engine.formats.torch_dcp import read_index
+from merge_engine.formats.dcp_index import read_index
 from tests.merge_engine.layouts.test_megatron_merge import _tensors
 
 CONFIG = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

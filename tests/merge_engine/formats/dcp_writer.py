@@ -1,5 +1,5 @@
 """`DcpWriter`: a whole DCP folder from one process, for tests (the product writes `DcpDataFile`s from
-several jobs, then `dcp_metadata_bytes` of all their items: `merge_engine.formats.torch_dcp`)."""
+several jobs, then `dcp_metadata_bytes` of all their items: `merge_engine.formats.torch_dcp_writer`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from merge_engine import storage
 from merge_engine.formats.dcp_file_names import DATA_FILE, METADATA_FILE
-from merge_engine.formats.torch_dcp import DcpDataFile, dcp_metadata_bytes
+from merge_engine.formats.torch_dcp_writer import DcpDataFile, dcp_metadata_bytes
 
 
 class DcpWriter:

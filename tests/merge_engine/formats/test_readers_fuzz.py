@@ -323,7 +323,8 @@ def read_safetensors(path: str) -> str:
 
 def read_dcp(path: str) -> str:
     from merge_engine import storage
-    from merge_engine.formats.torch_dcp import DcpFiles, DcpTensor, read_index
+    from merge_engine.formats.torch_dcp import DcpFiles, DcpTensor
+    from merge_engine.formats.dcp_index import read_index
 
     index = read_index(path)
     files = DcpFiles(path, {e.path: e.size for e in storage.list_files(path)})

@@ -20,7 +20,8 @@ import torch
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsafePickle
-from merge_engine.formats.torch_dcp import DcpFiles, DcpTensor, read_index
+from merge_engine.formats.torch_dcp import DcpFiles, DcpTensor
+from merge_engine.formats.dcp_index import read_index
 from tests.merge_engine.formats.dcp_writer import DcpWriter
 
 FULL = torch.arange(4 * 6 * 10, dtype=torch.float32).reshape(4, 6, 10)
@@ -124,7 +125,7 @@ def test_reading_a_box_the_chunks_do_not_tile_is_refused(tmp_path):
     """`DcpTensor` checks the tiling itself, whatever index it is given, before reading: a chunk
     listed twice (element count right, rows 2..3 missing) or a plain gap raises `CorruptShard`,
     never uninitialised memory; boxes the chunks do cover still read."""
-    from merge_engine.formats.torch_dcp import TensorInfo
+    from merge_engine.formats.dcp_index import TensorInfo
 
     writer = DcpWriter(str(tmp_path / "half"))
     writer.add_chunk("w", (2, 2), (0, 0), torch.ones(2, 2))
@@ -142,13 +143,13 @@ def test_reading_a_box_the_chunks_do_not_tile_is_refused(tmp_path):
 
 def test_tiling_check_on_a_grid_too_large_to_mark(monkeypatch):
     """Past `MAX_GRID_CELLS` the check compares chunks pairwise: same verdicts."""
-    from merge_engine.formats import torch_dcp
+    from merge_engine.formats import dcp_index
 
-    monkeypatch.setattr(torch_dcp, "MAX_GRID_CELLS", 1)
-    assert torch_dcp.tiling_problem((4, 6, 10), CUTS) is None
-    assert "overlap" in torch_dcp.tiling_problem((4, 2), [((0, 0), (2, 2)), ((0, 0), (2, 2))])
-    assert "overlap" in torch_dcp.tiling_problem((3, 4), [((0, 0), (2, 3)), ((0, 2), (2, 2)), ((2, 0), (1, 2))])
-    assert "do not cover" in torch_dcp.tiling_problem((4, 6, 10), CUTS[:-1])
+    monkeypatch.setattr(dcp_index, "MAX_GRID_CELLS", 1)
+    assert dcp_index.tiling_problem((4, 6, 10), CUTS) is None
+    assert "overlap" in dcp_index.tiling_problem((4, 2), [((0, 0), (2, 2)), ((0, 0), (2, 2))])
+    assert "overlap" in dcp_index.tiling_problem((3, 4), [((0, 0), (2, 3)), ((0, 2), (2, 2)), ((2, 0), (1, 2))])
+    assert "do not cover" in dcp_index.tiling_problem((4, 6, 10), CUTS[:-1])
 
 
 def test_a_metadata_entry_missing_a_field_is_corrupt_not_a_crash(tmp_path):
@@ -248,10 +249,10 @@ def test_lying_offsets_lengths_and_sizes_are_refused(tmp_path, lie):
 
 
 def test_oversized_and_deeply_nested_metadata_are_named_errors(tmp_path, monkeypatch):
-    from merge_engine.formats import torch_dcp
+    from merge_engine.formats import dcp_index
 
     folder = _two_chunks(tmp_path / "big")
-    monkeypatch.setattr(torch_dcp, "MAX_METADATA_BYTES", 100)
+    monkeypatch.setattr(dcp_index, "MAX_METADATA_BYTES", 100)
     with pytest.raises(CorruptShard, match="larger than any checkpoint index"):
         read_index(str(folder))
     monkeypatch.undo()

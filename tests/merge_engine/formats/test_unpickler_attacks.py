@@ -20,7 +20,7 @@ import pytest
 from merge_engine.errors import UnsafePickle
 from merge_engine.formats.torch_archive import TorchArchive
 from merge_engine.formats.safe_unpickler import safe_unpickle
-from merge_engine.formats.torch_dcp import read_index
+from merge_engine.formats.dcp_index import read_index
 from tests.forged_pickles import INDEX_MODULE, PAYLOAD_IDS, PAYLOADS, TORCH_MODULE, Inert, forged, zip_with_pickle
 
 MODULES = [TORCH_MODULE, INDEX_MODULE]  # a module the old allow-list admitted wholesale, and the engine's own

@@ -17,7 +17,8 @@ import torch
 from merge_engine import storage
 from merge_engine.layouts.megatron_dist import is_model_key
 from merge_engine.commands.merge import MergeOptions, merge_checkpoint
-from merge_engine.formats.torch_dcp import DcpFiles, DcpTensor, read_index
+from merge_engine.formats.torch_dcp import DcpFiles, DcpTensor
+from merge_engine.formats.dcp_index import read_index
 from tests.merge_engine.formats.dcp_writer import DcpWriter
 from synthetic_runs.megatron import REFERENCE_HF_DIR
 from tests.merge_engine.layouts.test_megatron_bad_input import _copy
