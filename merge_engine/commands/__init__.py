@@ -2,7 +2,6 @@
 
 - `merge`             checkpoint URL -> Hugging Face folder (`MergeJob`)
 - `extract`           a LoRA checkpoint -> PEFT adapter + clean base; SVD extraction from a full fine-tune
-- `svd_updates`       many modules' updates factored: reads prefetched by a thread, same-shape batches on the device
 - `combine`           several adapters -> one (concat / weighted / average, fused or exact or SVD)
 - `layout_jobs`       finds the jobs module a layout with its own semantics names (its ``JOBS``: a verl Megatron
                       LoRA step's, as an adapter release and as a fused model)

@@ -55,7 +55,7 @@ from merge_engine.lora.keys import LORA_A, LORA_B, adapter_file_key, parse_key
 from merge_engine.lora.peft_settings import check_adapter_loads
 from merge_engine.lora.sources import RenamedSource
 from merge_engine.lora.svd import AUTO, Factors, ModuleReport, check_targets, svd_device
-from merge_engine.commands.svd_updates import factor_updates
+from merge_engine.lora.svd_updates import factor_updates
 from merge_engine.commands.adapter_target import inputs_fingerprint, module_reports_json
 from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, parse_dtype
 from merge_engine.plan.output_heads import check_dropped_head
@@ -354,7 +354,7 @@ class SvdExtractJob:
 
     ``base_url``: a Hugging Face folder. ``source_url`` (the fine-tune): a Hugging Face folder or any
     checkpoint whose tensors carry Hugging Face names (a verl FSDP checkpoint: no merge needed first).
-    Updates are read ahead and factored in batches of one shape (`merge_engine.commands.svd_updates`: a few
+    Updates are read ahead and factored in batches of one shape (`merge_engine.lora.svd_updates`: a few
     updates read ahead plus one batch per shape in memory, and the factors found so far). ``svd_method``:
     `merge_engine.lora.svd.METHODS` (``full``: every module by the full SVD, as before the randomized method).
     """

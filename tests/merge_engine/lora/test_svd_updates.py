@@ -1,4 +1,4 @@
-"""Factoring many updates (`merge_engine.commands.svd_updates.factor_updates`): reads overlapped with the
+"""Factoring many updates (`merge_engine.lora.svd_updates.factor_updates`): reads overlapped with the
 compute by a reader thread, same-shape updates batched, results in module order whatever the batching."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from merge_engine.commands.svd_updates import factor_updates
+from merge_engine.lora.svd_updates import factor_updates
 from merge_engine.errors import AdapterError
 from tests.merge_engine.lora.dense_factors import factor_dense
 
