@@ -19,8 +19,8 @@ anything is scheduled, never sent to a worker:
 - `StepNumber` (>= 0), positive ``lora_alpha``, ``workers``, ``max_steps`` (`Count`; 0: unset).
 
 Which parameters a flow takes, their defaults, texts and order are declared once, in `merge_engine.options`
-(`FORM_TYPES` reads each kind of value): `parameters_of` makes a flow's model (`MergeStepParams`, `WatchParams`,
-`AdapterParams`, each a `RunLocation`), and `takes` gives the flow function the same fields as its signature,
+(each kind of value names its form type there, one of the types below: `form_type`): `parameters_of` makes a
+flow's model (`MergeStepParams`, `WatchParams`, `AdapterParams`, each a `RunLocation`), and `takes` gives the flow function the same fields as its signature,
 which Prefect builds the form and the deployment's schema from. The settings records the stages get
 (`FlowParams.settings`) and the options a release records (`FlowParams.recorded_options`) come from the
 same declarations.
@@ -30,6 +30,7 @@ schema from real annotations, and string annotations break pydantic parameters i
 No torch import either: the listings-only watcher imports this module.
 """
 
+import importlib
 import inspect
 import re
 from typing import Annotated, Any, Callable, ClassVar, Dict, List, Literal, Optional, Sequence
@@ -40,8 +41,8 @@ from pydantic import (
 
 from flows.step_keys import normalized_run_root, step_key
 from flows.url_checks import checked_url
-from merge_engine.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, canonical_dtype, parse_size
-from merge_engine.options import Option, for_flow, for_settings, recorded, setting_name
+from merge_engine.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, canonical_dtype
+from merge_engine.options import KINDS, Option, for_flow, for_settings, recorded, setting_name
 from merge_engine.storage.schemes import backend_for_scheme, url_schemes
 
 MAX_URL_LENGTH = 1024
@@ -117,11 +118,18 @@ def _matching(pattern: str, expected: str) -> Any:
     return AfterValidator(check)
 
 
+class Blank:
+    """The form's blank of an optional type (`unset_as`): what it shows for "unset", read back as None."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 def unset_as(inner: Any, blank: Any, schema: Dict[str, Any]) -> Any:
     """An optional value the form shows as a plain control (no "str | None" toggle): ``blank`` (the
     empty text, 0, "as stored") stands for "not set" and is read as None; None is written back as
     ``blank`` in JSON (what a deployment run, the watcher or a trigger sends), so the server's
-    schema, which has no null, admits it."""
+    schema, which has no null, admits it. The type carries its blank (`blank_of`)."""
 
     def to_none(value: Any) -> Any:
         if value is None or value == blank or (isinstance(value, str) and blank == "" and not value.strip()):
@@ -130,9 +138,23 @@ def unset_as(inner: Any, blank: Any, schema: Dict[str, Any]) -> Any:
 
     return Annotated[Optional[inner], BeforeValidator(to_none),
                      PlainSerializer(lambda value: blank if value is None else value, when_used="json"),
-                     WithJsonSchema(schema)]
+                     WithJsonSchema(schema), Blank(blank)]
 
 
+def blank_of(form: Any) -> Any:
+    """The blank an optional form type shows for "unset" (`unset_as`)."""
+    (blank,) = [m.value for m in getattr(form, "__metadata__", ()) if isinstance(m, Blank)]
+    return blank
+
+
+class SomeOf:
+    """``SomeOf[choices]``: a list of some of ``choices`` (``OneOf[choices]``: one of them)."""
+
+    def __class_getitem__(cls, choices: tuple) -> Any:
+        return List[Literal[choices]]  # type: ignore[valid-type]
+
+
+# The form types the kinds of value name (`merge_engine.options.KINDS`: ``Kind.form`` / ``Kind.form_unset``).
 AS_STORED = "as stored"
 DtypeSpelling = Literal[tuple(DTYPE_SPELLINGS)]  # type: ignore[valid-type]
 # The patterns go to the JSON schema only, behind words (`refused_in_words`; the server's validator reads
@@ -146,28 +168,21 @@ DtypeName = Annotated[unset_as(DtypeSpelling, AS_STORED, {"type": "string", "enu
                       AfterValidator(_dtype)]
 LoraAlpha = unset_as(Annotated[float, Field(gt=0)], 0, {"type": "number", "minimum": 0})
 Count = unset_as(Annotated[int, Field(ge=1)], 0, {"type": "integer", "minimum": 0})
+Text = str
 OptionalText = unset_as(Annotated[str, Field(max_length=MAX_URL_LENGTH)], "", {"type": "string", "maxLength": MAX_URL_LENGTH})
 RayAddress = unset_as(Annotated[str, Field(max_length=MAX_URL_LENGTH), _matching(RAY_ADDRESS_PATTERN, RAY_ADDRESS_WORDS)],
                       "", refused_in_words(RAY_ADDRESS_PATTERN, f"empty, or {RAY_ADDRESS_WORDS}", blank=""))
-
-# The form's type of each kind of value (`merge_engine.options.KINDS`; "choice"/"choices": `form_type`), and
-# the blank an optional one shows for "unset" (read back as None).
-FORM_TYPES: Dict[str, Any] = {"url": OptionalUrl, "step": StepNumber, "dtype": DtypeName, "size": ShardSize,
-                              "bool": bool, "alpha": LoraAlpha, "count": Count, "ray_address": RayAddress, "text": str}
-BLANKS: Dict[str, Any] = {"url": "", "dtype": AS_STORED, "alpha": 0, "count": 0, "ray_address": "", "text": ""}
+Switch = bool
+OneOf = Literal
 
 
 def form_type(option: Option) -> Any:
-    """The pydantic type of ``option`` in a flow's signature and parameter model."""
-    if option.kind == "url" and option.required:
-        return StorageUrl
-    if option.kind == "text" and option.default is None:
-        return OptionalText
-    if option.kind == "choice":
-        return Literal[option.choices]  # type: ignore[valid-type]
-    if option.kind == "choices":
-        return List[Literal[option.choices]]  # type: ignore[valid-type]
-    return FORM_TYPES[option.kind]
+    """The pydantic type of ``option`` in a flow's signature and parameter model: the one its kind names
+    (`Kind.form_unset` when it may be unset, else `Kind.form`), given the option's choices where it has some."""
+    kind = KINDS[option.kind]
+    module, _, name = (kind.form_unset if option.default is None and kind.form_unset else kind.form).partition(":")
+    form = getattr(importlib.import_module(module), name)
+    return form[option.choices] if option.choices else form
 
 
 def pydantic_field(option: Option) -> Any:
@@ -175,9 +190,9 @@ def pydantic_field(option: Option) -> Any:
     if option.required:
         default: Any = ...
     elif option.default is None:
-        default = BLANKS[option.kind]
+        default = blank_of(form_type(option))
     else:
-        default = list(option.default) if option.kind == "choices" else option.default
+        default = list(option.default) if isinstance(option.default, tuple) else option.default
     return Field(default, description=option.form)
 
 
@@ -208,7 +223,7 @@ class FlowParams(BaseModel):
         for option in for_settings(record.record):
             if option.name in type(self).model_fields:
                 value = getattr(self, option.name)
-                values[setting_name(option, record.record)] = parse_size(value) if option.kind == "size" else value
+                values[setting_name(option, record.record)] = KINDS[option.kind].engine_value(value)
         return record(**values)
 
 

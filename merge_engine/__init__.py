@@ -11,8 +11,8 @@ __version__ = "0.1.0"
 
 WINGS = (
     "merge_engine.errors",          # the named errors users see
-    "merge_engine.options",         # every user-facing option declared once (data only)
     "merge_engine.option_values",   # the spellings users type for option values (sizes, dtypes, formats)
+    "merge_engine.options",         # every user-facing option and kind of value declared once (data only)
     "merge_engine.devices",         # the torch device a user names, checked
     "merge_engine.versions",        # the tested ranges of transformers, peft and torch
     "merge_engine.storage",         # any URL: backends, listings, ranged reads, atomic writes, guarded JSON

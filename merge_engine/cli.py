@@ -51,40 +51,29 @@ class StepmergeParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
 
-def _dtype(text: str) -> str:
-    """argparse ``type=``: any spelling of `merge_engine.option_values.DTYPE_SPELLINGS` -> its canonical name
-    (what is recorded in stepmerge.json), the same words the Prefect form accepts."""
-    from merge_engine.option_values import canonical_dtype
+def _argument_type(kind: declared.Kind) -> Callable[[str], object]:
+    """argparse ``type=`` of ``kind``: its parser, an `InvalidOption` turned into argparse's one-line refusal."""
 
-    try:
-        return canonical_dtype(text)
-    except InvalidOption as exc:
-        raise argparse.ArgumentTypeError(exc.message) from None
+    def parse(text: str) -> object:
+        try:
+            return kind.parse(text)
+        except InvalidOption as exc:
+            raise argparse.ArgumentTypeError(exc.message) from None
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
-    return value
-
-
-# argparse ``type=`` of each kind of value (`merge_engine.options.KINDS`; the others are read as text)
-ARGUMENT_TYPES = {"int": int, "step": int, "count": _positive_int, "float": float, "alpha": float, "dtype": _dtype}
+    parse.__name__ = kind.parse.__name__  # argparse names it in "invalid <name> value"
+    return parse
 
 
 def add_options(parser: argparse.ArgumentParser, command: str) -> None:
     """Add ``command``'s flags as `merge_engine.options` declares them: spellings, help, type, default, choices."""
     for option in declared.for_command(command):
         use = option.use(command)
+        kind = declared.KINDS[use.kind]
         kwargs: dict = {"help": argparse.SUPPRESS if option.hidden else use.help}
-        if use.kind == "bool":
+        if kind.switch:
             kwargs["action"] = "store_true"
-        elif use.kind in ARGUMENT_TYPES:
-            kwargs["type"] = ARGUMENT_TYPES[use.kind]
+        elif kind.parse is not None:
+            kwargs["type"] = _argument_type(kind)
         if option.choices:
             kwargs["choices"] = option.choices
         if use.required and not option.positional:
@@ -96,8 +85,8 @@ def add_options(parser: argparse.ArgumentParser, command: str) -> None:
 
 def _options(args: argparse.Namespace, command: str, **given):
     """The engine's options record (`OutputOptions`) from ``command``'s flags (each declared option with an
-    engine field, read as its kind says) and ``given``; ``--requests-in-flight`` is set for this process and
-    (through its environment) for the Ray workers it starts."""
+    engine field, as its kind gives it to the engine) and ``given``; ``--requests-in-flight`` is set for this
+    process and (through its environment) for the Ray workers it starts."""
     from merge_engine.output.jobs import OutputOptions
 
     in_flight = getattr(args, "requests_in_flight", None)
@@ -106,24 +95,17 @@ def _options(args: argparse.Namespace, command: str, **given):
 
         tuning.REQUESTS_IN_FLIGHT = in_flight
         os.environ["STEPMERGE_REQUESTS_IN_FLIGHT"] = str(in_flight)
-    values = {option.field: _engine_value(option, option.use(command).kind, getattr(args, option.name))
+    values = {option.field: _engine_value(option, command, getattr(args, option.name))
               for option in declared.for_command(command) if option.field and option.field not in given}
     return OutputOptions(**values, **given)
 
 
-def _engine_value(option: declared.Option, kind: str, value):
-    """A flag's value as the engine takes it: sizes in bytes, comma lists as tuples."""
-    if value is None:
-        return None
-    if kind == "size":
-        from merge_engine.option_values import parse_size
-
-        return parse_size(value)
-    if kind == "floats":
-        return _floats(value, option.spellings[-1])
-    if kind == "names":
-        return tuple(t for t in value.split(",") if t) or None
-    return value
+def _engine_value(option: declared.Option, command: str, value):
+    """A flag's value as the engine takes it (`Kind.engine_value`); a bad one refused naming the flag."""
+    try:
+        return declared.KINDS[option.use(command).kind].engine_value(value)
+    except InvalidOption as exc:
+        raise InvalidOption(f"{option.spellings[-1]} {exc.message}") from None
 
 
 def _progress(total: int, label: str, file=None, disable: bool | None = None):
@@ -287,15 +269,6 @@ def cmd_test(args: argparse.Namespace) -> int:
 def _add_test(parser: argparse.ArgumentParser) -> None:
     add_options(parser, "test")
     parser.set_defaults(run=cmd_test)
-
-
-def _floats(text: str | None, flag: str) -> tuple[float, ...] | None:
-    if text is None:
-        return None
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise InvalidOption(f"{flag} takes comma-separated numbers, got {text!r}") from None
 
 
 def _print_lora_result(result, verb: str) -> None:

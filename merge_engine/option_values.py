@@ -5,13 +5,14 @@ fp16`` accept the same words and record the same canonical name (``float16``):
 
 - `DTYPE_SPELLINGS`: every accepted spelling -> its canonical dtype name (``bfloat16``,
   ``float16``, ``float32``); `canonical_dtype` turns one into the other or raises `InvalidOption`.
-- `DEFAULT_MAX_SHARD_SIZE`: the output shard size when none is given.
+- `DEFAULT_SHARD_SIZE` / `DEFAULT_MAX_SHARD_SIZE`: the output shard size when none is given (text, bytes).
 - `WEIGHTS_FORMATS`: the names a merged folder's tensors are written under (``--weights-format``,
   the flows' ``weights_format``): ``hub`` (default; `merge_engine.plan.hub_format`) or ``transformers``
   (as stored); `parse_weights_format` checks one.
 - `SIZE_PATTERN`: a size such as ``5GB``, ``500MiB``, ``1.5 GB`` or ``1024`` (bytes), as a regular
   expression the Prefect server checks before it creates a run (JSON Schema ``pattern``), and
-  `parse_size`, which reads exactly what the pattern admits.
+  `parse_size`, which reads exactly what the pattern admits;
+- `whole_number`, `float_list`, `name_list`: the command line's counts and comma lists.
 No torch import here: the listings-only watcher and the webhook import the forms.
 """
 
@@ -20,18 +21,16 @@ from __future__ import annotations
 import re
 
 from merge_engine.errors import InvalidOption
-from merge_engine.options import option
 
-CANONICAL_DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_SPELLINGS: dict[str, str] = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16", "half": "float16",
     "float32": "float32", "fp32": "float32", "float": "float32",
 }
 
-WEIGHTS_FORMATS: tuple[str, ...] = option("weights_format").choices  # declared once, with the option
-HUB, TRANSFORMERS = WEIGHTS_FORMATS
-DEFAULT_WEIGHTS_FORMAT: str = option("weights_format").default
+HUB, TRANSFORMERS = "hub", "transformers"
+WEIGHTS_FORMATS: tuple[str, ...] = (HUB, TRANSFORMERS)  # the choices of `merge_engine.options`' weights_format
+DEFAULT_WEIGHTS_FORMAT = HUB
 
 SIZE_UNITS: dict[str, int] = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
                               "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
@@ -76,4 +75,29 @@ def parse_size(text: str | int) -> int:
     return size
 
 
-DEFAULT_MAX_SHARD_SIZE = parse_size(option("max_shard_size").default)  # "5GB", save_pretrained's historical default
+DEFAULT_SHARD_SIZE = "5GB"  # save_pretrained's historical default, as the option declares it
+DEFAULT_MAX_SHARD_SIZE = parse_size(DEFAULT_SHARD_SIZE)
+
+
+def whole_number(text: str) -> int:
+    """``"3"`` -> 3; `InvalidOption` for anything but a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise InvalidOption(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
+def float_list(text: str) -> tuple[float, ...]:
+    """``"0.5,0.2"`` -> (0.5, 0.2); `InvalidOption` when one is not a number."""
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise InvalidOption(f"takes comma-separated numbers, got {text!r}") from None
+
+
+def name_list(text: str) -> tuple[str, ...] | None:
+    """``"q_proj,v_proj"`` -> ("q_proj", "v_proj"); no name: None."""
+    return tuple(t for t in text.split(",") if t) or None

@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from merge_engine.option_values import parse_size
-from merge_engine.options import SETTINGS, for_settings, setting_name
+from merge_engine.options import KINDS, SETTINGS, for_settings, setting_name
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:  # the engine's classes: imported where a record is turned into one (they import torch)
@@ -151,16 +150,9 @@ class CheckpointRecord(Record):
                           adapter_dir=self.adapter_dir, index=self.index)
 
 
-# The type of each kind of value in a settings record (`merge_engine.options.KINDS`): the engine's value
-# (sizes in bytes, unset as None).
-SETTING_TYPES: dict[str, Any] = {"text": Optional[str], "url": Optional[str], "dtype": Optional[str],
-                                 "alpha": Optional[float], "count": Optional[int], "ray_address": Optional[str],
-                                 "bool": bool, "size": int, "choice": str}
-
-
 class Settings(Record):
     """A settings record: the options of one stage (``record``, `merge_engine.options.SETTINGS`), one field per
-    declared option (`merge_engine.options.for_settings`), typed by its kind, with its default."""
+    declared option (`merge_engine.options.for_settings`), of its kind's engine type, with its default."""
 
     record: ClassVar[str]
 
@@ -183,8 +175,8 @@ def settings_fields(record: str) -> dict[str, Any]:
     """The fields of settings record ``record`` (options that fill one field declare it once here)."""
     fields: dict[str, Any] = {}
     for option in for_settings(record):
-        default = parse_size(option.default) if option.kind == "size" else option.default
-        fields.setdefault(setting_name(option, record), (SETTING_TYPES[option.kind], default))
+        kind = KINDS[option.kind]
+        fields.setdefault(setting_name(option, record), (kind.engine, kind.engine_value(option.default)))
     return fields
 
 

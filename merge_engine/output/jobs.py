@@ -38,7 +38,6 @@ from merge_engine.errors import InvalidOption
 from merge_engine.plan.hub_format import parse_weights_format
 from merge_engine.lora.svd import ModuleReport
 from merge_engine.plan.merge_plan import MergePlan
-from merge_engine.option_values import parse_size
 from merge_engine.output.target import read_provenance, target_state, write_target
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
 from merge_engine.output.executors import Executor, WrittenFiles, executor_address, executor_at
@@ -49,22 +48,14 @@ __all__ = ["OutputJob", "OutputOptions", "OutputResult", "job_inputs",
            "PreparedJob", "run_job"]
 
 
-# The engine's type of each kind of value (`merge_engine.options.KINDS`).
-ENGINE_TYPES: dict[str, Any] = {
-    "text": str | None, "url": str | None, "int": int | None, "count": int | None, "step": int, "float": float | None,
-    "alpha": float | tuple[float, ...] | None, "floats": tuple[float, ...] | None, "names": tuple[str, ...] | None,
-    "bool": bool | None, "size": int, "dtype": str | None, "choice": str | None, "ray_address": str | None,
-}
-
-
 def engine_default(option: declared.Option) -> Any:
     """``option``'s default as the engine holds it (a size in bytes)."""
-    return parse_size(option.default) if option.kind == "size" else option.default
+    return declared.KINDS[option.kind].engine_value(option.default)
 
 
-# one field per engine option `merge_engine.options` declares (its `Option.field`), with its default
+# one field per engine option `merge_engine.options` declares (its `Option.field`), of its kind's engine type
 DeclaredOptions = make_dataclass(
-    "DeclaredOptions", [(name, ENGINE_TYPES[option.kind], field(default=engine_default(option)))
+    "DeclaredOptions", [(name, declared.KINDS[option.kind].engine, field(default=engine_default(option)))
                         for name, option in declared.fields().items()], frozen=True)
 DeclaredOptions.__module__ = __name__  # picklable by name (Ray workers get the options)
 

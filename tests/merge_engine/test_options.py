@@ -24,7 +24,7 @@ import pytest
 from flows.cli import COMMANDS as STEPMERGE_COMMANDS
 from flows.merge_new_steps import merge_new_steps
 from flows.merge_step import merge_step
-from flows.params import BLANKS, FORM_TYPES, AdapterParams, MergeStepParams, WatchParams
+from flows.params import AdapterParams, MergeStepParams, WatchParams, blank_of, form_type
 from flows.release_adapter import release_adapter
 from merge_engine import options as declared
 from merge_engine.cli import build_parser
@@ -56,12 +56,37 @@ def test_the_declarations_are_consistent():
         assert set(option.settings) <= set(declared.SETTINGS), option.name
         assert bool(option.form) == bool(option.flows), option.name  # a form text exactly where there is a form
         assert option.kind not in ("choice", "choices") or option.choices, option.name
-        if option.flows:  # the form reads its kind, and shows a blank for "unset"
-            assert option.kind in FORM_TYPES or option.kind in ("choice", "choices"), option.name
-            assert option.default is not None or option.kind in BLANKS, option.name
+        if option.flows:  # its kind names a form type, one with a blank for "unset" where it may be unset
+            kind = declared.KINDS[option.kind]
+            assert (kind.form_unset if option.default is None else kind.form), option.name
+            if option.default is None:
+                blank_of(form_type(option))
         for command in option.commands:
             use = option.use(command)
             assert use.kind in declared.KINDS and (use.help or option.hidden), (option.name, command)
+
+
+def test_each_kind_of_value_is_declared_in_one_table():
+    """`merge_engine.options.KINDS` is the only table keyed by kinds of value in the product: no surface (the
+    command line, the forms, the settings records, the engine) keeps its own per-kind mapping; and every form
+    type a kind names is there."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(declared.__file__).resolve().parents[1]
+    kinds, tables = set(declared.KINDS) - {"int", "float", "bool"}, []  # not the names of Python types
+    for package in ("merge_engine", "tasks", "flows", "deployments"):
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Dict):
+                    keys = {k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+                    if len(keys & kinds) >= 3:
+                        tables.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert tables == []
+    for kind in declared.KINDS.values():
+        for entry in filter(None, (kind.form, kind.form_unset)):
+            module, _, name = entry.partition(":")
+            assert module == "flows.params" and hasattr(__import__(module, fromlist=[name]), name), entry
 
 
 @pytest.mark.parametrize("command", declared.COMMANDS)
@@ -103,9 +128,8 @@ def test_each_flow_form_holds_exactly_its_declared_parameters(flow):
         prop = schema["properties"][option.name]
         assert prop["description"] == option.form, option.name
         if not option.required:
-            blank = BLANKS.get(option.kind)
-            expected = blank if option.default is None else (list(option.default) if option.kind == "choices"
-                                                             else option.default)
+            expected = blank_of(form_type(option)) if option.default is None else (
+                list(option.default) if option.kind == "choices" else option.default)
             assert prop["default"] == expected, option.name
         if option.choices:
             enum = prop["items"]["enum"] if option.kind == "choices" else prop["enum"]
