@@ -127,7 +127,8 @@ class Budget:
 
 def extract(base: str, tuned: str, target: str, rank: int, device: str, method: str) -> tuple[float, dict]:
     """(wall seconds, module -> relative error) of one SVD extraction through the engine's job."""
-    from merge_engine.commands.extract import SvdExtractJob, SvdExtractOptions
+    from merge_engine.commands.extract import SvdExtractJob
+    from merge_engine.output.jobs import OutputOptions
     from merge_engine.output.jobs import run_job
 
     shutil.rmtree(target, ignore_errors=True)
@@ -136,7 +137,7 @@ def extract(base: str, tuned: str, target: str, rank: int, device: str, method: 
 
         torch.cuda.synchronize()
     started = time.perf_counter()
-    result = run_job(SvdExtractJob(base, tuned, target, SvdExtractOptions(rank=rank, device=device), svd_method=method))
+    result = run_job(SvdExtractJob(base, tuned, target, OutputOptions(rank=rank, device=device), svd_method=method))
     seconds = time.perf_counter() - started
     methods = json.load(open(os.path.join(target, "stepmerge.json"))).get("svd_methods", {})
     print(f"  extract-lora --finetuned on {device:4s} {method:4s}: {seconds:7.2f} s  ({len(result.modules)} modules, "

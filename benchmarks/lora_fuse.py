@@ -114,10 +114,11 @@ def build_adapter(directory: str, base: str, rank: int) -> None:
 
 def child_stepmerge(base: str, adapter: str, out: str) -> float:
     sys.path.insert(0, REPO)
-    from merge_engine.commands.combine import MergeLoraOptions, merge_lora
+    from merge_engine.commands.combine import merge_lora
+    from merge_engine.output.jobs import OutputOptions
 
     started = time.perf_counter()
-    merge_lora(base, [adapter], out, MergeLoraOptions(overwrite=True))
+    merge_lora(base, [adapter], out, OutputOptions(overwrite=True))
     return time.perf_counter() - started
 
 

@@ -75,8 +75,9 @@ def counted_read(self, offset, out):
     spent["reads"] += 1
     return read_some(self, offset, out)
 zip_crc.RecordChecks.add, local.LocalRangedFile.read_some = timed_add, counted_read
-from merge_engine.commands.merge import MergeOptions, merge_checkpoint
-merge_checkpoint(sys.argv[1], sys.argv[2], MergeOptions(dtype="bfloat16", overwrite=True))
+from merge_engine.commands.merge import merge_checkpoint
+from merge_engine.output.jobs import OutputOptions
+merge_checkpoint(sys.argv[1], sys.argv[2], OutputOptions(dtype="bfloat16", overwrite=True))
 fd = os.open(sys.argv[1], os.O_RDONLY)
 started = time.thread_time()
 for _ in range(100000):
@@ -93,8 +94,9 @@ def read_child(variant: str, source: str, target: str) -> list[str]:
 
 
 def merge_child(variant: str, source: str, target: str) -> list[str]:
-    code = (PATCHES[variant] + "import sys; from merge_engine.commands.merge import MergeOptions, merge_checkpoint; "
-            "merge_checkpoint(sys.argv[1], sys.argv[2], MergeOptions(dtype='bfloat16', overwrite=True))")
+    code = (PATCHES[variant] + "import sys; from merge_engine.commands.merge import merge_checkpoint; "
+            "from merge_engine.output.jobs import OutputOptions; "
+            "merge_checkpoint(sys.argv[1], sys.argv[2], OutputOptions(dtype='bfloat16', overwrite=True))")
     return [sys.executable, "-c", code, source, target]
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from merge_engine.commands.merge import MergeOptions, merge_checkpoint
+from merge_engine.commands.merge import merge_checkpoint
+from merge_engine.output.jobs import OutputOptions
 
 
 def megatron_checkpoint_url(job) -> str:
@@ -44,5 +45,5 @@ def merged_megatron(megatron_runs, tmp_path_factory) -> dict[str, str]:
         out[name] = str(root / name)
         mtp = "drop" if job.spec.mtp_layers else None
         merge_checkpoint(megatron_checkpoint_url(job), out[name],
-                         MergeOptions(backend="megatron", hf_model_path=megatron_hf_model_path(job), mtp_layers=mtp))
+                         OutputOptions(backend="megatron", hf_model_path=megatron_hf_model_path(job), mtp_layers=mtp))
     return out

@@ -29,7 +29,7 @@ from merge_engine.formats.hf_metadata import copy_metadata, read_config
 from merge_engine.plan.hub_format import in_weights_format
 from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, run_job
 from merge_engine.output.shard_unit import shard_output
-from merge_engine.layouts import check_checkpoint, open_checkpoint
+from merge_engine.layouts import open_hf_folder
 from merge_engine.lora.adapter_io import (
     LoraModule,
     adapter_plan,
@@ -284,9 +284,6 @@ def plan_combined_adapter(inputs: Sequence[WeightedAdapter], source: TensorSourc
     return adapter_plan(tensors + extra), config, reports
 
 
-MergeLoraOptions = OutputOptions  # the engine's one options record, under the name merge-lora's callers know
-
-
 def check_merge_lora_options(base_url: str | None, adapter_urls: Sequence[str], options: OutputOptions
                              ) -> list[float]:
     """Every option checked before anything is read; returns the adapters' weights."""
@@ -370,7 +367,7 @@ class CombineJob:
             base_metas = config = None
             if base_url is not None:
                 config = read_config(base_url, what="base model")
-                sources[BASE_NAMESPACE] = open_checkpoint(check_checkpoint(base_url, "hf"))
+                sources[BASE_NAMESPACE] = open_hf_folder(base_url)
                 base_metas = sources[BASE_NAMESPACE].metas()
             source = NamespacedSource(sources)
             dtype = parse_dtype(options.dtype)

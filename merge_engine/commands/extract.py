@@ -33,7 +33,9 @@ from merge_engine.plan.hf_plan import plan_hf_merge
 from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, run_job
 from merge_engine.output.executors import Executor
 from merge_engine.output.shard_unit import shard_output
-from merge_engine.layouts import HF_NAMES, Checkpoint, check_checkpoint, layout_named, open_checkpoint
+from merge_engine.layouts import (
+    HF_NAMES, Checkpoint, check_checkpoint, layout_named, open_checkpoint, open_hf_folder,
+)
 from merge_engine.plan.hub_format import in_weights_format
 from merge_engine.lora.adapter_io import adapter_plan, check_fits_base, write_adapter_config
 from merge_engine.lora.checkpoint import (
@@ -51,7 +53,7 @@ from merge_engine.commands.layout_jobs import jobs_of
 from merge_engine.lora.config import adapter_config, infer_target_modules, rank_layout, settings_layout, targets
 from merge_engine.lora.fuse import aligned, finite_or_raise
 from merge_engine.lora.hub_names import ExportedAdapter, check_exported_fits, export_adapter
-from merge_engine.lora.keys import LORA_A, LORA_B, adapter_file_key, parse_key
+from merge_engine.lora.keys import BASE_DIR, LORA_A, LORA_B, adapter_file_key, parse_key
 from merge_engine.lora.peft_settings import check_adapter_loads
 from merge_engine.lora.sources import RenamedSource
 from merge_engine.lora.svd import AUTO, Factors, ModuleReport, check_targets, svd_device
@@ -61,15 +63,9 @@ from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, parse_dtype
 from merge_engine.plan.output_heads import check_dropped_head
 from merge_engine.formats.tensor_source import TensorMeta, TensorSource
 
-BASE_DIR = "base"
-
-
 # ------------------------------------------------------------------------------------------------
 # extract-lora from a checkpoint
 # ------------------------------------------------------------------------------------------------
-
-
-ExtractOptions = OutputOptions  # the engine's one options record, under the name extract's callers know
 
 
 def extracted_adapter_config(lora: CheckpointLora, exported: ExportedAdapter, task_type: str | None,
@@ -241,7 +237,7 @@ class ExtractJob:
         lora = resolve_checkpoint_lora(checkpoint.url, source.metas(), options.lora_alpha, config)
         base_view = RenamedSource(source, lora.keys.base) if lora.keys.base else None
         if options.base_model is not None:
-            given = open_checkpoint(check_checkpoint(options.base_model, "hf"))
+            given = open_hf_folder(options.base_model)
             opened.append(given)
             check_base_metas, check_url = given.metas(), options.base_model
         elif base_view is not None:
@@ -311,9 +307,6 @@ def default_target(module: str) -> bool:
     return "embed" not in last and last not in NOT_LINEAR_LAST_PARTS
 
 
-SvdExtractOptions = OutputOptions
-
-
 def select_modules(candidates: Sequence[str], target_modules: Sequence[str] | None, where: str | None) -> list[str]:
     if target_modules is None:
         return [m for m in candidates if default_target(m)]
@@ -381,7 +374,7 @@ class SvdExtractJob:
         if layout_named(tuned_checkpoint.layout).TENSOR_NAMING != HF_NAMES:
             raise AdapterError(f"a {tuned_checkpoint.layout} checkpoint's tensors are not Hugging Face tensors: "
                                "merge it first (`stepmerge merge`), then extract from the merged folder", finetuned_url)
-        base = open_checkpoint(check_checkpoint(base_url, "hf"))
+        base = open_hf_folder(base_url)
         try:
             tuned = open_checkpoint(tuned_checkpoint)
         except BaseException:
@@ -466,5 +459,5 @@ def extract_lora_svd(base_url: str, finetuned_url: str, target_url: str,
     return run_job(SvdExtractJob(base_url, finetuned_url, target_url, options, on_module))
 
 
-__all__ = ["ExtractJob", "ExtractOptions", "SvdExtractJob", "SvdExtractOptions", "extract_fingerprint", "extract_lora",
+__all__ = ["ExtractJob", "SvdExtractJob", "extract_fingerprint", "extract_lora",
            "extract_lora_svd", "is_lora_checkpoint", "plan_trained_model", "svd_extract_fingerprint"]

@@ -39,7 +39,7 @@ from merge_engine.plan.hub_format import in_weights_format
 from merge_engine.output.jobs import OutputOptions, PreparedJob
 from merge_engine.output.shard_unit import shard_output
 from merge_engine.output.work_unit import PlannedOutput
-from merge_engine.layouts import Checkpoint, check_checkpoint, open_checkpoint
+from merge_engine.layouts import Checkpoint, open_checkpoint, open_hf_folder
 from merge_engine.layouts.megatron_lora import adapter_folder
 from merge_engine.lora.adapter_io import (
     Adapter,
@@ -51,6 +51,7 @@ from merge_engine.lora.adapter_io import (
     with_base,
 )
 from merge_engine.lora.config import LoraSettings, adapter_config, rank_layout
+from merge_engine.lora.keys import BASE_DIR
 from merge_engine.lora.fuse import BASE_NAMESPACE, WeightedAdapter, finite_or_raise, plan_fused_model
 from merge_engine.lora.megatron_adapter import (
     GROUPED_EXPERTS,
@@ -64,7 +65,6 @@ from merge_engine.formats.chunks import flat_slices
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
 
 ADAPTER_NAMESPACE = "adapter0"
-BASE_DIR = "base"  # the clean base inside an adapter release (as `merge_engine.commands.extract` writes it)
 # config.json keys a base must share with the step's config to be the base the run trained from
 SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "intermediate_size", "moe_intermediate_size", "vocab_size", "num_experts",
@@ -149,7 +149,7 @@ def _check_same_model(step: Mapping[str, Any], base: Mapping[str, Any], base_url
 def _base(base_url: str, step: Mapping[str, Any]) -> tuple[TensorSource, dict[str, Any]]:
     config = read_config(base_url, what="base model")
     _check_same_model(step, config, base_url)
-    return open_checkpoint(check_checkpoint(base_url, "hf")), config
+    return open_hf_folder(base_url), config
 
 
 def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, source_url: str,

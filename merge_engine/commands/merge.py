@@ -36,11 +36,8 @@ from merge_engine.planner import plan_checkpoint
 from merge_engine.commands.layout_jobs import jobs_of
 from merge_engine.formats.tensor_source import TensorSource
 
-__all__ = ["PROVENANCE_FILE", "MergeJob", "MergeOptions", "MergeResult", "in_weights_format", "merge_checkpoint",
+__all__ = ["PROVENANCE_FILE", "MergeJob", "merge_checkpoint",
            "merge_fingerprint", "plan_stored_names", "read_provenance"]
-
-MergeOptions = OutputOptions  # the engine's one options record, under the name the merge's callers know
-MergeResult = OutputResult
 
 
 def merge_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
@@ -53,11 +50,6 @@ def merge_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
     if options.hf_model_path is not None:
         extra["hf_model_listing"] = storage.fingerprint(storage.list_files(options.hf_model_path, recursive=False))
     return storage.fingerprint(checkpoint.files, **options.output_options("merge"), **extra, **engine_identity())
-
-
-def in_weights_format(plan: MergePlan, config: dict, options: OutputOptions) -> MergePlan:
-    """``--weights-format hub`` (default): the Hub checkpoint's names; ``transformers``: as stored."""
-    return hub_format.in_weights_format(plan, config, options.weights_format, options.max_shard_size)
 
 
 def plan_stored_names(checkpoint: Checkpoint, source: TensorSource, config: dict,
@@ -122,7 +114,8 @@ class MergeJob:
             check_config_against_tensors({**config, **stored.config_updates},  # the config is copied beside them
                                          ((t.name, t.shape) for t in stored.tensors), storage.join(hf_dir, CONFIG_FILE))
             check_dropped_head(source, stored, self.options.chunk_bytes, config, model_ties(config))
-            plan = in_weights_format(stored, config, self.options)
+            options = self.options
+            plan = hub_format.in_weights_format(stored, config, options.weights_format, options.max_shard_size)
         except BaseException:
             source.close()
             raise

@@ -10,9 +10,10 @@ the same keys, shapes and dtypes, values within ``atol + rtol * |reference|``, d
 
 from __future__ import annotations
 
-from merge_engine.commands.merge import MergeJob, MergeOptions
+from merge_engine.commands.merge import MergeJob
+from merge_engine.output.jobs import OutputOptions
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorSource
-from merge_engine.layouts import check_checkpoint, open_checkpoint
+from merge_engine.layouts import open_hf_folder
 from merge_engine.output.shard_job import tensor_chunks
 from merge_engine.plan.merge_plan import MergePlan
 from merge_engine.validate import Check, ValidationReport
@@ -29,7 +30,7 @@ def compare_plan_to_reference(plan: MergePlan, source: TensorSource, reference: 
                            dtype_hint="(use --dtype to compare after a cast)")
 
 
-def check_against_reference(source_url: str, reference_url: str, options: MergeOptions = MergeOptions(), *,
+def check_against_reference(source_url: str, reference_url: str, options: OutputOptions = OutputOptions(), *,
                             atol: float = WEIGHT_TOLERANCE.atol, rtol: float = WEIGHT_TOLERANCE.rtol
                             ) -> ValidationReport:
     """Prepare the merge of ``source_url`` as ``merge`` does and compare it with the Hugging Face folder
@@ -37,7 +38,7 @@ def check_against_reference(source_url: str, reference_url: str, options: MergeO
     prepared = MergeJob(source_url, "", options).prepare()  # no target: nothing is written
     try:
         (source,) = prepared.sources  # a merge plans one safetensors folder over one source
-        reference = open_checkpoint(check_checkpoint(reference_url, "hf"))
+        reference = open_hf_folder(reference_url)
         try:
             checks = compare_plan_to_reference(prepared.plan(), source, reference, atol=atol, rtol=rtol,
                                                chunk_bytes=options.chunk_bytes)

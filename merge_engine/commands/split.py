@@ -56,10 +56,6 @@ FORMATS = {"legacy": "megatron_legacy", "dist": "megatron_dist"}
 TRANSFORMER_CONFIG = "transformer_config.json"
 
 
-SplitOptions = OutputOptions  # the engine's one options record, under the name split's callers know
-SplitResult = OutputResult
-
-
 def writable_layout(fmt: str) -> WritableLayout:
     """The layout that writes ``--format fmt``."""
     return layout_named(FORMATS[fmt])  # type: ignore[return-value]

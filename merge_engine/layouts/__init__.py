@@ -20,8 +20,8 @@ Helpers with no format of their own: `contract` (the protocol and its records), 
 `verl_v2` (verl's ``ckpt_contents.json`` marker).
 
 Entry points: `layout_named`, `find_layout`, `listing_verdicts` (discovery), `check_checkpoint`,
-`open_checkpoint`. Adding a format is one module plus one line in `LAYOUTS`; a format with its own
-semantics answers through the contract's optional hooks (``REFINES``/``refine``, ``second_look``, ``JOBS``).
+`open_checkpoint`, `open_hf_folder`. Adding a format is one module plus one line in `LAYOUTS`; a format with its
+own semantics answers through the contract's optional hooks (``REFINES``/``refine``, ``second_look``, ``JOBS``).
 
 Importing the registry imports no torch (nor transformers): a layout module holds its names,
 detection and listing verdict at module level and imports its readers (torch archives, safetensors,
@@ -62,7 +62,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
 
 __all__ = ["ALIASES", "BY_NAME", "HF_NAMES", "LAYOUTS", "MEGATRON_NAMES", "Checkpoint", "Layout", "Verdict",
            "WritableLayout", "check_checkpoint", "check_unchanged", "find_layout", "layout_named",
-           "listing_verdicts", "open_checkpoint", "refined"]
+           "listing_verdicts", "open_checkpoint", "open_hf_folder", "refined"]
 
 
 def layout_named(name: str) -> Layout:
@@ -157,6 +157,11 @@ def refined(checkpoint: Checkpoint, files: Sequence[FileEntry]) -> Checkpoint:
 
 def open_checkpoint(checkpoint: Checkpoint) -> TensorSource:
     return layout_named(checkpoint.layout).open(checkpoint)
+
+
+def open_hf_folder(url: str) -> TensorSource:
+    """The tensors of the Hugging Face folder at ``url`` (a base model, a reference), checked complete first."""
+    return open_checkpoint(check_checkpoint(url, hf.NAME))
 
 
 def check_unchanged(checkpoint: Checkpoint) -> None:

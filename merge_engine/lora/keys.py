@@ -36,6 +36,7 @@ from merge_engine.errors import AdapterError
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+BASE_DIR = "base"  # the clean base model beside an adapter: <adapter folder>/base/ (a Hugging Face folder)
 
 BASE = "base"  # a base-model tensor (frozen)
 LORA_A = "lora_A"

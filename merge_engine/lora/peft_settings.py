@@ -33,7 +33,8 @@ from merge_engine.lora.fused_experts import wrapper_owner
 from merge_engine.lora.keys import LORA_A, LORA_B, PEFT_PREFIX
 
 VERL_DEFAULT_TARGET_MODULES = "all-linear"  # verl's actor_rollout_ref.model.target_modules default
-# LoraConfig fields taken from a run's recorded adapter config (the rest are PEFT's defaults)
+# LoraConfig fields taken from a run's recorded adapter config: those that decide the trained modules' names,
+# shapes and scales (the rest are PEFT's defaults; init_lora_weights only decides values the checkpoint replaces)
 RUN_CONFIG_FIELDS = ("target_modules", "target_parameters", "rank_pattern", "alpha_pattern", "use_rslora",
                      "layers_to_transform", "layers_pattern", "exclude_modules", "fan_in_fan_out", "modules_to_save",
                      "bias", "use_dora", "lora_bias")
@@ -159,11 +160,16 @@ def _below_layer(name: str) -> str:
     return ".".join(parts[numbers[-1] + 1:]) if numbers else name
 
 
+def recorded_settings(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The `RUN_CONFIG_FIELDS` a run's recorded adapter config sets (unset, empty ones left out)."""
+    return {k: v for k, v in dict(run_config or {}).items() if k in RUN_CONFIG_FIELDS and v not in (None, [], {})}
+
+
 def candidate_configs(r: int, lora_alpha: float, run_config: Mapping[str, Any] | None, stored: StoredFactors
                       ) -> list[tuple[str, dict[str, Any]]]:
     """The LoRA settings the run may have used, in the order they are tried (see the module docstring)."""
     base: dict[str, Any] = {"r": int(r), "lora_alpha": lora_alpha}
-    recorded = {k: v for k, v in dict(run_config or {}).items() if k in RUN_CONFIG_FIELDS and v not in (None, [], {})}
+    recorded = recorded_settings(run_config)
     candidates: list[tuple[str, dict[str, Any]]] = []
     if recorded.get("target_modules") or recorded.get("target_parameters"):
         candidates.append(("the run's adapter config", {**base, **recorded}))

@@ -37,6 +37,7 @@ from typing import Any, Optional
 
 from merge_engine import storage
 from merge_engine.errors import StepmergeError
+from merge_engine.lora.keys import BASE_DIR
 from merge_engine.validate.compare import LOGIT_TOLERANCE
 from merge_engine.validate.forward import checked_device, loaded_model, logits_of, model_logits
 from merge_engine.validate.report import Check, ValidationReport
@@ -44,7 +45,6 @@ from merge_engine.validate.staging import local_folder
 from merge_engine.validate.structure import recorded_weights_format, validate_structure
 from merge_engine.validate.weights import top_level_listing
 
-BASE_DIR = "base"
 NOISE_FACTOR = 4.0  # rounding noise allowed, in units of eps * rms(fused logits) (measured: ~0.4 on tiny models)
 MAX_UNEXPLAINED = 0.5  # the adapter must reproduce at least half of the base -> fused change
 
@@ -82,9 +82,9 @@ def coarsest_dtype(dtypes: Iterable[Any]) -> Any:
 
 
 def _folder_dtypes(url: str) -> set[Any]:
-    from merge_engine.layouts import check_checkpoint, open_checkpoint
+    from merge_engine.layouts import open_hf_folder
 
-    source = open_checkpoint(check_checkpoint(url, "hf"))
+    source = open_hf_folder(url)
     try:
         return {meta.dtype for meta in source.metas().values()}
     finally:
@@ -132,7 +132,7 @@ def validate_adapter(adapter_url: str, *, fused_model_url: Optional[str] = None,
                      device: Optional[str] = None, atol: float = LOGIT_TOLERANCE.atol,
                      rtol: float = LOGIT_TOLERANCE.rtol) -> ValidationReport:
     """Validate the adapter folder at ``adapter_url`` (see the module docstring)."""
-    from merge_engine.layouts import check_checkpoint, open_checkpoint
+    from merge_engine.layouts import open_hf_folder
     from merge_engine.lora.adapter_io import check_fits_base, read_adapter
 
     checks: list[Check] = []
@@ -156,7 +156,7 @@ def validate_adapter(adapter_url: str, *, fused_model_url: Optional[str] = None,
         base_report = validate_structure(base_url, weights_format=recorded_weights_format(
             adapter_url, top_level_listing(adapter_url)))
         checks += [Check(f"base:{c.name}", c.ok, c.detail) for c in base_report.checks]
-        base = open_checkpoint(check_checkpoint(base_url, "hf"))
+        base = open_hf_folder(base_url)
         try:
             check_fits_base(adapter, base.metas(), base_url)
             checks.append(Check("adapter_fits_base", True, "every target module exists with its shape"))

@@ -57,7 +57,8 @@ from merge_engine import storage
 from merge_engine.errors import StepmergeError
 from merge_engine.formats.hf_metadata import CONFIG_FILE
 from merge_engine.layouts import Checkpoint, check_checkpoint, open_checkpoint
-from merge_engine.validate.adapter import BASE_DIR, _folder_dtypes, _peft_logits, coarsest_dtype, compare_logits
+from merge_engine.lora.keys import BASE_DIR
+from merge_engine.validate.adapter import _folder_dtypes, _peft_logits, coarsest_dtype, compare_logits
 from merge_engine.validate.compare import LOGIT_TOLERANCE
 from merge_engine.validate.forward import checked_device, logits_of, model_class, release_model
 from merge_engine.validate.report import Check, ValidationReport
@@ -69,10 +70,6 @@ MAX_BYTES_ENV = "STEPMERGE_TRAINED_CHECK_MAX_BYTES"
 PEAK_FACTOR = 1.5
 ALL_LINEAR = "all-linear"
 TRAINED, VS_FUSED, VS_ADAPTER = "trained_model", "trained_vs_fused", "trained_vs_adapter"
-# LoraConfig fields a run's recorded adapter config may set (everything else: PEFT's defaults)
-_RECORDED_FIELDS = ("target_modules", "target_parameters", "exclude_modules", "rank_pattern", "alpha_pattern",
-                    "use_rslora", "fan_in_fan_out", "modules_to_save", "bias", "layers_to_transform",
-                    "layers_pattern", "init_lora_weights")
 
 
 def memory_budget() -> int:
@@ -127,17 +124,20 @@ def _v4_names(model_type: str | None) -> dict[str, set[str]]:
     return names
 
 
-def candidate_configs(run: Any, r: int, alpha: float, keys: Any, metas: Mapping[str, Any],
-                      model_type: str | None, task_type: str | None) -> list[tuple[str, dict[str, Any]]]:
-    """(label, LoraConfig keyword arguments) to try, in order (see the module docstring, step 2)."""
+def trained_model_configs(run: Any, r: int, alpha: float, keys: Any, metas: Mapping[str, Any],
+                          model_type: str | None, task_type: str | None) -> list[tuple[str, dict[str, Any]]]:
+    """(label, LoraConfig keyword arguments) to try, in order (see the module docstring, step 2): PEFT's model
+    of the run, chosen apart from `merge_engine.lora.peft_settings.candidate_configs` (the resolution this
+    check judges); the fields a recorded config gives are the same (`recorded_settings`)."""
     from merge_engine.lora.fused_experts import find_expert_loras
+    from merge_engine.lora.peft_settings import recorded_settings
 
     common: dict[str, Any] = {"r": r, "lora_alpha": alpha, "task_type": task_type, "lora_dropout": 0.0}
     copies = sorted({_leaf(name.rsplit(".", 1)[0]) for name in keys.trained_copies})
     if copies:
         common["modules_to_save"] = copies
     if run.config:
-        recorded = {k: run.config[k] for k in _RECORDED_FIELDS if run.config.get(k) is not None}
+        recorded = recorded_settings(run.config)
         if recorded.get("target_modules") or recorded.get("target_parameters"):
             return [("the run's recorded adapter config", {**common, **recorded})]
     candidates = [(f"target_modules={ALL_LINEAR!r} (verl's default; the run recorded none)",
@@ -288,7 +288,7 @@ def rebuilt_model(checkpoint: Checkpoint, *, lora_alpha: float | None = None, co
         ranks = Counter(int(metas[parts["lora_A"][0]].shape[0]) for parts in keys.factors.values() if "lora_A" in parts)
         r = int(run.r or (run.config or {}).get("r") or ranks.most_common(1)[0][0])
         task = task_type_of(config.to_dict(), run.task_type)
-        candidates = candidate_configs(run, r, alpha, keys, metas, getattr(config, "model_type", None), task)
+        candidates = trained_model_configs(run, r, alpha, keys, metas, getattr(config, "model_type", None), task)
         found = {k: tuple(m.shape) for k, m in metas.items()}
         model, label, kwargs = fitting_peft_model(config, candidates, found)
         model.load_state_dict(_read_all(source, sorted(metas)), strict=True, assign=True)
@@ -474,5 +474,5 @@ def check_against_trained(checkpoint: Checkpoint | str, *, fused_model_url: Opti
     return ValidationReport(subject, tuple(checks))
 
 
-__all__ = ["check_against_trained", "rebuilt_model", "trained_logits", "candidate_configs", "memory_budget",
+__all__ = ["check_against_trained", "rebuilt_model", "trained_logits", "trained_model_configs", "memory_budget",
            "MAX_BYTES_ENV", "TRAINED", "VS_FUSED", "VS_ADAPTER", "LOGIT_TOLERANCE"]

@@ -154,7 +154,8 @@ def test_the_deep_check_runs_once_per_merge(prefect, template_run, tmp_path, mon
 def test_a_release_of_other_content_is_refused_and_the_staging_folder_removed(prefect, template_run, tmp_path):
     """publish_release keeps nothing behind when it refuses (TargetExists: another fingerprint there)."""
     from merge_engine.errors import TargetExists
-    from merge_engine.commands.merge import MergeOptions, merge_checkpoint
+    from merge_engine.commands.merge import merge_checkpoint
+    from merge_engine.output.jobs import OutputOptions
     from merge_engine.release.built import BuiltOutput
     from merge_engine.validate import Check, ValidationReport
 
@@ -162,7 +163,7 @@ def test_a_release_of_other_content_is_refused_and_the_staging_folder_removed(pr
     copy_steps(template_run, run_root, [1, 2])
     published = chain(run_root, 1, releases, str(tmp_path / "staging"))["publish"][1]
     staged = str(tmp_path / "staging" / "other")
-    result = merge_checkpoint(str(tmp_path / "run" / "global_step_2" / "actor"), staged, MergeOptions())
+    result = merge_checkpoint(str(tmp_path / "run" / "global_step_2" / "actor"), staged, OutputOptions())
     output = BuiltOutput(kind="model", source_url=result.source_url, url=staged, fingerprint=result.fingerprint,
                           release=published.url, attempt="x")
 

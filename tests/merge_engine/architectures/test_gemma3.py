@@ -18,9 +18,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from merge_engine.commands.merge import MergeOptions, merge_checkpoint
-from merge_engine.commands.split import SplitOptions, split_hf_to_megatron
+from merge_engine.commands.merge import merge_checkpoint
+from merge_engine.commands.split import split_hf_to_megatron
 from merge_engine.formats.dcp_index import read_index
+from merge_engine.output.jobs import OutputOptions
 from tests.merge_engine.layouts.test_megatron_merge import _tensors
 
 CONFIG = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -43,7 +44,7 @@ def gemma3(tmp_path_factory):
     return str(folder), ids, logits
 
 
-@pytest.mark.parametrize("options", [SplitOptions(format="dist"), SplitOptions(tp=2, pp=2)], ids=["dist", "tp2_pp2_legacy"])
+@pytest.mark.parametrize("options", [OutputOptions(format="dist"), OutputOptions(tp=2, pp=2)], ids=["dist", "tp2_pp2_legacy"])
 def test_split_and_merge_back_is_exact(gemma3, tmp_path, options):
     hub, ids, logits = gemma3
     split_hf_to_megatron(hub, str(tmp_path / "megatron"), options)
@@ -54,7 +55,7 @@ def test_split_and_merge_back_is_exact(gemma3, tmp_path, options):
                 "decoder.layers.mlp.linear_fc1.layer_norm_weight",
                 "decoder.layers.mlp.linear_fc2.post_layernorm.weight"} <= keys
         assert "output_layer.weight" not in keys
-    merge_checkpoint(str(tmp_path / "megatron"), str(tmp_path / "merged"), MergeOptions(backend="megatron"))
+    merge_checkpoint(str(tmp_path / "megatron"), str(tmp_path / "merged"), OutputOptions(backend="megatron"))
     original, ours = _tensors(hub), _tensors(str(tmp_path / "merged"))
     assert set(ours) == set(original)
     assert all(torch.equal(ours[k], v) for k, v in original.items())

@@ -26,9 +26,10 @@ import torch
 from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 
 from merge_engine.errors import InvalidOption
-from merge_engine.commands.merge import MergeOptions, merge_checkpoint
-from merge_engine.commands.split import SplitOptions, split_hf_to_megatron
+from merge_engine.commands.merge import merge_checkpoint
+from merge_engine.commands.split import split_hf_to_megatron
 from merge_engine.formats.dcp_index import read_index
+from merge_engine.output.jobs import OutputOptions
 from tests.merge_engine.layouts.test_megatron_merge import _tensors
 
 TEXT = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -72,7 +73,7 @@ def qwen2_5_vl(tmp_path_factory):
 def test_split_in_megatron_bridge_names_and_merge_back_is_exact(qwen2_5_vl, tmp_path):
     hub, ids, logits = qwen2_5_vl
     megatron = tmp_path / "megatron"
-    split_hf_to_megatron(hub, str(megatron), SplitOptions(format="dist"))
+    split_hf_to_megatron(hub, str(megatron), OutputOptions(format="dist"))
     keys = set(read_index(str(megatron / "dist_ckpt")).tensors)
     assert {"language_model.embedding.word_embeddings.weight", "language_model.output_layer.weight",
             "language_model.decoder.final_layernorm.weight",
@@ -90,7 +91,7 @@ def test_split_in_megatron_bridge_names_and_merge_back_is_exact(qwen2_5_vl, tmp_
     assert built_with["rotary_base"] == 1e6 and built_with["add_qkv_bias"]
 
     merged = tmp_path / "merged"
-    merge_checkpoint(str(megatron), str(merged), MergeOptions(backend="megatron"))
+    merge_checkpoint(str(megatron), str(merged), OutputOptions(backend="megatron"))
     original, ours = _tensors(hub), _tensors(str(merged))
     assert set(ours) == set(original)  # exactly the names save_pretrained writes
     assert all(ours[k].dtype == v.dtype and torch.equal(ours[k], v) for k, v in original.items())
@@ -107,5 +108,5 @@ def test_split_in_megatron_bridge_names_and_merge_back_is_exact(qwen2_5_vl, tmp_
 
 def test_legacy_format_is_refused(qwen2_5_vl, tmp_path):
     with pytest.raises(InvalidOption, match="language_model"):
-        split_hf_to_megatron(qwen2_5_vl[0], str(tmp_path / "megatron"), SplitOptions(tp=2))
+        split_hf_to_megatron(qwen2_5_vl[0], str(tmp_path / "megatron"), OutputOptions(tp=2))
     assert not (tmp_path / "megatron").exists()

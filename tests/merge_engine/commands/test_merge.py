@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 
 from merge_engine import storage
 from merge_engine.errors import TargetExists
-from merge_engine.commands.merge import PROVENANCE_FILE, MergeOptions, merge_checkpoint
+from merge_engine.commands.merge import PROVENANCE_FILE, merge_checkpoint
+from merge_engine.output.jobs import OutputOptions
 from synthetic_runs import fixture_matrix
 
 PLAIN_VARIANTS = sorted(name for name, spec in fixture_matrix().items() if spec.lora is None)
@@ -101,7 +102,7 @@ def test_metadata_files_are_copied_and_tokenizer_loads(fsdp_runs, merged):
 
 def test_dtype_option_is_the_only_cast(fsdp_runs, tmp_path):
     step = fsdp_runs["fsdp1_mesh_qwen2"].latest
-    result = merge_checkpoint(step.checkpoint_dir, str(tmp_path / "bf16"), MergeOptions(dtype="bfloat16"))
+    result = merge_checkpoint(step.checkpoint_dir, str(tmp_path / "bf16"), OutputOptions(dtype="bfloat16"))
     reference = load_file(step.reference_state_dict)
     got = _merged_tensors(result.target_url)
     for name, tensor in got.items():
@@ -112,7 +113,7 @@ def test_dtype_option_is_the_only_cast(fsdp_runs, tmp_path):
 
 def test_small_max_shard_size_gives_index_that_transformers_loads(fsdp_runs, tmp_path):
     step = fsdp_runs["fsdp2_qwen2"].latest
-    result = merge_checkpoint(step.checkpoint_dir, str(tmp_path / "sharded"), MergeOptions(max_shard_size=100_000))
+    result = merge_checkpoint(step.checkpoint_dir, str(tmp_path / "sharded"), OutputOptions(max_shard_size=100_000))
     index = json.load(open(tmp_path / "sharded" / "model.safetensors.index.json"))
     assert len(set(index["weight_map"].values())) > 3
     assert index["metadata"]["total_size"] == result.tensor_bytes
@@ -135,7 +136,7 @@ def test_rerun_is_a_noop_and_a_different_model_is_refused(fsdp_runs, tmp_path):
         merge_checkpoint(fsdp_runs["fsdp2_llama_buffer_mqa"].latest.checkpoint_dir, target)
     assert info.value.path == target
     replaced = merge_checkpoint(fsdp_runs["fsdp2_llama_buffer_mqa"].latest.checkpoint_dir, target,
-                                MergeOptions(overwrite=True))
+                                OutputOptions(overwrite=True))
     assert not replaced.skipped
     assert "model.extra_persistent_buffer" in _merged_tensors(target)
 
@@ -173,14 +174,14 @@ def test_a_changed_hf_model_path_config_is_merged_again(fsdp_runs, tmp_path):
     config_dir = tmp_path / "config"
     shutil.copytree(os.path.join(step.checkpoint_dir, "huggingface"), config_dir)
     target = str(tmp_path / "out")
-    options = MergeOptions(hf_model_path=str(config_dir))
+    options = OutputOptions(hf_model_path=str(config_dir))
     merge_checkpoint(step.checkpoint_dir, target, options)
     config = json.loads((config_dir / "config.json").read_text())
     config["rms_norm_eps"] = 1e-5
     (config_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(TargetExists):  # another output now: never "already holds this merge"
         merge_checkpoint(step.checkpoint_dir, target, options)
-    again = merge_checkpoint(step.checkpoint_dir, target, MergeOptions(hf_model_path=str(config_dir), overwrite=True))
+    again = merge_checkpoint(step.checkpoint_dir, target, OutputOptions(hf_model_path=str(config_dir), overwrite=True))
     assert not again.skipped
     assert json.load(open(os.path.join(target, "config.json")))["rms_norm_eps"] == 1e-5
 
@@ -217,7 +218,7 @@ def test_lora_alpha_from_lora_adapter_folder_is_part_of_the_key(fsdp_runs, tmp_p
     before = load_file(os.path.join(target, "model.safetensors"))
     adapter_config["lora_alpha"] = meta["lora_alpha"] * 2
     (run / "lora_adapter" / "adapter_config.json").write_text(json.dumps(adapter_config))
-    second = merge_checkpoint(str(run), target, MergeOptions(overwrite=True))
+    second = merge_checkpoint(str(run), target, OutputOptions(overwrite=True))
     assert not second.skipped and second.fingerprint != first.fingerprint
     after = load_file(os.path.join(target, "model.safetensors"))
     assert not torch.equal(before["model.layers.0.self_attn.q_proj.weight"],
@@ -254,7 +255,7 @@ def test_debris_of_killed_runs_never_blocks_a_retry(fsdp_runs, tmp_path, s3_buck
     assert (tmp_path / "out" / "model.safetensors").exists()
 
     target = storage.join(s3_bucket_url, "merged")
-    fingerprint = merge_fingerprint(check_checkpoint(source), MergeOptions())
+    fingerprint = merge_fingerprint(check_checkpoint(source), OutputOptions())
     storage.write_bytes(storage.join(target, PARTIAL_FILE), json.dumps({"fingerprint": fingerprint}).encode())
     storage.write_bytes(storage.join(target, "model.safetensors"), b"half a shard")
     rebuilt = merge_checkpoint(source, target)
@@ -282,14 +283,14 @@ def test_an_output_of_an_older_output_revision_is_not_taken_for_current(fsdp_run
     old = merge_checkpoint(step.checkpoint_dir, target)
     assert json.load(open(os.path.join(target, PROVENANCE_FILE)))["output_revision"] == current - 1
     monkeypatch.setattr(merge_engine, "OUTPUT_REVISION", current)
-    fingerprint = merge_fingerprint(check_checkpoint(step.checkpoint_dir), MergeOptions())
+    fingerprint = merge_fingerprint(check_checkpoint(step.checkpoint_dir), OutputOptions())
     assert fingerprint != old.fingerprint
     released_old = ReleaseState("mem://r", PUBLISHED, Manifest("src", old.fingerprint, merge_engine.__version__, {},
                                                                None, "now", "a", ()))
     assert not released_old.holds(fingerprint)  # the pipeline does not report 'skipped' on it
     with pytest.raises(TargetExists):
         merge_checkpoint(step.checkpoint_dir, target)
-    again = merge_checkpoint(step.checkpoint_dir, target, MergeOptions(overwrite=True))
+    again = merge_checkpoint(step.checkpoint_dir, target, OutputOptions(overwrite=True))
     assert not again.skipped and again.fingerprint == fingerprint
     assert json.load(open(os.path.join(target, PROVENANCE_FILE)))["output_revision"] == current
     assert merge_checkpoint(step.checkpoint_dir, target).skipped

@@ -27,8 +27,9 @@ import torch
 
 from merge_engine.cli import main
 from merge_engine.errors import InvalidOption, TargetExists
-from merge_engine.commands.merge import MergeOptions, merge_checkpoint
-from merge_engine.commands.split import SplitOptions, split_hf_to_megatron
+from merge_engine.commands.merge import merge_checkpoint
+from merge_engine.output.jobs import OutputOptions
+from merge_engine.commands.split import split_hf_to_megatron
 from merge_engine.formats.torch_archive import TorchArchive
 from synthetic_runs.megatron import (
     REFERENCE_HF_DIR,
@@ -41,20 +42,20 @@ from tests.merge_engine.layouts.test_megatron_merge import _tensors
 
 # fixture whose reference model is split -> split options (all fit one gloo world of 4)
 CASES = {
-    "llama_tp1_pp1_legacy": SplitOptions(tp=2, pp=2),
-    "qwen3_tp2_kv1_legacy": SplitOptions(tp=2, pp=2, vpp=2, format="dist"),
-    "qwen2_tp2_pp1_tied_legacy": SplitOptions(tp=2, pp=2),
-    "mixtral_ep2_legacy": SplitOptions(tp=2, ep=2, format="dist"),
-    "qwen2_moe_ep2_dist_v2": SplitOptions(pp=2, ep=2),
-    "qwen3_moe_tp2_ep2_legacy": SplitOptions(tp=2, ep=2),
-    "mistral_tp1_pp2_legacy": SplitOptions(format="dist"),
+    "llama_tp1_pp1_legacy": OutputOptions(tp=2, pp=2),
+    "qwen3_tp2_kv1_legacy": OutputOptions(tp=2, pp=2, vpp=2, format="dist"),
+    "qwen2_tp2_pp1_tied_legacy": OutputOptions(tp=2, pp=2),
+    "mixtral_ep2_legacy": OutputOptions(tp=2, ep=2, format="dist"),
+    "qwen2_moe_ep2_dist_v2": OutputOptions(pp=2, ep=2),
+    "qwen3_moe_tp2_ep2_legacy": OutputOptions(tp=2, ep=2),
+    "mistral_tp1_pp2_legacy": OutputOptions(format="dist"),
     # mixed dense / MoE: per-layer torch_dist keys; DeepSeek-V3 (MLA) both ways
-    "qwen3_moe_dense0_pp2_ep2_dist_v1": SplitOptions(tp=2, ep=2, format="dist"),
-    "qwen2_moe_mixed_tp2_ep2_te_legacy": SplitOptions(pp=2, ep=2),
-    "deepseek_v3_pp2_ep2_dist_v2": SplitOptions(ep=4),
-    "deepseek_v3_ep2_legacy": SplitOptions(pp=2, ep=2, format="dist"),
-    "deepseek_v3_tp2_pp2_dist_v1": SplitOptions(tp=2, pp=2),  # MLA down-projections cut in TP row pieces
-    "glm4_moe_tp2_ep2_dist_v1": SplitOptions(pp=2, ep=2),
+    "qwen3_moe_dense0_pp2_ep2_dist_v1": OutputOptions(tp=2, ep=2, format="dist"),
+    "qwen2_moe_mixed_tp2_ep2_te_legacy": OutputOptions(pp=2, ep=2),
+    "deepseek_v3_pp2_ep2_dist_v2": OutputOptions(ep=4),
+    "deepseek_v3_ep2_legacy": OutputOptions(pp=2, ep=2, format="dist"),
+    "deepseek_v3_tp2_pp2_dist_v1": OutputOptions(tp=2, pp=2),  # MLA down-projections cut in TP row pieces
+    "glm4_moe_tp2_ep2_dist_v1": OutputOptions(pp=2, ep=2),
 }
 
 
@@ -75,7 +76,7 @@ def splits(megatron_runs, tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_hf_to_megatron_to_hf_is_bit_exact(megatron_runs, splits, tmp_path, name):
     merged = tmp_path / "merged"
-    result = merge_checkpoint(splits[name], str(merged), MergeOptions(backend="megatron"))
+    result = merge_checkpoint(splits[name], str(merged), OutputOptions(backend="megatron"))
     assert result.layout == ("megatron_dist" if CASES[name].format == "dist" else "megatron_legacy")
     reference = _tensors(_reference_hf(megatron_runs[name]))
     ours = _tensors(str(merged))
@@ -102,7 +103,7 @@ def test_splits_load_into_megatron_core_and_give_its_logits(megatron_runs, split
 def test_legacy_files_are_what_megatron_core_writes(megatron_runs, tmp_path):
     """Same rank folders, same keys (extra states included), same tensors as megatron-core's files."""
     job = megatron_runs["mistral_tp1_pp2_legacy"]
-    split_hf_to_megatron(_reference_hf(job), str(tmp_path / "split"), SplitOptions(pp=2))
+    split_hf_to_megatron(_reference_hf(job), str(tmp_path / "split"), OutputOptions(pp=2))
     theirs_root = job.step_dir / "actor" / "model"
     ours_root = tmp_path / "split" / "model"
     assert sorted(os.listdir(ours_root)) == sorted(os.listdir(theirs_root))
@@ -127,7 +128,7 @@ def test_dist_folder_is_what_megatron_core_writes(megatron_runs, tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     job = megatron_runs["llama_tp1_pp1_dist_v1"]
-    split_hf_to_megatron(_reference_hf(job), str(tmp_path / "split"), SplitOptions(format="dist"))
+    split_hf_to_megatron(_reference_hf(job), str(tmp_path / "split"), OutputOptions(format="dist"))
     theirs = FileSystemReader(str(job.step_dir / "actor" / "dist_ckpt"))
     ours = FileSystemReader(str(tmp_path / "split" / "dist_ckpt"))
     their_meta, our_meta = theirs.read_metadata(), ours.read_metadata()  # our own files: trusted pickles
@@ -168,11 +169,11 @@ def test_transformer_config_values(megatron_runs, splits):
 
 
 @pytest.mark.parametrize("options,match", [
-    (SplitOptions(tp=3), "heads do not split over TP=3"),
-    (SplitOptions(pp=3), "do not split into pp x vpp"),
-    (SplitOptions(ep=2), "experts do not split"),
-    (SplitOptions(pp=2, vpp=3), "do not split into pp x vpp"),
-    (SplitOptions(vpp=2), "--vpp needs"),
+    (OutputOptions(tp=3), "heads do not split over TP=3"),
+    (OutputOptions(pp=3), "do not split into pp x vpp"),
+    (OutputOptions(ep=2), "experts do not split"),
+    (OutputOptions(pp=2, vpp=3), "do not split into pp x vpp"),
+    (OutputOptions(vpp=2), "--vpp needs"),
 ])
 def test_impossible_sizes_are_refused_before_writing(megatron_runs, tmp_path, options, match):
     target = tmp_path / "target"
@@ -191,7 +192,7 @@ def test_cli_split_then_merge_and_rerun(megatron_runs, tmp_path, capsys):
     assert main(args) == 0
     assert "already holds this split" in capsys.readouterr().out
     with pytest.raises(TargetExists):
-        split_hf_to_megatron(hf, target, SplitOptions(tp=1, format="dist"))
+        split_hf_to_megatron(hf, target, OutputOptions(tp=1, format="dist"))
     assert main(["merge", "--backend", "megatron", "--local_dir", target, "--target_dir", str(tmp_path / "hf"),
                  "--tie-word-embedding"]) == 0
     reference, ours = _tensors(hf), _tensors(str(tmp_path / "hf"))
@@ -241,11 +242,11 @@ def test_legacy_writer_holds_one_rank_file_at_a_time(megatron_runs, tmp_path, mo
         return real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", measuring_save)
-    split_hf_to_megatron(hf, str(tmp_path / "split"), SplitOptions(tp=2, workers=1))
+    split_hf_to_megatron(hf, str(tmp_path / "split"), OutputOptions(tp=2, workers=1))
     monkeypatch.undo()
     assert len(held) == 2
     assert max(held) < 0.7 * model_bytes, (held, model_bytes)
     merged = tmp_path / "merged"
-    merge_checkpoint(str(tmp_path / "split"), str(merged), MergeOptions(backend="megatron"))
+    merge_checkpoint(str(tmp_path / "split"), str(merged), OutputOptions(backend="megatron"))
     reference, ours = _tensors(hf), _tensors(str(merged))
     assert set(ours) == set(reference) and all(torch.equal(ours[k], v) for k, v in reference.items())

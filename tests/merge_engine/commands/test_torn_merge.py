@@ -27,12 +27,13 @@ import pytest
 from merge_engine import storage
 from merge_engine.errors import SourceChanged
 from merge_engine.layouts import check_checkpoint
-from merge_engine.commands.merge import MergeOptions, merge_checkpoint
+from merge_engine.commands.merge import merge_checkpoint
+from merge_engine.output.jobs import OutputOptions
 from tests.merge_engine.formats.zip_records import rewrite_records
 
 VARIANT = "fsdp2_qwen2"
 RANK_FILE = "model_world_size_4_rank_1.pt"
-OPTIONS = MergeOptions(chunk_bytes=4096)
+OPTIONS = OutputOptions(chunk_bytes=4096)
 
 
 @pytest.fixture(autouse=True)

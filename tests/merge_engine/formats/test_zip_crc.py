@@ -24,9 +24,10 @@ import pytest
 import torch
 
 from merge_engine.errors import CorruptShard
-from merge_engine.commands.merge import MergeOptions, merge_checkpoint
+from merge_engine.commands.merge import merge_checkpoint
 from merge_engine.formats.stored_tensor import StoredTensor
 from merge_engine.formats.torch_archive import TorchArchive
+from merge_engine.output.jobs import OutputOptions
 from merge_engine.formats.zip_crc import RecordChecks, crc32_combine
 from tests.merge_engine.formats.zip_records import data_records, flip_bit
 
@@ -138,7 +139,7 @@ def test_a_merge_with_flipped_bits_in_a_rank_file_writes_nothing(fsdp_runs, tmp_
     rank.write_bytes(data)
     target = tmp_path / "merged"
     with pytest.raises(CorruptShard) as caught:
-        merge_checkpoint(str(source), str(target), MergeOptions(chunk_bytes=1 << 16))
+        merge_checkpoint(str(source), str(target), OutputOptions(chunk_bytes=1 << 16))
     assert caught.value.path == str(rank) and record in caught.value.message
     assert not target.exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".merged")]

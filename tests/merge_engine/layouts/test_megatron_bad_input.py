@@ -36,7 +36,8 @@ from merge_engine.errors import (
     UnknownArchitecture,
     WorldSizeMismatch,
 )
-from merge_engine.commands.merge import MergeOptions, merge_checkpoint
+from merge_engine.commands.merge import merge_checkpoint
+from merge_engine.output.jobs import OutputOptions
 from tests.merge_engine.layouts.test_megatron_merge import checkpoint_url, hf_model_path
 
 
@@ -53,7 +54,7 @@ def _copy(megatron_runs, name, tmp_path):
 def _merge_fails(url, tmp_path, error, match, **options):
     target = tmp_path / "target"
     with pytest.raises(error, match=match) as info:
-        merge_checkpoint(url, str(target), MergeOptions(backend="megatron", **options))
+        merge_checkpoint(url, str(target), OutputOptions(backend="megatron", **options))
     assert not target.exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".target")]  # no temp folder left
     return info.value

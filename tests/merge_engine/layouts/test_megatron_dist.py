@@ -16,9 +16,10 @@ import torch
 
 from merge_engine import storage
 from merge_engine.layouts.megatron_dist import is_model_key
-from merge_engine.commands.merge import MergeOptions, merge_checkpoint
+from merge_engine.commands.merge import merge_checkpoint
 from merge_engine.formats.torch_dcp import DcpFiles, DcpTensor
 from merge_engine.formats.dcp_index import read_index
+from merge_engine.output.jobs import OutputOptions
 from tests.merge_engine.formats.dcp_writer import DcpWriter
 from synthetic_runs.megatron import REFERENCE_HF_DIR
 from tests.merge_engine.layouts.test_megatron_bad_input import _copy
@@ -77,7 +78,7 @@ def test_chained_optimizer_state_is_not_merged(megatron_runs, tmp_path):
     _rewrite_with(folder, extra)
     assert set(extra) <= set(read_index(folder).tensors)
     target = tmp_path / "merged"
-    merge_checkpoint(url, str(target), MergeOptions(backend="megatron"))
+    merge_checkpoint(url, str(target), OutputOptions(backend="megatron"))
     reference = _tensors(str(job.reference_dir / REFERENCE_HF_DIR))
     ours = _tensors(str(target))
     assert set(ours) == set(reference)

@@ -31,7 +31,8 @@ from safetensors.torch import load_file
 
 from merge_engine.cli import main
 from merge_engine.layouts import check_checkpoint, open_checkpoint
-from merge_engine.commands.merge import MergeOptions, merge_checkpoint
+from merge_engine.commands.merge import merge_checkpoint
+from merge_engine.output.jobs import OutputOptions
 from tests.fixtures_merged import megatron_checkpoint_url, megatron_hf_model_path
 from synthetic_runs.megatron import (
     REFERENCE_HF_DIR,
@@ -230,11 +231,11 @@ def test_mtp_layers_are_exported_or_dropped_never_silently(megatron_runs, merged
 
     job = megatron_runs[name]
     with pytest.raises(MappingError, match="--mtp-layers export"):
-        merge_checkpoint(checkpoint_url(job), str(tmp_path / "refused"), MergeOptions(backend="megatron"))
+        merge_checkpoint(checkpoint_url(job), str(tmp_path / "refused"), OutputOptions(backend="megatron"))
     assert not (tmp_path / "refused").exists()
     assert json.loads(open(os.path.join(merged[name], "config.json")).read())["num_nextn_predict_layers"] == 0
     exported = str(tmp_path / "exported")
-    merge_checkpoint(checkpoint_url(job), exported, MergeOptions(backend="megatron", mtp_layers="export"))
+    merge_checkpoint(checkpoint_url(job), exported, OutputOptions(backend="megatron", mtp_layers="export"))
     expected = reference_to_hf(job.spec, reference_state_dict(job.spec, job.seed), mtp=True)
     ours = _tensors(exported)
     assert set(ours) == set(expected) and "model.layers.4.shared_head.head.weight" in ours

@@ -26,7 +26,8 @@ import torch
 
 from merge_engine.architectures.parallel import TPKind, mla_down_projection_kind
 from merge_engine.errors import CorruptShard
-from merge_engine.commands.merge import MergeOptions, merge_checkpoint
+from merge_engine.commands.merge import merge_checkpoint
+from merge_engine.output.jobs import OutputOptions
 from synthetic_runs.megatron import REFERENCE_HF_DIR
 from tests.merge_engine.layouts.test_megatron_merge import _tensors
 
@@ -86,7 +87,7 @@ def test_transformer_engine_layout_merges_to_the_same_bytes(megatron_runs, check
     _rewrite(checkpoint_copy, _as_transformer_engine)
     state = torch.load(_rank_files(checkpoint_copy)["mp_rank_01_000"], weights_only=True)[0]
     assert "decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_weight" in state
-    merge_checkpoint(str(checkpoint_copy), str(tmp_path / "merged"), MergeOptions(backend="megatron", mtp_layers="drop"))
+    merge_checkpoint(str(checkpoint_copy), str(tmp_path / "merged"), OutputOptions(backend="megatron", mtp_layers="drop"))
     reference = _tensors(str(megatron_runs[FIXTURE].reference_dir / REFERENCE_HF_DIR))
     merged = _tensors(str(tmp_path / "merged"))
     assert set(merged) == set(reference)
@@ -101,7 +102,7 @@ def test_down_projection_pieces_that_fit_neither_layout_are_refused(checkpoint_c
 
     _rewrite(checkpoint_copy, cut)
     with pytest.raises(CorruptShard, match="linear_q_down_proj") as refused:
-        merge_checkpoint(str(checkpoint_copy), str(tmp_path / "merged"), MergeOptions(backend="megatron", mtp_layers="drop"))
+        merge_checkpoint(str(checkpoint_copy), str(tmp_path / "merged"), OutputOptions(backend="megatron", mtp_layers="drop"))
     assert "mp_rank_00" in str(refused.value.path)
     assert not (tmp_path / "merged").exists()
 
@@ -113,7 +114,7 @@ def test_duplicated_pieces_that_differ_are_refused(checkpoint_copy, tmp_path):
 
     _rewrite(checkpoint_copy, diverge)
     with pytest.raises(CorruptShard, match="differs between ranks"):
-        merge_checkpoint(str(checkpoint_copy), str(tmp_path / "merged"), MergeOptions(backend="megatron", mtp_layers="drop"))
+        merge_checkpoint(str(checkpoint_copy), str(tmp_path / "merged"), OutputOptions(backend="megatron", mtp_layers="drop"))
     assert not (tmp_path / "merged").exists()
 
 

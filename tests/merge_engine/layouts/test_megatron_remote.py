@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 
 from merge_engine import storage
-from merge_engine.commands.merge import MergeOptions, merge_checkpoint
+from merge_engine.commands.merge import merge_checkpoint
+from merge_engine.output.jobs import OutputOptions
 from merge_engine.layouts.discovery import discover_steps
 from tests.fixtures_storage import apply_server_env, fresh_bucket_name
 from tests.release_checks import assert_release_of_megatron_job
@@ -48,6 +49,6 @@ def test_a_megatron_step_is_discovered_complete_from_the_bucket(bucket, megatron
 def test_a_megatron_step_is_merged_from_the_bucket_bit_for_bit(bucket, megatron_runs, name):
     source = storage.join(bucket, name, "global_step_1", "actor")
     target = storage.join(bucket, f"merged-{name}")
-    result = merge_checkpoint(source, target, MergeOptions(backend="megatron"))
+    result = merge_checkpoint(source, target, OutputOptions(backend="megatron"))
     assert result.target_url == target
     assert_release_of_megatron_job(target, megatron_runs[name])  # the known weights, megatron-core's logits

@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from merge_engine.cli import main
 from merge_engine.errors import AdapterError
-from merge_engine.commands.combine import MergeLoraOptions, merge_lora
+from merge_engine.commands.combine import merge_lora
+from merge_engine.output.jobs import OutputOptions
 from merge_engine.commands.extract import extract_lora
 from tests.merge_engine.lora.conftest import load_causal_lm, logits, peft_logits, save_adapter
 from tests.merge_engine.lora.test_fuse import ATOL, RTOL
@@ -75,18 +76,18 @@ def test_lost_alpha_is_an_error_unless_given(tmp_path, tiny_base, peft_adapters)
     with pytest.raises(AdapterError, match="--lora-alpha"):
         merge_lora(tiny_base, [zero], str(tmp_path / "out"))
     assert_nothing_written(tmp_path / "out")
-    merge_lora(tiny_base, [zero], str(tmp_path / "out"), MergeLoraOptions(lora_alpha=(8.0,)))
+    merge_lora(tiny_base, [zero], str(tmp_path / "out"), OutputOptions(lora_alpha=(8.0,)))
     torch.testing.assert_close(logits(load_causal_lm(str(tmp_path / "out"))), peft_logits(tiny_base, peft_adapters["qv"]),
                                atol=ATOL, rtol=RTOL)
     with pytest.raises(AdapterError):
-        merge_lora(tiny_base, [zero], str(tmp_path / "two"), MergeLoraOptions(lora_alpha=(8.0, 8.0)))
+        merge_lora(tiny_base, [zero], str(tmp_path / "two"), OutputOptions(lora_alpha=(8.0, 8.0)))
 
 
 @pytest.mark.parametrize("options", [
-    MergeLoraOptions(method="weighted", weights=(0.5,)),
-    MergeLoraOptions(method="weighted", weights=(0.5, 0.2, 0.3)),
-    MergeLoraOptions(method="weighted"),
-    MergeLoraOptions(method="concat", weights=(0.5, 0.5)),
+    OutputOptions(method="weighted", weights=(0.5,)),
+    OutputOptions(method="weighted", weights=(0.5, 0.2, 0.3)),
+    OutputOptions(method="weighted"),
+    OutputOptions(method="concat", weights=(0.5, 0.5)),
 ])
 def test_weights_must_match_the_adapters(tmp_path, tiny_base, peft_adapters, options):
     with pytest.raises(AdapterError):
@@ -103,7 +104,7 @@ def test_nan_in_an_adapter(tmp_path, tiny_base, peft_adapters, output):
 
     bad = edited_adapter(peft_adapters["qv"], tmp_path / "nan", tensors=poison)
     with pytest.raises(AdapterError, match="NaN"):
-        merge_lora(tiny_base, [peft_adapters["qv2"], bad], str(tmp_path / "out"), MergeLoraOptions(output=output))
+        merge_lora(tiny_base, [peft_adapters["qv2"], bad], str(tmp_path / "out"), OutputOptions(output=output))
     assert_nothing_written(tmp_path / "out")
 
 

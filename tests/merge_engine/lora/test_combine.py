@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from merge_engine.errors import AdapterError
-from merge_engine.commands.combine import MergeLoraOptions, merge_lora
+from merge_engine.commands.combine import merge_lora
+from merge_engine.output.jobs import OutputOptions
 from tests.merge_engine.lora.conftest import load_causal_lm, logits, peft_logits
 from tests.merge_engine.lora.test_fuse import ATOL, RTOL, weights
 
@@ -75,7 +76,7 @@ def peft_multi_adapter_logits(base_dir: str, adapter_dirs: list[str]) -> torch.T
 def test_fused_combination_equals_dense_computation(tmp_path, tiny_base, peft_adapters, method, given, effective):
     """W + sum_i w_i * scale_i * B_i @ A_i, tensor by tensor (float64 reference)."""
     adapters = [peft_adapters["qv"], peft_adapters["qv2"]]
-    merge_lora(tiny_base, adapters, str(tmp_path / "out"), MergeLoraOptions(method=method, weights=given))
+    merge_lora(tiny_base, adapters, str(tmp_path / "out"), OutputOptions(method=method, weights=given))
     want = dense_combination(tiny_base, list(zip(adapters, effective)))
     got = weights(str(tmp_path / "out"))
     assert sorted(got) == sorted(want)
@@ -96,7 +97,7 @@ def test_concat_adapter_output_is_exact(tmp_path, tiny_base, peft_adapters):
     fused model's logits."""
     adapters = [peft_adapters["patterns"], peft_adapters["rslora"], peft_adapters["embed_save"]]
     merge_lora(tiny_base, adapters, str(tmp_path / "fused"))
-    result = merge_lora(tiny_base, adapters, str(tmp_path / "adapter"), MergeLoraOptions(output="adapter"))
+    result = merge_lora(tiny_base, adapters, str(tmp_path / "adapter"), OutputOptions(output="adapter"))
     config = json.load(open(tmp_path / "adapter" / "adapter_config.json"))
     assert config["peft_type"] == "LORA" and config["modules_to_save"] == ["lm_head"]
     assert config["rank_pattern"] == {k: int(v) for k, v in config["alpha_pattern"].items()}
@@ -112,7 +113,7 @@ def test_stacked_adapter_equals_peft_cat(tmp_path, tiny_base, peft_adapters, wei
     from peft import PeftModel
 
     adapters = [peft_adapters["qv"], peft_adapters["qv2"]]
-    merge_lora(None, adapters, str(tmp_path / "ours"), MergeLoraOptions(method="weighted", weights=weights_,
+    merge_lora(None, adapters, str(tmp_path / "ours"), OutputOptions(method="weighted", weights=weights_,
                                                                         output="adapter"))
     model = PeftModel.from_pretrained(load_causal_lm(tiny_base), adapters[0], adapter_name="a")
     model.load_adapter(adapters[1], adapter_name="b")
@@ -125,13 +126,13 @@ def test_stacked_adapter_equals_peft_cat(tmp_path, tiny_base, peft_adapters, wei
 
 
 def svd_refactoring_and_peft_svd(tmp_path, tiny_base: str, peft_adapters: dict[str, str], **options):
-    """0.7 * qv - 0.4 * qv2 re-factored to rank 3 by stepmerge (``options`` added to its `MergeLoraOptions`)
+    """0.7 * qv - 0.4 * qv2 re-factored to rank 3 by stepmerge (``options`` added to its `OutputOptions`)
     and by PEFT's ``add_weighted_adapter(..., "svd")``: (stepmerge's result, its per-module B@A, PEFT's,
     the exact combined update)."""
     from peft import PeftModel
 
     adapters = [peft_adapters["qv"], peft_adapters["qv2"]]
-    result = merge_lora(tiny_base, adapters, str(tmp_path / "ours"), MergeLoraOptions(
+    result = merge_lora(tiny_base, adapters, str(tmp_path / "ours"), OutputOptions(
         method="weighted", weights=(0.7, -0.4), output="adapter", rank=3, **options))
     model = PeftModel.from_pretrained(load_causal_lm(tiny_base), adapters[0], adapter_name="a")
     model.load_adapter(adapters[1], adapter_name="b")
@@ -162,7 +163,7 @@ def test_svd_adapter_matches_peft_svd_and_reports_its_error(tmp_path, tiny_base,
 def test_energy_threshold_keeps_the_smallest_sufficient_rank(tmp_path, tiny_base, peft_adapters):
     """--energy e: per module, the fewest singular values whose squares reach e of the total."""
     adapters = [peft_adapters["qv"], peft_adapters["qv2"]]
-    result = merge_lora(None, adapters, str(tmp_path / "ours"), MergeLoraOptions(output="adapter", energy=0.9))
+    result = merge_lora(None, adapters, str(tmp_path / "ours"), OutputOptions(output="adapter", energy=0.9))
     exact = {}
     for adapter in adapters:
         for name, u in adapter_updates(adapter).items():
@@ -188,7 +189,7 @@ def test_weighted_is_a_sum_of_updates_unlike_peft_linear(tmp_path, tiny_base, pe
     other = save_adapter(load_causal_lm(tiny_base), peft.LoraConfig(r=4, lora_alpha=8, target_modules=[
         "q_proj", "v_proj"], task_type="CAUSAL_LM"), str(tmp_path / "other"), seed=77)
     adapters = [peft_adapters["qv"], other]
-    ours = lora_products(merge_lora(None, adapters, str(tmp_path / "ours"), MergeLoraOptions(
+    ours = lora_products(merge_lora(None, adapters, str(tmp_path / "ours"), OutputOptions(
         method="weighted", weights=(0.5, 0.5), output="adapter")).target_url)
     model = PeftModel.from_pretrained(load_causal_lm(tiny_base), adapters[0], adapter_name="a")
     model.load_adapter(adapters[1], adapter_name="b")
@@ -209,7 +210,7 @@ def test_svd_needs_adapter_output(tmp_path, tiny_base, peft_adapters):
     from merge_engine.errors import InvalidOption
 
     with pytest.raises(InvalidOption):
-        merge_lora(tiny_base, [peft_adapters["qv"]], str(tmp_path / "x"), MergeLoraOptions(rank=2))
+        merge_lora(tiny_base, [peft_adapters["qv"]], str(tmp_path / "x"), OutputOptions(rank=2))
     assert not os.path.exists(tmp_path / "x")
 
 
@@ -245,7 +246,7 @@ def test_stacking_bf16_adapters_is_exact(tmp_path, method, given):
     are written in float32 and the stacked adapter's update is the weighted sum of the inputs'
     updates to float32 rounding (storing w * s * A back in bf16 was off by ~1e-3, relative)."""
     adapters = [_bf16_adapter(tmp_path / "a", 1, r=12, alpha=16), _bf16_adapter(tmp_path / "b", 2, r=4, alpha=8)]
-    merge_lora(None, adapters, str(tmp_path / "out"), MergeLoraOptions(method=method, weights=given,
+    merge_lora(None, adapters, str(tmp_path / "out"), OutputOptions(method=method, weights=given,
                                                                        output="adapter"))
     stored = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
     assert {t.dtype for t in stored.values()} == {torch.float32}
@@ -262,13 +263,13 @@ def test_stacking_keeps_the_adapter_dtype_when_nothing_is_scaled(tmp_path):
     """concat of adapters with lora_alpha = r (scale 1): A and B are copied as stored, so the
     stacked adapter stays bf16 and is exact; an explicit --dtype is honoured as given."""
     adapters = [_bf16_adapter(tmp_path / "a", 1, r=4, alpha=4), _bf16_adapter(tmp_path / "b", 2, r=2, alpha=2)]
-    merge_lora(None, adapters, str(tmp_path / "out"), MergeLoraOptions(output="adapter"))
+    merge_lora(None, adapters, str(tmp_path / "out"), OutputOptions(output="adapter"))
     stored = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
     assert {t.dtype for t in stored.values()} == {torch.bfloat16}
     got, inputs = lora_products(str(tmp_path / "out")), [lora_products(a) for a in adapters]
     for module, update in got.items():
         torch.testing.assert_close(update, inputs[0][module] + inputs[1][module], atol=1e-12, rtol=1e-12)
-    merge_lora(None, adapters, str(tmp_path / "f16"), MergeLoraOptions(output="adapter", method="average",
+    merge_lora(None, adapters, str(tmp_path / "f16"), OutputOptions(output="adapter", method="average",
                                                                        dtype="float16"))
     stored = load_file(str(tmp_path / "f16" / "adapter_model.safetensors"))
     assert {t.dtype for t in stored.values()} == {torch.float16}
@@ -279,13 +280,14 @@ def test_fused_model_is_written_in_the_weights_format(tmp_path, single_rank_fami
     """merge-lora's model passes through the Hub-format step: a VL base and adapter under transformers v5's
     in-memory names (model.language_model) fuse to the Hub names by default, as stored with
     ``weights_format="transformers"``; recorded in stepmerge.json; logits equal the trained model's."""
-    from merge_engine.commands.extract import ExtractOptions, extract_lora
+    from merge_engine.commands.extract import extract_lora
+    from merge_engine.output.jobs import OutputOptions
 
     run = single_rank_family_loras["qwen2_vl"]
     adapter = str(tmp_path / "adapter")
-    extract_lora(run.checkpoint_dir, adapter, ExtractOptions(weights_format="transformers"))
+    extract_lora(run.checkpoint_dir, adapter, OutputOptions(weights_format="transformers"))
     target = str(tmp_path / "fused")
-    merge_lora(os.path.join(adapter, "base"), [adapter], target, MergeLoraOptions(weights_format=weights_format))
+    merge_lora(os.path.join(adapter, "base"), [adapter], target, OutputOptions(weights_format=weights_format))
     names = set(load_file(os.path.join(target, "model.safetensors")))
     assert ("model.language_model.layers.0.self_attn.q_proj.weight" in names) == (weights_format == "transformers")
     assert ("model.layers.0.self_attn.q_proj.weight" in names) == (weights_format == "hub")

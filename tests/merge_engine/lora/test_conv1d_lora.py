@@ -15,7 +15,8 @@ import os
 
 import torch
 
-from merge_engine.commands.extract import ExtractOptions, extract_lora
+from merge_engine.commands.extract import extract_lora
+from merge_engine.output.jobs import OutputOptions
 from merge_engine.commands.merge import merge_checkpoint
 from synthetic_runs.fsdp import build_reference_model
 
@@ -39,7 +40,7 @@ def test_merge_and_adapter_reproduce_the_trained_model(family_runs, tmp_path):
     merged = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "merged"))
     torch.testing.assert_close(_logits(merged), trained, atol=1e-5, rtol=1e-5)
 
-    extract_lora(step.checkpoint_dir, str(tmp_path / "adapter"), ExtractOptions())
+    extract_lora(step.checkpoint_dir, str(tmp_path / "adapter"), OutputOptions())
     with open(tmp_path / "adapter" / "adapter_config.json") as handle:
         assert json.load(handle)["fan_in_fan_out"] is True
     base = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(tmp_path, "adapter", "base"))

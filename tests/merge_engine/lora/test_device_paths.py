@@ -18,7 +18,8 @@ import json
 import pytest
 import torch
 
-from merge_engine.commands.extract import SvdExtractOptions, extract_lora_svd
+from merge_engine.commands.extract import extract_lora_svd
+from merge_engine.output.jobs import OutputOptions
 from tests.merge_engine.lora.conftest import load_causal_lm, logits, peft_logits
 from tests.merge_engine.lora.test_combine import svd_refactoring_and_peft_svd
 from tests.merge_engine.lora.test_fuse import ATOL, RTOL
@@ -39,7 +40,7 @@ def finetune(tmp_path_factory, tiny_base, peft_adapters) -> str:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_svd_extraction_on_the_device_recovers_the_finetune(device, tmp_path, tiny_base, finetune):
-    result = extract_lora_svd(tiny_base, finetune, str(tmp_path / "ad"), SvdExtractOptions(rank=8, device=device))
+    result = extract_lora_svd(tiny_base, finetune, str(tmp_path / "ad"), OutputOptions(rank=8, device=device))
     assert max(r.relative_error for r in result.modules) < 1e-5
     ranks = {r.module: r.rank for r in result.modules}
     assert ranks["model.layers.1.self_attn.q_proj"] == 2 and ranks["model.layers.0.mlp.gate_proj"] == 3

@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 
 from merge_engine.cli import main
 from merge_engine.errors import AdapterError, InvalidOption
-from merge_engine.commands.extract import ExtractOptions, extract_lora
-from merge_engine.commands.merge import MergeOptions, merge_checkpoint
+from merge_engine.commands.extract import extract_lora
+from merge_engine.output.jobs import OutputOptions
+from merge_engine.commands.merge import merge_checkpoint
 from tests.merge_engine.lora.conftest import LORA_RUNS, copy_checkpoint, load_causal_lm, logits, peft_logits
 from tests.merge_engine.lora.test_fuse import ATOL, RTOL
 
@@ -56,7 +57,7 @@ def test_an_adapter_staged_for_a_release_names_the_base_it_will_be_published_wit
 
     run = fsdp_lora_runs["lora_fsdp2_qwen2_r2"]
     published = "s3://bucket/releases/actor-adapter/global_step_3"
-    staged = run_job(ExtractJob(run.checkpoint_dir, str(tmp_path / "staged"), ExtractOptions(),
+    staged = run_job(ExtractJob(run.checkpoint_dir, str(tmp_path / "staged"), OutputOptions(),
                                 published_url=published))
     config = json.load(open(tmp_path / "staged" / "adapter_config.json"))
     assert config["base_model_name_or_path"] == f"{published}/base" and staged.kind == "adapter+base"
@@ -64,7 +65,7 @@ def test_an_adapter_staged_for_a_release_names_the_base_it_will_be_published_wit
     assert recorded["adapter_config.json"] == hashlib.sha256(
         (tmp_path / "staged" / "adapter_config.json").read_bytes()).hexdigest()
     # where it is published is no input: the same fingerprint as an extraction in place
-    assert staged.fingerprint == extract_fingerprint(check_checkpoint(run.checkpoint_dir), ExtractOptions())
+    assert staged.fingerprint == extract_fingerprint(check_checkpoint(run.checkpoint_dir), OutputOptions())
 
 
 @pytest.mark.parametrize("name", LORA_RUNS)
@@ -81,7 +82,7 @@ def test_plain_merge_writes_the_trained_model(tmp_path, fsdp_lora_runs, name):
 
 def test_plain_merge_in_bf16(tmp_path, fsdp_lora_runs):
     run = fsdp_lora_runs["lora_fsdp2_qwen2_r2"]
-    merge_checkpoint(run.checkpoint_dir, str(tmp_path / "merged"), MergeOptions(dtype="bfloat16"))
+    merge_checkpoint(run.checkpoint_dir, str(tmp_path / "merged"), OutputOptions(dtype="bfloat16"))
     merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
     assert {t.dtype for t in merged.values()} == {torch.bfloat16}
 
@@ -99,7 +100,7 @@ def test_lora_only_checkpoint_needs_the_base(tmp_path, fsdp_lora_runs, lora_only
         merge_checkpoint(lora_only_checkpoint.checkpoint_dir, str(tmp_path / "merged"))
     assert not os.path.exists(tmp_path / "merged")
     result = extract_lora(lora_only_checkpoint.checkpoint_dir, str(tmp_path / "adapter"),
-                          ExtractOptions(base_model=base_dir))
+                          OutputOptions(base_model=base_dir))
     assert result.kind == "adapter" and not os.path.exists(tmp_path / "adapter" / "base")
     assert json.load(open(tmp_path / "adapter" / "adapter_config.json"))["base_model_name_or_path"] == base_dir
     torch.testing.assert_close(peft_logits(base_dir, str(tmp_path / "adapter")), logits(run.trained_model()),
@@ -116,13 +117,13 @@ def test_alpha_is_never_guessed(tmp_path, fsdp_lora_runs):
         with pytest.raises(AdapterError, match="--lora-alpha"):
             attempt()
         assert not os.path.exists(tmp_path / "out")
-    extract_lora(bare, str(tmp_path / "out"), ExtractOptions(lora_alpha=run.spec.lora.alpha))
+    extract_lora(bare, str(tmp_path / "out"), OutputOptions(lora_alpha=run.spec.lora.alpha))
     torch.testing.assert_close(peft_logits(str(tmp_path / "out" / "base"), str(tmp_path / "out")),
                                logits(run.trained_model()), atol=ATOL, rtol=RTOL)
     with pytest.raises(AdapterError, match="contradicts"):
-        extract_lora(run.checkpoint_dir, str(tmp_path / "other"), ExtractOptions(lora_alpha=run.spec.lora.alpha + 1))
+        extract_lora(run.checkpoint_dir, str(tmp_path / "other"), OutputOptions(lora_alpha=run.spec.lora.alpha + 1))
     with pytest.raises(InvalidOption):
-        extract_lora(bare, str(tmp_path / "zero"), ExtractOptions(lora_alpha=0))
+        extract_lora(bare, str(tmp_path / "zero"), OutputOptions(lora_alpha=0))
 
 
 def test_alpha_from_an_adapter_config_saved_with_the_run(tmp_path, fsdp_lora_runs):

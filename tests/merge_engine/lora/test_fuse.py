@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from merge_engine.errors import TargetExists
-from merge_engine.commands.combine import MergeLoraOptions, merge_lora
+from merge_engine.commands.combine import merge_lora
+from merge_engine.output.jobs import OutputOptions
 from merge_engine.lora.sources import NamespacedSource
 from tests.merge_engine.lora.conftest import ADAPTER_CONFIGS, load_causal_lm, logits, peft_logits
 
@@ -70,7 +71,7 @@ def test_chunk_size_does_not_change_a_bit(tmp_path, tiny_base, peft_adapters, mo
     monkeypatch.setattr(fuse, "ROW_BLOCK_ELEMENTS", 1000)
     adapters = [peft_adapters["patterns"], peft_adapters["embed_save"]]
     merge_lora(tiny_base, adapters, str(tmp_path / "big"))
-    merge_lora(tiny_base, adapters, str(tmp_path / "small"), MergeLoraOptions(chunk_bytes=1000))
+    merge_lora(tiny_base, adapters, str(tmp_path / "small"), OutputOptions(chunk_bytes=1000))
     big, small = weights(str(tmp_path / "big")), weights(str(tmp_path / "small"))
     assert sorted(big) == sorted(small)
     assert all(torch.equal(big[k], small[k]) for k in big)
@@ -93,7 +94,7 @@ def test_base_weights_are_streamed_never_read_whole(tmp_path, tiny_base, peft_ad
 
     monkeypatch.setattr(NamespacedSource, "read", read)
     monkeypatch.setattr(NamespacedSource, "iter_chunks", iter_chunks)
-    merge_lora(tiny_base, [peft_adapters["qv"]], str(tmp_path / "fused"), MergeLoraOptions(chunk_bytes=4096))
+    merge_lora(tiny_base, [peft_adapters["qv"]], str(tmp_path / "fused"), OutputOptions(chunk_bytes=4096))
     assert reads and all(".lora_" in name for name in reads)
     assert largest[0] <= 4096
 
@@ -101,7 +102,7 @@ def test_base_weights_are_streamed_never_read_whole(tmp_path, tiny_base, peft_ad
 def test_output_dtype_is_the_float32_result_cast_once(tmp_path, tiny_base, peft_adapters):
     """--dtype bfloat16: W + scale * B @ A computed in float32, then one cast."""
     merge_lora(tiny_base, [peft_adapters["qv"]], str(tmp_path / "fp32"))
-    merge_lora(tiny_base, [peft_adapters["qv"]], str(tmp_path / "bf16"), MergeLoraOptions(dtype="bfloat16"))
+    merge_lora(tiny_base, [peft_adapters["qv"]], str(tmp_path / "bf16"), OutputOptions(dtype="bfloat16"))
     fp32, bf16 = weights(str(tmp_path / "fp32")), weights(str(tmp_path / "bf16"))
     assert all(t.dtype == torch.bfloat16 for t in bf16.values())
     assert all(torch.equal(fp32[k].to(torch.bfloat16), bf16[k]) for k in fp32)
@@ -118,6 +119,6 @@ def test_target_is_a_loadable_folder_with_provenance(tmp_path, tiny_base, peft_a
     assert merge_lora(tiny_base, [peft_adapters["qv"]], target).skipped
     with pytest.raises(TargetExists):
         merge_lora(tiny_base, [peft_adapters["qv2"]], target)
-    replaced = merge_lora(tiny_base, [peft_adapters["qv2"]], target, MergeLoraOptions(overwrite=True))
+    replaced = merge_lora(tiny_base, [peft_adapters["qv2"]], target, OutputOptions(overwrite=True))
     assert not replaced.skipped and json.load(open(os.path.join(target, "stepmerge.json")))["adapters"] == \
         [peft_adapters["qv2"]]

@@ -25,7 +25,8 @@ import torch
 from safetensors import safe_open
 
 from merge_engine.errors import AdapterError
-from merge_engine.commands.extract import ExtractOptions, extract_lora
+from merge_engine.commands.extract import extract_lora
+from merge_engine.output.jobs import OutputOptions
 from merge_engine.lora.fused_experts import find_expert_loras
 from merge_engine.commands.merge import merge_checkpoint
 from merge_engine.formats.tensor_source import TensorMeta
@@ -105,7 +106,7 @@ def test_extract_writes_per_expert_hub_modules(moe_run, tmp_path):
 
     checkpoint, trained = moe_run
     target = str(tmp_path / "adapter")
-    extract_lora(checkpoint, target, ExtractOptions())
+    extract_lora(checkpoint, target, OutputOptions())
 
     adapter = _tensors(os.path.join(target, "adapter_model.safetensors"))
     assert not any("gate_up_proj" in k or "base_layer" in k for k in adapter)
@@ -152,14 +153,14 @@ def test_lora_only_checkpoint_checked_against_a_hub_base(moe_run, tmp_path):
 
     checkpoint, _ = moe_run
     full = str(tmp_path / "full")
-    extract_lora(checkpoint, full, ExtractOptions())
+    extract_lora(checkpoint, full, OutputOptions())
     lora_only = copy_checkpoint(checkpoint, str(tmp_path / "lora_only"))
     for name in os.listdir(lora_only):
         if name.startswith("model_world_size_"):
             state = torch.load(os.path.join(lora_only, name), weights_only=True)
             torch.save({k: v for k, v in state.items() if ".lora_" in k}, os.path.join(lora_only, name))
     target = str(tmp_path / "adapter")
-    extract_lora(lora_only, target, ExtractOptions(base_model=os.path.join(full, "base")))
+    extract_lora(lora_only, target, OutputOptions(base_model=os.path.join(full, "base")))
     expected = _tensors(os.path.join(full, "adapter_model.safetensors"))
     got = _tensors(os.path.join(target, "adapter_model.safetensors"))
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
@@ -183,7 +184,7 @@ def test_transformers_format_keeps_peft_fused_form(moe_run, tmp_path):
 
     checkpoint, trained = moe_run
     target = str(tmp_path / "adapter")
-    extract_lora(checkpoint, target, ExtractOptions(weights_format="transformers"))
+    extract_lora(checkpoint, target, OutputOptions(weights_format="transformers"))
     adapter = _tensors(os.path.join(target, "adapter_model.safetensors"))
     state = trained.state_dict()
     for wrapper in (f"{LAYER}.base_layer", LAYER):
@@ -208,19 +209,20 @@ def test_fused_form_adapter_is_read_back(moe_run, tmp_path):
     """The fused-form adapter is read by stepmerge too: validate_adapter passes it against the trained
     model (merged in the same format), merge-lora fuses it into its base/ to that model (bit for bit),
     and combining it into one adapter is refused with a named error."""
-    from merge_engine.commands.combine import MergeLoraOptions, merge_lora
+    from merge_engine.commands.combine import merge_lora
+    from merge_engine.output.jobs import OutputOptions
     from merge_engine.validate.adapter import validate_adapter
 
     checkpoint, trained = moe_run
     adapter, merged = str(tmp_path / "adapter"), str(tmp_path / "merged")
-    extract_lora(checkpoint, adapter, ExtractOptions(weights_format="transformers"))
-    merge_checkpoint(checkpoint, merged, ExtractOptions(weights_format="transformers"))
+    extract_lora(checkpoint, adapter, OutputOptions(weights_format="transformers"))
+    merge_checkpoint(checkpoint, merged, OutputOptions(weights_format="transformers"))
     report = validate_adapter(adapter, fused_model_url=merged, device="cpu")
     assert report.ok, [c for c in report.checks if not c.ok]
     fused = str(tmp_path / "fused")
-    merge_lora(os.path.join(adapter, "base"), [adapter], fused, MergeLoraOptions(weights_format="transformers"))
+    merge_lora(os.path.join(adapter, "base"), [adapter], fused, OutputOptions(weights_format="transformers"))
     got, expected = _tensors(os.path.join(fused, "model.safetensors")), _tensors(os.path.join(merged, "model.safetensors"))
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
     with pytest.raises(AdapterError, match="fused expert tensors"):
         merge_lora(os.path.join(adapter, "base"), [adapter], str(tmp_path / "combined"),
-                   MergeLoraOptions(output="adapter"))
+                   OutputOptions(output="adapter"))

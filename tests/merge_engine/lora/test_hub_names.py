@@ -17,7 +17,8 @@ import os
 import torch
 from safetensors import safe_open
 
-from merge_engine.commands.extract import ExtractOptions, extract_lora
+from merge_engine.commands.extract import extract_lora
+from merge_engine.output.jobs import OutputOptions
 from tests.merge_engine.lora.conftest import logits
 
 
@@ -44,7 +45,7 @@ def _peft_on_base(target: str, model_class: str = "AutoModelForCausalLM"):
 def test_mixtral_experts_under_w1_w3_w2(single_rank_family_loras, tmp_path):
     run = single_rank_family_loras["mixtral"]
     target = str(tmp_path / "adapter")
-    extract_lora(run.checkpoint_dir, target, ExtractOptions())
+    extract_lora(run.checkpoint_dir, target, OutputOptions())
     keys = _keys(os.path.join(target, "adapter_model.safetensors"))
     prefix = "base_model.model.model.layers.1.block_sparse_moe.experts.3"
     assert {f"{prefix}.{w}.lora_{f}.weight" for w in ("w1", "w2", "w3") for f in "AB"} <= keys
@@ -62,7 +63,7 @@ def test_vision_language_modules_under_hub_names(single_rank_family_loras, tmp_p
 
     run = single_rank_family_loras["qwen2_vl"]
     target = str(tmp_path / "adapter")
-    extract_lora(run.checkpoint_dir, target, ExtractOptions())
+    extract_lora(run.checkpoint_dir, target, OutputOptions())
     keys = _keys(os.path.join(target, "adapter_model.safetensors"))
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
     assert not any("language_model" in k for k in keys)
@@ -81,7 +82,7 @@ def test_vision_language_modules_under_hub_names(single_rank_family_loras, tmp_p
 def test_transformers_format_keeps_stored_names(single_rank_family_loras, tmp_path):
     run = single_rank_family_loras["qwen2_vl"]
     target = str(tmp_path / "adapter")
-    extract_lora(run.checkpoint_dir, target, ExtractOptions(weights_format="transformers"))
+    extract_lora(run.checkpoint_dir, target, OutputOptions(weights_format="transformers"))
     keys = _keys(os.path.join(target, "adapter_model.safetensors"))
     assert "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight" in keys
     assert "model.language_model.embed_tokens.weight" in _keys(os.path.join(target, "base", "model.safetensors"))
@@ -100,7 +101,7 @@ def test_validation_of_hub_named_adapters(single_rank_family_loras, tmp_path):
     for family in ("qwen2_vl", "mixtral"):
         run = single_rank_family_loras[family]
         adapter, fused = str(tmp_path / family / "adapter"), str(tmp_path / family / "fused")
-        extract_lora(run.checkpoint_dir, adapter, ExtractOptions())
+        extract_lora(run.checkpoint_dir, adapter, OutputOptions())
         merge_checkpoint(run.checkpoint_dir, fused)
         report = validate_adapter(adapter, fused_model_url=fused, device="cpu")
         checks = {c.name: c for c in report.checks}
@@ -112,7 +113,7 @@ def test_qwen2_moe_in_peft_fused_form(single_rank_family_loras, tmp_path):
     transformers weights format gives the fused form, which PEFT loads exactly (no missing key)."""
     run = single_rank_family_loras["qwen2_moe"]
     target = str(tmp_path / "adapter")
-    extract_lora(run.checkpoint_dir, target, ExtractOptions(weights_format="transformers"))
+    extract_lora(run.checkpoint_dir, target, OutputOptions(weights_format="transformers"))
     assert torch.equal(logits(_peft_on_base(target)), logits(run.model))
 
 

@@ -22,7 +22,8 @@ import torch
 from merge_engine.errors import AdapterError, LoraRankMismatch
 from merge_engine.lora.checkpoint import split_checkpoint
 from merge_engine.lora.config import pattern_key, settings_layout
-from merge_engine.commands.extract import ExtractOptions, extract_lora
+from merge_engine.commands.extract import extract_lora
+from merge_engine.output.jobs import OutputOptions
 from merge_engine.lora.peft_settings import StoredFactors, _peft_layers, resolve_trained_settings
 from merge_engine.commands.merge import merge_checkpoint
 from merge_engine.formats.tensor_source import TensorMeta
@@ -90,7 +91,7 @@ def test_a_rank_peft_does_not_give_is_a_named_error(verl_lora_runs, tmp_path):
     shutil.copytree(checkpoint, wrong)
     with open(os.path.join(wrong, "lora_train_meta.json"), "w") as handle:
         json.dump({"r": 8, "lora_alpha": 32, "task_type": "CAUSAL_LM"}, handle)
-    for run in (lambda out: merge_checkpoint(wrong, out), lambda out: extract_lora(wrong, out, ExtractOptions())):
+    for run in (lambda out: merge_checkpoint(wrong, out), lambda out: extract_lora(wrong, out, OutputOptions())):
         out = str(tmp_path / "out")
         with pytest.raises(LoraRankMismatch) as caught:
             run(out)

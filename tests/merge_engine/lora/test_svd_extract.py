@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from merge_engine.errors import AdapterError, InvalidOption
-from merge_engine.commands.extract import SvdExtractOptions, extract_lora_svd
+from merge_engine.commands.extract import extract_lora_svd
+from merge_engine.output.jobs import OutputOptions
 from merge_engine.lora.svd import svd_device
 from tests.merge_engine.lora.conftest import load_causal_lm, logits, peft_logits
 from tests.merge_engine.lora.test_fuse import ATOL, RTOL
@@ -37,7 +38,7 @@ def finetuned(tmp_path_factory, tiny_base, peft_adapters) -> dict[str, str]:
 def test_full_rank_extraction_reproduces_the_finetune(tmp_path, tiny_base, finetuned):
     """Rank 8 >= every update's rank: errors ~0, each module keeps its true rank (not 8 with noise),
     PEFT-loaded adapter == fine-tuned logits, only the modules that changed are in the adapter."""
-    result = extract_lora_svd(tiny_base, finetuned["lora_only"], str(tmp_path / "ad"), SvdExtractOptions(rank=8))
+    result = extract_lora_svd(tiny_base, finetuned["lora_only"], str(tmp_path / "ad"), OutputOptions(rank=8))
     assert max(r.relative_error for r in result.modules) < 1e-5
     ranks = {r.module: r.rank for r in result.modules}
     assert ranks["model.layers.1.self_attn.q_proj"] == 2 and ranks["model.layers.0.mlp.gate_proj"] == 3
@@ -52,7 +53,7 @@ def test_full_rank_extraction_reproduces_the_finetune(tmp_path, tiny_base, finet
 
 def test_low_rank_error_is_the_true_relative_error(tmp_path, tiny_base, finetuned):
     """Rank 1: each reported error equals ||delta - B @ A||_F / ||delta||_F measured on the files."""
-    result = extract_lora_svd(tiny_base, finetuned["lora_only"], str(tmp_path / "ad"), SvdExtractOptions(rank=1))
+    result = extract_lora_svd(tiny_base, finetuned["lora_only"], str(tmp_path / "ad"), OutputOptions(rank=1))
     base = load_file(os.path.join(tiny_base, "model.safetensors"))
     tuned = load_file(os.path.join(finetuned["lora_only"], "model.safetensors"))
     adapter = load_file(str(tmp_path / "ad" / "adapter_model.safetensors"))
@@ -67,7 +68,7 @@ def test_low_rank_error_is_the_true_relative_error(tmp_path, tiny_base, finetune
 
 def test_energy_threshold_chooses_ranks_per_module(tmp_path, tiny_base, finetuned):
     result = extract_lora_svd(tiny_base, finetuned["lora_only"], str(tmp_path / "ad"),
-                              SvdExtractOptions(energy=0.8, rank=3))
+                              OutputOptions(energy=0.8, rank=3))
     assert all(1 <= r.rank <= 3 for r in result.modules)
     assert all(r.relative_error <= (1 - 0.8) ** 0.5 + 1e-6 or r.rank == 3 for r in result.modules)
     config = json.load(open(tmp_path / "ad" / "adapter_config.json"))
@@ -77,7 +78,7 @@ def test_energy_threshold_chooses_ranks_per_module(tmp_path, tiny_base, finetune
 
 
 def test_changed_tensors_outside_the_adapter_are_reported(tmp_path, tiny_base, finetuned):
-    result = extract_lora_svd(tiny_base, finetuned["with_norm"], str(tmp_path / "ad"), SvdExtractOptions(rank=4))
+    result = extract_lora_svd(tiny_base, finetuned["with_norm"], str(tmp_path / "ad"), OutputOptions(rank=4))
     assert any("model.norm.weight" in note for note in result.notes)
     provenance = json.load(open(tmp_path / "ad" / "stepmerge.json"))
     assert provenance["device"] == str(svd_device()) and set(provenance["svd"]) == {r.module for r in result.modules}
@@ -85,22 +86,22 @@ def test_changed_tensors_outside_the_adapter_are_reported(tmp_path, tiny_base, f
 
 def test_target_modules_select_and_must_exist(tmp_path, tiny_base, finetuned):
     result = extract_lora_svd(tiny_base, finetuned["lora_only"], str(tmp_path / "ad"),
-                              SvdExtractOptions(rank=4, target_modules=("q_proj",)))
+                              OutputOptions(rank=4, target_modules=("q_proj",)))
     assert {r.module.rsplit(".", 1)[-1] for r in result.modules} == {"q_proj"}
     with pytest.raises(AdapterError, match="nonexistent_proj"):
         extract_lora_svd(tiny_base, finetuned["lora_only"], str(tmp_path / "bad"),
-                         SvdExtractOptions(rank=4, target_modules=("q_proj", "nonexistent_proj")))
+                         OutputOptions(rank=4, target_modules=("q_proj", "nonexistent_proj")))
     assert not os.path.exists(tmp_path / "bad")
 
 
 def test_rank_or_energy_is_required(tmp_path, tiny_base, finetuned):
     with pytest.raises(InvalidOption):
-        extract_lora_svd(tiny_base, finetuned["lora_only"], str(tmp_path / "ad"), SvdExtractOptions())
+        extract_lora_svd(tiny_base, finetuned["lora_only"], str(tmp_path / "ad"), OutputOptions())
 
 
 def test_identical_models_have_nothing_to_extract(tmp_path, tiny_base):
     with pytest.raises(AdapterError, match="nothing to extract"):
-        extract_lora_svd(tiny_base, tiny_base, str(tmp_path / "ad"), SvdExtractOptions(rank=2))
+        extract_lora_svd(tiny_base, tiny_base, str(tmp_path / "ad"), OutputOptions(rank=2))
     assert not os.path.exists(tmp_path / "ad")
 
 
@@ -123,7 +124,7 @@ def test_the_finetune_can_be_a_verl_fsdp_checkpoint(tmp_path, fsdp_runs):
                                                                                          generator=generator) * 0.05
     model.save_pretrained(str(tmp_path / "base"))
     result = extract_lora_svd(str(tmp_path / "base"), files.checkpoint_dir, str(tmp_path / "ad"),
-                              SvdExtractOptions(rank=4))
+                              OutputOptions(rank=4))
     assert {r.module.rsplit(".", 1)[-1] for r in result.modules} == {"q_proj"}
     assert {r.rank for r in result.modules} == {2} and max(r.relative_error for r in result.modules) < 1e-5
     torch.testing.assert_close(peft_logits(str(tmp_path / "base"), str(tmp_path / "ad")), want, atol=ATOL, rtol=RTOL)
@@ -175,8 +176,8 @@ def test_the_randomized_svd_keeps_the_full_svds_ranks_and_errors(tmp_path, mediu
     from merge_engine.output.jobs import run_job
 
     base, tuned = medium_finetune["base"], medium_finetune["tuned"]
-    fast = extract_lora_svd(base, tuned, str(tmp_path / "fast"), SvdExtractOptions(rank=8))
-    full = run_job(SvdExtractJob(base, tuned, str(tmp_path / "full"), SvdExtractOptions(rank=8), svd_method="full"))
+    fast = extract_lora_svd(base, tuned, str(tmp_path / "fast"), OutputOptions(rank=8))
+    full = run_job(SvdExtractJob(base, tuned, str(tmp_path / "full"), OutputOptions(rank=8), svd_method="full"))
     assert len(fast.modules) == 14
     provenance = json.load(open(tmp_path / "fast" / "stepmerge.json"))
     assert provenance["svd_methods"] == {"randomized": 14}

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from merge_engine import storage
-from merge_engine.commands.combine import MergeLoraOptions, merge_lora
+from merge_engine.commands.combine import merge_lora
+from merge_engine.output.jobs import OutputOptions
 
 
 def upload(folder: str, url: str) -> str:
@@ -28,7 +29,7 @@ def test_fuse_and_combine_between_urls(tmp_path, storage_root, tiny_base, peft_a
     base = upload(tiny_base, storage.join(storage_root, "base"))
     adapters = [upload(peft_adapters[n], storage.join(storage_root, n)) for n in ("qv", "embed_save")]
     merge_lora(base, adapters, storage.join(storage_root, "fused"))
-    merge_lora(None, adapters, storage.join(storage_root, "combined"), MergeLoraOptions(output="adapter", rank=2))
+    merge_lora(None, adapters, storage.join(storage_root, "combined"), OutputOptions(output="adapter", rank=2))
     merge_lora(tiny_base, [peft_adapters["qv"], peft_adapters["embed_save"]], str(tmp_path / "local"))
     remote = load_file(os.path.join(download(storage.join(storage_root, "fused"), str(tmp_path / "fused")),
                                     "model.safetensors"))

@@ -23,8 +23,9 @@ import os
 import pytest
 import torch
 
-from merge_engine.commands.combine import MergeLoraOptions, merge_lora
-from merge_engine.commands.extract import ExtractOptions, extract_lora
+from merge_engine.commands.combine import merge_lora
+from merge_engine.output.jobs import OutputOptions
+from merge_engine.commands.extract import extract_lora
 from merge_engine.commands.merge import merge_checkpoint
 from synthetic_runs.fsdp import MOE_FAMILIES, build_reference_model
 
@@ -93,7 +94,7 @@ def test_extracted_adapter_loads_in_peft_as_trained(trained, family, weights_for
 
     checkpoint, expected, _ = trained[family]
     adapter = str(tmp_path / "adapter")
-    extract_lora(checkpoint, adapter, ExtractOptions(weights_format=weights_format))
+    extract_lora(checkpoint, adapter, OutputOptions(weights_format=weights_format))
     base_dir = os.path.join(adapter, "base")
     model = peft.PeftModel.from_pretrained(_load(base_dir), adapter).eval()
     assert _close(_logits(model), expected) < TOLERANCE
@@ -106,7 +107,7 @@ def test_extracted_adapter_loads_in_peft_as_trained(trained, family, weights_for
         assert json.load(handle)["lora"]["peft_settings"]["modules"]
     if weights_format == "hub":
         fused = str(tmp_path / "fused")
-        merge_lora(base_dir, [adapter], fused, MergeLoraOptions())
+        merge_lora(base_dir, [adapter], fused, OutputOptions())
         assert _close(_logits(_load(fused)), expected) < TOLERANCE
         with open(os.path.join(fused, "stepmerge.json")) as handle:
             applied = json.load(handle)["lora"]["adapter_settings"][adapter]
@@ -130,6 +131,6 @@ def test_a_step_saved_by_verls_own_checkpoint_manager(verl_saved_lora_run, verl_
     merge_checkpoint(step.checkpoint_dir, str(tmp_path / "merged"))
     assert _close(_logits(_load(str(tmp_path / "merged"))), expected) < TOLERANCE
     adapter = str(tmp_path / "adapter")
-    extract_lora(step.checkpoint_dir, adapter, ExtractOptions())
+    extract_lora(step.checkpoint_dir, adapter, OutputOptions())
     model = peft.PeftModel.from_pretrained(_load(os.path.join(adapter, "base")), adapter).eval()
     assert _close(_logits(model), expected) < TOLERANCE

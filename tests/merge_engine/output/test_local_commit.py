@@ -29,7 +29,7 @@ from merge_engine.output import local_commit
 
 from merge_engine.output import process_identity
 from merge_engine.output.local_commit import LiveFolder, commit_folder, sweep_dead_siblings
-from merge_engine.commands.merge import MergeOptions, merge_checkpoint
+from merge_engine.commands.merge import merge_checkpoint
 
 VARIANT = "fsdp2_qwen2"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

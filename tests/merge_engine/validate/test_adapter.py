@@ -28,16 +28,18 @@ DTYPES = [None, "bfloat16", "float16"]
 @pytest.fixture(scope="module")
 def releases(template_run, tmp_path_factory) -> dict:
     """dtype -> (adapter folder with base/, fused model folder), written by the engine."""
-    from merge_engine.commands.extract import ExtractOptions, extract_lora
-    from merge_engine.commands.merge import MergeOptions, merge_checkpoint
+    from merge_engine.commands.extract import extract_lora
+    from merge_engine.output.jobs import OutputOptions
+    from merge_engine.commands.merge import merge_checkpoint
+    from merge_engine.output.jobs import OutputOptions
 
     source = str(template_run.step_dir(LORA_STEP) / ROLE)
     root = tmp_path_factory.mktemp("adapter-validation")
     out = {}
     for dtype in DTYPES:
         adapter, fused = root / f"{dtype}-adapter", root / f"{dtype}-fused"
-        extract_lora(source, str(adapter), ExtractOptions(dtype=dtype))
-        merge_checkpoint(source, str(fused), MergeOptions(dtype=dtype))
+        extract_lora(source, str(adapter), OutputOptions(dtype=dtype))
+        merge_checkpoint(source, str(fused), OutputOptions(dtype=dtype))
         out[dtype] = (adapter, fused)
     return out
 

@@ -165,12 +165,14 @@ def test_a_lora_only_checkpoint_is_skipped_with_its_reason(runs, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_stepmerge_merge_and_extract_reproduce_the_trained_model(runs, family, tmp_path):
     """Issue 16 item 1 (per-module scale as PEFT trained it): stepmerge's outputs pass the check."""
-    from merge_engine.commands.extract import ExtractOptions, extract_lora
-    from merge_engine.commands.merge import MergeOptions, merge_checkpoint
+    from merge_engine.commands.extract import extract_lora
+    from merge_engine.output.jobs import OutputOptions
+    from merge_engine.commands.merge import merge_checkpoint
+    from merge_engine.output.jobs import OutputOptions
 
     run = runs[family]
-    merge_checkpoint(run.checkpoint, str(tmp_path / "fused"), MergeOptions())
-    extract_lora(run.checkpoint, str(tmp_path / "adapter"), ExtractOptions())
+    merge_checkpoint(run.checkpoint, str(tmp_path / "fused"), OutputOptions())
+    extract_lora(run.checkpoint, str(tmp_path / "adapter"), OutputOptions())
     report = check_against_trained(run.checkpoint, fused_model_url=str(tmp_path / "fused"),
                                    adapter_url=str(tmp_path / "adapter"))
     assert report.ok, report.summary()
