@@ -48,7 +48,7 @@ from merge_engine.lora.checkpoint import (
     resolve_checkpoint_lora,
     task_type_of,
 )
-from merge_engine.commands.combine import TableFactor
+from merge_engine.lora.combine import TableFactor
 from merge_engine.commands.layout_jobs import jobs_of
 from merge_engine.lora.config import adapter_config, infer_target_modules, rank_layout, settings_layout, targets
 from merge_engine.lora.fuse import aligned, finite_or_raise

@@ -12,6 +12,7 @@ Modules, one job each:
 - `hub_names`   an extracted adapter under the Hub checkpoint's module names (renamed, row bands and
                 per-expert modules cut from fused ones), the form PEFT loads onto a Hub-format base
 - `fuse`        W + scale * B @ A as a streaming TensorBuilder; the fused-model plan
+- `combine`     several adapters as one, exactly (rank stacking) or re-factored by SVD: the combined adapter's plan
 - `checkpoint`  the LoRA of a PEFT-wrapped training checkpoint (keys, alpha from the run); the
                 trained-model plan the planner picks for a plain `merge`
 - `svd`         low-rank factoring with per-module relative error, on the device asked (cuda when present):
