@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +51,8 @@ from merge_engine.lora.checkpoint import (
 from merge_engine.lora.combine import TableFactor
 from merge_engine.commands.layout_jobs import jobs_of
 from merge_engine.lora.config import adapter_config, infer_target_modules, rank_layout, settings_layout, targets
-from merge_engine.lora.fuse import aligned, finite_or_raise
+from merge_engine.lora.finetune_delta import changed_tensors, select_modules
+from merge_engine.lora.fuse import finite_or_raise
 from merge_engine.lora.hub_names import ExportedAdapter, check_exported_fits, export_adapter
 from merge_engine.lora.keys import BASE_DIR, LORA_A, LORA_B, adapter_file_key, parse_key
 from merge_engine.lora.peft_settings import check_adapter_loads
@@ -297,38 +298,6 @@ def extract_lora(checkpoint_url: str, target_url: str, options: OutputOptions = 
 # ------------------------------------------------------------------------------------------------
 # extract-lora by SVD from a full fine-tune
 # ------------------------------------------------------------------------------------------------
-
-NOT_LINEAR_LAST_PARTS = ("lm_head", "score", "classifier", "wte", "wpe")
-
-
-def default_target(module: str) -> bool:
-    """PEFT's "all-linear" spirit: every 2-D weight but embeddings and output heads."""
-    last = module.rsplit(".", 1)[-1]
-    return "embed" not in last and last not in NOT_LINEAR_LAST_PARTS
-
-
-def select_modules(candidates: Sequence[str], target_modules: Sequence[str] | None, where: str | None) -> list[str]:
-    if target_modules is None:
-        return [m for m in candidates if default_target(m)]
-    for entry in target_modules:
-        if not any(targets([entry], m) for m in candidates):
-            raise AdapterError(f"target module {entry!r} matches no 2-D weight present in both models", where)
-    return [m for m in candidates if targets(list(target_modules), m)]
-
-
-def changed_tensors(base: TensorSource, tuned: TensorSource, names: Sequence[str], chunk_bytes: int
-                    ) -> list[tuple[str, float]]:
-    """(name, max |difference|) of every tensor in ``names`` that differs, streamed chunk by chunk."""
-    changed = []
-    for name in names:
-        worst = 0.0
-        for a, b in aligned([base.iter_chunks(name, chunk_bytes), tuned.iter_chunks(name, chunk_bytes)]):
-            if a.numel():
-                worst = max(worst, float((a.to(torch.float64) - b.to(torch.float64)).abs().max()))
-        if worst > 0:
-            changed.append((name, worst))
-    return changed
-
 
 SVD_REVISION = 2  # the factoring's revision (2: randomized SVD where it serves): other factors, same errors
 
