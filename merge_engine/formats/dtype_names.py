@@ -12,7 +12,7 @@ Contract:
   (`tests/merge_engine/formats/test_dtype_names.py` checks the table against the installed torch);
   `ALIASES`: torch's other spellings (``half``, ``long``...) -> the canonical name.
 - `STORAGE_CLASSES`: the ``torch.save`` typed-storage globals (``BFloat16Storage``...) -> dtype name.
-- `SAFETENSORS_CODES`: safetensors header codes (``"BF16"``) -> dtype name; `SAFETENSORS_NAMES` the inverse.
+- `SAFETENSORS_CODES`: safetensors header codes (``"BF16"``) -> dtype name.
 - `canonical(name)` -> canonical name, `KeyError` for a name torch does not have.
 - `name_of(value)` -> canonical name of a name, a `PickledDType` or a real ``torch.dtype`` (read from
   its text: no torch import); `TypeError` for anything else.
@@ -54,7 +54,6 @@ SAFETENSORS_CODES: dict[str, str] = {
     "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2", "U16": "uint16", "U32": "uint32", "U64": "uint64",
 }
-SAFETENSORS_NAMES: dict[str, str] = {name: code for code, name in SAFETENSORS_CODES.items()}
 
 
 def canonical(name: str) -> str:

@@ -265,11 +265,6 @@ class TorchArchive:
 
         self._crc.finish(read, describe)
 
-    @property
-    def records_checked(self) -> frozenset[str]:
-        """The zip records read whole and found to match their CRC-32."""
-        return self._crc.checked
-
     def close(self) -> None:
         self.reader.close()
 

@@ -81,13 +81,6 @@ class DcpFiles:
         size, version = self._sizes.get(name), self._versions.get(name)
         return storage.RangeReader(file_url, size, version if size is not None else None)
 
-    def read_object(self, location: ItemLocation) -> bytes:
-        reader = self._readers.get(location.file)
-        if reader is None:
-            file_url = storage.join(self.url, location.file)
-            reader = self._readers[location.file] = self._open(file_url, location.file)
-        return reader.read(location.offset, location.length)
-
     def verify_reads(self) -> None:
         """The CRC-32 of every item record read from (each item is a ``torch.save`` archive)."""
         for stored in list(self._chunks.values()):

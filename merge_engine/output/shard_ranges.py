@@ -61,15 +61,11 @@ _POLL_S = 0.1  # how often a waiting thread looks at the stop flags
 
 
 class RangeGauge:
-    """Ranges in flight now (``in_flight``), at most since `reset` (``peak``), and started (``started``)."""
+    """Ranges in flight now (``in_flight``), at most (``peak``), and started (``started``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.in_flight = self.peak = self.started = 0
-
-    def reset(self) -> None:
-        with self._lock:
-            self.peak, self.started = self.in_flight, 0
 
     def enter(self) -> None:
         with self._lock:

@@ -31,7 +31,6 @@ from merge_engine.errors import InvalidConfig
 _INTEGER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                    "head_dim", "num_hidden_layers")
 _INDEX = re.compile(r"\.(\d+)(?=\.|$)")
-_DECODER_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 
 
 def check_sizes(config: Mapping[str, Any], config_url: str | None = None) -> None:

@@ -45,9 +45,6 @@ class Body:
             start = base + hi
             index += 1
 
-    def tobytes(self) -> bytes:
-        return b"".join(self._pieces)
-
 
 def is_body(data: object) -> bool:
     """Whether ``data`` is what a ranged read may return: `bytes`, `bytearray` or a `Body`."""

@@ -42,3 +42,9 @@ class DcpWriter:
 
     def abort(self) -> None:
         self._data.abort()
+
+
+def read_object(url: str, location) -> bytes:
+    """The bytes of a DCP bytes entry (``index.objects[key]``, an `ItemLocation`) of the folder at ``url``: the
+    product reads none (a merge needs only tensors), the tests check what the writer wrote."""
+    return storage.RangeReader(storage.join(url, location.file)).read(location.offset, location.length)

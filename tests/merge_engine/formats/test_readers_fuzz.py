@@ -325,6 +325,7 @@ def read_dcp(path: str) -> str:
     from merge_engine import storage
     from merge_engine.formats.torch_dcp import DcpFiles, DcpTensor
     from merge_engine.formats.dcp_index import read_index
+    from tests.merge_engine.formats.dcp_writer import read_object
 
     index = read_index(path)
     files = DcpFiles(path, {e.path: e.size for e in storage.list_files(path)})
@@ -333,7 +334,7 @@ def read_dcp(path: str) -> str:
             for _ in DcpTensor(key, info, files).iter_chunks(1 << 10):
                 pass
         for location in index.objects.values():
-            files.read_object(location)
+            read_object(path, location)
     finally:
         files.close()
     return "ok"

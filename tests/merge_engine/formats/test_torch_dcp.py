@@ -22,7 +22,7 @@ from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsafePickle
 from merge_engine.formats.torch_dcp import DcpFiles, DcpTensor
 from merge_engine.formats.dcp_index import read_index
-from tests.merge_engine.formats.dcp_writer import DcpWriter
+from tests.merge_engine.formats.dcp_writer import DcpWriter, read_object
 
 FULL = torch.arange(4 * 6 * 10, dtype=torch.float32).reshape(4, 6, 10)
 # chunks cut on dims 0 and 1 and 2, unevenly, in a scrambled order
@@ -67,7 +67,7 @@ def test_boxes_read_exactly(tmp_path):
         for row in range(6):
             assert torch.equal(_tensor(url, (layer, row))[0].read(), FULL[layer, row])
     assert torch.equal(whole.read_box((1, 2, 3), (3, 3, 5)), FULL[1:4, 2:5, 3:8])
-    assert files.read_object(index.objects["extra/shard_0_1"]) == b"opaque bytes"
+    assert read_object(url, index.objects["extra/shard_0_1"]) == b"opaque bytes"
 
 
 @pytest.mark.parametrize("max_bytes", [1, 40, 240, 10_000])

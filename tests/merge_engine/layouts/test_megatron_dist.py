@@ -20,7 +20,7 @@ from merge_engine.commands.merge import merge_checkpoint
 from merge_engine.formats.torch_dcp import DcpFiles, DcpTensor
 from merge_engine.formats.dcp_index import read_index
 from merge_engine.output.jobs import OutputOptions
-from tests.merge_engine.formats.dcp_writer import DcpWriter
+from tests.merge_engine.formats.dcp_writer import DcpWriter, read_object
 from synthetic_runs.megatron import REFERENCE_HF_DIR
 from tests.merge_engine.layouts.test_megatron_bad_input import _copy
 from tests.merge_engine.layouts.test_megatron_merge import _tensors
@@ -51,7 +51,7 @@ def _rewrite_with(folder: str, extra: dict[str, torch.Tensor]) -> None:
     try:
         chunks = [(key, info.shape, c.offsets, DcpTensor(key, info, files).read_box(c.offsets, c.sizes))
                   for key, info in index.tensors.items() for c in info.chunks]
-        objects = [(key, files.read_object(location)) for key, location in index.objects.items()]
+        objects = [(key, read_object(folder, location)) for key, location in index.objects.items()]
     finally:
         files.close()
     for entry in storage.list_files(folder):

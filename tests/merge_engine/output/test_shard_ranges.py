@@ -50,6 +50,11 @@ SMALL = {  # an odd-sized bool tensor puts every tensor after it off its element
 LARGE = {f"layer{i}.weight": torch.randn(1024, 1024, generator=torch.Generator().manual_seed(i)) for i in range(6)}
 
 
+def _reset_gauge() -> None:
+    """`GAUGE` counts from now on (no range in flight between tests): peak and started back to zero."""
+    GAUGE.peak, GAUGE.started = GAUGE.in_flight, 0
+
+
 def _open(folder, tensors):
     folder.mkdir()
     save_file(tensors, str(folder / "model.safetensors"))
@@ -79,7 +84,7 @@ def _plan(tensors, dtype=None, builders=None) -> MergePlan:
 
 
 def _written(plan, source, url, workers) -> tuple[bytes, str, int]:
-    GAUGE.reset()
+    _reset_gauge()
     written = write_plan(plan, source, url, chunk_bytes=10_000, workers=workers)
     (record,) = written.records
     return storage.read_bytes(storage.join(url, "model.safetensors")), record.sha256, GAUGE.started
@@ -153,7 +158,7 @@ def test_a_one_shard_merge_uses_every_worker(scheme, workers, one_worker_merge, 
     tiny model is below S3's 5 MiB part floor, which SeaweedFS enforces; `test_s3_parts_...` covers it.)"""
     source, expected = one_worker_merge
     root = str(tmp_path) if scheme == "path" else f"file://{tmp_path}"
-    GAUGE.reset()
+    _reset_gauge()
     assert _merged_files(source, f"{root}/out", workers) == expected
     assert GAUGE.started > 1
 
@@ -219,7 +224,7 @@ def _wait_for(condition, timeout: float = 20.0) -> None:
 def test_two_ranges_of_one_shard_are_in_flight_at_once(small_source, small_parts, tmp_path):
     plan = _plan(SMALL)
     expected, _, _ = _written(plan, small_source, str(tmp_path / "one"), 1)
-    GAUGE.reset()
+    _reset_gauge()
     write_plan(plan, _GatedSource(small_source), str(tmp_path / "two"), chunk_bytes=10_000, workers=2)
     assert GAUGE.peak >= 2
     assert (tmp_path / "two" / "model.safetensors").read_bytes() == expected
@@ -246,7 +251,7 @@ def test_a_fault_in_one_range_stops_the_rest_and_leaves_nothing(scheme, small_so
             break
         at += tensor.nbytes
     gated = _GatedSource(source, fail_at=fail_at)
-    GAUGE.reset()
+    _reset_gauge()
     with pytest.raises(StorageUnavailable, match="unreachable"):
         write_plan(plan, gated, root, chunk_bytes=4096, workers=2)
     assert GAUGE.started == 2 and GAUGE.in_flight == 0
