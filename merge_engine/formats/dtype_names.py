@@ -1,7 +1,7 @@
 """Tensor dtypes by name, without torch: what a check needs of a dtype is its name and its item size.
 
 A check reads headers (a ``torch.save`` pickle, a safetensors header) and proves sizes; it never
-touches a tensor, so it need not import torch (1.5 s). The records it builds
+touches a tensor, so it need not import torch. The records it builds
 (`merge_engine.formats.stored_tensor.StorageRef`, the assemblies of `merge_engine.formats.tensor_source`)
 hold a dtype's canonical NAME (torch's spelling: ``"bfloat16"``); their ``dtype`` property asks
 `torch_dtype` for the real ``torch.dtype`` (importing torch then), so engine code that casts, compares

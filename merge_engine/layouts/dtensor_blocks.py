@@ -1,9 +1,9 @@
 """Which block of a DTensor's global tensor a rank holds, from the placement records its rank file
 pickles, computed as torch computes it, without importing ``torch.distributed.tensor``.
 
-torch's answer (``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``) costs
-0.4-0.5 s of imports (sympy, the DTensor op tables) for a few integer divisions; a merge of a small
-checkpoint spent a third of its time there. The placements are read by the allow-list unpickler
+torch's answer (``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``) costs the
+imports of sympy and the DTensor op tables for a few integer divisions (docs/scaling.md, "Figures behind
+the engine's choices"). The placements are read by the allow-list unpickler
 (`merge_engine.formats.safe_unpickler`) as inert records; this module turns them into `Placement` values and
 does the arithmetic.
 

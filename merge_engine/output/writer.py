@@ -7,8 +7,7 @@ unit that cannot be cut, such as a Megatron rank file, uses one). So a one-shard
 Threads, not processes: every stage leaves the GIL while it works (file and network reads, the cast in
 torch, the write, sha256 over large buffers), the units share the open source (its readers, its parsed
 pickles) instead of re-opening it per process, and nothing is pickled; a process per unit would add an
-interpreter and a torch import (~1.5 s, ~300 MB) per worker. Measured: ``python -m benchmarks.shard_jobs``
-and docs/scaling.md.
+interpreter and a torch import per worker (docs/scaling.md, ``python -m benchmarks.shard_jobs``).
 
 Contract of `run_units`:
 - every unit is written under ``folder_url``; their `FileRecord`s come back in the order of the units;

@@ -1,8 +1,8 @@
 """What `hub_config` answered for a config, kept on disk: the next merge of the same run asks transformers nothing.
 
 `merge_engine.plan.hub_config` reads its rules from transformers' config classes, and building one
-(``AutoConfig``) imports transformers and scans every model folder: about 1 s of a small merge's
-start, more than the rest of the merge. Its answer depends only on the config, the installed
+(``AutoConfig``) imports transformers and scans every model folder: more than the rest of a small
+merge (docs/scaling.md, "Figures behind the engine's choices"). Its answer depends only on the config, the installed
 transformers and the rules' code, and every step of a training run has the same config, so the answer is
 kept under a key made of exactly those three.
 

@@ -2,9 +2,9 @@
 
 A ``torch.save`` file may give one storage any number of names (tied weights: the input embedding
 and the output head are one parameter, pickled once, named twice). Every name becomes a tensor of
-its own in the output, so 200 names over one 4 MB storage made an 801 MB output from 11 MB of input.
+its own in the output: a few MB of input could make an output of any size.
 
-Rule (issue 17 point 4): names may share stored bytes only where the model ties them. Where transformers
+Rule: names may share stored bytes only where the model ties them. Where transformers
 lists the model's ties (`merge_engine.plan.model_shapes.model_ties`, transformers 5): a group is every name
 tied to one of them plus that one (Mamba's ``backbone.embeddings`` and ``lm_head``, ERNIE's decoder bias,
 Florence-2's shared embeddings), and the plan writes only that one (`merge_engine.plan.output_heads`).

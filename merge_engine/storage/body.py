@@ -1,8 +1,7 @@
 """`Body`: the bytes of one ranged GET in the pieces the network delivered, copied once, into the reader's buffer.
 
 aiohttp hands a response body over in the pieces it received (up to 256 KiB each). Joining them into
-one `bytes` copies every byte once more before the reader copies it into its own buffer (measured
-here: a sixth of an S3 read's CPU). A `Body` keeps the pieces, and `copy_range` copies any range of a
+one `bytes` copies every byte once more before the reader copies it into its own buffer. A `Body` keeps the pieces, and `copy_range` copies any range of a
 body (a `Body`, `bytes` or `bytearray`) straight into the caller's buffer.
 """
 

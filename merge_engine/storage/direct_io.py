@@ -1,9 +1,8 @@
 """Sequential file writes that bypass the page cache (``O_DIRECT``), for multi-GB weight files.
 
-Why: a merge writes as many bytes as the model holds. Through the page cache those writes
-stall on reclaim and end in a long ``fsync``; measured here (ext4 on a 2-core VM) buffered
-writes ran 0.4-4 GB/s plus 0.5 s of fsync per GB, ``O_DIRECT`` a steady ~1.9 GB/s with a free
-fsync — and it leaves the reader's cache to the reader. `DirectFile` hides the rules
+Why: a merge writes as many bytes as the model holds; through the page cache those writes stall on
+reclaim and end in a long ``fsync`` (figures: docs/scaling.md, "Figures behind the engine's choices"),
+and they evict the reader's cache. `DirectFile` hides the rules
 ``O_DIRECT`` imposes (aligned buffer, block-multiple sizes): bytes are staged in one aligned
 buffer, written in full blocks, and the tail is padded then truncated away. Where the
 filesystem refuses ``O_DIRECT`` (tmpfs, some network filesystems), the same object falls back

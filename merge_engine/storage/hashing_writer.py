@@ -2,9 +2,8 @@
 sha256 and size from the bytes as they are written, so the record of a written file costs no second read.
 
 Every file a work unit writes goes through it: a merge's safetensors shards (`write_shard`, hashing in a
-thread of its own: sha256 is one core's work at ~1-2 GB/s, as much as the read, cast and write together,
-so hashing in the writer's thread made the writer the bottleneck of a local merge, measured: half the
-writer's time) and ``split``'s rank and DCP data files (``torch.save`` into it, hashed inline).
+thread of its own: sha256 costs as much as the read, cast and write together, so it must not be the
+writer's thread: docs/scaling.md, "Figures behind the engine's choices") and ``split``'s rank and DCP data files (``torch.save`` into it, hashed inline).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 s3fs's own file object sends each part when its buffer fills, and waits for it: the writer (a
 shard job: read, cast, hash, write) stands still for every part's round trip and transfer, so a
-merge to ``s3://`` ran at one connection's speed (measured here: 3x the time of the same merge to
-a local folder, on loopback). Here a full part is handed to a small thread pool and the writer
+merge to ``s3://`` runs at one connection's speed (docs/scaling.md, "Figures behind the engine's choices").
+Here a full part is handed to a small thread pool and the writer
 goes on; at most `tuning.UPLOAD_PARTS_IN_FLIGHT` parts are held (sent or waiting), so memory is
 (that + 1) x the part size per upload.
 

@@ -34,8 +34,7 @@ output with the model that training ran, built by PEFT alone, never from stepmer
 
 Checks: ``trained_model`` (rebuilt, or why not), ``trained_vs_fused``, ``trained_vs_adapter``.
 Cost: one forward pass of `FORWARD_SEQ_LEN` tokens per model, one model in memory at a time
-(two while localising a mismatch); measured on a Qwen2-0.5B-shaped LoRA checkpoint (2 GB):
-peak RSS 3.4 GB (`benchmarks/trained_check.py`). A model whose rebuild needs more than
+(two while localising a mismatch; peak memory: `benchmarks/trained_check.py`, docs/scaling.md). A model whose rebuild needs more than
 `memory_budget` (parameter count x 4 bytes x `PEAK_FACTOR`; ``STEPMERGE_TRAINED_CHECK_MAX_BYTES``,
 default half the machine's memory) is not run: every check is reported SKIPPED with the sizes (`Check.skipped`), never passed silently; so
 is a checkpoint this check cannot rebuild for a reason that says nothing about the output (no

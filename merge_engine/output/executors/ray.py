@@ -16,8 +16,8 @@ weight byte passes through the coordinator or Ray's object store: only `FileReco
   unit of the last `run_all`, in the order of the tasks (the attempt that succeeded).
 - Start: `RayExecutor.at` (the CLI's ``--ray-address``) connects in a thread of its own while this process
   checks and plans, and has each CPU of the cluster (up to `WARM_WORKERS`, spread over the nodes) start a
-  worker that imports the shard job (`warm_worker`): Ray's driver connection (about 2 s of wall) and its workers' start (Python,
-  Ray, torch: about 2 s of CPU each) then overlap the preparation instead of following it. Ray reuses those
+  worker that imports the shard job (`warm_worker`): Ray's driver connection and its workers' start (Python,
+  Ray, torch) then overlap the preparation instead of following it. Ray reuses those
   idle workers for the job's unit tasks. `run_all` waits for the connection; its failure is raised there.
 - Every core on every shard: a job with fewer unit tasks than the cluster has CPUs gives each task its share
   of them (`threads_per_task`: at most a node's CPUs), and the task writes its byte ranges on that many
