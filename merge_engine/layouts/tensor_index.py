@@ -64,23 +64,30 @@ def carry(tensors: Mapping[str, Any], handles: Sequence[Any]) -> bytes | None:
     return _tag() + zlib.compress(data) if len(data) <= MAX_INDEX_BYTES else None
 
 
-def restore(checkpoint: Checkpoint) -> tuple[dict[str, Any], list[Any]] | None:
-    """A fresh copy of ``checkpoint``'s carried index: (name -> lazy tensor, the file handles they read
-    through); None for no index, or one another engine version or format carried (the caller reads the
-    headers again). `UnsafeRecord` naming the checkpoint for an index that is not what `carry` writes for
-    this checkpoint (module docstring)."""
+def _carried_json(checkpoint: Checkpoint, tag: bytes, what: str) -> bytes | None:
+    """The JSON text ``checkpoint.index`` carries under ``tag`` (None: no index, or another engine version's
+    or format's); `UnsafeRecord` for one that does not inflate within `MAX_INDEX_BYTES`."""
     index = checkpoint.index
-    tag = _tag()
     if index is None or not index.startswith(tag):
         return None
     inflate = zlib.decompressobj()
     try:
         data = inflate.decompress(index[len(tag):], MAX_INDEX_BYTES)
     except zlib.error as exc:
-        raise UnsafeRecord(f"carried tensor index does not inflate ({exc})", checkpoint.url) from None
+        raise UnsafeRecord(f"carried {what} does not inflate ({exc})", checkpoint.url) from None
     if inflate.unconsumed_tail or not inflate.eof:
-        raise UnsafeRecord(f"carried tensor index inflates past {MAX_INDEX_BYTES} bytes, or is cut short",
-                           checkpoint.url)
+        raise UnsafeRecord(f"carried {what} inflates past {MAX_INDEX_BYTES} bytes, or is cut short", checkpoint.url)
+    return data
+
+
+def restore(checkpoint: Checkpoint) -> tuple[dict[str, Any], list[Any]] | None:
+    """A fresh copy of ``checkpoint``'s carried index: (name -> lazy tensor, the file handles they read
+    through); None for no index, or one another engine version or format carried (the caller reads the
+    headers again). `UnsafeRecord` naming the checkpoint for an index that is not what `carry` writes for
+    this checkpoint (module docstring)."""
+    data = _carried_json(checkpoint, _tag(), "tensor index")
+    if data is None:
+        return None
     document = parse_json(data, checkpoint.url, error=UnsafeRecord)
     try:
         return _Reader(checkpoint).read(document)
@@ -316,17 +323,9 @@ def restore_dcp(checkpoint: Checkpoint, folder: str) -> Any | None:
     for this checkpoint."""
     from merge_engine import storage
 
-    index, tag = checkpoint.index, _dcp_tag()
-    if index is None or not index.startswith(tag):
+    data = _carried_json(checkpoint, _dcp_tag(), "DCP index")
+    if data is None:
         return None
-    inflate = zlib.decompressobj()
-    try:
-        data = inflate.decompress(index[len(tag):], MAX_INDEX_BYTES)
-    except zlib.error as exc:
-        raise UnsafeRecord(f"carried DCP index does not inflate ({exc})", checkpoint.url) from None
-    if inflate.unconsumed_tail or not inflate.eof:
-        raise UnsafeRecord(f"carried DCP index inflates past {MAX_INDEX_BYTES} bytes, or is cut short",
-                           checkpoint.url)
     document = parse_json(data, checkpoint.url, error=UnsafeRecord)
     sizes = {f.path[len(folder):]: f.size for f in checkpoint.files
              if f.path.startswith(folder) and "/" not in f.path[len(folder):]}
