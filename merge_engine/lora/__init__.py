@@ -18,6 +18,7 @@ Modules, one job each:
 - `svd`         low-rank factoring with per-module relative error, on the device asked (cuda when present):
                 the rank rules, and the method per batch of same-shape updates (randomized, or full SVD)
 - `lowrank`     the randomized SVD of a batch (seeded sketch, power iterations), checked against its residual
+- `extracted_config` adapter_config.json of an adapter extracted from a LoRA checkpoint (ranks, PEFT's alphas)
 - `finetune_delta` what a full fine-tune changed: the modules an SVD extraction factors, the other changed tensors
 - `svd_updates` many modules' updates factored: reads prefetched by a thread, same-shape batches on the device
 The commands built on this library (extract, svd-extract, combine, a Megatron LoRA step's release) are output
