@@ -31,28 +31,14 @@ Contract:
 - A failed validation publishes nothing, removes the staging folder and raises `ValidationFailed`.
   On success (or when already published) the staging folder is removed too (``remove_staging``).
 
-Concurrency (lock-free; the Prefect layer adds a lock on top, this holds without it):
-two publishers of one release must not both write. Each attempt writes its own claim file
-``_PUBLISHING/<attempt>.json`` (a unique name: writers never collide), then lists ``_PUBLISHING/``.
-If it sees any other live claim it deletes its own and waits; otherwise it owns the release.
-Claims live in `claims_url` (``<release>/_PUBLISHING/``; beside a local release, which must not
-appear before it is complete). A claim names its publisher's process (host, boot id, PID namespace,
-pid, start time): a claim whose publisher is certainly dead (this host and namespace, process gone)
-is deleted at once; one from elsewhere only when its heartbeat is older than ``claim_ttl_s``.
-Why at most one proceeds: if A proceeded, A's listing showed no other claim, so any B wrote its
-claim after A's listing, i.e. after A's claim was written; B's own listing then shows A's claim
-and B backs off. This needs only read-after-write and list-after-write consistency, which local
-disks, S3 and GCS give. Both may back off at once: each retries after a random, growing delay,
-and while waiting checks the marker, so the loser of a race for the same fingerprint returns
-the winner's release without copying anything. Claims carry a heartbeat that a timer thread
-refreshes every ``claim_ttl_s / 4`` for as long as the owner works (however long one file's copy
-takes); a claim older than ``claim_ttl_s`` is a crashed publisher's and is ignored and deleted.
-The heartbeat never re-creates a claim that is gone, and the owner re-reads its own claim before
-writing the manifest: a publisher whose claim went unrefreshed for a TTL (it stalled, so another
-may have taken over) or vanished raises `ClaimLost` without writing the manifest or marker. Waiting longer than
-``wait_s`` raises `ReleaseBusy`; both are transient errors: retry later.
-We chose claims over "last marker wins" because the latter lets two publishers interleave file
-writes and one clear the other's files while it copies; a claim keeps every write single-owner.
+Concurrency (lock-free; the Prefect layer adds a lock on top): two publishers of one release never both
+write. Each attempt writes its own claim ``_PUBLISHING/<attempt>.json`` (`claims_url`) and lists the claims:
+it proceeds only when it sees no other live claim, else deletes its own and retries after a random, growing
+delay, returning the winner's release when the marker appears. A claim names its publisher's process (dead
+on this host: deleted at once) and carries a heartbeat refreshed every ``claim_ttl_s / 4`` (older than
+``claim_ttl_s``: a crashed publisher's, ignored and deleted). An owner whose claim went stale or vanished
+raises `ClaimLost` before the manifest; waiting past ``wait_s`` raises `ReleaseBusy` (both transient).
+Why at most one proceeds, and why claims rather than "last marker wins": docs/publishing.md.
 """
 
 from __future__ import annotations
