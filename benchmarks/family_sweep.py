@@ -408,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true",
                         help="keep the rows --json already holds and sweep only the registry's other families; with "
                              "--families, sweep those again and replace their rows (the rest of the table kept)")
+    parser.add_argument("--shard", help="K/N: sweep only every N-th of the selected families, from the K-th (0-based), "
+                        "so N processes share the registry; --join puts their tables together")
+    parser.add_argument("--join", help="comma-separated JSON files of shards (or earlier runs): their rows, in the "
+                        "registry's order, written as one table to --json (and --markdown); no sweep")
     parser.add_argument("--workdir", help="keep the checkpoints and merges here (default: a temporary folder)")
     parser.add_argument("--no-readers", action="store_true", help="skip transformers 4.57")
     parser.add_argument("--markdown", help="also write the table as Markdown here (docs/families.md)")
@@ -429,6 +433,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.families:
         wanted = set(args.families.split(","))
         families = [f for f in families if f.name in wanted or f.model_type in wanted]
+    if args.join:
+        rows = {}
+        for path in args.join.split(","):
+            rows.update({row["family"]: FamilyResult(**row) for row in json.loads(Path(path).read_text())["families"]})
+        order = {f.name: i for i, f in enumerate(registry)}
+        joined = sorted(rows.values(), key=lambda r: order.get(r.family, len(order)))
+        missing = [f.name for f in families if f.name not in rows]
+        _save(Path(args.json), joined, time.monotonic(), partial=bool(missing), selection=args.families)
+        print(json.dumps(count(joined)) + (f"; {len(missing)} families missing: {missing[:8]}" if missing else ""))
+        if args.markdown:
+            Path(args.markdown).write_text(markdown(json.loads(Path(args.json).read_text())))
+        return 0
+    if args.shard:
+        index, total = (int(x) for x in args.shard.split("/"))
+        families = families[index::total]
     kept: dict[str, FamilyResult] = {}
     if args.resume and Path(args.json).is_file():
         kept = {row["family"]: FamilyResult(**row) for row in json.loads(Path(args.json).read_text())["families"]}
@@ -440,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     whole = args.resume and not args.families or (args.resume and {f.name for f in registry} <= set(kept) | {
         f.name for f in families})
     selection = None if whole or not args.families else args.families
+    if args.shard:
+        selection = f"{args.families or 'the registry'}, shard {args.shard}"
 
     def table_of(done: list[FamilyResult]) -> list[FamilyResult]:
         return sorted([*kept.values(), *done], key=lambda r: order.get(r.family, len(order)))
