@@ -70,6 +70,14 @@ READER_BLOCKERS: dict[str, tuple[str, str]] = {
     "evolla": ("rotary_embeddings.inv_freq", "4.57 holds the protein encoder's rotary inv_freq once per layer, "
                                              "transformers 5 once per encoder: the names differ (a buffer computed "
                                              "from the config: logits equal)"),
+    "modernbert-decoder": ("max_abs_diff", "reader-side: transformers 4.57's ModernBERT decoder builds its local "
+                                           "rotary embedding from rope_theta (= global_rope_theta) too, so "
+                                           "local_rope_theta is ignored (eager and sdpa alike)"),
+    "aya_vision": ("max_abs_diff", "a modeling change: transformers 5's Aya Vision multiplies its logits by "
+                                   "text_config.logit_scale (Cohere 2's), 4.57's does not (its logits are the model's "
+                                   "divided by it, whatever the release holds)"),
+    "fuyu": ("size mismatch", "4.57's Fuyu sizes its vision embedding by a top-level hidden_size (default 4096), "
+                              "which transformers 5's FuyuConfig keeps only in text_config"),
     "bigbird_pegasus": ("lm_head.weight", "4.57's causal LM ties lm_head to the embedding by the config's "
                                           "tie_word_embeddings, transformers 5's ties nothing: 4.57 drops the stored head"),
 }
@@ -337,10 +345,22 @@ def _readers_457(results: list[FamilyResult], references: dict, python: Path, wo
         result.details["4.57_max_abs_diff"] = read.get("max_abs_diff")
         if not result.loads_457:
             problems.setdefault("max_abs_diff", read.get("max_abs_diff"))
-            measured = json.dumps(problems, default=str)
-            signature, blocker = READER_BLOCKERS.get(result.model_type, (None, None))
-            result.reasons["4.57"] = (f"{blocker}; measured: {measured}" if signature and signature in measured
-                                      else measured)[:600]
+            result.reasons["4.57"] = json.dumps(problems, default=str)
+            annotate_457(result)
+
+
+def annotate_457(result: FamilyResult) -> None:
+    """The failing 4.57 column's reason: what blocks the family (`READER_BLOCKERS`, while the measured failure still
+    holds its signature), then what was measured."""
+    reason = result.reasons.get("4.57")
+    if reason is None:
+        return
+    measured = reason.split(_MEASURED, 1)[-1]
+    signature, blocker = READER_BLOCKERS.get(result.model_type, (None, None))
+    result.reasons["4.57"] = (f"{blocker}{_MEASURED}{measured}" if signature and signature in measured else measured)[:700]
+
+
+_MEASURED = "; measured: "
 
 
 @functools.lru_cache(maxsize=2)
@@ -375,6 +395,17 @@ def table(results: list[FamilyResult]) -> str:
     return "\n".join(lines)
 
 
+def readme_summary(data: dict[str, Any]) -> str:
+    """The sentence README gives of the sweep's JSON (its counts, as `count` made them)."""
+    c = data["counts"]
+    partial = ", an unfinished run" if data.get("partial") else ""
+    return (f"Last sweep ({data['selection']}{partial}, transformers {data['transformers']}): {c['families']} "
+            f"families, {c['built yes']} built from a tiny config on CPU, {c['merged yes']} merged, {c['exact yes']} "
+            f"bit-exact, {c['5.x yes']} load in 5.x with equal logits; in 4.57 {c['4.57 yes']} load with equal logits, "
+            f"{c['4.57 no']} do not (the table says what blocks each) and {c['4.57 n/a']} are model types 4.57 "
+            "does not have.")
+
+
 def markdown(data: dict[str, Any]) -> str:
     """The sweep's JSON (as ``--json`` writes it) as the Markdown table README points to (``docs/families.md``)."""
     def mark(cell: Any) -> str:
@@ -388,6 +419,8 @@ def markdown(data: dict[str, Any]) -> str:
              "Each family is a tiny config of its class, written as a real FSDP2 checkpoint (world 2) and merged with "
              "the default options; `-`: not reached, or (4.57) a model type transformers 4.57 does not have.",
              *([f"Families swept: {data['selection']}."] if data.get("selection") else []),
+             "",
+             readme_summary(data),
              "",
              "Counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()),
              "",
@@ -439,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.update({row["family"]: FamilyResult(**row) for row in json.loads(Path(path).read_text())["families"]})
         order = {f.name: i for i, f in enumerate(registry)}
         joined = sorted(rows.values(), key=lambda r: order.get(r.family, len(order)))
+        for row in joined:  # the blockers as diagnosed now
+            annotate_457(row)
         missing = [f.name for f in families if f.name not in rows]
         _save(Path(args.json), joined, time.monotonic(), partial=bool(missing), selection=args.families)
         print(json.dumps(count(joined)) + (f"; {len(missing)} families missing: {missing[:8]}" if missing else ""))

@@ -83,7 +83,7 @@ def test_the_readme_family_list_is_the_sweeps_result():
     """README's family list is docs/families.md, rendered from the sweep's JSON (docs/family_sweep.json), not typed."""
     import json
 
-    from benchmarks.family_sweep import markdown
+    from benchmarks.family_sweep import markdown, readme_summary
 
     docs = Path(__file__).resolve().parents[2] / "docs"
     data = json.loads((docs / "family_sweep.json").read_text())
@@ -91,3 +91,4 @@ def test_the_readme_family_list_is_the_sweeps_result():
     assert data["counts"] == count([FamilyResult(**{k: v for k, v in row.items()}) for row in data["families"]])
     readme = (docs.parent / "README.md").read_text()
     assert "docs/families.md" in readme
+    assert readme_summary(data) in " ".join(readme.split()), "README's sweep sentence is not the sweep's counts"
