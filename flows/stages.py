@@ -114,7 +114,8 @@ def ready_checkpoint(timer: StageTimer, run_root: str, step: int, role: str,
     there) when it holds none for this step and role, and the check's error when the step is broken
     and its files are not changing.
     """
-    found = timer.run("discover", discover_step, run_root, step, role)
+    # the listing alone: the check reads what a layout's second look would (`discover_step`'s ``look_again``)
+    found = timer.run("discover", discover_step, run_root, step, role, False)
     if found is None:
         # Not there: only now is the whole run root listed, to say why (no files at all: RunRootNotFound)
         discovery = timer.run("discover-run-root", discover_steps, run_root)
@@ -128,7 +129,7 @@ def ready_checkpoint(timer: StageTimer, run_root: str, step: int, role: str,
         checked = timer.run("check", check_step, found, backend)
     except (IncompleteCheckpoint, CorruptShard) as exc:
         time.sleep(SETTLE_S)
-        again = timer.run("discover-again", discover_step, run_root, step, role)
+        again = timer.run("discover-again", discover_step, run_root, step, role, False)
         if again is None or again.fingerprint != found.fingerprint:
             return ReadyCheckpoint(found, None, f"its files are still being written (they changed while being "
                                                 f"checked; the check said: {exc.message})")

@@ -93,29 +93,19 @@ def verified_output(output: BuiltOutput, spec: BuildSpec, release: str, staging_
     return output
 
 
-def fingerprint_of(spec: BuildSpec) -> str:
-    """The engine's fingerprint of the build (metadata only: listings and small JSON files)."""
-    if spec.kind == MODEL:
-        from merge_engine.commands.merge import merge_fingerprint
-
-        return merge_fingerprint(spec.checkpoint.to_checkpoint(), spec.settings.to_options())
-    from merge_engine.commands.extract import extract_fingerprint
-
-    return extract_fingerprint(spec.checkpoint.to_checkpoint(), spec.settings.to_options())
-
-
-def output_job(spec: BuildSpec, target: str, release: str) -> OutputJob:
-    """The engine's `OutputJob` writing ``spec`` at ``target``, to be published at ``release`` (staging is
-    ours to replace: ``overwrite``)."""
+def output_job(spec: BuildSpec, release: str) -> OutputJob:
+    """The engine's `OutputJob` writing ``spec``, to be published at ``release`` (staging is ours to replace:
+    ``overwrite``); its target is set once its fingerprint names the staging folder (`build_output`). The
+    record is turned into the engine's checkpoint once, here."""
     options = spec.settings.to_options(overwrite=True)
     checkpoint = spec.checkpoint.to_checkpoint()
     if spec.kind == MODEL:
         from merge_engine.commands.merge import MergeJob
 
-        return MergeJob(checkpoint.url, target, options, checkpoint)
+        return MergeJob(checkpoint.url, "", options, checkpoint)
     from merge_engine.commands.extract import ExtractJob
 
-    return ExtractJob(checkpoint.url, target, options, checkpoint, published_url=release)
+    return ExtractJob(checkpoint.url, "", options, checkpoint, published_url=release)
 
 
 def progress_title(spec: BuildSpec, release: str) -> str:
@@ -131,19 +121,20 @@ def progress_title(spec: BuildSpec, release: str) -> str:
 def build_output(spec: BuildSpec, release: str, staging_root: Optional[str] = None, overwrite: bool = False,
                  execution: Optional[Settings] = None, state: Optional[ReleaseState] = None) -> BuiltOutput:
     """Build ``spec`` into a staging folder for ``release`` (or find it already released there)."""
-    fingerprint = fingerprint_of(spec)
+    job = output_job(spec, release)
+    fingerprint = job.fingerprint()  # metadata only (listings and small JSON files); once per build
     found = state_of(release, state).released_output(spec.kind, spec.checkpoint.url, fingerprint, overwrite=overwrite,
                                   checkpoint_fingerprint=spec.checkpoint.fingerprint,
                                   settings=spec.settings.model_dump(include=RECORDED_SETTINGS))
     if found is not None:
         return found
     require_tested_versions()  # a worker with an untested transformers / peft fails here, in one line, not retried
-    target = staging_url(staging_root, release, fingerprint)
+    job.target_url = target = staging_url(staging_root, release, fingerprint)
     sweep_stale_staging(staging_root, keep=target)
     progress = ProgressArtifact(release_artifact_key("progress", release), progress_title(spec, release))
     execution = execution or SETTINGS_RECORDS["execution"]()
     executor = executor_at(task_executor_address(execution.workers, execution.ray_address))
-    result = run_job(output_job(spec, target, release), on_bytes=progress.on_bytes, on_plan=progress.on_plan,
+    result = run_job(job, on_bytes=progress.on_bytes, on_plan=progress.on_plan,
                      executor=executor)
     progress.finish()
     return BuiltOutput.from_result(spec.kind, result, release)

@@ -41,9 +41,10 @@ def discover_steps(run_root: str) -> DiscoveryRecord:
 
 
 @task(name="discover-step", cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def discover_step(run_root: str, step: int, role: str) -> Optional[StepRecord]:
-    """One (step, role) of ``run_root`` with its status, from a listing of that step's folder only."""
-    found = discovery.discover_step(run_root, step, role)
+def discover_step(run_root: str, step: int, role: str, look_again: bool = True) -> Optional[StepRecord]:
+    """One (step, role) of ``run_root`` with its status, from a listing of that step's folder only (and, with
+    ``look_again``, the layouts' second look: `merge_engine.layouts.discovery.discover_step`)."""
+    found = discovery.discover_step(run_root, step, role, look_again)
     return None if found is None else StepRecord.from_step(found)
 
 

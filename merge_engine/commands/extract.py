@@ -70,7 +70,7 @@ def extract_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
         extra["base_listing"] = inputs_fingerprint({"base": options.base_model})
     if options.hf_model_path:
         extra["hf_model_listing"] = storage.fingerprint(storage.list_files(options.hf_model_path, recursive=False))
-    run = read_run_metadata(checkpoint.url)
+    run = read_run_metadata(checkpoint.url, checkpoint.files)
     return storage.fingerprint(checkpoint.files, **engine_identity(), **options.output_options("extract-lora"),
                                **extra, run_lora={"alpha": run.lora_alpha, "r": run.r, "config": run.config})
 
@@ -93,6 +93,9 @@ class ExtractJob:
     command = "extract-lora"
     kind = "adapter"
 
+    def __post_init__(self) -> None:
+        self._fingerprint: str | None = None
+
     def _checked(self) -> Checkpoint:
         if self.checkpoint is None:
             self.checkpoint = check_checkpoint(self.source_url, self.options.backend)
@@ -102,7 +105,10 @@ class ExtractJob:
         return self.checkpoint
 
     def fingerprint(self) -> str:
-        return extract_fingerprint(self._checked(), self.options)
+        """`extract_fingerprint`, computed once per job (the pipeline's build asks first, then `run_job`)."""
+        if self._fingerprint is None:
+            self._fingerprint = extract_fingerprint(self._checked(), self.options)
+        return self._fingerprint
 
     def prepare(self) -> PreparedJob:
         checkpoint, options = self._checked(), self.options

@@ -113,14 +113,14 @@ def step_adapter(checkpoint: Checkpoint, config: Mapping[str, Any], options: Out
     folder = adapter_folder(checkpoint)
     try:
         if folder is not None:
-            adapter, exported = read_adapter(folder, lora_alpha=options.lora_alpha)
+            json = dict(read_adapter_config(folder))  # read once: the adapter's settings and the release's config
+            adapter, exported = read_adapter(folder, lora_alpha=options.lora_alpha, config=json)
             try:
                 _check_export(folder, exported, built, options.chunk_bytes)
             except BaseException:
                 exported.close()
                 raise
             built.close()
-            json = dict(read_adapter_config(folder))
             if options.lora_alpha is not None:
                 json["lora_alpha"] = options.lora_alpha
             return adapter, exported, json, "the run's PEFT export (checked against model/dist_ckpt)"

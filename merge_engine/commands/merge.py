@@ -78,6 +78,7 @@ class MergeJob:
 
     def __post_init__(self) -> None:
         self._config: dict | None = None
+        self._fingerprint: str | None = None
 
     def _checked(self) -> tuple[Checkpoint, str | None, dict]:
         if self._config is None:
@@ -93,8 +94,11 @@ class MergeJob:
         return self.checkpoint, self.options.hf_model_path or self.checkpoint.hf_dir, self._config
 
     def fingerprint(self) -> str:
-        checkpoint, _, _ = self._checked()
-        return merge_fingerprint(checkpoint, self.options)
+        """`merge_fingerprint`, computed once per job (the pipeline's build asks first, then `run_job`)."""
+        if self._fingerprint is None:
+            checkpoint, _, _ = self._checked()
+            self._fingerprint = merge_fingerprint(checkpoint, self.options)
+        return self._fingerprint
 
     def prepare(self) -> PreparedJob:
         checkpoint, hf_dir, config = self._checked()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +59,7 @@ class Header:
     entries: dict[str, HeaderEntry]
     metadata: dict[str, Any]
     data_start: int
+    raw: bytes = field(default=b"", repr=False)  # the header's JSON as stored: what a check carries (plain data)
 
 
 def read_header(reader: RangeReader) -> Header:
@@ -73,7 +74,16 @@ def read_header(reader: RangeReader) -> Header:
     (length,) = struct.unpack("<Q", reader.read(0, 8))
     if length > min(MAX_HEADER, reader.size - 8):
         raise CorruptShard(f"safetensors header length {length} impossible for a {reader.size}-byte file", url)
-    raw = parse_json(reader.read(8, length), url, unique_keys=True)  # CorruptShard: not JSON, too deep, a key twice
+    return parse_header(url, reader.size, reader.read(8, length))
+
+
+def parse_header(url: str, size: int, data: bytes) -> Header:
+    """The checked header whose JSON is ``data``, of the ``size``-byte file at ``url`` (`read_header`'s checks,
+    no read: a header a check carried is checked again exactly as the file's)."""
+    length = len(data)
+    if length > min(MAX_HEADER, size - 8):
+        raise CorruptShard(f"safetensors header length {length} impossible for a {size}-byte file", url)
+    raw = parse_json(data, url, unique_keys=True)  # CorruptShard: not JSON, too deep, a key twice
     if not isinstance(raw, dict):
         raise CorruptShard("safetensors header is not a JSON object", url)
     metadata = raw.pop("__metadata__", None) or {}
@@ -96,11 +106,11 @@ def read_header(reader: RangeReader) -> Header:
         if entry.start < cursor:
             raise CorruptShard(f"{entry.name!r}: byte range overlaps another tensor", url)
         cursor = entry.end
-    if cursor > reader.size:
-        raise IncompleteCheckpoint(f"tensors end at byte {cursor} but the file has {reader.size}: truncated", url)
-    if cursor < reader.size:
-        raise CorruptShard(f"{reader.size - cursor} bytes after the last tensor", url)
-    return Header(entries, dict(metadata), data_start)
+    if cursor > size:
+        raise IncompleteCheckpoint(f"tensors end at byte {cursor} but the file has {size}: truncated", url)
+    if cursor < size:
+        raise CorruptShard(f"{size - cursor} bytes after the last tensor", url)
+    return Header(entries, dict(metadata), data_start, bytes(data))
 
 
 def _integer(value: Any) -> int:
@@ -112,10 +122,12 @@ def _integer(value: Any) -> int:
 class SafetensorsFile:
     """One safetensors file; `tensors()` maps names to lazy `StoredTensor`s (header-only read)."""
 
-    def __init__(self, url: str, reader: RangeReader | None = None) -> None:
+    def __init__(self, url: str, reader: RangeReader | None = None, header: Header | None = None) -> None:
+        """``header``: the file's, as a check read it (`parse_header` of what it carried): not read again."""
         self.url = url
         self.reader = reader or RangeReader(url)
-        header = read_header(self.reader)
+        header = header or read_header(self.reader)
+        self.header = header
         self.metadata = header.metadata
         self._entries = header.entries
         self._tensors: dict[str, StoredTensor] = {}

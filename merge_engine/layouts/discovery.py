@@ -176,16 +176,18 @@ def discover(run_root_url: str) -> Discovery:
     return Discovery(run_root_url, tuple(second_looks(steps_from_listing(run_root_url, entries))), hint)
 
 
-def discover_step(run_root_url: str, step: int, role: str) -> Step | None:
+def discover_step(run_root_url: str, step: int, role: str, look_again: bool = True) -> Step | None:
     """One (step, role) of a run, as `discover` would classify it, from a listing of that step's folder
     only (the first of `runs.step_folders` that holds files: ``global_step_<N>/``, else ``iter_<NNNNNNN>/``),
-    never of the whole run root. None when the step folder holds no checkpoint of ``role``."""
+    never of the whole run root. None when the step folder holds no checkpoint of ``role``. Without
+    ``look_again``, from the listing alone (no `second_looks`): for a caller that checks the step next, whose
+    check reads what a second look would (a step's marker is then read once)."""
     for folder in runs.step_folders(step):
         entries = storage.list_files(storage.join(run_root_url, folder), recursive=True)
         if entries:
             inside = (FileEntry(f"{folder}/{e.path}", e.size, e.version) for e in entries)
             found = [s for s in steps_from_listing(run_root_url, inside) if s.role == role]
-            return next(iter(second_looks(found)), None)
+            return next(iter(second_looks(found) if look_again else found), None)
     return None
 
 

@@ -132,15 +132,17 @@ def fsdp_config(url: str) -> dict[str, int]:
     return {"world_size": world_size, **({"FSDP_version": version} if version is not None else {})}
 
 
-def world_size_of(url: str, files: list[FileEntry]) -> int:
-    """The world size all evidence agrees on; raises `WorldSizeMismatch` / `IncompleteCheckpoint`."""
+def world_size_of(url: str, files: list[FileEntry]) -> tuple[int, dict[str, int] | None]:
+    """The world size all evidence agrees on, and ``fsdp_config.json`` as read for it (None: not listed);
+    raises `WorldSizeMismatch` / `IncompleteCheckpoint`."""
     by_size = model_files(files)
     if len(by_size) > 1:
         raise WorldSizeMismatch(f"rank files of several world sizes {sorted(by_size)} in one folder", url)
     (world_size, ranks), = by_size.items()
     entries = {e.path: e for e in files}
-    if CONFIG_FILE in entries:
-        recorded = fsdp_config(url)["world_size"]
+    config = fsdp_config(url) if CONFIG_FILE in entries else None
+    if config is not None:
+        recorded = config["world_size"]
         if recorded != world_size:
             raise WorldSizeMismatch(
                 f"file names say world size {world_size}, {CONFIG_FILE} says {recorded}", storage.join(url, CONFIG_FILE))
@@ -155,7 +157,7 @@ def world_size_of(url: str, files: list[FileEntry]) -> int:
     for rank in range(world_size):
         if ranks[rank].size == 0:
             raise IncompleteCheckpoint("rank file is empty (0 bytes)", storage.join(url, ranks[rank].path))
-    return world_size
+    return world_size, config
 
 
 def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
@@ -163,7 +165,7 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     pieces assembling into one tensor; the assembled index carried (`merge_engine.layouts.tensor_index`)."""
     from merge_engine.layouts.tensor_index import carry
 
-    world_size = world_size_of(url, files)
+    world_size, config = world_size_of(url, files)  # fsdp_config.json read once
     archives = _open_archives(url, files, world_size)
     try:
         key_sets = [set(state_dict(a)) for a in archives]
@@ -179,10 +181,8 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     entries = tuple(e for e in files if "/" not in e.path or e.path.split("/")[0] in (HF_DIR, LORA_ADAPTER_DIR))
     hf_dir = storage.join(url, HF_DIR) if any(e.path.startswith(HF_DIR + "/") for e in files) else None
     parallel = {"world_size": world_size}
-    if any(e.path == CONFIG_FILE for e in files):
-        version = fsdp_config(url).get("FSDP_version")
-        if version is not None:
-            parallel["fsdp_version"] = version
+    if config is not None and config.get("FSDP_version") is not None:
+        parallel["fsdp_version"] = config["FSDP_version"]
     return Checkpoint(url=url, layout=NAME, files=entries, parallel=parallel, hf_dir=hf_dir,
                       fingerprint=storage.fingerprint(entries), lora=holds_lora(tensors),
                       index=carry(tensors, archives))

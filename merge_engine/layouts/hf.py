@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from merge_engine import storage
-from merge_engine.errors import CorruptShard, IncompleteCheckpoint
+from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsafeRecord
 from merge_engine.formats.hf_metadata import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from merge_engine.formats.json_file import read_json_object
 from merge_engine.layouts import verl_v2
@@ -138,9 +138,12 @@ def read_weight_index(url: str, files: Sequence[FileEntry]) -> WeightIndex:
     return WeightIndex(expected, indexed=True, declared_total_size=declared)
 
 
-def open_weight_files(url: str, files: Sequence[FileEntry], index: WeightIndex) -> list[SafetensorsFile]:
-    """Every weight file opened, its header parsed and checked (`SafetensorsFile`); closed again on failure."""
-    from merge_engine.formats.safetensors_file import SafetensorsFile
+def open_weight_files(url: str, files: Sequence[FileEntry], index: WeightIndex,
+                      headers: dict[str, bytes] | None = None) -> list[SafetensorsFile]:
+    """Every weight file opened, its header parsed and checked (`SafetensorsFile`); closed again on failure.
+    ``headers``: file name -> its header's JSON as a check carried it, checked again as the file's would be
+    (`parse_header`; `UnsafeRecord` for one that is not a header of the listed file) instead of read."""
+    from merge_engine.formats.safetensors_file import SafetensorsFile, parse_header
 
     listed = {f.path: f for f in files}
     opened: list[SafetensorsFile] = []
@@ -148,8 +151,14 @@ def open_weight_files(url: str, files: Sequence[FileEntry], index: WeightIndex) 
         for filename in index.files:
             file_url = storage.join(url, filename)
             entry = listed.get(filename)
+            header = None
+            if headers is not None and entry is not None:
+                try:
+                    header = parse_header(file_url, entry.size, headers[filename])
+                except (CorruptShard, IncompleteCheckpoint) as exc:
+                    raise UnsafeRecord(f"carried safetensors header of {filename}: {exc.message}", url) from None
             reader = storage.RangeReader.listed(file_url, entry) if entry is not None else storage.RangeReader(file_url)
-            opened.append(SafetensorsFile(file_url, reader))
+            opened.append(SafetensorsFile(file_url, reader, header))
     except Exception:
         for handle in opened:
             handle.close()
@@ -187,11 +196,22 @@ def source_of(url: str, opened: Sequence[SafetensorsFile], tensors: dict[str, St
     return AssembledSource(url, assembled, list(opened))
 
 
-def _open_files(url: str, files: list[FileEntry]) -> tuple[list[SafetensorsFile], dict[str, StoredTensor]]:
-    index = read_weight_index(url, files)
-    opened = open_weight_files(url, files, index)
+def _open_files(url: str, files: list[FileEntry], checkpoint: Checkpoint | None = None
+                ) -> tuple[list[SafetensorsFile], dict[str, StoredTensor], WeightIndex]:
+    """The folder's weight files opened, from the headers and index ``checkpoint`` carries when it carries them
+    (`merge_engine.layouts.tensor_index.restore_headers`: nothing read), else from the files."""
+    from merge_engine.layouts.tensor_index import restore_headers
+
+    carried = restore_headers(checkpoint) if checkpoint is not None else None
+    if carried is not None:
+        index = WeightIndex({name: names or [] for name, names, _ in carried},
+                            indexed=bool(carried) and all(names is not None for _, names, _ in carried))
+        opened = open_weight_files(url, files, index, {name: header for name, _, header in carried})
+    else:
+        index = read_weight_index(url, files)
+        opened = open_weight_files(url, files, index)
     try:
-        return opened, tensors_by_name(index, opened)
+        return opened, tensors_by_name(index, opened), index
     except Exception:
         for handle in opened:
             handle.close()
@@ -199,22 +219,28 @@ def _open_files(url: str, files: list[FileEntry]) -> tuple[list[SafetensorsFile]
 
 
 def tensor_names(checkpoint: Checkpoint) -> set[str]:
-    """The names of the tensors a checked folder holds, from its headers (no weight read, no torch)."""
-    opened, tensors = _open_files(checkpoint.url, list(checkpoint.files))
+    """The names of the tensors a checked folder holds, from its headers (carried by its check: no read, no torch)."""
+    opened, tensors, _ = _open_files(checkpoint.url, list(checkpoint.files), checkpoint)
     for handle in opened:
         handle.close()
     return set(tensors)
 
 
 def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
-    opened, tensors = _open_files(url, files)
+    """The weight files complete and their headers agreeing with the index; the headers and the index carried
+    (`Checkpoint.index`: `open` reads neither again)."""
+    from merge_engine.layouts.tensor_index import carry_headers
+
+    opened, tensors, index = _open_files(url, files)
     for handle in opened:
         handle.close()
+    carried = carry_headers([(name, names if index.indexed else None, handle.header.raw)
+                             for (name, names), handle in zip(index.files.items(), opened)])
     entries = tuple(f for f in files if "/" not in f.path)
     return Checkpoint(url=url, layout=NAME, files=entries, parallel={}, hf_dir=url,
-                      fingerprint=storage.fingerprint(entries), lora=holds_lora(tensors))
+                      fingerprint=storage.fingerprint(entries), lora=holds_lora(tensors), index=carried)
 
 
 def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb
-    opened, tensors = _open_files(checkpoint.url, list(checkpoint.files))
+    opened, tensors, _ = _open_files(checkpoint.url, list(checkpoint.files), checkpoint)
     return source_of(checkpoint.url, opened, tensors)

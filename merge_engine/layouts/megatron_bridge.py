@@ -76,7 +76,8 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
                            + [f for f in files if f.path in MEGATRON_MARKERS], key=lambda f: f.path))
     return Checkpoint(url=url, layout=NAME, files=entries, parallel=megatron_dist.parallel_sizes(url, files),
                       hf_dir=hf_url,
-                      fingerprint=storage.fingerprint(entries), notes=("bridge export", *notes), lora=inner.lora)
+                      fingerprint=storage.fingerprint(entries), notes=("bridge export", *notes), lora=inner.lora,
+                      index=inner.index)  # the export's headers and index, as `hf.check_complete` read them
 
 
 def _check_tensor_set(inner: Checkpoint) -> tuple[str, ...]:
@@ -103,5 +104,5 @@ def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout con
     assert checkpoint.hf_dir is not None
     folder = next(f for f in HF_FOLDERS if storage.join(checkpoint.url, f.rstrip("/")) == checkpoint.hf_dir)
     inner = Checkpoint(url=checkpoint.hf_dir, layout=hf.NAME, files=tuple(_sub_files(list(checkpoint.files), folder)),
-                       hf_dir=checkpoint.hf_dir)
+                       hf_dir=checkpoint.hf_dir, index=checkpoint.index)
     return hf.open(inner)

@@ -333,13 +333,21 @@ def restore_dcp(checkpoint: Checkpoint, folder: str) -> Any | None:
     return _DcpReader(checkpoint.url, sizes).read(document, folder_url)
 
 
-class _DcpReader(_Reader):
-    def __init__(self, url: str, sizes: Mapping[str, int]) -> None:  # noqa: D107 - no listing of archives here
+class _PlainReader(_Reader):
+    """`_Reader`'s checks of plain values, for a document that holds no torch archive."""
+
+    def __init__(self, url: str, what: str) -> None:  # noqa: D107 - no listing of archives here
         self.url = url
-        self.sizes = sizes
+        self.what = what
 
     def fail(self, message: str) -> UnsafeRecord:
-        return UnsafeRecord(f"carried DCP index: {message}", self.url)
+        return UnsafeRecord(f"{self.what}: {message}", self.url)
+
+
+class _DcpReader(_PlainReader):
+    def __init__(self, url: str, sizes: Mapping[str, int]) -> None:
+        super().__init__(url, "carried DCP index")
+        self.sizes = sizes
 
     def location(self, file: Any, offset: Any, length: Any) -> Any:
         from merge_engine.formats.dcp_index import ItemLocation
@@ -397,3 +405,64 @@ class _DcpReader(_Reader):
                 raise self.fail(f"two items share bytes of {loc.file} at {loc.offset}")
             previous = loc
         return DcpIndex(folder_url, tensors, objects)
+
+
+# --------------------------------------------------------------------------------------------------
+# A Hugging Face folder's safetensors headers (`merge_engine.layouts.hf`), carried the same way: each weight file's
+# name, the tensor names its index puts there (None: no index) and its header's JSON as stored; `restore_headers`
+# checks the document's shape and that each file is one the checkpoint lists in its folder, and the layout checks
+# each header again exactly as it checks the file's (`merge_engine.formats.safetensors_file.parse_header`).
+
+HEADERS_FORMAT = 1
+
+
+def _headers_tag() -> bytes:
+    from merge_engine import __version__
+
+    return f"stepmerge {__version__} safetensors headers {HEADERS_FORMAT}\n".encode()
+
+
+def carry_headers(files: Sequence[tuple[str, Sequence[str] | None, bytes]]) -> bytes | None:
+    """(file name, the names its index puts there or None, its header's JSON) of every weight file, as tagged
+    compressed JSON; None when over `MAX_INDEX_BYTES`."""
+    document = {"format": HEADERS_FORMAT,
+                "files": [[name, None if names is None else list(names), header.decode("utf-8")]
+                          for name, names, header in files]}
+    data = json.dumps(document, separators=(",", ":")).encode()
+    return _headers_tag() + zlib.compress(data) if len(data) <= MAX_INDEX_BYTES else None
+
+
+def restore_headers(checkpoint: Checkpoint) -> list[tuple[str, list[str] | None, bytes]] | None:
+    """What `carry_headers` carried for ``checkpoint``: each file one it lists in its folder (a plain file name);
+    None for no carried headers, or another engine version's (the caller reads the files). `UnsafeRecord` naming
+    the checkpoint for anything else."""
+    index, tag = checkpoint.index, _headers_tag()
+    if index is None or not index.startswith(tag):
+        return None
+    inflate = zlib.decompressobj()
+    try:
+        data = inflate.decompress(index[len(tag):], MAX_INDEX_BYTES)
+    except zlib.error as exc:
+        raise UnsafeRecord(f"carried safetensors headers do not inflate ({exc})", checkpoint.url) from None
+    if inflate.unconsumed_tail or not inflate.eof:
+        raise UnsafeRecord(f"carried safetensors headers inflate past {MAX_INDEX_BYTES} bytes, or are cut short",
+                           checkpoint.url)
+    document = parse_json(data, checkpoint.url, error=UnsafeRecord)
+    reader = _PlainReader(checkpoint.url, "carried safetensors headers")
+    if not isinstance(document, dict) or set(document) != {"format", "files"} or document["format"] != HEADERS_FORMAT:
+        raise UnsafeRecord("carried safetensors headers: not a document of this format", checkpoint.url)
+    listed = {f.path for f in checkpoint.files if "/" not in f.path}
+    out, seen = [], set()
+    for entry in reader.items(document["files"], "files"):
+        name, names, header = reader.items(entry, "a file", 3)
+        name = reader.str(name, "a file name")
+        if name not in listed or name in seen:
+            raise UnsafeRecord(f"carried safetensors headers name the file {name!r}, which is not one the checkpoint "
+                               "lists in its folder (or twice)", checkpoint.url)
+        seen.add(name)
+        if names is not None:
+            names = [reader.str(n, "a tensor name") for n in reader.items(names, "tensor names")]
+        if not isinstance(header, str):
+            raise UnsafeRecord(f"carried safetensors headers: the header of {name} is not text", checkpoint.url)
+        out.append((name, names, header.encode("utf-8")))
+    return out

@@ -132,9 +132,11 @@ def read_adapter_config(url: str) -> dict[str, Any]:
     return config
 
 
-def read_adapter(url: str, *, lora_alpha: float | None = None) -> tuple[Adapter, TensorSource]:
-    """Open the adapter folder at ``url``; ``lora_alpha`` replaces the config's (a lost alpha)."""
-    config = read_adapter_config(url)
+def read_adapter(url: str, *, lora_alpha: float | None = None,
+                 config: Mapping[str, Any] | None = None) -> tuple[Adapter, TensorSource]:
+    """Open the adapter folder at ``url``; ``lora_alpha`` replaces the config's (a lost alpha). ``config``: its
+    ``adapter_config.json`` as the caller read it (`read_adapter_config`; None: read here)."""
+    config = read_adapter_config(url) if config is None else dict(config)
     if lora_alpha is not None:
         config = {**config, "lora_alpha": lora_alpha}
     elif not config.get("lora_alpha"):

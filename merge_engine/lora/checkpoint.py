@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from merge_engine.lora.fused_experts import find_expert_loras, transposed_expert
 from merge_engine.lora.keys import LORA_A, LORA_B, TRAINED_COPY, parse_key
 from merge_engine.lora.peft_settings import StoredFactors, TrainedSettings, resolve_trained_settings
 from merge_engine.lora.sources import RenamedSource
+from merge_engine.storage import FileEntry
 from merge_engine.plan.merge_plan import MergePlan
 from merge_engine.plan.output_heads import check_dropped_head
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
@@ -107,12 +108,19 @@ def _read_json(url: str) -> dict | None:
     return read_json_object(url, error=AdapterError)
 
 
-def read_run_metadata(checkpoint_url: str) -> RunLoraMetadata:
+def read_run_metadata(checkpoint_url: str, files: Sequence[FileEntry] | None = None) -> RunLoraMetadata:
+    """The run's LoRA metadata (``lora_train_meta.json``, else an adapter config). ``files``: the checkpoint's
+    listing (paths relative to it): only the files it holds are read (None: each is tried)."""
+    listed = None if files is None else {f.path for f in files}
+
+    def read(name: str) -> dict | None:
+        return _read_json(storage.join(checkpoint_url, name)) if listed is None or name in listed else None
+
     meta_url = storage.join(checkpoint_url, LORA_TRAIN_META)
-    meta = _read_json(meta_url) or {}
+    meta = read(LORA_TRAIN_META) or {}
     config_url, config = None, None
     for name in RUN_ADAPTER_CONFIGS:
-        config = _read_json(storage.join(checkpoint_url, name))
+        config = read(name)
         if config is not None:
             config_url = storage.join(checkpoint_url, name)
             break

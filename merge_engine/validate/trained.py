@@ -282,7 +282,7 @@ def rebuilt_model(checkpoint: Checkpoint, *, lora_alpha: float | None = None, co
         if not config_url or not storage.exists(storage.join(config_url, CONFIG_FILE)):
             raise NotRebuildable(f"no {CONFIG_FILE} beside the checkpoint (huggingface/): no model class to build")
         config = _load_config(config_url)
-        run = read_run_metadata(checkpoint.url)
+        run = read_run_metadata(checkpoint.url, checkpoint.files)
         alpha, _ = resolve_alpha(run, lora_alpha, checkpoint.url)
         ranks = Counter(int(metas[parts["lora_A"][0]].shape[0]) for parts in keys.factors.values() if "lora_A" in parts)
         r = int(run.r or (run.config or {}).get("r") or ranks.most_common(1)[0][0])

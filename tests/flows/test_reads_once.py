@@ -15,6 +15,9 @@ times when n times its size of its bytes were fetched. The step is verl's legacy
 
 from __future__ import annotations
 
+import shutil
+import struct
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -89,3 +92,142 @@ def test_a_cli_merge_fetches_each_rank_pickle_once(s3_megatron_run, s3_gets, tmp
                       "--target_dir", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "config.json").exists()
     assert fetches(s3_gets, ranks) == {"mp_rank_00": 1.0, "mp_rank_01": 1.0}
+
+
+# --- every layout: each metadata file of the step read once per merge_step run ------------------------------
+#
+# Counted on local copies (every whole read or ranged reader the local backend opens, by URL), one merge_step
+# run per layout, from discovery to publish: each file a layout's check reads to know the step (markers, indexes,
+# parallel and run configs: `METADATA_FILES`) is read exactly once (main before this: ``fsdp_config.json``
+# twice, a dist/LoRA step's ``ckpt_contents.json`` twice and its ``.metadata`` up to three times, absent run
+# metadata probed twice), and so is each weight file's header (a safetensors file's JSON: twice, a bridge
+# export's three times). A PEFT export, which no check reads, is read by the job of each output that uses it
+# (model and adapter: once each).
+
+METADATA_FILES = (".metadata", "metadata.json", "ckpt_contents.json", "transformer_config.json", "fsdp_config.json",
+                  "lora_train_meta.json", "model.safetensors.index.json", "adapter_config.json")
+# the PEFT export (no check reads it): read by the job of each output that uses it, once
+PER_OUTPUT = {"model/huggingface/adapter/adapter_config.json", "model/huggingface/adapter/adapter_model.safetensors"}
+
+
+@pytest.fixture
+def file_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The URL of every local file read from now on, once per whole read or ranged reader opened."""
+    from merge_engine.storage.backends.local import LocalBackend
+
+    log: list[str] = []
+    read_bytes, open_range = LocalBackend.read_bytes, LocalBackend.open_range
+
+    def logged_read_bytes(self, url):
+        log.append(url)
+        return read_bytes(self, url)
+
+    def logged_open_range(self, url, size, version=None):
+        log.append(url)
+        return open_range(self, url, size, version)
+
+    monkeypatch.setattr(LocalBackend, "read_bytes", logged_read_bytes)
+    monkeypatch.setattr(LocalBackend, "open_range", logged_open_range)
+    return log
+
+
+@pytest.fixture
+def ranged_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """Every ranged read from now on, as (URL, start, end): the bytes the engine asked for."""
+    log: list[tuple[str, int, int]] = []
+    original = storage.RangeReader.read_into
+
+    def read_into(self, offset, buffer):
+        log.append((self.url, offset, offset + memoryview(buffer).nbytes))
+        return original(self, offset, buffer)
+
+    monkeypatch.setattr(storage.RangeReader, "read_into", read_into)
+    return log
+
+
+def header_range(path: Path) -> tuple[int, int] | None:
+    """Byte range of a weight file's header: a safetensors file's (length and JSON), a ``torch.save`` file's
+    pickle; None for other files."""
+    if path.suffix == ".safetensors":
+        with open(path, "rb") as f:
+            return 0, 8 + struct.unpack("<Q", f.read(8))[0]
+    if path.suffix == ".pt" and zipfile.is_zipfile(path):
+        return pickle_range(path)
+    return None
+
+
+def header_reads(log: list[tuple[str, int, int]], step_dir: str) -> dict[str, float]:
+    """Path inside the step -> how many times its header was fetched, for each weight file fetched at all."""
+    counts = {}
+    for path in sorted(p for p in Path(step_dir).rglob("*") if p.is_file()):
+        span = header_range(path)
+        fetched = pickle_fetches(log, str(path), span) if span else 0
+        if fetched:
+            counts[path.relative_to(step_dir).as_posix()] = fetched
+    return counts
+
+
+def metadata_reads(log: list[str], step_dir: str) -> dict[str, int]:
+    """Path inside the step -> how many times it was read, for its metadata files."""
+    counts: dict[str, int] = {}
+    for url in log:
+        path = url[len(step_dir.rstrip("/")) + 1:] if url.startswith(step_dir.rstrip("/") + "/") else None
+        if path is not None and path.rsplit("/", 1)[-1] in METADATA_FILES:
+            counts[path] = counts.get(path, 0) + 1
+    return counts
+
+
+def _copied_run(step_dir: Path, tmp_path: Path) -> tuple[str, str]:
+    """(run root, step folder) of a copy of the run ``step_dir`` (``.../global_step_1[/actor]``) belongs to."""
+    step = step_dir if step_dir.name.startswith("global_step_") else step_dir.parent
+    run_root = tmp_path / "run"
+    shutil.copytree(step, run_root / step.name)
+    return str(run_root), str(run_root / step.name)
+
+
+EVERY_LAYOUT = {  # case -> (fixture, name, extra merge_step parameters)
+    "fsdp1": ("fsdp_runs", "fsdp1_mesh_qwen2", {}),
+    "fsdp2_dtensor": ("fsdp_runs", "fsdp2_qwen2", {}),
+    "megatron_legacy": ("megatron_runs", STEP, {}),
+    "megatron_dist_v1": ("megatron_runs", "llama_tp1_pp1_dist_v1", {}),
+    "megatron_dist_v2": ("megatron_runs", "mistral_tp2_pp2_tied_dist_v2", {}),
+    "megatron_bridge": ("megatron_runs", "qwen2_tp2_pp2_bridge_v2", {}),
+    "megatron_lora": ("lora_steps", "dense_tp2", {"base_model": True}),
+    "megatron_lora_dist": ("lora_steps", "dense_tp2_dist", {"lora_alpha": 8.0, "hf_model_path": True}),
+    "hf": ("lora_steps", "hf_base", {}),
+}
+
+
+def _step_dir(request, fixture: str, name: str) -> tuple[Path, object]:
+    runs = request.getfixturevalue(fixture)
+    if fixture == "fsdp_runs":
+        return Path(runs[name].latest.checkpoint_dir), runs[name]
+    if fixture == "lora_steps" and name == "hf_base":
+        return Path(runs["dense_tp2"].base_dir), runs["dense_tp2"]
+    return Path(runs[name].step_dir), runs[name]
+
+
+@pytest.mark.parametrize("case", list(EVERY_LAYOUT))
+def test_a_merge_step_run_reads_each_metadata_file_of_every_layout_once(prefect, request, file_reads, ranged_reads,
+                                                                        tmp_path, case):
+    fixture, name, extra = EVERY_LAYOUT[case]
+    step_dir, run = _step_dir(request, fixture, name)
+    if case == "hf":  # a step holding a Hugging Face folder (``global_step_1/``: the SFT trainers' layout)
+        shutil.copytree(step_dir, tmp_path / "run" / "global_step_1")
+        run_root, folder = str(tmp_path / "run"), str(tmp_path / "run" / "global_step_1")
+        extra = {**extra, "role": ""}
+    else:
+        run_root, folder = _copied_run(step_dir, tmp_path)
+    given = {k: (str(run.base_dir) if v is True else v) for k, v in extra.items()}
+    params = MergeStepParams(run_root=run_root, step=1, release_root=str(tmp_path / "releases"),
+                             staging_root=str(tmp_path / "staging"), **given).flow_parameters()
+    file_reads.clear()
+    ranged_reads.clear()
+    outcome = merge_step(**params)
+    assert outcome.status == "published"
+    counts = metadata_reads(file_reads, folder)
+    headers = header_reads(ranged_reads, folder)  # the weight files' headers: safetensors JSON, torch pickles
+    assert counts or headers, "nothing of the step was counted: the test would count nothing"
+    outputs = len(outcome.releases)
+    assert counts == {path: outputs if path.split("/", 1)[-1] in PER_OUTPUT else 1 for path in counts}
+    assert headers == {path: float(outputs) if path.split("/", 1)[-1] in PER_OUTPUT else 1.0 for path in headers}
