@@ -102,7 +102,8 @@ def test_a_cli_merge_fetches_each_rank_pickle_once(s3_megatron_run, s3_gets, tmp
 # twice, a dist/LoRA step's ``ckpt_contents.json`` twice and its ``.metadata`` up to three times, absent run
 # metadata probed twice), and so is each weight file's header (a safetensors file's JSON: twice, a bridge
 # export's three times). A PEFT export, which no check reads, is read by the job of each output that uses it
-# (model and adapter: once each).
+# (model and adapter: once each). Each output's build computes its fingerprint once and turns the checked record
+# into the engine's checkpoint once (main before this: twice each).
 
 METADATA_FILES = (".metadata", "metadata.json", "ckpt_contents.json", "transformer_config.json", "fsdp_config.json",
                   "lora_train_meta.json", "model.safetensors.index.json", "adapter_config.json")
@@ -207,9 +208,35 @@ def _step_dir(request, fixture: str, name: str) -> tuple[Path, object]:
     return Path(runs[name].step_dir), runs[name]
 
 
+@pytest.fixture
+def conversions(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How many times, from now on, a build fingerprint is computed (`merge_fingerprint`, `extract_fingerprint`),
+    a checkpoint record becomes the engine's checkpoint (`CheckpointRecord.to_checkpoint`), and the trained-model
+    check (which converts it too) runs."""
+    import merge_engine.commands.extract as extract
+    import merge_engine.commands.merge as merge
+    import tasks.validate
+    from tasks.records import CheckpointRecord
+
+    counts = {"fingerprint": 0, "to_checkpoint": 0, "trained_check": 0}
+
+    def counted(key, function):
+        def call(*args, **kwargs):
+            counts[key] += 1
+            return function(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(merge, "merge_fingerprint", counted("fingerprint", merge.merge_fingerprint))
+    monkeypatch.setattr(extract, "extract_fingerprint", counted("fingerprint", extract.extract_fingerprint))
+    monkeypatch.setattr(CheckpointRecord, "to_checkpoint", counted("to_checkpoint", CheckpointRecord.to_checkpoint))
+    monkeypatch.setattr(tasks.validate, "check_against_trained",
+                        counted("trained_check", tasks.validate.check_against_trained))
+    return counts
+
+
 @pytest.mark.parametrize("case", list(EVERY_LAYOUT))
 def test_a_merge_step_run_reads_each_metadata_file_of_every_layout_once(prefect, request, file_reads, ranged_reads,
-                                                                        tmp_path, case):
+                                                                        conversions, tmp_path, case):
     fixture, name, extra = EVERY_LAYOUT[case]
     step_dir, run = _step_dir(request, fixture, name)
     if case == "hf":  # a step holding a Hugging Face folder (``global_step_1/``: the SFT trainers' layout)
@@ -223,6 +250,7 @@ def test_a_merge_step_run_reads_each_metadata_file_of_every_layout_once(prefect,
                              staging_root=str(tmp_path / "staging"), **given).flow_parameters()
     file_reads.clear()
     ranged_reads.clear()
+    conversions.update(dict.fromkeys(conversions, 0))
     outcome = merge_step(**params)
     assert outcome.status == "published"
     counts = metadata_reads(file_reads, folder)
@@ -231,3 +259,7 @@ def test_a_merge_step_run_reads_each_metadata_file_of_every_layout_once(prefect,
     outputs = len(outcome.releases)
     assert counts == {path: outputs if path.split("/", 1)[-1] in PER_OUTPUT else 1 for path in counts}
     assert headers == {path: float(outputs) if path.split("/", 1)[-1] in PER_OUTPUT else 1.0 for path in headers}
+    # each output's build fingerprints once and converts the checked record once (before: twice and twice); the
+    # trained-model check of a LoRA checkpoint converts it once more
+    assert conversions["fingerprint"] == outputs
+    assert conversions["to_checkpoint"] == outputs + conversions["trained_check"]
