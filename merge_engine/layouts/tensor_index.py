@@ -436,17 +436,9 @@ def restore_headers(checkpoint: Checkpoint) -> list[tuple[str, list[str] | None,
     """What `carry_headers` carried for ``checkpoint``: each file one it lists in its folder (a plain file name);
     None for no carried headers, or another engine version's (the caller reads the files). `UnsafeRecord` naming
     the checkpoint for anything else."""
-    index, tag = checkpoint.index, _headers_tag()
-    if index is None or not index.startswith(tag):
+    data = _carried_json(checkpoint, _headers_tag(), "safetensors headers")
+    if data is None:
         return None
-    inflate = zlib.decompressobj()
-    try:
-        data = inflate.decompress(index[len(tag):], MAX_INDEX_BYTES)
-    except zlib.error as exc:
-        raise UnsafeRecord(f"carried safetensors headers do not inflate ({exc})", checkpoint.url) from None
-    if inflate.unconsumed_tail or not inflate.eof:
-        raise UnsafeRecord(f"carried safetensors headers inflate past {MAX_INDEX_BYTES} bytes, or are cut short",
-                           checkpoint.url)
     document = parse_json(data, checkpoint.url, error=UnsafeRecord)
     reader = _PlainReader(checkpoint.url, "carried safetensors headers")
     if not isinstance(document, dict) or set(document) != {"format", "files"} or document["format"] != HEADERS_FORMAT:
