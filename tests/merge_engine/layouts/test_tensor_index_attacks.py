@@ -230,3 +230,68 @@ def test_the_carried_dcp_index_opens_as_the_metadata_file_reads(dcp_checked):
     finally:
         carried.close()
         read.close()
+
+
+# --- carried safetensors headers (`tensor_index.carry_headers`: a Hugging Face folder or a bridge export) --------
+
+
+@pytest.fixture(scope="module")
+def hf_checked(lora_steps):
+    checkpoint = check_checkpoint(str(lora_steps["dense_tp2"].base_dir), "hf")
+    assert checkpoint.index is not None and checkpoint.index.startswith(tensor_index._headers_tag())
+    return checkpoint
+
+
+def _headers_document(checkpoint) -> dict:
+    return json.loads(zlib.decompress(checkpoint.index[len(tensor_index._headers_tag()):]))
+
+
+def _headers_carrying(checkpoint, document):
+    return dataclasses.replace(checkpoint,
+                               index=tensor_index._headers_tag() + zlib.compress(json.dumps(document).encode()))
+
+
+def _header_edit(edit):
+    def forge(doc):
+        header = json.loads(doc["files"][0][2])
+        edit(header)
+        doc["files"][0][2] = json.dumps(header)
+    return forge
+
+
+def _first_entry(header) -> dict:
+    return next(v for k, v in header.items() if k != "__metadata__")
+
+
+HEADER_FORGERIES = {
+    "host_file": lambda doc: doc["files"][0].__setitem__(0, "/etc/passwd"),
+    "traversal": lambda doc: doc["files"][0].__setitem__(0, "../config.json"),
+    "file_not_listed": lambda doc: doc["files"][0].__setitem__(0, "other.safetensors"),
+    "bytes_past_the_file": _header_edit(lambda h: _first_entry(h).__setitem__("data_offsets", [0, 1 << 40])),
+    "shape_not_its_bytes": _header_edit(lambda h: _first_entry(h).__setitem__("shape", [1 << 30])),
+    "dtype_not_torch": _header_edit(lambda h: _first_entry(h).__setitem__("dtype", "posix.system")),
+    "not_json": lambda doc: doc["files"][0].__setitem__(2, "{not json"),
+    "not_text": lambda doc: doc["files"][0].__setitem__(2, 12),
+    "extra_field": _set(["class"], "subprocess.Popen"),
+    "other_format": _set(["format"], 2),
+}
+
+
+@pytest.mark.parametrize("forgery", list(HEADER_FORGERIES))
+def test_forged_safetensors_headers_are_refused_before_any_read(hf_checked, forgery):
+    document = copy.deepcopy(_headers_document(hf_checked))
+    HEADER_FORGERIES[forgery](document)
+    _opening_is_refused(_headers_carrying(hf_checked, document))
+
+
+def test_the_carried_headers_open_as_the_files_read(hf_checked):
+    carried = open_checkpoint(_headers_carrying(hf_checked, _headers_document(hf_checked)))
+    read = open_checkpoint(dataclasses.replace(hf_checked, index=None))
+    try:
+        assert {n: (m.shape, m.dtype) for n, m in carried.metas().items()} == \
+               {n: (m.shape, m.dtype) for n, m in read.metas().items()}
+        name = next(iter(read.metas()))
+        assert carried.read(name).equal(read.read(name))
+    finally:
+        carried.close()
+        read.close()
