@@ -10,6 +10,12 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One OpenMP/MKL thread per process (read when torch is first imported, here and in every subprocess): the
+# suite's tensors are tiny, and the session keeps servers, Ray nodes, Prefect workers and CLI runs busy beside
+# the tests on a 2-core machine, where torch's spinning OpenMP threads cost 10-40x the CPU of one thread
+# (tests/merge_engine/lora/test_lowrank.py: 40 CPU s with the default 2 threads, 2 CPU s with 1, at load)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 # Prefect's temporary servers (flows run in subprocesses, the demo) wait 20 s by default: not enough on a loaded machine
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
 # the engine's own memo (merge_engine.plan.hub_config_memo): one per session, never the user's ~/.cache
