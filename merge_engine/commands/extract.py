@@ -128,7 +128,8 @@ class ExtractJob:
                  opened: list[TensorSource]) -> PreparedJob:
         hf_dir = options.hf_model_path or checkpoint.hf_dir
         config = read_config(hf_dir)
-        lora = resolve_checkpoint_lora(checkpoint.url, source.metas(), options.lora_alpha, config)
+        lora = resolve_checkpoint_lora(checkpoint.url, checkpoint.files, source.metas(), options.lora_alpha,
+                                      config)
         base_view = RenamedSource(source, lora.keys.base) if lora.keys.base else None
         if options.base_model is not None:
             given = open_hf_folder(options.base_model)

@@ -108,13 +108,13 @@ def _read_json(url: str) -> dict | None:
     return read_json_object(url, error=AdapterError)
 
 
-def read_run_metadata(checkpoint_url: str, files: Sequence[FileEntry] | None = None) -> RunLoraMetadata:
+def read_run_metadata(checkpoint_url: str, files: Sequence[FileEntry]) -> RunLoraMetadata:
     """The run's LoRA metadata (``lora_train_meta.json``, else an adapter config). ``files``: the checkpoint's
-    listing (paths relative to it): only the files it holds are read (None: each is tried)."""
-    listed = None if files is None else {f.path for f in files}
+    listing (paths relative to it): only the files it holds are read, so the fingerprint covers them."""
+    listed = {f.path for f in files}
 
     def read(name: str) -> dict | None:
-        return _read_json(storage.join(checkpoint_url, name)) if listed is None or name in listed else None
+        return _read_json(storage.join(checkpoint_url, name)) if name in listed else None
 
     meta_url = storage.join(checkpoint_url, LORA_TRAIN_META)
     meta = read(LORA_TRAIN_META) or {}
@@ -188,15 +188,16 @@ class CheckpointLora:
     trained: TrainedSettings | None = None  # each module's (r, alpha, scaling) as PEFT trained it
 
 
-def resolve_checkpoint_lora(url: str, metas: Mapping[str, TensorMeta], lora_alpha: float | None,
-                            model_config: Mapping[str, Any] | None = None) -> CheckpointLora:
-    """The checkpoint's LoRA. ``model_config`` (the model's config.json) decides ``fan_in_fan_out``
+def resolve_checkpoint_lora(url: str, files: Sequence[FileEntry], metas: Mapping[str, TensorMeta],
+                            lora_alpha: float | None, model_config: Mapping[str, Any] | None = None) -> CheckpointLora:
+    """The checkpoint's LoRA. ``files``: the checkpoint's listing; the run's metadata is read only where it
+    lists it (what the fingerprint covers). ``model_config`` (the model's config.json) decides ``fan_in_fan_out``
     when the run did not record it: PEFT sets it for LoRA on Conv1D layers (GPT-2), whatever the
     LoRA config said, so the model's layer types are the truth (`merge_engine.plan.model_heads`)."""
     keys = split_checkpoint(metas, url)
     if not keys.factors:
         raise AdapterError("no LoRA tensors in this checkpoint: nothing to extract", url)
-    run = read_run_metadata(url)
+    run = read_run_metadata(url, files)
     alpha, alpha_from = resolve_alpha(run, lora_alpha, url)
     experts, factors = find_expert_loras(keys.factors, base_shapes(keys, metas, model_config), metas, url,
                                          transposed_expert_modules(model_config))
@@ -313,7 +314,7 @@ def plan_trained_model(checkpoint: Checkpoint, source: TensorSource, config: Map
     Source names are the checkpoint's own keys. Reads only when the config ties embeddings and
     both copies are stored: the dropped lm_head must equal the embedding (`check_dropped_head`).
     """
-    lora = resolve_checkpoint_lora(checkpoint.url, source.metas(), lora_alpha, config)
+    lora = resolve_checkpoint_lora(checkpoint.url, checkpoint.files, source.metas(), lora_alpha, config)
     if not lora.keys.base:
         raise AdapterError("this checkpoint holds only LoRA adapter weights, no base model: run `stepmerge "
                            "extract-lora --local_dir CKPT --base-model BASE --target-dir ADAPTER`, then `stepmerge "

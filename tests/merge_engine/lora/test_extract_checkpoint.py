@@ -126,6 +126,29 @@ def test_alpha_is_never_guessed(tmp_path, fsdp_lora_runs):
         extract_lora(bare, str(tmp_path / "zero"), OutputOptions(lora_alpha=0))
 
 
+def test_run_metadata_outside_the_listing_is_never_read(tmp_path, fsdp_lora_runs):
+    """The run's LoRA metadata is read only where the checked listing holds it: a ``lora_train_meta.json``
+    written after the check (so outside the fingerprint) decides nothing, in extract and merge alike."""
+    from merge_engine.commands.extract import ExtractJob
+    from merge_engine.commands.merge import MergeJob
+    from merge_engine.layouts import check_checkpoint
+    from merge_engine.output.jobs import run_job
+
+    run = fsdp_lora_runs["lora_fsdp1_mesh_qwen2"]
+    bare = copy_checkpoint(run.checkpoint_dir, str(tmp_path / "bare"), drop=("lora_train_meta.json",))
+    checked = check_checkpoint(bare)
+    assert "lora_train_meta.json" not in {f.path for f in checked.files}
+    with open(os.path.join(bare, "lora_train_meta.json"), "w") as handle:
+        json.dump({"r": run.spec.lora.r, "lora_alpha": run.spec.lora.alpha, "task_type": "CAUSAL_LM"}, handle)
+    for job in (ExtractJob(bare, str(tmp_path / "adapter"), OutputOptions(), checkpoint=checked),
+                MergeJob(bare, str(tmp_path / "model"), OutputOptions(), checkpoint=checked)):
+        with pytest.raises(AdapterError, match="--lora-alpha"):
+            run_job(job)
+        assert not os.path.exists(job.target_url)
+    # listed (checked again), the same file decides alpha
+    assert run_job(ExtractJob(bare, str(tmp_path / "adapter"), OutputOptions())).kind == "adapter+base"
+
+
 def test_alpha_from_an_adapter_config_saved_with_the_run(tmp_path, fsdp_lora_runs):
     """Older verl saved lora_adapter/adapter_config.json (asdict of the LoraConfig) instead."""
     run = fsdp_lora_runs["lora_fsdp2_qwen2_r2"]
