@@ -41,7 +41,7 @@ __all__ = ["check_dropped_head", "check_tie_flag", "check_tied_copy", "critic_co
 
 
 def plan_checkpoint(checkpoint: Checkpoint, source: TensorSource, config: dict[str, Any], *,
-                    dtype: torch.dtype | None, max_shard_size: int, tie_flag: bool | None = None,
+                    dtype: torch.dtype | None, max_shard_size: int | None, tie_flag: bool | None = None,
                     lora_alpha: float | None = None, custom_mapping: str | None = None,
                     chunk_bytes: int = DEFAULT_CHUNK_BYTES, mtp_layers: str | None = None) -> MergePlan:
     """The plan of the model ``checkpoint`` holds (see the module docstring). Reads no weight, except

@@ -141,7 +141,7 @@ class LeadingRows:
 
 
 def plan_megatron_to_hf(source: TensorSource, config: Mapping[str, Any], *, table: FamilyTable, dims: ModelDims,
-                        dtype: torch.dtype | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+                        dtype: torch.dtype | None = None, max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE,
                         tie_flag: bool | None = None, config_url: str | None = None,
                         mtp_layers: str | None = None) -> MergePlan:
     """The merge plan of a canonical Megatron source (see module docstring); metadata only.
@@ -214,7 +214,7 @@ def plan_megatron_to_hf(source: TensorSource, config: Mapping[str, Any], *, tabl
 
 
 def plan_megatron_merge(source: TensorSource, config: Mapping[str, Any], *, dtype: torch.dtype | None = None,
-                        max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, tie_flag: bool | None = None,
+                        max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE, tie_flag: bool | None = None,
                         custom_mapping: str | None = None, config_url: str | None = None,
                         mtp_layers: str | None = None) -> MergePlan:
     """The layouts' ``plan`` hook: family table from the config (+ custom mapping), then the plan.

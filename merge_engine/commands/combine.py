@@ -122,7 +122,7 @@ class CombineJob:
             reports: list[ModuleReport] = []
             if options.output == "model":
                 plan = in_weights_format(plan_fused_model(base_metas, config, inputs, dtype=dtype,
-                                                          max_shard_size=options.max_shard_size, base_url=base_url),
+                                                          max_shard_size=None, base_url=base_url),
                                          config, options.weights_format, options.max_shard_size)
                 output = shard_output(plan, source, then=lambda url: copy_metadata(base_url, url, config,
                                                                                    plan.config_updates))

@@ -145,7 +145,7 @@ class ExtractJob:
         dtype = parse_dtype(options.dtype)
         base_plan = None
         if base_view is not None:  # metadata only; written when asked
-            stored = plan_hf_merge(base_view.metas(), config, dtype=dtype, max_shard_size=options.max_shard_size,
+            stored = plan_hf_merge(base_view.metas(), config, dtype=dtype, max_shard_size=None,
                                    config_url=hf_dir)
             check_dropped_head(base_view, stored, options.chunk_bytes)
             base_plan = in_weights_format(stored, config, options.weights_format, options.max_shard_size)

@@ -202,7 +202,7 @@ def _base_copy(options: OutputOptions, base: TensorSource, dtype: Any) -> Planne
     from merge_engine.plan.hf_plan import plan_hf_merge
 
     config = read_config(options.base_model, what="base model")
-    stored = plan_hf_merge(base.metas(), config, dtype=dtype, max_shard_size=options.max_shard_size,
+    stored = plan_hf_merge(base.metas(), config, dtype=dtype, max_shard_size=None,
                            config_url=options.base_model)
     plan = in_weights_format(stored, config, options.weights_format, options.max_shard_size)
     return shard_output(plan, base, BASE_DIR, then=lambda url: copy_metadata(options.base_model, url, config,
@@ -244,7 +244,7 @@ def _step_base(checkpoint: Checkpoint, options: OutputOptions, dtype: Any) -> tu
     config, folder = step_config(checkpoint, options)
     source = StepBaseSource(open_checkpoint(checkpoint))
     try:
-        stored = plan_checkpoint(checkpoint, source, config, dtype=dtype, max_shard_size=options.max_shard_size,
+        stored = plan_checkpoint(checkpoint, source, config, dtype=dtype, max_shard_size=None,
                                  tie_flag=options.tie_word_embedding, custom_mapping=options.custom_mapping,
                                  chunk_bytes=options.chunk_bytes, mtp_layers=options.mtp_layers)
         plan = in_weights_format(stored, config, options.weights_format, options.max_shard_size)
@@ -275,8 +275,7 @@ def prepare_fused_model(checkpoint: Checkpoint, options: OutputOptions, source_u
         source = NamespacedSource(sources)
         inputs = [WeightedAdapter(ADAPTER_NAMESPACE, adapter, 1.0)]
         plan = plan_fused_model(sources[BASE_NAMESPACE].metas(), base_config, inputs,
-                                dtype=parse_dtype(options.dtype), max_shard_size=options.max_shard_size,
-                                base_url=options.base_model)
+                                dtype=parse_dtype(options.dtype), max_shard_size=None, base_url=options.base_model)
         plan = in_weights_format(plan, base_config, options.weights_format, options.max_shard_size)
     except BaseException:
         for handle in sources.values():

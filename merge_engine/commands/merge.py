@@ -56,7 +56,7 @@ def plan_stored_names(checkpoint: Checkpoint, source: TensorSource, config: dict
                       options: OutputOptions) -> MergePlan:
     """`merge_engine.planner.plan_checkpoint` with these options: the tensors under their stored names."""
     return plan_checkpoint(checkpoint, source, config, dtype=parse_dtype(options.dtype),
-                           max_shard_size=options.max_shard_size, tie_flag=options.tie_word_embedding,
+                           max_shard_size=None, tie_flag=options.tie_word_embedding,
                            lora_alpha=options.lora_alpha, custom_mapping=options.custom_mapping,
                            chunk_bytes=options.chunk_bytes, mtp_layers=options.mtp_layers)
 

@@ -306,7 +306,7 @@ def _with_fan_in_fan_out(settings: LoraSettings, modules: set[str], model_config
 
 
 def plan_trained_model(checkpoint: Checkpoint, source: TensorSource, config: Mapping[str, Any], *,
-                       dtype: torch.dtype | None, max_shard_size: int, tie_flag: bool | None = None,
+                       dtype: torch.dtype | None, max_shard_size: int | None, tie_flag: bool | None = None,
                        lora_alpha: float | None = None, config_url: str | None = None,
                        chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> MergePlan:
     """The trained model's plan: LoRA fused (W + scale * B @ A), trained copies in place.

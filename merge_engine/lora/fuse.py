@@ -227,7 +227,7 @@ def check_untied_targets(touched: Sequence[str], config: Mapping[str, Any], wher
 
 
 def plan_fused_model(base_metas: Mapping[str, TensorMeta], config: Mapping[str, Any],
-                     inputs: Sequence[WeightedAdapter], *, dtype: torch.dtype | None, max_shard_size: int,
+                     inputs: Sequence[WeightedAdapter], *, dtype: torch.dtype | None, max_shard_size: int | None,
                      base_url: str | None = None, base_names: Mapping[str, str] | None = None,
                      tie_flag: bool | None = None) -> MergePlan:
     """The base model's plan with every updated tensor built by `UpdatedTensor`.

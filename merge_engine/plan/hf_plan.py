@@ -33,7 +33,7 @@ from merge_engine.formats.tensor_source import TensorMeta
 
 
 def plan_hf_merge(metas: Mapping[str, TensorMeta], config: Mapping[str, Any], *, dtype: torch.dtype | None = None,
-                  max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, tie_flag: bool | None = None,
+                  max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE, tie_flag: bool | None = None,
                   config_url: str | None = None) -> MergePlan:
     """Plan a merge whose source names already are Hugging Face names (FSDP, HF folders).
 

@@ -69,11 +69,14 @@ def in_memory_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]] | 
 def in_weights_format(plan: MergePlan, config: Mapping[str, Any], weights_format: str | None,
                       max_shard_size: int) -> MergePlan:
     """``hub`` (default): ``plan`` under the Hub checkpoint's names (`to_hub_format`) and its config in
-    the Hub's form (`with_hub_config`); ``transformers``: as it is, the stored config kept. Every
-    command that writes a model (merge, extract-lora's base, merge-lora) asks this."""
+    the Hub's form (`with_hub_config`); ``transformers``: as it is, the stored config kept. Then sharded,
+    once: ``plan`` comes planned unsharded (its planner given ``max_shard_size=None``). Every command that
+    writes a model (merge, extract-lora's base, merge-lora) asks this."""
+    if plan.shards:
+        raise ValueError("in_weights_format shards the plan: plan it with max_shard_size=None")
     if parse_weights_format(weights_format) == HUB:
-        return with_hub_config(to_hub_format(plan, config, max_shard_size), config)
-    return plan
+        plan = with_hub_config(to_hub_format(plan, config), config)
+    return replace(plan, shards=assign_shards(plan.tensors, max_shard_size))
 
 
 def with_hub_config(plan: MergePlan, config: Mapping[str, Any]) -> MergePlan:
@@ -230,9 +233,9 @@ def _planned_range(tensor: PlannedTensor, source: TensorSource, start: int, coun
 MIN_RUN_BYTES = 512  # a view cut finer than this (a transpose) is read a block at a time (`_strided_blocks`)
 
 
-def to_hub_format(plan: MergePlan, config: Mapping[str, Any], max_shard_size: int) -> MergePlan:
-    """``plan`` with its tensors under their Hub names (per-expert tensors cut from fused ones).
-    The plan is returned unchanged when its names already are the Hub names."""
+def to_hub_format(plan: MergePlan, config: Mapping[str, Any]) -> MergePlan:
+    """``plan`` (unsharded) with its tensors under their Hub names (per-expert tensors cut from fused ones),
+    unsharded. The plan is returned unchanged when its names already are the Hub names."""
     merged_config = {**dict(config), **plan.config_updates}
     by_name = plan.by_name()
     naming = hub_naming({t.name: t.shape for t in plan.tensors}, merged_config)
@@ -257,7 +260,7 @@ def to_hub_format(plan: MergePlan, config: Mapping[str, Any], max_shard_size: in
     records = dict(plan.records)
     if naming.square:
         records["transformers_4"] = square_reader_note(naming.square)
-    return MergePlan(tuple(tensors), assign_shards(tensors, max_shard_size), plan.config_updates,
+    return MergePlan(tuple(tensors), (), plan.config_updates,
                      plan.notes + (naming.description,), records=records)
 
 

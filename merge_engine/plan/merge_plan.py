@@ -89,16 +89,20 @@ class MergePlan:
         return {t.name: t for t in self.tensors}
 
 
-def assign_shards(tensors: Sequence[PlannedTensor], max_shard_size: int) -> tuple[ShardFile, ...]:
+def assign_shards(tensors: Sequence[PlannedTensor], max_shard_size: int | None) -> tuple[ShardFile, ...]:
     """Greedy, in order: a shard closes when the next tensor would push it past the limit.
 
     Every planner ends here, before any byte is written: a dtype safetensors cannot store (complex,
     quantized) is refused now with `UnsupportedLayout` naming the tensor, not halfway through a write.
+    ``max_shard_size`` None: checked, not sharded (the caller shards once, after the Hub's naming:
+    `merge_engine.plan.hub_format.in_weights_format`).
     """
     for tensor in tensors:
         if tensor.dtype not in CODES:
             raise UnsupportedLayout(f"{tensor.name}: dtype {tensor.dtype} cannot be stored in safetensors "
                                     "(cast it with --dtype if it is floating point, or drop it)")
+    if max_shard_size is None:
+        return ()
     groups: list[list[PlannedTensor]] = []
     size = 0
     for tensor in tensors:

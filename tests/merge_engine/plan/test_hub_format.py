@@ -173,3 +173,34 @@ class TestNaming:
         config = build_config(ModelSpec(family="mixtral")).to_dict()
         hub = {"model.layers.0.block_sparse_moe.experts.0.w1.weight": (112, 64), "lm_head.weight": (1003, 64)}
         assert hub_naming(hub, config) is None
+
+
+def test_a_hub_merge_is_sharded_once_after_the_naming(family_runs, tmp_path, monkeypatch):
+    """The stored-name plan is not sharded: the shards are cut once, over the Hub's names (the per-expert
+    tensors), and a plan sharded already is refused by `in_weights_format`."""
+    from merge_engine.architectures import megatron_to_hf
+    from merge_engine.plan import hf_plan, hub_format, merge_plan
+    from merge_engine.plan.merge_plan import parse_size
+
+    cuts: list[tuple[tuple[str, ...], int]] = []
+    real = merge_plan.assign_shards
+
+    def counted(tensors, max_shard_size):
+        if max_shard_size is not None:
+            cuts.append((tuple(t.name for t in tensors), max_shard_size))
+        return real(tensors, max_shard_size)
+
+    for module in (merge_plan, hf_plan, hub_format, megatron_to_hf):
+        monkeypatch.setattr(module, "assign_shards", counted)
+    step = family_runs["mixtral_w2"].latest
+    target = tmp_path / "out"
+    assert main(["merge", "--backend", "fsdp", "--local_dir", step.checkpoint_dir, "--target_dir", str(target),
+                 "--max-shard-size", "300KB"]) == 0
+    assert len(cuts) == 1, [len(names) for names, _ in cuts]
+    names, size = cuts[0]
+    assert size == parse_size("300KB") and sorted(names) == sorted(_load_folder(step.reference_hf_dir))
+    with open(target / "model.safetensors.index.json") as handle:
+        assert sorted(json.load(handle)["weight_map"]) == sorted(names)
+    tensors = (merge_plan.PlannedTensor("w", (2,), torch.float32, "w"),)
+    with pytest.raises(ValueError, match="max_shard_size=None"):
+        hub_format.in_weights_format(merge_plan.MergePlan(tensors, real(tensors, 300_000)), {}, "hub", 300_000)
