@@ -18,6 +18,7 @@ Helpers: `copy_steps`, `task_runs` (the task runs of a flow run, from the API), 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -49,9 +50,32 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectApi
     from prefect.testing.utilities import prefect_test_harness
 
     results = tmp_path_factory.mktemp("prefect-results")
-    with prefect_test_harness(server_startup_timeout=90), \
-            temporary_settings(updates={PREFECT_RESULTS_LOCAL_STORAGE_PATH: results}):
+    with contextlib.ExitStack() as stack:
+        with patient_health_probes():
+            stack.enter_context(prefect_test_harness(server_startup_timeout=90))
+        stack.enter_context(temporary_settings(updates={PREFECT_RESULTS_LOCAL_STORAGE_PATH: results}))
         yield PrefectApi(url=PREFECT_API_URL.value(), results=results)
+
+
+@contextlib.contextmanager
+def patient_health_probes() -> Iterator[None]:
+    """While Prefect's test server starts: its ``/health`` probes wait up to 90 s for an answer.
+
+    The harness probes with httpx's default 5 s timeout and takes only a refused connection for "not up yet",
+    so on a loaded machine (the server accepted the connection, then answered late) the probe's ReadTimeout
+    failed the whole session's setup and left the server process running. Clients that set a timeout keep it.
+    """
+    import httpx
+    import prefect.server.api.server as server
+
+    class PatientClient(httpx.Client):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("timeout", 90.0)
+            super().__init__(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(server.httpx, "Client", PatientClient)
+        yield
 
 
 @pytest.fixture

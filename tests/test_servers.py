@@ -366,3 +366,17 @@ def test_ranged_read_on_gcs_recovers_from_a_reset(gcs_bucket_url, gcs_fault_prox
         gcs_fault_proxy.set_fault(Fault.reset(after_bytes=100_000))
         assert reader.read(100, MiB) == data[100:100 + MiB]
     assert gcs_fault_proxy.fired == 1
+
+
+def test_prefect_harness_health_probes_wait_while_it_starts():
+    """The session's Prefect server start survives a loaded machine: its probes wait 90 s, not httpx's 5 s."""
+    import httpx
+    import prefect.server.api.server as server
+
+    from tests.fixtures_pipeline import patient_health_probes
+
+    with patient_health_probes():
+        with server.httpx.Client() as probe, server.httpx.Client(timeout=3) as chosen:
+            assert probe.timeout.read == 90.0 and chosen.timeout.read == 3
+    with server.httpx.Client() as after:
+        assert after.timeout.read == httpx.Timeout(5.0).read
