@@ -22,7 +22,7 @@ from merge_engine import engine_identity, storage
 from merge_engine.plan.config_shapes import check_config_against_tensors
 from merge_engine.plan.legacy_readers import legacy_reader_note
 from merge_engine.plan.model_shapes import model_ties
-from merge_engine.errors import InvalidOption
+from merge_engine.errors import InvalidConfig, InvalidOption
 from merge_engine.formats.hf_metadata import CONFIG_FILE, copy_metadata, read_config
 from merge_engine.plan import hub_format
 from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, run_job
@@ -114,10 +114,16 @@ class MergeJob:
                 source.close()
                 raise
         try:
-            stored = plan_stored_names(checkpoint, source, config, self.options)
-            check_config_against_tensors({**config, **stored.config_updates},  # the config is copied beside them
-                                         ((t.name, t.shape) for t in stored.tensors), storage.join(hf_dir, CONFIG_FILE))
-            check_dropped_head(source, stored, self.options.chunk_bytes, config, model_ties(config))
+            try:
+                stored = plan_stored_names(checkpoint, source, config, self.options)
+                check_config_against_tensors({**config, **stored.config_updates},  # the config is copied beside them
+                                             ((t.name, t.shape) for t in stored.tensors),
+                                             storage.join(hf_dir, CONFIG_FILE))
+                check_dropped_head(source, stored, self.options.chunk_bytes, config, model_ties(config))
+            except InvalidConfig as refused:  # transformers' own verdict on the config names no file: this one
+                if refused.path:
+                    raise
+                raise InvalidConfig(f"config.json: {refused.message}", storage.join(hf_dir, CONFIG_FILE)) from None
             options = self.options
             plan = hub_format.in_weights_format(stored, config, options.weights_format, options.max_shard_size)
         except BaseException:
