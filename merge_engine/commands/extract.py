@@ -37,7 +37,7 @@ from merge_engine.layouts import (
 )
 from merge_engine.plan.hub_format import in_weights_format
 from merge_engine.lora.adapter_io import adapter_plan, check_fits_base, write_adapter_config
-from merge_engine.lora.checkpoint import base_shapes, is_lora_checkpoint, lora_records, plan_trained_model, read_run_metadata, resolve_checkpoint_lora, task_type_of
+from merge_engine.lora.checkpoint import RunLoraMetadata, base_shapes, is_lora_checkpoint, lora_records, plan_trained_model, read_run_metadata, resolve_checkpoint_lora, task_type_of
 from merge_engine.lora.combine import TableFactor
 from merge_engine.commands.layout_jobs import jobs_of
 from merge_engine.lora.config import adapter_config, infer_target_modules, rank_layout
@@ -60,7 +60,8 @@ from merge_engine.formats.tensor_source import TensorMeta, TensorSource
 # ------------------------------------------------------------------------------------------------
 
 
-def extract_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
+def extract_fingerprint(checkpoint: Checkpoint, options: OutputOptions,
+                        run: RunLoraMetadata | None = None) -> str:  # run: `read_run_metadata` of it, if read
     """The cache key of an extraction: the checkpoint's listing, the options, the listings of ``base_model``
     and ``hf_model_path``, the run's LoRA metadata (``lora_adapter/`` is outside the layout's listing:
     keyed on its content) and the engine version. Reads the run's small JSON files, no weight. The
@@ -70,7 +71,7 @@ def extract_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
         extra["base_listing"] = inputs_fingerprint({"base": options.base_model})
     if options.hf_model_path:
         extra["hf_model_listing"] = storage.fingerprint(storage.list_files(options.hf_model_path, recursive=False))
-    run = read_run_metadata(checkpoint.url, checkpoint.files)
+    run = read_run_metadata(checkpoint.url, checkpoint.files) if run is None else run
     return storage.fingerprint(checkpoint.files, **engine_identity(), **options.output_options("extract-lora"),
                                **extra, run_lora={"alpha": run.lora_alpha, "r": run.r, "config": run.config})
 
@@ -95,6 +96,7 @@ class ExtractJob:
 
     def __post_init__(self) -> None:
         self._fingerprint: str | None = None
+        self._run: RunLoraMetadata | None = None
 
     def _checked(self) -> Checkpoint:
         if self.checkpoint is None:
@@ -104,10 +106,18 @@ class ExtractJob:
         parse_dtype(self.options.dtype)
         return self.checkpoint
 
+    def _run_metadata(self) -> RunLoraMetadata:
+        """The run's LoRA metadata (`read_run_metadata` of the checked listing), read once per job: the fingerprint
+        keys on it and `prepare` resolves the adapter from it."""
+        if self._run is None:
+            checkpoint = self._checked()
+            self._run = read_run_metadata(checkpoint.url, checkpoint.files)
+        return self._run
+
     def fingerprint(self) -> str:
         """`extract_fingerprint`, computed once per job (the pipeline's build asks first, then `run_job`)."""
         if self._fingerprint is None:
-            self._fingerprint = extract_fingerprint(self._checked(), self.options)
+            self._fingerprint = extract_fingerprint(self._checked(), self.options, self._run_metadata())
         return self._fingerprint
 
     def prepare(self) -> PreparedJob:
@@ -129,7 +139,7 @@ class ExtractJob:
         hf_dir = options.hf_model_path or checkpoint.hf_dir
         config = read_config(hf_dir)
         lora = resolve_checkpoint_lora(checkpoint.url, checkpoint.files, source.metas(), options.lora_alpha,
-                                      config)
+                                      config, run=self._run_metadata())
         base_view = RenamedSource(source, lora.keys.base) if lora.keys.base else None
         if options.base_model is not None:
             given = open_hf_folder(options.base_model)

@@ -189,15 +189,17 @@ class CheckpointLora:
 
 
 def resolve_checkpoint_lora(url: str, files: Sequence[FileEntry], metas: Mapping[str, TensorMeta],
-                            lora_alpha: float | None, model_config: Mapping[str, Any] | None = None) -> CheckpointLora:
+                            lora_alpha: float | None, model_config: Mapping[str, Any] | None = None,
+                            run: RunLoraMetadata | None = None) -> CheckpointLora:
     """The checkpoint's LoRA. ``files``: the checkpoint's listing; the run's metadata is read only where it
-    lists it (what the fingerprint covers). ``model_config`` (the model's config.json) decides ``fan_in_fan_out``
-    when the run did not record it: PEFT sets it for LoRA on Conv1D layers (GPT-2), whatever the
-    LoRA config said, so the model's layer types are the truth (`merge_engine.plan.model_heads`)."""
+    lists it (what the fingerprint covers), unless the caller read it so already (``run``: `read_run_metadata`
+    of the same listing, kept by a job whose fingerprint read it). ``model_config`` (the model's config.json)
+    decides ``fan_in_fan_out`` when the run did not record it: PEFT sets it for LoRA on Conv1D layers (GPT-2),
+    whatever the LoRA config said, so the model's layer types are the truth (`merge_engine.plan.model_heads`)."""
     keys = split_checkpoint(metas, url)
     if not keys.factors:
         raise AdapterError("no LoRA tensors in this checkpoint: nothing to extract", url)
-    run = read_run_metadata(url, files)
+    run = read_run_metadata(url, files) if run is None else run
     alpha, alpha_from = resolve_alpha(run, lora_alpha, url)
     experts, factors = find_expert_loras(keys.factors, base_shapes(keys, metas, model_config), metas, url,
                                          transposed_expert_modules(model_config))

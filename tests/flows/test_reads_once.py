@@ -263,3 +263,25 @@ def test_a_merge_step_run_reads_each_metadata_file_of_every_layout_once(prefect,
     # trained-model check of a LoRA checkpoint converts it once more
     assert conversions["fingerprint"] == outputs
     assert conversions["to_checkpoint"] == outputs + conversions["trained_check"]
+
+
+# --- an adapter extraction: the run's LoRA metadata read once per job ----------------------------------------
+
+
+def test_an_extract_job_reads_the_runs_lora_metadata_once(file_reads, conversions, fsdp_runs, tmp_path):
+    """An adapter extraction (`ExtractJob`: the fingerprint, then prepare and write) reads the run's LoRA
+    metadata (``lora_train_meta.json``) once: the fingerprint keys on it and prepare resolves alpha and ranks
+    from what the job kept (main before this: twice), like every other metadata file of the checkpoint."""
+    from merge_engine.commands.extract import ExtractJob
+    from merge_engine.output.jobs import OutputOptions, run_job
+
+    source = str(fsdp_runs["lora_fsdp1_mesh_qwen2"].latest.checkpoint_dir)
+    file_reads.clear()
+    conversions.update(dict.fromkeys(conversions, 0))
+    result = run_job(ExtractJob(source, str(tmp_path / "adapter"), OutputOptions()))
+    assert result.kind.startswith("adapter") and (tmp_path / "adapter" / "adapter_config.json").exists()
+    counts = metadata_reads(file_reads, source)
+    assert "lora_train_meta.json" in counts, "the run's LoRA metadata was not counted: the test would count nothing"
+    assert counts == dict.fromkeys(counts, 1)
+    assert conversions["fingerprint"] == 1
+
