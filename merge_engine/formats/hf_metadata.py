@@ -17,7 +17,7 @@ from typing import Any
 
 from merge_engine import storage
 from merge_engine.errors import InvalidConfig, UnsafeFile
-from merge_engine.formats.json_file import parse_json
+from merge_engine.storage.json_text import parse_json
 from merge_engine.storage.source_files import check_metadata_file
 
 CONFIG_FILE = "config.json"

@@ -1,12 +1,10 @@
-"""Small JSON metadata files (``ckpt_contents.json``, ``metadata.json``, ``config.json``, indexes, ...).
+"""Small JSON metadata files (``ckpt_contents.json``, ``metadata.json``, ``config.json``, indexes, ...),
+read from any URL and parsed by the one guarded parser (`merge_engine.storage.json_text.parse_json`:
+bounded size and depth), so every caller reports a broken file the same way, with the file's URL:
 
-One parser (`merge_engine.storage.json_text.parse_json`, re-exported here: bounded size and depth, a named
-error for anything else), so every caller reports a broken file the same way, with the file's URL:
-
-- `parse_json(data, url, error=...)`: the JSON value in ``data`` (str or bytes); ``error(message,
+- `read_json(url, error=...)`: the JSON value in the file; None when it does not exist; ``error(message,
   url)`` (a `StepmergeError` class, `CorruptShard` unless the caller names its own) when it is too
   large, nested too deeply, or not valid UTF-8 JSON;
-- `read_json(url, error=...)`: the same for a file; None when the file does not exist;
 - `read_json_object(url, error=...)`: `read_json`, and ``error`` unless the value is an object.
 """
 
@@ -36,4 +34,4 @@ def read_json_object(url: str, *, error: type[StepmergeError] = CorruptShard) ->
     return data
 
 
-__all__ = ["parse_json", "read_json", "read_json_object"]
+__all__ = ["read_json", "read_json_object"]

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint
 from merge_engine.formats.dtype_names import ITEMSIZES, SAFETENSORS_CODES, DTypeByName, describe, torch_dtype
-from merge_engine.formats.json_file import parse_json
-from merge_engine.storage import RangeReader
 from merge_engine.formats.stored_tensor import StorageRef, StoredTensor
+from merge_engine.storage import RangeReader
+from merge_engine.storage.json_text import parse_json
 
 if TYPE_CHECKING:  # a header is read without torch (a check); the byte reads import it
     import torch

@@ -29,9 +29,9 @@ from merge_engine.output import interrupts
 
 from merge_engine.output import owner_record
 from merge_engine.errors import StepmergeError, TargetExists
-from merge_engine.formats.json_file import parse_json
 from merge_engine.output.local_commit import LiveFolder, commit_folder, sweep_dead_siblings
 from merge_engine.output.target_guard import check_target
+from merge_engine.storage.json_text import parse_json
 
 PROVENANCE_FILE = "stepmerge.json"
 PARTIAL_FILE = ".stepmerge-partial.json"  # remote targets: written first, removed last

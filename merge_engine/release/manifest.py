@@ -12,9 +12,9 @@ from typing import Any
 
 from merge_engine import storage
 from merge_engine.errors import InvalidConfig, StepmergeError
-from merge_engine.formats.json_file import parse_json
 from merge_engine.release.folders import MANIFEST, MARKER
 from merge_engine.release.provenance import ReleaseProvenance
+from merge_engine.storage.json_text import parse_json
 
 MANIFEST_FORMAT = "stepmerge.release/1"
 

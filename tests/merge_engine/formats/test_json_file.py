@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from merge_engine.errors import CorruptShard, InvalidConfig
-from merge_engine.formats.json_file import parse_json, read_json, read_json_object
+from merge_engine.formats.json_file import read_json, read_json_object
+from merge_engine.storage.json_text import parse_json
 
 
 def test_read_json_object(tmp_path):
