@@ -63,9 +63,11 @@ from merge_engine.formats.tensor_source import TensorMeta, TensorSource
 def extract_fingerprint(checkpoint: Checkpoint, options: OutputOptions,
                         run: RunLoraMetadata | None = None) -> str:  # run: `read_run_metadata` of it, if read
     """The cache key of an extraction: the checkpoint's listing, the options, the listings of ``base_model``
-    and ``hf_model_path``, the run's LoRA metadata (``lora_adapter/`` is outside the layout's listing:
-    keyed on its content) and the engine version. Reads the run's small JSON files, no weight. The
-    pipeline publishes adapters under this very key."""
+    and ``hf_model_path``, the run's LoRA metadata as read (alpha, r, adapter config) and the engine
+    version. The metadata is read only from files the listing holds (``lora_train_meta.json``,
+    ``adapter_config.json``, ``lora_adapter/adapter_config.json``: an FSDP listing includes
+    ``lora_adapter/``), so a metadata file is keyed by its listing entry and its content. Reads the
+    run's small JSON files, no weight. The pipeline publishes adapters under this very key."""
     extra: dict[str, str] = {}
     if options.base_model:
         extra["base_listing"] = inputs_fingerprint({"base": options.base_model})
