@@ -1,50 +1,26 @@
 """An HTTP receiver for training jobs that can only POST a webhook (Prefect OSS has no webhooks).
 
-    uvicorn --factory deployments.webhook:create_app --host 0.0.0.0 --port 8088
+    uvicorn --factory deployments.webhook:create_app --host 127.0.0.1 --port 8088
 
 ``POST /hooks/checkpoint-saved`` with JSON ``{"run_root": "s3://bucket/run", "step": 120, "role": "actor"}``
-creates a run of the merge deployment (``merge-step/gpu``) for that step and answers ``202`` with
-``{"flow_run_id", "idempotency_key", ...}``. The run is created with the idempotency key
-``{run_root}:{role}:{step}`` (`flows.step_keys.step_key`; ``s3://b/run/`` and ``s3://b/run`` are one
-run root): a webhook delivered twice (retries, at-least-once queues) gives back the same flow run,
-never a second merge. When that run FAILED, a later call follows the watcher's rules
-(`flows.submission`): after a pause, a new run keyed ``<key>:after:<failed run id>``, a bounded
-number of times. Where releases go is the deployment's business (its default, or the watcher's
-parameters), never the sender's: the body has no ``release_root``.
+gets or creates the run of the merge deployment (``merge-step/gpu`` unless ``STEPMERGE_WEBHOOK_DEPLOYMENT``)
+for that step and answers 202 with ``{"flow_run_id", "idempotency_key", ...}``. ``GET /health`` (and
+``/healthz``) answers ``{"ok": true, ...}`` without credentials.
 
-Authentication (either; configure at least one, or the app refuses to start):
-- ``Authorization: Bearer <STEPMERGE_WEBHOOK_TOKEN>`` (constant-time comparison);
-- HMAC-SHA256: ``X-Stepmerge-Timestamp: <unix seconds>`` (an integer: digits only) and
-  ``X-Stepmerge-Signature: sha256=<hex>`` of ``b"<timestamp>." + raw body`` with
-  ``STEPMERGE_WEBHOOK_HMAC_SECRET``; timestamps more than ``max_skew_s`` (300 s) away are refused (replays).
-Order: credentials are checked from the headers BEFORE the body is read (a bearer token; or, for
-HMAC, a signature header and a fresh timestamp), and the body is then streamed with a hard cap of
-``MAX_BODY_BYTES`` (64 KiB; 413 as soon as it is passed, or at once when Content-Length says so):
-an unauthenticated sender never makes the receiver read or hold its body.
-Validation (422): a JSON object with exactly these fields, not nested deeply; ``step`` an integer
->= 0 and <= ``MAX_STEP`` (10^12); ``role`` one of
-actor, critic, "" (SFT); ``run_root`` a URL whose scheme is on the allow-list
-(``STEPMERGE_WEBHOOK_SCHEMES``; default: one spelling per object store in the storage scheme registry,
-``gs,s3``; a scheme the registry does not serve is refused when the app starts), without ``..``
-components (encoded or not), backslashes or control characters, and under one of
-``STEPMERGE_WEBHOOK_RUN_ROOTS`` (comma-separated prefixes) when that is set. A run root on a disk the
-training job and every worker mount at the same path (no object store) is accepted only when the
-deployment says so: ``STEPMERGE_WEBHOOK_SHARED_DISK_ROOTS`` (comma-separated absolute folders, ``/x``
-or ``file:///x``, never ``/`` itself, nor ``/.``, ``//`` or a link to ``/``) opts in, and then a plain absolute
-path or a ``file:`` URL under one of them is accepted; every other local path is refused. Roots and run
-roots are resolved on this host first (``os.path.realpath``: links followed, ``.`` and ``//`` gone), so a
-link under a root pointing to ``/etc`` or ``/`` is outside it, and ``root/./exp1``, ``root//exp1`` and
-``root/exp1`` are one run root, one idempotency key. 401 for a missing or
-wrong credential, 503 when the Prefect API or the deployment cannot be reached.
-``GET /healthz`` answers ``{"ok": true}``.
-A step may come as a string of digits (``"120"``); a stale HMAC timestamp gets a 401 that says
-so (and by how much the clocks differ). Run roots are compared in one spelling
-(`flows.step_keys.normalized_run_root`): ``gcs://b/run/`` and ``gs://b/run`` are one run root, and on a
-shared disk ``file:///data/run`` and ``/data/run`` are one run root (the watcher's spelling), one
-idempotency key, one run. Started without a credential or a
-Prefect server, or with a bad ``STEPMERGE_WEBHOOK_*`` value, the receiver stops with one line naming
-the variable (`WebhookNotConfigured`), no traceback.
-Serve it behind TLS (deployments/README.md): tokens and signatures must not cross a network in clear.
+Invariants: the run is keyed ``{run_root}:{role}:{step}`` (`flows.step_keys.step_key`, over the run root's
+one spelling: ``s3://b/run/`` and ``s3://b/run`` are one key), so a webhook delivered twice gives the same
+run, never a second merge; after a FAILED run a later call follows the watcher's rules (`flows.submission`).
+The body names the checkpoint only; where releases go is the deployment's business. Credentials (bearer
+``STEPMERGE_WEBHOOK_TOKEN``, or HMAC-SHA256 with ``STEPMERGE_WEBHOOK_HMAC_SECRET``: `sign`) are checked from
+the headers BEFORE the body is read, and no body is held beyond `MAX_BODY_BYTES`.
+
+Errors: 401 a missing, wrong or stale credential; 413 a body over `MAX_BODY_BYTES`; 422 a body that is not
+the `CheckpointSaved` object, or a run root outside the allow-lists (`checked_payload`: schemes, run roots,
+shared-disk roots after `resolved_local_run_root`); 503 when the Prefect API or the deployment cannot be
+reached. Each refusal is one line on the ``stepmerge.webhook`` logger. Started without a credential or
+``PREFECT_API_URL``, or with a bad ``STEPMERGE_WEBHOOK_*`` value: `WebhookNotConfigured`, one line naming the
+variable, no traceback. Every setting, the HMAC headers, the accepted run roots and TLS (required: tokens
+and signatures must not cross a network in clear): deployments/README.md, "6. From the training job".
 """
 
 from __future__ import annotations

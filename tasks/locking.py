@@ -1,9 +1,5 @@
-"""A file lock manager for Prefect's SERIALIZABLE cache isolation that survives crashed holders.
-
-Why not Prefect's own `FileSystemLockManager`: a transaction acquires its lock with no hold
-timeout, so a merge process killed by the OOM killer leaves its lock file forever and every later
-run of that step waits forever; and its lock file is created empty, then written, so a reader can
-see an empty file. Here:
+"""A file lock manager for Prefect's SERIALIZABLE cache isolation that survives crashed holders
+(why not Prefect's own `FileSystemLockManager`, and the arguments behind the rules: docs/publishing.md):
 - a lock is a file ``<dir>/<key>.lock`` holding an owner record (`merge_engine.output.owner_record`, the
   same record publish claims and temp folders carry: host, boot id, PID namespace, pid, process
   start time, heartbeat = when it was taken) plus ``holder`` and ``expires``, created whole and
@@ -13,18 +9,15 @@ see an empty file. Here:
   host, boot and PID namespace, process gone or its pid reused: a holder in another container is
   never judged by a pid that means another process here), or it expired (``hold_timeout``, default
   `DEFAULT_HOLD_S`: longer than any merge). Every field is type-checked and every time clamped: a
-  record that is not one (``expires: "soon"``, ``pid: "abc"``, ``pid: 10**30``, ``expires: 1e999``,
-  which parses to infinity, a deeply nested file) is debris: locks are written whole, so no live
-  holder wrote it, and it is stale (broken, never raised). A lock's life counts from its heartbeat
+  record that is not one (``expires: "soon"``, ``pid: 10**30``, ``expires: 1e999``, a deeply nested
+  file) is stale (broken, never raised). A lock's life counts from its heartbeat
   and is at most the larger of this manager's ``hold_timeout_s`` and `DEFAULT_HOLD_S`, whatever its
   ``expires`` says; a heartbeat further in the future than that life is stale at once. A live
   holder elsewhere (another host or namespace) is waited for until its lock expires;
 - every removal of a lock file (breaking a stale lock, releasing one's own) happens under an
-  exclusive ``flock`` on ``<dir>/.locks.guard``, after reading the lock again under it. Creation
-  needs no guard (the hard link fails while any lock file exists), so under the guard the lock
-  file read is the one removed: two acquirers that both saw the same stale lock cannot both break
-  it (the second would otherwise remove the first's NEW lock, and both would hold it). An acquirer
-  that finds the guard busy treats the lock as held and polls;
+  exclusive ``flock`` on ``<dir>/.locks.guard``, after reading the lock again under it: the lock
+  file read is the one removed, so two acquirers that saw one stale lock cannot both break it. An
+  acquirer that finds the guard busy treats the lock as held and polls;
 - ``directory`` defaults to ``$STEPMERGE_LOCK_DIR``, else ``.locks`` inside Prefect's local
   result storage path, resolved at each call (so it follows test and profile settings).
 It serialises runs that share the directory (one machine, or a shared filesystem). Across machines

@@ -16,10 +16,8 @@ Contract of `write_shard_ranges` (same file, same bytes and record as `shard_job
 - the calling thread is the ordered consumer: it hashes the parts in file order as they complete
   (sha256 cannot be computed out of order) and hands each buffer back. On a store that takes a
   file's bytes only in order (GCS, ``memory://``) it also writes them, in order, through
-  `storage.open_write`: the reads and casts still run on every worker. GCS compose was not used:
-  its parts would be objects of their own under the target (debris a killed run leaves outside any
-  upload the cleanup can abort), it composes at most 32 at a time, and its CRC32C, not a
-  resumable upload's, would be the object's; ordered writes keep the one atomic upload.
+  `storage.open_write`: the reads and casts still run on every worker, and the upload stays one
+  atomic upload (why not GCS compose: docs/scaling.md).
 - memory: each worker owns at most `BUFFERS_PER_WORKER` part buffers (one being filled, the others
   written and waiting to be hashed), plus the chunk in hand (at most ``chunk_bytes`` read, and its
   cast); a worker ahead of the hash waits for its buffers. So at most ``workers`` x

@@ -1,43 +1,24 @@
-"""The ``config.json`` of a Hub folder: the stored config plus the keys transformers 4.x reads.
+"""The ``config.json`` of a Hub folder: the stored config plus the keys transformers 4.x readers need.
 
-transformers 5 reads a 4.x config and standardises it in memory, and ``save_pretrained`` writes the
-5.x spelling: the rope settings as one ``rope_parameters`` dict (4.x: ``rope_theta``, ``rope_scaling``,
-and a family's own names such as GPT-NeoX's ``rotary_emb_base`` / ``rotary_pct``), Qwen3-MoE's
-``num_experts`` as ``num_local_experts``, a vision-language model's tie flag only at the top (4.x
-reads the text config's). A 4.x reader (transformers 4.57, SGLang, TGI, older vLLM, llama.cpp's
-converter) given the 5.x file builds another model: 128 experts, no mrope, gpt-oss's default yarn
-rope, GPT-NeoX's default rotary fraction, an lm_head left untied. The Hub holds the 4.x spelling.
+transformers 5 writes rope settings, expert counts and a nested text config's tie flag in a spelling 4.x
+readers misread (another model, silently); the Hub holds the 4.x spelling. Why, and each rule's
+derivation in full: docs/hub_config.md.
 
 Contract:
 - `hub_config(config)` -> `HubConfig`: the 4.x keys ADDED beside what ``config`` holds, each a
   `ConfigChange` (dotted key, value, the transformers code it was derived from); ``updates`` holds
   the changed top-level keys (a nested config whole), to lay over ``config``. Nothing is removed, so
-  a 5.x reader sees its own keys; that 5.x reads the result exactly as it read ``config`` is checked
-  (both built by transformers 5, every value of the first ``to_dict()`` equal in the second), else
-  `InvalidConfig` (``--weights-format transformers`` writes the stored config).
-- Every rule is read from transformers' own classes, per config and per sub-config, never from a
-  list of families:
-  1. ``attribute_map``: an alias that the class also declares as a field is a spelling its
-     constructor takes (the Hub's: ``Qwen3MoeConfig.num_experts`` -> ``num_local_experts``); it is
-     written with its target's value. An alias that is not a field is attribute sugar: not written.
-  2. rope: the class's own ``convert_rope_params_to_dict`` (transformers' 4.x -> 5.x standardisation)
-     is run on probes, one candidate key at a time (the string constants of the method and of the
-     methods it overrides), to learn which legacy key feeds which ``rope_parameters`` entry and which
-     one carries the whole dict (``rope_scaling``); the inverse writes them. ``rope_scaling`` is the
-     rest of ``rope_parameters``, written ``null`` when that is the default rope (explicit: a 4.x class
-     may default to a scaled rope, gpt-oss's yarn). Rope parameters per layer type: the legacy keys whose
-     standardisation by the same method gives them back exactly (OLMo-3's one ``rope_theta``, Gemma 3's
-     ``rope_theta`` and ``rope_local_base_freq``); where none does, left as they are.
-  3. the tie flag: a config with a nested text config (``get_text_config(decoder=True)`` is a
-     sub-config) gets the top-level ``tie_word_embeddings`` copied into it, where 4.x's
-     ``tie_weights`` reads it (5.x reads the top one). This is the one rule transformers 5 does not
-     state in a class, hence written here.
-- Under a transformers 4.x (its classes have no ``convert_rope_params_to_dict``: a config in the 5.x
-  spelling, e.g. from a trainer on transformers 5), rule 2 is read from the 4.x class itself
-  (`legacy_rope_spelling`: each ``rope_parameters`` entry its constructor takes by name, ``rope_scaling``
-  the rest), and each change's ``source`` names that transformers version; the read-alike check then
-  covers the keys not added. A family whose 5.x class renames rope keys (GPT-NeoX's ``rotary_pct``) gets
-  only the keys its 4.x class takes by the 5.x name.
+  a 5.x reader sees its own keys.
+- Read-alike: transformers 5 must read the result exactly as it read ``config`` (both built, every value
+  of the first ``to_dict()`` equal in the second), else `InvalidConfig` (``--weights-format
+  transformers`` writes the stored config).
+- Every rule is read from transformers' own classes, per config and sub-config, never from a list of
+  families: (1) ``attribute_map`` aliases the class also declares as fields; (2) the legacy rope keys,
+  learnt by probing the class's ``convert_rope_params_to_dict`` (`rope_spelling`), ``rope_scaling``
+  written ``null`` for the default rope; (3) the top-level ``tie_word_embeddings`` copied into a
+  nested text config (the one rule stated here, not in a transformers class).
+- Under a transformers 4.x, rule 2 comes from the 4.x class itself (`legacy_rope_spelling`), and each
+  change's ``source`` names that version.
 - A config transformers cannot build (a model type it does not know, remote code) is returned as it
   is, with no change; ``unread`` says why (and the plan's note).
 """

@@ -1,11 +1,7 @@
 """`ReadAhead`: many ranged GETs in flight for a remote file read front to back in pieces of any size.
 
-A merge reads each source file front to back, interleaved with its other files, in pieces of every
-size: a 30-byte zip header, a 3 KB norm weight, a 16 MiB chunk of an embedding. Against object
-storage each piece read alone pays a request's round trip, and a chunk cut into many small parts
-pays a request (and its CPU: signing, parsing) per part, so more requests in flight meant more,
-smaller requests. `ReadAhead` gives a remote file what the kernel gives a local one: once a stream
-of reads moves forward (each read starts at, or a little after, where the last one ended), the
+It does for a remote file what the kernel's read-ahead does for a local one (why: docs/scaling.md):
+once a stream of reads moves forward (each read starts at, or a little after, where the last one ended), the
 bytes ahead are fetched in parts of `part_bytes` (at most `tuning.READ_PART_BYTES`), up to
 `tuning.REQUESTS_IN_FLIGHT` parts per stream, concurrently, by the caller's ``fetch`` (the
 filesystem's event loop). A stream holds ahead at most twice what it has read forward so far (one

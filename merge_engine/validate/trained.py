@@ -1,45 +1,26 @@
-"""Validation against the TRAINED model: PEFT's own model of the run, rebuilt from the checkpoint.
+"""Validation against the TRAINED model: PEFT's own model of the run, rebuilt from the checkpoint and
+compared with each output (an error the outputs share, e.g. one wrong per-module LoRA scale, passes the
+checks that compare them with each other). The steps and why: docs/validation.md.
 
-The other checks compare stepmerge's outputs with each other (the adapter with the fused model):
-an error both share (one wrong per-module LoRA scale) passes them. This check compares each
-output with the model that training ran, built by PEFT alone, never from stepmerge's resolution:
-
-1. The checkpoint's model config (``huggingface/config.json``, or ``config_url``) -> the
-   transformers model class, built empty (``accelerate.init_empty_weights``: parameters on the
-   ``meta`` device, buffers real).
-2. ``peft.get_peft_model`` with the run's ``LoraConfig``: ``r`` and ``lora_alpha`` as the run
-   recorded them (``lora_train_meta.json`` / the run's adapter config; alpha given by the caller only
-   when the run recorded none, `merge_engine.lora.checkpoint.resolve_alpha`), ``target_modules`` as
-   recorded. verl records none: then the candidates are, in order, verl's default ``all-linear``;
-   the checkpoint's own LoRA modules (their last name parts) with fused expert tensors named as
-   PEFT's v4 module names (``w1``/``w3``, ``gate_proj``/``up_proj``, PEFT converts them itself); and
-   the same with those tensors as ``target_parameters``. PEFT derives every ``rank_pattern`` /
-   ``alpha_pattern`` itself; stepmerge passes none and no scale. The first candidate whose PEFT
-   model has EXACTLY the checkpoint's tensor names and shapes is the trained model (two candidates
-   with the same names and shapes cannot both fit: the fused gate/up rank is r in one, 2r in the
-   other).
-3. The checkpoint's tensors (its own source, the un-merged base and LoRA factors) loaded with
-   ``load_state_dict(strict=True, assign=True)``; logits on `forward.fixed_token_ids` (one
-   sequence of `forward.FORWARD_SEQ_LEN` tokens) in float32, with the adapter on and off.
-4. Compared, one at a time (each model freed before the next loads), with
-   (a) the fused model folder loaded by transformers (``from_pretrained``), check ``trained_vs_fused``;
-   (b) the adapter folder loaded the documented way onto its release's ``base/``
-       (``model.load_adapter``, `adapter._peft_logits`), check ``trained_vs_adapter``.
-   The judgement is the adapter check's (`adapter.compare_logits`): float32 outputs must match
-   within `LOGIT_TOLERANCE`; a bfloat16/float16 output may differ by its rounding only
-   (``NOISE_FACTOR * eps * rms``) and must reproduce the trained LoRA's change. A failed
-   comparison names the largest logit difference and, when memory allows a second model, the
-   tensor whose weights differ most from PEFT's merged model (``merge_and_unload``), with the
-   ratio of its update to the trained update (``0.50x``: half of what was trained).
-
-Checks: ``trained_model`` (rebuilt, or why not), ``trained_vs_fused``, ``trained_vs_adapter``.
-Cost: one forward pass of `FORWARD_SEQ_LEN` tokens per model, one model in memory at a time
-(two while localising a mismatch; peak memory: `benchmarks/trained_check.py`, docs/scaling.md). A model whose rebuild needs more than
-`memory_budget` (parameter count x 4 bytes x `PEAK_FACTOR`; ``STEPMERGE_TRAINED_CHECK_MAX_BYTES``,
-default half the machine's memory) is not run: every check is reported SKIPPED with the sizes (`Check.skipped`), never passed silently; so
-is a checkpoint this check cannot rebuild for a reason that says nothing about the output (no
-base weights in it, names of another transformers version, no LoRA). A LoRA that fits no PEFT model
-of the run's r/alpha FAILS (``trained_model``): the release could not be the trained model.
+`check_against_trained(checkpoint, fused_model_url=, adapter_url=, ...)` -> a `ValidationReport` of
+``trained_model`` (rebuilt, or why not), ``trained_vs_fused`` (the fused folder loaded by transformers) and
+``trained_vs_adapter`` (the adapter loaded onto its release's ``base/`` the documented way).
+- The trained model is built by transformers and PEFT alone, never from stepmerge's resolution: the
+  checkpoint's config (``huggingface/config.json`` or ``config_url``), ``peft.get_peft_model`` with r,
+  lora_alpha and target modules as the run recorded them (``lora_alpha`` from the caller only where the run
+  recorded none, `merge_engine.lora.checkpoint.resolve_alpha`; candidates in order where verl recorded none,
+  `trained_model_configs`; the one whose tensor names and shapes are EXACTLY the checkpoint's,
+  `fitting_peft_model`), the checkpoint's tensors loaded ``strict=True``. stepmerge passes no scale.
+- Logits on `forward.fixed_token_ids` in float32, judged by `adapter.compare_logits` (float32 within
+  `LOGIT_TOLERANCE`; bf16/fp16 within their rounding, and the trained change reproduced). A mismatch names
+  the largest logit difference and, when memory allows, the tensor that differs most from PEFT's merged
+  model with its update's ratio to the trained one (`localise`).
+- One model in memory at a time (two while localising). A rebuild over `memory_budget` (parameters x 4 bytes
+  x `PEAK_FACTOR`; ``STEPMERGE_TRAINED_CHECK_MAX_BYTES``, default half the machine's memory), or a
+  checkpoint that cannot be rebuilt for a reason that says nothing about the output (no base weights,
+  another transformers version's names, no LoRA): every check SKIPPED with the reason, never passed.
+- A LoRA that fits no PEFT model of the run's r/alpha FAILS ``trained_model``. Bad content never raises
+  (failed checks); a ``device`` this machine cannot use is `InvalidDevice`. Cost: docs/scaling.md.
 """
 
 from __future__ import annotations
