@@ -2,7 +2,7 @@
 
 transformers 5 writes rope settings, expert counts and a nested text config's tie flag in a spelling 4.x
 readers misread (another model, silently); the Hub holds the 4.x spelling. Why, and each rule's
-derivation in full: docs/hub_config.md.
+derivation in full: docs/hub_format.md.
 
 Contract:
 - `hub_config(config)` -> `HubConfig`: the 4.x keys ADDED beside what ``config`` holds, each a

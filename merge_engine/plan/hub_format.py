@@ -1,11 +1,8 @@
 """Hub-format output: the names and per-expert tensors of a model's Hugging Face Hub checkpoint.
 
-transformers v5 holds some models in memory under other names than their Hub checkpoints: MoE
-experts fused into 3-D tensors (``model.layers.0.mlp.experts.gate_up_proj``), vision-language models
-under ``model.language_model``, GPT-NeoX's head as ``lm_head``. It converts at load time and back at
-save time (``save_pretrained``), with the conversion mapping of the model type. A checkpoint written
-from the in-memory model (verl under transformers v5) carries the in-memory names; serving stacks,
-older transformers and PEFT adapters read the Hub names. This module writes the Hub names.
+A checkpoint written from transformers v5's in-memory model (verl under v5) carries its in-memory names
+(fused 3-D experts, ``model.language_model``, ...); serving stacks, older transformers and PEFT adapters
+read the Hub names, which this module writes (why: docs/hub_format.md).
 
 Contract:
 - `hub_naming(names_shapes, config)` -> `HubNaming` or None. The conversion is transformers' own:
