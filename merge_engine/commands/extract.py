@@ -67,7 +67,8 @@ def extract_fingerprint(checkpoint: Checkpoint, options: OutputOptions,
     version. The metadata is read only from files the listing holds (``lora_train_meta.json``,
     ``adapter_config.json``, ``lora_adapter/adapter_config.json``: an FSDP listing includes
     ``lora_adapter/``), so a metadata file is keyed by its listing entry and its content. Reads the
-    run's small JSON files, no weight. The pipeline publishes adapters under this very key."""
+    run's small JSON files unless ``run`` (their `read_run_metadata`) is given, never a weight. The
+    pipeline publishes adapters under this very key."""
     extra: dict[str, str] = {}
     if options.base_model:
         extra["base_listing"] = inputs_fingerprint({"base": options.base_model})
