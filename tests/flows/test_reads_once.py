@@ -15,6 +15,8 @@ times when n times its size of its bytes were fetched. The step is verl's legacy
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import struct
 import zipfile
@@ -22,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from flows.merge_new_steps import merge_new_steps
 from flows.merge_step import merge_step
-from flows.params import MergeStepParams
+from flows.params import MergeStepParams, WatchParams
 from merge_engine import storage
 from merge_engine.cli import main as stepmerge
 from merge_engine.storage.backends.s3 import S3Backend
@@ -260,7 +263,9 @@ def test_a_merge_step_run_reads_each_metadata_file_of_every_layout_once(prefect,
     assert counts == {path: outputs if path.split("/", 1)[-1] in PER_OUTPUT else 1 for path in counts}
     assert headers == {path: float(outputs) if path.split("/", 1)[-1] in PER_OUTPUT else 1.0 for path in headers}
     # each output's build fingerprints once and converts the checked record once (before: twice and twice); the
-    # trained-model check of a LoRA checkpoint converts it once more
+    # trained-model check of a LoRA checkpoint converts it once more: each task takes records and turns the one it
+    # hands the engine into the engine's checkpoint itself (a conversion reads nothing: fields copied, the carried
+    # index shared), so one conversion per run would be a memo outside the records, shared by tasks
     assert conversions["fingerprint"] == outputs
     assert conversions["to_checkpoint"] == outputs + conversions["trained_check"]
 
@@ -285,3 +290,70 @@ def test_an_extract_job_reads_the_runs_lora_metadata_once(file_reads, conversion
     assert counts == dict.fromkeys(counts, 1)
     assert conversions["fingerprint"] == 1
 
+
+# --- the watcher: a LoRA step's marker, read by discovery's second look AND by the check --------------------
+#
+# The watcher lists the run root and reads a complete dist step's ``ckpt_contents.json`` (`Layout.second_look`) to
+# know whether it is a LoRA step and what its merge needs (`StepRecord.needs`: a step missing them is not
+# submitted). The merge is another flow run (merge_step: a subflow here, a deployment's run on another pool
+# there), given flow parameters only; it lists the step again and its check reads the marker again. That second
+# read stays: the check is what the merge trusts, and a copy carried from discovery could be matched to the file
+# by its listed size and version only, which do not identify content (a local file's version is mtime_ns-inode:
+# a rewrite within one tick of the file system's timestamps keeps it), and it would arrive through a flow
+# parameter or a result store that whoever can write them may forge.
+
+LORA_STEP = "dense_tp2"
+
+
+def _watched_lora_run(lora_steps, tmp_path) -> tuple[WatchParams, str]:
+    """(watcher parameters with the base model, the copied step's folder) of the LoRA step ``LORA_STEP``."""
+    step = lora_steps[LORA_STEP]
+    shutil.copytree(step.step_dir.parent.parent, tmp_path / "run")
+    params = WatchParams(run_root=str(tmp_path / "run"), release_root=str(tmp_path / "releases"),
+                         staging_root=str(tmp_path / "staging"), base_model=str(step.base_dir))
+    return params, str(tmp_path / "run" / "global_step_1" / "actor")
+
+
+def test_a_watcher_run_reads_a_lora_steps_marker_twice_discovery_then_the_check(prefect, lora_steps, file_reads,
+                                                                                tmp_path):
+    params, folder = _watched_lora_run(lora_steps, tmp_path)
+    file_reads.clear()
+    (outcome,) = merge_new_steps(**params.flow_parameters()).outcomes
+    assert outcome.status == "published"
+    counts = metadata_reads(file_reads, folder)
+    outputs = len(outcome.releases)
+    assert counts.pop("ckpt_contents.json") == 2  # the watcher's second look, the merge's check
+    assert counts == {path: outputs if path in PER_OUTPUT else 1 for path in counts}
+
+
+def test_a_marker_rewritten_after_the_watchers_discovery_is_caught_by_the_check(prefect, lora_steps, tmp_path,
+                                                                                 monkeypatch):
+    """The marker rewritten in place between the watcher's discovery and the merge's check, same size, its
+    listed version unchanged (mtime restored: a rewrite within one timestamp tick): the check reads what the
+    file says now and refuses the step; a copy carried from discovery would have matched the listing and been
+    trusted."""
+    from merge_engine.layouts import discovery
+
+    params, folder = _watched_lora_run(lora_steps, tmp_path)
+    marker = Path(folder) / "ckpt_contents.json"
+    size = marker.stat().st_size
+    rewritten = json.dumps({"contents": {"model": {"format": "huggingface", "path": "model/huggingface"}}})
+    assert len(rewritten) <= size
+    looked = discovery.second_looks
+    listed: list = []
+
+    def second_looks_then_rewrite(steps):
+        out = looked(steps)
+        listed.append(storage.list_files(folder, recursive=False))
+        stat = marker.stat()
+        with open(marker, "r+b") as f:  # in place: the same inode
+            f.write(rewritten.ljust(size).encode())
+        os.utime(marker, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        listed.append(storage.list_files(folder, recursive=False))
+        return out
+
+    monkeypatch.setattr(discovery, "second_looks", second_looks_then_rewrite)
+    with pytest.raises(RuntimeError, match="UnsupportedLayout.*huggingface"):
+        merge_new_steps(**params.flow_parameters())
+    assert listed[0] == listed[1]  # the listing cannot tell: names, sizes and versions as discovery saw them
+    assert not storage.list_files(params.release_root_url, recursive=True)
