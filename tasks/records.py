@@ -110,7 +110,7 @@ class CheckpointRecord(Record):
         """This record, when it can be the check of ``step`` (a cached check comes from a result store another
         party may write): its URL is the step's folder or under it, its config folder under that, its files
         relative paths inside it, each listed by discovery with the same size and version (when ``step``
-        carries its listing). Else `UnsafeRecord` naming the record's URL: a forged record cannot send the
+        carries its listing), its adapter folder one whose ``adapter_config.json`` is among those files. Else `UnsafeRecord` naming the record's URL: a forged record cannot send the
         merge to a host file, another bucket or another step."""
         from merge_engine import storage
         from merge_engine.errors import UnsafeRecord
@@ -129,9 +129,10 @@ class CheckpointRecord(Record):
             return bool(path) and not path.startswith("/") and "://" not in path and "\\" not in path \
                 and ".." not in path.split("/")
 
-        if self.adapter_dir is not None and not relative(self.adapter_dir):
+        if self.adapter_dir is not None and (not relative(self.adapter_dir) or not any(
+                path == self.adapter_dir.rstrip("/") + "/adapter_config.json" for path, _, _ in self.files)):
             raise UnsafeRecord(f"a checked checkpoint record names the adapter folder {self.adapter_dir!r}: not a "
-                               "path inside it", self.url)
+                               "PEFT folder among its listed files", self.url)
         for path, size, version in self.files:
             if not relative(path):
                 raise UnsafeRecord(f"a checked checkpoint record lists the file {path!r}: not a path inside it",

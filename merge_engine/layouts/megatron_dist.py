@@ -237,7 +237,8 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     return Checkpoint(url=root, layout=NAME, files=entries, parallel=parallel_sizes(root, files), hf_dir=hf_dir,
                       fingerprint=storage.fingerprint(entries), notes=notes,
                       lora=bool(adapter), adapter_only=bool(adapter) and not base,
-                      adapter_dir=verl_v2.declared_adapter_dir(contents) if folder == "model/dist_ckpt/" else None,
+                      adapter_dir=verl_v2.declared_adapter_dir(contents) if adapter and folder == "model/dist_ckpt/"
+                      else None,
                       index=carry_dcp(index))
 
 

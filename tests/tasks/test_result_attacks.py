@@ -121,7 +121,7 @@ def test_a_forged_check_record_at_its_key_is_never_loaded(gadget, protocol, opco
 
 
 @pytest.mark.parametrize("forge", ["host_file", "other_bucket", "other_step", "file_outside", "file_not_listed",
-                                   "config_outside"])
+                                   "config_outside", "adapter_outside", "adapter_not_listed"])
 def test_a_cached_check_naming_another_place_is_refused(forge, template_run, tmp_path):
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [1])
@@ -138,6 +138,9 @@ def test_a_cached_check_naming_another_place_is_refused(forge, template_run, tmp
         "file_outside": lambda: good.model_copy(update={"files": (("../../../etc/passwd", *first[1:]),)}),
         "file_not_listed": lambda: good.model_copy(update={"files": ((first[0], first[1] + 1, first[2]),)}),
         "config_outside": lambda: good.model_copy(update={"hf_dir": "s3://another-bucket/config"}),
+        "adapter_outside": lambda: good.model_copy(update={"adapter_dir": "../global_step_2/actor/lora_adapter/"}),
+        # a folder inside the step that the check did not list as the PEFT folder (it would choose the alpha)
+        "adapter_not_listed": lambda: good.model_copy(update={"adapter_dir": "huggingface/other/"}),
     }[forge]()
     with pytest.raises(UnsafeRecord) as error:
         forged_record.verified_for(step)
