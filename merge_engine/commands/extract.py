@@ -60,8 +60,7 @@ from merge_engine.formats.tensor_source import TensorMeta, TensorSource
 # ------------------------------------------------------------------------------------------------
 
 
-def extract_fingerprint(checkpoint: Checkpoint, options: OutputOptions,
-                        run: RunLoraMetadata | None = None) -> str:  # run: `read_run_metadata` of it, if read
+def extract_fingerprint(checkpoint: Checkpoint, options: OutputOptions, run: RunLoraMetadata | None = None) -> str:
     """The cache key of an extraction: the checkpoint's listing, the options, the listings of ``base_model``
     and ``hf_model_path``, the run's LoRA metadata as read (alpha, r, adapter config) and the engine
     version. The metadata is read only from files the listing holds (``lora_train_meta.json``,
