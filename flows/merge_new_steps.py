@@ -82,12 +82,28 @@ class WatchOutcome(BaseModel):
         return [a.step for a in self.actions if a.action == action]
 
 
-def expected_releases(step: StepRecord, model: Optional[PublishedRelease], params: WatchParams) -> List[str]:
-    """The release folder names a published ``step`` has (see the module docstring)."""
-    names = [release_folder_name(step.role, MODEL)]
+def expected_releases(role: str, model: Optional[PublishedRelease], params: WatchParams) -> List[str]:
+    """The release folder names a published step of ``role`` has (see the module docstring)."""
+    names = [release_folder_name(role, MODEL)]
     if model is not None and model.lora and params.release_adapter:
-        names.append(release_folder_name(step.role, ADAPTER))
+        names.append(release_folder_name(role, ADAPTER))
     return names
+
+
+def settled_steps(published: List[PublishedRelease], params: WatchParams) -> tuple[tuple[str, int, str], ...]:
+    """(role, step, listing fingerprint) of each step of ``params.roles`` whose every expected release was built
+    from that one listing: `plan_steps` leaves such a step alone while its listing is unchanged, so discovery's
+    second look spares it (a published LoRA step's marker is not read again each tick)."""
+    released = {(p.name, p.step): p for p in published}
+    settled = []
+    for role in params.roles:
+        for (name, step), model in released.items():
+            if name != release_folder_name(role, MODEL) or not model.source_listing:
+                continue
+            have = [released.get((n, step)) for n in expected_releases(role, model, params)]
+            if all(h is not None and h.source_listing == model.source_listing for h in have):
+                settled.append((role, step, model.source_listing))
+    return tuple(settled)
 
 
 def plan_steps(steps: List[StepRecord], published: List[PublishedRelease], params: WatchParams):
@@ -101,7 +117,7 @@ def plan_steps(steps: List[StepRecord], published: List[PublishedRelease], param
             waiting.append(f"{step.step} ({step.role or 'sft'}: {step.reason})")
             continue
         model = released.get((release_folder_name(step.role, MODEL), step.step))
-        have = [released.get((name, step.step)) for name in expected_releases(step, model, params)]
+        have = [released.get((name, step.step)) for name in expected_releases(step.role, model, params)]
         if any(h is None for h in have):
             todo.append(step)
         elif any(h.source_listing and h.source_listing != step.fingerprint for h in have):
@@ -156,8 +172,8 @@ def watch(params: WatchParams) -> WatchOutcome:
     """The body of `merge_new_steps` (inside a flow run)."""
     logger = get_run_logger()
     started = time.perf_counter()
-    discovery = discover_steps(params.run_root)
     published = list(find_published(params.release_root_url))
+    discovery = discover_steps(params.run_root, tuple(params.roles), settled_steps(published, params))
     todo, changed, waiting = plan_steps(list(discovery.steps), published, params)
     outcome = WatchOutcome(run_root=params.run_root, waiting=waiting, published_before=published_step_count(published))
     for step in changed:

@@ -117,8 +117,9 @@ def ready_checkpoint(timer: StageTimer, run_root: str, step: int, role: str,
     # the listing alone: the check reads what a layout's second look would (`discover_step`'s ``look_again``)
     found = timer.run("discover", discover_step, run_root, step, role, False)
     if found is None:
-        # Not there: only now is the whole run root listed, to say why (no files at all: RunRootNotFound)
-        discovery = timer.run("discover-run-root", discover_steps, run_root)
+        # Not there: only now is the whole run root listed, to say why (no files at all: RunRootNotFound); the
+        # steps' names are all the error needs (``roles=()``: no step's marker is read)
+        discovery = timer.run("discover-run-root", discover_steps, run_root, ())
         there = [f"{s.step} ({s.role or 'sft'})" for s in discovery.steps]
         listed = ", ".join(there[-10:]) if there else "none"
         raise StepNotFound(f"no checkpoint for step {step} ({role or 'sft'}) under this run root (steps there: "

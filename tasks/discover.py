@@ -33,9 +33,14 @@ class PublishedRelease(Record):
 
 
 @task(name="discover-steps", cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def discover_steps(run_root: str) -> DiscoveryRecord:
-    """Every (step, role) under ``run_root`` with its status, from one recursive listing."""
-    found = discovery.discover(run_root)
+def discover_steps(run_root: str, roles: Optional[tuple[str, ...]] = None,
+                   settled: tuple[tuple[str, int, str], ...] = ()) -> DiscoveryRecord:
+    """Every (step, role) under ``run_root`` with its status, from one recursive listing. The layouts' second
+    look (`merge_engine.layouts.discovery.second_looks`) reads only complete steps of ``roles`` (None: every
+    role) that are not ``settled``: (role, step, listing fingerprint) of steps released from that very listing."""
+    done = frozenset(settled)
+    found = discovery.discover(run_root, lambda s: (roles is None or s.role in roles)
+                               and (s.role, s.step, s.fingerprint) not in done)
     return DiscoveryRecord(run_root=run_root, steps=tuple(StepRecord.from_step(s) for s in found.steps),
                            tracker_hint=found.tracker_hint)
 

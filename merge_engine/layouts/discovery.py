@@ -25,7 +25,7 @@ Contract:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from merge_engine import storage
@@ -140,14 +140,15 @@ def steps_from_listing(run_root_url: str, entries: Iterable[FileEntry]) -> list[
     return sorted(steps, key=lambda s: (s.step, s.role))
 
 
-def second_looks(steps: Iterable[Step]) -> list[Step]:
-    """``steps`` with each complete one looked at again by the layouts that read one small file to say what a
-    step is (`Layout.second_look`, asked for steps of their own layout or of the one they refine): a step one
-    of them claims takes its layout, verdict and `Step.needs`; the others are unchanged."""
+def second_looks(steps: Iterable[Step], look_at: Callable[[Step], bool] | None = None) -> list[Step]:
+    """``steps`` with each complete one (that ``look_at`` chooses, when given) looked at again by the layouts that
+    read one small file to say what a step is (`Layout.second_look`, asked for steps of their own layout or of
+    the one they refine): a step one of them claims takes its layout, verdict and `Step.needs`; the others are
+    unchanged."""
     lookers = [layout for layout in LAYOUTS if hasattr(layout, "second_look")]
     out = []
     for step in steps:
-        for layout in lookers if step.complete else ():
+        for layout in lookers if step.complete and (look_at is None or look_at(step)) else ():
             if step.layout not in (layout.NAME, getattr(layout, "REFINES", None)):
                 continue
             look = layout.second_look(step.url, step.files)
@@ -160,8 +161,10 @@ def second_looks(steps: Iterable[Step]) -> list[Step]:
     return out
 
 
-def discover(run_root_url: str) -> Discovery:
-    """Steps of a run root from one recursive listing, plus the tracker hint (read only if listed).
+def discover(run_root_url: str, look_at: Callable[[Step], bool] | None = None) -> Discovery:
+    """Steps of a run root from one recursive listing, plus the tracker hint (read only if listed). The second
+    look (`second_looks`) is given the complete steps ``look_at`` chooses (None: all); a caller that will act on
+    some steps only (the watcher: steps not yet released) spares the others' reads.
 
     Raises `RunRootNotFound` when the run root holds no file at all (missing, or a typo): an empty
     answer would look like "nothing to do" to everyone who asks.
@@ -173,7 +176,7 @@ def discover(run_root_url: str) -> Discovery:
     hint = None
     if any(e.path == TRACKER_FILE for e in entries):
         hint = read_tracker_hint(run_root_url)
-    return Discovery(run_root_url, tuple(second_looks(steps_from_listing(run_root_url, entries))), hint)
+    return Discovery(run_root_url, tuple(second_looks(steps_from_listing(run_root_url, entries), look_at)), hint)
 
 
 def discover_step(run_root_url: str, step: int, role: str, look_again: bool = True) -> Step | None:

@@ -326,6 +326,24 @@ def test_a_watcher_run_reads_a_lora_steps_marker_twice_discovery_then_the_check(
     assert counts == {path: outputs if path in PER_OUTPUT else 1 for path in counts}
 
 
+def test_a_watcher_tick_reads_no_marker_of_a_step_released_from_its_listing(prefect, lora_steps, file_reads, tmp_path):
+    """Once a LoRA step's releases are published from its listing, later ticks read its marker no more (the
+    second look spares a settled step); rewritten, it is looked at again and reported changed."""
+    params, folder = _watched_lora_run(lora_steps, tmp_path)
+    (first,) = merge_new_steps(**params.flow_parameters()).outcomes
+    assert first.status == "published" and len(first.releases) == 2  # the model and its adapter
+    file_reads.clear()
+    again = merge_new_steps(**params.flow_parameters())
+    assert again.actions == [] and again.published_before == 1
+    assert metadata_reads(file_reads, folder) == {}
+
+    (Path(folder) / "extra.txt").write_text("written after the release")
+    file_reads.clear()
+    changed = merge_new_steps(**params.flow_parameters())
+    assert changed.steps_with("changed since release") == [1]
+    assert metadata_reads(file_reads, folder) == {"ckpt_contents.json": 1}
+
+
 def test_a_marker_rewritten_after_the_watchers_discovery_is_caught_by_the_check(prefect, lora_steps, tmp_path,
                                                                                  monkeypatch):
     """The marker rewritten in place between the watcher's discovery and the merge's check, same size, its
@@ -342,8 +360,8 @@ def test_a_marker_rewritten_after_the_watchers_discovery_is_caught_by_the_check(
     looked = discovery.second_looks
     listed: list = []
 
-    def second_looks_then_rewrite(steps):
-        out = looked(steps)
+    def second_looks_then_rewrite(steps, look_at=None):
+        out = looked(steps, look_at)
         listed.append(storage.list_files(folder, recursive=False))
         stat = marker.stat()
         with open(marker, "r+b") as f:  # in place: the same inode

@@ -94,3 +94,36 @@ def test_the_watchers_summary_names_each_run_and_counts_steps_not_releases():
                                  fingerprint="f", source="s3://b/exp1/global_step_4/actor")
                 for name in ("actor", "actor-adapter")]
     assert published_step_count(releases) == 1
+
+
+def test_a_step_is_settled_only_when_every_release_it_should_have_was_built_from_its_listing():
+    """`settled_steps` names exactly the steps `plan_steps` leaves alone at that listing (discovery's second look
+    spares them): not a LoRA step whose adapter is missing or from another listing, not a role the watcher does
+    not merge, not a release that records no listing."""
+    from flows.merge_new_steps import plan_steps, settled_steps
+    from flows.params import WatchParams
+    from tasks.discover import PublishedRelease
+    from tasks.records import StepRecord
+
+    def release(name: str, step: int, listing: str | None, lora: bool | None = None) -> PublishedRelease:
+        return PublishedRelease(name=name, step=step, url=f"/r/{name}/global_step_{step}", fingerprint="f",
+                                source=f"/run/global_step_{step}", source_listing=listing, lora=lora)
+
+    published = [release("actor", 1, "L1"),  # a plain step
+                 release("actor", 2, "L2", lora=True), release("actor-adapter", 2, "L2"),  # a LoRA step, both
+                 release("actor", 3, "L3", lora=True),  # its adapter missing
+                 release("actor", 4, "L4", lora=True), release("actor-adapter", 4, "L4-old"),  # built apart
+                 release("actor", 5, None),  # a release from before listings were recorded
+                 release("critic", 6, "L6")]  # a role not merged
+    params = WatchParams(run_root="/run", roles=["actor"])
+    settled = settled_steps(published, params)
+    assert sorted(settled) == [("actor", 1, "L1"), ("actor", 2, "L2")]
+    assert sorted(settled_steps(published, WatchParams(run_root="/run", roles=["actor"], release_adapter=False))) \
+        == [("actor", 1, "L1"), ("actor", 2, "L2"), ("actor", 3, "L3"), ("actor", 4, "L4")]  # the models alone
+
+    steps = [StepRecord(run_root="/run", step=n, role="actor", url=f"/run/global_step_{n}/actor", status="complete",
+                        layout="fsdp", fingerprint=f"L{n}") for n in range(1, 6)]
+    todo, changed, _ = plan_steps(steps, published, params)
+    left_alone = {(s.role, s.step, s.fingerprint) for s in steps} - {(s.role, s.step, s.fingerprint)
+                                                                     for s in todo + changed}
+    assert set(settled) <= left_alone  # a settled step is one the plan leaves alone
