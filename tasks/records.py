@@ -79,10 +79,11 @@ class CheckpointRecord(Record):
     ``files`` is the listing the check used, as (path, size, version): the merge fingerprint is
     computed from it without listing again. ``lora``, ``adapter_only`` and ``adapter_dir`` are the check's typed
     facts (`merge_engine.layouts.Checkpoint`); ``notes`` its findings for a person (never read back).
-    ``index`` is the check's parsed tensor index (`merge_engine.layouts.tensor_index`, bounded): the merge
-    and its workers open the checkpoint from it without reading a header again. It is derived from the
-    listing, so it takes no part in cache keys or the UI (``exclude``); it travels in the cached record
-    (as base64 JSON text: `tasks.result_records`).
+    ``index`` is the check's parsed tensor index (`merge_engine.layouts.tensor_index`, bounded): in the run
+    that checked, the merge and its workers open the checkpoint from it without reading a header again. It is
+    derived from the files, so it takes no part in cache keys or the UI (``exclude``), and it is never
+    persisted: a record served from the result store has none (`tasks.result_records`), and its headers are
+    read by whoever opens it.
     """
 
     url: str

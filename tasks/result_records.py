@@ -19,7 +19,6 @@ is that error again, any other is `RemoteError` with the name in its message.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 from typing import Any, Callable, Literal
@@ -34,7 +33,7 @@ from merge_engine.storage.json_text import parse_json
 SERIALIZER_TYPE = "stepmerge-records"
 RESULT_FORMAT = 1
 logger = logging.getLogger(__name__)
-MAX_RESULT_BYTES = 64 << 20  # a record is URLs, counts and a tensor index (itself at most 64 MiB of JSON)
+MAX_RESULT_BYTES = 64 << 20  # a record is URLs, counts and listings
 
 
 class RemoteError(Exception):
@@ -48,21 +47,18 @@ ERRORS: dict[str, type[Exception]] = {
 
 
 def _checkpoint_record() -> tuple[type, Callable[[Any], Any], Callable[[Any], Any]]:
+    """A check's record WITHOUT its tensor index, either way: an index read back from the store could map a
+    tensor's name to another tensor's bytes (valid files, shapes and views: right-looking, wrong weights), and
+    nothing in the record can prove it was not forged. A record read back has no index (any stored one is
+    dropped); whoever opens its checkpoint reads the headers (`merge_engine.layouts.Layout.open`)."""
     from tasks.records import CheckpointRecord
 
-    def dump(record: Any) -> Any:
-        data = record.model_dump(mode="json")  # ``index`` is excluded from dumps (UI, cache keys): added here
-        data["index"] = None if record.index is None else base64.b64encode(record.index).decode()
-        return data
-
     def load(data: Any) -> Any:
-        if not isinstance(data, dict) or not isinstance(data.get("index"), (str, type(None))):
-            raise ValueError("a checkpoint record's index is not base64 text")
-        index = data["index"]
-        fields = {**data, "index": None if index is None else base64.b64decode(index, validate=True)}
-        return CheckpointRecord.model_validate(fields, strict=False)
+        if not isinstance(data, dict):
+            raise ValueError("a checkpoint record is not a JSON object")
+        return CheckpointRecord.model_validate({k: v for k, v in data.items() if k != "index"}, strict=False)
 
-    return CheckpointRecord, dump, load
+    return CheckpointRecord, lambda record: record.model_dump(mode="json"), load
 
 
 def _adapted(cls_of: Callable[[], type]) -> Callable[[], tuple[type, Callable[[Any], Any], Callable[[Any], Any]]]:

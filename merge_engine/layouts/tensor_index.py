@@ -5,13 +5,14 @@ A layout's deep check reads every rank file's header (the zip directory and the 
 (`merge_engine.formats.tensor_source.Assembly`, pieces pointing into their files). `carry` writes that
 table and its files as plain data: JSON of lists, strings and integers under a version tag, compressed
 (zlib). `restore` rebuilds the engine's records from it with their own constructors, in this process or in
-any other the checkpoint travels to (a Prefect result, a Ray worker), and reads nothing: a rebuilt file
+any other the checkpoint travels to (a Ray worker), and reads nothing: a rebuilt file
 handle holds its zip directory and opens its reader pinned to the size and version the check listed
 (`merge_engine.storage.RangeReader.listed`), so a file changed since the check gives `SourceChanged`
 naming it at its first read, never bytes of another version.
 
-The index is never a pickle: no name read from it is imported, looked up or called. Its bytes may come from
-a result store another party can write, so `restore` trusts nothing in them. It refuses with `UnsafeRecord`
+The index is never a pickle: no name read from it is imported, looked up or called. It is never kept in
+Prefect's result store (a forged one could give a name another tensor's bytes: `tasks.result_records`); still,
+`restore` trusts nothing in its bytes. It refuses with `UnsafeRecord`
 (naming the checkpoint) an index that
 - inflates past `MAX_INDEX_BYTES`, nests past the JSON bound or holds more than `MAX_ITEMS` tensors, files
   or storages, or a tensor of more than `MAX_DIMS` dimensions;

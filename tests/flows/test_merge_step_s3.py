@@ -100,7 +100,7 @@ def test_deleting_the_release_makes_the_next_run_rebuild_it(prefect, template_ru
     outcome = state.result()
     assert outcome.status == "published" and not outcome.cached
     runs = task_runs(flow_run_id(state), ("check-checkpoint", "merge-model", "validate-model", "publish-release"))
-    assert runs["check-checkpoint"][0].state.name == "Cached"  # same listing: no need to re-check headers
+    assert runs["check-checkpoint"][0].state.name == "Cached"  # same listing (the build checks its record again)
     assert {runs[n][0].state.name for n in ("merge-model", "validate-model", "publish-release")} == {"Completed"}
     assert verify_folder(release).ok and read_manifest(release).attempt != attempt
     assert_release_of_step(release, template_run, 3)

@@ -238,6 +238,26 @@ def conversions(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("case", list(EVERY_LAYOUT))
+def test_a_cached_check_of_every_layout_is_checked_again_to_the_same_facts(request, case):
+    """A check record as the result store gives it back (no tensor index) is checked again by a build
+    (`tasks.build.checked_checkpoint`): for every layout the files give the very facts the check recorded, and the
+    index to open it by; a record is never refused for being a cached one."""
+    from merge_engine.layouts import check_checkpoint
+    from tasks.build import checked_checkpoint
+    from tasks.records import CheckpointRecord
+    from tasks.result_records import RECORD_SERIALIZER
+
+    fixture, name, _ = EVERY_LAYOUT[case]
+    step_dir, _ = _step_dir(request, fixture, name)
+    folder = step_dir / "actor" if (step_dir / "actor").is_dir() else step_dir  # the role's, as the check sees it
+    checked = CheckpointRecord.from_checkpoint(check_checkpoint(str(folder)))
+    cached = RECORD_SERIALIZER.loads(RECORD_SERIALIZER.dumps(checked))
+    assert checked.index is not None and cached.index is None
+    again = checked_checkpoint(cached, None)
+    assert CheckpointRecord.from_checkpoint(again) == checked
+
+
+@pytest.mark.parametrize("case", list(EVERY_LAYOUT))
 def test_a_merge_step_run_reads_each_metadata_file_of_every_layout_once(prefect, request, file_reads, ranged_reads,
                                                                         conversions, tmp_path, case):
     fixture, name, extra = EVERY_LAYOUT[case]

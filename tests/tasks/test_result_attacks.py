@@ -9,6 +9,8 @@ Specification:
   naming its key, before Prefect deserialises it; no marker file, no child process;
 - end to end, a forged pickle planted at the very key of a step's check task is never loaded: the flow's check
   runs again (and overwrites it), the next run is served from the cache (caching still works), nothing runs;
+- a cached check record carries no tensor index: one planted with an index giving a name another tensor's
+  bytes changes no weight of the release;
 - a cached check record (JSON, well formed) that names another place is refused by the flow
   (`CheckpointRecord.verified_for`): a URL outside the step (host file, other bucket, other step), a file
   path leaving the checkpoint, a file the step's listing does not hold.
@@ -60,13 +62,13 @@ def test_a_forged_pickle_record_is_refused_unread(gadget, protocol, opcode, tmp_
     {"__class__": "subprocess.Popen", "data": {"args": ["sh", "-c", "id"]}},  # Prefect's JSON object form
     {"format": 1, "type": "error", "data": {"class": "os.system", "message": "id", "path": None, "x": 1}},
     {"format": 1, "type": "CheckpointRecord", "data": {"url": "u", "layout": "fsdp", "fingerprint": "f",
-                                                       "files": [], "index": "not base64!"}},
+                                                       "files": "not a listing"}},
     {"format": 1, "type": "CheckpointRecord", "data": {"url": "u", "layout": "fsdp", "fingerprint": "f",
                                                        "files": [], "index": None, "extra": "field"}},
     {"format": 1, "type": "BuiltOutput", "data": {"kind": "model", "source_url": "a", "url": "b",
                                                   "fingerprint": "c", "tensors": "many"}},
     {"format": 2, "type": "None", "data": None},
-], ids=["type_named_popen", "dunder_type", "prefect_json_class", "error_with_extra", "index_not_base64",
+], ids=["type_named_popen", "dunder_type", "prefect_json_class", "error_with_extra", "files_not_a_listing",
         "extra_field", "count_not_a_number", "other_format"])
 def test_a_result_document_outside_the_table_is_refused(document):
     with pytest.raises(UnsafeRecord):
@@ -117,7 +119,57 @@ def test_a_forged_check_record_at_its_key_is_never_loaded(gadget, protocol, opco
         assert checks and first.index is not None  # the forged record was not a result: the check ran
         assert json.loads(planted.read_bytes())["metadata"]["serializer"] == {"type": "stepmerge-records"}  # replaced
         again = _checked(run_root)
-    assert len(checks) == 1 and again == first and again.index == first.index  # served from the cache, as JSON
+    assert len(checks) == 1 and again.index is None  # served from the cache, as JSON, without its index
+    assert again.model_copy(update={"index": first.index}) == first
+
+
+def _plant(path, document: dict) -> None:
+    """A well-formed stepmerge result record holding ``document`` at ``path`` (a task's cache key)."""
+    planted = json.loads(_record({"type": "stepmerge-records"}, b""))
+    planted["result"] = json.dumps(document)  # as Prefect stores this serializer's bytes: the JSON text itself
+    path.write_text(json.dumps(planted))
+
+
+def _swapped(index: bytes, first: str, second: str) -> bytes:
+    """``index`` (a carried torch-archive index) with the table entries of two tensors of one shape swapped: every
+    file, storage and view still valid, each name now on the other's bytes."""
+    import zlib
+
+    from merge_engine.layouts import tensor_index
+
+    tag = tensor_index._tag()
+    document = json.loads(zlib.decompress(index[len(tag):]))
+    table = {entry[0]: entry for entry in document["tensors"]}
+    assert table[first][1:3] == table[second][1:3]  # the same kind and shape
+    document["tensors"] = [[name, *table[{first: second, second: first}.get(name, name)][1:]]
+                           for name in table]
+    return tag + zlib.compress(json.dumps(document).encode())
+
+
+def test_a_cached_check_carrying_a_forged_index_changes_no_weight(prefect, template_run, tmp_path):
+    """A well-formed check record at the step's key, its files and places the step's own, its tensor index
+    mapping q_proj's name to o_proj's bytes and back: the index is not read back from the store, the release
+    holds the step's weights bit for bit (before: q_proj and o_proj swapped, every check passing)."""
+    from flows.merge_step import merge_step
+    from flows.params import MergeStepParams
+    from merge_engine.layouts import check_checkpoint
+    from tests.release_checks import assert_release_weights_equal
+
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [1])
+    step, key = _check_key(run_root)
+    good = CheckpointRecord.from_checkpoint(check_checkpoint(step.url, None, step.listing()))
+    layer = "model.layers.0.self_attn"
+    document = {"format": 1, "type": "CheckpointRecord",
+                "data": {**good.model_dump(mode="json"), "index": base64.b64encode(
+                    _swapped(good.index, f"{layer}.q_proj.weight", f"{layer}.o_proj.weight")).decode()}}
+    _plant(prefect.results / key, document)
+    assert _checked(run_root).index is None  # the planted record is the cache hit, its index not taken
+
+    outcome = merge_step(**MergeStepParams(run_root=run_root, step=1,
+                                           staging_root=str(tmp_path / "staging")).flow_parameters())
+    (release,) = outcome.releases
+    assert_release_weights_equal(release.url, template_run.reference_weights(1))
 
 
 @pytest.mark.parametrize("forge", ["host_file", "other_bucket", "other_step", "file_outside", "file_not_listed",
@@ -180,3 +232,30 @@ def test_plain_values_round_trip_and_only_as_their_own_type():
         assert RECORD_SERIALIZER.loads(RECORD_SERIALIZER.dumps(value)) == value
     with pytest.raises(UnsafeRecord):
         RECORD_SERIALIZER.loads(json.dumps({"format": 1, "type": "int", "data": "3"}).encode())
+
+
+@pytest.mark.parametrize(("fact", "forged_value"), [("lora", True), ("adapter_only", True),
+                                                    ("parallel", {"world_size": 1, "fsdp_version": 2}),
+                                                    ("layout", "megatron_legacy")])
+def test_a_cached_check_stating_another_fact_is_refused_before_a_byte_is_built(fact, forged_value, prefect,
+                                                                              template_run, tmp_path):
+    """A well-formed check record at the step's key, its places and listing the step's own, one fact changed:
+    the build checks the step again, finds the files say otherwise and fails with `UnsafeRecord` naming the
+    checkpoint; nothing is published."""
+    from flows.merge_step import merge_step
+    from flows.params import MergeStepParams
+    from merge_engine.layouts import check_checkpoint
+
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [1])
+    step, key = _check_key(run_root)
+    good = CheckpointRecord.from_checkpoint(check_checkpoint(step.url, None, step.listing()))
+    assert getattr(good, fact) != forged_value
+    _plant(prefect.results / key, {"format": 1, "type": "CheckpointRecord",
+                                   "data": {**good.model_dump(mode="json"), fact: forged_value}})
+    state = merge_step(**MergeStepParams(run_root=run_root, step=1, staging_root=str(tmp_path / "staging"))
+                       .flow_parameters(), return_state=True)
+    with pytest.raises(UnsafeRecord, match=fact) as error:
+        state.result()
+    assert error.value.path == good.url
+    assert not any((tmp_path / "run" / "releases").rglob("*"))
