@@ -19,8 +19,8 @@ the checked checkpoint and its settings.
 - Otherwise the engine's job writes the staging folder (atomically; a finished staging folder of the
   same build is reused), with a progress artifact moving as bytes are written, from the checkpoint the
   check task checked: in this run, as it is; served from the cache, checked again first, every fact the
-  record states compared with the files (`checked_checkpoint`: a forged record fails, named). An adapter's config names the base as it will be
-  published (``<release>/base``), written so by the job. Staging folders left by crashed runs are swept
+  record states compared with the files (`checked_checkpoint`: a forged record fails, named). An adapter's
+  config names the base as it will be published (``<release>/base``), written so by the job. Staging folders left by crashed runs are swept
   first (`merge_engine.release.staging.sweep_stale_staging`).
 - ``state``: the release's state as the flow read it at the chain's start (`flows.stages`): the cache
   check and the build ask it instead of reading the release again (None: read here, once).
