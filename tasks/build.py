@@ -18,8 +18,8 @@ the checked checkpoint and its settings.
   anyway, after the whole build).
 - Otherwise the engine's job writes the staging folder (atomically; a finished staging folder of the
   same build is reused), with a progress artifact moving as bytes are written, from the checkpoint the
-  check task checked: in this run, as it is; served from the cache, checked again first, every fact the
-  record states compared with the files (`checked_checkpoint`: a forged record fails, named). An adapter's
+  check task checked: in this run, as it is; served from the cache, checked again first (once per run), every
+  fact the record states compared with the files (`tasks.checked`: a forged record fails, named). An adapter's
   config names the base as it will be published (``<release>/base``), written so by the job. Staging folders left by crashed runs are swept
   first (`merge_engine.release.staging.sweep_stale_staging`).
 - ``state``: the release's state as the flow read it at the chain's start (`flows.stages`): the cache
@@ -35,7 +35,7 @@ the checked checkpoint and its settings.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from prefect import task
 
@@ -47,14 +47,12 @@ from merge_engine.release.folders import ADAPTER, MODEL
 from merge_engine.release.state import ReleaseState, release_state, state_of
 from merge_engine.release.staging import staging_url, sweep_stale_staging
 from tasks.cache import stage_cache_policy
+from tasks.checked import checked_checkpoint
 from tasks.progress import ProgressArtifact, release_artifact_key
 from tasks.records import SETTINGS_RECORDS, CheckpointRecord, Settings
 from tasks.result_records import RECORD_SERIALIZER
 from tasks.retry import RETRY_OPTIONS
 from tasks.shard_runs import task_executor_address
-
-if TYPE_CHECKING:
-    from merge_engine.layouts.contract import Checkpoint
 
 # the settings a release records that a build of other options would differ in (`ReleaseState.refuse_other`)
 RECORDED_SETTINGS = {"dtype", "max_shard_size", "hf_model_path", "lora_alpha", "weights_format"}
@@ -95,26 +93,6 @@ def verified_output(output: BuiltOutput, spec: BuildSpec, release: str, staging_
         raise UnsafeRecord(f"a built output of {output.source_url} at {output.url} is not where the build of "
                            f"{spec.checkpoint.url} for {release} puts its bytes ({where})", output.url)
     return output
-
-
-def checked_checkpoint(record: CheckpointRecord, backend: Optional[str]) -> Checkpoint:
-    """The engine's checkpoint of ``record``. A record carrying its tensor index is this run's own check (an index
-    never comes back from the result store: `tasks.result_records`), used as it is. One without (served from the
-    store, where another party may have written it) is checked again from its listing, its headers read here,
-    once per build: every fact it states (layout, parallel sizes, LoRA, adapter folder, ...) must be what the
-    files say, else `UnsafeRecord` naming it. A forged record cannot change how a step is merged."""
-    from merge_engine.errors import UnsafeRecord
-    from merge_engine.layouts import check_checkpoint
-
-    if record.index is not None:
-        return record.to_checkpoint()
-    checkpoint = check_checkpoint(record.url, backend, record.to_checkpoint().files)
-    found = CheckpointRecord.from_checkpoint(checkpoint).model_dump()
-    differ = sorted(name for name, value in record.model_dump().items() if found.get(name) != value)
-    if differ:
-        raise UnsafeRecord(f"a cached check of {record.url} states {', '.join(differ)} other than its files do: "
-                           "not used", record.url)
-    return checkpoint
 
 
 def output_job(spec: BuildSpec, release: str) -> OutputJob:

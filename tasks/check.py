@@ -1,9 +1,9 @@
 """The check task: a step the listing calls complete, confirmed by its layout's deep check.
 
 Cached on the step's listing fingerprint (+ backend, engine version): a re-run whose outputs are all
-cached reads nothing. The record is stored without its tensor index (`tasks.result_records`); a build from a
-record served from the cache checks the step again (`tasks.build.checked_checkpoint`). An incomplete step is
-refused with `IncompleteCheckpoint`, a broken one with `CorruptShard` / `WorldSizeMismatch`:
+cached reads nothing. The record is stored without its tensor index (`tasks.result_records`); one served from
+the cache is checked again, once per run, by the first task that needs it (`tasks.checked`). An incomplete step
+is refused with `IncompleteCheckpoint`, a broken one with `CorruptShard` / `WorldSizeMismatch`:
 named errors, so the task fails at once and is not retried. The layout is whatever the engine
 detects (FSDP, Megatron, Hugging Face): the task does not care.
 """

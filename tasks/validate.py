@@ -34,6 +34,7 @@ from merge_engine.validate import Check, ValidationReport, validate_model
 from merge_engine.validate import adapter as adapter_validation
 from merge_engine.validate.trained import TRAINED, VS_ADAPTER, VS_FUSED, check_against_trained
 from tasks.cache import stage_cache_policy
+from tasks.checked import checked_checkpoint
 from tasks.records import CheckpointRecord, Settings
 from tasks.result_records import RECORD_SERIALIZER
 from tasks.retry import RETRY_OPTIONS
@@ -101,5 +102,5 @@ def trained_check(checkpoint: Optional[CheckpointRecord], settings: Settings, *,
         names = [name for name, url in ((VS_FUSED, fused_model_url), (VS_ADAPTER, adapter_url)) if url]
         return ValidationReport(subject, tuple(Check(name, True, "SKIPPED: forward passes are off (validate_forward)",
                                                      skipped=True) for name in [TRAINED] + names))
-    return check_against_trained(checkpoint.to_checkpoint(), fused_model_url=fused_model_url, adapter_url=adapter_url,
+    return check_against_trained(checked_checkpoint(checkpoint), fused_model_url=fused_model_url, adapter_url=adapter_url,
                                  lora_alpha=lora_alpha, config_url=config_url, device=settings.device)

@@ -240,10 +240,10 @@ def conversions(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 @pytest.mark.parametrize("case", list(EVERY_LAYOUT))
 def test_a_cached_check_of_every_layout_is_checked_again_to_the_same_facts(request, case):
     """A check record as the result store gives it back (no tensor index) is checked again by a build
-    (`tasks.build.checked_checkpoint`): for every layout the files give the very facts the check recorded, and the
+    (`tasks.checked.checked_checkpoint`): for every layout the files give the very facts the check recorded, and the
     index to open it by; a record is never refused for being a cached one."""
     from merge_engine.layouts import check_checkpoint
-    from tasks.build import checked_checkpoint
+    from tasks.checked import checked_checkpoint
     from tasks.records import CheckpointRecord
     from tasks.result_records import RECORD_SERIALIZER
 
@@ -288,6 +288,36 @@ def test_a_merge_step_run_reads_each_metadata_file_of_every_layout_once(prefect,
     # index shared), so one conversion per run would be a memo outside the records, shared by tasks
     assert conversions["fingerprint"] == outputs
     assert conversions["to_checkpoint"] == outputs + conversions["trained_check"]
+
+
+@pytest.mark.parametrize("case", ["megatron_lora", "megatron_lora_dist"])
+def test_a_run_whose_check_is_cached_but_not_its_outputs_checks_the_step_again_once(prefect, request, file_reads,
+                                                                                     ranged_reads, tmp_path, case):
+    """A LoRA step released, its two releases then deleted: the next run's check is served from the cache (no
+    tensor index), both outputs are built again, and the step's metadata and headers are still read once: the
+    first task that needs the checkpoint checks it again, the other build and the trained-model checks take that
+    check (`tasks.checked`; main before this: once per build, twice)."""
+    fixture, name, extra = EVERY_LAYOUT[case]
+    step_dir, run = _step_dir(request, fixture, name)
+    run_root, folder = _copied_run(step_dir, tmp_path)
+    given = {k: (str(run.base_dir) if v is True else v) for k, v in extra.items()}
+    params = MergeStepParams(run_root=run_root, step=1, release_root=str(tmp_path / "releases"),
+                             staging_root=str(tmp_path / "staging"), **given).flow_parameters()
+    first = merge_step(**params)
+    assert first.status == "published" and len(first.releases) == 2  # the model and its adapter
+    for release in first.releases:
+        shutil.rmtree(release.url)
+    file_reads.clear()
+    ranged_reads.clear()
+    again = merge_step(**params)
+    states = {stage.name: stage.state for stage in again.stages}
+    assert states["check"] == "Cached" and states["merge"] == states["extract-adapter"] == "Completed", states
+    assert again.status == "published" and len(again.releases) == 2
+    counts = metadata_reads(file_reads, folder)
+    headers = header_reads(ranged_reads, folder)
+    assert counts or headers, "nothing of the step was counted: the test would count nothing"
+    assert counts == {path: 2 if path.split("/", 1)[-1] in PER_OUTPUT else 1 for path in counts}
+    assert headers == {path: 2.0 if path.split("/", 1)[-1] in PER_OUTPUT else 1.0 for path in headers}
 
 
 # --- an adapter extraction: the run's LoRA metadata read once per job ----------------------------------------
