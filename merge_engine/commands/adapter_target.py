@@ -9,12 +9,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from merge_engine import engine_identity, storage
+from merge_engine.commands.input_folders import InputFolders
 from merge_engine.lora.svd import ModuleReport
 
 
-def inputs_fingerprint(inputs: Mapping[str, str], **options: Any) -> str:
-    """Digest of each input folder's listing (role -> URL), the options and the engine version."""
-    digests = {role: storage.fingerprint(storage.list_files(url)) for role, url in inputs.items()}
+def inputs_fingerprint(inputs: Mapping[str, str], folders: InputFolders | None = None, **options: Any) -> str:
+    """Digest of each input folder's whole listing (role -> URL; ``folders``: the job's listings), the options and
+    the engine version."""
+    folders = folders or InputFolders()
+    digests = {role: folders.digest(url, recursive=True) for role, url in inputs.items()}
     return storage.fingerprint([], inputs=digests, **engine_identity(), **options)
 
 

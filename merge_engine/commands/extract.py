@@ -27,7 +27,7 @@ import torch
 
 from merge_engine import engine_identity, storage
 from merge_engine.errors import AdapterError, InvalidOption
-from merge_engine.formats.hf_metadata import copy_metadata, read_config
+from merge_engine.formats.hf_metadata import read_config
 from merge_engine.plan.hf_plan import plan_hf_merge
 from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, run_job
 from merge_engine.output.executors import Executor
@@ -39,6 +39,7 @@ from merge_engine.plan.hub_format import in_weights_format
 from merge_engine.lora.adapter_io import adapter_plan, check_fits_base, write_adapter_config
 from merge_engine.lora.checkpoint import RunLoraMetadata, base_shapes, is_lora_checkpoint, lora_records, plan_trained_model, read_run_metadata, resolve_checkpoint_lora, task_type_of
 from merge_engine.lora.combine import TableFactor
+from merge_engine.commands.input_folders import InputFolders
 from merge_engine.commands.layout_jobs import jobs_of
 from merge_engine.lora.config import adapter_config, infer_target_modules, rank_layout
 from merge_engine.lora.extracted_config import extracted_adapter_config
@@ -60,19 +61,21 @@ from merge_engine.formats.tensor_source import TensorMeta, TensorSource
 # ------------------------------------------------------------------------------------------------
 
 
-def extract_fingerprint(checkpoint: Checkpoint, options: OutputOptions, run: RunLoraMetadata | None = None) -> str:
+def extract_fingerprint(checkpoint: Checkpoint, options: OutputOptions, run: RunLoraMetadata | None = None,
+                        inputs: InputFolders | None = None) -> str:
     """The cache key of an extraction: the checkpoint's listing, the options, the listings of ``base_model``
     and ``hf_model_path``, the run's LoRA metadata as read (alpha, r, adapter config) and the engine
     version. The metadata is read only from files the listing holds (``lora_train_meta.json``,
     ``adapter_config.json``, ``lora_adapter/adapter_config.json``: an FSDP listing includes
     ``lora_adapter/``), so a metadata file is keyed by its listing entry and its content. Reads the
     run's small JSON files unless ``run`` (their `read_run_metadata`) is given, never a weight. The
-    pipeline publishes adapters under this very key."""
+    pipeline publishes adapters under this very key. ``inputs``: the job's listings of its input folders."""
+    inputs = inputs or InputFolders()
     extra: dict[str, str] = {}
     if options.base_model:
-        extra["base_listing"] = inputs_fingerprint({"base": options.base_model})
+        extra["base_listing"] = inputs_fingerprint({"base": options.base_model}, folders=inputs)
     if options.hf_model_path:
-        extra["hf_model_listing"] = storage.fingerprint(storage.list_files(options.hf_model_path, recursive=False))
+        extra["hf_model_listing"] = inputs.digest(options.hf_model_path)
     run = read_run_metadata(checkpoint.url, checkpoint.files) if run is None else run
     return storage.fingerprint(checkpoint.files, **engine_identity(), **options.output_options("extract-lora"),
                                **extra, run_lora={"alpha": run.lora_alpha, "r": run.r, "config": run.config})
@@ -99,6 +102,7 @@ class ExtractJob:
     def __post_init__(self) -> None:
         self._fingerprint: str | None = None
         self._run: RunLoraMetadata | None = None
+        self.inputs = InputFolders()  # --hf_model_path, --base-model: listed once, read from that listing
 
     def _checked(self) -> Checkpoint:
         if self.checkpoint is None:
@@ -119,14 +123,14 @@ class ExtractJob:
     def fingerprint(self) -> str:
         """`extract_fingerprint`, computed once per job (the pipeline's build asks first, then `run_job`)."""
         if self._fingerprint is None:
-            self._fingerprint = extract_fingerprint(self._checked(), self.options, self._run_metadata())
+            self._fingerprint = extract_fingerprint(self._checked(), self.options, self._run_metadata(), self.inputs)
         return self._fingerprint
 
     def prepare(self) -> PreparedJob:
         checkpoint, options = self._checked(), self.options
         jobs = jobs_of(checkpoint)
         if jobs is not None:  # a layout with its own semantics (a Megatron LoRA step: the adapter as saved)
-            return jobs.prepare_extract(checkpoint, options, self.source_url, self.published_url)
+            return jobs.prepare_extract(checkpoint, options, self.source_url, self.published_url, self.inputs)
         source = open_checkpoint(checkpoint)
         opened: list[TensorSource] = [source]
         try:
@@ -139,12 +143,12 @@ class ExtractJob:
     def _prepare(self, checkpoint: Checkpoint, options: OutputOptions, source: TensorSource,
                  opened: list[TensorSource]) -> PreparedJob:
         hf_dir = options.hf_model_path or checkpoint.hf_dir
-        config = read_config(hf_dir)
+        config = self.inputs.config(hf_dir, "checkpoint") if options.hf_model_path else read_config(hf_dir)
         lora = resolve_checkpoint_lora(checkpoint.url, checkpoint.files, source.metas(), options.lora_alpha,
                                       config, run=self._run_metadata())
         base_view = RenamedSource(source, lora.keys.base) if lora.keys.base else None
         if options.base_model is not None:
-            given = open_hf_folder(options.base_model)
+            given = self.inputs.open(options.base_model)
             opened.append(given)
             check_base_metas, check_url = given.metas(), options.base_model
         elif base_view is not None:
@@ -174,7 +178,7 @@ class ExtractJob:
                                                 config)
         outputs = [shard_output(plan, source, then=lambda url: [write_adapter_config(url, adapter_json)])]
         if write_base:
-            outputs.append(shard_output(base_plan, base_view, BASE_DIR, then=lambda url: copy_metadata(
+            outputs.append(shard_output(base_plan, base_view, BASE_DIR, then=lambda url: self.inputs.copy_metadata(
                 hf_dir, url, config, base_plan.config_updates)))
         count = sum(len(o.plan.tensors) for o in outputs)
         total = sum(o.plan.total_size for o in outputs)

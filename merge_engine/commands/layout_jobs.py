@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from merge_engine.layouts import Checkpoint, layout_named
 
 if TYPE_CHECKING:
+    from merge_engine.commands.input_folders import InputFolders
     from merge_engine.formats.tensor_source import TensorSource
     from merge_engine.output.jobs import OutputOptions, PreparedJob
 
@@ -23,24 +24,27 @@ PACKAGE = __name__.rpartition(".")[0] + "."  # the only modules a layout's ``JOB
 
 
 class LayoutJobs(Protocol):
-    """What a layout's jobs module answers (each from the checked checkpoint and the job's options):
+    """What a layout's jobs module answers (each from the checked checkpoint, the job's options and, where it reads
+    a folder the user names, the job's `merge_engine.commands.input_folders.InputFolders`):
 
-    - ``step_config(checkpoint, options)``: (config.json, the folder it came from) of a merge;
-    - ``prepare_merge(checkpoint, options, source_url)``: a merge of its own (e.g. an adapter fused into the
+    - ``step_config(checkpoint, options, inputs)``: (config.json, the folder it came from) of a merge;
+    - ``prepare_merge(checkpoint, options, source_url, inputs)``: a merge of its own (e.g. an adapter fused into the
       base the user names), or None: the merge plans what ``merge_source`` gives, like any checkpoint's;
     - ``merge_source(checkpoint, source, options)``: what that plan reads, from what `Layout.open` gave
       (e.g. every adapter update fused into the saved base);
-    - ``prepare_extract(checkpoint, options, source_url, published_url)``: ``extract-lora``'s job.
+    - ``prepare_extract(checkpoint, options, source_url, published_url, inputs)``: ``extract-lora``'s job.
     """
 
-    def step_config(self, checkpoint: Checkpoint, options: OutputOptions) -> tuple[dict[str, Any], str]: ...
+    def step_config(self, checkpoint: Checkpoint, options: OutputOptions,
+                    inputs: InputFolders) -> tuple[dict[str, Any], str]: ...
 
-    def prepare_merge(self, checkpoint: Checkpoint, options: OutputOptions, source_url: str) -> PreparedJob | None: ...
+    def prepare_merge(self, checkpoint: Checkpoint, options: OutputOptions, source_url: str,
+                      inputs: InputFolders) -> PreparedJob | None: ...
 
     def merge_source(self, checkpoint: Checkpoint, source: TensorSource, options: OutputOptions) -> TensorSource: ...
 
     def prepare_extract(self, checkpoint: Checkpoint, options: OutputOptions, source_url: str,
-                        published_url: str | None) -> PreparedJob: ...
+                        published_url: str | None, inputs: InputFolders) -> PreparedJob: ...
 
 
 def jobs_of(checkpoint: Checkpoint) -> LayoutJobs | None:

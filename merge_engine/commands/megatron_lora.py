@@ -34,12 +34,12 @@ import torch
 from merge_engine import storage
 from merge_engine.architectures import model_dims, table_for_config
 from merge_engine.errors import AdapterError, BaseModelRequired, InvalidOption
-from merge_engine.formats.hf_metadata import copy_metadata, read_config
 from merge_engine.plan.hub_format import in_weights_format
+from merge_engine.commands.input_folders import InputFolders
 from merge_engine.output.jobs import OutputOptions, PreparedJob
 from merge_engine.output.shard_unit import shard_output
 from merge_engine.output.work_unit import PlannedOutput
-from merge_engine.layouts import Checkpoint, open_checkpoint, open_hf_folder
+from merge_engine.layouts import Checkpoint, open_checkpoint
 from merge_engine.layouts.megatron_lora import adapter_folder
 from merge_engine.lora.adapter_io import (
     Adapter,
@@ -71,14 +71,14 @@ SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_h
               "num_local_experts", "tie_word_embeddings")
 
 
-def step_config(checkpoint: Checkpoint, options: OutputOptions) -> tuple[dict[str, Any], str]:
+def step_config(checkpoint: Checkpoint, options: OutputOptions, inputs: InputFolders) -> tuple[dict[str, Any], str]:
     """The step's config.json (``--hf_model_path`` first; a ``use_dist_checkpointing`` step saves none, then
     ``--base-model``'s) and the folder it came from."""
     folder = options.hf_model_path or checkpoint.hf_dir or options.base_model
     if folder is None:
         raise InvalidOption("this LoRA step saved no config.json (use_dist_checkpointing): pass --hf_model_path or "
                             "--base-model (a folder with the model's config.json)", checkpoint.url)
-    return read_config(folder), folder
+    return inputs.config(folder, "checkpoint"), folder
 
 
 def _megatron_adapter(checkpoint: Checkpoint, config: Mapping[str, Any]) -> MegatronAdapterSource:
@@ -146,23 +146,23 @@ def _check_same_model(step: Mapping[str, Any], base: Mapping[str, Any], base_url
                             + ", ".join(f"{k} ({base_scope[k]!r} vs {step_scope[k]!r})" for k in differ), base_url)
 
 
-def _base(base_url: str, step: Mapping[str, Any]) -> tuple[TensorSource, dict[str, Any]]:
-    config = read_config(base_url, what="base model")
+def _base(base_url: str, step: Mapping[str, Any], inputs: InputFolders) -> tuple[TensorSource, dict[str, Any]]:
+    config = inputs.config(base_url, "base model")
     _check_same_model(step, config, base_url)
-    return open_hf_folder(base_url), config
+    return inputs.open(base_url), config
 
 
 def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, source_url: str,
-                            published_url: str | None = None) -> PreparedJob:
+                            published_url: str | None, inputs: InputFolders) -> PreparedJob:
     """The step's adapter folder, validated (see the module docstring). With ``published_url`` (where the
     folder will be read from once published) and the base written under ``base/``, the adapter's config
-    names ``<published_url>/base``."""
-    config, _ = step_config(checkpoint, options)
+    names ``<published_url>/base``. ``inputs``: the job's input folders."""
+    config, _ = step_config(checkpoint, options, inputs)
     adapter, source, json, origin = step_adapter(checkpoint, config, options)
     opened = [source]
     try:
         if options.base_model is not None:
-            base, _ = _base(options.base_model, config)
+            base, _ = _base(options.base_model, config, inputs)
             opened.append(base)
             check_fits_base(with_base(adapter, base.metas(), options.base_model), base.metas(), options.base_model)
             json["base_model_name_or_path"] = options.base_model
@@ -170,9 +170,9 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
         tensors = [PlannedTensor(name, tuple(meta.shape), dtype or meta.dtype, name)
                    for name, meta in source.metas().items()]
         plan = adapter_plan(tensors)
-        base_output = _base_copy(options, opened[1], dtype) if options.write_base and len(opened) > 1 else None
+        base_output = _base_copy(options, opened[1], dtype, inputs) if options.write_base and len(opened) > 1 else None
         if base_output is None and options.write_base and not checkpoint.adapter_only:
-            base_output, base_source = _step_base(checkpoint, options, dtype)
+            base_output, base_source = _step_base(checkpoint, options, dtype, inputs)
             opened.append(base_source)
         if base_output is not None and published_url is not None:
             json["base_model_name_or_path"] = storage.join(published_url, BASE_DIR)
@@ -197,16 +197,16 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
                        layout=checkpoint.layout, notes=notes, sources=opened)
 
 
-def _base_copy(options: OutputOptions, base: TensorSource, dtype: Any) -> PlannedOutput:
+def _base_copy(options: OutputOptions, base: TensorSource, dtype: Any, inputs: InputFolders) -> PlannedOutput:
     """``--base-model`` under ``base/`` of the adapter release (its tensors as the Hub names them)."""
     from merge_engine.plan.hf_plan import plan_hf_merge
 
-    config = read_config(options.base_model, what="base model")
+    config = inputs.config(options.base_model, "base model")
     stored = plan_hf_merge(base.metas(), config, dtype=dtype, max_shard_size=None,
                            config_url=options.base_model)
     plan = in_weights_format(stored, config, options.weights_format, options.max_shard_size)
-    return shard_output(plan, base, BASE_DIR, then=lambda url: copy_metadata(options.base_model, url, config,
-                                                                             plan.config_updates))
+    return shard_output(plan, base, BASE_DIR, then=lambda url: inputs.copy_metadata(options.base_model, url, config,
+                                                                                    plan.config_updates))
 
 
 class StepBaseSource:
@@ -235,13 +235,14 @@ class StepBaseSource:
         self._source.close()
 
 
-def _step_base(checkpoint: Checkpoint, options: OutputOptions, dtype: Any) -> tuple[PlannedOutput, TensorSource]:
+def _step_base(checkpoint: Checkpoint, options: OutputOptions, dtype: Any,
+               inputs: InputFolders) -> tuple[PlannedOutput, TensorSource]:
     """``base/`` of the adapter release of a step holding its base: the step's base weights (adapter hidden)
     planned by the Megatron planner as a merge would, in the requested weights format, config beside them; and
     the source it reads (the caller closes it)."""
     from merge_engine.planner import plan_checkpoint
 
-    config, folder = step_config(checkpoint, options)
+    config, folder = step_config(checkpoint, options, inputs)
     source = StepBaseSource(open_checkpoint(checkpoint))
     try:
         stored = plan_checkpoint(checkpoint, source, config, dtype=dtype, max_shard_size=None,
@@ -251,12 +252,14 @@ def _step_base(checkpoint: Checkpoint, options: OutputOptions, dtype: Any) -> tu
     except BaseException:
         source.close()
         raise
-    return shard_output(plan, source, BASE_DIR, then=lambda url: copy_metadata(folder, url, config,
-                                                                               plan.config_updates)), source
+    return shard_output(plan, source, BASE_DIR, then=lambda url: inputs.copy_metadata(folder, url, config,
+                                                                                      plan.config_updates)), source
 
 
-def prepare_fused_model(checkpoint: Checkpoint, options: OutputOptions, source_url: str) -> PreparedJob:
-    """The adapter of an adapter-only step fused into ``options.base_model`` (see the module docstring)."""
+def prepare_fused_model(checkpoint: Checkpoint, options: OutputOptions, source_url: str,
+                        inputs: InputFolders) -> PreparedJob:
+    """The adapter of an adapter-only step fused into ``options.base_model`` (see the module docstring);
+    ``inputs``: the job's input folders."""
     if options.base_model is None:
         hint = ""
         folder = adapter_folder(checkpoint)
@@ -267,14 +270,14 @@ def prepare_fused_model(checkpoint: Checkpoint, options: OutputOptions, source_u
         raise BaseModelRequired("this step holds a LoRA adapter only (Megatron-Bridge PEFT, base weights not saved): "
                                 f"pass --base-model URL, the Hugging Face model the run trained from{hint}; "
                                 "or release the adapter alone with extract-lora", checkpoint.url)
-    config, hf_dir = step_config(checkpoint, options)
+    config, hf_dir = step_config(checkpoint, options, inputs)
     adapter, adapter_source, _, origin = step_adapter(checkpoint, config, options)
     sources: dict[str, TensorSource] = {ADAPTER_NAMESPACE: adapter_source}
     try:
-        sources[BASE_NAMESPACE], base_config = _base(options.base_model, config)
+        sources[BASE_NAMESPACE], base_config = _base(options.base_model, config, inputs)
         source = NamespacedSource(sources)
-        inputs = [WeightedAdapter(ADAPTER_NAMESPACE, adapter, 1.0)]
-        plan = plan_fused_model(sources[BASE_NAMESPACE].metas(), base_config, inputs,
+        plan = plan_fused_model(sources[BASE_NAMESPACE].metas(), base_config,
+                                [WeightedAdapter(ADAPTER_NAMESPACE, adapter, 1.0)],
                                 dtype=parse_dtype(options.dtype), max_shard_size=None, base_url=options.base_model)
         plan = in_weights_format(plan, base_config, options.weights_format, options.max_shard_size)
     except BaseException:
@@ -284,7 +287,7 @@ def prepare_fused_model(checkpoint: Checkpoint, options: OutputOptions, source_u
     metadata_dir = checkpoint.hf_dir or options.base_model
 
     def metadata(url: str) -> list[tuple[str, int]]:
-        return copy_metadata(metadata_dir, url, read_config(metadata_dir), plan.config_updates)
+        return inputs.copy_metadata(metadata_dir, url, inputs.config(metadata_dir, "checkpoint"), plan.config_updates)
 
     provenance = {"source": source_url, "layout": checkpoint.layout, "base_model": options.base_model,
                   "adapter_from": origin, "options": options.output_options("merge"),
@@ -363,10 +366,11 @@ def merge_source(checkpoint: Checkpoint, source: TensorSource, options: OutputOp
     return TrainedMegatronSource(source, options.lora_alpha, checkpoint.url)
 
 
-def prepare_merge(checkpoint: Checkpoint, options: OutputOptions, source_url: str) -> PreparedJob | None:
+def prepare_merge(checkpoint: Checkpoint, options: OutputOptions, source_url: str,
+                  inputs: InputFolders) -> PreparedJob | None:
     """The merge of an adapter-only step: its adapter fused into ``--base-model`` (`prepare_fused_model`); None
     for a step holding its base (planned from `merge_source`)."""
-    return prepare_fused_model(checkpoint, options, source_url) if checkpoint.adapter_only else None
+    return prepare_fused_model(checkpoint, options, source_url, inputs) if checkpoint.adapter_only else None
 
 
 prepare_extract = prepare_adapter_release  # ``extract-lora`` of a step: the adapter as the run saved it

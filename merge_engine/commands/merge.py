@@ -23,7 +23,7 @@ from merge_engine.plan.config_shapes import check_config_against_tensors
 from merge_engine.plan.legacy_readers import legacy_reader_note
 from merge_engine.plan.model_shapes import model_ties
 from merge_engine.errors import InvalidConfig, InvalidOption
-from merge_engine.formats.hf_metadata import CONFIG_FILE, copy_metadata, read_config
+from merge_engine.formats.hf_metadata import CONFIG_FILE, read_config
 from merge_engine.plan import hub_format
 from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, run_job
 from merge_engine.output.executors import Executor
@@ -33,6 +33,7 @@ from merge_engine.plan.merge_plan import MergePlan, parse_dtype
 from merge_engine.plan.output_heads import check_dropped_head
 from merge_engine.output.target import PROVENANCE_FILE, read_provenance
 from merge_engine.planner import plan_checkpoint
+from merge_engine.commands.input_folders import InputFolders
 from merge_engine.commands.layout_jobs import jobs_of
 from merge_engine.formats.tensor_source import TensorSource
 
@@ -40,15 +41,16 @@ __all__ = ["PROVENANCE_FILE", "MergeJob", "merge_checkpoint",
            "merge_fingerprint", "plan_stored_names", "read_provenance"]
 
 
-def merge_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
+def merge_fingerprint(checkpoint: Checkpoint, options: OutputOptions, inputs: InputFolders | None = None) -> str:
     """The cache key of a merge: the checkpoint's listing digest + output options + engine version, and the
-    listing of ``hf_model_path`` when one replaces the checkpoint's config (its content decides the output)."""
+    listing of ``hf_model_path`` when one replaces the checkpoint's config (its content decides the output), as
+    the job's ``inputs`` list them."""
+    inputs = inputs or InputFolders()
     extra = {}
     if options.base_model is not None:  # a LoRA step's base: its listing decides the output
-        extra["base_model"] = {"url": options.base_model,
-                               "listing": storage.fingerprint(storage.list_files(options.base_model, recursive=False))}
+        extra["base_model"] = {"url": options.base_model, "listing": inputs.digest(options.base_model)}
     if options.hf_model_path is not None:
-        extra["hf_model_listing"] = storage.fingerprint(storage.list_files(options.hf_model_path, recursive=False))
+        extra["hf_model_listing"] = inputs.digest(options.hf_model_path)
     return storage.fingerprint(checkpoint.files, **options.output_options("merge"), **extra, **engine_identity())
 
 
@@ -79,6 +81,7 @@ class MergeJob:
     def __post_init__(self) -> None:
         self._config: dict | None = None
         self._fingerprint: str | None = None
+        self.inputs = InputFolders()  # --hf_model_path, --base-model: listed once, read from that listing
 
     def _checked(self) -> tuple[Checkpoint, str | None, dict]:
         if self._config is None:
@@ -88,22 +91,24 @@ class MergeJob:
                 raise InvalidOption(f"the checked checkpoint is {self.checkpoint.url}, not the source", self.source_url)
             jobs = jobs_of(self.checkpoint)  # a layout with its own semantics (imported only then: not free)
             if jobs is not None:
-                self._config, hf_dir = jobs.step_config(self.checkpoint, self.options)
+                self._config, hf_dir = jobs.step_config(self.checkpoint, self.options, self.inputs)
                 return self.checkpoint, hf_dir, self._config
-            self._config = read_config(self.options.hf_model_path or self.checkpoint.hf_dir)
+            hf_model_path = self.options.hf_model_path
+            self._config = (self.inputs.config(hf_model_path, "checkpoint") if hf_model_path
+                            else read_config(self.checkpoint.hf_dir))
         return self.checkpoint, self.options.hf_model_path or self.checkpoint.hf_dir, self._config
 
     def fingerprint(self) -> str:
         """`merge_fingerprint`, computed once per job (the pipeline's build asks first, then `run_job`)."""
         if self._fingerprint is None:
             checkpoint, _, _ = self._checked()
-            self._fingerprint = merge_fingerprint(checkpoint, self.options)
+            self._fingerprint = merge_fingerprint(checkpoint, self.options, self.inputs)
         return self._fingerprint
 
     def prepare(self) -> PreparedJob:
         checkpoint, hf_dir, config = self._checked()
         jobs = jobs_of(checkpoint)  # a layout with its own semantics: its own job, or what the plan reads
-        prepared = jobs.prepare_merge(checkpoint, self.options, self.source_url) if jobs is not None else None
+        prepared = jobs.prepare_merge(checkpoint, self.options, self.source_url, self.inputs) if jobs is not None else None
         if prepared is not None:
             return prepared
         source = open_checkpoint(checkpoint)
@@ -131,7 +136,7 @@ class MergeJob:
             raise
 
         def metadata(url: str) -> list[tuple[str, int]]:
-            files = copy_metadata(hf_dir, url, config, plan.config_updates)
+            files = self.inputs.copy_metadata(hf_dir, url, config, plan.config_updates)
             check_unchanged(checkpoint)  # every read done: the listing must still be the fingerprint's
             return files
 

@@ -12,11 +12,12 @@ Weight files are never copied from here: the writer produces those.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from merge_engine import storage
 from merge_engine.errors import InvalidConfig, UnsafeFile
+from merge_engine.storage import FileEntry
 from merge_engine.storage.json_text import parse_json
 from merge_engine.storage.source_files import check_metadata_file
 
@@ -62,10 +63,12 @@ def tie_word_embeddings(config: Mapping[str, Any]) -> bool:
 
 
 def copy_metadata(hf_dir: str, target_url: str, config: Mapping[str, Any],
-                  updates: Mapping[str, Any] | None = None) -> list[tuple[str, int]]:
-    """Copy metadata files (top level of ``hf_dir``) and write the updated config; returns (name, size)."""
+                  updates: Mapping[str, Any] | None = None,
+                  files: Sequence[FileEntry] | None = None) -> list[tuple[str, int]]:
+    """Copy metadata files (top level of ``hf_dir``; ``files``: that level as already listed) and write the
+    updated config; returns (name, size)."""
     written = []
-    for entry in storage.list_files(hf_dir, recursive=False):
+    for entry in storage.list_files(hf_dir, recursive=False) if files is None else files:
         if entry.path == CONFIG_FILE or is_weight_file(entry.path):
             continue
         source, dest = storage.join(hf_dir, entry.path), storage.join(target_url, entry.path)

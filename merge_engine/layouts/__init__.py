@@ -159,9 +159,10 @@ def open_checkpoint(checkpoint: Checkpoint) -> TensorSource:
     return layout_named(checkpoint.layout).open(checkpoint)
 
 
-def open_hf_folder(url: str) -> TensorSource:
-    """The tensors of the Hugging Face folder at ``url`` (a base model, a reference), checked complete first."""
-    return open_checkpoint(check_checkpoint(url, hf.NAME))
+def open_hf_folder(url: str, files: Sequence[FileEntry] | None = None) -> TensorSource:
+    """The tensors of the Hugging Face folder at ``url`` (a base model, a reference), checked complete first
+    (``files``: its listing, already made)."""
+    return open_checkpoint(check_checkpoint(url, hf.NAME, files))
 
 
 def check_unchanged(checkpoint: Checkpoint) -> None:

@@ -320,6 +320,34 @@ def test_a_run_whose_check_is_cached_but_not_its_outputs_checks_the_step_again_o
     assert headers == {path: 2.0 if path.split("/", 1)[-1] in PER_OUTPUT else 1.0 for path in headers}
 
 
+@pytest.mark.parametrize("case", ["megatron_lora", "megatron_lora_dist"])
+def test_a_merge_step_run_lists_an_input_folder_twice_per_build_and_reads_its_config_once(
+        prefect, request, file_reads, tmp_path, monkeypatch, case):
+    """The folder a LoRA step's builds read besides the step (``base_model``; ``hf_model_path`` for a step saving no
+    config) is listed twice per build, by the build's cache key (its content is part of the key) and by the job,
+    which reads it from that listing; its config.json is read once per build (main before this: a step's two builds
+    listed it 7 times, or 6, and read its config 3 times)."""
+    from merge_engine.storage.backends.local import LocalBackend
+
+    fixture, name, extra = EVERY_LAYOUT[case]
+    step_dir, run = _step_dir(request, fixture, name)
+    run_root, _ = _copied_run(step_dir, tmp_path)
+    folder = str(tmp_path / "input")
+    shutil.copytree(run.base_dir, folder)
+    given = {k: (folder if v is True else v) for k, v in extra.items()}
+    listings: list[str] = []
+    list_files = LocalBackend.list_files
+    monkeypatch.setattr(LocalBackend, "list_files",
+                        lambda self, url, recursive: listings.append(url.rstrip("/")) or list_files(self, url, recursive))
+    params = MergeStepParams(run_root=run_root, step=1, release_root=str(tmp_path / "releases"),
+                             staging_root=str(tmp_path / "staging"), **given).flow_parameters()
+    file_reads.clear()
+    outcome = merge_step(**params)
+    assert outcome.status == "published" and len(outcome.releases) == 2  # two builds: the model, the adapter
+    assert listings.count(folder) == 2 * 2
+    assert file_reads.count(storage.join(folder, "config.json")) == 2
+
+
 # --- an adapter extraction: the run's LoRA metadata read once per job ----------------------------------------
 
 
