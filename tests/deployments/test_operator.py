@@ -65,14 +65,14 @@ class Operator:
         self.worker_env = {**self.env, **s3_env, "STEPMERGE_S3_ENDPOINT": proxy.url, "AWS_ENDPOINT_URL": proxy.url,
                            "STEPMERGE_STAGING_DIR": str(self.staging), "CUDA_VISIBLE_DEVICES": "",
                            "STEPMERGE_READ_AHEAD_BYTES": "0", "PREFECT_WORKER_QUERY_SECONDS": "1"}
-        self.processes: list[tuple[subprocess.Popen, int]] = []
+        self.processes: list[tuple[str, subprocess.Popen, int]] = []
         self.logs = home / "logs"
         self.logs.mkdir()
 
     def start(self, name: str, argv: list[str], env: dict[str, str], stop_with: int) -> subprocess.Popen:
         process = subprocess.Popen([sys.executable, "-m", "prefect", *argv], env=env, cwd=REPO,
                                    stdout=open(self.logs / f"{name}.log", "w"), stderr=subprocess.STDOUT)
-        self.processes.append((process, stop_with))
+        self.processes.append((name, process, stop_with))
         return process
 
     def client(self):
@@ -88,8 +88,27 @@ class Operator:
             return False
 
     def close(self) -> None:
-        for process, signum in reversed(self.processes):  # workers first (SIGINT: they ignore SIGTERM), then the server
-            stop(process, signum, again_after_s=10 if signum == signal.SIGINT else None)
+        """Stop the workers, all at once, then the server. A worker (SIGINT: it ignores SIGTERM) is asked with one
+        SIGINT and insisted on with more once its log says it took the first: its handler then sends itself
+        SIGKILL (deployments/README.md); no run is left running by then, so there is nothing to give time to."""
+        workers = [(name, process) for name, process, signum in self.processes if signum == signal.SIGINT]
+        for _, process in workers:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+
+        def stopped() -> bool:
+            for name, process in workers:
+                # a SIGINT that arrives before the first one's handler has armed the SIGKILL goes to Prefect's
+                # own handler instead (or merges with the first): so one more on each look until it is gone
+                if process.poll() is None and "Received SIGINT" in (self.logs / f"{name}.log").read_text():
+                    process.send_signal(signal.SIGINT)
+            return all(process.poll() is not None for _, process in workers)
+
+        try:
+            _until(stopped, "every worker stopped", poll_s=0.2)
+        finally:
+            for name, process, signum in reversed(self.processes):
+                stop(process, signum)  # the server (SIGTERM); a worker only if the wait above did not end
 
     def log(self, name: str) -> str:
         return (self.logs / f"{name}.log").read_text()[-3000:]
