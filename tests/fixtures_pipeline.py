@@ -46,11 +46,19 @@ class PrefectApi:
 
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectApi]:
-    from prefect.settings import PREFECT_API_URL, PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_RESULTS_LOCAL_STORAGE_PATH,
+        PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL,
+        temporary_settings,
+    )
     from prefect.testing.utilities import prefect_test_harness
 
     results = tmp_path_factory.mktemp("prefect-results")
     with contextlib.ExitStack() as stack:
+        # the server writes the events it received every second (its default: 5 s, or 20 events), so a test
+        # that reads an event back (tests/deployments/test_notify.py) finds it within a second
+        stack.enter_context(temporary_settings(updates={PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL: 1}))
         with patient_health_probes():
             stack.enter_context(prefect_test_harness(server_startup_timeout=90))
         stack.enter_context(temporary_settings(updates={PREFECT_RESULTS_LOCAL_STORAGE_PATH: results}))
