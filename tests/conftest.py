@@ -1,6 +1,7 @@
 """Session-wide test setup: quiet Prefect, isolated caches, shared fixtures from plugin modules."""
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -25,3 +26,11 @@ if "STEPMERGE_CACHE_DIR" not in os.environ:
 
 pytest_plugins = ["tests.fixtures_storage", "tests.fixtures_checkpoints", "tests.fixtures_pipeline", "tests.fixtures_ray",
                   "tests.fixtures_merged", "tests.fixtures_readers"]
+
+
+def pytest_collection_finish(session) -> None:
+    """Move what import and collection made (torch, transformers, Prefect, the test items: most of the objects the
+    session will hold) out of the cyclic collector's sight: they live as long as the session, and each full
+    collection walked them all, e.g. each `merge_engine.storage.clear_filesystems` (every fault-proxy teardown)."""
+    gc.collect()  # what import and collection left as garbage goes now: a frozen object is never freed
+    gc.freeze()
