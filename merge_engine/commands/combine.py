@@ -13,11 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from merge_engine.errors import AdapterError, InvalidOption
-from merge_engine.formats.hf_metadata import copy_metadata, read_config
 from merge_engine.plan.hub_format import in_weights_format
 from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, run_job
 from merge_engine.output.shard_unit import shard_output
-from merge_engine.layouts import open_hf_folder
 from merge_engine.lora.adapter_io import read_adapter, read_adapter_config, with_base, write_adapter_config
 from merge_engine.lora.combine import combination_weights, plan_combined_adapter
 from merge_engine.lora.config import number
@@ -26,6 +24,7 @@ from merge_engine.lora.peft_settings import check_adapter_scales
 from merge_engine.lora.sources import NamespacedSource
 from merge_engine.lora.svd import ModuleReport, check_targets, svd_device
 from merge_engine.commands.adapter_target import inputs_fingerprint, module_reports_json
+from merge_engine.commands.input_folders import InputFolders
 from merge_engine.plan.merge_plan import MergePlan, parse_dtype
 from merge_engine.formats.tensor_source import TensorMeta, TensorSource
 
@@ -74,12 +73,14 @@ def adapter_settings(inputs: Sequence[WeightedAdapter], base_metas: Mapping[str,
     return out
 
 
-def combine_fingerprint(base_url: str | None, adapter_urls: Sequence[str], options: OutputOptions) -> str:
-    """The cache key of a merge-lora: every input folder's listing, the options, the engine version."""
+def combine_fingerprint(base_url: str | None, adapter_urls: Sequence[str], options: OutputOptions,
+                        inputs: InputFolders | None = None) -> str:
+    """The cache key of a merge-lora: every input folder's listing (``inputs``: the job's), the options, the
+    engine version."""
     inputs_urls = {f"adapter{i}": url for i, url in enumerate(adapter_urls)}
     if base_url is not None:
         inputs_urls[BASE_NAMESPACE] = base_url
-    return inputs_fingerprint(inputs_urls, **options.output_options("merge-lora"))
+    return inputs_fingerprint(inputs_urls, folders=inputs, **options.output_options("merge-lora"))
 
 
 @dataclass
@@ -97,10 +98,11 @@ class CombineJob:
         self.source_url = ",".join(self.adapter_urls)
         self.kind = self.options.output
         self._weights: list[float] | None = None
+        self.inputs = InputFolders()  # the base and the adapters: listed once, read from that listing
 
     def fingerprint(self) -> str:
         self._weights = check_merge_lora_options(self.base_url, self.adapter_urls, self.options)
-        return combine_fingerprint(self.base_url, self.adapter_urls, self.options)
+        return combine_fingerprint(self.base_url, self.adapter_urls, self.options, self.inputs)
 
     def prepare(self) -> PreparedJob:
         options, base_url = self.options, self.base_url
@@ -110,12 +112,12 @@ class CombineJob:
             inputs = []
             for i, url in enumerate(self.adapter_urls):
                 alpha = options.lora_alpha[i] if options.lora_alpha is not None else None
-                adapter, sources[f"adapter{i}"] = read_adapter(url, lora_alpha=alpha)
+                adapter, sources[f"adapter{i}"] = read_adapter(url, lora_alpha=alpha, files=self.inputs.files(url))
                 inputs.append(WeightedAdapter(f"adapter{i}", adapter, weights[i]))
             base_metas = config = None
             if base_url is not None:
-                config = read_config(base_url, what="base model")
-                sources[BASE_NAMESPACE] = open_hf_folder(base_url)
+                config = self.inputs.config(base_url, "base model")
+                sources[BASE_NAMESPACE] = self.inputs.open(base_url)
                 base_metas = sources[BASE_NAMESPACE].metas()
             source = NamespacedSource(sources)
             dtype = parse_dtype(options.dtype)
@@ -124,8 +126,8 @@ class CombineJob:
                 plan = in_weights_format(plan_fused_model(base_metas, config, inputs, dtype=dtype,
                                                           max_shard_size=None, base_url=base_url),
                                          config, options.weights_format, options.max_shard_size)
-                output = shard_output(plan, source, then=lambda url: copy_metadata(base_url, url, config,
-                                                                                   plan.config_updates))
+                output = shard_output(plan, source, then=lambda url: self.inputs.copy_metadata(
+                    base_url, url, config, plan.config_updates))
             else:
                 plan, adapter_json, reports = plan_combined_adapter(
                     inputs, source, base_metas, base_url, dtype=dtype, rank=options.rank, energy=options.energy,

@@ -33,7 +33,7 @@ from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, r
 from merge_engine.output.executors import Executor
 from merge_engine.output.shard_unit import shard_output
 from merge_engine.layouts import (
-    HF_NAMES, Checkpoint, check_checkpoint, layout_named, open_checkpoint, open_hf_folder,
+    HF_NAMES, Checkpoint, check_checkpoint, layout_named, open_checkpoint,
 )
 from merge_engine.plan.hub_format import in_weights_format
 from merge_engine.lora.adapter_io import adapter_plan, check_fits_base, write_adapter_config
@@ -212,11 +212,12 @@ def extract_lora(checkpoint_url: str, target_url: str, options: OutputOptions = 
 SVD_REVISION = 2  # the factoring's revision (2: randomized SVD where it serves): other factors, same errors
 
 
-def svd_extract_fingerprint(base_url: str, finetuned_url: str, options: OutputOptions) -> str:
-    """The cache key of an SVD extraction: both folders' listings, the options, the engine version and
-    the factoring's revision (`SVD_REVISION`)."""
-    return inputs_fingerprint({"base": base_url, "finetuned": finetuned_url}, svd_revision=SVD_REVISION,
-                              **options.output_options("extract-lora --finetuned"))
+def svd_extract_fingerprint(base_url: str, finetuned_url: str, options: OutputOptions,
+                            inputs: InputFolders | None = None) -> str:
+    """The cache key of an SVD extraction: both folders' listings (``inputs``: the job's), the options, the engine
+    version and the factoring's revision (`SVD_REVISION`)."""
+    return inputs_fingerprint({"base": base_url, "finetuned": finetuned_url}, folders=inputs,
+                              svd_revision=SVD_REVISION, **options.output_options("extract-lora --finetuned"))
 
 
 @dataclass
@@ -240,20 +241,23 @@ class SvdExtractJob:
     command = "extract-lora --finetuned"
     kind = "adapter"
 
+    def __post_init__(self) -> None:
+        self.inputs = InputFolders()  # the base and the fine-tune: listed once, read from that listing
+
     def fingerprint(self) -> str:
         check_targets(self.options.rank, self.options.energy)
         svd_device(self.options.device)  # a device this machine cannot use fails before anything is read
         parse_dtype(self.options.dtype)
-        return svd_extract_fingerprint(self.base_url, self.source_url, self.options)
+        return svd_extract_fingerprint(self.base_url, self.source_url, self.options, self.inputs)
 
     def prepare(self) -> PreparedJob:
         options, finetuned_url, base_url = self.options, self.source_url, self.base_url
         dtype = parse_dtype(options.dtype) or torch.float32
-        tuned_checkpoint = check_checkpoint(finetuned_url, options.backend)
+        tuned_checkpoint = check_checkpoint(finetuned_url, options.backend, self.inputs.files(finetuned_url))
         if layout_named(tuned_checkpoint.layout).TENSOR_NAMING != HF_NAMES:
             raise AdapterError(f"a {tuned_checkpoint.layout} checkpoint's tensors are not Hugging Face tensors: "
                                "merge it first (`stepmerge merge`), then extract from the merged folder", finetuned_url)
-        base = open_hf_folder(base_url)
+        base = self.inputs.open(base_url)
         try:
             tuned = open_checkpoint(tuned_checkpoint)
         except BaseException:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from merge_engine import storage
+from merge_engine.storage import FileEntry
 from merge_engine.errors import AdapterError
 from merge_engine.formats.json_file import read_json_object
 from merge_engine.lora.config import LoraSettings, targets
@@ -132,10 +133,11 @@ def read_adapter_config(url: str) -> dict[str, Any]:
     return config
 
 
-def read_adapter(url: str, *, lora_alpha: float | None = None,
-                 config: Mapping[str, Any] | None = None) -> tuple[Adapter, TensorSource]:
+def read_adapter(url: str, *, lora_alpha: float | None = None, config: Mapping[str, Any] | None = None,
+                 files: Sequence[FileEntry] | None = None) -> tuple[Adapter, TensorSource]:
     """Open the adapter folder at ``url``; ``lora_alpha`` replaces the config's (a lost alpha). ``config``: its
-    ``adapter_config.json`` as the caller read it (`read_adapter_config`; None: read here)."""
+    ``adapter_config.json`` as the caller read it (`read_adapter_config`; None: read here); ``files``: its
+    listing as the caller made it (None: listed here)."""
     config = read_adapter_config(url) if config is None else dict(config)
     if lora_alpha is not None:
         config = {**config, "lora_alpha": lora_alpha}
@@ -143,7 +145,7 @@ def read_adapter(url: str, *, lora_alpha: float | None = None,
         raise AdapterError("lora_alpha is 0 or missing in adapter_config.json, so the adapter would do nothing "
                            "(verl's merger wrote 0 for months; the real value is lost): pass --lora-alpha", url)
     settings = LoraSettings.from_config(config, url)
-    names = {e.path for e in storage.list_files(url, recursive=False)}
+    names = {e.path for e in (storage.list_files(url, recursive=False) if files is None else files)}
     if ADAPTER_WEIGHTS not in names:
         hint = " (adapter_model.bin is a pickle, which stepmerge does not load; save with safetensors)" \
             if "adapter_model.bin" in names else ""

@@ -3,7 +3,9 @@ once, and read by that listing (`merge_engine.commands.input_folders`).
 
 - a fused merge of an adapter-only Megatron LoRA step onto its base, and that step's adapter release with the base
   under ``base/``, each list the base folder once and read its config.json once (main before this: the merge
-  listed it twice; the adapter release listed it three times and read its config twice);
+  listed it twice; the adapter release listed it three times and read its config twice); so do ``merge-lora``
+  (the base and each adapter; before: 3 and 2 listings) and an SVD extraction (the base and the fine-tune; before:
+  2 and 2);
 - a base rewritten between the job's fingerprint and its reads fails the job (`SourceChanged`) instead of being
   released under the fingerprint of the files it replaced (main before this: published, from the new base);
 - a folder's top-level digest is what a listing of that level alone gives, on a local disk and on S3: the
@@ -19,7 +21,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from merge_engine import storage
-from merge_engine.commands.extract import ExtractJob
+from merge_engine.commands.combine import CombineJob
+from merge_engine.commands.extract import ExtractJob, SvdExtractJob
 from merge_engine.commands.input_folders import InputFolders
 from merge_engine.commands.merge import MergeJob
 from merge_engine.errors import SourceChanged
@@ -57,6 +60,27 @@ def test_a_job_lists_its_base_once_and_reads_its_config_once(lora_steps, base_re
     assert result.tensors > 0
     assert base_reads["list", base] == 1
     assert base_reads["read", storage.join(base, "config.json")] == 1
+
+
+def test_merge_lora_and_an_svd_extraction_list_each_input_once(lora_steps, base_reads, tmp_path):
+    step = lora_steps["dense_tp2"]
+    base, tuned = str(tmp_path / "base"), tmp_path / "tuned"
+    shutil.copytree(step.base_dir, base)
+    shutil.copytree(step.base_dir, tuned)
+    (weights,) = sorted(tuned.glob("*.safetensors"))
+    tensors = load_file(weights)
+    name = next(n for n in sorted(tensors) if n.endswith("q_proj.weight"))
+    tensors[name] = tensors[name] + 0.01  # a fine-tune of one module
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    adapter = str(tmp_path / "adapter")
+    shutil.copytree(step.step_dir / "model" / "huggingface" / "adapter", adapter)  # the run's PEFT export
+    base_reads.clear()
+    run_job(CombineJob(base, [adapter], str(tmp_path / "fused"), OutputOptions()))
+    assert (base_reads["list", base], base_reads["list", adapter]) == (1, 1)
+    assert base_reads["read", storage.join(base, "config.json")] == 1
+    base_reads.clear()
+    run_job(SvdExtractJob(base, str(tuned), str(tmp_path / "svd"), OutputOptions(rank=2)))
+    assert (base_reads["list", base], base_reads["list", str(tuned)]) == (1, 1)
 
 
 def test_a_base_rewritten_after_the_fingerprint_fails_the_job(lora_steps, tmp_path):
