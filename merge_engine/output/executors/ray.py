@@ -48,6 +48,7 @@ __all__ = ["DEFAULT_MAX_RETRIES", "RayExecutor", "TaskRun", "threads_per_task"]
 
 DEFAULT_MAX_RETRIES = 3
 POLL_S = 0.2  # how often the coordinator looks for an interrupt while it waits for tasks
+SETTLE_S = 1.0  # how long the other tasks get to end on their own before they are cancelled (`_stop`)
 WARM_WORKERS = 8  # at most this many workers are started ahead of the tasks
 _INIT_LOCK = threading.Lock()
 
@@ -225,8 +226,19 @@ def _remote_task(ray: Any) -> Any:
 
 
 def _stop(ray: Any, refs: list[Any]) -> None:
-    """Cancel ``refs`` and wait until each has stopped (a second interrupt does not cut the wait short)."""
-    for ref in refs:
+    """Cancel ``refs`` and wait until each has stopped (a second interrupt does not cut the wait short).
+
+    A task that ends on its own within `SETTLE_S` (a sibling of the first failure, failing on the same cause) is
+    not cancelled: Ray's driver aborts the whole process when a cancel crosses the task's own reply ("Check failed:
+    ... Tried to complete task that was not pending", Ray 2.60; ray-project/ray#54846), and a failure's siblings
+    reply at that very moment."""
+    running = list(refs)
+    try:
+        if running:
+            _, running = ray.wait(running, num_returns=len(running), timeout=SETTLE_S)
+    except KeyboardInterrupt:  # a second interrupt: cancel them all now
+        pass
+    for ref in running:
         ray.cancel(ref)
     for ref in refs:
         while True:
