@@ -35,10 +35,13 @@ class InputFolders:
             self._files[key] = storage.list_files(url)
         return self._files[key]
 
+    def top_level(self, url: str) -> list[FileEntry]:
+        """The listed files directly in ``url`` (a model folder's own files)."""
+        return [e for e in self.files(url) if "/" not in e.path]
+
     def digest(self, url: str, recursive: bool = False) -> str:
-        """The fingerprint of the folder's listing: its top level only (a model folder's own files), or all of it."""
-        files = self.files(url)
-        return storage.fingerprint(files if recursive else [e for e in files if "/" not in e.path])
+        """The fingerprint of the folder's listing: its top level only, or all of it."""
+        return storage.fingerprint(self.files(url) if recursive else self.top_level(url))
 
     def config(self, url: str, what: str) -> dict[str, Any]:
         """The folder's ``config.json`` (`read_config`; ``what`` names the folder in an error), read once; each
@@ -57,4 +60,4 @@ class InputFolders:
     def copy_metadata(self, url: str, target_url: str, config: Mapping[str, Any],
                       updates: Mapping[str, Any] | None = None) -> list[tuple[str, int]]:
         """`copy_metadata` of the folder's listed top-level files."""
-        return copy_metadata(url, target_url, config, updates, files=[e for e in self.files(url) if "/" not in e.path])
+        return copy_metadata(url, target_url, config, updates, files=self.top_level(url))
