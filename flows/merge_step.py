@@ -10,6 +10,7 @@
     watcher; otherwise the run fails saying so (`flows.watchers`). No green run that did nothing.
     model:   merge           -> validate         -> publish          (`flows.stages.model_chain`)
     adapter: extract-adapter -> validate-adapter -> publish-adapter  (LoRA checkpoints only)
+    each output's chain one cached task (model-release, adapter-release), its stages nested in it
 
 The merged model of a LoRA checkpoint is the trained model (adapters fused, as the engine defines
 it); with ``release_adapter`` its PEFT adapter is released beside it, validated against that model.
@@ -17,8 +18,8 @@ Both are also validated against the TRAINED model, PEFT's own model of the run r
 checkpoint (`merge_engine.validate.trained`): a release that is not the trained model is not published.
 Whatever layout the step has (FSDP, Megatron, Hugging Face weights), the tasks are the same.
 
-A re-run of a published step is a cache hit: one listing, a few marker/manifest reads, no weight
-byte. A markdown artifact summarises the run (tensors, bytes, time, validation); the merge task
+A re-run of a published step is a cache hit per output: one listing, a few marker/manifest reads, no
+weight byte. A markdown artifact summarises the run (tensors, bytes, time, validation); the merge task
 moves a progress artifact while it writes. Named errors (corrupt shard, failed validation) fail
 the run without retries and publish nothing.
 

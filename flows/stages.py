@@ -17,16 +17,20 @@ Each kind of output has its chain, plain code that reads top to bottom (`model_c
              publish-adapter  -> Release
 
 Records crossing a stage are the engine's own (`merge_engine.release.built.BuiltOutput`,
-`merge_engine.validate.ValidationReport`, `merge_engine.release.publish.Release`). `release_output`
-reads the release's state ONCE and gives it to every stage (a stage asks it instead of reading the
-release again; publishing reads it afresh only when it has something to write), runs the chain and
-tells from its OWN stages' states whether it was all cache hits and whether this run published
-anything: a stage added to a chain counts, wherever it is.
+`merge_engine.validate.ValidationReport`, `merge_engine.release.publish.Release`).
 
-Plain task calls: a re-run is all cache hits. A cached result whose output is gone (the release was
-deleted or damaged since) is not trusted: the tasks' cache policy moves to a new cache generation
-and the stage runs again (`tasks.cache`); with the cache lost but the release in place, the tasks
-find the release and read nothing.
+One output, one task, one record: a chain runs as ONE cached task (`release_chain`: "model-release",
+"adapter-release"), its stages nested task runs that are not cached and persist nothing. Its key holds
+everything the output depends on (`CHAIN_KEY`: the step's listing, the checked checkpoint, the release, the
+build's and the validation's settings; `CHAIN_LISTED`: the content of the config, base, reference and fused
+model folders); its record is a `ReleasedOutput`, the only result kept per output. Two runs of one output
+share one lock (the second waits, then takes the first's record: Cached, nothing run twice). A re-run is
+one cache hit per output, no stage run. A record whose release is gone, damaged or published again since
+(`chain_current`), or that is not of this output at all (a forged record: `UnsafeRecord`, logged), is not
+used: the key moves to a new generation and the chain runs again (`tasks.cache`); with the cache lost but the
+release in place, its stages find the release and read no checkpoint byte. `release_output` reads the
+release's state ONCE and gives it to every stage (publishing reads it afresh only when it has something to
+write); "cached" and "published nothing" are the chain's own state.
 
 Not there (an error): the run root holds no files (`RunRootNotFound`) or none for this step and
 role (`StepNotFound`). Not ready (an error only when no watcher will come back for it,
@@ -44,19 +48,24 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
+from prefect import task
+
 from flows.outcomes import ReleaseOutcome, StageRun, StepOutcome
-from merge_engine.errors import CorruptShard, IncompleteCheckpoint, StepNotFound
+from merge_engine.commands.input_folders import InputFolders
+from merge_engine.errors import CorruptShard, IncompleteCheckpoint, StepNotFound, UnsafeRecord
 from merge_engine.release.built import BuiltOutput
 from merge_engine.release.publish import Release
 from merge_engine.release.folders import ADAPTER, MODEL
 from merge_engine.release.provenance import ReleaseProvenance
 from merge_engine.release.state import ReleaseState, release_state
 from merge_engine.validate import ValidationReport
-from tasks.build import BuildSpec, extract_adapter, merge_model, verified_output
+from tasks.build import BuildSpec, extract_adapter, merge_model
+from tasks.cache import handed_folders, stage_cache_policy
 from tasks.check import check_step
 from tasks.discover import discover_step, discover_steps
-from tasks.publish import publish_release
+from tasks.publish import publish_release, release_current
 from tasks.records import CheckpointRecord, Settings, StepRecord
+from tasks.result_records import RECORD_SERIALIZER, register_result_type
 from tasks.results import configured_result_storage
 from tasks.validate import validate_adapter, validate_output
 
@@ -87,10 +96,10 @@ class StageTimer:
             shown = name if task.name in self._named else task.name
             self._named.add(task.name)
             task = task.with_options(task_run_name=f"{shown} {self.label}")
-        started = time.perf_counter()
+        started, position = time.perf_counter(), len(self.stages)
         state = task(*args, return_state=True, **kwargs)
         run = StageRun(name=name, state=state.name, seconds=round(time.perf_counter() - started, 3))
-        self.stages.append(run)
+        self.stages.insert(position, run)  # before the stages nested in it (a chain's), which recorded first
         return state.result(), run
 
     def run(self, name: str, task: Any, *args: Any, **kwargs: Any) -> Any:
@@ -186,46 +195,73 @@ class ReleaseInputs:
 
 
 @dataclass(frozen=True)
-class ChainRun:
-    """What a chain did: its three results, the `StageRun` of each stage it ran, in order, and its publish's
-    (a publish that was a cache hit published nothing this run, whatever stages follow it)."""
+class ReleasedOutput:
+    """What one output's chain did: its build, validation and release. The one result record kept per output."""
 
     output: BuiltOutput
     validation: ValidationReport
     release: Release
-    runs: Tuple[StageRun, ...]
-    published: StageRun
-
-    @property
-    def cached(self) -> bool:
-        """Every stage of the chain was a cache hit (whatever the chain's length)."""
-        return all(run.cached for run in self.runs)
 
 
-def model_chain(timer: StageTimer, inputs: ReleaseInputs, state: ReleaseState) -> ChainRun:
+register_result_type(ReleasedOutput)
+
+
+def model_chain(timer: StageTimer, inputs: ReleaseInputs, state: ReleaseState,
+                folders: Optional[InputFolders] = None) -> ReleasedOutput:
     """merge -> validate -> publish: the merged model of ``inputs.checkpoint`` at ``inputs.release``."""
-    first = len(timer.stages)
-    output = verified_output(timer.run("merge", merge_model, inputs.build_spec(), inputs.release,
-                                       inputs.staging_root, inputs.overwrite, inputs.execution, state),
-                             inputs.build_spec(), inputs.release, inputs.staging_root)
+    output = timer.run("merge", merge_model, inputs.build_spec(), inputs.release, inputs.staging_root,
+                       inputs.overwrite, inputs.execution, state, folders)
     report = timer.run("validate", validate_output, output, inputs.validation, inputs.release,
                        *inputs.trained_model_arguments(), state)
-    released, published = timer.call("publish", publish_release, output, report, inputs.release,
-                                     inputs.provenance().to_manifest_options(), inputs.overwrite, state)
-    return ChainRun(output, report, released, tuple(timer.stages[first:]), published)
+    released = timer.run("publish", publish_release, output, report, inputs.release,
+                         inputs.provenance().to_manifest_options(), inputs.overwrite, state)
+    return ReleasedOutput(output, report, released)
 
 
-def adapter_chain(timer: StageTimer, inputs: ReleaseInputs, state: ReleaseState) -> ChainRun:
+def adapter_chain(timer: StageTimer, inputs: ReleaseInputs, state: ReleaseState,
+                  folders: Optional[InputFolders] = None) -> ReleasedOutput:
     """extract-adapter -> validate-adapter -> publish-adapter: the PEFT adapter of ``inputs.checkpoint``."""
-    first = len(timer.stages)
-    output = verified_output(timer.run("extract-adapter", extract_adapter, inputs.build_spec(), inputs.release,
-                                       inputs.staging_root, inputs.overwrite, inputs.execution, state),
-                             inputs.build_spec(), inputs.release, inputs.staging_root)
+    output = timer.run("extract-adapter", extract_adapter, inputs.build_spec(), inputs.release, inputs.staging_root,
+                       inputs.overwrite, inputs.execution, state, folders)
     report = timer.run("validate-adapter", validate_adapter, output, inputs.validation, inputs.fused_model_url,
                        inputs.release, *inputs.trained_model_arguments(), state)
-    released, published = timer.call("publish-adapter", publish_release, output, report, inputs.release,
-                                     inputs.provenance().to_manifest_options(), inputs.overwrite, state)
-    return ChainRun(output, report, released, tuple(timer.stages[first:]), published)
+    released = timer.run("publish-adapter", publish_release, output, report, inputs.release,
+                         inputs.provenance().to_manifest_options(), inputs.overwrite, state)
+    return ReleasedOutput(output, report, released)
+
+
+CHAINS = {MODEL: model_chain, ADAPTER: adapter_chain}
+# what the output depends on: the step's listing, the checked checkpoint, where and how it is built and validated
+CHAIN_KEY = ("inputs.kind", "inputs.step.fingerprint", "inputs.checkpoint", "inputs.release", "inputs.build",
+             "inputs.validation", "inputs.fused_model_url")
+# the folders whose content it depends on: a replacement config, a base model, a reference, the fused model
+CHAIN_LISTED = ("inputs.build.hf_model_path", "inputs.build.base_model", "inputs.validation.reference_url",
+                "inputs.fused_model_url")
+
+
+def chain_current(record: ReleasedOutput, parameters: Dict[str, Any]) -> bool:
+    """Is a stored chain record still the release (`tasks.publish.release_current`)? A record that is not of this
+    output (another release, kind or checkpoint: the result store is another party's to write) is `UnsafeRecord`:
+    not used, the chain runs again."""
+    inputs: ReleaseInputs = parameters["inputs"]
+    if (record.release.url, record.output.kind, record.output.source_url, record.release.fingerprint) \
+            != (inputs.release, inputs.kind, inputs.checkpoint.url, record.output.fingerprint):
+        raise UnsafeRecord(f"a stored release record of {record.output.source_url} at {record.release.url} is not "
+                           f"the {inputs.kind} of {inputs.checkpoint.url} at {inputs.release}", record.release.url)
+    return release_current(record.release, parameters)
+
+
+@task(name="release-output",
+      cache_policy=stage_cache_policy("release", CHAIN_KEY, still_valid=chain_current, listed=CHAIN_LISTED),
+      persist_result=True, result_serializer=RECORD_SERIALIZER)
+def release_chain(inputs: ReleaseInputs, timer: StageTimer, state: ReleaseState) -> ReleasedOutput:
+    """The chain of ``inputs.kind`` (`CHAINS`), its stages run as nested task runs recorded by ``timer``; the build
+    reads the input folders by the listings its key took (`tasks.cache.handed_folders`)."""
+    return CHAINS[inputs.kind](timer, inputs, state, handed_folders())
+
+
+CHAIN_TASKS = {MODEL: release_chain.with_options(name="model-release"),
+               ADAPTER: release_chain.with_options(name="adapter-release")}
 
 
 def release_output(timer: StageTimer, kind: str, step: StepRecord, checkpoint: CheckpointRecord, release: str, *,
@@ -239,13 +275,13 @@ def release_output(timer: StageTimer, kind: str, step: StepRecord, checkpoint: C
     inputs = ReleaseInputs(kind=kind, step=step, checkpoint=checkpoint, release=release, settings=settings,
                            staging_root=staging_root, options=options, overwrite=overwrite,
                            fused_model_url=fused_model_url)
-    chain = (model_chain if kind == MODEL else adapter_chain)(timer, inputs, release_state(release))
+    task = CHAIN_TASKS[kind]
+    chain, run = timer.call(task.name, task, inputs, timer, release_state(release))
     output, report, released = chain.output, chain.validation, chain.release
     return ReleaseOutcome(kind=kind, url=released.url, fingerprint=released.fingerprint,
-                          # publish a cache hit: this run published nothing
-                          already_published=(released.already_published or output.released
-                                             or chain.published.cached),
-                          cached=chain.cached, validation_ok=report.ok,
+                          # the chain a cache hit: this run published nothing
+                          already_published=released.already_published or output.released or run.cached,
+                          cached=run.cached, validation_ok=report.ok,
                           validation_summary=released_summary(report, released.url), tensors=output.tensors,
                           tensor_bytes=output.tensor_bytes, files=released.files, total_bytes=released.total_bytes)
 
@@ -259,4 +295,5 @@ def released_summary(report: ValidationReport, release_url: str) -> str:
 
 
 __all__ = ["StageRun", "ReleaseOutcome", "StepOutcome", "StageTimer", "ReadyCheckpoint", "ready_checkpoint",
-           "ReleaseInputs", "ChainRun", "model_chain", "adapter_chain", "release_output", "MODEL", "ADAPTER"]
+           "ReleaseInputs", "ReleasedOutput", "model_chain", "adapter_chain", "release_chain", "release_output", "MODEL",
+           "ADAPTER"]

@@ -2,11 +2,15 @@
 
     discover_steps / discover_step / find_published     listings (never cached, always fresh)
     check_step        deep completeness check            cached on the step's listing fingerprint
-    build_output      checkpoint -> staged output        cached on listing + settings + release + engine;
-                      shown as merge_model ("merge-model": the HF folder) and extract_adapter
-                      ("extract-adapter": the PEFT adapter), one body over a `tasks.build.BuildSpec`
-    validate_output / validate_adapter                   cached on the output's fingerprint + settings
+    build_output      checkpoint -> staged output        shown as merge_model ("merge-model": the HF folder)
+                      and extract_adapter ("extract-adapter": the PEFT adapter), one body over a
+                      `tasks.build.BuildSpec`
+    validate_output / validate_adapter                   the staged output checked
     publish_release   staging -> release + manifest + marker
+
+The build, validate and publish tasks are not cached and persist nothing: they run nested in their output's
+chain (`flows.stages.release_chain`), the one task cached per output (on listing + settings + release +
+engine, `tasks.cache`).
 
 Each task is a decorator, a cache key (`tasks.cache`) and a question to the release's state
 (`merge_engine.release.state.ReleaseState`); the work itself is the engine's.

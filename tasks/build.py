@@ -1,18 +1,15 @@
 """The build task: one output of a checked checkpoint (its merged model, or its LoRA adapter) -> staging.
 
 `build_output` is the one body; `merge_model` and `extract_adapter` are its two names in the UI (the
-same task, the same cache policy and retries). What it builds is a `BuildSpec`: the kind of output
+same task, the same retries). What it builds is a `BuildSpec`: the kind of output
 (`MODEL`: `merge_engine.commands.merge.MergeJob`; `ADAPTER`: `merge_engine.commands.extract.ExtractJob`),
 the checked checkpoint and its settings.
 
-- Cache key: the step's listing fingerprint, the checkpoint record, the settings (and the listings of
-  ``hf_model_path`` and ``base_model``: their content, not their name, shapes the output), the release
-  it is for, the engine version (`tasks.cache`). Same key -> Prefect returns the record, nothing is
-  read; unless the output it describes is gone (`ReleaseState.output_available`: neither in staging
-  nor released), then the next cache generation is used and the build runs again.
-- Not in the cache but already released: when the release holds the engine's fingerprint of this very
+- Not cached itself, and it persists nothing: the output's chain is the task cached (`flows.stages`: one result
+  record per output); the build is its first nested stage.
+- Already released: when the release holds the engine's fingerprint of this very
   build (`merge_fingerprint` / `extract_fingerprint`), nothing is built; the output names the release
-  (``released=True``). The release is the truth, the cache an accelerator.
+  (``released=True``): the chain's cache was lost, the release is the truth.
 - A release built from something else (the step was rewritten since, or other options) without
   ``overwrite``: `TargetExists` at once, before a byte is read or staged (publishing would refuse it
   anyway, after the whole build).
@@ -22,9 +19,11 @@ the checked checkpoint and its settings.
   fact the record states compared with the files (`tasks.checked`: a forged record fails, named). An adapter's
   config names the base as it will be published (``<release>/base``), written so by the job. Staging folders left by crashed runs are swept
   first (`merge_engine.release.staging.sweep_stale_staging`).
-- ``state``: the release's state as the flow read it at the chain's start (`flows.stages`): the cache
-  check and the build ask it instead of reading the release again (None: read here, once).
-- Where the shard jobs run (``execution``, never part of the cache key: it changes no byte): Prefect
+- ``state``: the release's state as the flow read it at the chain's start (`flows.stages`): the build asks it
+  instead of reading the release again (None: read here, once). ``folders``: the listings of the input
+  folders the chain's cache key took (`tasks.cache.handed_folders`): the job reads by them, so the release's
+  fingerprint and its cache key are of the same files (None: the job lists them itself).
+- Where the shard jobs run (``execution``, never part of a cache key: it changes no byte): Prefect
   task runs on a Ray cluster when a Ray address is configured (the flow's ``ray_address``, else
   ``STEPMERGE_RAY_ADDRESS`` in the worker's environment; `tasks.shard_runs.task_executor_address`), else
   ``workers`` threads here (None: one per core). The output carries the shard jobs' sha256 of every weight file and index
@@ -35,22 +34,23 @@ the checked checkpoint and its settings.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from merge_engine.commands.input_folders import InputFolders
 
 from merge_engine.output.executors import executor_at
 from merge_engine.output.jobs import OutputJob, run_job
 from merge_engine.release.built import BuiltOutput
 from merge_engine.versions import require_tested_versions
 from merge_engine.release.folders import ADAPTER, MODEL
-from merge_engine.release.state import ReleaseState, release_state, state_of
+from merge_engine.release.state import ReleaseState, state_of
 from merge_engine.release.staging import staging_url, sweep_stale_staging
-from tasks.cache import stage_cache_policy
 from tasks.checked import checked_checkpoint
 from tasks.progress import ProgressArtifact, release_artifact_key
 from tasks.records import SETTINGS_RECORDS, CheckpointRecord, Settings
-from tasks.result_records import RECORD_SERIALIZER
 from tasks.retry import RETRY_OPTIONS
 from tasks.shard_runs import task_executor_address
 
@@ -69,45 +69,24 @@ class BuildSpec:
     settings: Settings  # the merge record (a model) or the adapter record (`tasks.records.SETTINGS_RECORDS`)
 
 
-def output_available(output: BuiltOutput, inputs: dict[str, Any]) -> bool:
-    """Is a cached output still somewhere: its staging folder, or its release (`ReleaseState.output_available`)?
-    Asks the state the flow gave the task; a "no" from it is asked again of the release as it is now (a
-    concurrent run of the step may have published it since the flow read it)."""
-    given = inputs.get("state")
-    state = state_of(output.release_url, given)
-    if state.output_available(output):
-        return True
-    return state is given and release_state(output.release_url).output_available(output)
-
-
-def verified_output(output: BuiltOutput, spec: BuildSpec, release: str, staging_root: Optional[str]) -> BuiltOutput:
-    """``output`` when it can be the build of ``spec`` for ``release`` (a cached build comes from a result store
-    another party may write): its kind and source are the spec's, and its bytes are where this build puts them
-    (the release itself when found released, else the staging folder of its fingerprint). Else `UnsafeRecord`
-    naming the output's URL: a forged record cannot make publishing copy another place into the release."""
-    from merge_engine.errors import UnsafeRecord
-
-    where = release if output.released else staging_url(staging_root, release, output.fingerprint)
-    if output.kind != spec.kind or output.source_url != spec.checkpoint.url or output.url != where \
-            or output.release_url != release:
-        raise UnsafeRecord(f"a built output of {output.source_url} at {output.url} is not where the build of "
-                           f"{spec.checkpoint.url} for {release} puts its bytes ({where})", output.url)
-    return output
-
-
-def output_job(spec: BuildSpec, release: str) -> OutputJob:
+def output_job(spec: BuildSpec, release: str, folders: Optional[InputFolders] = None) -> OutputJob:
     """The engine's `OutputJob` writing ``spec``, to be published at ``release`` (staging is ours to replace:
     ``overwrite``); its target is set once its fingerprint names the staging folder (`build_output`). The
-    record is turned into the engine's checkpoint once, here (`checked_checkpoint`)."""
+    record is turned into the engine's checkpoint once, here (`checked_checkpoint`). ``folders``: the listings
+    of its input folders the chain's cache key took (the job reads by them instead of listing again)."""
     options = spec.settings.to_options(overwrite=True)
     checkpoint = checked_checkpoint(spec.checkpoint, options.backend)
     if spec.kind == MODEL:
         from merge_engine.commands.merge import MergeJob
 
-        return MergeJob(checkpoint.url, "", options, checkpoint)
-    from merge_engine.commands.extract import ExtractJob
+        job: OutputJob = MergeJob(checkpoint.url, "", options, checkpoint)
+    else:
+        from merge_engine.commands.extract import ExtractJob
 
-    return ExtractJob(checkpoint.url, "", options, checkpoint, published_url=release)
+        job = ExtractJob(checkpoint.url, "", options, checkpoint, published_url=release)
+    if folders is not None:
+        job.inputs = folders
+    return job
 
 
 def progress_title(spec: BuildSpec, release: str) -> str:
@@ -116,14 +95,12 @@ def progress_title(spec: BuildSpec, release: str) -> str:
     return f"Extracting the adapter of {spec.checkpoint.url}"
 
 
-@task(name="build-output",
-      cache_policy=stage_cache_policy("build", ("spec", "release"), still_valid=output_available,
-                                      listed=("spec.settings.hf_model_path", "spec.settings.base_model")),
-      persist_result=True, result_serializer=RECORD_SERIALIZER, **RETRY_OPTIONS)
+@task(name="build-output", cache_policy=NO_CACHE, persist_result=False, **RETRY_OPTIONS)
 def build_output(spec: BuildSpec, release: str, staging_root: Optional[str] = None, overwrite: bool = False,
-                 execution: Optional[Settings] = None, state: Optional[ReleaseState] = None) -> BuiltOutput:
+                 execution: Optional[Settings] = None, state: Optional[ReleaseState] = None,
+                 folders: Optional[InputFolders] = None) -> BuiltOutput:
     """Build ``spec`` into a staging folder for ``release`` (or find it already released there)."""
-    job = output_job(spec, release)
+    job = output_job(spec, release, folders)
     fingerprint = job.fingerprint()  # metadata only (listings and small JSON files); once per build
     found = state_of(release, state).released_output(spec.kind, spec.checkpoint.url, fingerprint, overwrite=overwrite,
                                   checkpoint_fingerprint=spec.checkpoint.fingerprint,

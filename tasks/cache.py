@@ -11,7 +11,9 @@ Contract:
   canonical JSON, so keys are stable across processes and machines (no pickles, no object ids).
 - Inputs named in ``listed`` are URLs of folders whose CONTENT decides the output (a replacement
   config folder, a reference model, a base model): the key holds their listing's fingerprint
-  (names, sizes, versions), so the same URL with new files is a new key. One listing per key.
+  (names, sizes, versions), so the same URL with new files is a new key. One listing per folder, by an
+  `InputFolders` the task's body then takes (`handed_folders`): the build reads by the very listing its key
+  holds, and lists nothing again.
 - A cached result whose OUTPUT no longer exists is not trusted (``still_valid(result, inputs)``: e.g. the
   release it describes was deleted; it is given the task's inputs, so it can ask the release state the
   flow passed the task instead of reading the release once per generation). The key then moves on to the next GENERATION, ``<key>-g1``, ``-g2``...:
@@ -29,9 +31,10 @@ import dataclasses
 import hashlib
 import json
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from prefect.cache_policies import CacheKeyFnPolicy
 from pydantic import BaseModel
@@ -39,12 +42,18 @@ from pydantic import BaseModel
 import merge_engine
 from tasks.locking import CrashSafeFileLockManager
 
+if TYPE_CHECKING:
+    from merge_engine.commands.input_folders import InputFolders
+
 logger = logging.getLogger(__name__)
 
 PIPELINE_VERSION = "1"  # bump when a task's output changes for the same inputs
 MAX_GENERATIONS = 1000
 
 LOCKS = CrashSafeFileLockManager()
+HANDED_RUNS = 8  # task runs whose key's folder listings are kept for their body (`handed_folders`)
+_HANDED: dict[Any, InputFolders] = {}
+_HANDED_LOCK = threading.Lock()
 
 
 def _canonical(value: Any) -> Any:
@@ -68,18 +77,10 @@ def _field(inputs: dict[str, Any], name: str) -> Any:
     return value
 
 
-def listing_fingerprint(url: Optional[str]) -> Optional[str]:
-    """The fingerprint of the listing under ``url`` (None for no URL)."""
-    if not url:
-        return None
-    from merge_engine import storage
-
-    return storage.fingerprint(storage.list_files(str(url)))
-
-
-def stage_key(stage: str, inputs: dict[str, Any], fields: Sequence[str], listed: Sequence[str] = ()) -> str:
+def stage_key(stage: str, inputs: dict[str, Any], fields: Sequence[str], listed: Sequence[str] = (),
+              folders: Optional[InputFolders] = None) -> str:
     """The (generation 0) cache key of ``stage`` for these task inputs (only ``fields`` count, and the
-    listings of the URLs named in ``listed``)."""
+    listings of the URLs named in ``listed``, taken by ``folders``: a new `InputFolders` when None)."""
     payload = {
         "stage": stage,
         "pipeline": PIPELINE_VERSION,
@@ -87,9 +88,28 @@ def stage_key(stage: str, inputs: dict[str, Any], fields: Sequence[str], listed:
         "inputs": {name: _canonical(_field(inputs, name)) for name in fields},
     }
     if listed:
-        payload["listings"] = {name: listing_fingerprint(_field(inputs, name)) for name in listed}
+        from merge_engine.commands.input_folders import InputFolders
+
+        folders = folders if folders is not None else InputFolders()
+        urls = {name: _field(inputs, name) for name in listed}
+        payload["listings"] = {name: folders.digest(str(url), recursive=True) if url else None
+                               for name, url in urls.items()}
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
     return f"stepmerge-{stage}-{digest[:48]}"
+
+
+def handed_folders() -> Optional[InputFolders]:
+    """In a task body: the `InputFolders` whose listings this task run's cache key took (None: its key listed
+    nothing, or it was taken in another process). The key's folders are kept for the body that follows, so the
+    body reads the very listing its key holds and lists nothing again (`HANDED_RUNS` per process, the latest
+    ones; written only by `_key_fn`, never from storage)."""
+    from prefect.context import TaskRunContext
+
+    context = TaskRunContext.get()
+    if context is None:
+        return None
+    with _HANDED_LOCK:
+        return _HANDED.pop(context.task_run.id, None)
 
 
 def generation_key(key: str, generation: int) -> str:
@@ -136,7 +156,19 @@ class StageCachePolicy(CacheKeyFnPolicy):
 
 def _key_fn(stage: str, fields: Sequence[str], listed: Sequence[str]) -> Callable[[Any, dict[str, Any]], str]:
     def cache_key(context: Any, inputs: dict[str, Any]) -> str:
-        return stage_key(stage, inputs, fields, listed)
+        if not listed:
+            return stage_key(stage, inputs, fields)
+        from merge_engine.commands.input_folders import InputFolders
+
+        folders = InputFolders()
+        key = stage_key(stage, inputs, fields, listed, folders)
+        run_id = getattr(getattr(context, "task_run", None), "id", None)
+        if run_id is not None:
+            with _HANDED_LOCK:
+                _HANDED[run_id] = folders  # for `handed_folders` in this run's body
+                while len(_HANDED) > HANDED_RUNS:  # runs served from the cache never take theirs
+                    _HANDED.pop(next(iter(_HANDED)))
+        return key
 
     cache_key.__name__ = f"{stage}_cache_key"
     return cache_key

@@ -1,8 +1,9 @@
 """The publish task: staging + validation -> a release with manifest and ``_COMPLETE`` marker.
 
 Wraps `merge_engine.release.publish.publish` (copy with sha256, manifest, marker last, claims so that two
-publishers never both write). The task adds:
-- cache key: the output's fingerprint and kind, the release URL and the validation verdict;
+publishers never both write). Not cached itself and persisting nothing: the last stage nested in its output's
+chain (`flows.stages`), whose record is this task's `Release`; `release_current` tells whether such a record
+still describes the release. The task adds:
 - an output found already released (or a release that already holds this fingerprint) is returned
   as it is: nothing is copied twice. ``state``: the release's state as the flow read it at the chain's
   start (None: read here); a release published meanwhile by another run is found by the engine's publish,
@@ -25,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 import merge_engine
 from merge_engine import storage
@@ -33,8 +35,6 @@ from merge_engine.release.built import BuiltOutput
 from merge_engine.release.publish import Release, publish
 from merge_engine.release.state import ReleaseState, release_state, state_of, withdraw_damaged
 from merge_engine.validate import ValidationReport
-from tasks.cache import stage_cache_policy
-from tasks.result_records import RECORD_SERIALIZER
 from tasks.retry import RETRY_OPTIONS
 
 
@@ -48,10 +48,7 @@ def release_current(release: Release, inputs: dict[str, Any]) -> bool:
     return state is given and release_state(release.url).is_current(release.fingerprint, release.attempt)
 
 
-@task(name="publish-release",
-      cache_policy=stage_cache_policy("publish", ("output.fingerprint", "output.kind", "release", "validation.ok"),
-                                      still_valid=release_current),
-      persist_result=True, result_serializer=RECORD_SERIALIZER, **RETRY_OPTIONS)
+@task(name="publish-release", cache_policy=NO_CACHE, persist_result=False, **RETRY_OPTIONS)
 def publish_release(output: BuiltOutput, validation: ValidationReport, release: str,
                     options: Optional[dict[str, Any]] = None, overwrite: bool = False,
                     state: Optional[ReleaseState] = None) -> Release:

@@ -10,14 +10,14 @@ For a LoRA checkpoint (``checkpoint`` given, ``lora``) the fused model is also c
 model, PEFT's own model of the run rebuilt from the checkpoint
 (`merge_engine.validate.trained.check_against_trained`: ``trained_model``, ``trained_vs_fused``); a
 mismatch fails the record, so nothing is published. With ``forward`` off it is reported skipped.
-Cached on the output (its fingerprint and the attempt that produced it: rebuilt bytes are
-validated again) + settings, with the listing of ``reference_url`` (a reference rewritten in place
-is a new comparison).
+Not cached itself and persisting nothing: a stage nested in its output's chain (`flows.stages`), whose cache
+key holds the validation settings and the listing of ``reference_url`` (a reference rewritten in place is a
+new comparison).
 
 `validate_adapter` does the same for an adapter (`merge_engine.validate.adapter.validate_adapter`: PEFT
 loads it on its base, logits reproduce the released fused model's, allowing for the rounding of its
 dtype); given the checkpoint, it also compares PEFT(base/ + adapter) with the trained model PEFT rebuilds
-from the checkpoint: an adapter that is not the trained LoRA is not published. Cached likewise, with the
+from the checkpoint: an adapter that is not the trained LoRA is not published. Its chain's key holds the
 listing of ``fused_model_url``.
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Optional
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from merge_engine.release.built import BuiltOutput
 from merge_engine import storage
@@ -33,10 +34,8 @@ from merge_engine.release.state import ReleaseState, release_state, state_of
 from merge_engine.validate import Check, ValidationReport, validate_model
 from merge_engine.validate import adapter as adapter_validation
 from merge_engine.validate.trained import TRAINED, VS_ADAPTER, VS_FUSED, check_against_trained
-from tasks.cache import stage_cache_policy
 from tasks.checked import checked_checkpoint
 from tasks.records import CheckpointRecord, Settings
-from tasks.result_records import RECORD_SERIALIZER
 from tasks.retry import RETRY_OPTIONS
 
 
@@ -54,10 +53,7 @@ def released_validation(output: BuiltOutput, release: Optional[str],
     return recorded
 
 
-@task(name="validate-model",
-      cache_policy=stage_cache_policy("validate", ("output.fingerprint", "output.url", "output.attempt", "settings"),
-                                      listed=("settings.reference_url",)),
-      persist_result=True, result_serializer=RECORD_SERIALIZER, **RETRY_OPTIONS)
+@task(name="validate-model", cache_policy=NO_CACHE, persist_result=False, **RETRY_OPTIONS)
 def validate_output(output: BuiltOutput, settings: Settings, release: Optional[str] = None,
                     checkpoint: Optional[CheckpointRecord] = None, lora_alpha: Optional[float] = None,
                     config_url: Optional[str] = None, state: Optional[ReleaseState] = None) -> ValidationReport:
@@ -71,11 +67,7 @@ def validate_output(output: BuiltOutput, settings: Settings, release: Optional[s
                                          config_url=config_url))
 
 
-@task(name="validate-adapter",
-      cache_policy=stage_cache_policy("validate-adapter", ("output.fingerprint", "output.url", "output.attempt",
-                                                           "settings", "fused_model_url"),
-                                      listed=("fused_model_url",)),
-      persist_result=True, result_serializer=RECORD_SERIALIZER, **RETRY_OPTIONS)
+@task(name="validate-adapter", cache_policy=NO_CACHE, persist_result=False, **RETRY_OPTIONS)
 def validate_adapter(output: BuiltOutput, settings: Settings, fused_model_url: Optional[str] = None,
                      release: Optional[str] = None, checkpoint: Optional[CheckpointRecord] = None,
                      lora_alpha: Optional[float] = None, config_url: Optional[str] = None,

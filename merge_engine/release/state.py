@@ -17,8 +17,7 @@ steps are out.
 
 What the pipeline asks a `ReleaseState` (read once per flow run and output, then asked; `state_of` reuses
 a state read earlier for the same URL): `released_output` (a build already published here, or
-`TargetExists` for another one), `output_available` (is a cached build's output still in staging or
-here), `already_released` / `recorded_validation` (validate nothing: report what the manifest
+`TargetExists` for another one), `already_released` / `recorded_validation` (validate nothing: report what the manifest
 recorded) and `is_current` (is a cached publication still the one here).
 """
 
@@ -121,13 +120,6 @@ class ReleaseState:
                            tensors=int(provenance.get("tensors", 0)),
                            tensor_bytes=int(provenance.get("tensor_bytes", 0)), files=len(self.manifest.files),
                            total_bytes=self.manifest.total_bytes, released=True)
-
-    def output_available(self, output: BuiltOutput) -> bool:
-        """Is ``output`` (built for this release) still somewhere: its staging folder still holds files, or
-        this release holds its fingerprint? (A cached build whose output is gone must be built again.)"""
-        if not output.released and storage.list_files(output.url):
-            return True
-        return self.url == output.release_url and self.holds(output.fingerprint)
 
     def already_released(self, output: BuiltOutput) -> bool:
         """Are ``output``'s bytes in this release and no longer to validate in staging: it was found released,

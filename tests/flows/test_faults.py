@@ -107,7 +107,7 @@ def test_a_corrupted_shard_fails_without_retries_and_publishes_nothing(prefect, 
     runs = task_runs(str(failed_run.id))
     (check,) = runs["check-checkpoint"]
     assert check.state.name == "Failed" and check.run_count == 1  # CorruptShard: no retry
-    assert "merge-model" not in runs and "publish-release" not in runs
+    assert not {"model-release", "merge-model", "publish-release"} & set(runs)
 
     params = MergeStepParams(run_root=run_root, step=2, staging_root=str(staging))
     direct = merge_step(**params.flow_parameters(), return_state=True)

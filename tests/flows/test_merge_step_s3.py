@@ -4,8 +4,8 @@
   step was written from, bit for bit, that transformers loads with the model's own logits (judged from
   outside stepmerge, `tests.release_checks`); every file matches its manifest's sha256, with the
   validation report, a markdown artifact and a progress artifact that reached 100 %;
-- a re-run is a cache hit: every stage task is Cached and no byte of the checkpoint or the
-  release is read (every ranged read is counted; the only reads are small metadata files);
+- a re-run is a cache hit: the check and the output's chain are Cached, no stage in it runs, and no byte
+  of the checkpoint or the release is read (every ranged read is counted; the only reads are small metadata files);
 - deleting the release makes the next run rebuild it (the same weights again, judged from outside).
 """
 
@@ -23,7 +23,8 @@ from merge_engine.release.verify import verify_folder
 from tests.fixtures_pipeline import copy_steps, flow_run_id, latest_artifacts, task_runs
 from tests.release_checks import assert_release_of_step
 
-STAGE_TASKS = ("check-checkpoint", "merge-model", "validate-model", "publish-release")
+CHAIN_TASKS = ("merge-model", "validate-model", "publish-release")  # nested in the output's task, model-release
+STAGE_TASKS = ("check-checkpoint", "model-release", *CHAIN_TASKS)
 
 
 def _params(bucket: str, tmp_path, step: int = 1) -> MergeStepParams:
@@ -59,7 +60,7 @@ def test_an_s3_step_is_merged_validated_and_published_to_s3(prefect, template_ru
     assert manifest.options["source_listing"] and manifest.options["kind"] == "model"
     names = {e.path for e in storage.list_files(release)}
     assert {"config.json", "model.safetensors", "manifest.json", MARKER, "tokenizer.json"} <= names
-    assert {s.name for s in outcome.stages} >= {"discover", "check", "merge", "validate", "publish"}
+    assert [s.name for s in outcome.stages] == ["discover", "check", "model-release", "merge", "validate", "publish"]
 
     runs = task_runs(flow_run_id(state), STAGE_TASKS)
     assert all(runs[name][0].state.name == "Completed" for name in STAGE_TASKS)
@@ -81,8 +82,12 @@ def test_a_rerun_is_a_cache_hit_that_reads_no_weight_byte(prefect, template_run,
     outcome = state.result()
     assert outcome.cached and outcome.status == "already_published"
     assert outcome.releases[0].url == first.releases[0].url
-    runs = task_runs(flow_run_id(state), STAGE_TASKS)  # waits for the recorded states (events, after the call)
-    assert {name: runs[name][0].state.name for name in STAGE_TASKS} == dict.fromkeys(STAGE_TASKS, "Cached")
+    assert [(s.name, s.state) for s in outcome.stages] == [("discover", "Completed"), ("check", "Cached"),
+                                                           ("model-release", "Cached")]  # no stage nested in it ran
+    cached = ("check-checkpoint", "model-release")
+    runs = task_runs(flow_run_id(state), cached)  # waits for the recorded states (events, after the call)
+    assert {name: runs[name][0].state.name for name in cached} == dict.fromkeys(cached, "Cached")
+    assert not set(CHAIN_TASKS) & set(runs)
     assert weight_reads.reads == []  # not one ranged read: no checkpoint or model byte
     metadata = (MARKER, "manifest.json", "latest_checkpointed_iteration.txt")
     assert small and all(url.rsplit("/", 1)[-1] in metadata for url in small)
@@ -99,9 +104,9 @@ def test_deleting_the_release_makes_the_next_run_rebuild_it(prefect, template_ru
     state = merge_step(**_params(s3_bucket_url, tmp_path, 3).flow_parameters(), return_state=True)
     outcome = state.result()
     assert outcome.status == "published" and not outcome.cached
-    runs = task_runs(flow_run_id(state), ("check-checkpoint", "merge-model", "validate-model", "publish-release"))
+    runs = task_runs(flow_run_id(state), STAGE_TASKS)
     assert runs["check-checkpoint"][0].state.name == "Cached"  # same listing (the build checks its record again)
-    assert {runs[n][0].state.name for n in ("merge-model", "validate-model", "publish-release")} == {"Completed"}
+    assert {runs[n][0].state.name for n in ("model-release", *CHAIN_TASKS)} == {"Completed"}
     assert verify_folder(release).ok and read_manifest(release).attempt != attempt
     assert_release_of_step(release, template_run, 3)
 

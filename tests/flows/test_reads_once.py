@@ -309,9 +309,15 @@ def test_a_run_whose_check_is_cached_but_not_its_outputs_checks_the_step_again_o
         shutil.rmtree(release.url)
     file_reads.clear()
     ranged_reads.clear()
+    records = {p for p in prefect.results.iterdir() if p.is_file()}
     again = merge_step(**params)
     states = {stage.name: stage.state for stage in again.stages}
     assert states["check"] == "Cached" and states["merge"] == states["extract-adapter"] == "Completed", states
+    assert states["model-release"] == states["adapter-release"] == "Completed", states
+    # one result record per output: its chain's (`flows.stages.ReleasedOutput`); no stage of it keeps one
+    written = sorted(p.name.split("-")[1] for p in set(prefect.results.iterdir()) - records
+                     if p.name.startswith("stepmerge-"))
+    assert written == ["release", "release"], written
     assert again.status == "published" and len(again.releases) == 2
     counts = metadata_reads(file_reads, folder)
     headers = header_reads(ranged_reads, folder)
@@ -321,12 +327,13 @@ def test_a_run_whose_check_is_cached_but_not_its_outputs_checks_the_step_again_o
 
 
 @pytest.mark.parametrize("case", ["megatron_lora", "megatron_lora_dist"])
-def test_a_merge_step_run_lists_an_input_folder_twice_per_build_and_reads_its_config_once(
+def test_a_merge_step_run_lists_an_input_folder_once_per_build_and_reads_its_config_once(
         prefect, request, file_reads, tmp_path, monkeypatch, case):
     """The folder a LoRA step's builds read besides the step (``base_model``; ``hf_model_path`` for a step saving no
-    config) is listed twice per build, by the build's cache key (its content is part of the key) and by the job,
-    which reads it from that listing; its config.json is read once per build (main before this: a step's two builds
-    listed it 7 times, or 6, and read its config 3 times)."""
+    config) is listed once per build, by the output chain's cache key (its content is part of the key), whose
+    listing the job then reads by (`tasks.cache.handed_folders`); its config.json is read once per build (before:
+    listed twice per build, by the key and by the job; before issue 27's input folders a step's two builds listed
+    it 7 times, or 6, and read its config 3 times)."""
     from merge_engine.storage.backends.local import LocalBackend
 
     fixture, name, extra = EVERY_LAYOUT[case]
@@ -344,7 +351,7 @@ def test_a_merge_step_run_lists_an_input_folder_twice_per_build_and_reads_its_co
     file_reads.clear()
     outcome = merge_step(**params)
     assert outcome.status == "published" and len(outcome.releases) == 2  # two builds: the model, the adapter
-    assert listings.count(folder) == 2 * 2
+    assert listings.count(folder) == 2
     assert file_reads.count(storage.join(folder, "config.json")) == 2
 
 

@@ -1,9 +1,8 @@
-"""The stage chains: run in order, "cached" decided by the chain's own stages.
+"""The stage chains: one cached task each, its stages nested in it.
 
-Real Prefect tasks run by the real `StageTimer` on the test harness: a chain whose first stage
-computes while the rest are cache hits is NOT cached, however many stages it has (a rule that
-looked at "the last three stages run" got this wrong as soon as a stage was added). The chains'
-stage names are checked on real runs (tests/flows/test_release_reads.py, test_release_adapter.py).
+Real Prefect tasks run by the real `StageTimer` on the test harness: a chain's run is listed before the
+stages nested in it, which run (and are listed) only when the chain is not a cache hit. The chains' stage
+names are checked on real runs (tests/flows/test_release_reads.py, test_release_adapter.py).
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.stages import ChainRun, StageTimer
+from flows.stages import StageTimer
 from tasks.result_records import RECORD_SERIALIZER
 
 
@@ -20,36 +19,60 @@ def computes(value: str) -> str:
     return value + "+computed"
 
 
-@task(cache_key_fn=lambda context, inputs: f"test-stages-{inputs['value']}", persist_result=True,
+@task(cache_key_fn=lambda context, inputs: f"test-chain-{inputs['value']}", persist_result=True,
       result_serializer=RECORD_SERIALIZER)  # the flows' result storage reads no other record
-def cacheable(value: str) -> str:
-    return value + "+cacheable"
-
-
-def four_stages(timer: StageTimer, value: str) -> ChainRun:
-    """A chain written as the flows write theirs: each stage fed by the one before."""
-    first = len(timer.stages)
-    uploaded = timer.run("upload", computes, value)
-    output = timer.run("first", cacheable, uploaded)
-    validation = timer.run("second", cacheable, output)
-    released, published = timer.call("third", cacheable, validation)
-    return ChainRun(output, validation, released, tuple(timer.stages[first:]), published)
+def chain(value: str, timer: StageTimer) -> str:
+    """A chain written as the flows write theirs: one cached task, its stages nested and recorded by the timer."""
+    return timer.run("second", computes, timer.run("first", computes, value))
 
 
 @flow
 def run_twice(value: str):
     timer = StageTimer()
-    first, second = four_stages(timer, value), four_stages(timer, value)
-    return first, second, [run.name for run in timer.stages]
+    first, second = timer.run("chain", chain, value, timer), timer.run("chain", chain, value, timer)
+    return first, second, [(run.name, run.state) for run in timer.stages]
 
 
-def test_cached_means_every_stage_of_the_chain(prefect):
-    first, second, names = run_twice("x")
-    assert names == ["upload", "first", "second", "third"] * 2
-    assert second.release == "x+computed+cacheable+cacheable+cacheable"  # each fed by the one before
-    assert [run.cached for run in second.runs] == [False, True, True, True]
-    assert second.published is second.runs[-1] and second.published.cached  # the publish's own run
-    assert not first.cached and not second.cached  # the uncached first stage counts, wherever it is
+def test_a_chain_is_listed_before_its_stages_which_run_only_when_it_does(prefect):
+    first, second, runs = run_twice("x")
+    assert first == second == "x+computed+computed"  # each stage fed by the one before; the record read back
+    assert runs == [("chain", "Completed"), ("first", "Completed"), ("second", "Completed"), ("chain", "Cached")]
+
+
+def test_a_chains_key_follows_the_content_of_every_folder_it_depends_on(tmp_path):
+    """A replacement config (``hf_model_path``), a base (``base_model``), a reference (``reference_url``) and the
+    fused model an adapter is checked against (``fused_model_url``): each counts by its listing, not its name."""
+    from types import SimpleNamespace
+
+    from flows.stages import ReleaseInputs, release_chain
+    from merge_engine.release.folders import ADAPTER, MODEL
+    from tasks.records import SETTINGS_RECORDS, CheckpointRecord, StepRecord
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    checkpoint = CheckpointRecord(url="s3://b/run/global_step_3/actor", layout="fsdp", fingerprint="f" * 64, files=())
+    step = StepRecord(run_root="s3://b/run", step=3, role="actor", url=checkpoint.url, status="complete",
+                      layout="fsdp", fingerprint="s" * 64)
+    records = {name: SETTINGS_RECORDS[name]() for name in ("merge", "adapter", "validation", "execution")}
+
+    def key(kind: str, fused_model_url=None, **changes) -> str:
+        settings = {name: record.model_copy(update={k: v for k, v in changes.items() if k in type(record).model_fields})
+                    for name, record in records.items()}
+        inputs = ReleaseInputs(kind=kind, step=step, checkpoint=checkpoint, release="s3://b/rel", settings=settings,
+                               staging_root=None, options={}, fused_model_url=fused_model_url)
+        return release_chain.cache_policy.compute_key(SimpleNamespace(result_store=None),
+                                                      {"inputs": inputs, "timer": None, "state": None}, {})
+
+    def keys() -> tuple[str, ...]:
+        return (key(MODEL, hf_model_path=str(folder)), key(ADAPTER, base_model=str(folder)),
+                key(MODEL, reference_url=str(folder)), key(ADAPTER, fused_model_url=str(folder)))
+
+    before = keys()
+    assert before == keys() and len(set(before)) == 4  # stable while the folder is unchanged
+    assert key(MODEL) not in before
+    (folder / "config.json").write_text('{"rope_theta": 1000000}')  # same name, new content
+    assert all(a != b for a, b in zip(before, keys()))
 
 
 def test_a_task_run_twice_in_one_run_gets_a_second_name(prefect):

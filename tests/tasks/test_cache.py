@@ -64,45 +64,55 @@ def test_only_the_named_fields_count():
     assert stage_key("validate", {"output": output}, fields) != stage_key("publish", {"output": output}, fields)
 
 
-def _task_key(stage_task, **inputs) -> str:
-    """The key the task's own cache policy computes for these inputs (no result store: generation 0)."""
+def _policy_key(policy, **inputs) -> str:
+    """The key ``policy`` computes for these task inputs (no result store: generation 0; no task run)."""
     from types import SimpleNamespace
 
-    return stage_task.cache_policy.compute_key(SimpleNamespace(result_store=None), inputs, {})
+    return policy.compute_key(SimpleNamespace(result_store=None), inputs, {})
 
 
 def test_folders_named_by_url_count_by_their_content(tmp_path):
-    """hf_model_path (merge, extract) and reference_url (validate) are folders whose CONTENT decides
-    the output or the verdict: the key follows their listing, not just their name."""
-    from merge_engine.release.folders import ADAPTER, MODEL
-    from tasks.build import BuildSpec, extract_adapter, merge_model
-    from tasks.records import StepRecord
-    from tasks.validate import validate_output
+    """A folder whose CONTENT decides the output (a config folder, a base, a reference) counts by its listing, not
+    its name (the chains' folders: tests/flows/test_stages.py)."""
+    from tasks.cache import stage_cache_policy
 
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
-    output = BuiltOutput(kind="model", source_url="x", url="/stage/a", fingerprint="abc", attempt="1")
-    step = StepRecord(run_root="s3://b/run", step=3, role="actor", url=CHECKPOINT.url, status="complete",
-                      layout="fsdp", fingerprint="s" * 64)
-
-    def keys() -> tuple[str, ...]:
-        return (
-            _task_key(merge_model, spec=BuildSpec(MODEL, step.fingerprint, CHECKPOINT,
-                                                  MergeSettings(hf_model_path=str(folder))),
-                      release=RELEASE, staging_root=None),
-            _task_key(extract_adapter, spec=BuildSpec(ADAPTER, step.fingerprint, CHECKPOINT,
-                                                      AdapterSettings(hf_model_path=str(folder))),
-                      release=RELEASE + "-adapter", staging_root=None),
-            _task_key(extract_adapter, spec=BuildSpec(ADAPTER, step.fingerprint, CHECKPOINT,
-                                                      AdapterSettings(base_model=str(folder))),
-                      release=RELEASE + "-adapter", staging_root=None),
-            _task_key(validate_output, output=output, settings=ValidationSettings(reference_url=str(folder)),
-                      release=RELEASE),
-        )
-
-    before = keys()
-    assert before == keys()  # stable while the folder is unchanged
+    policy = stage_cache_policy("probe", ("x",), listed=("folder",))
+    before = _policy_key(policy, x=1, folder=str(folder))
+    assert before == _policy_key(policy, x=1, folder=str(folder))  # stable while the folder is unchanged
+    assert before != _policy_key(policy, x=1, folder=None)
     (folder / "config.json").write_text('{"rope_theta": 1000000}')  # same name, new content
-    after = keys()
-    assert all(a != b for a, b in zip(before, after))
+    assert _policy_key(policy, x=1, folder=str(folder)) != before
+
+
+def test_a_task_body_reads_its_folders_by_the_listing_its_key_took(prefect, tmp_path, monkeypatch):
+    """The folder is listed once per task run: by its key, whose listing the body takes (`handed_folders`);
+    outside a task run there is none."""
+    from prefect import flow, task
+
+    from merge_engine.storage.backends.local import LocalBackend
+    from tasks.cache import handed_folders, stage_cache_policy
+    from tasks.result_records import RECORD_SERIALIZER
+
+    folder = tmp_path / "base"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    listings: list[str] = []
+    list_files = LocalBackend.list_files
+    monkeypatch.setattr(LocalBackend, "list_files",
+                        lambda self, url, recursive: listings.append(url.rstrip("/")) or list_files(self, url, recursive))
+
+    @task(cache_policy=stage_cache_policy("handed", ("folder",), listed=("folder",)), persist_result=True,
+          result_serializer=RECORD_SERIALIZER)
+    def body(folder: str) -> str:
+        folders = handed_folders()
+        return ",".join(entry.path for entry in folders.files(folder)) if folders is not None else "none"
+
+    @flow
+    def run(folder: str) -> list:
+        return [body(folder), handed_folders() is None]
+
+    assert run(str(folder)) == ["config.json", True]
+    assert listings == [str(folder)]

@@ -199,32 +199,44 @@ def test_a_cached_check_naming_another_place_is_refused(forge, template_run, tmp
     assert error.value.path == forged_record.url
 
 
-@pytest.mark.parametrize("forge", ["other_bucket", "host_folder", "other_source", "other_release", "other_kind"])
-def test_a_cached_build_naming_another_place_is_refused(forge, tmp_path):
-    """A cached `BuiltOutput` is published from its URL: one naming another place is refused by the flow."""
+@pytest.mark.parametrize("forge", ["other_release", "host_folder", "other_source", "other_kind", "other_fingerprint"])
+def test_a_stored_release_record_of_another_output_is_not_used(forge, tmp_path):
+    """An output's one record (`flows.stages.ReleasedOutput`) says what was released where: one that is not of this
+    output is `UnsafeRecord` (the cache then runs the chain again), never reported as this output's release."""
+    from flows.stages import ReleasedOutput, ReleaseInputs, chain_current
     from merge_engine.release.built import BuiltOutput
     from merge_engine.release.folders import MODEL
-    from merge_engine.release.staging import staging_url
-    from tasks.build import BuildSpec, verified_output
+    from merge_engine.release.publish import Release
+    from merge_engine.release.state import release_state
+    from merge_engine.validate import ValidationReport
     from tasks.records import SETTINGS_RECORDS
 
     checkpoint = CheckpointRecord(url=str(tmp_path / "run/global_step_1/actor"), layout="fsdp", fingerprint="f",
                                   files=(("model_world_size_1_rank_0.pt", 10, "v"),))
-    spec = BuildSpec(MODEL, "listing", checkpoint, SETTINGS_RECORDS["merge"]())
-    release, staging = str(tmp_path / "releases/actor/global_step_1"), str(tmp_path / "staging")
-    good = BuiltOutput(kind=MODEL, source_url=checkpoint.url, url=staging_url(staging, release, "a" * 64),
-                       fingerprint="a" * 64, release=release)
-    assert verified_output(good, spec, release, staging) is good
-    forged_output = {
-        "other_bucket": lambda: dataclasses.replace(good, url="s3://another-bucket/model"),
-        "host_folder": lambda: dataclasses.replace(good, url="/root/.ssh", released=True),
-        "other_source": lambda: dataclasses.replace(good, source_url="s3://another-bucket/run/global_step_9/actor"),
-        "other_release": lambda: dataclasses.replace(good, release=release + "-other"),
-        "other_kind": lambda: dataclasses.replace(good, kind="adapter"),
+    step = StepRecord(run_root=str(tmp_path / "run"), step=1, role="actor", url=checkpoint.url, status="complete",
+                      layout="fsdp", fingerprint="s")
+    release = str(tmp_path / "releases/actor/global_step_1")
+    inputs = ReleaseInputs(kind=MODEL, step=step, checkpoint=checkpoint, release=release, staging_root=None,
+                           settings={name: SETTINGS_RECORDS[name]() for name in ("merge", "validation", "execution")},
+                           options={})
+    output = BuiltOutput(kind=MODEL, source_url=checkpoint.url, url=release, fingerprint="a" * 64, release=release,
+                         released=True)
+    good = ReleasedOutput(output, ValidationReport(release), Release(release, checkpoint.url, "a" * 64, "1", 1, 1,
+                                                                     "now", "attempt"))
+    parameters = {"inputs": inputs, "timer": None, "state": release_state(release)}
+    assert chain_current(good, parameters) is False  # of this output; nothing released there (yet)
+    forged_record = {
+        "other_release": lambda: dataclasses.replace(good, release=dataclasses.replace(good.release,
+                                                                                       url=release + "-other")),
+        "host_folder": lambda: dataclasses.replace(good, release=dataclasses.replace(good.release, url="/root/.ssh")),
+        "other_source": lambda: dataclasses.replace(good, output=dataclasses.replace(
+            output, source_url="s3://another-bucket/run/global_step_9/actor")),
+        "other_kind": lambda: dataclasses.replace(good, output=dataclasses.replace(output, kind="adapter")),
+        "other_fingerprint": lambda: dataclasses.replace(good, output=dataclasses.replace(output, fingerprint="b" * 64)),
     }[forge]()
     with pytest.raises(UnsafeRecord) as error:
-        verified_output(forged_output, spec, release, staging)
-    assert error.value.path == forged_output.url
+        chain_current(forged_record, parameters)
+    assert error.value.path == forged_record.release.url
 
 
 def test_plain_values_round_trip_and_only_as_their_own_type():

@@ -1,11 +1,11 @@
 """The stage tasks on a real checkpoint: small records in and out, cached by key, releases as the truth.
 
-A tiny flow chains discover -> check -> merge -> validate -> publish on a copy of a real 2-rank
-FSDP step. Checked: the records (and the result files Prefect writes for them) are small and hold
-no tensor; the release is verified byte for byte and holds the step's own weights and logits (judged from
-outside stepmerge, `tests.release_checks`); a second run is all cache hits and reads no
-checkpoint byte; with the cache lost but the release in place, nothing is merged again; results
-can live in S3.
+A tiny flow runs discover -> check -> the output's chain (merge -> validate -> publish, nested) on a copy of a
+real 2-rank FSDP step. Checked: the records (and the result files Prefect writes for them: one for the check,
+one for the output) are small and hold no tensor; the release is verified byte for byte and holds the step's
+own weights and logits (judged from outside stepmerge, `tests.release_checks`); a second run is two cache
+hits and reads no checkpoint byte; with the cache lost but the release in place, nothing is merged again;
+results can live in S3.
 """
 
 from __future__ import annotations
@@ -18,19 +18,19 @@ import pytest
 from prefect import flow, task
 from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
 
-from flows.stages import StageTimer
+from flows.stages import CHAIN_TASKS, ReleaseInputs, StageTimer
 from merge_engine import storage
 from merge_engine.release.folders import MODEL, release_url
 from merge_engine.release.manifest import read_manifest
+from merge_engine.release.state import release_state
 from merge_engine.release.verify import verify_folder
-from tasks import check_step, discover_steps, merge_model, publish_release, validate_output
-from tasks.build import BuildSpec
+from tasks import check_step, discover_steps, publish_release
 from tasks.cache import stage_cache_policy
 from tasks.records import SETTINGS_RECORDS
 from tests.fixtures_pipeline import copy_steps
 from tests.release_checks import assert_release_of_step
 
-STAGES = ("check", "merge", "validate", "publish")
+STAGES = ("check", "release")
 
 
 @flow
@@ -38,38 +38,41 @@ def chain(run_root: str, step: int, release_root: str, staging_root: str) -> dic
     found = discover_steps(run_root).find(step, "actor")
     release = release_url(release_root, "actor", step)
     states = {"check": check_step(found, None, return_state=True)}
-    checkpoint = states["check"].result()
-    states["merge"] = merge_model(BuildSpec(MODEL, found.fingerprint, checkpoint, SETTINGS_RECORDS["merge"]()), release,
-                                  staging_root, return_state=True)
-    output = states["merge"].result()
-    states["validate"] = validate_output(output, SETTINGS_RECORDS["validation"](), return_state=True)
-    states["publish"] = publish_release(output, states["validate"].result(), release, {"dtype": None},
-                                        return_state=True)
+    inputs = ReleaseInputs(kind=MODEL, step=found, checkpoint=states["check"].result(), release=release,
+                           settings={name: SETTINGS_RECORDS[name]() for name in ("merge", "validation", "execution")},
+                           staging_root=staging_root, options={"dtype": None})
+    states["release"] = CHAIN_TASKS[MODEL](inputs, StageTimer(), release_state(release), return_state=True)
     return {name: (state.name, state.result()) for name, state in states.items()}
+
+
+def result_records(prefect) -> set[Path]:
+    return {p for p in Path(prefect.results).rglob("*") if p.is_file() and ".locks" not in p.parts}
 
 
 def test_records_are_small_and_the_release_is_whole(prefect, template_run, tmp_path, weight_reads):
     run_root, releases = str(tmp_path / "run"), str(tmp_path / "releases")
     copy_steps(template_run, run_root, [1])
+    before = result_records(prefect)
     out = chain(run_root, 1, releases, str(tmp_path / "staging"))
     assert {name: state for name, (state, _) in out.items()} == dict.fromkeys(STAGES, "Completed")
     for name, (_, record) in out.items():
         assert len(pickle.dumps(record)) < 8_000, name
         assert "Tensor" not in repr(record)
-    result_files = [p for p in Path(prefect.results).rglob("*") if p.is_file() and ".locks" not in p.parts]
-    assert result_files and max(p.stat().st_size for p in result_files) < 20_000
+    written = result_records(prefect) - before
+    assert len(written) == 2  # one record for the check, one for the output: its stages persist nothing
+    assert max(p.stat().st_size for p in written) < 20_000
     assert weight_reads.bytes > 0  # the merge really read the checkpoint
 
-    release = out["publish"][1]
+    built, release = out["release"][1].output, out["release"][1].release
     assert release.url == release_url(releases, "actor", 1) and not release.already_published
     assert verify_folder(release.url).ok
     assert_release_of_step(release.url, template_run, 1)
     manifest = read_manifest(release.url)
-    assert manifest.fingerprint == out["merge"][1].fingerprint
+    assert manifest.fingerprint == built.fingerprint
     assert manifest.source == str(tmp_path / "run" / "global_step_1" / "actor")
     assert manifest.validation["ok"]
     assert {c["name"] for c in manifest.validation["checks"]} >= {"expected_keys", "forward"}
-    assert not storage.exists(out["merge"][1].url)  # staging removed once published
+    assert not storage.exists(built.url)  # staging removed once published
 
 
 def test_a_second_run_is_all_cache_hits_and_reads_nothing(prefect, template_run, tmp_path, weight_reads):
@@ -79,7 +82,7 @@ def test_a_second_run_is_all_cache_hits_and_reads_nothing(prefect, template_run,
     weight_reads.reads.clear()
     second = chain(run_root, 2, releases, staging)
     assert {name: state for name, (state, _) in second.items()} == dict.fromkeys(STAGES, "Cached")
-    assert second["publish"][1] == first["publish"][1]
+    assert second["release"][1] == first["release"][1]
     # no checkpoint byte is read; a LOCAL release is re-hashed to tell it is intact (issue 9 case 3:
     # its mtime is no checksum; object stores compare the store's versions instead and read nothing)
     assert weight_reads.reads and all(url.startswith(releases + os.sep) for url, _ in weight_reads.reads)
@@ -89,13 +92,13 @@ def test_with_the_cache_lost_an_existing_release_is_not_rebuilt(prefect, templat
     run_root, releases, staging = str(tmp_path / "run"), str(tmp_path / "releases"), str(tmp_path / "staging")
     copy_steps(template_run, run_root, [3])
     first = chain(run_root, 3, releases, staging)
-    created = read_manifest(first["publish"][1].url).created
+    created = read_manifest(first["release"][1].release.url).created
     with temporary_settings(updates={PREFECT_RESULTS_LOCAL_STORAGE_PATH: tmp_path / "fresh-cache"}):
         weight_reads.reads.clear()
         again = chain(run_root, 3, releases, staging)
-    assert again["merge"][0] == "Completed" and again["merge"][1].released
-    assert again["publish"][1].already_published
-    assert read_manifest(first["publish"][1].url).created == created
+    assert again["release"][0] == "Completed" and again["release"][1].output.released
+    assert again["release"][1].release.already_published
+    assert read_manifest(first["release"][1].release.url).created == created
     # only the deep check read rank-file headers (its cache was lost too), and the LOCAL release was
     # re-hashed ONCE to tell it intact (issue 9 case 3; remembered for the later questions of the run)
     assert all(url.endswith(".pt") for url in weight_reads.urls() if not url.startswith(releases))
@@ -146,8 +149,8 @@ def test_the_deep_check_runs_once_per_merge(prefect, template_run, tmp_path, mon
     run_root = str(tmp_path / "run")
     copy_steps(template_run, run_root, [1])
     out = chain(run_root, 1, str(tmp_path / "releases"), str(tmp_path / "staging"))
-    assert out["merge"][0] == "Completed" and verify_folder(out["publish"][1].url).ok
-    assert_release_of_step(out["publish"][1].url, template_run, 1)
+    assert out["release"][0] == "Completed" and verify_folder(out["release"][1].release.url).ok
+    assert_release_of_step(out["release"][1].release.url, template_run, 1)
     assert calls == [(str(tmp_path / "run" / "global_step_1" / "actor"), True)]
 
 
@@ -161,7 +164,7 @@ def test_a_release_of_other_content_is_refused_and_the_staging_folder_removed(pr
 
     run_root, releases = str(tmp_path / "run"), str(tmp_path / "releases")
     copy_steps(template_run, run_root, [1, 2])
-    published = chain(run_root, 1, releases, str(tmp_path / "staging"))["publish"][1]
+    published = chain(run_root, 1, releases, str(tmp_path / "staging"))["release"][1].release
     staged = str(tmp_path / "staging" / "other")
     result = merge_checkpoint(str(tmp_path / "run" / "global_step_2" / "actor"), staged, OutputOptions())
     output = BuiltOutput(kind="model", source_url=result.source_url, url=staged, fingerprint=result.fingerprint,
@@ -196,5 +199,5 @@ def test_staging_left_by_crashed_runs_is_swept(prefect, template_run, tmp_path):
     for path in (crashed / "sub" / "model-00001-of-00002.safetensors", crashed / "sub", crashed):
         os.utime(path, (old, old))
     out = chain(run_root, 1, releases, str(staging))
-    assert out["publish"][0] == "Completed"
+    assert out["release"][0] == "Completed"
     assert not crashed.exists() and busy.exists()

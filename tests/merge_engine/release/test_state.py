@@ -153,20 +153,6 @@ class TestWhatTheStagesAsk:
             state.released_output("model", "s3://run/a", "fp-2")
         assert state.released_output("model", "s3://run/a", "fp-2", overwrite=True) is None
 
-    def test_a_cached_output_is_available_while_in_staging_or_released(self, root_url):
-        release = release_url(root_url, "actor", 1)
-        staging = storage.join(root_url, "staging", "kept")
-        storage.write_bytes(storage.join(staging, "model.safetensors"), b"staged")
-        output = BuiltOutput("model", "s3://run/a", staging, "fp-1", release=release)
-        assert release_state(release).output_available(output)  # staging holds it
-        storage.remove(staging, recursive=True)
-        assert not release_state(release).output_available(output)  # gone from staging, never published
-        self.built(root_url, release)
-        assert release_state(release).output_available(output)
-        assert not release_state(release).output_available(BuiltOutput("model", "x", staging, "fp-2", release=release))
-        storage.remove(storage.join(release, "config.json"))
-        assert not release_state(release).output_available(output)  # damaged: build it again
-
     def test_an_output_already_released_reports_the_validation_its_manifest_recorded(self, root_url):
         release = release_url(root_url, "actor", 1)
         staging = storage.join(root_url, "staging", "kept")
