@@ -119,9 +119,10 @@ def lora_modules(factors: Mapping[str, Mapping[str, tuple[str, bool]]], metas: M
     return modules
 
 
-def open_safetensors(url: str) -> TensorSource:
-    """A lazy `TensorSource` over one safetensors file."""
-    handle = SafetensorsFile(url)
+def open_safetensors(url: str, entry: FileEntry | None = None) -> TensorSource:
+    """A lazy `TensorSource` over one safetensors file; ``entry``: its listing, every read pinned to that version
+    (`storage.RangeReader.listed`: `SourceChanged` once the file is rewritten)."""
+    handle = SafetensorsFile(url, storage.RangeReader.listed(url, entry) if entry is not None else None)
     tensors = {name: ConcatTensor(t.shape, t.dtype_name, 0, (t,)) for name, t in handle.tensors().items()}
     return AssembledSource(url, tensors, [handle])
 
@@ -137,7 +138,7 @@ def read_adapter(url: str, *, lora_alpha: float | None = None, config: Mapping[s
                  files: Sequence[FileEntry] | None = None) -> tuple[Adapter, TensorSource]:
     """Open the adapter folder at ``url``; ``lora_alpha`` replaces the config's (a lost alpha). ``config``: its
     ``adapter_config.json`` as the caller read it (`read_adapter_config`; None: read here); ``files``: its
-    listing as the caller made it (None: listed here)."""
+    listing as the caller made it (None: listed here); its weights are read pinned to that listing."""
     config = read_adapter_config(url) if config is None else dict(config)
     if lora_alpha is not None:
         config = {**config, "lora_alpha": lora_alpha}
@@ -145,12 +146,12 @@ def read_adapter(url: str, *, lora_alpha: float | None = None, config: Mapping[s
         raise AdapterError("lora_alpha is 0 or missing in adapter_config.json, so the adapter would do nothing "
                            "(verl's merger wrote 0 for months; the real value is lost): pass --lora-alpha", url)
     settings = LoraSettings.from_config(config, url)
-    names = {e.path for e in (storage.list_files(url, recursive=False) if files is None else files)}
-    if ADAPTER_WEIGHTS not in names:
+    listed = {e.path: e for e in (storage.list_files(url, recursive=False) if files is None else files)}
+    if ADAPTER_WEIGHTS not in listed:
         hint = " (adapter_model.bin is a pickle, which stepmerge does not load; save with safetensors)" \
-            if "adapter_model.bin" in names else ""
+            if "adapter_model.bin" in listed else ""
         raise AdapterError(f"no {ADAPTER_WEIGHTS}{hint}", url)
-    source = open_safetensors(storage.join(url, ADAPTER_WEIGHTS))
+    source = open_safetensors(storage.join(url, ADAPTER_WEIGHTS), listed[ADAPTER_WEIGHTS])
     try:
         adapter = describe_adapter(url, settings, source.metas())
     except Exception:

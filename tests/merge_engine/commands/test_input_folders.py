@@ -7,7 +7,8 @@ once, and read by that listing (`merge_engine.commands.input_folders`).
   (the base and each adapter; before: 3 and 2 listings) and an SVD extraction (the base and the fine-tune; before:
   2 and 2);
 - a base rewritten between the job's fingerprint and its reads fails the job (`SourceChanged`) instead of being
-  released under the fingerprint of the files it replaced (main before this: published, from the new base);
+  released under the fingerprint of the files it replaced (main before this: published, from the new base); so
+  does an adapter of ``merge-lora``;
 - a folder's top-level digest is what a listing of that level alone gives, on a local disk and on S3: the
   fingerprints of releases built before are unchanged.
 """
@@ -97,6 +98,25 @@ def test_a_base_rewritten_after_the_fingerprint_fails_the_job(lora_steps, tmp_pa
     with pytest.raises(SourceChanged):
         run_job(job)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("*.safetensors"))
+
+
+def test_an_adapter_rewritten_after_the_fingerprint_fails_merge_lora(lora_steps, tmp_path):
+    """``merge-lora`` reads each adapter's weights pinned to the listing its fingerprint took, as it reads the base
+    (main before this: the adapter's new factors were fused and released under the old fingerprint)."""
+    step = lora_steps["dense_tp2"]
+    adapter = tmp_path / "adapter"
+    shutil.copytree(step.step_dir / "model" / "huggingface" / "adapter", adapter)  # the run's PEFT export
+    job = CombineJob(str(step.base_dir), [str(adapter)], str(tmp_path / "fused"), OutputOptions())
+    job.fingerprint()
+    weights = adapter / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    name = next(n for n in sorted(tensors) if "lora_B" in n)
+    tensors[name] = tensors[name] + 1  # the same size, other factors
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(SourceChanged) as error:
+        run_job(job)
+    assert error.value.path == str(weights)
+    assert not (tmp_path / "fused").exists() or not any((tmp_path / "fused").glob("*.safetensors"))
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
