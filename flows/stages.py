@@ -295,5 +295,5 @@ def released_summary(report: ValidationReport, release_url: str) -> str:
 
 
 __all__ = ["StageRun", "ReleaseOutcome", "StepOutcome", "StageTimer", "ReadyCheckpoint", "ready_checkpoint",
-           "ReleaseInputs", "ReleasedOutput", "model_chain", "adapter_chain", "release_chain", "release_output", "MODEL",
-           "ADAPTER"]
+           "ReleaseInputs", "ReleasedOutput", "model_chain", "adapter_chain", "release_chain", "release_output",
+           "MODEL", "ADAPTER"]

@@ -40,7 +40,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from merge_engine.commands.input_folders import InputFolders
-
 from merge_engine.output.executors import executor_at
 from merge_engine.output.jobs import OutputJob, run_job
 from merge_engine.release.built import BuiltOutput

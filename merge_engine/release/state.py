@@ -17,8 +17,8 @@ steps are out.
 
 What the pipeline asks a `ReleaseState` (read once per flow run and output, then asked; `state_of` reuses
 a state read earlier for the same URL): `released_output` (a build already published here, or
-`TargetExists` for another one), `already_released` / `recorded_validation` (validate nothing: report what the manifest
-recorded) and `is_current` (is a cached publication still the one here).
+`TargetExists` for another one), `already_released` / `recorded_validation` (validate nothing: report what
+the manifest recorded) and `is_current` (is a cached publication still the one here).
 """
 
 from __future__ import annotations

@@ -101,8 +101,8 @@ def test_a_task_body_reads_its_folders_by_the_listing_its_key_took(prefect, tmp_
     (folder / "config.json").write_text("{}")
     listings: list[str] = []
     list_files = LocalBackend.list_files
-    monkeypatch.setattr(LocalBackend, "list_files",
-                        lambda self, url, recursive: listings.append(url.rstrip("/")) or list_files(self, url, recursive))
+    monkeypatch.setattr(LocalBackend, "list_files", lambda self, url, recursive:
+                        listings.append(url.rstrip("/")) or list_files(self, url, recursive))
 
     @task(cache_policy=stage_cache_policy("handed", ("folder",), listed=("folder",)), persist_result=True,
           result_serializer=RECORD_SERIALIZER)

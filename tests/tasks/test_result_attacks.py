@@ -232,7 +232,8 @@ def test_a_stored_release_record_of_another_output_is_not_used(forge, tmp_path):
         "other_source": lambda: dataclasses.replace(good, output=dataclasses.replace(
             output, source_url="s3://another-bucket/run/global_step_9/actor")),
         "other_kind": lambda: dataclasses.replace(good, output=dataclasses.replace(output, kind="adapter")),
-        "other_fingerprint": lambda: dataclasses.replace(good, output=dataclasses.replace(output, fingerprint="b" * 64)),
+        "other_fingerprint": lambda: dataclasses.replace(good, output=dataclasses.replace(output,
+                                                                                          fingerprint="b" * 64)),
     }[forge]()
     with pytest.raises(UnsafeRecord) as error:
         chain_current(forged_record, parameters)
