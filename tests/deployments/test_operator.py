@@ -172,6 +172,13 @@ def test_the_schedule_fires_and_workers_of_the_pools_merge_and_publish_the_exact
         merge = _deployment(client, "merge-step/gpu")
         (schedule,) = client.read_deployment_schedules(watch.id)
     assert schedule.active and schedule.schedule.interval == timedelta(seconds=600)  # prefect.yaml's
+    # the deploy's own first run ("first run now", `deployments.deploy`) holds the deployment's one concurrency slot
+    # while it runs: a scheduled run due meanwhile waits for the slot, and Prefect looks again only 30 s later
+    with op.client() as client:
+        deployed = [run for run in _runs(client, watch.id) if not run.auto_scheduled]
+    assert deployed, "the deploy made no first run of the watcher"
+    for run in deployed:
+        _final(op, run.id, "the deploy's first watcher run")
 
     def scheduled_at(tick: datetime) -> list:
         with op.client() as client:
