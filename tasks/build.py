@@ -14,7 +14,8 @@ the checked checkpoint and its settings.
   ``overwrite``: `TargetExists` at once, before a byte is read or staged (publishing would refuse it
   anyway, after the whole build).
 - Otherwise the engine's job writes the staging folder (atomically; a finished staging folder of the
-  same build is reused), with a progress artifact moving as bytes are written, from the checkpoint the
+  same build is reused, with the sha256 its shard jobs computed, kept beside it: publishing checks the staged
+  bytes against them; a folder without them is written again, `merge_engine.release.staging`), with a progress artifact moving as bytes are written, from the checkpoint the
   check task checked: in this run, as it is; served from the cache, checked again first (once per run), every
   fact the record states compared with the files (`tasks.checked`: a forged record fails, named). An adapter's
   config names the base as it will be published (``<release>/base``), written so by the job. Staging folders left by crashed runs are swept
@@ -33,7 +34,7 @@ the checked checkpoint and its settings.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from prefect import task
@@ -41,12 +42,13 @@ from prefect.cache_policies import NO_CACHE
 
 from merge_engine.commands.input_folders import InputFolders
 from merge_engine.output.executors import executor_at
-from merge_engine.output.jobs import OutputJob, run_job
+from merge_engine import storage
+from merge_engine.output.jobs import OutputJob, OutputResult, run_job
 from merge_engine.release.built import BuiltOutput
 from merge_engine.versions import require_tested_versions
 from merge_engine.release.folders import ADAPTER, MODEL
 from merge_engine.release.state import ReleaseState, state_of
-from merge_engine.release.staging import staging_url, sweep_stale_staging
+from merge_engine.release.staging import keep_checksums, kept_checksums, staging_url, sweep_stale_staging
 from tasks.checked import checked_checkpoint
 from tasks.progress import ProgressArtifact, release_artifact_key
 from tasks.records import SETTINGS_RECORDS, CheckpointRecord, Settings
@@ -112,8 +114,20 @@ def build_output(spec: BuildSpec, release: str, staging_root: Optional[str] = No
     progress = ProgressArtifact(release_artifact_key("progress", release), progress_title(spec, release))
     execution = execution or SETTINGS_RECORDS["execution"]()
     executor = executor_at(task_executor_address(execution.workers, execution.ray_address))
-    result = run_job(job, on_bytes=progress.on_bytes, on_plan=progress.on_plan,
-                     executor=executor)
+
+    def build() -> OutputResult:
+        return run_job(job, on_bytes=progress.on_bytes, on_plan=progress.on_plan, executor=executor)
+
+    result = build()
+    if result.skipped:  # a finished staging folder of this build, left by a run whose publish failed
+        kept = kept_checksums(target, fingerprint)
+        if kept is None:  # publishing could not check its bytes against what was written: write them again
+            storage.remove(target, recursive=True)
+            result = build()
+        else:
+            result = replace(result, checksums=kept)
+    if not result.skipped:
+        keep_checksums(target, fingerprint, result.checksums)
     progress.finish()
     return BuiltOutput.from_result(spec.kind, result, release)
 

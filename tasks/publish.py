@@ -33,6 +33,7 @@ from merge_engine import storage
 from merge_engine.errors import TargetExists
 from merge_engine.release.built import BuiltOutput
 from merge_engine.release.publish import Release, publish
+from merge_engine.release.staging import drop_checksums
 from merge_engine.release.state import ReleaseState, release_state, state_of, withdraw_damaged
 from merge_engine.validate import ValidationReport
 from tasks.retry import RETRY_OPTIONS
@@ -61,11 +62,13 @@ def publish_release(output: BuiltOutput, validation: ValidationReport, release: 
         raise FileNotFoundError(f"{output.url} no longer holds release {output.fingerprint[:12]}; run the step "
                                 "again to rebuild it")
     try:
-        published = publish(output.url, release, source=output.source_url, fingerprint=output.fingerprint,
-                            options=dict(options or {}), validation=validation,
-                            engine_version=merge_engine.__version__, overwrite=overwrite,
-                            checksums=dict(output.checksums))
+        return publish(output.url, release, source=output.source_url, fingerprint=output.fingerprint,
+                       options=dict(options or {}), validation=validation,
+                       engine_version=merge_engine.__version__, overwrite=overwrite,
+                       checksums=dict(output.checksums))
     except TargetExists:
         storage.remove(output.url, recursive=True)  # refused: this staging folder will never be published
         raise
-    return published
+    finally:
+        if not storage.list_files(output.url):  # published or removed: its kept checksums go with it
+            drop_checksums(output.url)

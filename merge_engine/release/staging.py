@@ -3,11 +3,17 @@ validation reads it there, publishing uploads it once. `staging_url` derives a n
 fingerprint, so a retry after a crash finds (and the engine reuses) a finished merge. Publishing removes its
 staging folder (also when it refuses); a folder of ours that nobody has written to for `STALE_STAGING_S` is
 removed by the next merge into the same staging root (`sweep_stale_staging`).
+
+Beside a staging folder, in a sibling folder ``<staging>.stepmerge-sums``, the build keeps the sha256 its shard
+jobs computed of every weight file and index while writing them (`keep_checksums`). A run that reuses the
+staging folder (an earlier run's publish failed) takes them back (`kept_checksums`), so publishing still checks
+the staged bytes against what was written, not against themselves; without them the folder is not reused.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -17,6 +23,8 @@ import time
 from typing import Optional
 
 from merge_engine import storage
+from merge_engine.errors import StepmergeError
+from merge_engine.formats.json_file import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +42,40 @@ def staging_url(staging_root: Optional[str], release: str, fingerprint: str) -> 
     root = staging_root or default_staging_root()
     digest = hashlib.sha256(release.encode()).hexdigest()[:16]
     return storage.join(root, f"{digest}-{fingerprint[:16]}")
+
+
+SUMS_SUFFIX = ".stepmerge-sums"  # the sibling folder of a staging folder holding its checksums
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _sums_url(staging: str) -> str:
+    return storage.join(staging.rstrip("/") + SUMS_SUFFIX, "checksums.json")
+
+
+def keep_checksums(staging: str, fingerprint: str, checksums: tuple[tuple[str, str], ...]) -> None:
+    """Keep the shard jobs' ``checksums`` ((file, sha256) pairs) of the staging folder of build ``fingerprint``."""
+    document = {"fingerprint": fingerprint, "checksums": [list(pair) for pair in checksums]}
+    storage.write_bytes(_sums_url(staging), json.dumps(document).encode())
+
+
+def kept_checksums(staging: str, fingerprint: str) -> Optional[tuple[tuple[str, str], ...]]:
+    """The checksums kept for the staging folder of build ``fingerprint``; None when none are kept, or they are of
+    another build, or not a list of (file, sha256) pairs."""
+    try:
+        document = read_json_object(_sums_url(staging))
+    except StepmergeError:
+        return None
+    pairs = document.get("checksums") if document and document.get("fingerprint") == fingerprint else None
+    if not isinstance(pairs, list) or not all(
+            isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and isinstance(pair[1], str)
+            and _SHA256.match(pair[1]) for pair in pairs):
+        return None
+    return tuple((name, digest) for name, digest in pairs)
+
+
+def drop_checksums(staging: str) -> None:
+    """Remove the checksums kept beside ``staging`` (its folder published or removed)."""
+    storage.remove(staging.rstrip("/") + SUMS_SUFFIX, recursive=True)
 
 
 def _newest_mtime(path: str) -> float:

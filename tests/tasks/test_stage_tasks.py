@@ -202,3 +202,59 @@ def test_staging_left_by_crashed_runs_is_swept(prefect, template_run, tmp_path):
     out = chain(run_root, 1, releases, str(staging))
     assert out["release"][0] == "Completed"
     assert not crashed.exists() and busy.exists()
+
+
+@pytest.fixture
+def failing_publish(monkeypatch):
+    """The next publish fails (not a transient fault: not retried), as a store down for longer than the retries."""
+    import tasks.publish
+
+    real = tasks.publish.publish
+
+    def fails(*args, **kwargs):
+        monkeypatch.setattr(tasks.publish, "publish", real)
+        raise RuntimeError("the release store is down")
+
+    monkeypatch.setattr(tasks.publish, "publish", fails)
+
+
+@pytest.mark.parametrize("case", ["as_written", "rewritten", "no_checksums"])
+def test_a_staging_folder_left_by_a_failed_publish_is_published_only_as_its_shard_jobs_wrote_it(
+        prefect, template_run, tmp_path, failing_publish, monkeypatch, case):
+    """A run whose publish failed leaves its staging folder, and beside it the sha256 its shard jobs computed. The
+    next run reuses the folder without merging again, and its publish checks the staged bytes against those sums:
+    a file changed meanwhile (same size, other bytes) is `ChecksumMismatch`, nothing published; a folder without
+    its sums is written again."""
+    import tasks.build
+    from merge_engine.errors import ChecksumMismatch
+    from merge_engine.release.staging import SUMS_SUFFIX
+
+    run_root, releases, staging = str(tmp_path / "run"), str(tmp_path / "releases"), str(tmp_path / "staging")
+    copy_steps(template_run, run_root, [1])
+    with pytest.raises(RuntimeError, match="store is down"):
+        chain(run_root, 1, releases, staging)
+    (staged,) = [p for p in Path(staging).iterdir() if not p.name.endswith(SUMS_SUFFIX)]
+    assert (staged.parent / (staged.name + SUMS_SUFFIX) / "checksums.json").is_file()
+    weights = staged / "model.safetensors"
+    if case == "rewritten":
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 0xFF  # the last byte of the last tensor: the same size, another value
+        weights.write_bytes(bytes(data))
+    elif case == "no_checksums":
+        storage.remove(str(staged) + SUMS_SUFFIX, recursive=True)
+    builds = []
+    real_run_job = tasks.build.run_job
+    monkeypatch.setattr(tasks.build, "run_job", lambda job, **kw: builds.append(real_run_job(job, **kw)) or builds[-1])
+
+    if case == "rewritten":
+        with pytest.raises(ChecksumMismatch):
+            chain(run_root, 1, releases, staging)
+        assert not storage.exists(release_url(releases, "actor", 1) + "/_COMPLETE")
+        assert [b.skipped for b in builds] == [True]
+    else:
+        out = chain(run_root, 1, releases, staging)
+        release = out["release"][1].release
+        assert verify_folder(release.url).ok
+        assert_release_of_step(release.url, template_run, 1)
+        assert [b.skipped for b in builds] == ([True] if case == "as_written" else [True, False])
+    assert not list(Path(staging).iterdir())  # the staging folder and its sums: published, or removed
