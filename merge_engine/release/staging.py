@@ -91,8 +91,8 @@ def _newest_mtime(path: str) -> float:
 
 def sweep_stale_staging(staging_root: Optional[str], keep: str = "", stale_s: Optional[float] = None) -> list[str]:
     """Remove staging folders of ours under a LOCAL ``staging_root`` not written to for ``stale_s``
-    (default `STALE_STAGING_S`), except ``keep``; only names `staging_url` (or the engine's temp
-    siblings) give are touched. Returns the removed paths. Remote staging roots are left alone."""
+    (default `STALE_STAGING_S`), except ``keep`` and its checksums; only names `staging_url` (or the engine's temp
+    siblings, or `keep_checksums`) give are touched. Returns the removed paths. Remote staging roots are left alone."""
     root = staging_root or default_staging_root()
     if not storage.is_local(root):
         return []
@@ -106,7 +106,7 @@ def sweep_stale_staging(staging_root: Optional[str], keep: str = "", stale_s: Op
         return []
     for name in names:
         path = os.path.join(root, name)
-        if name == keep_name or not _STAGING_NAME.match(name) or not os.path.isdir(path):
+        if name in (keep_name, keep_name + SUMS_SUFFIX) or not _STAGING_NAME.match(name) or not os.path.isdir(path):
             continue
         try:
             if _newest_mtime(path) < limit:
