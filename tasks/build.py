@@ -13,13 +13,15 @@ the checked checkpoint and its settings.
 - A release built from something else (the step was rewritten since, or other options) without
   ``overwrite``: `TargetExists` at once, before a byte is read or staged (publishing would refuse it
   anyway, after the whole build).
-- Otherwise the engine's job writes the staging folder (atomically; a finished staging folder of the
-  same build is reused, with the sha256 its shard jobs computed, kept beside it: publishing checks the staged
-  bytes against them; a folder without them is written again, `merge_engine.release.staging`), with a progress artifact moving as bytes are written, from the checkpoint the
-  check task checked: in this run, as it is; served from the cache, checked again first (once per run), every
-  fact the record states compared with the files (`tasks.checked`: a forged record fails, named). An adapter's
-  config names the base as it will be published (``<release>/base``), written so by the job. Staging folders left by crashed runs are swept
-  first (`merge_engine.release.staging.sweep_stale_staging`).
+- Otherwise the engine's job writes the staging folder (atomically), with a progress artifact moving as bytes
+  are written, from the checkpoint the check task checked: in this run, as it is; served from the cache,
+  checked again first (once per run), every fact the record states compared with the files (`tasks.checked`:
+  a forged record fails, named). An adapter's config names the base as it will be published
+  (``<release>/base``), written so by the job. Staging folders left by crashed runs are swept first
+  (`merge_engine.release.staging.sweep_stale_staging`).
+- A finished staging folder of the same build (an earlier run's publish failed) is reused, with the sha256 its
+  shard jobs computed, kept beside it: publishing checks the staged bytes against them. A folder without them
+  is written again (`merge_engine.release.staging`).
 - ``state``: the release's state as the flow read it at the chain's start (`flows.stages`): the build asks it
   instead of reading the release again (None: read here, once). ``folders``: the listings of the input
   folders the chain's cache key took (`tasks.cache.handed_folders`): the job reads by them, so the release's
@@ -27,8 +29,8 @@ the checked checkpoint and its settings.
 - Where the shard jobs run (``execution``, never part of a cache key: it changes no byte): Prefect
   task runs on a Ray cluster when a Ray address is configured (the flow's ``ray_address``, else
   ``STEPMERGE_RAY_ADDRESS`` in the worker's environment; `tasks.shard_runs.task_executor_address`), else
-  ``workers`` threads here (None: one per core). The output carries the shard jobs' sha256 of every weight file and index
-  (``checksums``): publishing checks the bytes it copies against them.
+  ``workers`` threads here (None: one per core). The output carries the shard jobs' sha256 of every weight
+  file and index (``checksums``): publishing checks the bytes it copies against them.
 - Retries: transient storage faults only; named errors (corrupt shard, ...) fail at once.
 """
 
