@@ -32,6 +32,7 @@ release whose step was rewritten since (its listing differs from the one recorde
 is reported, and re-merged only with ``overwrite``.
 """
 
+import datetime as dt
 import hashlib
 import time
 from typing import List, Optional
@@ -172,6 +173,7 @@ def watch(params: WatchParams) -> WatchOutcome:
     """The body of `merge_new_steps` (inside a flow run)."""
     logger = get_run_logger()
     started = time.perf_counter()
+    listed_at = dt.datetime.now(dt.timezone.utc)  # a run that ended after this cannot be judged by this listing
     published = list(find_published(params.release_root_url))
     discovery = discover_steps(params.run_root, tuple(params.roles), settled_steps(published, params))
     todo, changed, waiting = plan_steps(list(discovery.steps), published, params)
@@ -191,7 +193,7 @@ def watch(params: WatchParams) -> WatchOutcome:
             try:
                 run = submit_step_run(params.merge_deployment, step_params.flow_parameters(),
                                       step_key(step.run_root, step.role, step.step), listing=step.fingerprint,
-                                      tags=run_tags(step.run_root, step.role, step.step))
+                                      tags=run_tags(step.run_root, step.role, step.step), listed_at=listed_at)
             except Exception as exc:  # noqa: BLE001 - one step's trouble must not stop the others
                 logger.warning("could not submit step %s (%s): %s", step.step, step.role or "sft", exc)
                 outcome.actions.append(StepAction(step=step.step, role=step.role, action="error",

@@ -15,7 +15,10 @@ Whether a finished run is followed by another (`decide`):
   (a checkpoint rewritten, or one whose last file was still being written);
 - Completed: for the watcher, the step still lacks a release (it only submits those): the release
   was deleted since, so a new run — at most `MAX_RUNS_PER_LISTING` in a row for one listing, then it
-  is given up (a run that completes without publishing would otherwise repeat every tick). For the
+  is given up (a run that completes without publishing would otherwise repeat every tick). Unless the
+  run ended after the watcher listed the releases (``listed_at``, less `CLOCK_MARGIN_S` for the server's
+  clock): that listing cannot show its release, so it is the step's run, and the next tick looks again
+  (before: a run that published while the tick ran was followed by a second, needless run). For the
   webhook (``rebuild_completed=False``) a completed run is the answer to a redelivered call;
 - Failed or Crashed (outage longer than the task retries, a bug since fixed, a worker killed):
   resubmitted after a pause of ``RESUBMIT_BASE_DELAY_S * 2**(n-1)`` from the end of the n-th failed
@@ -37,6 +40,7 @@ from flows.step_keys import resubmission_key
 MAX_KEY_CHAIN = 100
 MAX_RUNS_PER_LISTING = 3
 RESUBMIT_BASE_DELAY_S = float(os.environ.get("STEPMERGE_RESUBMIT_BASE_DELAY_S", "600"))
+CLOCK_MARGIN_S = 60.0  # how far the server's clock (a run's end) may be behind the watcher's (its listing)
 LISTING_TAG_PREFIX = "stepmerge-listing:"
 STATES_FAILED = ("FAILED", "CRASHED")
 
@@ -87,8 +91,10 @@ def _runs_in_a_row(chain: Sequence[Any], listing: Optional[str], state: str) -> 
     return count
 
 
-def decide(chain: Sequence[Any], listing: Optional[str], now: dt.datetime, rebuild_completed: bool) -> Decision:
-    """The rule of the module docstring for ``chain[-1]`` (``chain``: the step's runs, oldest first)."""
+def decide(chain: Sequence[Any], listing: Optional[str], now: dt.datetime, rebuild_completed: bool,
+           listed_at: Optional[dt.datetime] = None) -> Decision:
+    """The rule of the module docstring for ``chain[-1]`` (``chain``: the step's runs, oldest first; ``listed_at``:
+    when the watcher listed the releases that say the step is unpublished)."""
     last = chain[-1]
     state = _state_type(last)
     if state not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
@@ -102,6 +108,8 @@ def decide(chain: Sequence[Any], listing: Optional[str], now: dt.datetime, rebui
     if state == "COMPLETED":
         if not rebuild_completed:
             return Decision("use", "completed")
+        if listed_at is not None and _ended(last) >= listed_at - dt.timedelta(seconds=CLOCK_MARGIN_S):
+            return Decision("use", "completed while this tick ran; its release is looked at next tick")
         if in_a_row >= MAX_RUNS_PER_LISTING:
             return Decision("give_up", f"{in_a_row} runs in a row completed without leaving the step published")
         return Decision("resubmit", "completed, but the step is not published (its release was deleted since)")
@@ -133,9 +141,10 @@ class SubmittedRun(BaseModel):
 
 
 def submit_chain(create: Callable[[str], Any], key: str, listing: Optional[str] = None,
-                 rebuild_completed: bool = True, now: Optional[dt.datetime] = None) -> SubmittedRun:
+                 rebuild_completed: bool = True, now: Optional[dt.datetime] = None,
+                 listed_at: Optional[dt.datetime] = None) -> SubmittedRun:
     """Walk the step's chain from ``key`` with ``create(key) -> flow run`` (create-or-get by idempotency
-    key) and return the run to report (see the module docstring)."""
+    key) and return the run to report (see the module docstring; ``listed_at``: `decide`'s)."""
     now = now or dt.datetime.now(dt.timezone.utc)
     chain: List[Any] = []
     current = key
@@ -143,7 +152,7 @@ def submit_chain(create: Callable[[str], Any], key: str, listing: Optional[str] 
         run = create(current)
         chain.append(run)
         created = getattr(run, "id", None)
-        decision = decide(chain, listing, now, rebuild_completed)
+        decision = decide(chain, listing, now, rebuild_completed, listed_at)
         name = run.state.name if getattr(run, "state", None) is not None else "Scheduled"
         common = dict(flow_run_id=str(created), flow_run_name=str(getattr(run, "name", "") or ""),
                       idempotency_key=current, state=name, resubmitted=len(chain) > 1)
@@ -166,8 +175,10 @@ def submit_chain(create: Callable[[str], Any], key: str, listing: Optional[str] 
 
 
 def submit_step_run(deployment: str, parameters: dict, key: str, listing: Optional[str] = None,
-                    as_subflow: bool = True, tags: Sequence[str] = ()) -> SubmittedRun:
-    """The watcher's submission of one step to ``deployment`` (tagged with its ``listing`` and ``tags``)."""
+                    as_subflow: bool = True, tags: Sequence[str] = (),
+                    listed_at: Optional[dt.datetime] = None) -> SubmittedRun:
+    """The watcher's submission of one step to ``deployment`` (tagged with its ``listing`` and ``tags``;
+    ``listed_at``: when the watcher listed the releases, `decide`)."""
     from prefect.deployments import run_deployment
 
     tags = [*tags, *([listing_tag(listing)] if listing else [])] or None
@@ -176,4 +187,4 @@ def submit_step_run(deployment: str, parameters: dict, key: str, listing: Option
         return run_deployment(deployment, parameters=parameters, idempotency_key=current, timeout=0,
                               as_subflow=as_subflow, tags=tags)
 
-    return submit_chain(create, key, listing=listing, rebuild_completed=True)
+    return submit_chain(create, key, listing=listing, rebuild_completed=True, listed_at=listed_at)

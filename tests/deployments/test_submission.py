@@ -6,7 +6,8 @@ that looks at the same finished run derives the same key and the next run is cre
 
 - the same step submitted twice (two watcher ticks while a merge is pending) is one flow run;
 - a run that completed although the step is unpublished (its release was deleted since) is followed
-  by exactly one new run;
+  by exactly one new run; one that completed after the watcher listed the releases is not (the listing
+  could not show its release);
 - a FAILED run is resubmitted when the step's listing changed since it was submitted (the
   checkpoint was rewritten, or was still being written), and otherwise a bounded number of times
   with a growing pause (outages longer than the task retries; a fixed bug); then it is given up
@@ -61,6 +62,15 @@ class TestDecide:
         chain = [_fake(Completed(), "a", NOW)]
         assert decide(chain, "a", NOW, rebuild_completed=True).action == "resubmit"
         assert decide(chain, None, NOW, rebuild_completed=False).action == "use"
+
+    def test_a_run_completed_after_the_watcher_listed_the_releases_is_not_rebuilt(self):
+        """The watcher's listing was taken before the run published: it cannot tell a deleted release from one it
+        did not see yet, so the run stands and the next tick looks again (before: a second, needless run)."""
+        chain = [_fake(Completed(), "a", NOW)]
+        listed_before = NOW - dt.timedelta(seconds=5)
+        assert decide(chain, "a", NOW, rebuild_completed=True, listed_at=listed_before).action == "use"
+        listed_after = NOW + dt.timedelta(seconds=submission.CLOCK_MARGIN_S + 1)
+        assert decide(chain, "a", NOW, rebuild_completed=True, listed_at=listed_after).action == "resubmit"
 
     def test_a_failed_run_of_another_listing_is_resubmitted_at_once(self):
         for state in (Failed(), Crashed(), Cancelled()):
