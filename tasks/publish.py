@@ -30,7 +30,7 @@ from prefect.cache_policies import NO_CACHE
 
 import merge_engine
 from merge_engine import storage
-from merge_engine.errors import TargetExists
+from merge_engine.errors import ChecksumMismatch, TargetExists, ValidationFailed
 from merge_engine.release.built import BuiltOutput
 from merge_engine.release.publish import Release, publish
 from merge_engine.release.staging import drop_checksums
@@ -62,13 +62,16 @@ def publish_release(output: BuiltOutput, validation: ValidationReport, release: 
         raise FileNotFoundError(f"{output.url} no longer holds release {output.fingerprint[:12]}; run the step "
                                 "again to rebuild it")
     try:
-        return publish(output.url, release, source=output.source_url, fingerprint=output.fingerprint,
-                       options=dict(options or {}), validation=validation,
-                       engine_version=merge_engine.__version__, overwrite=overwrite,
-                       checksums=dict(output.checksums))
+        published = publish(output.url, release, source=output.source_url, fingerprint=output.fingerprint,
+                            options=dict(options or {}), validation=validation,
+                            engine_version=merge_engine.__version__, overwrite=overwrite,
+                            checksums=dict(output.checksums))
     except TargetExists:
         storage.remove(output.url, recursive=True)  # refused: this staging folder will never be published
+        drop_checksums(output.url)
         raise
-    finally:
-        if not storage.list_files(output.url):  # published or removed: its kept checksums go with it
-            drop_checksums(output.url)
+    except (ValidationFailed, ChecksumMismatch):  # the engine removed the staging folder
+        drop_checksums(output.url)
+        raise
+    drop_checksums(output.url)  # published: the staging folder is gone, its kept checksums with it
+    return published
