@@ -16,6 +16,7 @@ cache. ``rm -rf demo`` starts over.
 import argparse
 import contextlib
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -199,7 +200,7 @@ def main(argv: List[str] = None) -> int:
     if not args.s3:
         releases = (DEMO_DIR / "releases").resolve()
         run_demo(str(run_dir), str(releases))
-        print(next_steps(str(releases), api, temporary))
+        print(next_steps(str(releases), api, temporary, command_prefix()))
         return 0
 
     from merge_engine import storage
@@ -215,24 +216,50 @@ def main(argv: List[str] = None) -> int:
         print(f"== SeaweedFS at {server.endpoint_url}: uploaded {len(files)} files to {run_root} "
               f"in {time.perf_counter() - started:.1f} s")
         run_demo(run_root, f"{bucket}/releases")
-    print(next_steps(f"{bucket}/releases (in the demo's SeaweedFS server, stopped now)", api, temporary))
+    print(next_steps(f"{bucket}/releases (in the demo's SeaweedFS server, stopped now)", api, temporary,
+                     command_prefix()))
     return 0
 
 
-def next_steps(releases: str, api: str, temporary: bool) -> str:
-    """What to do after the demo: where its releases are, where its runs can be seen, how to go on."""
+def command_prefix() -> str:
+    """The prefix that makes this environment's commands (``stepmerge``, ``prefect``) run as printed.
+
+    Returns:
+        ``""`` when the shell's PATH already finds this environment's ``stepmerge``; otherwise the folder of
+        this Python's scripts with a trailing slash, relative to the current folder when it lies under it
+        (``.venv/bin/`` after ``make demo``).
+    """
+    scripts = Path(sys.executable).parent
+    found = shutil.which("stepmerge")
+    if found is not None and Path(found).parent.resolve() == scripts.resolve():
+        return ""
+    with contextlib.suppress(ValueError):
+        return f"{scripts.absolute().relative_to(Path.cwd())}/"
+    return f"{scripts.absolute()}/"
+
+
+def next_steps(releases: str, api: str, temporary: bool, bin_prefix: str = "") -> str:
+    """What to do after the demo: where its releases are, where its runs can be seen, how to go on.
+
+    Args:
+        releases: where the demo published its releases.
+        api: the Prefect API the demo used.
+        temporary: whether that server stopped with the demo.
+        bin_prefix: put before each command so that it runs as printed (`command_prefix`).
+    """
     ui = api.rstrip("/").removesuffix("/api")
     if temporary:
         seen = (f"   the runs were recorded by a temporary Prefect server ({ui}), stopped with the demo: to browse\n"
-                f"   them in the UI, start `prefect server start` in another terminal, then run\n"
+                f"   them in the UI, start `{bin_prefix}prefect server start` in another terminal, then run\n"
                 f"   PREFECT_API_URL=http://127.0.0.1:4200/api make demo  and open http://127.0.0.1:4200/runs")
     else:
         seen = f"   the runs: {ui}/runs (tagged run:<run root>; each has a summary artifact)"
     return "\n".join([
         "\n== next",
-        f"   the releases: {releases}  (check one: stepmerge verify <release folder>)",
+        f"   the releases: {releases}  (check one: {bin_prefix}stepmerge verify <release folder>)",
         seen,
-        "   your own run: stepmerge discover --run-root <run root>; to merge every new step as training goes,",
+        f"   your own run: {bin_prefix}stepmerge discover --run-root <run root>; to merge every new step as "
+        "training goes,",
         "   deploy the pipeline: deployments/README.md (server, work pools, workers, make deploy)",
     ])
 

@@ -51,3 +51,24 @@ def test_the_demo_ends_with_the_next_step_and_no_dead_url():
     assert "deployments/README.md" in temporary and "stepmerge verify" in temporary
     kept = next_steps("/x/demo/releases", "http://prefect:4200/api", temporary=False)
     assert "http://prefect:4200/runs" in kept and "stopped" not in kept
+
+
+def test_the_commands_the_demo_prints_run_as_printed_in_a_fresh_shell(tmp_path, monkeypatch):
+    """A fresh shell after ``make demo`` has no ``.venv/bin`` on its PATH: each printed command carries the folder
+    of this environment's scripts, and runs from there."""
+    from flows.demo import command_prefix, next_steps
+
+    fresh_path = "/usr/local/bin:/usr/bin:/bin"
+    monkeypatch.setenv("PATH", fresh_path)
+    monkeypatch.chdir(tmp_path)
+    prefix = command_prefix()
+    assert prefix.endswith("/") and Path(prefix, "stepmerge").exists(), prefix
+    printed = next_steps(str(tmp_path / "releases"), "http://127.0.0.1:8123/api", temporary=True, bin_prefix=prefix)
+    commands = [line.split("check one: ")[1].rstrip(")") for line in printed.splitlines() if "check one: " in line]
+    commands += [f"{prefix}stepmerge discover --help", f"{prefix}prefect --version"]
+    assert f"{prefix}stepmerge verify <release folder>" in commands[0]
+    for command in [commands[0].replace("<release folder>", "--help"), *commands[1:]]:
+        done = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              env={"PATH": fresh_path, "HOME": os.environ.get("HOME", "/root"),
+                                   "PYTHONPATH": str(REPO), "DO_NOT_TRACK": "1"})
+        assert done.returncode == 0, (command, done.stderr[-1000:])
