@@ -7,8 +7,12 @@ once in `RUN_LAYOUTS`. Everything that turns a step number into a folder name or
 - ``megatron_lm``: ``iter_<NNNNNNN>/`` (zero-padded to 7 digits), weights straight in.
 
 Contract: `run_layout_of(name)` is the run layout that names a step folder ``name`` (its ``roles`` are
-the role folders discovery looks for inside), `step_of_folder(name)` the step number it gives (any
-number of digits: an ``iter_40`` a person renamed is still step 40), both None when none names it;
+the role folders discovery looks for inside), `step_of_folder(name)` the step number it gives, both None
+when none names it. A folder names a step only when it is exactly the name its trainer writes for that
+number (ASCII digits, the trainer's own zero padding): ``global_step_01``, ``global_step_١`` (an
+Arabic-Indic digit) and ``iter_40`` name no step, since a lookup of step 1 (or 40) asks for
+``global_step_1`` (``iter_0000040``); listing and lookup follow this one rule, so every step a listing
+shows is one a lookup finds;
 `step_folders(step)` the folder names of a step, in registry order (the first is looked for first);
 `from_step_folder(url)` the URL from its last step folder on. Names only: no I/O, no torch.
 """
@@ -38,13 +42,17 @@ class RunLayout:
         return self.folder_format.format(step=int(step))
 
     def step_of(self, name: str) -> int | None:
-        """The step number of the folder ``name``; None when this trainer does not name it so."""
-        match = re.fullmatch(self.folder_pattern, name)
-        return int(match.group(1)) if match else None
+        """The step number of the folder ``name``; None when this trainer does not name it so: the name must
+        be exactly `folder` of its number (no other padding, ASCII digits only)."""
+        match = re.fullmatch(self.folder_pattern, name, flags=re.ASCII)
+        if match is None or not match.group(1).isascii():
+            return None
+        step = int(match.group(1))
+        return step if self.folder(step) == name else None
 
 
-VERL = RunLayout("verl", "global_step_{step}", r"global_step_(\d+)", roles=("actor", "critic"))
-MEGATRON_LM = RunLayout("megatron_lm", "iter_{step:07d}", r"iter_(\d+)")
+VERL = RunLayout("verl", "global_step_{step}", r"global_step_([0-9]+)", roles=("actor", "critic"))
+MEGATRON_LM = RunLayout("megatron_lm", "iter_{step:07d}", r"iter_([0-9]+)")
 
 # THE registry of run layouts, in the order a step's folder is looked for
 RUN_LAYOUTS: tuple[RunLayout, ...] = (VERL, MEGATRON_LM)

@@ -13,9 +13,9 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
 
 def parse_tracker(text: str) -> int | None:
-    """The step number in a tracker file, or None when it is empty, partial or not a number."""
+    """The step number in a tracker file (ASCII digits), or None when it is empty, partial or not a number."""
     text = text.strip()
-    return int(text) if text.isdigit() else None
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 def read_tracker_hint(run_root_url: str) -> int | None:
