@@ -58,7 +58,10 @@ TESTED: tuple[TestedPair, ...] = (
 
 def _within(version: str, lowest: str, below: str) -> bool:
     try:
-        return SpecifierSet(f">={lowest},<{below}").contains(Version(version))  # pre-releases excluded
+        parsed = Version(version)
+        # pre- and dev releases are never tested (packaging's contains would admit some: 5.25.1a1 < 5.26)
+        return not (parsed.is_prerelease or parsed.is_devrelease) \
+            and SpecifierSet(f">={lowest},<{below}").contains(parsed, prereleases=False)
     except (InvalidVersion, InvalidSpecifier):
         return False
 
