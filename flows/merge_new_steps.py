@@ -12,7 +12,8 @@ never submitted again for a release merge_step would not make. (A model release 
 record: the model alone.)
 
 A step whose layout says its merge needs parameters it does not record (`StepRecord.needs`, from discovery's
-second look: a verl Megatron LoRA step, told by verl's ``ckpt_contents.json``) is merged only with them: ``base_model`` when its base
+second look: a verl Megatron LoRA step, told by verl's ``ckpt_contents.json``; a torch DCP step saved without a
+config, as HF Trainer saves one) is merged only with them: ``base_model`` when its base
 weights were not saved, ``lora_alpha`` when no PEFT export records it (``use_dist_checkpointing: true``, or
 a missing bridge export), ``hf_model_path`` when a step holding its base saved no config. Without them the
 step is not submitted (every merge would fail the same way), it is reported as "needs <parameter>", and the
@@ -132,7 +133,7 @@ NEEDS = "needs "  # the action's prefix: "needs base_model", "needs lora_alpha, 
 NEED_TEXT = {
     "base_model": "base weights not saved: pass base_model, the Hugging Face model the run trained from",
     "lora_alpha": "no PEFT export records lora_alpha: pass lora_alpha, the run's LoRA alpha (never guessed)",
-    "hf_model_path": "no config.json saved beside the base: pass hf_model_path, a folder with the model's config",
+    "hf_model_path": "no config.json saved with the weights: pass hf_model_path, a folder with the model's config",
 }
 
 
@@ -143,7 +144,7 @@ def missing_params(step: StepRecord, params: WatchParams) -> List[str]:
 
 
 def missing_action(step: StepRecord, missing: List[str]) -> StepAction:
-    detail = ("not submitted: a LoRA step (Megatron-Bridge PEFT) whose merge needs what the step does not record; "
+    detail = ("not submitted: a step whose merge needs what it does not record; "
               + "; ".join(NEED_TEXT.get(name, f"pass {name}") for name in missing))
     return StepAction(step=step.step, role=step.role, action=NEEDS + ", ".join(missing), detail=detail)
 

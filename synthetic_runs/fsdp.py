@@ -34,6 +34,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -64,7 +65,9 @@ TP_PLAN: dict[str, str] = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "c
                            "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
                            "mlp.down_proj": "rowwise"}
 ROLES: tuple[str, ...] = ("actor", "critic", "")
-WRITERS: tuple[str, ...] = ("stepmerge", "verl")
+WRITERS: tuple[str, ...] = ("stepmerge", "verl", "accelerate", "torch_dcp", "dcp_hf")
+# writers that save the step with torch.distributed.checkpoint (`_save_with_dcp`), not as verl's rank files
+DCP_WRITERS: tuple[str, ...] = ("accelerate", "torch_dcp", "dcp_hf")
 SAVE_CONTENTS: tuple[str, ...] = ("model", "optimizer", "extra", "hf_model")
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 REFERENCE_STATE_DICT = "state_dict.safetensors"
@@ -124,7 +127,10 @@ class FsdpSpec:
     # under transformers 4.x (GPT-NeoX's head was `embed_out`), which verl's writer saved then
     key_renames: tuple[tuple[str, str], ...] = ()
     # who saves the step: "stepmerge" (this module, verl's file set re-created) or "verl" (verl 0.9.1's own
-    # FSDPCheckpointManager.save_checkpoint, imported in the ranks from `synthetic_runs.verl_lib`)
+    # FSDPCheckpointManager.save_checkpoint, imported in the ranks from `synthetic_runs.verl_lib`); the DCP
+    # writers (`_save_with_dcp`): "accelerate" (Accelerate's own save_fsdp_model / save_fsdp_optimizer under
+    # SHARDED_STATE_DICT, as HF Trainer / TRL call them), "torch_dcp" (torch.distributed.checkpoint.save of the
+    # model's state dict), "dcp_hf" (the same through torch's HuggingFaceStorageWriter, one file per rank)
     writer: str = "stepmerge"
 
     def __post_init__(self) -> None:
@@ -136,6 +142,8 @@ class FsdpSpec:
             raise ValueError(f"writer must be one of {WRITERS}, got {self.writer!r}")
         if self.writer == "verl" and (self.role != "actor" or self.key_renames):
             raise ValueError("verl's own writer saves an actor's files as they are")
+        if self.writer in DCP_WRITERS and (self.strategy != "fsdp2" or self.role or self.key_renames or self.lora):
+            raise ValueError("the DCP writers save an FSDP2 model straight into the step folder")
         if (self.strategy == "single") != (self.world_size == 1):
             raise ValueError("strategy 'single' is the one (and only) strategy for world_size 1")
         if self.strategy in ("hsdp", "fsdp2_hsdp") and (
@@ -883,8 +891,9 @@ def _dataloader_state(step: int) -> dict:
 
 
 def _step_number(step_dir: str) -> int:
-    name = os.path.basename(os.path.normpath(step_dir))
-    return int(name.rsplit("_", 1)[-1]) if name.startswith("global_step_") else 0
+    """The number of ``global_step_N``, ``checkpoint-N`` or ``step-N`` (0 for any other name)."""
+    match = re.fullmatch(r"(?:global_step_|checkpoint-|step-)(\d+)", os.path.basename(os.path.normpath(step_dir)))
+    return int(match.group(1)) if match else 0
 
 
 def _write_rank(job: StepJob, rank: int, world_size: int, meshes: dict) -> None:
@@ -904,6 +913,10 @@ def _write_rank(job: StepJob, rank: int, world_size: int, meshes: dict) -> None:
 
     if spec.writer == "verl":
         _save_with_verl(job, model, optimizer, scheduler, expected_keys, files)
+        del model, optimizer, scheduler
+        return
+    if spec.writer in DCP_WRITERS:
+        _save_with_dcp(job, model, optimizer, expected_keys, files)
         del model, optimizer, scheduler
         return
     with _state_dict_context(model, spec):
@@ -940,6 +953,62 @@ def _write_rank(job: StepJob, rank: int, world_size: int, meshes: dict) -> None:
     if rank == 0:
         torch.save(_dataloader_state(_step_number(job.step_dir)), os.path.join(files.step_dir, "data.pt"))
     del model, optimizer, scheduler, model_state
+
+
+ACCELERATE_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate.utils.constants.FSDP_MODEL_NAME + "_0"
+DCP_HF_FILES = 2  # the dcp_hf writer spreads the model over this many files (its fqn_to_index_mapping)
+
+
+def _save_with_dcp(job: StepJob, model: torch.nn.Module, optimizer, expected_keys: list[str],
+                   files: StepFiles) -> None:
+    """The step saved by torch.distributed.checkpoint, as the trainers that use it save one:
+
+    - ``accelerate``: Accelerate's own ``save_fsdp_model`` and ``save_fsdp_optimizer`` with a real
+      ``FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")`` (what HF Trainer and
+      TRL call for each ``checkpoint-N/``): ``pytorch_model_fsdp_0/`` (keys ``model.<name>``), ``optimizer_0/``,
+      then rank 0's ``trainer_state.json``; no config (HF Trainer saves none under SHARDED_STATE_DICT);
+    - ``torch_dcp``: ``dcp.save(get_model_state_dict(model))`` into the step folder (bare names), config and
+      tokenizer beside it;
+    - ``dcp_hf``: the same state dict through ``HuggingFaceStorageWriter(save_distributed=True)`` with an
+      ``fqn_to_index_mapping`` over `DCP_HF_FILES` files: ``shard-0000R-model-0000K-of-0000M.safetensors`` per
+      rank, config and tokenizer beside them.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    spec = job.spec
+    directory = files.checkpoint_dir
+    if spec.writer == "accelerate":
+        from accelerate import PartialState
+        from accelerate.utils import FullyShardedDataParallelPlugin, save_fsdp_model, save_fsdp_optimizer
+
+        PartialState(cpu=True)  # Accelerate's logging asks for its state (it joins the process group already made)
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+        if sorted(get_model_state_dict(model)) != sorted(expected_keys):
+            raise AssertionError("the sharded model's keys differ from the unsharded model's")
+        save_fsdp_model(plugin, None, model, directory)  # the accelerator is read only by the FULL/LOCAL paths
+        save_fsdp_optimizer(plugin, None, optimizer, model, directory)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(os.path.join(directory, "trainer_state.json"), "w") as handle:
+                json.dump({"global_step": _step_number(job.step_dir), "log_history": []}, handle)
+        return
+    state = get_model_state_dict(model)
+    if sorted(state) != sorted(expected_keys):
+        raise AssertionError("the sharded model's keys differ from the unsharded model's")
+    if spec.writer == "torch_dcp":
+        dcp.save(state, checkpoint_id=directory)
+    else:
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        names = sorted(state)
+        mapping = {name: 1 + (i * DCP_HF_FILES) // len(names) for i, name in enumerate(names)}
+        dcp.save(state, storage_writer=HuggingFaceStorageWriter(directory, save_distributed=True,
+                                                                fqn_to_index_mapping=mapping))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        write_hf_metadata(directory, spec.model, spec.dtype)
 
 
 def _save_with_verl(job: StepJob, model: torch.nn.Module, optimizer, scheduler, expected_keys: list[str],

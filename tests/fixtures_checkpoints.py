@@ -99,3 +99,21 @@ def verl_saved_lora_run(tmp_path_factory) -> synthetic_runs.RunFiles:
     runs = synthetic_runs.write_fixture_matrix(root / "runs", reference_root=root / "references", steps=(1,),
                                                specs={"mixtral_verl_saved": spec})
     return runs["mixtral_verl_saved"]
+
+
+DCP_STEP_FOLDERS = {"accelerate": "checkpoint-1", "torch_dcp": "step-1", "dcp_hf": "step-1"}
+
+
+@pytest.fixture(scope="session")
+def dcp_runs(tmp_path_factory) -> dict[str, synthetic_runs.StepFiles]:
+    """A tiny Qwen2 sharded by FSDP2 over 2 gloo ranks and saved by each DCP writer of `synthetic_runs.fsdp`
+    (``accelerate``: Accelerate's own save_fsdp_model / save_fsdp_optimizer, ``checkpoint-1/pytorch_model_fsdp_0/``
+    without a config, as HF Trainer saves it; ``torch_dcp``: ``dcp.save`` into ``step-1/``; ``dcp_hf``:
+    ``HuggingFaceStorageWriter`` rank files in ``step-1/``), each in a run root of its own, with references."""
+    from synthetic_runs.fsdp import FsdpSpec, StepJob, write_fsdp_steps
+
+    root = tmp_path_factory.mktemp("synthetic_dcp")
+    jobs = [StepJob(str(root / writer / "run" / folder), FsdpSpec(world_size=2, role="", writer=writer), seed=3,
+                    reference_dir=str(root / writer / "reference"))
+            for writer, folder in DCP_STEP_FOLDERS.items()]
+    return dict(zip(DCP_STEP_FOLDERS, write_fsdp_steps(jobs)))

@@ -14,7 +14,7 @@ import bisect
 import math
 import reprlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -75,11 +75,14 @@ class TensorInfo(DTypeByName):
 
 @dataclass(frozen=True)
 class DcpIndex:
-    """What ``.metadata`` says: tensors (with their chunks) and bytes entries, by key."""
+    """What ``.metadata`` says: tensors (with their chunks) and bytes entries, by key; ``paths``: each flattened
+    key's path in the nested state dict that was saved (DCP's default planner records it as ``planner_data``:
+    ``"model.lm_head.weight"`` -> ``("model", "lm_head.weight")``), empty when the metadata records none."""
 
     url: str
     tensors: dict[str, TensorInfo]
     objects: dict[str, ItemLocation]
+    paths: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
 
     def files(self) -> set[str]:
         names = {c.location.file for t in self.tensors.values() for c in t.chunks}
@@ -171,7 +174,20 @@ def _parse_index(url: str, fields: dict, meta_url: str) -> DcpIndex:
         if problem:
             raise CorruptShard(f"{key!r} {shape}: its saved {problem}", meta_url)
         tensors[key] = TensorInfo(shape, dtype, tuple(chunks))
-    return DcpIndex(url, tensors, objects)
+    return DcpIndex(url, tensors, objects, _planner_paths(fields.get("planner_data")))
+
+
+def _planner_paths(value: Any) -> dict[str, tuple[str, ...]]:
+    """DCP's flattening record (flattened key -> the keys of its path); {} for anything else a planner stored."""
+    if not isinstance(value, dict):
+        return {}
+    paths = {}
+    for key, path in value.items():
+        if not isinstance(key, str) or not isinstance(path, tuple) or not path \
+                or not all(isinstance(part, str) for part in path):
+            return {}
+        paths[key] = path
+    return paths
 
 
 def _count(value: Any) -> int:

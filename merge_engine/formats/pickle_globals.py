@@ -44,6 +44,8 @@ _DCP_METADATA = {
                                               "StorageMeta", "_MEM_FORMAT_ENCODING"),
     "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
     "torch.distributed.checkpoint.planner": ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"),
+    # ``StorageMeta.checkpoint_id`` of a `FileSystemWriter` save (Accelerate, torchtitan): the folder as a path
+    "pathlib": ("PosixPath", "WindowsPath"),
 }
 # Megatron-LM pickles its ``args`` (an argparse.Namespace) and numpy RNG state (arrays rebuilt by
 # ``_reconstruct``; numpy 2 names a dtype by its class in ``numpy.dtypes``) beside the weights.

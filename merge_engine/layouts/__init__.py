@@ -9,7 +9,13 @@ all listed once in `LAYOUTS` (in priority order: the first that detects a listin
   ``use_dist_checkpointing``; before ``megatron_bridge`` and ``megatron_dist``;
 - ``megatron_bridge``: Hugging Face weights a Megatron run saved through a bridge (before
   ``megatron_dist``: when both are there, the Hugging Face weights are read);
+- ``torch_dcp`` (`dcp_model`): a model's state dict saved by ``torch.distributed.checkpoint`` (Accelerate / HF
+  Trainer / TRL FSDP ``pytorch_model_fsdp_0/``, NeMo-RL policy weights, plain ``dcp.save``); before
+  ``megatron_dist``, which it leaves every folder with Megatron's ``common.pt`` / ``metadata.json``;
 - ``megatron_dist``: Megatron ``torch_dist`` checkpoints; written by ``split --format dist``;
+- ``dcp_hf``: a state dict saved through torch's ``HuggingFaceStorageWriter``, one safetensors file per rank and
+  output file (``shard-0000R-model-0000K-of-0000M.safetensors``); before ``hf``, which would take the folder
+  for a Hugging Face folder missing its index;
 - ``hf``: Hugging Face folders (``config.json`` + safetensors), also as saved beside a step.
 
 Run layouts, one per trainer, listed once in `runs.RUN_LAYOUTS`: how a run root names its step folders
@@ -36,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from merge_engine import storage
 from merge_engine.errors import IncompleteCheckpoint, SourceChanged, UnsupportedLayout
-from merge_engine.layouts import fsdp, hf, megatron_bridge, megatron_dist, megatron_legacy, megatron_lora
+from merge_engine.layouts import dcp_hf, dcp_model, fsdp, hf, megatron_bridge, megatron_dist, megatron_legacy, megatron_lora
 from merge_engine.layouts.contract import (
     HF_NAMES,
     MEGATRON_NAMES,
@@ -52,7 +58,7 @@ if TYPE_CHECKING:
     from merge_engine.formats.tensor_source import TensorSource
 
 # THE registry, in priority order (detection and discovery's primary layout)
-LAYOUTS: tuple[Layout, ...] = (fsdp, megatron_legacy, megatron_lora, megatron_bridge, megatron_dist, hf)
+LAYOUTS: tuple[Layout, ...] = (fsdp, megatron_legacy, megatron_lora, megatron_bridge, dcp_model, megatron_dist, dcp_hf, hf)
 BY_NAME: dict[str, Layout] = {layout.NAME: layout for layout in LAYOUTS}
 # backend names that stand for several layouts (verl's ``--backend megatron``), tried in this order
 ALIASES: dict[str, tuple[str, ...]] = {

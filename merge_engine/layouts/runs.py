@@ -4,7 +4,11 @@ once in `RUN_LAYOUTS`. Everything that turns a step number into a folder name or
 
 - ``verl``: ``global_step_<N>/``; inside it the RL role folders ``actor/`` and ``critic/`` (SFT
   trainers save straight into the step folder: role ``""``);
-- ``megatron_lm``: ``iter_<NNNNNNN>/`` (zero-padded to 7 digits), weights straight in.
+- ``megatron_lm``: ``iter_<NNNNNNN>/`` (zero-padded to 7 digits), weights straight in;
+- ``hf_trainer``: HF Trainer / TRL's ``checkpoint-<N>/`` (Accelerate's ``pytorch_model_fsdp_0/`` inside);
+- ``accelerate``: Accelerate's own ``save_state`` with automatic naming, ``checkpoint_<N>/``;
+- ``torchtitan``: ``step-<N>/``, the DCP files straight in;
+- ``nemo_rl``: NeMo-RL's ``step_<N>/`` (renamed from ``tmp_step_<N>`` once saved), the policy in ``policy/``.
 
 Contract: `run_layout_of(name)` is the run layout that names a step folder ``name`` (its ``roles`` are
 the role folders discovery looks for inside), `step_of_folder(name)` the step number it gives, both None
@@ -22,7 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["MEGATRON_LM", "RUN_LAYOUTS", "VERL", "RunLayout", "from_step_folder", "run_layout_of", "step_folders",
+__all__ = ["ACCELERATE", "HF_TRAINER", "MEGATRON_LM", "NEMO_RL", "RUN_LAYOUTS", "TORCHTITAN", "VERL", "RunLayout", "from_step_folder", "run_layout_of", "step_folders",
            "step_of_folder"]
 
 
@@ -53,9 +57,13 @@ class RunLayout:
 
 VERL = RunLayout("verl", "global_step_{step}", r"global_step_([0-9]+)", roles=("actor", "critic"))
 MEGATRON_LM = RunLayout("megatron_lm", "iter_{step:07d}", r"iter_([0-9]+)")
+HF_TRAINER = RunLayout("hf_trainer", "checkpoint-{step}", r"checkpoint-([0-9]+)")
+ACCELERATE = RunLayout("accelerate", "checkpoint_{step}", r"checkpoint_([0-9]+)")
+TORCHTITAN = RunLayout("torchtitan", "step-{step}", r"step-([0-9]+)")
+NEMO_RL = RunLayout("nemo_rl", "step_{step}", r"step_([0-9]+)", roles=("policy",))
 
 # THE registry of run layouts, in the order a step's folder is looked for
-RUN_LAYOUTS: tuple[RunLayout, ...] = (VERL, MEGATRON_LM)
+RUN_LAYOUTS: tuple[RunLayout, ...] = (VERL, MEGATRON_LM, HF_TRAINER, ACCELERATE, TORCHTITAN, NEMO_RL)
 
 
 def run_layout_of(name: str) -> RunLayout | None:

@@ -26,7 +26,9 @@ listing = [FileEntry(p, 10, "v") for p in (
     "model_world_size_2_rank_0.pt", "fsdp_config.json",                      # FSDP: rank 1 missing
     "model/mp_rank_00/model.pt", "model/mp_rank_01/model.pt",                # Megatron legacy, TP 2
     "dist_ckpt/.metadata", "dist_ckpt/__0_0.distcp",                         # torch_dist without metadata.json
-    "huggingface/model.safetensors", "huggingface/config.json", "transformer_config.json")]
+    "huggingface/model.safetensors", "huggingface/config.json", "transformer_config.json",
+    "pytorch_model_fsdp_0/__0_0.distcp",                                     # Accelerate: .metadata not yet
+    "shard-00001-model-00001-of-00001.safetensors")]                         # HuggingFaceStorageWriter, rank 1
 verdicts = {name: verdict.status for name, verdict in layouts.listing_verdicts(listing)}
 print(json.dumps({"verdicts": verdicts, "modules": [m.NAME for m in layouts.LAYOUTS],
                   "imported": [m for m in ("torch", "transformers") if m in sys.modules]}))
@@ -38,8 +40,9 @@ def test_the_registry_judges_listings_without_torch():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    assert report["modules"] == ["fsdp", "megatron_legacy", "megatron_lora", "megatron_bridge", "megatron_dist",
-                                 "hf"]
+    assert report["modules"] == ["fsdp", "megatron_legacy", "megatron_lora", "megatron_bridge", "torch_dcp",
+                                 "megatron_dist", "dcp_hf", "hf"]
     assert report["verdicts"] == {"fsdp": "incomplete", "megatron_legacy": "complete",
-                                  "megatron_bridge": "incomplete", "megatron_dist": "incomplete", "hf": "complete"}
+                                  "megatron_bridge": "incomplete", "torch_dcp": "incomplete",
+                                  "megatron_dist": "incomplete", "dcp_hf": "complete", "hf": "complete"}
     assert report["imported"] == []

@@ -18,7 +18,7 @@ import pytest
 
 from merge_engine import storage
 from merge_engine.layouts import runs
-from merge_engine.layouts.runs import MEGATRON_LM, VERL, RunLayout, from_step_folder, step_folders, step_of_folder
+from merge_engine.layouts.runs import MEGATRON_LM, NEMO_RL, VERL, RunLayout, from_step_folder, step_folders, step_of_folder
 
 
 @pytest.mark.parametrize("name, step", [("global_step_40", 40), ("global_step_0", 0), ("iter_0000100", 100),
@@ -26,15 +26,18 @@ from merge_engine.layouts.runs import MEGATRON_LM, VERL, RunLayout, from_step_fo
                                         ("global_step_01", None), ("global_step_00", None), ("global_step_\u0661", None),
                                         ("global_step_\uff11", None), ("iter_000000\u0667", None),
                                         ("global_step_", None), ("global_step_4x", None),
-                                        ("step_4", None), ("iter_0000100.tmp", None), ("actor", None)])
+                                        ("ckpt_4", None), ("iter_0000100.tmp", None), ("actor", None),
+                                        ("checkpoint-500", 500), ("checkpoint_3", 3), ("step-1000", 1000),
+                                        ("step_20", 20), ("tmp_step_20", None), ("checkpoint-0500", None),
+                                        ("step-\u0661", None)])
 def test_a_folder_name_reads_back_to_its_step(name, step):
     assert step_of_folder(name) == step
 
 
 def test_each_trainer_writes_its_own_folder_names():
     assert (VERL.folder(40), MEGATRON_LM.folder(100)) == ("global_step_40", "iter_0000100")
-    assert step_folders(7) == ("global_step_7", "iter_0000007")
-    assert VERL.roles == ("actor", "critic") and MEGATRON_LM.roles == ()
+    assert step_folders(7) == ("global_step_7", "iter_0000007", "checkpoint-7", "checkpoint_7", "step-7", "step_7")
+    assert VERL.roles == ("actor", "critic") and MEGATRON_LM.roles == () and NEMO_RL.roles == ("policy",)
 
 
 @pytest.mark.parametrize("url, label", [

@@ -1,0 +1,95 @@
+"""Runs of the trainers that save with torch.distributed.checkpoint go through the same pipeline as verl's.
+
+The session's ``dcp_runs`` (a tiny Qwen2, FSDP2 over 2 gloo ranks, saved by Accelerate's own save_fsdp_model into
+HF Trainer's ``checkpoint-1/pytorch_model_fsdp_0/``, and by torch's HuggingFaceStorageWriter into ``step-1/``) are
+copied to a bucket of the session's SeaweedFS server; merge_new_steps discovers, checks, merges, validates and
+publishes each to s3://. Each release is judged from outside stepmerge (`tests.release_checks`): the weights the
+step was sharded from, bit for bit, and transformers' logits of that model, exactly. Every ranged GET the S3
+backend sends is counted: the DCP index (``.metadata``) and each rank file's safetensors header are fetched once
+(the check parses them; the merge builds its source from what the check carried).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from flows.merge_new_steps import merge_new_steps
+from flows.params import WatchParams
+from merge_engine import storage
+from merge_engine.commands.merge import read_provenance
+from merge_engine.release.verify import verify_folder
+from merge_engine.storage.backends.s3 import S3Backend
+from tests.release_checks import assert_model_logits, assert_release_weights_equal, load_model
+
+LAYOUT = {"accelerate": "torch_dcp", "dcp_hf": "dcp_hf"}
+
+
+@pytest.fixture
+def s3_gets(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """Every ranged GET sent to the S3 server from now on, as (URL, start, end)."""
+    log: list[tuple[str, int, int]] = []
+    original = S3Backend.read_range
+
+    async def read_range(self, fs, path, start, end, version, url):
+        log.append((url, start, end))
+        return await original(self, fs, path, start, end, version, url)
+
+    monkeypatch.setattr(S3Backend, "read_range", read_range)
+    return log
+
+
+def _upload(step_dir: str, run_root: str) -> dict[str, Path]:
+    """The step folder copied under ``run_root``: URL -> local file."""
+    step = Path(step_dir)
+    copied = {}
+    for path in sorted(p for p in step.rglob("*") if p.is_file()):
+        url = storage.join(run_root, step.name, path.relative_to(step).as_posix())
+        storage.copy_file(str(path), url)
+        copied[url] = path
+    return copied
+
+
+def _metadata_ranges(copied: dict[str, Path]) -> dict[str, int]:
+    """URL -> how many leading bytes are metadata: the model's DCP index whole (the optimizer's is never read), a
+    safetensors rank file's length + header."""
+    ranges = {}
+    for url, path in copied.items():
+        if path.name == ".metadata" and path.parent.name != "optimizer_0":
+            ranges[url] = path.stat().st_size
+        elif path.name.startswith("shard-") and path.suffix == ".safetensors":
+            with open(path, "rb") as handle:
+                ranges[url] = 8 + struct.unpack("<Q", handle.read(8))[0]
+    return ranges
+
+
+@pytest.mark.parametrize("writer", LAYOUT)
+def test_a_dcp_run_on_s3_is_discovered_merged_validated_and_published(prefect, dcp_runs, s3_bucket_url, tmp_path,
+                                                                      s3_gets, writer):
+    step = dcp_runs[writer]
+    run_root = f"{s3_bucket_url}/run"
+    copied = _upload(step.step_dir, run_root)
+    params = WatchParams(run_root=run_root, release_root=f"{s3_bucket_url}/releases",
+                         staging_root=str(tmp_path / "staging"),
+                         hf_model_path=step.reference_hf_dir if writer == "accelerate" else None)
+    watch = merge_new_steps(**params.flow_parameters())
+    (outcome,) = watch.outcomes
+    (release,) = outcome.releases
+    assert outcome.status == "published" and release.validation_ok and release.url.startswith("s3://")
+    assert verify_folder(release.url).ok
+    assert read_provenance(release.url)["layout"] == LAYOUT[writer]
+    # judged from outside: the weights the step was sharded from, and transformers' logits of that model
+    assert_release_weights_equal(release.url, load_file(os.path.join(step.reference_dir, "state_dict.safetensors")))
+    assert_model_logits(release.url, load_model(step.reference_hf_dir))
+
+    never = [u for u, _, _ in s3_gets if "/optimizer_0/" in u]
+    assert not never, never  # Accelerate's optimizer state is not the model's: not a byte of it is read
+    metadata = _metadata_ranges(copied)
+    assert metadata  # the index, or every rank file's header
+    for url, length in metadata.items():
+        fetched = sum(max(0, min(end, length) - start) for u, start, end in s3_gets if u == url)
+        assert fetched == length, f"{url}: {fetched} metadata bytes fetched for {length}"

@@ -1,0 +1,169 @@
+"""torch DCP checkpoints of a model (`merge_engine.layouts.dcp_model`, ``torch_dcp``) and torch's
+HuggingFaceStorageWriter rank files (`merge_engine.layouts.dcp_hf`, ``dcp_hf``), written by the real libraries
+(the session's ``dcp_runs``: a tiny Qwen2 sharded by FSDP2 over 2 gloo ranks; Accelerate's own save_fsdp_model,
+``torch.distributed.checkpoint.save``, ``HuggingFaceStorageWriter(save_distributed=True)``).
+
+- each is `check`ed complete under its own layout (main before: "IncompleteCheckpoint: metadata.json missing" for
+  a DCP folder, taken for a Megatron dist_ckpt; "neither model.safetensors.index.json nor a single safetensors
+  file" for the rank files) and `merge`d bit for bit into weights transformers loads with the model's logits;
+- discovery finds ``checkpoint-N`` and ``step-N`` run folders, complete; an HF Trainer step without config.json
+  needs ``hf_model_path``;
+- a step still being written (no ``.metadata``, a data file short of what ``.metadata`` says, a rank file missing
+  or shorter than its header) is incomplete, never merged; what cannot be read is `UnsupportedLayout` naming the
+  layout (optimizer state only, torchtitan's own names);
+- a Megatron ``torch_dist`` folder stays ``megatron_dist``'s.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from merge_engine.cli import main as stepmerge
+from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout
+from merge_engine.layouts import check_checkpoint, find_layout, listing_verdicts
+from merge_engine.layouts.discovery import discover
+from merge_engine.storage import FileEntry
+from tests.release_checks import assert_model_logits, load_model
+
+LAYOUT = {"accelerate": "torch_dcp", "torch_dcp": "torch_dcp", "dcp_hf": "dcp_hf"}
+
+
+def _reference(step) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(step.reference_dir, "state_dict.safetensors"))
+
+
+def _merged(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(path)))
+    return out
+
+
+def _copy(step, tmp_path: Path) -> Path:
+    target = tmp_path / "run" / Path(step.step_dir).name
+    shutil.copytree(step.step_dir, target)
+    return target
+
+
+@pytest.mark.parametrize("writer", LAYOUT)
+def test_a_dcp_step_is_checked_complete_and_merged_bit_for_bit(dcp_runs, tmp_path, writer):
+    step = dcp_runs[writer]
+    checkpoint = check_checkpoint(step.step_dir)
+    assert checkpoint.layout == LAYOUT[writer] and checkpoint.parallel == {"world_size": 2}
+    assert (checkpoint.hf_dir is None) == (writer == "accelerate")  # HF Trainer saves no config under SHARDED
+    out = tmp_path / "out"
+    args = ["merge", "--local_dir", step.step_dir, "--target_dir", str(out)]
+    if writer == "accelerate":
+        assert stepmerge(args) != 0 and not out.exists()  # no config: refused, nothing written
+        args += ["--hf_model_path", step.reference_hf_dir]
+    assert stepmerge(args) == 0
+    reference, merged = _reference(step), _merged(out)
+    assert sorted(merged) == sorted(reference)
+    for name, tensor in reference.items():
+        assert merged[name].dtype == tensor.dtype and torch.equal(merged[name], tensor), name
+    assert_model_logits(str(out), load_model(step.reference_hf_dir))  # transformers: the same logits, exactly
+
+
+def test_accelerate_keys_lose_their_model_wrapper_by_dcp_own_record(dcp_runs):
+    """Accelerate saves ``{"model": state_dict}``: DCP records the path of every flattened key, so
+    ``model.model.embed_tokens.weight`` is ``model.embed_tokens.weight``, while the bare save keeps its names."""
+    from merge_engine.formats.dcp_index import read_index
+    from merge_engine.layouts.dcp_model import model_names
+
+    wrapped = read_index(os.path.join(dcp_runs["accelerate"].step_dir, "pytorch_model_fsdp_0"))
+    bare = read_index(dcp_runs["torch_dcp"].step_dir)
+    assert "model.model.embed_tokens.weight" in wrapped.tensors
+    assert set(model_names(wrapped, "w")) == set(bare.tensors) == set(model_names(bare, "b"))
+    assert model_names(wrapped, "w")["lm_head.weight"] == "model.lm_head.weight"
+
+
+@pytest.mark.parametrize("writer", LAYOUT)
+def test_discovery_finds_the_trainers_step_folders(dcp_runs, writer):
+    step = dcp_runs[writer]
+    (found,) = discover(str(Path(step.step_dir).parent)).steps
+    assert (found.step, found.layout, found.status) == (1, LAYOUT[writer], "complete")
+    assert found.needs == (("hf_model_path",) if writer == "accelerate" else ())
+
+
+def test_a_dcp_folder_without_metadata_is_still_being_written(dcp_runs, tmp_path):
+    step = _copy(dcp_runs["accelerate"], tmp_path)
+    (step / "pytorch_model_fsdp_0" / ".metadata").unlink()
+    (found,) = discover(str(step.parent)).steps
+    assert (found.layout, found.status) == ("torch_dcp", "incomplete")
+    with pytest.raises(IncompleteCheckpoint):
+        check_checkpoint(str(step))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_data_file_short_of_the_metadata_is_incomplete(dcp_runs, tmp_path, damage):
+    step = _copy(dcp_runs["torch_dcp"], tmp_path)
+    data = step / "__1_0.distcp"
+    if damage == "missing":
+        data.unlink()
+    else:
+        os.truncate(data, data.stat().st_size - 100)
+    with pytest.raises(IncompleteCheckpoint) as caught:
+        check_checkpoint(str(step))
+    assert caught.value.path.endswith("__1_0.distcp")
+
+
+def test_rank_files_of_the_hf_storage_writer_still_being_written_are_incomplete(dcp_runs, tmp_path):
+    step = _copy(dcp_runs["dcp_hf"], tmp_path)
+    rank_two = sorted(step.glob("shard-00002-*"))
+    os.truncate(rank_two[0], rank_two[0].stat().st_size - 64)  # the writer is inside this file
+    with pytest.raises(IncompleteCheckpoint):
+        check_checkpoint(str(step))
+    for path in rank_two:  # not started on output file 1 yet: the listing says so
+        path.unlink()
+    shards = [FileEntry(p.name, p.stat().st_size, "") for p in sorted(step.iterdir())]
+    rank_one_only = [f for f in shards if not f.path.endswith("model-00002-of-00002.safetensors")]
+    assert dict(listing_verdicts(rank_one_only))["dcp_hf"].status == "incomplete"
+
+
+def test_optimizer_state_alone_is_a_named_refusal(dcp_runs):
+    optimizer = os.path.join(dcp_runs["accelerate"].step_dir, "optimizer_0")
+    with pytest.raises(UnsupportedLayout, match="torch_dcp: this DCP folder holds no model weights"):
+        check_checkpoint(optimizer)
+
+
+def test_torchtitan_names_are_a_named_refusal(tmp_path):
+    """torchtitan's model state flattened at the top with its own module names, saved by torch's DCP itself."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"tok_embeddings.weight": torch.ones(8, 4), "layers.0.attention.wq.weight": torch.ones(4, 4),
+             "norm.weight": torch.ones(4), "output.weight": torch.ones(8, 4)}
+    dcp.save({**state, "optimizer": {"state": {"norm.weight": {"exp_avg": torch.zeros(4)}}}},
+             checkpoint_id=str(tmp_path / "step-10"))
+    with pytest.raises(UnsupportedLayout, match="torch_dcp: torchtitan's own parameter names"):
+        check_checkpoint(str(tmp_path / "step-10"))
+
+
+def test_a_megatron_torch_dist_folder_is_not_taken_for_a_plain_dcp_save():
+    """megatron-core writes common.pt before the DCP save and metadata.json after it."""
+    names = ["common.pt", "__0_0.distcp", "__1_0.distcp", ".metadata"]
+    files = [FileEntry(name, 10, "") for name in names]
+    assert find_layout("x", files).NAME == "megatron_dist"
+    assert find_layout("x", files[1:]).NAME == "torch_dcp"
+    with_config = [*files, FileEntry("metadata.json", 10, "")]
+    assert [name for name, _ in listing_verdicts(with_config)] == ["megatron_dist"]
+
+
+def test_a_forged_metadata_runs_nothing(dcp_runs, tmp_path):
+    import pickle
+
+    step = _copy(dcp_runs["torch_dcp"], tmp_path)
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+
+    (step / ".metadata").write_bytes(pickle.dumps(Boom()))
+    with pytest.raises(CorruptShard):
+        check_checkpoint(str(step))
+    assert not (tmp_path / "ran").exists()
