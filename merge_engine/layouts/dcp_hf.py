@@ -4,7 +4,8 @@ writes ``shard-<rank+1>-model-<K>-of-<M>.safetensors`` (five digits each) holdin
 writer's ``fqn_to_index_mapping`` puts in output file K; each file's ``__metadata__`` holds
 ``DCP_SHARDING_INFO`` (JSON: tensor name -> ``{"saved_offsets": [...]}``, the piece's place in the full tensor).
 With ``enable_consolidation`` the writer puts those files in ``sharded/`` and consolidates them into Hub files
-beside it; this layout reads ``sharded/`` when the consolidated files are not (yet) there.
+beside it (without a config: no other layout reads the step); this layout reads ``sharded/``, written whole before
+the consolidation starts, so a step is complete whether or not torch's consolidation has run.
 
 Names are the state dict's as saved (Hub names when the trainer's adapter converted them; torchtitan's own names
 are refused by name). A tensor's full shape is where its pieces end; its pieces must tile it exactly.
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint
-from merge_engine.formats.hf_metadata import CONFIG_FILE, INDEX_FILE
+from merge_engine.formats.hf_metadata import CONFIG_FILE
 from merge_engine.layouts.contract import ABSENT, DONE, HF_NAMES, INCOMPLETE, INVALID, Checkpoint, Verdict, holds_lora
 from merge_engine.storage import FileEntry
 
@@ -59,11 +60,10 @@ def _shards(files: Sequence[FileEntry], folder: str) -> dict[str, tuple[int, int
 
 
 def _folder(files: Sequence[FileEntry]) -> str | None:
-    """The folder holding the rank files: the top, else ``sharded/`` unless the consolidated index is beside it."""
-    if _shards(files, ""):
-        return ""
-    if _shards(files, SHARDED_DIR) and not any(f.path == INDEX_FILE for f in files):
-        return SHARDED_DIR
+    """The folder holding the rank files: the top, else ``sharded/`` (whole before the writer consolidates)."""
+    for folder in ("", SHARDED_DIR):
+        if _shards(files, folder):
+            return folder
     return None
 
 

@@ -167,3 +167,26 @@ def test_a_forged_metadata_runs_nothing(dcp_runs, tmp_path):
     with pytest.raises(CorruptShard):
         check_checkpoint(str(step))
     assert not (tmp_path / "ran").exists()
+
+
+def test_a_consolidated_hf_storage_save_is_read_from_its_rank_files(tmp_path):
+    """``HuggingFaceStorageWriter(enable_consolidation=True)`` (torchtitan's last HF save): rank files in ``sharded/``,
+    torch's consolidated files and index beside them, no config: discovered complete, read from ``sharded/``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    from merge_engine.layouts import open_checkpoint
+
+    state = {"model.embed_tokens.weight": torch.arange(32.0).reshape(8, 4), "lm_head.weight": torch.ones(8, 4)}
+    step = tmp_path / "run" / "step-5"
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(step), save_distributed=True,
+                                                            enable_consolidation=True))
+    assert (step / "model.safetensors.index.json").exists() and list((step / "sharded").iterdir())
+    (found,) = discover(str(tmp_path / "run")).steps
+    assert (found.step, found.layout, found.status) == (5, "dcp_hf", "complete")
+    source = open_checkpoint(check_checkpoint(str(step)))
+    try:
+        assert {name: source.read(name) for name in source.metas()}.keys() == state.keys()
+        assert all(torch.equal(source.read(name), value) for name, value in state.items())
+    finally:
+        source.close()
