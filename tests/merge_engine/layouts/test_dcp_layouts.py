@@ -190,3 +190,17 @@ def test_a_consolidated_hf_storage_save_is_read_from_its_rank_files(tmp_path):
         assert all(torch.equal(source.read(name), value) for name, value in state.items())
     finally:
         source.close()
+
+
+def test_a_nemo_rl_step_is_found_in_its_policy_folder(dcp_runs, tmp_path):
+    """NeMo-RL saves ``{"model": ModelState}`` by DCP into ``step_N/policy/weights/`` (a ``tmp_step_N`` renamed once
+    saved), its optimizer into ``policy/optimizer/``; the DCP files here are Accelerate's, which share that shape."""
+    model = Path(dcp_runs["accelerate"].step_dir) / "pytorch_model_fsdp_0"
+    run = tmp_path / "run"
+    shutil.copytree(model, run / "step_3" / "policy" / "weights")
+    shutil.copytree(model, run / "tmp_step_4" / "policy" / "weights")  # still being saved: no step yet
+    (found,) = discover(str(run)).steps
+    assert (found.step, found.role, found.layout, found.status) == (3, "policy", "torch_dcp", "complete")
+    assert found.needs == ("hf_model_path",)
+    checkpoint = check_checkpoint(found.url)
+    assert checkpoint.notes == ("NeMo-RL DTensor policy",) and checkpoint.parallel == {"world_size": 2}
