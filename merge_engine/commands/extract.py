@@ -163,7 +163,7 @@ class ExtractJob:
         if base_view is not None:  # metadata only; written when asked
             stored = plan_hf_merge(base_view.metas(), config, dtype=dtype, max_shard_size=None,
                                    config_url=hf_dir)
-            check_dropped_head(base_view, stored, options.chunk_bytes)
+            check_dropped_head(base_view, stored, options.chunk_bytes, config)
             base_plan = in_weights_format(stored, config, options.weights_format, options.max_shard_size)
         exported = export_adapter(lora.adapter.modules, lora.adapter.experts, lora.keys.trained_copies,
                                   lora.adapter.metas, base_shapes(lora.keys, lora.adapter.metas, config), config,

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from merge_engine import engine_identity, storage
 from merge_engine.plan.config_shapes import check_config_against_tensors
 from merge_engine.plan.legacy_readers import legacy_reader_note
-from merge_engine.plan.model_shapes import model_ties
 from merge_engine.errors import InvalidConfig, InvalidOption
 from merge_engine.formats.hf_metadata import CONFIG_FILE, read_config
 from merge_engine.plan import hub_format
@@ -124,7 +123,7 @@ class MergeJob:
                 check_config_against_tensors({**config, **stored.config_updates},  # the config is copied beside them
                                              ((t.name, t.shape) for t in stored.tensors),
                                              storage.join(hf_dir, CONFIG_FILE))
-                check_dropped_head(source, stored, self.options.chunk_bytes, config, model_ties(config))
+                check_dropped_head(source, stored, self.options.chunk_bytes, config)
             except InvalidConfig as refused:  # transformers' own verdict on the config names no file: this one
                 if refused.path:
                     raise

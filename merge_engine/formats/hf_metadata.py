@@ -1,7 +1,8 @@
 """The non-weight files of a Hugging Face model folder: config, generation config, tokenizer.
 
 `read_config` parses ``config.json`` (a `InvalidConfig` naming the file if it cannot);
-`tie_word_embeddings` reads its tie flag (the model class default when the key is absent);
+`tie_word_embeddings` reads its tie flag (the model class default when the key is absent;
+`stated_tie_word_embeddings`: only what the file states);
 `copy_metadata` copies every metadata file of a folder (tokenizer files, chat templates,
 generation config, custom code...) to a target, writing ``config.json`` with the merge's updates;
 only regular files inside the folder, of bounded size, are copied (`merge_engine.storage.source_files`:
@@ -49,11 +50,20 @@ def read_config(hf_dir: str | None, *, what: str = "checkpoint") -> dict[str, An
     return config
 
 
-def tie_word_embeddings(config: Mapping[str, Any]) -> bool:
-    """The config's tie flag, with the model class default when the key is absent."""
+def stated_tie_word_embeddings(config: Mapping[str, Any]) -> bool | None:
+    """The tie flag config.json states (top level, else ``text_config``); None where it states none."""
     for scope in (config, config.get("text_config") or {}):
-        if "tie_word_embeddings" in scope:
+        if isinstance(scope, Mapping) and "tie_word_embeddings" in scope:
             return bool(scope["tie_word_embeddings"])
+    return None
+
+
+def tie_word_embeddings(config: Mapping[str, Any]) -> bool:
+    """The config's tie flag, with the model class default when the key is absent; `InvalidConfig` when the
+    class has no such attribute either (`merge_engine.plan.output_heads.embeddings_tied` asks the model first)."""
+    stated = stated_tie_word_embeddings(config)
+    if stated is not None:
+        return stated
     from transformers import AutoConfig  # slow import: only when the config leaves it implicit
 
     try:

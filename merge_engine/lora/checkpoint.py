@@ -325,7 +325,7 @@ def plan_trained_model(checkpoint: Checkpoint, source: TensorSource, config: Map
     plan = plan_fused_model(base.metas(), config, [WeightedAdapter(None, lora.adapter)], dtype=dtype,
                             max_shard_size=max_shard_size, base_url=config_url or checkpoint.hf_dir,
                             base_names=lora.keys.base, tie_flag=tie_flag)
-    check_dropped_head(base, plan, chunk_bytes)
+    check_dropped_head(base, plan, chunk_bytes, config)
     note = (f"LoRA fused into the base (lora_alpha={lora.adapter.settings.lora_alpha:g} from {lora.alpha_from}; "
             + (f"each module's rank and alpha as PEFT resolved {lora.trained.source}; " if lora.trained else "")
             + f"{len(lora.adapter.modules)} modules, {len(lora.keys.trained_copies)} trained copies)")

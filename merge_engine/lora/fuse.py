@@ -31,7 +31,8 @@ from merge_engine.lora.adapter_io import Adapter, check_fits_base, with_base
 from merge_engine.lora.sources import qualified
 from merge_engine.plan.hf_plan import plan_hf_merge
 from merge_engine.plan.merge_plan import MergePlan
-from merge_engine.plan.output_heads import EMBED_SUFFIXES, LM_HEAD, tie_word_embeddings
+from merge_engine.plan.model_shapes import model_ties
+from merge_engine.plan.output_heads import EMBED_SUFFIXES, LM_HEAD, embeddings_tied
 from merge_engine.formats.tensor_source import TensorMeta, TensorSource, iter_flat_range
 
 BASE_NAMESPACE = "base"
@@ -218,7 +219,7 @@ def tensor_updates(inputs: Sequence[WeightedAdapter]) -> tuple[dict[str, list[Lo
 def check_untied_targets(touched: Sequence[str], config: Mapping[str, Any], where: str | None) -> None:
     """With tied embeddings, an update of the embedding or lm_head cannot be expressed (PEFT applies
     it to one use of the shared matrix only): `AdapterError`."""
-    if not tie_word_embeddings(config):
+    if not embeddings_tied(config, model_ties(config)):
         return
     shared = [name for name in touched if name.endswith(EMBED_SUFFIXES) or name == LM_HEAD]
     if shared:

@@ -26,6 +26,7 @@ from merge_engine.plan.output_heads import (
     check_tie_flag,
     critic_config,
     find_heads,
+    embeddings_tied,
     tie_word_embeddings,
     untied_without_head,
 )
@@ -38,20 +39,21 @@ def plan_hf_merge(metas: Mapping[str, TensorMeta], config: Mapping[str, Any], *,
     """Plan a merge whose source names already are Hugging Face names (FSDP, HF folders).
 
     - Output dtype: ``dtype`` for floating-point tensors if given, else each tensor's stored dtype.
-    - Tied weights come from the model (`merge_engine.plan.model_shapes.model_ties`, transformers 5): every
-      tied name is dropped, its copy checked by the caller; else from the config: the output head (``lm_head.weight``, or the model's own
+    - Tied weights come from the model (`merge_engine.plan.model_shapes.model_ties`, transformers 5, each tie
+      resolved against the names ``metas`` holds): every tied name is dropped, its copy checked by the caller
+      (`merge_engine.plan.output_heads.check_dropped_head`); else from the config: the output head (``lm_head.weight``, or the model's own
       name for it: `merge_engine.plan.output_heads.find_heads`) is dropped when tied (the caller
       checks the copy equals the embedding: `merge_engine.plan.output_heads.check_tied_copy`).
       ``tie_flag`` (verl's ``--tie-word-embedding``) may only confirm the config (`InvalidOption`).
     - A critic (``score.weight``, no ``lm_head``) gets a token-classification architecture.
     """
-    tied = tie_word_embeddings(config)
-    check_tie_flag(tie_flag, tied, config_url)
+    ties = model_ties(config, metas)
+    if tie_flag is not None:
+        check_tie_flag(tie_flag, embeddings_tied(config, ties), config_url)
     names = list(metas)
     notes: list[str] = []
     updates: dict[str, Any] = {}
     heads = find_heads(metas, config)  # the model's own names where the common ones do not apply
-    ties = model_ties(config)
     if CRITIC_HEAD in metas and heads.head is None:
         updates.update(critic_config(config, metas[CRITIC_HEAD]))
         notes.append("critic head score.weight -> token classification model")
@@ -67,7 +69,7 @@ def plan_hf_merge(metas: Mapping[str, TensorMeta], config: Mapping[str, Any], *,
             head_names = model_head_names(config)
             if not any(n in ties for n in (head_names.head if head_names else ())):
                 raise untied_without_head(config_url)
-    elif tied:
+    elif tie_word_embeddings(config):
         if heads.head is not None:
             if heads.embedding is None:  # the copy we drop is checked against it before writing
                 raise InvalidConfig("config ties embeddings but the checkpoint has no input embedding to tie "

@@ -13,11 +13,16 @@ Contract:
   remote-code model type) or its model cannot be built on the meta device (validation judges it then).
 - A config transformers' own config class refuses (``num_hidden_layers`` beside a ``layer_types`` of
   another length, a value of the wrong type) is `InvalidConfig` with transformers' reason; never kept.
-- `model_ties(config)` -> {tied name: the name it is tied to}: every tie the model itself makes
+- `model_ties(config, stored)` -> {tied name: the name it is tied to}: every tie the model itself makes
   (transformers 5's ``all_tied_weights_keys``, chains resolved to the name ``save_pretrained`` keeps: an
   input embedding and output head, a decoder's bias and its head's, an encoder-decoder's shared embeddings;
-  none at all where the class ties nothing, whatever the config's flag says), in memory and Hub names. None
-  where there are no shapes or transformers does not list ties (4.x): the tie flag's rule applies then.
+  none at all where the class ties nothing, whatever the config's flag says). Each naming (the in-memory
+  names a transformers 5 or recent 4.x trainer saves, the Hub names an older 4.x trainer saves) has its own
+  ties, and one naming's entry never replaces another's: a name both namings hold (``lm_head.weight`` of
+  Qwen2-VL, tied to ``model.language_model.embed_tokens.weight`` in memory and ``model.embed_tokens.weight`` on
+  the Hub) is tied to the name of the naming the checkpoint stores (``stored``: its names), the in-memory
+  naming's first where it stores both or neither (or ``stored`` is None). None where there are no shapes or
+  transformers does not list ties (4.x): the tie flag's rule applies then.
 - Both kept on disk like `merge_engine.plan.hub_config_memo` (``$STEPMERGE_CACHE_DIR/model_shapes/``), keyed by
   the config as canonical JSON, the installed transformers' version and this module's and
   `transformers_conversion`'s code: a run's next step imports neither torch's model code nor transformers.
@@ -27,15 +32,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from merge_engine.plan import hub_config_memo
 
-ENTRY_FORMAT = 2
+ENTRY_FORMAT = 3
 Shapes = dict[str, list[tuple[int, ...]]]
 Ties = dict[str, str]
+Namings = list[Ties]  # one naming's ties each: in-memory names first, then the Hub's
 
 
 def model_shapes(config: Mapping[str, Any]) -> Shapes | None:
@@ -43,13 +49,27 @@ def model_shapes(config: Mapping[str, Any]) -> Shapes | None:
     return _facts(config)[0]
 
 
-def model_ties(config: Mapping[str, Any]) -> Ties | None:
-    """The ties ``config``'s transformers model makes (module docstring)."""
-    ties = _facts(config)[1]
-    return dict(ties) if ties is not None else None
+def model_ties(config: Mapping[str, Any], stored: Collection[str] | None = None) -> Ties | None:
+    """The ties ``config``'s transformers model makes, each resolved against the names ``stored`` (module
+    docstring)."""
+    namings = _facts(config)[1]
+    return None if namings is None else resolve_ties(namings, stored)
 
 
-def _facts(config: Mapping[str, Any]) -> tuple[Shapes | None, Ties | None]:
+def resolve_ties(namings: Sequence[Mapping[str, str]], stored: Collection[str] | None = None) -> Ties:
+    """{tied name: the name it is tied to}, from each naming's ties: a tied name's first naming (in order) whose
+    kept name ``stored`` holds, else its first naming's (a kept name the checkpoint lacks: the planner's refusal
+    names it)."""
+    held = frozenset(stored) if stored is not None else frozenset()
+    resolved: Ties = {}
+    for naming in namings:
+        for tied, kept in naming.items():
+            if tied not in resolved or resolved[tied] not in held and kept in held:
+                resolved[tied] = kept
+    return resolved
+
+
+def _facts(config: Mapping[str, Any]) -> tuple[Shapes | None, Namings | None]:
     root = hub_config_memo.cache_root()
     entry = root / "model_shapes" / f"{memo_key(config)}.json" if root is not None else None
     if entry is not None:
@@ -63,7 +83,7 @@ def _facts(config: Mapping[str, Any]) -> tuple[Shapes | None, Ties | None]:
     return shapes, ties
 
 
-def _compute(config: Mapping[str, Any]) -> tuple[Shapes | None, Ties | None, str | None]:
+def _compute(config: Mapping[str, Any]) -> tuple[Shapes | None, Namings | None, str | None]:
     """Asked of the installed transformers (no memo): (shapes, ties, why there are none)."""
     from transformers import CONFIG_MAPPING
 
@@ -108,7 +128,8 @@ def _compute(config: Mapping[str, Any]) -> tuple[Shapes | None, Ties | None, str
     return shapes, _ties(model, hub_name), None
 
 
-def _ties(model: Any, hub_name: Mapping[str, str]) -> Ties | None:
+def _ties(model: Any, hub_name: Mapping[str, str]) -> Namings | None:
+    """The model's ties in its in-memory names, then (where transformers converts names) in the Hub's."""
     listed = getattr(model, "all_tied_weights_keys", None)
     if not isinstance(listed, Mapping):
         return None  # transformers 4.x: its models do not list their ties
@@ -118,8 +139,8 @@ def _ties(model: Any, hub_name: Mapping[str, str]) -> Ties | None:
         while ties[target] in ties and ties[target] not in seen:
             seen.add(ties[target])
             ties[target] = ties[ties[target]]
-    ties.update({hub_name[t]: hub_name.get(s, s) for t, s in list(ties.items()) if t in hub_name})
-    return ties
+    hub = {hub_name[t]: hub_name.get(s, s) for t, s in ties.items() if t in hub_name}
+    return [ties, hub] if hub and hub != ties else [ties]
 
 
 def memo_key(config: Mapping[str, Any]) -> str:
@@ -133,7 +154,7 @@ def memo_key(config: Mapping[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def _read(entry: Path) -> tuple[Shapes | None, Ties | None] | None:
+def _read(entry: Path) -> tuple[Shapes | None, Namings | None] | None:
     try:
         data = json.loads(entry.read_text())
     except (OSError, ValueError):
@@ -141,7 +162,8 @@ def _read(entry: Path) -> tuple[Shapes | None, Ties | None] | None:
     if not isinstance(data, dict) or data.get("format") != ENTRY_FORMAT or "shapes" not in data:
         return None
     shapes, ties = data["shapes"], data.get("ties")
-    if ties is not None and not (isinstance(ties, dict) and all(isinstance(v, str) for v in ties.values())):
+    if ties is not None and not (isinstance(ties, list) and all(
+            isinstance(naming, dict) and all(isinstance(v, str) for v in naming.values()) for naming in ties)):
         return None
     if shapes is None:
         return None, ties

@@ -1,6 +1,7 @@
 """The output-head rules every planner applies (Hugging Face names and Megatron tables alike), once.
 
-Tied embeddings (`tie_word_embeddings` reads the config's flag):
+Tied embeddings (`embeddings_tied`: the flag config.json states, else the model's own ties where transformers lists
+them, else the config class's default, `tie_word_embeddings`):
 - ``--tie-word-embedding`` (verl's flag) may only confirm the config: `check_tie_flag` raises
   `InvalidOption` on a contradiction;
 - where transformers lists the model's ties (`merge_engine.plan.model_shapes.model_ties`, transformers 5),
@@ -35,12 +36,13 @@ import torch
 
 from merge_engine.formats.chunks import aligned_chunks
 from merge_engine.errors import InvalidConfig, InvalidOption
-from merge_engine.formats.hf_metadata import tie_word_embeddings
+from merge_engine.formats.hf_metadata import stated_tie_word_embeddings, tie_word_embeddings
 from merge_engine.plan.merge_plan import MergePlan
+from merge_engine.plan.model_shapes import model_ties
 from merge_engine.formats.tensor_source import TensorMeta, TensorSource
 
 __all__ = ["CRITIC_HEAD", "EMBED_SUFFIXES", "LM_HEAD", "Heads", "check_dropped_head", "find_heads", "check_tie_flag", "check_tied_copy",
-           "critic_config",
+           "critic_config", "embeddings_tied",
            "input_embedding", "is_critic", "tie_word_embeddings", "tied_copy_error", "untied_without_head"]
 
 EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
@@ -76,6 +78,19 @@ def check_tie_flag(tie_flag: bool | None, tied: bool, config_url: str | None = N
     if tie_flag is not None and tie_flag != tied:
         raise InvalidOption(f"--tie-word-embedding={tie_flag} contradicts config.json "
                             f"(tie_word_embeddings={tied})", config_url)
+
+
+def embeddings_tied(config: Mapping[str, Any], ties: Mapping[str, str] | None) -> bool:
+    """Whether the model ties its embeddings: the ``tie_word_embeddings`` config.json states (top level or
+    ``text_config``); where it states none, whether the model's own ties (``ties``:
+    `merge_engine.plan.model_shapes.model_ties`, None where transformers lists none) tie anything; else the config
+    class's default (`tie_word_embeddings`: `InvalidConfig` when the class has no such attribute)."""
+    stated = stated_tie_word_embeddings(config)
+    if stated is not None:
+        return stated
+    if ties is not None:
+        return bool(ties)
+    return tie_word_embeddings(config)
 
 
 def input_embedding(metas: Mapping[str, TensorMeta], config_url: str | None = None) -> str:
@@ -116,10 +131,11 @@ def check_tied_copy(source: TensorSource, copy: str, embedding: str, chunk_bytes
 
 
 def check_dropped_head(source: TensorSource, plan: MergePlan, chunk_bytes: int,
-                       config: Mapping[str, Any] | None = None, ties: Mapping[str, str] | None = None) -> None:
-    """Hugging Face names: a stored head the plan does not write (tied) equals the embedding; given the
-    model's ties (`merge_engine.plan.model_shapes.model_ties`), every tied name not written equals the one
-    written."""
+                       config: Mapping[str, Any] | None = None) -> None:
+    """Hugging Face names: a stored head the plan does not write (tied) equals the embedding; where transformers
+    lists the ``config`` model's ties (`merge_engine.plan.model_shapes.model_ties`, resolved against the names
+    the source stores, as the planner resolves them), every tied name not written equals the one it is tied to."""
+    ties = model_ties(config, source.metas()) if config else None
     if ties is not None:
         metas, written = source.metas(), plan.by_name()
         for name in sorted(metas):

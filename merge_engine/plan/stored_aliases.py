@@ -9,7 +9,7 @@ lists the model's ties (`merge_engine.plan.model_shapes.model_ties`, transformer
 tied to one of them plus that one (Mamba's ``backbone.embeddings`` and ``lm_head``, ERNIE's decoder bias,
 Florence-2's shared embeddings), and the plan writes only that one (`merge_engine.plan.output_heads`).
 Besides (and where transformers does not say, or the names are Megatron's): exactly the input embedding and
-the output head, in a config with ``tie_word_embeddings``. Any other sharing, and a shared embedding and head under an untied
+the output head, in a model whose embeddings are tied (`merge_engine.plan.output_heads.embeddings_tied`). Any other sharing, and a shared embedding and head under an untied
 config, is `AliasedTensors` naming the file, from metadata alone, before a byte is written. A source that cannot share bytes between names (safetensors, DCP: their readers refuse
 overlapping items) has no ``alias_groups`` and passes.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 from merge_engine.errors import AliasedTensors
 from merge_engine.plan.model_shapes import model_ties
-from merge_engine.plan.output_heads import EMBED_SUFFIXES, LM_HEAD, find_heads, tie_word_embeddings
+from merge_engine.plan.output_heads import EMBED_SUFFIXES, LM_HEAD, embeddings_tied, find_heads
 from merge_engine.formats.tensor_source import AliasGroup
 
 __all__ = ["AliasGroup", "check_aliases"]
@@ -58,8 +58,8 @@ def check_aliases(source: object, config: Mapping[str, Any]) -> None:
     groups = groups()
     if not groups:
         return
-    tied = tie_word_embeddings(dict(config))
-    ties = model_ties(config)
+    ties = model_ties(config, {name for group in groups for name in group.names})
+    tied = embeddings_tied(config, ties)
     for group in groups:
         if _model_tied(group.names, ties) or (tied and _tied_pair(group.names, config)):
             continue

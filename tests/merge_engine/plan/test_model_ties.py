@@ -21,7 +21,7 @@ import torch
 from merge_engine.errors import AliasedTensors, InvalidConfig
 from merge_engine.formats.tensor_source import AliasGroup, TensorMeta
 from merge_engine.plan.hf_plan import plan_hf_merge
-from merge_engine.plan.model_shapes import model_ties
+from merge_engine.plan.model_shapes import model_shapes, model_ties
 from merge_engine.plan.output_heads import check_dropped_head
 from merge_engine.plan.stored_aliases import check_aliases
 
@@ -29,7 +29,7 @@ from merge_engine.plan.stored_aliases import check_aliases
 def _config(model_type: str) -> dict:
     from synthetic_runs.tiny_configs import registry_families, tiny_config
 
-    family = next(f for f in registry_families() if f.model_type == model_type)
+    family = next(f for f in registry_families() if model_type in (f.model_type, f.name))
     return tiny_config(family)
 
 
@@ -39,8 +39,6 @@ def configs() -> dict[str, dict]:
 
 
 def _metas(config: dict, names: list[str]) -> dict[str, TensorMeta]:
-    from merge_engine.plan.model_shapes import model_shapes
-
     shapes = model_shapes(config)
     return {n: TensorMeta(n, shapes[n][0], torch.float32) for n in names}
 
@@ -112,7 +110,47 @@ def test_a_dropped_tied_copy_must_equal_the_name_kept(configs):
     names = ["cls.predictions.bias", "cls.predictions.decoder.bias"]
     bias = torch.arange(float(_metas(config, names)[names[0]].shape[0]))
     plan = plan_hf_merge(_metas(config, names), config)
-    ties = model_ties(config)
-    check_dropped_head(_Values({names[0]: bias, names[1]: bias.clone()}), plan, 1 << 20, config, ties)
+    check_dropped_head(_Values({names[0]: bias, names[1]: bias.clone()}), plan, 1 << 20, config)
     with pytest.raises(InvalidConfig, match="cls.predictions.decoder.bias differs from cls.predictions.bias"):
-        check_dropped_head(_Values({names[0]: bias, names[1]: bias + 1}), plan, 1 << 20, config, ties)
+        check_dropped_head(_Values({names[0]: bias, names[1]: bias + 1}), plan, 1 << 20, config)
+
+
+def _family_config(family: str, **fields) -> dict:
+    """The config.json of `synthetic_runs.model_families`' tiny ``family`` (as verl saves it)."""
+    from synthetic_runs.models import ModelSpec, build_config
+
+    return {**build_config(ModelSpec(family=family, **fields)).to_dict(), "transformers_version": "5.0.0"}
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_tie_is_resolved_against_the_names_the_checkpoint_stores(family):
+    """Qwen2-VL's ``lm_head.weight`` is one name in both namings, tied to ``model.language_model.embed_tokens``
+    in memory (a transformers 5 trainer's checkpoint) and to ``model.embed_tokens`` on the Hub (an older 4.x
+    trainer's): each checkpoint's head is tied to the embedding it stores, dropped, and checked against it."""
+    config = _family_config(family, tie_word_embeddings=True)
+    for embedding in ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight"):
+        metas = {n: TensorMeta(n, (1003, 64), torch.float32) for n in (embedding, "lm_head.weight")}
+        plan = plan_hf_merge(metas, config)
+        assert model_ties(config, metas)["lm_head.weight"] == embedding
+        assert set(plan.by_name()) == {embedding}
+        assert f"tied weights: lm_head.weight not written (it equals {embedding})" in plan.notes
+        table = torch.randn(1003, 64)
+        check_dropped_head(_Values({embedding: table, "lm_head.weight": table.clone()}), plan, 1 << 20, config)
+        with pytest.raises(InvalidConfig, match=f"lm_head.weight differs from {embedding}"):
+            check_dropped_head(_Values({embedding: table, "lm_head.weight": table + 1}), plan, 1 << 20, config)
+    with pytest.raises(InvalidConfig, match="ties lm_head.weight to model.language_model.embed_tokens.weight"):
+        plan_hf_merge({"lm_head.weight": metas["lm_head.weight"]}, config)  # no embedding in either naming
+
+
+def test_where_the_config_class_has_no_tie_attribute_the_model_ties_decide():
+    """Mllama's config class has no ``tie_word_embeddings``: a config.json without the key is planned by the
+    model's own tie list (it ties nothing: the head is written), not refused."""
+    config = {k: v for k, v in _config("mllama (MllamaForConditionalGeneration)").items() if k != "tie_word_embeddings"}
+    config["text_config"] = {k: v for k, v in config["text_config"].items() if k != "tie_word_embeddings"}
+    ties = model_ties(config)
+    assert ties is not None
+    head = "lm_head.weight"
+    embedding = next(n for n in model_shapes(config) if n.endswith("embed_tokens.weight"))
+    metas = _metas(config, [head, embedding])
+    assert set(plan_hf_merge(metas, config).by_name()) == ({embedding} if head in ties else {embedding, head})
+    assert set(plan_hf_merge(metas, config, tie_flag=bool(ties)).by_name()) >= {embedding}
