@@ -6,7 +6,8 @@ copied to a bucket of the session's SeaweedFS server; merge_new_steps discovers,
 publishes each to s3://. Each release is judged from outside stepmerge (`tests.release_checks`): the weights the
 step was sharded from, bit for bit, and transformers' logits of that model, exactly. Every ranged GET the S3
 backend sends is counted: the DCP index (``.metadata``) and each rank file's safetensors header are fetched once
-(the check parses them; the merge builds its source from what the check carried).
+(the check parses them; the merge builds its source from what the check carried); a re-run of the step is a
+cache hit that fetches no byte of the step's files.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import pytest
 from safetensors.torch import load_file
 
 from flows.merge_new_steps import merge_new_steps
-from flows.params import WatchParams
+from flows.merge_step import merge_step
+from flows.params import MergeStepParams, WatchParams
 from merge_engine import storage
 from merge_engine.commands.merge import read_provenance
 from merge_engine.release.verify import verify_folder
@@ -93,3 +95,10 @@ def test_a_dcp_run_on_s3_is_discovered_merged_validated_and_published(prefect, d
     for url, length in metadata.items():
         fetched = sum(max(0, min(end, length) - start) for u, start, end in s3_gets if u == url)
         assert fetched == length, f"{url}: {fetched} metadata bytes fetched for {length}"
+
+    s3_gets.clear()
+    again = merge_step(**MergeStepParams(run_root=run_root, step=1, role="", release_root=params.release_root,
+                                         staging_root=params.staging_root,
+                                         hf_model_path=params.hf_model_path).flow_parameters())
+    assert again.cached and [r.url for r in again.releases] == [release.url]
+    assert not [u for u, _, _ in s3_gets if u in copied]  # a re-run reads no byte of the step's files
