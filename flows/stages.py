@@ -76,8 +76,9 @@ SETTLE_S = float(os.environ.get("STEPMERGE_SETTLE_S", "3"))  # pause before list
 class StageTimer:
     """Runs stage tasks and keeps a `StageRun` for each call.
 
-    Applies the configured result storage (`tasks.results.configured_result_storage`: local by
-    default, S3/GCS with ``STEPMERGE_RESULT_STORAGE``) to every task it runs.
+    Applies the configured result storage (`tasks.results.configured_result_storage`: a guarded block, local by
+    default, S3/GCS or a saved block with ``STEPMERGE_RESULT_STORAGE``) to every task it runs. Made at a flow's
+    start: storage that cannot be guarded is `UnguardedResultStorage` before any task runs.
     """
 
     def __init__(self, label: str = "") -> None:
@@ -88,8 +89,7 @@ class StageTimer:
 
     def call(self, name: str, task: Any, *args: Any, **kwargs: Any) -> Tuple[Any, StageRun]:
         """The task's result and its `StageRun` (recorded also when the task fails, then raised)."""
-        if self.result_storage is not None:
-            task = task.with_options(result_storage=self.result_storage)
+        task = task.with_options(result_storage=self.result_storage)
         if self.label:
             # a task run again in the same run (discover-step, then discover-again) is named by its stage
             # the second time: two task runs of one flow run never share a name

@@ -183,6 +183,13 @@ class UnsupportedScheme(InvalidOption, ValueError):
     (`merge_engine.storage.schemes`). Also a ValueError: a URL that cannot be used."""
 
 
+class UnguardedResultStorage(InvalidOption):
+    """The result storage Prefect would cache the stage tasks' results in (``STEPMERGE_RESULT_STORAGE``, or
+    ``PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK``) is a block of a type stepmerge cannot make read only its own
+    JSON records (`tasks.results`): a record planted there could name a pickle. Raised when a flow run starts,
+    before any task runs; ``path``: the block's slug."""
+
+
 class TargetOverlapsSource(InvalidOption):
     """The target is an input, contains one, or lies inside one: writing there would destroy it."""
 

@@ -21,6 +21,9 @@ Contract:
   the same chain, so two runs racing to rebuild a deleted release agree on the key and the
   isolation below makes one wait for the other, instead of both recomputing (which
   ``refresh_cache`` would do: it skips the cache lookup made under the lock).
+- Only a result store that reads through a guarded block (`tasks.results.reads_only_records`) gets a key: a
+  stage task run with any other storage (Prefect's default folder, in a flow of its own) runs uncached, and
+  reads no record that could name a pickle.
 - SERIALIZABLE isolation with `CrashSafeFileLockManager`: two runs of the same stage with the same
   key do not both compute; the second waits for the first's lock and reads its result.
 """
@@ -41,6 +44,7 @@ from pydantic import BaseModel
 
 import merge_engine
 from tasks.locking import CrashSafeFileLockManager
+from tasks.results import reads_only_records
 
 if TYPE_CHECKING:
     from merge_engine.commands.input_folders import InputFolders
@@ -147,8 +151,15 @@ class StageCachePolicy(CacheKeyFnPolicy):
 
     def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
                     **kwargs: Any) -> Optional[str]:
-        key = super().compute_key(task_ctx, inputs, flow_parameters, **kwargs)
         store = getattr(task_ctx, "result_store", None)
+        if not reads_only_records(store):
+            # a store Prefect reads with the serializer each record names (its default local folder, a block
+            # not made by tasks.results): no key, so no record is read (nor written); the task runs
+            logger.warning("%s: result storage %s is not guarded (tasks.results); the task runs uncached",
+                           getattr(getattr(task_ctx, "task", None), "name", "a stage task"),
+                           type(getattr(store, "result_storage", None)).__name__)
+            return None
+        key = super().compute_key(task_ctx, inputs, flow_parameters, **kwargs)
         if key is None or self.still_valid is None or store is None:
             return key
         return live_generation(store, key, self.still_valid, inputs)

@@ -12,7 +12,7 @@ import sys
 from dataclasses import replace
 
 import merge_engine
-from tasks.cache import stage_key
+from tasks.cache import stage_cache_policy, stage_key
 from merge_engine.release.built import BuiltOutput
 from tasks.records import SETTINGS_RECORDS, CheckpointRecord
 
@@ -65,10 +65,29 @@ def test_only_the_named_fields_count():
 
 
 def _policy_key(policy, **inputs) -> str:
-    """The key ``policy`` computes for these task inputs (no result store: generation 0; no task run)."""
+    """The key ``policy`` computes for these task inputs (a guarded store with no records: generation 0; no task
+    run)."""
     from types import SimpleNamespace
 
-    return policy.compute_key(SimpleNamespace(result_store=None), inputs, {})
+    from tasks.results import GuardedLocalFileSystem
+
+    store = SimpleNamespace(result_storage=GuardedLocalFileSystem(basepath="/nonexistent"), metadata_storage=None,
+                            exists=lambda key: False)
+    return policy.compute_key(SimpleNamespace(result_store=store), inputs, {})
+
+
+def test_a_store_that_is_not_guarded_gets_no_key():
+    """Prefect's own local storage (a record there names its own serializer), or no store at all: no key, so the
+    task runs and reads no record."""
+    from types import SimpleNamespace
+
+    from prefect.filesystems import LocalFileSystem
+
+    policy = stage_cache_policy("t", ("x",))
+    prefects_own = SimpleNamespace(result_storage=LocalFileSystem(basepath="/nonexistent"), metadata_storage=None)
+    for store in (None, prefects_own):
+        assert policy.compute_key(SimpleNamespace(result_store=store), {"x": 1}, {}) is None
+    assert _policy_key(policy, x=1) is not None
 
 
 def test_folders_named_by_url_count_by_their_content(tmp_path):
@@ -112,7 +131,10 @@ def test_a_task_body_reads_its_folders_by_the_listing_its_key_took(prefect, tmp_
 
     @flow
     def run(folder: str) -> list:
-        return [body(folder), handed_folders() is None]
+        from tasks.results import configured_result_storage
+
+        # a stage task gets a key only with guarded result storage (the flows' StageTimer applies it)
+        return [body.with_options(result_storage=configured_result_storage())(folder), handed_folders() is None]
 
     assert run(str(folder)) == ["config.json", True]
     assert listings == [str(folder)]

@@ -38,11 +38,13 @@ def chain(run_root: str, step: int, release_root: str, staging_root: str) -> dic
     timer = StageTimer()
     found = discover_steps(run_root).find(step, "actor")
     release = release_url(release_root, "actor", step)
-    states = {"check": check_step(found, None, return_state=True)}
+    guarded = {"result_storage": timer.result_storage}  # as StageTimer applies it: without it, nothing is cached
+    states = {"check": check_step.with_options(**guarded)(found, None, return_state=True)}
     inputs = ReleaseInputs(kind=MODEL, step=found, checkpoint=states["check"].result(), release=release,
                            settings={name: SETTINGS_RECORDS[name]() for name in ("merge", "validation", "execution")},
                            staging_root=staging_root, options={"dtype": None})
-    states["release"] = CHAIN_TASKS[MODEL](inputs, timer, release_state(release), return_state=True)
+    states["release"] = CHAIN_TASKS[MODEL].with_options(**guarded)(inputs, timer, release_state(release),
+                                                                    return_state=True)
     return {name: (state.name, state.result()) for name, state in states.items()}
 
 
