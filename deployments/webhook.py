@@ -12,12 +12,14 @@ one spelling: ``s3://b/run/`` and ``s3://b/run`` are one key), so a webhook deli
 run, never a second merge; after a FAILED run a later call follows the watcher's rules (`flows.submission`).
 The body names the checkpoint only; where releases go is the deployment's business. Credentials (bearer
 ``STEPMERGE_WEBHOOK_TOKEN``, or HMAC-SHA256 with ``STEPMERGE_WEBHOOK_HMAC_SECRET``: `sign`) are checked from
-the headers BEFORE the body is read, and no body is held beyond `MAX_BODY_BYTES`.
+the headers BEFORE the body is read, and no body is held beyond `MAX_BODY_BYTES` nor read for longer than
+`BODY_DEADLINE_S` (408); at most `MAX_UNVERIFIED_READS` bodies whose HMAC signature is not checked yet are read at
+once (503 beyond). A token or secret shorter than `MIN_SECRET_CHARS` (or blank) stops the start.
 
-Errors: 401 a missing, wrong or stale credential; 413 a body over `MAX_BODY_BYTES`; 422 a body that is not
-the `CheckpointSaved` object, or a run root outside the allow-lists (`checked_payload`: schemes, run roots,
-shared-disk roots after `resolved_local_run_root`); 503 when the Prefect API or the deployment cannot be
-reached. Each refusal is one line on the ``stepmerge.webhook`` logger. Started without a credential or
+Errors: 401 a missing, wrong or stale credential; 408 a body not whole in time; 413 a body over
+`MAX_BODY_BYTES`; 422 a body that is not the `CheckpointSaved` object, or a run root outside the allow-lists
+(`checked_payload`: schemes, run roots, shared-disk roots after `resolved_local_run_root`); 503 when the Prefect
+API or the deployment cannot be reached, or too many unverified bodies are being read. Each refusal is one line on the ``stepmerge.webhook`` logger. Started without a credential or
 ``PREFECT_API_URL``, or with a bad ``STEPMERGE_WEBHOOK_*`` value: `WebhookNotConfigured`, one line naming the
 variable, no traceback. Every setting, the HMAC headers, the accepted run roots and TLS (required: tokens
 and signatures must not cross a network in clear): deployments/README.md, "6. From the training job".
@@ -37,6 +39,7 @@ from typing import Literal, Optional
 import anyio
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictInt, ValidationError, field_validator
 
 from flows.step_keys import normalized_run_root, step_key
@@ -50,6 +53,9 @@ CHECKPOINT_SAVED_PATH = "/hooks/checkpoint-saved"
 SIGNATURE_HEADER = "X-Stepmerge-Signature"
 TIMESTAMP_HEADER = "X-Stepmerge-Timestamp"
 MAX_BODY_BYTES = 64 * 1024
+BODY_DEADLINE_S = 10.0  # a body not received whole by then is a 408 (a sender on a slow link sends 64 KiB in time)
+MAX_UNVERIFIED_READS = 32  # signature-headed bodies read at once before the signature is checked; more: 503
+MIN_SECRET_CHARS = 16  # a token or HMAC secret shorter than this is refused at start
 MAX_STEP = 10**12  # far beyond any training run; a bigger number is a forged or broken sender
 _UNIX_SECONDS = re.compile(r"[0-9]{1,12}")
 _STEP_DIGITS = re.compile(r"[0-9]{1,12}")
@@ -90,8 +96,8 @@ class WebhookSettings(BaseModel):
 
         try:
             return cls(deployment=os.environ.get("STEPMERGE_WEBHOOK_DEPLOYMENT", "merge-step/gpu"),
-                       token=os.environ.get("STEPMERGE_WEBHOOK_TOKEN") or None,
-                       hmac_secret=os.environ.get("STEPMERGE_WEBHOOK_HMAC_SECRET") or None,
+                       token=os.environ.get("STEPMERGE_WEBHOOK_TOKEN"),  # set but empty: refused, not "unset"
+                       hmac_secret=os.environ.get("STEPMERGE_WEBHOOK_HMAC_SECRET"),
                        allowed_schemes=listed("STEPMERGE_WEBHOOK_SCHEMES",
                                               ",".join(remote_schemes(canonical_only=True))),
                        allowed_run_roots=listed("STEPMERGE_WEBHOOK_RUN_ROOTS"),
@@ -101,6 +107,18 @@ class WebhookSettings(BaseModel):
             field = str(first["loc"][0]) if first.get("loc") else ""
             message = str(first.get("msg", exc)).removeprefix("Value error, ")
             raise WebhookNotConfigured(f"{_SETTING_VARIABLES.get(field, field)}: {message}") from None
+
+    @field_validator("token", "hmac_secret")
+    @classmethod
+    def _strong_secret(cls, value: Optional[SecretStr]) -> Optional[SecretStr]:
+        """A credential, when given, is at least `MIN_SECRET_CHARS` characters with no space around it: an
+        empty, blank or short one would be guessed (or is a mistake in the variable)."""
+        if value is not None:
+            secret = value.get_secret_value()
+            if len(secret) < MIN_SECRET_CHARS or secret.strip() != secret:
+                raise ValueError(f"must be at least {MIN_SECRET_CHARS} characters without surrounding spaces "
+                                 f"(given: {len(secret)} characters); e.g. $(openssl rand -hex 32)")
+        return value
 
     @field_validator("allowed_schemes")
     @classmethod
@@ -217,18 +235,26 @@ def authenticated(settings: WebhookSettings, headers, body: bytes, now: Optional
     return hmac.compare_digest(headers[SIGNATURE_HEADER.lower()].encode(), expected.encode())
 
 
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES, deadline_s: float = BODY_DEADLINE_S) -> bytes:
     """The body, streamed, never more than ``limit`` bytes held: a declared or actual size over it is
-    a 413 at once (the rest is never read)."""
+    a 413 at once (the rest is never read); a body not whole within ``deadline_s`` is a 408; a sender that
+    hangs up first is a 400 (logged as one line like any refusal, never a traceback)."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise HTTPException(413 if declared.isdigit() else 400, "body too large" if declared.isdigit()
                             else "bad Content-Length")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise HTTPException(413, "body too large")
+    try:
+        with anyio.fail_after(deadline_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise HTTPException(413, "body too large")
+    except TimeoutError:
+        raise HTTPException(408, f"body not received within {deadline_s:g} s", headers={"Connection": "close"}) \
+            from None
+    except ClientDisconnect:
+        raise HTTPException(400, "the sender closed the connection before its body was read") from None
     return bytes(body)
 
 
@@ -290,6 +316,7 @@ def create_app(settings: Optional[WebhookSettings] = None) -> FastAPI:
         raise WebhookNotConfigured("set PREFECT_API_URL: the receiver creates runs on a Prefect server")
     app = FastAPI(title="stepmerge webhook", version="1")
     deployment_ids: dict[str, object] = {}
+    unverified_reads = [0]  # bodies being read before their signature is checked (one event loop: no lock)
 
     def create_run(payload: CheckpointSaved) -> dict:
         """The step's run (`flows.submission.submit_chain`, as the webhook: a completed run is the answer)."""
@@ -331,11 +358,19 @@ def create_app(settings: Optional[WebhookSettings] = None) -> FastAPI:
         if not bearer_ok(settings, request.headers) and not signature_may_hold(settings, request.headers):
             refused(request, 401, reason)
             raise unauthorized
+        verified = bearer_ok(settings, request.headers)
+        if not verified and unverified_reads[0] >= MAX_UNVERIFIED_READS:
+            refused(request, 503, "too many unverified bodies in flight")
+            raise HTTPException(503, "too many unverified requests in flight: send it again later",
+                                headers={"Retry-After": "5", "Connection": "close"})
+        unverified_reads[0] += not verified
         try:
             body = await read_body(request)
         except HTTPException as exc:
             refused(request, exc.status_code, str(exc.detail))
             raise
+        finally:
+            unverified_reads[0] -= not verified
         if not authenticated(settings, request.headers, body):
             refused(request, 401, reason)
             raise unauthorized

@@ -281,7 +281,11 @@ def test_a_shared_disk_root_that_is_slash_in_any_spelling_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("variable, value", [("STEPMERGE_WEBHOOK_SHARED_DISK_ROOTS", "/."),
-                                             ("STEPMERGE_WEBHOOK_SCHEMES", "ftp")])
+                                             ("STEPMERGE_WEBHOOK_SCHEMES", "ftp"),
+                                             # a credential that is empty, blank or short is guessed, not kept
+                                             ("STEPMERGE_WEBHOOK_TOKEN", ""), ("STEPMERGE_WEBHOOK_TOKEN", " " * 20),
+                                             ("STEPMERGE_WEBHOOK_TOKEN", "secret"),
+                                             ("STEPMERGE_WEBHOOK_HMAC_SECRET", "0123456789abcde")])
 def test_a_bad_setting_stops_the_start_with_one_line(prefect_api, monkeypatch, variable, value):
     """Issue 17 point 9: a bad ``STEPMERGE_WEBHOOK_*`` value was a pydantic traceback at start; it is one
     line naming the variable (`WebhookNotConfigured`, what ``uvicorn --factory`` prints and exits on)."""

@@ -37,7 +37,7 @@ def _free_port() -> int:
 def receiver():
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": REPO, "STEPMERGE_WEBHOOK_TOKEN": TOKEN,
-           "STEPMERGE_WEBHOOK_HMAC_SECRET": "limits-secret", "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+           "STEPMERGE_WEBHOOK_HMAC_SECRET": "limits-secret-0123456789", "PREFECT_API_URL": "http://127.0.0.1:9/api"}
     server = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "deployments.webhook:create_app",
                                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"], env=env)
     deadline = time.monotonic() + 120
