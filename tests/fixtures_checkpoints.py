@@ -8,6 +8,8 @@ run root with one step, plus the exact reference weights each was sharded from.
 TP 2 x EP 2, both ``use_dist_checkpointing`` settings (`synthetic_runs.megatron_lora`: a writer of our own).
 `verl_lora_runs`: verl's default LoRA (all-linear) on every MoE family (`synthetic_runs.fsdp.verl_lora_matrix()`);
 `verl_saved_lora_run`: the Mixtral one saved by verl 0.9.1's own FSDPCheckpointManager.
+`zero_runs`: DeepSpeed ZeRO-2 (bf16, HF Trainer's ``checkpoint-N/global_stepN/``) and ZeRO-3 (fp32, a bare
+engine's ``global_stepN/``) runs of 2 ranks, saved by DeepSpeed itself (`synthetic_runs.deepspeed`).
 """
 
 from __future__ import annotations
@@ -117,3 +119,17 @@ def dcp_runs(tmp_path_factory) -> dict[str, synthetic_runs.StepFiles]:
                     reference_dir=str(root / writer / "reference"))
             for writer, folder in DCP_STEP_FOLDERS.items()]
     return dict(zip(DCP_STEP_FOLDERS, write_fsdp_steps(jobs)))
+
+
+ZERO_SPECS = {"zero2_bf16": dict(stage=2, dtype="bfloat16", trainer="hf_trainer"),
+              "zero3_fp32": dict(stage=3, dtype="float32", trainer="deepspeed")}
+
+
+@pytest.fixture(scope="session")
+def zero_runs(tmp_path_factory):
+    """name -> `synthetic_runs.deepspeed.ZeroRun` of `ZERO_SPECS`, step 1, written once by real DeepSpeed."""
+    from synthetic_runs.deepspeed import ZeroSpec, write_zero_run
+
+    root = tmp_path_factory.mktemp("zero_fixtures")
+    return {name: write_zero_run(root / name, ZeroSpec(**spec), steps=(1,), reference_root=root / f"{name}_ref")
+            for name, spec in ZERO_SPECS.items()}

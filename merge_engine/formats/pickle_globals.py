@@ -61,8 +61,16 @@ _MEGATRON = {
                      "CLongDoubleDType", "BytesDType", "StrDType"),
 }
 
+# DeepSpeed's ZeRO optimizer files pickle its loss scaler (plain numbers in ``__dict__``) and the ZeRO stage (an
+# ``int`` enum, rebuilt from its value)
+_DEEPSPEED = {
+    "deepspeed.runtime.fp16.loss_scaler": ("LossScaler", "DynamicLossScaler"),
+    "deepspeed.runtime.zero.config": ("ZeroStageEnum",),
+    "deepspeed.utils.tensor_fragment": ("fragment_address",),
+}
+
 RECORD_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    (module, name) for table in (_DTENSOR, _SHARDED_TENSOR, _DCP_METADATA, _MEGATRON)
+    (module, name) for table in (_DTENSOR, _SHARDED_TENSOR, _DCP_METADATA, _MEGATRON, _DEEPSPEED)
     for module, names in table.items() for name in names)
 
 # (module, qualname of a record class, attribute): the nested classes a protocol-2 pickle reaches by

@@ -310,7 +310,42 @@ class StackedTensor(DTypeByName):
         return torch.cat([band.read() for band in self.bands], dim=0)
 
 
-Assembly = ConcatTensor | ReplicatedTensor | StackedTensor
+@dataclass(frozen=True)
+class FlatTensor(DTypeByName):
+    """A full tensor whose row-major flattening is its 1-D stored pieces concatenated, cut anywhere (a row may
+    span two pieces): a parameter rebuilt from flat optimizer partitions (DeepSpeed ZeRO). Streams piece by
+    piece; a range is a byte range of the pieces it crosses."""
+
+    shape: tuple[int, ...]
+    dtype_name: str
+    pieces: tuple[StoredTensor, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype_name", name_of(self.dtype_name))
+        where = self.pieces[0].archive.url if self.pieces else None
+        for piece in self.pieces:
+            if piece.dtype_name != self.dtype_name or len(piece.shape) != 1:
+                raise CorruptShard(f"flat piece {piece.shape} {describe(piece.dtype_name)} does not fit a "
+                                   f"{describe(self.dtype_name)} tensor", piece.archive.url)
+        total = sum(piece.numel for piece in self.pieces)
+        if total != math.prod(self.shape):
+            raise CorruptShard(f"flat pieces hold {total} of the {math.prod(self.shape)} elements of {self.shape}",
+                               where)
+
+    def _flat(self) -> ConcatTensor:
+        return ConcatTensor((math.prod(self.shape),), self.dtype_name, 0, self.pieces)
+
+    def iter_chunks(self, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        return self._flat().iter_chunks(max_bytes)
+
+    def iter_range(self, start: int, count: int, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        return self._flat().iter_range(start, count, max_bytes)
+
+    def read(self) -> torch.Tensor:
+        return self._flat().read().reshape(self.shape)
+
+
+Assembly = ConcatTensor | ReplicatedTensor | StackedTensor | FlatTensor
 
 
 def _pieces(tensor: object) -> tuple[StoredTensor, ...]:
@@ -318,7 +353,7 @@ def _pieces(tensor: object) -> tuple[StoredTensor, ...]:
     refuses two items sharing bytes of a data file)."""
     if isinstance(tensor, StackedTensor):
         return tuple(piece for band in tensor.bands for piece in band.pieces)
-    if isinstance(tensor, ConcatTensor):
+    if isinstance(tensor, (ConcatTensor, FlatTensor)):
         return tensor.pieces
     if isinstance(tensor, ReplicatedTensor):
         return tensor.copies
@@ -361,8 +396,7 @@ class AssembledSource:
         ta, tb = self._tensors[a], self._tensors[b]
         if isinstance(ta, StackedTensor) or isinstance(tb, StackedTensor):
             return False
-        parts_a = ta.pieces if isinstance(ta, ConcatTensor) else ta.copies
-        parts_b = tb.pieces if isinstance(tb, ConcatTensor) else tb.copies
+        parts_a, parts_b = _pieces(ta), _pieces(tb)
         return len(parts_a) == len(parts_b) and all(
             x.archive is y.archive and x.storage == y.storage and x.offset == y.offset and x.shape == y.shape
             and x.stride == y.stride for x, y in zip(parts_a, parts_b))

@@ -16,6 +16,8 @@ all listed once in `LAYOUTS` (in priority order: the first that detects a listin
 - ``dcp_hf``: a state dict saved through torch's ``HuggingFaceStorageWriter``, one safetensors file per rank and
   output file (``shard-0000R-model-0000K-of-0000M.safetensors``); before ``hf``, which would take the folder
   for a Hugging Face folder missing its index;
+- ``deepspeed_zero``: DeepSpeed ZeRO stage 1/2/3 tag folders (``global_stepN/``, also inside HF Trainer's
+  ``checkpoint-N/``), rebuilt from the fp32 master partitions; before ``hf``, which HF Trainer's folder also is;
 - ``hf``: Hugging Face folders (``config.json`` + safetensors), also as saved beside a step.
 
 Run layouts, one per trainer, listed once in `runs.RUN_LAYOUTS`: how a run root names its step folders
@@ -42,7 +44,8 @@ from typing import TYPE_CHECKING
 
 from merge_engine import storage
 from merge_engine.errors import IncompleteCheckpoint, SourceChanged, UnsupportedLayout
-from merge_engine.layouts import dcp_hf, dcp_model, fsdp, hf, megatron_bridge, megatron_dist, megatron_legacy, megatron_lora
+from merge_engine.layouts import (dcp_hf, dcp_model, deepspeed_zero, fsdp, hf, megatron_bridge, megatron_dist,
+                                   megatron_legacy, megatron_lora)
 from merge_engine.layouts.contract import (
     HF_NAMES,
     MEGATRON_NAMES,
@@ -58,7 +61,8 @@ if TYPE_CHECKING:
     from merge_engine.formats.tensor_source import TensorSource
 
 # THE registry, in priority order (detection and discovery's primary layout)
-LAYOUTS: tuple[Layout, ...] = (fsdp, megatron_legacy, megatron_lora, megatron_bridge, dcp_model, megatron_dist, dcp_hf, hf)
+LAYOUTS: tuple[Layout, ...] = (fsdp, megatron_legacy, megatron_lora, megatron_bridge, dcp_model, megatron_dist, dcp_hf,
+                                 deepspeed_zero, hf)
 BY_NAME: dict[str, Layout] = {layout.NAME: layout for layout in LAYOUTS}
 # backend names that stand for several layouts (verl's ``--backend megatron``), tried in this order
 ALIASES: dict[str, tuple[str, ...]] = {

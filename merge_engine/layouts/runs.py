@@ -5,7 +5,9 @@ once in `RUN_LAYOUTS`. Everything that turns a step number into a folder name or
 - ``verl``: ``global_step_<N>/``; inside it the RL role folders ``actor/`` and ``critic/`` (SFT
   trainers save straight into the step folder: role ``""``);
 - ``megatron_lm``: ``iter_<NNNNNNN>/`` (zero-padded to 7 digits), weights straight in;
-- ``hf_trainer``: HF Trainer / TRL's ``checkpoint-<N>/`` (Accelerate's ``pytorch_model_fsdp_0/`` inside);
+- ``hf_trainer``: HF Trainer / TRL's ``checkpoint-<N>/`` (Accelerate's ``pytorch_model_fsdp_0/`` or a DeepSpeed tag
+  folder ``global_step<N>/`` inside);
+- ``deepspeed``: DeepSpeed's own tags ``global_step<N>/`` (``engine.save_checkpoint``'s default, OpenRLHF);
 - ``accelerate``: Accelerate's own ``save_state`` with automatic naming, ``checkpoint_<N>/``;
 - ``torchtitan``: ``step-<N>/``, the DCP files straight in;
 - ``nemo_rl``: NeMo-RL's ``step_<N>/`` (renamed from ``tmp_step_<N>`` once saved), the policy in ``policy/``.
@@ -26,7 +28,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["ACCELERATE", "HF_TRAINER", "MEGATRON_LM", "NEMO_RL", "RUN_LAYOUTS", "TORCHTITAN", "VERL", "RunLayout", "from_step_folder", "run_layout_of", "step_folders",
+__all__ = ["ACCELERATE", "DEEPSPEED", "HF_TRAINER", "MEGATRON_LM", "NEMO_RL", "RUN_LAYOUTS", "TORCHTITAN", "VERL",
+           "RunLayout", "from_step_folder", "run_layout_of", "step_folders",
            "step_of_folder"]
 
 
@@ -60,10 +63,12 @@ MEGATRON_LM = RunLayout("megatron_lm", "iter_{step:07d}", r"iter_([0-9]+)")
 HF_TRAINER = RunLayout("hf_trainer", "checkpoint-{step}", r"checkpoint-([0-9]+)")
 ACCELERATE = RunLayout("accelerate", "checkpoint_{step}", r"checkpoint_([0-9]+)")
 TORCHTITAN = RunLayout("torchtitan", "step-{step}", r"step-([0-9]+)")
+DEEPSPEED = RunLayout("deepspeed", "global_step{step}", r"global_step([0-9]+)")
 NEMO_RL = RunLayout("nemo_rl", "step_{step}", r"step_([0-9]+)", roles=("policy",))
 
 # THE registry of run layouts, in the order a step's folder is looked for
-RUN_LAYOUTS: tuple[RunLayout, ...] = (VERL, MEGATRON_LM, HF_TRAINER, ACCELERATE, TORCHTITAN, NEMO_RL)
+RUN_LAYOUTS: tuple[RunLayout, ...] = (VERL, MEGATRON_LM, HF_TRAINER, ACCELERATE, TORCHTITAN, NEMO_RL,
+                                      DEEPSPEED)
 
 
 def run_layout_of(name: str) -> RunLayout | None:

@@ -1,7 +1,8 @@
 """Run layouts: each trainer's step-folder naming, declared once (`merge_engine.layouts.runs`).
 
 Specification:
-- verl names a step ``global_step_<N>``, Megatron-LM ``iter_<NNNNNNN>`` (7 digits); each name reads back
+- verl names a step ``global_step_<N>``, Megatron-LM ``iter_<NNNNNNN>`` (7 digits), DeepSpeed
+  ``global_step<N>``, HF Trainer ``checkpoint-<N>``; each name reads back
   to its number, anything else to None: another padding (``global_step_01``, ``iter_7``) or a non-ASCII
   digit (``global_step_١``) names no step;
 - listing and lookup agree: every step discovery lists is found by a lookup of its number, and a folder
@@ -18,7 +19,8 @@ import pytest
 
 from merge_engine import storage
 from merge_engine.layouts import runs
-from merge_engine.layouts.runs import MEGATRON_LM, NEMO_RL, VERL, RunLayout, from_step_folder, step_folders, step_of_folder
+from merge_engine.layouts.runs import (DEEPSPEED, MEGATRON_LM, NEMO_RL, VERL, RunLayout, from_step_folder, step_folders,
+                                       step_of_folder)
 
 
 @pytest.mark.parametrize("name, step", [("global_step_40", 40), ("global_step_0", 0), ("iter_0000100", 100),
@@ -29,15 +31,18 @@ from merge_engine.layouts.runs import MEGATRON_LM, NEMO_RL, VERL, RunLayout, fro
                                         ("ckpt_4", None), ("iter_0000100.tmp", None), ("actor", None),
                                         ("checkpoint-500", 500), ("checkpoint_3", 3), ("step-1000", 1000),
                                         ("step_20", 20), ("tmp_step_20", None), ("checkpoint-0500", None),
-                                        ("step-\u0661", None)])
+                                        ("step-\u0661", None), ("global_step12", 12), ("global_step012", None),
+                                        ("global_step", None)])
 def test_a_folder_name_reads_back_to_its_step(name, step):
     assert step_of_folder(name) == step
 
 
 def test_each_trainer_writes_its_own_folder_names():
     assert (VERL.folder(40), MEGATRON_LM.folder(100)) == ("global_step_40", "iter_0000100")
-    assert step_folders(7) == ("global_step_7", "iter_0000007", "checkpoint-7", "checkpoint_7", "step-7", "step_7")
+    assert step_folders(7) == ("global_step_7", "iter_0000007", "checkpoint-7", "checkpoint_7", "step-7", "step_7",
+                             "global_step7")
     assert VERL.roles == ("actor", "critic") and MEGATRON_LM.roles == () and NEMO_RL.roles == ("policy",)
+    assert DEEPSPEED.folder(40) == "global_step40"
 
 
 @pytest.mark.parametrize("url, label", [
@@ -45,6 +50,7 @@ def test_each_trainer_writes_its_own_folder_names():
     ("/data/run/global_step_7", "global_step_7"),
     ("gs://bucket/mlm/iter_0000100/", "iter_0000100"),
     ("gs://bucket/some/model/", "model"),
+    ("s3://bucket/sft/checkpoint-500", "checkpoint-500"),
 ])
 def test_a_url_is_named_from_its_step_folder_on(url, label):
     assert from_step_folder(url) == label

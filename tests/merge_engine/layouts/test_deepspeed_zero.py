@@ -1,0 +1,177 @@
+"""DeepSpeed ZeRO checkpoints saved by DeepSpeed itself (the session's ``zero_runs``: ZeRO-2 in bf16 inside HF
+Trainer's ``checkpoint-1/``, ZeRO-3 in fp32 as a bare engine's ``global_step1/``, 2 ranks over gloo).
+
+- the merge is the fp32 master weights the run was built from, bit for bit, and transformers gives the model's
+  own logits from it; ZeRO-2's bf16 ``model.safetensors`` beside HF Trainer's tag folder is not what is read;
+- the listing tells a step still being written (a rank's optim file missing or empty) from a complete one, and
+  the check finds a missing last rank from the world size DeepSpeed records;
+- what cannot be read is refused by name: tensor/pipeline parallel ranks, an optim file without a ZeRO stage,
+  frozen parameters; a truncated file is `CorruptShard`; DeepSpeed's pickles read with the allow-list only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from merge_engine.cli import main
+from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout
+from merge_engine.layouts import check_checkpoint, deepspeed_zero, listing_verdicts
+from merge_engine.layouts.discovery import steps_from_listing
+from merge_engine.storage import FileEntry, list_files
+from tests.release_checks import assert_release_of_step
+
+RUNS = ("zero2_bf16", "zero3_fp32")
+
+
+def _merge_args(run, target) -> list[str]:
+    args = ["merge", "--local_dir", run.step_dir(1), "--target_dir", str(target)]
+    if run.spec.trainer == "deepspeed":  # a bare engine saves no config: the model's own is given
+        args += ["--hf_model_path", run.hf_config_dir]
+    return args
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_merge_is_the_fp32_masters_bit_for_bit_with_the_models_logits(zero_runs, tmp_path, name, capsys):
+    run = zero_runs[name]
+    target = tmp_path / "out"
+    assert main(_merge_args(run, target)) == 0
+    assert "deepspeed_zero" in capsys.readouterr().out
+    assert_release_of_step(str(target), run, 1)  # names, dtypes (fp32) and values; transformers' logits, exactly
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_check_reports_stage_and_ranks(zero_runs, name):
+    run = zero_runs[name]
+    checkpoint = check_checkpoint(run.step_dir(1))
+    assert checkpoint.layout == deepspeed_zero.NAME
+    assert checkpoint.parallel == {"world_size": 2, "zero_stage": run.spec.stage}
+    assert (checkpoint.hf_dir is not None) == (run.spec.trainer == "hf_trainer")
+
+
+def test_hf_trainers_checkpoint_folder_is_discovered_as_deepspeed_not_as_its_bf16_copy(zero_runs):
+    run = zero_runs["zero2_bf16"]
+    assert os.path.exists(os.path.join(run.step_dir(1), "model.safetensors"))  # HF Trainer's bf16 save beside
+    entries = list_files(run.root, recursive=True)
+    (step,) = steps_from_listing(run.root, entries)
+    assert (step.step, step.role, step.status, step.layout) == (1, "", "complete", deepspeed_zero.NAME)
+    assert step.url.endswith("/checkpoint-1")
+    (bare,) = steps_from_listing(zero_runs["zero3_fp32"].root, list_files(zero_runs["zero3_fp32"].root, recursive=True))
+    assert (bare.step, bare.status, bare.layout) == (1, "complete", deepspeed_zero.NAME)
+    assert bare.url.endswith("/global_step1")
+
+
+def _copy(run, tmp_path):
+    target = tmp_path / "step"
+    shutil.copytree(run.step_dir(1), target)
+    return target
+
+
+def _tag(run, folder):
+    return folder / "global_step1" if run.spec.trainer == "hf_trainer" else folder
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_a_rank_still_writing_is_incomplete_never_complete(zero_runs, tmp_path, name):
+    run = zero_runs[name]
+    folder = _copy(run, tmp_path)
+    optim = sorted(_tag(run, folder).glob("*rank_1_mp_rank_00_optim_states.pt"))[0]
+    optim.write_bytes(b"")  # rank 1 has opened its file, nothing written yet
+    (verdict,) = [v for n, v in listing_verdicts(list_files(str(folder), recursive=True)) if n == deepspeed_zero.NAME]
+    assert verdict.status == "incomplete" and "empty" in verdict.reason
+    optim.unlink()  # not even opened: ranks 0..0 look whole by name; the check reads the 2 ranks DeepSpeed records
+    with pytest.raises(IncompleteCheckpoint, match=r"optim files? of ranks? \[?1"):
+        check_checkpoint(str(folder))
+    assert main(["check", "--local_dir", str(folder)]) == 3
+
+
+def test_a_missing_middle_rank_is_incomplete_from_the_listing():
+    files = [FileEntry("zero_pp_rank_0_mp_rank_00_model_states.pt", 10, "v"),
+             FileEntry("zero_pp_rank_2_mp_rank_00_model_states.pt", 10, "v"),
+             FileEntry("zero_pp_rank_0_mp_rank_00_optim_states.pt", 10, "v"),
+             FileEntry("zero_pp_rank_1_mp_rank_00_optim_states.pt", 10, "v"),
+             FileEntry("zero_pp_rank_2_mp_rank_00_optim_states.pt", 10, "v")]
+    verdict = deepspeed_zero.listing_verdict(files)
+    assert verdict.status == "incomplete" and "model files of ranks [1]" in verdict.reason
+    assert deepspeed_zero.listing_verdict(files + [FileEntry("zero_pp_rank_1_mp_rank_00_model_states.pt", 9, "v")]
+                                          ).complete
+
+
+def test_tensor_or_pipeline_parallel_zero_is_refused_by_name(zero_runs, tmp_path):
+    run = zero_runs["zero2_bf16"]
+    folder = _copy(run, tmp_path)
+    tag = folder / "global_step1"
+    shutil.copyfile(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
+    (verdict,) = [v for n, v in listing_verdicts(list_files(str(folder), recursive=True)) if n == deepspeed_zero.NAME]
+    assert verdict.status == "invalid" and "mp_rank_01" in verdict.reason
+    with pytest.raises(UnsupportedLayout, match="tensor, pipeline or expert parallelism"):
+        check_checkpoint(str(folder))
+
+
+def test_a_truncated_optim_file_is_corrupt(zero_runs, tmp_path):
+    run = zero_runs["zero3_fp32"]
+    folder = _copy(run, tmp_path)
+    optim = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    optim.write_bytes(optim.read_bytes()[:-100])
+    with pytest.raises(CorruptShard) as caught:
+        check_checkpoint(str(folder))
+    assert caught.value.path.endswith("zero_pp_rank_1_mp_rank_00_optim_states.pt")
+
+
+def _rewrite_optim(path, change) -> None:
+    """Rewrite an optim file with ``change`` applied to its optimizer state (torch.save of plain data only)."""
+    tree = torch.load(path, weights_only=True)  # DeepSpeed's records: allow-listed for this read only
+    change(tree["optimizer_state_dict"])
+    torch.save(tree, path)
+
+
+@pytest.fixture
+def deepspeed_globals():
+    from importlib import import_module
+
+    classes = [getattr(import_module(module), name) for module, name in (
+        ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+        ("deepspeed.utils.tensor_fragment", "fragment_address"))]
+    with torch.serialization.safe_globals(classes):
+        yield
+
+
+def test_an_optim_file_without_a_zero_stage_is_refused_by_name(zero_runs, tmp_path, deepspeed_globals):
+    run = zero_runs["zero3_fp32"]
+    folder = _copy(run, tmp_path)
+    _rewrite_optim(folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt", lambda state: state.pop("zero_stage"))
+    with pytest.raises(UnsupportedLayout, match="without a ZeRO stage"):
+        check_checkpoint(str(folder))
+
+
+def test_frozen_parameters_are_refused_by_name(zero_runs, tmp_path, deepspeed_globals):
+    run = zero_runs["zero3_fp32"]
+    folder = _copy(run, tmp_path)
+    model_file = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    tree = torch.load(model_file, weights_only=True)
+    tree["frozen_param_shapes"] = {"model.embed_tokens.weight": torch.Size([3, 4])}
+    torch.save(tree, model_file)
+    with pytest.raises(UnsupportedLayout, match="frozen parameter"):
+        check_checkpoint(str(folder))
+
+
+def test_parameters_not_covering_the_partitions_are_corrupt(zero_runs, tmp_path, deepspeed_globals):
+    run = zero_runs["zero3_fp32"]
+    folder = _copy(run, tmp_path)
+    for rank in (0, 1):
+        _rewrite_optim(folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+                       lambda state: state.update(fp32_flat_groups=[g[:-8] for g in state["fp32_flat_groups"]]))
+    with pytest.raises(CorruptShard, match="fp32 elements"):
+        check_checkpoint(str(folder))
+
+
+def test_another_class_in_a_deepspeed_pickle_is_refused(zero_runs, tmp_path, deepspeed_globals):
+    run = zero_runs["zero3_fp32"]
+    folder = _copy(run, tmp_path)
+    _rewrite_optim(folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                   lambda state: state.update(loss_scaler=torch.nn.Identity()))
+    with pytest.raises(CorruptShard, match="not on the allow-list"):
+        check_checkpoint(str(folder))
