@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 
 NAME = "deepspeed_zero"
 TENSOR_NAMING = HF_NAMES
-LATEST_FILE = "latest"  # the newest tag's name, a hint only
 MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 OPTIM_FILE = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 OTHER_PARALLEL_FILE = re.compile(r"^(?:layer_\d+|expp_rank_\d+).*\.pt$")  # pipeline layers, expert-parallel state

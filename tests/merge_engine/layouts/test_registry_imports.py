@@ -28,7 +28,10 @@ listing = [FileEntry(p, 10, "v") for p in (
     "dist_ckpt/.metadata", "dist_ckpt/__0_0.distcp",                         # torch_dist without metadata.json
     "huggingface/model.safetensors", "huggingface/config.json", "transformer_config.json",
     "pytorch_model_fsdp_0/__0_0.distcp",                                     # Accelerate: .metadata not yet
-    "shard-00001-model-00001-of-00001.safetensors")]                         # HuggingFaceStorageWriter, rank 1
+    "shard-00001-model-00001-of-00001.safetensors",                          # HuggingFaceStorageWriter, rank 1
+    "global_step5/mp_rank_00_model_states.pt",                               # DeepSpeed ZeRO-2: rank 1 missing
+    "global_step5/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    "global_step5/bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")]
 verdicts = {name: verdict.status for name, verdict in layouts.listing_verdicts(listing)}
 print(json.dumps({"verdicts": verdicts, "modules": [m.NAME for m in layouts.LAYOUTS],
                   "imported": [m for m in ("torch", "transformers") if m in sys.modules]}))
@@ -41,8 +44,9 @@ def test_the_registry_judges_listings_without_torch():
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["modules"] == ["fsdp", "megatron_legacy", "megatron_lora", "megatron_bridge", "torch_dcp",
-                                 "megatron_dist", "dcp_hf", "hf"]
+                                 "megatron_dist", "dcp_hf", "deepspeed_zero", "hf"]
     assert report["verdicts"] == {"fsdp": "incomplete", "megatron_legacy": "complete",
                                   "megatron_bridge": "incomplete", "torch_dcp": "incomplete",
-                                  "megatron_dist": "incomplete", "dcp_hf": "complete", "hf": "complete"}
+                                  "megatron_dist": "incomplete", "dcp_hf": "complete", "deepspeed_zero": "incomplete",
+                                  "hf": "complete"}
     assert report["imported"] == []
