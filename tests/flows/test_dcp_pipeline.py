@@ -2,7 +2,8 @@
 
 The session's ``dcp_runs`` (a tiny Qwen2, FSDP2 over 2 gloo ranks, saved by Accelerate's own save_fsdp_model into
 HF Trainer's ``checkpoint-1/pytorch_model_fsdp_0/``, and by torch's HuggingFaceStorageWriter into ``step-1/``) are
-copied to a bucket of the session's SeaweedFS server; merge_new_steps discovers, checks, merges, validates and
+copied to a bucket of the session's SeaweedFS server (the HF Trainer step, saved without a config, is not submitted
+until ``hf_model_path`` names one); merge_new_steps discovers, checks, merges, validates and
 publishes each to s3://. Each release is judged from outside stepmerge (`tests.release_checks`): the weights the
 step was sharded from, bit for bit, and transformers' logits of that model, exactly. Every ranged GET the S3
 backend sends is counted: the DCP index (``.metadata``) and each rank file's safetensors header are fetched once
@@ -75,6 +76,12 @@ def test_a_dcp_run_on_s3_is_discovered_merged_validated_and_published(prefect, d
     step = dcp_runs[writer]
     run_root = f"{s3_bucket_url}/run"
     copied = _upload(step.step_dir, run_root)
+    if writer == "accelerate":  # HF Trainer saved no config: not submitted until one is named, nothing published
+        bare = WatchParams(run_root=run_root, release_root=f"{s3_bucket_url}/releases",
+                           staging_root=str(tmp_path / "staging"))
+        with pytest.raises(RuntimeError, match="not submitted.*no config.json saved with the weights.*hf_model_path"):
+            merge_new_steps(**bare.flow_parameters())
+        assert not storage.list_files(bare.release_root_url, recursive=True)
     params = WatchParams(run_root=run_root, release_root=f"{s3_bucket_url}/releases",
                          staging_root=str(tmp_path / "staging"),
                          hf_model_path=step.reference_hf_dir if writer == "accelerate" else None)
