@@ -1,58 +1,53 @@
-"""Forged pickles against every pickle reader of the formats (issue 26): nothing in them runs.
+"""Forged pickles against every pickle reader of the formats: nothing in them runs.
 
-Specification, for each forged payload of `tests.forged_pickles` (``subprocess.Popen`` and ``io.FileIO`` reached
-by a dotted name out of an allowed module, ``os.system``, ``builtins.eval`` / ``exec``, ``getattr`` walks,
-``copyreg``, ``functools.partial``, ``operator.attrgetter``, a ``__reduce_ex__`` gadget; protocols 0-5, GLOBAL
-and STACK_GLOBAL) read as
+Specification, for each forged payload of `tests.forged_pickles` (``subprocess.Popen`` / ``os.popen`` and
+``os.system`` reached by a dotted name out of an allowed module, ``os.system``, ``builtins.eval`` / ``exec``,
+``getattr`` walks, ``copyreg``, ``functools.partial``, ``operator.attrgetter``, a ``__reduce_ex__`` gadget;
+protocols 0-5, GLOBAL and STACK_GLOBAL) read as
 - a ``torch.save`` archive's ``data.pkl`` (`TorchArchive.load`),
 - a bare pickle (`safe_unpickle`), and a DCP folder's ``.metadata`` (`read_index`):
 the read is `UnsafePickle` naming the file, no marker file is created and no child process is started.
+Each payload is real: read by the same readers with the allow-list removed, it creates its marker (a sample of
+every payload, through the readers of both this file and the rank-file tests, in a child process).
 The allow-list is exact (module, name) pairs: a dotted name is refused even under a module whose classes are
 records, and ``getattr`` reaches only the nested record classes listed (`pickle_globals.NESTED_RECORDS`).
 """
 
 from __future__ import annotations
 
-import pickle
+import itertools
 
 import pytest
 
 from merge_engine.errors import UnsafePickle
-from merge_engine.formats.torch_archive import TorchArchive
 from merge_engine.formats.safe_unpickler import safe_unpickle
-from merge_engine.formats.dcp_index import read_index
-from tests.forged_pickles import INDEX_MODULE, PAYLOAD_IDS, PAYLOADS, TORCH_MODULE, Inert, forged, zip_with_pickle
+from tests.forged_pickles import PAYLOAD_IDS, PAYLOADS, READERS, Inert, forged, unguarded_runs
 
-MODULES = [TORCH_MODULE, INDEX_MODULE]  # a module the old allow-list admitted wholesale, and the engine's own
+FORMAT_READERS = ["torch_archive", "torch_archive_engine_module", "dcp_metadata", "bare_pickle"]
 
 
-@pytest.mark.parametrize("module", MODULES, ids=["torch_module", "engine_module"])
+@pytest.mark.parametrize("reader", FORMAT_READERS)
 @pytest.mark.parametrize(("gadget", "protocol", "opcode"), PAYLOADS, ids=PAYLOAD_IDS)
-def test_a_forged_torch_archive_runs_nothing(gadget, protocol, opcode, module, tmp_path):
+def test_a_forged_pickle_runs_nothing(reader, gadget, protocol, opcode, tmp_path):
     marker = tmp_path / "pwned"
-    path = str(zip_with_pickle(tmp_path / "evil.pt", forged(gadget, marker, protocol, opcode, module)))
+    path, read = READERS[reader].place(tmp_path, forged(gadget, marker, protocol, opcode, READERS[reader].module))
     with Inert(marker), pytest.raises(UnsafePickle) as error:
-        TorchArchive(path).load()
+        read()
     assert error.value.path == path
 
 
-@pytest.mark.parametrize(("gadget", "protocol", "opcode"), PAYLOADS, ids=PAYLOAD_IDS)
-def test_a_forged_dcp_metadata_runs_nothing(gadget, protocol, opcode, tmp_path):
-    marker = tmp_path / "pwned"
-    (tmp_path / "dcp").mkdir()
-    metadata = tmp_path / "dcp" / ".metadata"
-    metadata.write_bytes(forged(gadget, marker, protocol, opcode, TORCH_MODULE))
-    with Inert(marker), pytest.raises(UnsafePickle) as error:
-        read_index(str(tmp_path / "dcp"))
-    assert error.value.path == str(metadata)
-
-
-@pytest.mark.parametrize(("gadget", "protocol", "opcode"), PAYLOADS, ids=PAYLOAD_IDS)
-def test_a_forged_bare_pickle_runs_nothing(gadget, protocol, opcode, tmp_path):
-    marker = tmp_path / "pwned"
-    with Inert(marker), pytest.raises(UnsafePickle) as error:
-        safe_unpickle(forged(gadget, marker, protocol, opcode, INDEX_MODULE), "mem://forged")
-    assert error.value.path == "mem://forged"
+def test_every_payload_runs_code_when_the_allow_list_is_removed(tmp_path):
+    """The payloads above (and the rank-file tests') are stopped by the allow-list, not inert: each one, for each
+    allowed module it starts from, creates its marker through one of the readers when ``find_class`` is a plain
+    unpickler's (readers taken in turn, so each reader reads a share)."""
+    by_module: dict[str, list[str]] = {}
+    for name, reader in READERS.items():
+        by_module.setdefault(reader.module, []).append(name)
+    turns = {module: itertools.cycle(names) for module, names in by_module.items()}
+    cases = [(next(turns[module]), payload) for module in turns for payload in PAYLOAD_IDS]
+    assert {reader for reader, _ in cases} == set(READERS)
+    ran = unguarded_runs(cases, tmp_path)
+    assert sorted(set(cases) - ran) == []
 
 
 def _global(module: str, name: str, protocol: int) -> bytes:
@@ -91,13 +86,3 @@ def test_getattr_reaches_only_the_listed_nested_classes(attribute):
     found = safe_unpickle(nested, "mem://getattr")  # what protocol 2 writes for ShardedTensor.ProcessGroupState
     assert (found.module, found.qualname) == ("torch.distributed._shard.sharded_tensor.api",
                                               "ShardedTensor.ProcessGroupState")
-
-
-def test_a_plain_unpickler_would_have_run_them(tmp_path):
-    """The payloads are real: a plain ``pickle.loads`` runs one (so the tests above test something)."""
-    from tests.forged_pickles import GADGETS
-
-    marker = tmp_path / "ran"
-    gadget = next(g for g in GADGETS if g.name == "exec")
-    pickle.loads(forged(gadget, marker, 5, "STACK_GLOBAL", INDEX_MODULE))
-    assert marker.exists()

@@ -3,9 +3,9 @@ is read, nothing allocates past what the files hold.
 
 Specification, on the session's verl FSDP2 checkpoint (a result store or a Ray task hands a worker
 `Checkpoint.index` as bytes; whoever can write there can forge them):
-- every forged pickle of `tests.forged_pickles` under the index's tag (what the engine carried before, a
-  pickle: the Popen gadget is the one issue 26 ran) is `UnsafeRecord` naming the checkpoint: no marker file,
-  no child process;
+- a forged pickle under the index's tag (what the engine carried before, a pickle; one that runs code when
+  unpickled) is `UnsafeRecord` naming the checkpoint: the index is JSON, never unpickled, whatever the pickle
+  holds (so one payload stands for all): no marker file, no child process;
 - a forged JSON index is `UnsafeRecord` too, and opening reads no byte, when it names a file outside the
   checkpoint (a host file, another bucket, a file of another step), pins a listed file to another size, claims
   a storage larger than its zip record or a view past its storage (a tensor a billion elements long over a few
@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import pickle
 import re
 import zlib
 
@@ -28,7 +29,7 @@ import pytest
 from merge_engine.errors import UnsafePickle, UnsafeRecord
 from merge_engine.layouts import check_checkpoint, open_checkpoint, tensor_index
 from merge_engine.storage.range_reader import bytes_read
-from tests.forged_pickles import INDEX_MODULE, PAYLOAD_IDS, PAYLOADS, TORCH_MODULE, Inert, forged, zip_with_pickle
+from tests.forged_pickles import BY_ID, INDEX_MODULE, PAYLOAD_IDS, PAYLOADS, RANK_FILES, READERS, Inert, forged
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +47,14 @@ def _opening_is_refused(checkpoint) -> UnsafeRecord:
     return error.value
 
 
-@pytest.mark.parametrize(("gadget", "protocol", "opcode"), PAYLOADS, ids=PAYLOAD_IDS)
-def test_a_forged_pickle_index_runs_nothing(checked, gadget, protocol, opcode, tmp_path):
+def test_a_forged_pickle_index_runs_nothing(checked, tmp_path):
     marker = tmp_path / "pwned"
-    index = tensor_index._tag() + zlib.compress(forged(gadget, marker, protocol, opcode, INDEX_MODULE))
+    gadget, protocol, opcode = BY_ID["exec-p5-STACK_GLOBAL"]
+    data = forged(gadget, marker, protocol, opcode, INDEX_MODULE)
     with Inert(marker):
-        _opening_is_refused(dataclasses.replace(checked, index=index))
+        _opening_is_refused(dataclasses.replace(checked, index=tensor_index._tag() + zlib.compress(data)))
+    pickle.loads(data)  # what reading it as a pickle would do: the payload is real
+    assert marker.exists()
 
 
 def _document(checkpoint) -> dict:
@@ -144,24 +147,16 @@ def test_the_carried_index_still_opens(checked):
 # --- the rank files a check reads ----------------------------------------------------------------
 
 
-RANK_FILES = {
-    "fsdp": ("model_world_size_1_rank_0.pt", ""),
-    "megatron_legacy": ("model/mp_rank_00/model.pt", ""),
-    "megatron_lm": ("iter_0000010/mp_rank_00/model_optim_rng.pt", "iter_0000010"),
-}
-
-
 @pytest.mark.parametrize("layout", list(RANK_FILES))
 @pytest.mark.parametrize(("gadget", "protocol", "opcode"), PAYLOADS, ids=PAYLOAD_IDS)
 def test_a_forged_rank_file_runs_nothing(layout, gadget, protocol, opcode, tmp_path):
-    path, root = RANK_FILES[layout]
+    """Each payload runs code when read with the allow-list removed (proven in test_unpickler_attacks)."""
     marker = tmp_path / "pwned"
-    rank_file = tmp_path / "step" / path
-    rank_file.parent.mkdir(parents=True)
-    zip_with_pickle(rank_file, forged(gadget, marker, protocol, opcode, TORCH_MODULE))
+    reader = READERS[f"rank_file_{layout}"]
+    path, read = reader.place(tmp_path, forged(gadget, marker, protocol, opcode, reader.module))
     with Inert(marker), pytest.raises(UnsafePickle) as error:
-        check_checkpoint(str(tmp_path / "step" / root) if root else str(tmp_path / "step"))
-    assert error.value.path == str(rank_file)
+        read()
+    assert error.value.path == path
 
 
 # --- a carried DCP index (`tensor_index.carry_dcp`: a dist or Megatron LoRA step's ``.metadata``) -------------
