@@ -41,6 +41,7 @@ from pydantic import (
 
 from flows.step_keys import normalized_run_root, step_key
 from flows.url_checks import checked_url
+from merge_engine.errors import one_line
 from merge_engine.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, canonical_dtype
 from merge_engine.options import KINDS, Option, for_flow, for_settings, recorded, setting_name
 from merge_engine.storage.schemes import backend_for_scheme, url_schemes
@@ -112,7 +113,7 @@ def _matching(pattern: str, expected: str) -> Any:
 
     def check(value: str) -> str:
         if not compiled.match(value):
-            raise ValueError(f"must be {expected}; got {value!r}")
+            raise ValueError(f"must be {expected}; got '{one_line(value)}'")
         return value
 
     return AfterValidator(check)

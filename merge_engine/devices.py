@@ -29,7 +29,8 @@ def resolve_device(name: str | None, option: str = "--device") -> "torch.device"
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError):
-        raise InvalidDevice(f"{option} {text!r} is not a torch device (cpu, cuda, cuda:N, auto)", text) from None
+        # the name is echoed once, by the error's path (one bounded line)
+        raise InvalidDevice(f"{option} is not a torch device (cpu, cuda, cuda:N, auto)", text) from None
     if device.type == "cpu":
         return device
     if device.type == "meta":

@@ -9,15 +9,26 @@ library's own exceptions (see `merge_engine.storage.is_transient`).
 from __future__ import annotations
 
 
+def one_line(value: object, limit: int = 120) -> str:
+    """``value``'s text as one bounded line, for a message that echoes what a user or a file gave: characters
+    that are not printable (newline, U+202E) escaped as ``repr`` writes them, at most ``limit`` characters kept
+    (how many more there were is said)."""
+    text = str(value)
+    cut = text[:limit]
+    shown = cut if cut.isprintable() else repr(cut)[1:-1]
+    return shown if len(text) <= limit else f"{shown}... ({len(text) - limit} more characters)"
+
+
 class StepmergeError(Exception):
-    """Base class. `path` is the file or folder at fault (a URL or a local path)."""
+    """Base class. `path` is the file or folder at fault (a URL or a local path); the message shows it as one
+    bounded line (`one_line`)."""
 
     exit_code = 2
 
     def __init__(self, message: str, path: str | None = None) -> None:
         self.message = message
         self.path = path
-        super().__init__(f"{message} [{path}]" if path else message)
+        super().__init__(f"{message} [{one_line(path, 1200)}]" if path else message)
 
 
 class IncompleteCheckpoint(StepmergeError):

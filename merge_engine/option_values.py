@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from merge_engine.errors import InvalidOption
+from merge_engine.errors import InvalidOption, one_line
 
 DTYPE_SPELLINGS: dict[str, str] = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -46,14 +46,15 @@ def canonical_dtype(name: str | None) -> str | None:
     try:
         return DTYPE_SPELLINGS[str(name).strip().lower()]
     except KeyError:
-        raise InvalidOption(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_SPELLINGS)}") from None
+        raise InvalidOption(f"unknown dtype '{one_line(name)}'; choose one of {', '.join(DTYPE_SPELLINGS)}") from None
 
 
 def parse_weights_format(name: str | None) -> str:
     """``"Hub"`` -> ``"hub"``; None -> the default (``hub``); `InvalidOption` for any other name."""
     value = (name or DEFAULT_WEIGHTS_FORMAT).lower()
     if value not in WEIGHTS_FORMATS:
-        raise InvalidOption(f"unknown weights format {name!r}; choose one of {', '.join(WEIGHTS_FORMATS)}")
+        raise InvalidOption(f"unknown weights format '{one_line(name)}'; "
+                            f"choose one of {', '.join(WEIGHTS_FORMATS)}")
     return value
 
 
@@ -69,9 +70,9 @@ def parse_size(text: str | int) -> int:
             unit += "B"  # "5G" reads as 5GB, "5Gi" as 5GiB
         size = int(float(number) * SIZE_UNITS[unit])
     else:
-        raise InvalidOption(f"cannot read size {text!r} (e.g. 5GB, 500MiB)")
+        raise InvalidOption(f"cannot read size '{one_line(text)}' (e.g. 5GB, 500MiB)")
     if size <= 0:
-        raise InvalidOption(f"size must be positive: {text!r}")
+        raise InvalidOption(f"size must be positive: '{one_line(text)}'")
     return size
 
 
@@ -86,7 +87,7 @@ def whole_number(text: str) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise InvalidOption(f"expected a whole number of at least 1, got {text!r}")
+        raise InvalidOption(f"expected a whole number of at least 1, got '{one_line(text)}'")
     return value
 
 
@@ -95,7 +96,7 @@ def float_list(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise InvalidOption(f"takes comma-separated numbers, got {text!r}") from None
+        raise InvalidOption(f"takes comma-separated numbers, got '{one_line(text)}'") from None
 
 
 def name_list(text: str) -> tuple[str, ...] | None:

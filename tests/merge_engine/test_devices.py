@@ -49,3 +49,13 @@ def test_a_device_type_this_torch_lacks_is_refused():
     if not torch.backends.mps.is_available():
         with pytest.raises(InvalidDevice, match="has no mps device"):
             resolve_device("mps")
+
+
+def test_a_long_or_multi_line_name_is_echoed_once_on_one_bounded_line():
+    name = "gpu9" + "x" * 6000 + "\nFAKE: all checks passed\u202e"
+    with pytest.raises(InvalidDevice) as caught:
+        resolve_device(name)
+    shown = str(caught.value)
+    assert "\n" not in shown and "\u202e" not in shown and len(shown) < 1400, shown[:200]
+    assert shown.count("gpu9") == 1  # the name once (it was in the message and again in the path)
+    assert caught.value.path == name.strip()
