@@ -40,6 +40,10 @@ def _torch_tables() -> dict[str, dict]:
 
 
 MAX_HEADER = 100 * 1024 * 1024
+# Tensors one file may list. Each costs ~1 KB to parse and ~2 KB through a merge, while its header entry is
+# ~70 bytes: 1.34 M zero-size entries fit MAX_HEADER and cost 2.9 GB. Real shards list a few thousand (a
+# DeepSeek-V3 shard ~560, a whole unsharded 128-expert MoE ~20 000).
+MAX_TENSORS = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,8 @@ def read_header(reader: RangeReader) -> Header:
     """The checked header of the file behind ``reader`` (two small reads).
 
     Raises `IncompleteCheckpoint` for a file too short for what its header promises (truncated),
-    `CorruptShard` for anything else that is not a valid safetensors file; both name the file.
+    `CorruptShard` for anything else that is not a valid safetensors file, or one listing more than
+    `MAX_TENSORS` tensors; both name the file.
     """
     url = reader.url
     if reader.size < 8:
@@ -83,9 +88,17 @@ def parse_header(url: str, size: int, data: bytes) -> Header:
     length = len(data)
     if length > min(MAX_HEADER, size - 8):
         raise CorruptShard(f"safetensors header length {length} impossible for a {size}-byte file", url)
+    # each entry is an object, as are the header and its metadata: a bound counted before any entry is built
+    objects = bytes(data).count(b"{")
+    if objects > MAX_TENSORS + 2:
+        raise CorruptShard(f"safetensors header of {length} bytes holds {objects} objects: more than the "
+                           f"{MAX_TENSORS} tensors one file may list", url)
     raw = parse_json(data, url, unique_keys=True)  # CorruptShard: not JSON, too deep, a key twice
     if not isinstance(raw, dict):
         raise CorruptShard("safetensors header is not a JSON object", url)
+    if len(raw) - ("__metadata__" in raw) > MAX_TENSORS:
+        raise CorruptShard(f"safetensors header lists {len(raw)} tensors: more than the {MAX_TENSORS} tensors one "
+                           "file may list", url)
     metadata = raw.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CorruptShard("safetensors __metadata__ is not an object of strings", url)

@@ -84,3 +84,37 @@ def test_a_header_naming_a_tensor_twice_is_refused(tmp_path):
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
     with pytest.raises(CorruptShard, match="'c' twice"):
         SafetensorsFile(str(path))
+
+
+def test_a_header_listing_too_many_tensors_is_refused_before_it_is_parsed(tmp_path, monkeypatch):
+    """A header of ~1.34 M zero-size tensors fits the 100 MB header bound and cost 2.9 GB through a merge:
+    a file listing more than `MAX_TENSORS` tensors is `CorruptShard` naming it, refused before a single
+    entry is built (the parse below is made to fail the test if reached)."""
+    import tracemalloc
+
+    from merge_engine.formats import safetensors_file
+
+    count = safetensors_file.MAX_TENSORS + 2
+    header = {f"junk.{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(count)}
+    path = _raw(tmp_path / "junk.safetensors", header, b"")
+    del header
+    monkeypatch.setattr(safetensors_file, "parse_json", lambda *a, **k: pytest.fail("the header was parsed"))
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptShard, match=f"more than the {safetensors_file.MAX_TENSORS} tensors") as info:
+            SafetensorsFile(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert info.value.path == path
+    assert peak < 3 * (tmp_path / "junk.safetensors").stat().st_size  # the header's bytes, not its entries
+
+
+def test_a_header_at_the_tensor_bound_is_read(tmp_path):
+    from merge_engine.formats import safetensors_file
+
+    count = 1000
+    header = {f"t.{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(count)}
+    header["__metadata__"] = {"format": "pt"}
+    path = _raw(tmp_path / "ok.safetensors", header, b"")
+    assert len(SafetensorsFile(path).tensors()) == count < safetensors_file.MAX_TENSORS
