@@ -28,12 +28,13 @@ from merge_engine.formats.json_file import read_json_object
 from merge_engine.layouts import Checkpoint
 from merge_engine.layouts.contract import holds_lora
 from merge_engine.lora.adapter_io import Adapter, lora_modules
-from merge_engine.lora.config import LoraSettings
+from merge_engine.lora.config import LoraSettings, checked_alpha, checked_rank
 from merge_engine.lora.fuse import WeightedAdapter, plan_fused_model
 from merge_engine.lora.fused_experts import find_expert_loras, transposed_expert_modules, with_scales
 from merge_engine.lora.keys import LORA_A, LORA_B, TRAINED_COPY, parse_key
 from merge_engine.lora.peft_settings import StoredFactors, TrainedSettings, resolve_trained_settings
 from merge_engine.lora.sources import RenamedSource
+from merge_engine.lora.user_patterns import check_config_patterns
 from merge_engine.storage import FileEntry
 from merge_engine.plan.merge_plan import MergePlan
 from merge_engine.plan.output_heads import check_dropped_head
@@ -124,13 +125,16 @@ def read_run_metadata(checkpoint_url: str, files: Sequence[FileEntry]) -> RunLor
         if config is not None:
             config_url = storage.join(checkpoint_url, name)
             break
-    alphas = [(float(d["lora_alpha"]), url) for d, url in ((meta, meta_url), (config or {}, config_url))
-              if d.get("lora_alpha")]
+    if config is not None:
+        check_config_patterns(config, config_url)
+    alphas = [(checked_alpha(d["lora_alpha"], "lora_alpha", url), url)
+              for d, url in ((meta, meta_url), (config or {}, config_url)) if d.get("lora_alpha")]
     if len({a for a, _ in alphas}) > 1:
         raise AdapterError(f"{alphas[0][1]} says lora_alpha={alphas[0][0]:g} but {alphas[1][1]} says "
                            f"{alphas[1][0]:g}", checkpoint_url)
-    r = meta.get("r") or (config or {}).get("r")
-    return RunLoraMetadata(alphas[0][0] if alphas else None, int(r) if r else None,
+    r = next((checked_rank(d["r"], "r", url) for d, url in ((meta, meta_url), (config or {}, config_url))
+              if d.get("r")), None)
+    return RunLoraMetadata(alphas[0][0] if alphas else None, r,
                            meta.get("task_type") or (config or {}).get("task_type"), config,
                            alphas[0][1] if alphas else None)
 

@@ -24,6 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from merge_engine.errors import AdapterError
+from merge_engine.lora.user_patterns import check_config_patterns, shown
+
+MAX_RANK = 1 << 16  # PEFT ranks are at most the layer's width; the widest layers are ~2^15
+MAX_ALPHA = 1e6  # alpha / r scales every update: ~2r in practice; past this the merged weights overflow
 
 # settings that change what the update is; any truthy value means "not plain LoRA"
 UNSUPPORTED_SETTINGS = {
@@ -51,6 +55,24 @@ def targets(target_modules: str | Iterable[str] | None, module: str) -> bool:
     return any(module == t or module.endswith(f".{t}") for t in target_modules)
 
 
+def checked_rank(value: Any, field: str, where: str | None) -> int:
+    """``value`` as a LoRA rank: a whole number in [1, `MAX_RANK`]; else `AdapterError` naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value) or not 1 <= value <= MAX_RANK:
+        raise AdapterError(f"{field} is {str(value)[:40]!r}: a LoRA rank is a whole number from 1 to {MAX_RANK}",
+                           where)
+    return int(value)
+
+
+def checked_alpha(value: Any, field: str, where: str | None) -> float:
+    """``value`` as a LoRA alpha: a finite number in (0, `MAX_ALPHA`]; else `AdapterError` naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 < value <= MAX_ALPHA:
+        raise AdapterError(f"{field} is {str(value)[:40]!r}: a LoRA alpha is a finite number above 0 and at most "
+                           f"{MAX_ALPHA:g}", where)
+    return float(value)
+
+
 def scaling(alpha: float, r: int, use_rslora: bool) -> float:
     return alpha / math.sqrt(r) if use_rslora else alpha / r
 
@@ -73,7 +95,9 @@ class LoraSettings:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], where: str | None = None) -> LoraSettings:
-        """Parse an adapter_config.json dict; `AdapterError` for a non-LoRA or unsupported config."""
+        """Parse an adapter_config.json dict; `AdapterError` for a non-LoRA or unsupported config, a rank or alpha
+        out of range (`checked_rank`, `checked_alpha`), or a pattern outside what stepmerge matches
+        (`merge_engine.lora.user_patterns`)."""
         peft_type = str(config.get("peft_type", "LORA")).upper()
         if peft_type != "LORA":
             raise AdapterError(f"peft_type is {peft_type}; only LORA adapters are supported", where)
@@ -81,17 +105,21 @@ class LoraSettings:
             if config.get(key):
                 raise AdapterError(f"{what} ({key}={config[key]!r}) is not supported: its update is not "
                                    "scale * B @ A", where)
-        try:
-            r = int(config["r"])
-            alpha = float(config["lora_alpha"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise AdapterError(f"adapter config lacks a valid r / lora_alpha ({exc})", where) from None
+        if "r" not in config or "lora_alpha" not in config:
+            raise AdapterError("adapter config lacks r or lora_alpha", where)
+        r = checked_rank(config["r"], "r", where)
+        alpha = checked_alpha(config["lora_alpha"], "lora_alpha", where)
+        check_config_patterns(config, where)
+        ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+        if not isinstance(ranks, Mapping) or not isinstance(alphas, Mapping):
+            raise AdapterError("rank_pattern and alpha_pattern must be objects", where)
         target = config.get("target_modules")
         if target is not None and not isinstance(target, str):
             target = tuple(target)
         return cls(r=r, lora_alpha=alpha, target_modules=target,
-                   rank_pattern={str(k): int(v) for k, v in (config.get("rank_pattern") or {}).items()},
-                   alpha_pattern={str(k): float(v) for k, v in (config.get("alpha_pattern") or {}).items()},
+                   rank_pattern={str(k): checked_rank(v, f"rank_pattern[{shown(str(k))}]", where) for k, v in ranks.items()},
+                   alpha_pattern={str(k): checked_alpha(v, f"alpha_pattern[{shown(str(k))}]", where)
+                                  for k, v in alphas.items()},
                    use_rslora=bool(config.get("use_rslora", False)),
                    fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
                    modules_to_save=tuple(config.get("modules_to_save") or ()),

@@ -179,3 +179,31 @@ def test_cli_reports_named_errors(tmp_path, tiny_base, peft_adapters, capsys):
     code = main(["merge-lora", "--base-model", tiny_base, "--lora-adapter", peft_adapters["qv"],
                  "--adapter-weights", "x", "--merge-method", "weighted", "--target-dir", str(tmp_path / "out")])
     assert code == 2 and "InvalidOption" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value", [
+    ("lora_alpha", 1e308), ("lora_alpha", float("inf")), ("lora_alpha", float("nan")), ("lora_alpha", -4),
+    ("lora_alpha", "4"), ("r", -2), ("r", 2.5), ("r", 1e308), ("r", True),
+])
+def test_alpha_or_rank_out_of_range_in_a_training_run(tmp_path, single_rank_lora_checkpoint, field, value):
+    """``lora_alpha: 1e308`` was extracted into an adapter (and a traceback on the way); every alpha or r that is
+    not a finite positive number in range is a named error naming the metadata file, and nothing is written."""
+    checkpoint, _, _ = single_rank_lora_checkpoint
+    bad = shutil.copytree(checkpoint, str(tmp_path / "actor"))
+    meta = {"r": 2, "lora_alpha": 3, "task_type": "CAUSAL_LM", field: value}
+    with open(os.path.join(bad, "lora_train_meta.json"), "w") as handle:
+        json.dump(meta, handle)
+    with pytest.raises(AdapterError, match=field) as refused:
+        extract_lora(bad, str(tmp_path / "out"))
+    assert refused.value.path == os.path.join(bad, "lora_train_meta.json")
+    assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize("config", [{"lora_alpha": 1e308}, {"lora_alpha": -8}, {"r": 0},
+                                    {"rank_pattern": {"q_proj": -1}}, {"alpha_pattern": {"q_proj": 1e300}}])
+def test_alpha_or_rank_out_of_range_in_an_adapter(tmp_path, tiny_base, peft_adapters, config):
+    bad = edited_adapter(peft_adapters["qv"], tmp_path / "bad", config=config)
+    with pytest.raises(AdapterError, match="LoRA (alpha|rank) is") as refused:
+        merge_lora(tiny_base, [bad], str(tmp_path / "out"))
+    assert refused.value.path == bad
+    assert_nothing_written(tmp_path / "out")
