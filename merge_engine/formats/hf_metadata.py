@@ -13,6 +13,7 @@ Weight files are never copied from here: the writer produces those.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,7 +21,10 @@ from merge_engine import storage
 from merge_engine.errors import InvalidConfig, UnsafeFile
 from merge_engine.storage import FileEntry
 from merge_engine.storage.json_text import parse_json
-from merge_engine.storage.source_files import check_metadata_file
+from merge_engine.storage.source_files import check_metadata_file, file_name_fault
+
+logger = logging.getLogger(__name__)
+SHOWN_NAME_CHARS = 80
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"  # the weights of an unsharded model
@@ -72,14 +76,25 @@ def tie_word_embeddings(config: Mapping[str, Any]) -> bool:
         raise InvalidConfig(f"cannot tell whether embeddings are tied ({exc})") from exc
 
 
+def shown_name(name: str) -> str:
+    """``name`` as one bounded, plain-ASCII line (control, format and non-ASCII characters escaped)."""
+    text = ascii(name)
+    return text if len(text) <= SHOWN_NAME_CHARS else f"{text[:SHOWN_NAME_CHARS]}... ({len(name)} characters)"
+
+
 def copy_metadata(hf_dir: str, target_url: str, config: Mapping[str, Any],
                   updates: Mapping[str, Any] | None = None,
                   files: Sequence[FileEntry] | None = None) -> list[tuple[str, int]]:
     """Copy metadata files (top level of ``hf_dir``; ``files``: that level as already listed) and write the
-    updated config; returns (name, size)."""
+    updated config; returns (name, size). A file whose name `file_name_fault` refuses is not copied (one
+    warning naming it, cut to one bounded line)."""
     written = []
     for entry in storage.list_files(hf_dir, recursive=False) if files is None else files:
         if entry.path == CONFIG_FILE or is_weight_file(entry.path):
+            continue
+        fault = file_name_fault(entry.path)
+        if fault is not None:
+            logger.warning("not copied: the file name %s %s", shown_name(entry.path), fault)
             continue
         source, dest = storage.join(hf_dir, entry.path), storage.join(target_url, entry.path)
         check_metadata_file(source, hf_dir, entry.size)  # no link out, no device, bounded (source_files)

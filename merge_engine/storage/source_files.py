@@ -14,6 +14,9 @@ skip: a checkpoint that asks for a host file is not one to publish with a piece 
   `UnsafeFile`.
 - Metadata files copied into an output (tokenizer, chat template, generation config, code) are at
   most `MAX_METADATA_FILE_BYTES` each, and exactly the listed number of bytes is copied.
+- A metadata file whose name could pass for another (a newline, the right-to-left override U+202E, any
+  control or format character: `file_name_fault`) is never copied into an output: it is skipped with
+  one bounded log line (the merge needs none of these files; the model is published without it).
 
 Object stores have no links and no special files; only the size bound applies to them.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import unicodedata
 
 from merge_engine import storage
 from merge_engine.errors import UnsafeFile
@@ -98,6 +102,26 @@ def check_local_tree(url: str) -> None:
             continue  # removed while we looked
 
 
+MAX_FILE_NAME_BYTES = 255  # the usual file system limit (ext4, xfs, APFS)
+
+
+def file_name_fault(name: str) -> str | None:
+    """Why the file name ``name`` may not be copied into an output; None when it may.
+
+    A copied name must read as what it is wherever it is shown (a log line, a listing, the Hub's file view):
+    no control or format character (a newline, NUL, the right-to-left override U+202E, a zero-width space:
+    Unicode categories C*), no line or paragraph separator, no ``/`` or ``\\``, not ``.`` or ``..``, and at most
+    `MAX_FILE_NAME_BYTES` bytes of UTF-8."""
+    if name in ("", ".", ".."):
+        return "not a file name"
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_FILE_NAME_BYTES:
+        return f"longer than {MAX_FILE_NAME_BYTES} bytes"
+    for char in name:
+        if char in "/\\" or unicodedata.category(char)[0] == "C" or unicodedata.category(char) in ("Zl", "Zp"):
+            return f"holds the character U+{ord(char):04X} ({unicodedata.name(char, 'unnamed')})"
+    return None
+
+
 def check_metadata_file(url: str, root: str, listed_size: int) -> None:
     """A metadata file about to be copied from folder ``root``: regular, inside, at most the bound."""
     if listed_size > MAX_METADATA_FILE_BYTES:
@@ -109,5 +133,5 @@ def check_metadata_file(url: str, root: str, listed_size: int) -> None:
             raise UnsafeFile(f"changed while being read: {final.st_size} bytes, listed {listed_size}", url)
 
 
-__all__ = ["MAX_METADATA_FILE_BYTES", "allowed_roots", "check_local_entry", "check_local_tree",
-           "check_metadata_file"]
+__all__ = ["MAX_FILE_NAME_BYTES", "MAX_METADATA_FILE_BYTES", "allowed_roots", "check_local_entry",
+           "check_local_tree", "check_metadata_file", "file_name_fault"]

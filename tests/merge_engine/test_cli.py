@@ -321,3 +321,23 @@ def test_persistent_storage_faults_are_one_named_line(fault, s3_bucket_url, s3_f
     assert "stepmerge: error: StorageUnavailable" in err and s3_bucket_url in err
     assert len(err.strip().splitlines()) == 1, err
     assert storage.is_transient(StorageUnavailable("x", url))
+
+
+def test_hostile_metadata_file_names_are_never_copied(checkpoint, tmp_path, caplog):
+    """Extra files of ``huggingface/`` are copied beside the merged weights; a name holding a newline or the
+    right-to-left override (U+202E, which shows ``evil\\u202ejson.exe`` as ``evilexe.json``) was copied into the
+    output too. Now each is skipped with one bounded warning line; the plain ones are still copied."""
+    import logging
+
+    hostile = ["notes\nconfig.json", "evil\u202enosj.exe", "x" * 200 + "\u202e" + "y" * 50]
+    for name in [*hostile, "chat_template.jinja"]:
+        (checkpoint / "huggingface" / name).write_text("{}")
+    target = tmp_path / "target"
+    with caplog.at_level(logging.WARNING, logger="merge_engine.formats.hf_metadata"):
+        assert _merge(checkpoint, target) == 0
+    written = set(os.listdir(target))
+    assert "chat_template.jinja" in written and not written & set(hostile)
+    assert all(name.isprintable() for name in written)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "merge_engine.formats.hf_metadata"]
+    assert len(warnings) == len(hostile)
+    assert all("\n" not in w and "\u202e" not in w and len(w) < 200 for w in warnings)

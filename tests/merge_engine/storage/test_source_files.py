@@ -88,3 +88,23 @@ def test_links_inside_the_folder_and_hub_cache_snapshots_are_followed(checkpoint
     assert _merge(checkpoint, tmp_path / "merged2") == 0
     assert (tmp_path / "merged2" / "README.md").read_text() == "inside\n"
     assert not (tmp_path / "merged2" / "README.md").is_symlink()
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "chat_template.jinja", ".gitattributes", "README (copy).md",
+                                  "vocab-ü.txt", "トークナイザー.json", "a" * 255])
+def test_plain_file_names_may_be_copied(name):
+    from merge_engine.storage.source_files import file_name_fault
+
+    assert file_name_fault(name) is None
+
+
+@pytest.mark.parametrize("name, fault", [
+    ("tokenizer\n.json", "U+000A"), ("evil\u202enosj.txt", "U+202E (RIGHT-TO-LEFT OVERRIDE)"),
+    ("zero\u200bwidth.json", "U+200B"), ("line\u2028sep", "U+2028"), ("nul\x00", "U+0000"),
+    ("back\\slash", "U+005C"), ("..", "not a file name"), ("a" * 256, "longer than 255 bytes"),
+    ("é" * 128, "longer than 255 bytes"),
+])
+def test_file_names_that_could_pass_for_others_are_refused(name, fault):
+    from merge_engine.storage.source_files import file_name_fault
+
+    assert fault in file_name_fault(name)
