@@ -372,6 +372,10 @@ class AssembledSource:
     def metas(self) -> Mapping[str, TensorMeta]:
         return self._metas
 
+    def assembly(self, name: str) -> Assembly:
+        """The assembly ``name`` is read through (a source built on this one reads through it too)."""
+        return self._tensors[name]
+
     def iter_chunks(self, name: str, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]:
         return self._tensors[name].iter_chunks(max_bytes)
 

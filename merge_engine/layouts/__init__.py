@@ -12,6 +12,8 @@ all listed once in `LAYOUTS` (in priority order: the first that detects a listin
 - ``torch_dcp`` (`dcp_model`): a model's state dict saved by ``torch.distributed.checkpoint`` (Accelerate / HF
   Trainer / TRL FSDP ``pytorch_model_fsdp_0/``, NeMo-RL policy weights, plain ``dcp.save``); before
   ``megatron_dist``, which it leaves every folder with Megatron's ``common.pt`` / ``metadata.json``;
+- ``torchtitan``: a ``torch_dcp`` checkpoint in torchtitan's own names (it refines ``torch_dcp``'s check; its jobs
+  rename them by the family table of `merge_engine.architectures.torchtitan`);
 - ``megatron_dist``: Megatron ``torch_dist`` checkpoints; written by ``split --format dist``;
 - ``dcp_hf``: a state dict saved through torch's ``HuggingFaceStorageWriter``, one safetensors file per rank and
   output file (``shard-0000R-model-0000K-of-0000M.safetensors``); before ``hf``, which would take the folder
@@ -45,7 +47,7 @@ from typing import TYPE_CHECKING
 from merge_engine import storage
 from merge_engine.errors import IncompleteCheckpoint, SourceChanged, UnsupportedLayout
 from merge_engine.layouts import (dcp_hf, dcp_model, deepspeed_zero, fsdp, hf, megatron_bridge, megatron_dist,
-                                   megatron_legacy, megatron_lora)
+                                   megatron_legacy, megatron_lora, torchtitan)
 from merge_engine.layouts.contract import (
     HF_NAMES,
     MEGATRON_NAMES,
@@ -61,8 +63,8 @@ if TYPE_CHECKING:
     from merge_engine.formats.tensor_source import TensorSource
 
 # THE registry, in priority order (detection and discovery's primary layout)
-LAYOUTS: tuple[Layout, ...] = (fsdp, megatron_legacy, megatron_lora, megatron_bridge, dcp_model, megatron_dist, dcp_hf,
-                                 deepspeed_zero, hf)
+LAYOUTS: tuple[Layout, ...] = (fsdp, megatron_legacy, megatron_lora, megatron_bridge, dcp_model, torchtitan,
+                                 megatron_dist, dcp_hf, deepspeed_zero, hf)
 BY_NAME: dict[str, Layout] = {layout.NAME: layout for layout in LAYOUTS}
 # backend names that stand for several layouts (verl's ``--backend megatron``), tried in this order
 ALIASES: dict[str, tuple[str, ...]] = {

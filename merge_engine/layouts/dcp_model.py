@@ -11,7 +11,7 @@ Where the model's DCP folder is, relative to the checkpoint folder (`MODEL_FOLDE
 Names: DCP's default planner records how it flattened the nested state dict (`DcpIndex.paths`); a tensor of the
 model is one whose path is ``("model", name)`` or a top-level ``(name,)``; nested optimizer or scheduler state is
 not the model's. torchtitan's own module names (``tok_embeddings``, ``layers.N.attention.wq``) are not the
-Hub's: they are refused by name (`UnsupportedLayout`), never passed on as if they were.
+Hub's: a checkpoint of them is `merge_engine.layouts.torchtitan`'s (it refines this layout's check).
 
 Complete: ``.metadata`` present (DCP's coordinator writes it, through a temporary name, after every rank's data),
 and every data file it names present and long enough (`megatron_dist.check_files`). A Megatron ``torch_dist``
@@ -109,9 +109,9 @@ def second_look(url: str, files: Sequence[FileEntry]) -> StepLook | None:
 
 
 def model_names(index: DcpIndex, url: str) -> dict[str, str]:
-    """Hub name -> DCP key of every tensor of the model in ``index`` (see the module docstring).
-
-    Raises `UnsupportedLayout` for a folder holding no model tensor, or torchtitan's own names."""
+    """Hub name -> DCP key of every tensor of the model in ``index`` (see the module docstring; torchtitan's own
+    names are kept: `merge_engine.layouts.torchtitan` refines such a checkpoint). Raises `UnsupportedLayout` for a
+    folder holding no model tensor."""
     names: dict[str, str] = {}
     for key in index.tensors:
         path = index.paths.get(key, (key,))
@@ -130,11 +130,6 @@ def model_names(index: DcpIndex, url: str) -> dict[str, str]:
         kinds = sorted({key.split(".")[0] for key in list(index.tensors) + list(index.objects)})
         raise UnsupportedLayout(f"{NAME}: this DCP folder holds no model weights, only {', '.join(kinds) or 'nothing'}"
                                 " (optimizer / trainer state)", url)
-    titan = next((n for n in names if TORCHTITAN_NAME.match(n)), None)
-    if titan is not None:
-        raise UnsupportedLayout(f"{NAME}: torchtitan's own parameter names (e.g. {titan!r}), not the Hub's; "
-                                "save with torchtitan's HF format (last_save_in_hf) or convert with its "
-                                "state-dict adapter", url)
     return names
 
 

@@ -10,7 +10,7 @@ HuggingFaceStorageWriter rank files (`merge_engine.layouts.dcp_hf`, ``dcp_hf``),
   needs ``hf_model_path``;
 - a step still being written (no ``.metadata``, a data file short of what ``.metadata`` says, a rank file missing
   or shorter than its header) is incomplete, never merged; what cannot be read is `UnsupportedLayout` naming the
-  layout (optimizer state only, torchtitan's own names);
+  layout (optimizer state only); torchtitan's own names are the ``torchtitan`` layout's;
 - a Megatron ``torch_dist`` folder stays ``megatron_dist``'s.
 """
 
@@ -132,16 +132,16 @@ def test_optimizer_state_alone_is_a_named_refusal(dcp_runs):
         check_checkpoint(optimizer)
 
 
-def test_torchtitan_names_are_a_named_refusal(tmp_path):
-    """torchtitan's model state flattened at the top with its own module names, saved by torch's DCP itself."""
+def test_torchtitan_names_are_torchtitan_s_layout(tmp_path):
+    """torchtitan's model state flattened at the top with its own module names, saved by torch's DCP itself: the
+    ``torchtitan`` layout (tests/merge_engine/layouts/test_torchtitan.py), never passed on under its own names."""
     import torch.distributed.checkpoint as dcp
 
     state = {"tok_embeddings.weight": torch.ones(8, 4), "layers.0.attention.wq.weight": torch.ones(4, 4),
              "norm.weight": torch.ones(4), "output.weight": torch.ones(8, 4)}
     dcp.save({**state, "optimizer": {"state": {"norm.weight": {"exp_avg": torch.zeros(4)}}}},
              checkpoint_id=str(tmp_path / "step-10"))
-    with pytest.raises(UnsupportedLayout, match="torch_dcp: torchtitan's own parameter names"):
-        check_checkpoint(str(tmp_path / "step-10"))
+    assert check_checkpoint(str(tmp_path / "step-10")).layout == "torchtitan"
 
 
 def test_a_megatron_torch_dist_folder_is_not_taken_for_a_plain_dcp_save():

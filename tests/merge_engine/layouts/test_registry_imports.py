@@ -44,7 +44,7 @@ def test_the_registry_judges_listings_without_torch():
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["modules"] == ["fsdp", "megatron_legacy", "megatron_lora", "megatron_bridge", "torch_dcp",
-                                 "megatron_dist", "dcp_hf", "deepspeed_zero", "hf"]
+                                 "torchtitan", "megatron_dist", "dcp_hf", "deepspeed_zero", "hf"]
     assert report["verdicts"] == {"fsdp": "incomplete", "megatron_legacy": "complete",
                                   "megatron_bridge": "incomplete", "torch_dcp": "incomplete",
                                   "megatron_dist": "incomplete", "dcp_hf": "complete", "deepspeed_zero": "incomplete",
