@@ -2,8 +2,10 @@
 (`python -m deployments.deploy`), a ``prefect worker start`` per pool.
 
 - the watcher's SCHEDULE fires (a run the server's scheduler made, not one asked for: its interval is
-  prefect.yaml's 600 s, its next tick moved to now), a ``cpu`` worker runs it, it submits the step, and a
-  ``gpu`` worker runs the ``merge-step/gpu`` run it submitted; the release is judged from outside
+  prefect.yaml's 600 s, its next tick moved to now), a ``cpu`` worker runs it, it submits the step (written
+  after the deploy's own first watcher run ended, so only the tick can submit it: the step's run is a subflow
+  of the scheduled run), and a ``gpu`` worker runs the ``merge-step/gpu`` run it submitted; the release is judged
+  from outside
   (`tests.release_checks`: the safetensors library against the weights the synthetic checkpoint was
   written from, bit for bit);
 - a cancel (``prefect flow-run cancel``'s request) while a ``merge-step/gpu`` run is merging (held there: the store stalls its
@@ -121,7 +123,7 @@ def operator(tmp_path_factory, template_run, s3_server):
 
     home = tmp_path_factory.mktemp("operator")
     run_root = home / "run"
-    copy_steps(template_run, str(run_root), [1])
+    run_root.mkdir()  # no step yet: the schedule test writes step 1 once the deploy's own watcher run has ended
     with FaultProxy(s3_server.port) as proxy:
         op = Operator(home, run_root, s3_server.env(), proxy)
         try:
@@ -180,6 +182,13 @@ def test_the_schedule_fires_and_workers_of_the_pools_merge_and_publish_the_exact
     for run in deployed:
         _final(op, run.id, "the deploy's first watcher run")
 
+    def step_run():
+        with op.client() as client:
+            return [r for r in _runs(client, merge.id) if r.parameters.get("step") == 1]
+
+    assert step_run() == []  # nothing to submit yet; the step appears now, for the tick alone
+    copy_steps(template_run, str(op.run_root), [1])
+
     def scheduled_at(tick: datetime) -> list:
         with op.client() as client:
             return [r for r in _runs(client, watch.id)
@@ -201,11 +210,13 @@ def test_the_schedule_fires_and_workers_of_the_pools_merge_and_publish_the_exact
     assert fired.state.is_completed(), (fired.state, op.log("worker-cpu"))
     assert fired.work_pool_name == "cpu" and fired.infrastructure_pid, fired
 
-    def step_run():
-        with op.client() as client:
-            return [r for r in _runs(client, merge.id) if r.parameters.get("step") == 1]
-
-    (submitted,) = _until(step_run, "the merge of step 1 submitted")
+    submitted = step_run()  # the tick has ended: its submission is there now, or it made none
+    assert len(submitted) == 1, f"the scheduled watcher run submitted {len(submitted)} runs of step 1"
+    (submitted,) = submitted
+    with op.client() as client:  # a subflow of the scheduled run (`run_deployment(as_subflow=True)`)
+        parent = client.read_task_run(submitted.parent_task_run_id) if submitted.parent_task_run_id else None
+    assert parent is not None and parent.flow_run_id == fired.id, \
+        f"step 1's run {submitted.id} has parent task run {submitted.parent_task_run_id}, not one of {fired.id}"
     merged = _final(op, submitted.id, "the merge of step 1")
     assert merged.state.is_completed(), (merged.state, op.log("worker-gpu"))
     assert merged.work_pool_name == "gpu" and merged.infrastructure_pid, merged  # started by a worker of its pool
