@@ -37,7 +37,8 @@ test: $(VENV)/.test
 	$(PY) -m tests.readers_env
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The compatibility matrix (tests/compat_matrix.py): stepmerge itself run in transformers 4.57 / 5.5.3 / 5.10 / 5.17
+# The compatibility matrix (tests/compat_matrix.py): stepmerge itself run in transformers 4.57 (peft 0.17 and 0.21:
+# what pip resolves beside 4.57) / 5.5.3 / 5.10 / 5.17
 # environments and the newest (.venv) on checkpoints each writes; the environments are cached per machine (keyed by
 # their pins, torch shared with .venv). About 6 min on 2 cores, 1-2 more the first time. CI runs it after `test`.
 compat: $(VENV)/.test

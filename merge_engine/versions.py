@@ -50,6 +50,8 @@ class TestedPair:
 TESTED: tuple[TestedPair, ...] = (
     # transformers 4.x: the Hub's names are the model's, no conversion mapping, 4.x rope keys
     TestedPair("4.57", "4.58", "0.17", "0.18", "transformers 4.57.6 + peft 0.17.1"),
+    # what pip resolves beside 4.57 when peft is not pinned (pyproject admits peft <0.22)
+    TestedPair("4.57", "4.58", "0.21", "0.22", "transformers 4.57.6 + peft 0.21.2"),
     # verl 0.9.1's range (5.5.3-5.10), the CUDA images' 5.17, the newest
     TestedPair("5.5.3", "5.26", "0.18", "0.22", "transformers 5.5.3 + peft 0.18.1, 5.10.4 + 0.19.1, "
                                                 "5.17.0 + 0.21.0, 5.25.0 + 0.21.2"),

@@ -44,6 +44,9 @@ class Environment:
 ENVIRONMENTS: tuple[Environment, ...] = (
     Environment("4.57", ("transformers==4.57.6", "peft==0.17.1", "tokenizers==0.22.2", "huggingface_hub==0.36.2"),
                 "the lowest supported pair (transformers 4.x; also the readers' environment)"),
+    Environment("4.57-pip", ("transformers==4.57.6", "peft==0.21.2", "tokenizers==0.22.2", "huggingface_hub==0.36.2"),
+                "what `pip install` of the checkout resolves beside transformers 4.57 with peft not pinned (a verl 4.x "
+                "environment): peft 0.21.2, hub 0.36.2, tokenizers 0.22.2 (pip install --dry-run --report)"),
     Environment("5.5.3", ("transformers==5.5.3", "peft==0.18.1", "tokenizers==0.22.2", "huggingface_hub==1.33.0",
                           "kernels==0.12.3"), "the lowest of verl 0.9.1's range"),
     Environment("5.10", ("transformers==5.10.4", "peft==0.19.1", "tokenizers==0.22.2", "huggingface_hub==1.33.0",
@@ -52,8 +55,9 @@ ENVIRONMENTS: tuple[Environment, ...] = (
                 "the CUDA GPU workers' image"),
     Environment(NEWEST, None, "the main (dev) environment"),
 )
-# transformers 4.57 with the main environment's peft: each is tested, the pair is not
-UNTESTED_PAIR = ("compat-untested", ("transformers==4.57.6", "tokenizers==0.22.2", "huggingface_hub==0.36.2"))
+# transformers 4.57 with peft 0.19: each is tested, the pair is not (peft 0.17 does not import under transformers 5)
+UNTESTED_PAIR = ("compat-untested-4.57-peft0.19", ("transformers==4.57.6", "peft==0.19.1", "tokenizers==0.22.2",
+                                                    "huggingface_hub==0.36.2"))
 CELLS = ("check", "merge FSDP1", "merge FSDP2", "validate", "merge Megatron legacy", "merge Megatron dist",
          "extract-lora", "merge-lora", "check-trained", "extract-lora SVD")
 MEGATRON_OUTPUTS = ("megatron_legacy", "megatron_dist")

@@ -3,10 +3,12 @@
 Specification:
 - a pair inside one row of `TESTED` is accepted (each environment of the compatibility matrix, `make compat`);
   a version outside every row, or a pair whose two versions belong to different rows (transformers 4.57 with
-  peft 0.21), is refused with one line naming the installed versions and every tested range;
+  peft 0.19, 5.x with peft 0.17), is refused with one line naming the installed versions and every tested range;
 - pyproject's ranges are exactly the rows' union: every release the table accepts, pip accepts, and the
   releases next to each range's ends are refused by both (4.58+ aside: no such 4.x was released);
-- in a real environment holding an untested pair (transformers 4.57.6 with the main environment's peft,
+- what pip resolves beside transformers 4.57 when peft is not pinned (the newest peft pyproject admits: 0.21.2)
+  is a tested pair;
+- in a real environment holding an untested pair (the main environment's transformers with peft 0.17.1,
   built once per machine like `tests.readers_env`), ``merge`` / ``extract-lora`` / ``merge-lora`` exit 1
   at start with that one line on stderr (`UnsupportedVersions`, no traceback, nothing written), while
   ``check`` and ``--help`` still run there, importing no transformers; ``STEPMERGE_UNTESTED_VERSIONS=1``
@@ -29,10 +31,11 @@ from merge_engine.versions import TESTED, installed_versions, unsupported_reason
 from tests.compat_matrix import UNTESTED_PAIR
 
 REPO = Path(__file__).resolve().parents[2]
-ACCEPTED = [("4.57.0", "0.17.0"), ("4.57.6", "0.17.1"), ("5.5.3", "0.18.1"), ("5.10.4", "0.19.1"),
+ACCEPTED = [("4.57.0", "0.17.0"), ("4.57.6", "0.17.1"), ("4.57.6", "0.21.2"), ("5.5.3", "0.18.1"), ("5.10.4", "0.19.1"),
             ("5.17.0", "0.21.0"), ("5.25.0", "0.21.2")]
 REFUSED = [("4.56.2", "0.17.1"), ("4.58.0", "0.17.1"), ("5.0.0", "0.21.2"), ("5.5.2", "0.21.2"), ("5.26.0", "0.21.2"),
-           ("5.26.0rc1", "0.21.2"), ("4.57.6", "0.21.2"), ("5.10.4", "0.17.1"), ("5.25.0", "0.22.0"),
+           ("5.26.0rc1", "0.21.2"), ("4.57.6", "0.19.1"), ("4.57.6", "0.18.1"),
+           ("5.10.4", "0.17.1"), ("5.25.0", "0.22.0"),
            ("5.25.0", "0.15.2"),
            # pre-releases and dev releases inside a tested range are not tested releases
            ("5.25.1a1", "0.21.2"), ("5.25.0.dev0", "0.21.2"), ("5.25.0", "0.21.0.dev0"), ("5.17.0rc2", "0.21.0"),
@@ -50,6 +53,21 @@ def test_an_untested_pair_is_refused_in_one_line_naming_it_and_the_ranges(transf
     assert reason is not None and "\n" not in reason
     assert f"transformers {transformers} with peft {peft}" in reason
     assert all(pair.describe() in reason for pair in TESTED)
+
+
+def test_the_newest_peft_pyproject_admits_is_tested_beside_every_transformers_it_admits():
+    """pip resolves the newest peft release pyproject admits beside any transformers (peft bounds no transformers):
+    beside 4.57.6 that is peft 0.21.2 (`pip install --dry-run --report` of the checkout with transformers==4.57.6,
+    measured), a pair of `TESTED` and of the compatibility matrix's environments."""
+    from tests.compat_matrix import ENVIRONMENTS
+
+    newest_peft = "0.21.2"
+    assert _declared()["peft"].specifier.contains(newest_peft) and not _declared()["peft"].specifier.contains("0.22.0")
+    for transformers in ("4.57.6", "5.5.3", "5.10.4", "5.17.0", "5.25.0"):
+        assert unsupported_reason({"transformers": transformers, "peft": newest_peft}) is None, transformers
+    pinned = [dict(pin.split("==") for pin in env.pins) for env in ENVIRONMENTS if env.pins]
+    assert {"transformers": "4.57.6", "peft": newest_peft} in [{k: p.get(k) for k in ("transformers", "peft")}
+                                                              for p in pinned]
 
 
 def test_the_main_environment_is_a_tested_pair():
