@@ -39,8 +39,9 @@ from tasks.result_records import checked_record
 _SAVED: dict[tuple[str, str], WritableFileSystem] = {}
 
 
-class GuardedReads:
-    """A result storage block's reads through `checked_record` (put first among a block class's bases)."""
+class GuardedReads(WritableFileSystem):
+    """A result storage block's reads through `checked_record` (put first among a block class's bases: its
+    methods override the storage's own ``read_path``, which Prefect calls)."""
 
     async def aread_path(self, path: str) -> bytes:
         return checked_record(await super().aread_path(path), path)  # type: ignore[misc]
