@@ -8,7 +8,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: demo test compat install clean deploy ui-check bench
+.PHONY: demo test mutate compat install clean deploy ui-check bench
 
 $(VENV)/.runtime: pyproject.toml constraints.txt
 	@echo "== creating $(VENV) and installing stepmerge (first time: torch's CPU wheel and Prefect, a few minutes)"
@@ -36,6 +36,12 @@ demo-s3: $(VENV)/.test
 test: $(VENV)/.test
 	$(PY) -m tests.readers_env
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The pipeline tests again with one weight of each release they judge flipped (tests/mutate_releases.py): each test
+# that judges a release from outside must catch it; only the tests that can call a check run. CI runs it after `test`.
+MUTATE_TESTS ?= tests/flows tests/deployments tests/tasks
+mutate: $(VENV)/.test
+	$(PY) -m pytest -p tests.mutate_releases $(MUTATE_TESTS)
 
 # The compatibility matrix (tests/compat_matrix.py): stepmerge itself run in transformers 4.57 (peft 0.17 and 0.21:
 # what pip resolves beside 4.57) / 5.5.3 / 5.10 / 5.17
