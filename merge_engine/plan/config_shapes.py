@@ -12,8 +12,12 @@ in-memory names and the Hub's:
   model lacks, or the reverse (layers the config implies and the weights lack), is one too, reported per
   family with the indices on each side (``num_nextn_predict_layers`` multi-token-prediction layers after
   the decoder's are allowed, as DeepSeek's Hub checkpoints hold them);
-- every other name (a critic head of another class, an extra buffer, custom code) is left to validation,
-  and so is a config transformers has no class for.
+- every other name (a critic head of another class, an extra buffer, custom code) is left to validation.
+
+Where transformers cannot answer (no class for the config, or a model it cannot build: ``"hidden_size":
+10**12`` overflows even a meta tensor), a width field (``vocab_size``, ``hidden_size``,
+``intermediate_size``, ``head_dim``) larger than every dimension of every tensor is still a contradiction:
+such a width is no tensor's, so the config describes other weights.
 
 Sizes of the wrong type (``"vocab_size": "1003"``, negatives) are refused before transformers is asked, and a
 config transformers' config class refuses is refused with its reason. Every contradiction raises
@@ -30,6 +34,7 @@ from merge_engine.errors import InvalidConfig
 
 _INTEGER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                    "head_dim", "num_hidden_layers")
+_WIDTH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "head_dim")
 _INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
 
@@ -63,7 +68,7 @@ def config_contradictions(config: Mapping[str, Any], shapes: Iterable[tuple[str,
 
         expected = model_shapes(config)
     if not expected:
-        return []
+        return width_contradictions(config, stored)
     problems = []
     for name, shape in stored.items():
         known = expected.get(name)
@@ -81,6 +86,21 @@ def config_contradictions(config: Mapping[str, Any], shapes: Iterable[tuple[str,
         if surplus or lacking:
             problems.append(f"the weights hold {_family_span(family, have)}, the config implies "
                             f"{_family_span(family, want)}{_layer_count(config)}")
+    return problems
+
+
+def width_contradictions(config: Mapping[str, Any], stored: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """Each width field of ``config`` (or a nested config) larger than every dimension of the tensors ``stored``
+    (name -> shape); none when there are no tensors."""
+    widest = max((max(shape, default=0) for shape in stored.values()), default=0)
+    if not widest:
+        return []
+    problems = []
+    for scope, where in _scopes(config):
+        for name in _WIDTH_FIELDS:
+            value = scope.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > widest:
+                problems.append(f"{where}{name} is {value} but no tensor has a dimension over {widest}")
     return problems
 
 

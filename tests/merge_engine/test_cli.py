@@ -148,6 +148,16 @@ def _config_contradicts_weights(checkpoint):
     return path, "InvalidConfig"
 
 
+def _config_hidden_size_absurd(checkpoint):
+    """A config.json saying hidden_size 10^12 over 64-wide tensors was merged with exit 0 (transformers cannot
+    build that model even on the meta device, so no shape was compared)."""
+    path = checkpoint / "huggingface" / "config.json"
+    config = json.loads(path.read_text())
+    config["hidden_size"] = 10**12
+    path.write_text(json.dumps(config))
+    return path, "InvalidConfig"
+
+
 def _config_claims_more_layers(checkpoint):
     path = checkpoint / "huggingface" / "config.json"
     config = json.loads(path.read_text())
@@ -176,7 +186,7 @@ NOT_A_STATE_DICT = [_pickle_is_a_list, _pickle_is_a_tensor, _pickle_is_an_int, _
 DAMAGE = [_truncate, _missing, _zero_bytes, _world_size_contradiction, _mixed_world_sizes, _code_in_pickle,
           _broken_config, _config_lies_about_tying, _zero_stride_tensor, _short_storage_record,
           _fsdp_version_not_a_number, _fsdp_config_a_list, _deeply_nested_config, _config_contradicts_weights,
-          _config_claims_more_layers, *NOT_A_STATE_DICT]
+          _config_claims_more_layers, _config_hidden_size_absurd, *NOT_A_STATE_DICT]
 
 
 @pytest.mark.parametrize("damage", DAMAGE, ids=lambda f: f.__name__.strip("_"))

@@ -101,6 +101,12 @@ def test_a_gated_attention_with_other_heads_is_named():
     ({**CONFIG, "vocab_size": "1003"}, "vocab_size is '1003', not a positive integer"),
     ({**CONFIG, "hidden_size": -64}, "not a positive integer"),
     ({**CONFIG, "text_config": {"hidden_size": 0}}, "text_config.hidden_size is 0, not a positive integer"),
+    # transformers cannot build these (a meta tensor of 10^12 x 10^12 overflows): judged by the widths alone
+    ({**CONFIG, "hidden_size": 10**12}, "hidden_size is 1000000000000 but no tensor has a dimension over 1003"),
+    ({**CONFIG, "hidden_size": 10**12, "num_attention_heads": 1}, "hidden_size is 1000000000000"),
+    ({"model_type": "custom_remote_code", "vocab_size": 10**9}, "vocab_size is 1000000000 but no tensor"),
+    ({"model_type": "custom_remote_code", "text_config": {"intermediate_size": 4096}},
+     "text_config.intermediate_size is 4096"),
 ])
 def test_contradictions_are_invalid_config_naming_the_file(config, match):
     with pytest.raises(InvalidConfig, match=match) as info:
