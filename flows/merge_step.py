@@ -35,7 +35,7 @@ from prefect.artifacts import create_markdown_artifact
 from flows.credentials import storage_credentials
 from flows.params import MergeStepParams, takes
 from flows.run_labels import ended, label_flow_run, step_label, step_run_name
-from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_output
+from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_checked, release_output
 from flows.summaries import step_summary
 from flows.watchers import not_ready_error, retrying_watcher
 from merge_engine.release.folders import ADAPTER, MODEL, release_url
@@ -67,10 +67,11 @@ def run_stages(params: MergeStepParams, timer: StageTimer) -> StepOutcome:
         return outcome
     step, checkpoint = ready.step, ready.checkpoint
     common = dict(settings=settings, staging_root=params.staging_root, options=params.recorded_options(),
-                  overwrite=params.overwrite)
+                  overwrite=params.overwrite, backend=settings["merge"].backend)
     root = params.release_root_url
-    model = release_output(timer, MODEL, step, checkpoint, release_url(root, params.role, params.step, MODEL),
-                           **common)
+    # the model's build may have found a cached check forged: the adapter is decided by, and built from, its check
+    model, checkpoint = release_checked(timer, MODEL, step, checkpoint,
+                                        release_url(root, params.role, params.step, MODEL), **common)
     releases = [model]
     if checkpoint.lora and params.release_adapter:
         adapter_release = release_url(root, params.role, params.step, ADAPTER)

@@ -28,7 +28,7 @@ from prefect.artifacts import create_markdown_artifact
 from flows.credentials import storage_credentials
 from flows.params import AdapterParams, takes
 from flows.run_labels import adapter_run_name, ended, label_flow_run, step_label
-from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_output
+from flows.stages import StageTimer, StepOutcome, checked_lora, ready_checkpoint, release_output
 from flows.summaries import step_summary
 from flows.watchers import not_ready_error, retrying_watcher
 from merge_engine.errors import AdapterError
@@ -72,6 +72,7 @@ def adapter_stages(params: AdapterParams) -> StepOutcome:
         outcome.stages, outcome.seconds = timer.stages, time.perf_counter() - started
         return outcome
     step, checkpoint = ready.step, ready.checkpoint
+    checkpoint = checked_lora(timer, step, checkpoint)  # a cached "no LoRA" is checked before it refuses
     if not checkpoint.lora:
         raise AdapterError("this checkpoint holds no LoRA factors (lora_A/lora_B): nothing to extract", step.url)
     root = params.release_root_url

@@ -43,6 +43,8 @@ among it (the checkpoint holds LoRA factors): the one answer to "does this step 
 that the watcher reads back.
 """
 
+import json
+import logging
 import os
 import time
 from dataclasses import dataclass, replace
@@ -50,27 +52,29 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from prefect import task
 
+import merge_engine
 from flows.outcomes import ReleaseOutcome, StageRun, StepOutcome
 from merge_engine.commands.input_folders import InputFolders
-from merge_engine.errors import CorruptShard, IncompleteCheckpoint, StepNotFound, UnsafeRecord
+from merge_engine.errors import CorruptShard, ForgedRecord, IncompleteCheckpoint, StepNotFound, UnsafeRecord
 from merge_engine.release.built import BuiltOutput
 from merge_engine.release.publish import Release
 from merge_engine.release.folders import ADAPTER, MODEL
 from merge_engine.release.provenance import ReleaseProvenance
-from merge_engine.release.state import ReleaseState, release_state
+from merge_engine.release.state import ReleaseState, differing_options, release_state, state_of
 from merge_engine.validate import ValidationReport
 from tasks.build import BuildSpec, extract_adapter, merge_model
 from tasks.cache import handed_folders, stage_cache_policy
 from tasks.check import check_step
 from tasks.discover import discover_step, discover_steps
 from tasks.publish import publish_release, release_current
-from tasks.records import CheckpointRecord, Settings, StepRecord
+from tasks.records import CheckpointRecord, Settings, StepRecord, of_type
 from tasks.result_records import RECORD_SERIALIZER, register_result_type
 from tasks.results import configured_result_storage
 from tasks.validate import validate_adapter, validate_output
 
 BUILD_SETTINGS = {MODEL: "merge", ADAPTER: "adapter"}  # the settings record each kind's build reads
 SETTLE_S = float(os.environ.get("STEPMERGE_SETTLE_S", "3"))  # pause before listing a failed step again
+logger = logging.getLogger(__name__)
 
 
 class StageTimer:
@@ -144,7 +148,8 @@ def ready_checkpoint(timer: StageTimer, run_root: str, step: int, role: str,
             return ReadyCheckpoint(found, None, f"its files are still being written (they changed while being "
                                                 f"checked; the check said: {exc.message})")
         raise
-    return ReadyCheckpoint(found, checked.verified_for(found))  # a cached check is not trusted blindly
+    # a cached check is not trusted blindly (`tasks.check.check_current` refused most forged ones already)
+    return ReadyCheckpoint(found, of_type(checked, CheckpointRecord, found.url).verified_for(found))
 
 
 @dataclass(frozen=True)
@@ -191,7 +196,7 @@ class ReleaseInputs:
 
 
     def build_spec(self) -> BuildSpec:
-        return BuildSpec(self.kind, self.step.fingerprint, self.checkpoint, self.build)
+        return BuildSpec(self.kind, self.step, self.checkpoint, self.build)
 
 
 @dataclass(frozen=True)
@@ -212,7 +217,7 @@ def model_chain(timer: StageTimer, inputs: ReleaseInputs, state: ReleaseState,
     output = timer.run("merge", merge_model, inputs.build_spec(), inputs.release, inputs.staging_root,
                        inputs.overwrite, inputs.execution, state, folders)
     report = timer.run("validate", validate_output, output, inputs.validation, inputs.release,
-                       *inputs.trained_model_arguments(), state)
+                       *inputs.trained_model_arguments(), state, inputs.step)
     released = timer.run("publish", publish_release, output, report, inputs.release,
                          inputs.provenance().to_manifest_options(), inputs.overwrite, state)
     return ReleasedOutput(output, report, released)
@@ -224,7 +229,7 @@ def adapter_chain(timer: StageTimer, inputs: ReleaseInputs, state: ReleaseState,
     output = timer.run("extract-adapter", extract_adapter, inputs.build_spec(), inputs.release, inputs.staging_root,
                        inputs.overwrite, inputs.execution, state, folders)
     report = timer.run("validate-adapter", validate_adapter, output, inputs.validation, inputs.fused_model_url,
-                       inputs.release, *inputs.trained_model_arguments(), state)
+                       inputs.release, *inputs.trained_model_arguments(), state, inputs.step)
     released = timer.run("publish-adapter", publish_release, output, report, inputs.release,
                          inputs.provenance().to_manifest_options(), inputs.overwrite, state)
     return ReleasedOutput(output, report, released)
@@ -240,15 +245,47 @@ CHAIN_LISTED = ("inputs.build.hf_model_path", "inputs.build.base_model", "inputs
 
 
 def chain_current(record: ReleasedOutput, parameters: Dict[str, Any]) -> bool:
-    """Is a stored chain record still the release (`tasks.publish.release_current`)? A record that is not of this
-    output (another release, kind or checkpoint: the result store is another party's to write) is `UnsafeRecord`:
-    not used, the chain runs again."""
+    """Is a stored chain record still the release (`tasks.publish.release_current`), and the release this run's
+    settings build? The result store is another party's to write: a record of another type is `UnsafeRecord`; one
+    that is not of this output (another release, kind or checkpoint) is `UnsafeRecord`; one naming a release
+    whose manifest records another build (`release_built_as_asked`: another checkpoint, other settings, another
+    engine, e.g. an older fp32 release's fingerprint and attempt copied into the key of a bf16 run) is
+    `ForgedRecord`. Each is logged and not used: the chain runs again (`tasks.cache.live_generation`)."""
     inputs: ReleaseInputs = parameters["inputs"]
+    of_type(record, ReleasedOutput, inputs.release)
     if (record.release.url, record.output.kind, record.output.source_url, record.release.fingerprint) \
             != (inputs.release, inputs.kind, inputs.checkpoint.url, record.output.fingerprint):
         raise UnsafeRecord(f"a stored release record of {record.output.source_url} at {record.release.url} is not "
                            f"the {inputs.kind} of {inputs.checkpoint.url} at {inputs.release}", record.release.url)
-    return release_current(record.release, parameters)
+    if not release_current(record.release, parameters):
+        return False
+    given = parameters.get("state")
+    state = state_of(inputs.release, given)
+    if not state.is_current(record.release.fingerprint, record.release.attempt):
+        state = release_state(inputs.release)  # published by another run since the flow read it
+    differ = release_built_as_asked(state, inputs)
+    if differ:
+        raise ForgedRecord(f"a stored release record names the release at {inputs.release}, whose manifest records "
+                           f"another build than this run asks ({'; '.join(differ)})", record.release.url)
+    return True
+
+
+def release_built_as_asked(state: ReleaseState, inputs: ReleaseInputs) -> List[str]:
+    """What the release's manifest records other than this run's build of ``inputs`` would (empty: none): its
+    kind, its checkpoint's fingerprint, each recorded setting (`differing_options`: sizes compared in bytes) and
+    the engine version. The build's fingerprint covers all of these, so a release built from this run's inputs
+    always agrees."""
+    manifest = state.manifest
+    if manifest is None:
+        return ["no manifest"]
+    released, asked = manifest.provenance, inputs.provenance()
+    differ = [f"{name}: {a!r} there, {b!r} asked" for name, a, b in
+              (("kind", released.kind, asked.kind),
+               ("checkpoint", released.checkpoint_fingerprint, asked.checkpoint_fingerprint),
+               ("engine", manifest.engine_version, merge_engine.__version__)) if a != b]
+    settings = json.loads(json.dumps(dict(asked.settings), sort_keys=True, default=str))  # as `publish` records
+    differ += [f"{name}: {a!r} there, {b!r} asked" for name, a, b in differing_options(released.settings, settings)]
+    return differ
 
 
 @task(name="release-output",
@@ -266,24 +303,75 @@ CHAIN_TASKS = {MODEL: release_chain.with_options(name="model-release"),
 
 def release_output(timer: StageTimer, kind: str, step: StepRecord, checkpoint: CheckpointRecord, release: str, *,
                    settings: Dict[str, Settings], staging_root: Optional[str], options: dict,
-                   overwrite: bool = False, fused_model_url: Optional[str] = None) -> ReleaseOutcome:
+                   overwrite: bool = False, fused_model_url: Optional[str] = None,
+                   backend: Optional[str] = None) -> ReleaseOutcome:
     """Build, validate and publish one output of ``checkpoint`` at ``release`` (the chain of ``kind``), with
-    the flow's settings records (``settings``: `ReleaseInputs.settings`).
+    the flow's settings records (``settings``: `ReleaseInputs.settings`); `release_checked` without the check."""
+    return release_checked(timer, kind, step, checkpoint, release, settings=settings, staging_root=staging_root,
+                           options=options, overwrite=overwrite, fused_model_url=fused_model_url,
+                           backend=backend)[0]
+
+
+def release_checked(timer: StageTimer, kind: str, step: StepRecord, checkpoint: CheckpointRecord, release: str, *,
+                    settings: Dict[str, Settings], staging_root: Optional[str], options: dict,
+                    overwrite: bool = False, fused_model_url: Optional[str] = None,
+                    backend: Optional[str] = None) -> Tuple[ReleaseOutcome, CheckpointRecord]:
+    """`release_output`, and the check of ``step`` it was built from: ``checkpoint``, or this run's check when a
+    cached ``checkpoint`` was found forged (the flow's next output is then built from that one).
 
     The release's state is read once, here: every stage is given it (publishing reads it again only
-    when it has something to write)."""
-    inputs = ReleaseInputs(kind=kind, step=step, checkpoint=checkpoint, release=release, settings=settings,
-                           staging_root=staging_root, options=options, overwrite=overwrite,
-                           fused_model_url=fused_model_url)
+    when it has something to write). A cached ``checkpoint`` that the build finds forged (`ForgedRecord`: the
+    step's files say otherwise, `tasks.checked`) is logged and not used: the step is checked again (``backend``:
+    the one its check task was given), that check replaces the record at its key (`check_again`), and the chain
+    runs from it."""
     task = CHAIN_TASKS[kind]
-    chain, run = timer.call(task.name, task, inputs, timer, release_state(release))
+
+    def chain_of(checked: CheckpointRecord) -> Tuple[ReleasedOutput, StageRun]:
+        inputs = ReleaseInputs(kind=kind, step=step, checkpoint=checked, release=release, settings=settings,
+                               staging_root=staging_root, options=options, overwrite=overwrite,
+                               fused_model_url=fused_model_url)
+        return timer.call(task.name, task, inputs, timer, release_state(release))
+
+    try:
+        chain, run = chain_of(checkpoint)
+    except ForgedRecord as exc:
+        if checkpoint.index is not None:
+            raise  # this run's own check: nothing stored to compute again
+        checkpoint = check_again(timer, step, backend, exc)
+        chain, run = chain_of(checkpoint)
     output, report, released = chain.output, chain.validation, chain.release
     return ReleaseOutcome(kind=kind, url=released.url, fingerprint=released.fingerprint,
                           # the chain a cache hit: this run published nothing
                           already_published=released.already_published or output.released or run.cached,
                           cached=run.cached, validation_ok=report.ok,
                           validation_summary=released_summary(report, released.url), tensors=output.tensors,
-                          tensor_bytes=output.tensor_bytes, files=released.files, total_bytes=released.total_bytes)
+                          tensor_bytes=output.tensor_bytes, files=released.files,
+                          total_bytes=released.total_bytes), checkpoint
+
+
+def check_again(timer: StageTimer, step: StepRecord, backend: Optional[str], refused: Exception) -> CheckpointRecord:
+    """This run's check of ``step``, replacing the stored check record that was ``refused`` (logged): the check task
+    run with ``refresh_cache``, so its result is written at the key the refused record held."""
+    logger.warning("%s; the step is checked again", refused)
+    checked = timer.run("check-again", check_step.with_options(refresh_cache=True), step, backend)
+    return of_type(checked, CheckpointRecord, step.url).verified_for(step)
+
+
+def checked_lora(timer: StageTimer, step: StepRecord, checkpoint: CheckpointRecord,
+                 backend: Optional[str] = None) -> CheckpointRecord:
+    """``checkpoint`` when its ``lora`` fact may refuse an adapter release without a build: this run's own check, or
+    a cached one saying LoRA (the adapter's build checks it again). A cached one saying "no LoRA" is checked again
+    here (`tasks.checked`), so a forged "no" cannot block a step's adapter; forged, it is replaced
+    (`check_again`)."""
+    from tasks.checked import checked_checkpoint
+
+    if checkpoint.index is not None or checkpoint.lora:
+        return checkpoint
+    try:
+        checked_checkpoint(checkpoint, step, backend)
+    except ForgedRecord as exc:
+        return check_again(timer, step, backend, exc)
+    return checkpoint
 
 
 def released_summary(report: ValidationReport, release_url: str) -> str:
@@ -296,4 +384,5 @@ def released_summary(report: ValidationReport, release_url: str) -> str:
 
 __all__ = ["StageRun", "ReleaseOutcome", "StepOutcome", "StageTimer", "ReadyCheckpoint", "ready_checkpoint",
            "ReleaseInputs", "ReleasedOutput", "model_chain", "adapter_chain", "release_chain", "release_output",
+           "release_checked", "check_again", "checked_lora",
            "MODEL", "ADAPTER"]

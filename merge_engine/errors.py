@@ -70,6 +70,13 @@ class UnsafeRecord(CorruptShard):
     imported or read; ``path`` is the checkpoint or result record at fault."""
 
 
+class ForgedRecord(UnsafeRecord):
+    """A cached record, well formed and naming places inside what it describes, states facts other than the
+    thing it names does when checked again (another checkpoint of the step, another layout, other parallel sizes,
+    another build's fingerprint or settings): it is not used, and the flow computes it again; ``path`` is the
+    place the record names."""
+
+
 class UnsupportedLayout(StepmergeError):
     """No layout recognises the folder, or a layout feature is not supported."""
 

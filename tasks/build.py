@@ -53,7 +53,7 @@ from merge_engine.release.state import ReleaseState, state_of
 from merge_engine.release.staging import keep_checksums, kept_checksums, staging_url, sweep_stale_staging
 from tasks.checked import checked_checkpoint
 from tasks.progress import ProgressArtifact, release_artifact_key
-from tasks.records import SETTINGS_RECORDS, CheckpointRecord, Settings
+from tasks.records import SETTINGS_RECORDS, CheckpointRecord, Settings, StepRecord
 from tasks.retry import RETRY_OPTIONS
 from tasks.shard_runs import task_executor_address
 
@@ -63,22 +63,28 @@ RECORDED_SETTINGS = {"dtype", "max_shard_size", "hf_model_path", "lora_alpha", "
 
 @dataclass(frozen=True)
 class BuildSpec:
-    """What one build writes: ``kind`` (MODEL | ADAPTER) of ``checkpoint`` with ``settings``, from the step
-    whose listing fingerprint is ``source_listing`` (it also holds the run's LoRA metadata)."""
+    """What one build writes: ``kind`` (MODEL | ADAPTER) of ``checkpoint``, the check of ``step`` (whose listing
+    also holds the run's LoRA metadata), with ``settings``."""
 
     kind: str
-    source_listing: str
+    step: StepRecord
     checkpoint: CheckpointRecord
     settings: Settings  # the merge record (a model) or the adapter record (`tasks.records.SETTINGS_RECORDS`)
+
+    @property
+    def source_listing(self) -> str:
+        """The fingerprint of the step's listing."""
+        return self.step.fingerprint
 
 
 def output_job(spec: BuildSpec, release: str, folders: Optional[InputFolders] = None) -> OutputJob:
     """The engine's `OutputJob` writing ``spec``, to be published at ``release`` (staging is ours to replace:
     ``overwrite``); its target is set once its fingerprint names the staging folder (`build_output`). The
-    record is turned into the engine's checkpoint once, here (`checked_checkpoint`). ``folders``: the listings
+    record is turned into the engine's checkpoint once, here (`checked_checkpoint`: a cached one checked again as the
+    check of the spec's step). ``folders``: the listings
     of its input folders the chain's cache key took (the job reads by them instead of listing again)."""
     options = spec.settings.to_options(overwrite=True)
-    checkpoint = checked_checkpoint(spec.checkpoint, options.backend)
+    checkpoint = checked_checkpoint(spec.checkpoint, spec.step, options.backend)
     if spec.kind == MODEL:
         from merge_engine.commands.merge import MergeJob
 

@@ -27,6 +27,17 @@ if TYPE_CHECKING:  # the engine's classes: imported where a record is turned int
     from merge_engine.output.jobs import OutputOptions
 
 
+def of_type(value: Any, cls: type, where: Optional[str]) -> Any:
+    """``value`` when it is a ``cls``; else `UnsafeRecord` naming ``where``: a stored result of another type (a
+    record another party planted at this key) is refused by name, never used until an attribute is missing."""
+    if not isinstance(value, cls):
+        from merge_engine.errors import UnsafeRecord
+
+        raise UnsafeRecord(f"a stored result is a {type(value).__name__[:100]} where a {cls.__name__} is expected: "
+                           "not used", where)
+    return value
+
+
 class Record(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -35,7 +35,7 @@ from merge_engine.validate import Check, ValidationReport, validate_model
 from merge_engine.validate import adapter as adapter_validation
 from merge_engine.validate.trained import TRAINED, VS_ADAPTER, VS_FUSED, check_against_trained
 from tasks.checked import checked_checkpoint
-from tasks.records import CheckpointRecord, Settings
+from tasks.records import CheckpointRecord, Settings, StepRecord
 from tasks.retry import RETRY_OPTIONS
 
 
@@ -56,22 +56,24 @@ def released_validation(output: BuiltOutput, release: Optional[str],
 @task(name="validate-model", cache_policy=NO_CACHE, persist_result=False, **RETRY_OPTIONS)
 def validate_output(output: BuiltOutput, settings: Settings, release: Optional[str] = None,
                     checkpoint: Optional[CheckpointRecord] = None, lora_alpha: Optional[float] = None,
-                    config_url: Optional[str] = None, state: Optional[ReleaseState] = None) -> ValidationReport:
+                    config_url: Optional[str] = None, state: Optional[ReleaseState] = None,
+                    step: Optional[StepRecord] = None) -> ValidationReport:
     """Validate the model folder ``output.url`` (staging) with ``settings`` (see the module docstring);
-    ``checkpoint`` (with ``lora_alpha`` / ``config_url`` as the merge got them): the trained-model check."""
+    ``checkpoint``, the check of ``step`` (with ``lora_alpha`` / ``config_url`` as the merge got them): the
+    trained-model check."""
     recorded = released_validation(output, release, state)
     if recorded is not None:
         return recorded
     report = validate_model(output.url, settings.reference_url, forward=settings.forward, device=settings.device)
-    return report.extended(trained_check(checkpoint, settings, fused_model_url=output.url, lora_alpha=lora_alpha,
-                                         config_url=config_url))
+    return report.extended(trained_check(checkpoint, settings, step, fused_model_url=output.url,
+                                         lora_alpha=lora_alpha, config_url=config_url))
 
 
 @task(name="validate-adapter", cache_policy=NO_CACHE, persist_result=False, **RETRY_OPTIONS)
 def validate_adapter(output: BuiltOutput, settings: Settings, fused_model_url: Optional[str] = None,
                      release: Optional[str] = None, checkpoint: Optional[CheckpointRecord] = None,
                      lora_alpha: Optional[float] = None, config_url: Optional[str] = None,
-                     state: Optional[ReleaseState] = None) -> ValidationReport:
+                     state: Optional[ReleaseState] = None, step: Optional[StepRecord] = None) -> ValidationReport:
     """Check the adapter: config, fits its base, finite, PEFT loads it; logits reproduce ``fused_model_url``'s;
     with ``checkpoint``, PEFT(base/ + adapter) reproduces the trained model (`trained_check`)."""
     recorded = released_validation(output, release, state)
@@ -79,14 +81,15 @@ def validate_adapter(output: BuiltOutput, settings: Settings, fused_model_url: O
         return recorded
     report = adapter_validation.validate_adapter(output.url, fused_model_url=fused_model_url,
                                                  forward=settings.forward, device=settings.device)
-    return report.extended(trained_check(checkpoint, settings, adapter_url=output.url, lora_alpha=lora_alpha,
-                                         config_url=config_url))
+    return report.extended(trained_check(checkpoint, settings, step, adapter_url=output.url,
+                                         lora_alpha=lora_alpha, config_url=config_url))
 
 
-def trained_check(checkpoint: Optional[CheckpointRecord], settings: Settings, *,
+def trained_check(checkpoint: Optional[CheckpointRecord], settings: Settings, step: Optional[StepRecord] = None, *,
                   fused_model_url: Optional[str] = None, adapter_url: Optional[str] = None,
                   lora_alpha: Optional[float] = None, config_url: Optional[str] = None) -> ValidationReport:
-    """The trained-model check of a LoRA checkpoint's output (an empty report for other checkpoints)."""
+    """The trained-model check of a LoRA checkpoint's output (an empty report for other checkpoints); a cached
+    ``checkpoint`` is checked again as the check of ``step`` (`tasks.checked`: ValueError without one)."""
     subject = fused_model_url or adapter_url or ""
     if checkpoint is None or not checkpoint.lora:
         return ValidationReport(subject)
@@ -94,5 +97,8 @@ def trained_check(checkpoint: Optional[CheckpointRecord], settings: Settings, *,
         names = [name for name, url in ((VS_FUSED, fused_model_url), (VS_ADAPTER, adapter_url)) if url]
         return ValidationReport(subject, tuple(Check(name, True, "SKIPPED: forward passes are off (validate_forward)",
                                                      skipped=True) for name in [TRAINED] + names))
-    return check_against_trained(checked_checkpoint(checkpoint), fused_model_url=fused_model_url, adapter_url=adapter_url,
+    if step is None and checkpoint.index is None:
+        raise ValueError("a cached check record is checked again as the check of its step: pass the step")
+    checked = checkpoint.to_checkpoint() if step is None else checked_checkpoint(checkpoint, step)
+    return check_against_trained(checked, fused_model_url=fused_model_url, adapter_url=adapter_url,
                                  lora_alpha=lora_alpha, config_url=config_url, device=settings.device)

@@ -244,7 +244,7 @@ def test_a_cached_check_of_every_layout_is_checked_again_to_the_same_facts(reque
     index to open it by; a record is never refused for being a cached one."""
     from merge_engine.layouts import check_checkpoint
     from tasks.checked import checked_checkpoint
-    from tasks.records import CheckpointRecord
+    from tasks.records import CheckpointRecord, StepRecord
     from tasks.result_records import RECORD_SERIALIZER
 
     fixture, name, _ = EVERY_LAYOUT[case]
@@ -253,7 +253,9 @@ def test_a_cached_check_of_every_layout_is_checked_again_to_the_same_facts(reque
     checked = CheckpointRecord.from_checkpoint(check_checkpoint(str(folder)))
     cached = RECORD_SERIALIZER.loads(RECORD_SERIALIZER.dumps(checked))
     assert checked.index is not None and cached.index is None
-    again = checked_checkpoint(cached, None)
+    step = StepRecord(run_root=str(folder.parent), step=1, role=folder.name, url=str(folder), status="complete",
+                      layout=checked.layout, fingerprint=checked.fingerprint)
+    again = checked_checkpoint(cached, step)
     assert CheckpointRecord.from_checkpoint(again) == checked
 
 

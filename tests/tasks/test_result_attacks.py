@@ -259,8 +259,10 @@ def test_plain_values_round_trip_and_only_as_their_own_type():
 def test_a_cached_check_stating_another_fact_is_refused_before_a_byte_is_built(fact, forged_value, prefect,
                                                                               template_run, tmp_path):
     """A well-formed check record at the step's key, its places and listing the step's own, one fact changed:
-    the build checks the step again, finds the files say otherwise and fails with `UnsafeRecord` naming the
-    checkpoint; nothing is published."""
+    the build checks the step again, finds the files say otherwise (`ForgedRecord`, an `UnsafeRecord`, naming the
+    checkpoint) and builds nothing from it: the step is checked again, that check replaces the record at its key,
+    and the release holds the step's own weights (a forged "LoRA" releases no adapter)."""
+    import tasks.checked
     from flows.merge_step import merge_step
     from flows.params import MergeStepParams
     from merge_engine.layouts import check_checkpoint
@@ -272,9 +274,148 @@ def test_a_cached_check_stating_another_fact_is_refused_before_a_byte_is_built(f
     assert getattr(good, fact) != forged_value
     _plant(prefect.results / key, {"format": 1, "type": "CheckpointRecord",
                                    "data": {**good.model_dump(mode="json"), fact: forged_value}})
-    state = merge_step(**MergeStepParams(run_root=run_root, step=1, staging_root=str(tmp_path / "staging"))
-                       .flow_parameters(), return_state=True)
-    with pytest.raises(UnsafeRecord, match=fact) as error:
-        state.result()
-    assert error.value.path == good.url
-    assert not any((tmp_path / "run" / "releases").rglob("*"))
+    from tests.release_checks import assert_release_weights_equal
+
+    refused = []
+    real = tasks.checked._check_again
+
+    def check_again(record, step, backend):
+        try:
+            return real(record, step, backend)
+        except UnsafeRecord as exc:
+            refused.append(exc)
+            raise
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tasks.checked, "_check_again", check_again)
+        outcome = merge_step(**MergeStepParams(run_root=run_root, step=1, staging_root=str(tmp_path / "staging"))
+                             .flow_parameters())
+    assert refused and fact in refused[0].message and refused[0].path == good.url
+    (release,) = outcome.releases
+    assert_release_weights_equal(release.url, template_run.reference_weights(1))
+    stored = json.loads(json.loads((prefect.results / key).read_text())["result"])
+    assert stored["data"][fact] == getattr(good, fact)  # the forged record replaced by the step's check
+
+
+# --- records bound to what they name ------------------------------------------------------------------
+
+
+def test_a_cached_check_naming_a_checkpoint_nested_in_the_step_publishes_the_steps_own_weights(prefect, template_run,
+                                                                                              tmp_path):
+    """verl's ``actor/huggingface/`` holding weights (here another step's) is a complete Hugging Face checkpoint
+    inside the step. A check record of it planted at the step's check key names places and files inside the step,
+    so `CheckpointRecord.verified_for` takes it; the build checks the STEP again (never the record's URL), finds
+    another checkpoint and does not use the record: the release holds the step's own weights (before: the nested
+    checkpoint's weights were published as the step's release)."""
+    import shutil
+
+    from flows.merge_step import merge_step
+    from flows.params import MergeStepParams
+    from merge_engine.layouts import check_checkpoint
+    from tests.release_checks import assert_release_weights_equal
+
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [1])
+    nested = tmp_path / "run" / "global_step_1" / "actor" / "huggingface"
+    shutil.copyfile(template_run.references / "global_step_2" / "hf" / "model.safetensors",
+                    nested / "model.safetensors")
+    step, key = _check_key(run_root)
+    inner = CheckpointRecord.from_checkpoint(check_checkpoint(str(nested)))
+    assert inner.url.startswith(step.url + "/") and inner.verified_for(step) is inner  # inside the step
+    _plant(prefect.results / key, {"format": 1, "type": "CheckpointRecord", "data": inner.model_dump(mode="json")})
+
+    outcome = merge_step(**MergeStepParams(run_root=run_root, step=1,
+                                           staging_root=str(tmp_path / "staging")).flow_parameters())
+    (release,) = outcome.releases
+    assert_release_weights_equal(release.url, template_run.reference_weights(1))
+
+
+@pytest.mark.parametrize("planted", ["another_type", "another_place"])
+def test_a_refused_check_record_is_skipped_and_never_blocks_its_step(planted, prefect, template_run, tmp_path):
+    """A record at the step's check key that is of another type (before: `AttributeError` in the flow) or names
+    another place (before: `UnsafeRecord` on this run and on every later one) is refused by name, logged and
+    not used: the step is checked again under the key's next generation, published, and the next run is served
+    from that check."""
+    from flows.merge_step import merge_step
+    from flows.params import MergeStepParams
+
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [1])
+    step, key = _check_key(run_root)
+    document = {"another_type": {"format": 1, "type": "str", "data": "not a check"},
+                "another_place": {"format": 1, "type": "CheckpointRecord",
+                                  "data": {"url": "/etc", "layout": "hf", "fingerprint": "f", "files": []}}}[planted]
+    _plant(prefect.results / key, document)
+
+    params = MergeStepParams(run_root=run_root, step=1, staging_root=str(tmp_path / "staging")).flow_parameters()
+    assert merge_step(**params).status == "published"
+    assert json.loads((prefect.results / key).read_text())["result"] == json.dumps(document)  # left as it was
+    again = merge_step(**params)
+    assert again.status == "already_published"
+    assert [s.state for s in again.stages if s.name == "check"] == ["Cached"]
+    from tasks.check import check_current
+
+    with pytest.raises(UnsafeRecord):  # named, whatever the planted type
+        check_current(RECORD_SERIALIZER.loads(json.dumps(document).encode()), {"step": step})
+
+
+def test_a_stored_release_record_of_another_type_is_refused_by_name(tmp_path):
+    """A chain's stored record that is not a `ReleasedOutput` (before: `AttributeError`) is `UnsafeRecord`."""
+    from flows.stages import ReleaseInputs, chain_current
+    from merge_engine.release.folders import MODEL
+    from tasks.records import SETTINGS_RECORDS
+
+    checkpoint = CheckpointRecord(url=str(tmp_path / "run/global_step_1/actor"), layout="fsdp", fingerprint="f",
+                                  files=(("model_world_size_1_rank_0.pt", 10, "v"),))
+    step = StepRecord(run_root=str(tmp_path / "run"), step=1, role="actor", url=checkpoint.url, status="complete",
+                      layout="fsdp", fingerprint="s")
+    inputs = ReleaseInputs(kind=MODEL, step=step, checkpoint=checkpoint, release=str(tmp_path / "release"),
+                           staging_root=None, options={},
+                           settings={name: SETTINGS_RECORDS[name]() for name in ("merge", "validation", "execution")})
+    for other in (checkpoint, "text", None):
+        with pytest.raises(UnsafeRecord, match="expected"):
+            chain_current(other, {"inputs": inputs, "state": None})
+
+
+def _chain_key(run_root: str, params: dict, checkpoint: CheckpointRecord) -> str:
+    """The generation-0 key of the model chain of step 1 that `merge_step` with ``params`` computes."""
+    from flows.params import MergeStepParams
+    from flows.stages import CHAIN_KEY, CHAIN_LISTED, ReleaseInputs
+    from merge_engine.release.folders import MODEL, release_url
+
+    flow_params = MergeStepParams(**params)
+    step = StepRecord.from_step(discover_step(run_root, 1, "actor"))
+    inputs = ReleaseInputs(kind=MODEL, step=step, checkpoint=checkpoint,
+                           release=release_url(flow_params.release_root_url, "actor", 1, MODEL),
+                           settings=flow_params.settings(), staging_root=flow_params.staging_root,
+                           options=flow_params.recorded_options(), overwrite=flow_params.overwrite)
+    return stage_key("release", {"inputs": inputs}, CHAIN_KEY, CHAIN_LISTED)
+
+
+def test_a_chain_record_copied_from_an_older_release_does_not_make_other_settings_a_cache_hit(prefect, template_run,
+                                                                                             tmp_path):
+    """Step 1 released as stored (fp32); its chain record (fingerprint and attempt of that release) copied to the
+    key of a ``dtype=bf16, overwrite=true`` run: the release's manifest records another build than the run asks
+    (`ForgedRecord`, logged), the chain runs and the release is bf16 (before: a cache hit, the release stayed
+    fp32)."""
+    import torch
+
+    from flows.merge_step import merge_step
+    from flows.params import MergeStepParams
+    from tests.release_checks import release_tensors
+
+    run_root = str(tmp_path / "run")
+    copy_steps(template_run, run_root, [1])
+    as_stored = MergeStepParams(run_root=run_root, step=1, staging_root=str(tmp_path / "staging")).flow_parameters()
+    (first,) = merge_step(**as_stored).releases
+    assert {t.dtype for t in release_tensors(first.url).values()} == {torch.float32}
+    _, check_key = _check_key(run_root)
+    checked = RECORD_SERIALIZER.loads(json.loads((prefect.results / check_key).read_text())["result"].encode())
+    old_chain = prefect.results / _chain_key(run_root, as_stored, checked)
+    assert json.loads(json.loads(old_chain.read_text())["result"])["type"] == "ReleasedOutput"
+
+    bf16 = {**as_stored, "dtype": "bf16", "overwrite": True}
+    (prefect.results / _chain_key(run_root, bf16, checked)).write_bytes(old_chain.read_bytes())
+    (release,) = merge_step(**bf16).releases
+    assert not release.cached
+    assert {t.dtype for t in release_tensors(release.url).values()} == {torch.bfloat16}
