@@ -30,7 +30,7 @@ from prefect.cache_policies import NO_CACHE
 
 import merge_engine
 from merge_engine import storage
-from merge_engine.errors import ChecksumMismatch, TargetExists, ValidationFailed
+from merge_engine.errors import ChecksumMismatch, TargetExists, UnsafeFile, ValidationFailed
 from merge_engine.release.built import BuiltOutput
 from merge_engine.release.publish import Release, publish
 from merge_engine.release.staging import drop_checksums
@@ -70,7 +70,7 @@ def publish_release(output: BuiltOutput, validation: ValidationReport, release: 
         storage.remove(output.url, recursive=True)  # refused: this staging folder will never be published
         drop_checksums(output.url)
         raise
-    except (ValidationFailed, ChecksumMismatch):  # the engine removed the staging folder
+    except (ValidationFailed, ChecksumMismatch, UnsafeFile):  # the engine removed the staging folder
         drop_checksums(output.url)
         raise
     drop_checksums(output.url)  # published: the staging folder is gone, its kept checksums with it

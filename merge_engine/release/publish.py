@@ -14,11 +14,16 @@ Contract:
   release path, and a kill leaves the old release or the new one. An object-store release is
   written in place, marker last; its readers trust only the marker.
 - ``checksums`` (the shard jobs' sha256 per staged weight file and index, computed while the merge
-  wrote them: `merge_engine.output.jobs.OutputResult.checksums`): every file they name must be staged and
-  the copy must hash to them, else `ChecksumMismatch` before the manifest is written (nothing
-  published; staging removed with ``remove_staging``: it holds bytes the merge did not write). The
-  manifest's sha256 are then the writer's, confirmed by the copy; files they do not name (configs,
-  provenance) are recorded as the copy hashed them.
+  wrote them: `merge_engine.output.jobs.OutputResult.checksums`): every file they name must be staged, the
+  staging folder's ``stepmerge.json`` (the writer's record of every file it wrote: size and sha256) must record
+  the same sha256 for them and record every other staged file too, and each copy must hash to what
+  ``stepmerge.json`` records (`staged_sha256`), else `ChecksumMismatch` before the manifest is written (nothing
+  published; staging removed with ``remove_staging``: it holds bytes the merge did not write). Without
+  ``checksums``, a staged ``stepmerge.json`` is checked the same way. The manifest's sha256 are then the
+  writer's, confirmed by the copy; only ``stepmerge.json`` itself is recorded as the copy hashed it.
+- Staging holds regular files only: a link or special file in a local staging folder (or the folder a link) is
+  `UnsafeFile` before anything is read (`merge_engine.release.staging.refuse_staged_links`; staging removed).
+  What the staging disk must be trusted for: docs/publishing.md.
 - The release must not overlap the staging folder or the source checkpoint (`InvalidOption`,
   `TargetOverlapsSource`): clearing it must never touch either.
 - Readers trust a release only when `is_released`: the marker is there, parses, and matches the
@@ -61,11 +66,13 @@ from merge_engine import storage
 from merge_engine.output import owner_record
 from merge_engine.output.clock import SYSTEM_CLOCK, Clock
 from merge_engine.errors import (
-    ChecksumMismatch, CorruptShard, InvalidOption, TargetExists, ValidationFailed,
+    ChecksumMismatch, CorruptShard, InvalidOption, TargetExists, UnsafeFile, ValidationFailed,
 )
 from merge_engine.output.local_commit import LiveFolder, commit_folder, sweep_dead_siblings
+from merge_engine.output.target import PROVENANCE_FILE, read_provenance
 from merge_engine.release.folders import CLAIMS, MANIFEST, MARKER, RESERVED
 from merge_engine.release.manifest import Manifest, ManifestFile, released_manifest, sha256_hex
+from merge_engine.release.staging import refuse_staged_links
 from merge_engine.release.state import release_state
 from merge_engine.storage import FileEntry
 from merge_engine.output.target_guard import overlaps, refuse_overlap
@@ -280,6 +287,34 @@ def _copy_all(staging_url: str, release_url: str, files: Sequence[FileEntry], ma
     return tuple(sorted(done, key=lambda f: f.path))
 
 
+def staged_sha256(staging_url: str, files: Sequence[FileEntry],
+                  checksums: Mapping[str, str] | None) -> dict[str, str]:
+    """The sha256 each staged file's copy must hash to: what the staging folder's ``stepmerge.json`` records (the
+    writer's, every file but itself), which must agree with ``checksums`` (the shard jobs' own) and record every
+    staged file with its size; with no ``stepmerge.json``, ``checksums`` alone. `ChecksumMismatch` naming the first
+    disagreement, or a missing ``stepmerge.json`` when ``checksums`` are given (a merge always writes one)."""
+    provenance = read_provenance(staging_url)
+    if provenance is None:
+        if checksums:
+            raise ChecksumMismatch(f"staging holds no readable {PROVENANCE_FILE}: the merge wrote one recording "
+                                   "every file's sha256", staging_url)
+        return {}
+    sizes, recorded = provenance.get("files"), provenance.get("sha256")
+    if not isinstance(sizes, dict) or not isinstance(recorded, dict):
+        raise ChecksumMismatch(f"{PROVENANCE_FILE} records no sha256 of the staged files", staging_url)
+    staged = {f.path: f.size for f in files if f.path != PROVENANCE_FILE}
+    for path in sorted(set(staged) | set(sizes)):
+        digest = recorded.get(path)
+        if path not in staged or sizes.get(path) != staged[path] or not isinstance(digest, str):
+            raise ChecksumMismatch(f"{path}: staged with {staged.get(path)} bytes, {PROVENANCE_FILE} records "
+                                   f"{sizes.get(path)} bytes and sha256 {str(digest)[:16]}", staging_url)
+    for path, digest in (checksums or {}).items():
+        if recorded.get(path) != digest:
+            raise ChecksumMismatch(f"{path}: the merge's sha256 {digest[:16]}… and {PROVENANCE_FILE}'s "
+                                   f"{str(recorded.get(path))[:16]}… differ", storage.join(staging_url, path))
+    return {path: recorded[path] for path in staged}
+
+
 def _clear(release_url: str) -> None:
     """Delete everything under the release prefix except the claims (the marker first)."""
     storage.remove(storage.join(release_url, MARKER))
@@ -313,6 +348,11 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
     if overlaps(staging_url, release_url):
         raise InvalidOption(f"staging and release must not contain each other: {staging_url}, {release_url}")
     refuse_overlap(release_url, [source])  # clearing the release must never touch the checkpoint
+    try:
+        refuse_staged_links(staging_url)
+    except UnsafeFile:
+        _drop_staging(staging_url, remove_staging)  # never published: the next run merges again
+        raise
     if validation is not None and not validation.ok:
         storage.remove(staging_url, recursive=True)
         first = validation.failures[0] if validation.failures else Check("checks", False, "no check ran")
@@ -327,6 +367,11 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
     if missing:
         _drop_staging(staging_url, remove_staging)
         raise ChecksumMismatch(f"the merge wrote {missing[:5]}, staging no longer holds them", staging_url)
+    try:
+        expected = staged_sha256(staging_url, files, checksums)
+    except ChecksumMismatch:
+        _drop_staging(staging_url, remove_staging)  # bytes the merge did not write: merge again
+        raise
     options = json.loads(json.dumps(dict(options), sort_keys=True, default=str))
 
     attempt = uuid.uuid4().hex
@@ -361,7 +406,7 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
         with _Heartbeat(release_url, attempt, fingerprint, claim_ttl_s, clock) as heartbeat:
 
             def write_release(dest: str) -> Manifest:
-                copied = _copy_all(staging_url, dest, files, max_workers, checksums or {})
+                copied = _copy_all(staging_url, dest, files, max_workers, expected)
                 listed = {e.path: e.version for e in storage.list_files(dest)}  # the store's own versions
                 manifest = Manifest(
                     source=source, fingerprint=fingerprint, engine_version=engine_version, options=options,

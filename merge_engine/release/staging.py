@@ -23,7 +23,7 @@ import time
 from typing import Optional
 
 from merge_engine import storage
-from merge_engine.errors import StepmergeError
+from merge_engine.errors import StepmergeError, UnsafeFile
 from merge_engine.formats.json_file import read_json_object
 
 logger = logging.getLogger(__name__)
@@ -52,15 +52,54 @@ def _sums_url(staging: str) -> str:
     return storage.join(staging.rstrip("/") + SUMS_SUFFIX, "checksums.json")
 
 
+def refuse_staged_links(url: str) -> None:
+    """`UnsafeFile` naming the first link or special file (FIFO, socket, device) in the LOCAL folder ``url``, or
+    ``url`` itself when it is a link: staging holds only the regular files the merge wrote, so a publish never
+    copies a host file a link points to (whatever its size). Remote URLs pass: object stores hold no links."""
+    if not storage.is_local(url):
+        return
+    root = storage.local_path(url).rstrip(os.sep) or os.sep
+    if os.path.islink(root):
+        raise UnsafeFile("the staging folder is a link: staging must be a folder of regular files", url)
+    pending = [root]
+    while pending:
+        folder = pending.pop()
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(entry.path)
+                    elif entry.is_symlink() or not entry.is_file(follow_symlinks=False):
+                        raise UnsafeFile("staging holds a link or special file where the merge wrote a regular "
+                                         "file: never copied", entry.path)
+        except FileNotFoundError:
+            continue  # removed while we looked
+
+
+def _refuse_linked_sums(staging: str) -> None:
+    """`UnsafeFile` when the sums folder beside a LOCAL ``staging`` (or its file) exists as a link or as anything
+    but a folder (a file): it is never written through nor read from."""
+    if not storage.is_local(staging):
+        return
+    folder = storage.local_path(staging.rstrip("/") + SUMS_SUFFIX)
+    for path, kind in ((folder, os.path.isdir), (os.path.join(folder, "checksums.json"), os.path.isfile)):
+        if os.path.islink(path) or (os.path.lexists(path) and not kind(path)):
+            raise UnsafeFile("the staging folder's kept checksums are a link or not what was written: "
+                             "never written through nor read", path)
+
+
 def keep_checksums(staging: str, fingerprint: str, checksums: tuple[tuple[str, str], ...]) -> None:
-    """Keep the shard jobs' ``checksums`` ((file, sha256) pairs) of the staging folder of build ``fingerprint``."""
+    """Keep the shard jobs' ``checksums`` ((file, sha256) pairs) of the staging folder of build ``fingerprint``.
+    `UnsafeFile` when the sums folder (or file) is there as a link (`_refuse_linked_sums`)."""
+    _refuse_linked_sums(staging)
     document = {"fingerprint": fingerprint, "checksums": [list(pair) for pair in checksums]}
     storage.write_bytes(_sums_url(staging), json.dumps(document).encode())
 
 
 def kept_checksums(staging: str, fingerprint: str) -> Optional[tuple[tuple[str, str], ...]]:
     """The checksums kept for the staging folder of build ``fingerprint``; None when none are kept, or they are of
-    another build, or not a list of (file, sha256) pairs."""
+    another build, or not a list of (file, sha256) pairs. `UnsafeFile` when they are a link."""
+    _refuse_linked_sums(staging)
     try:
         document = read_json_object(_sums_url(staging))
     except StepmergeError:

@@ -3,7 +3,10 @@
 What is checked, against what:
 - A release (a folder with ``manifest.json``): the ``_COMPLETE`` marker is present and vouches for
   this manifest (its sha256); every file the manifest lists is there with its size and sha256; no
-  file is there that the manifest does not list (claims under ``_PUBLISHING/`` excepted).
+  file is there that the manifest does not list (claims under ``_PUBLISHING/`` excepted); and the release's own
+  ``stepmerge.json``, when the manifest lists one, records every other file with the size and sha256 the
+  manifest does (`provenance_disagreement`): rewriting a weight needs the manifest, the marker and the writer's
+  record rewritten alike.
 - A merged folder without a manifest (``stepmerge merge`` output): every file its ``stepmerge.json``
   lists is there with its size and the sha256 it records (``"sha256"``: the writer's, computed while
   writing), and nothing else is there. A ``stepmerge.json`` without a sha256 for every file it lists
@@ -26,10 +29,11 @@ checksums to verify with).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from merge_engine import storage
-from merge_engine.release.checksums import MODES, file_damage
+from merge_engine.release.checksums import MODES, RecordedFile, file_damage
 from merge_engine.errors import InvalidConfig, ReleaseDamaged, ReleaseIncomplete
 from merge_engine.output.target import PROVENANCE_FILE, read_provenance
 from merge_engine.release.folders import CLAIMS, MANIFEST, MARKER
@@ -81,6 +85,7 @@ def verify_folder(url: str, mode: str = "full") -> VerifyReport:
             return VerifyReport(url, "release", "none", 0, 0, marker_ok=False,
                                 seconds=time.perf_counter() - started)
         problems, hashed, method = file_damage(url, manifest.files, listing, mode, ignored=(MARKER, MANIFEST, CLAIMS))
+        problems += provenance_disagreement(url, manifest.files, problems)
         return VerifyReport(url, "release", method, len(manifest.files), hashed, problems,
                             seconds=time.perf_counter() - started)
     provenance = read_provenance(url)
@@ -104,6 +109,28 @@ def verify_folder(url: str, mode: str = "full") -> VerifyReport:
                         seconds=time.perf_counter() - started)
 
 
+def provenance_disagreement(url: str, files: Sequence[RecordedFile], problems: Sequence[str]) -> tuple[str, ...]:
+    """One line per file whose size or sha256 in the release's manifest differs from what the release's own
+    ``stepmerge.json`` (the writer's record, which the manifest vouches for) records, or that only one of them
+    lists; nothing when the manifest lists no ``stepmerge.json`` (a folder published without one) or when it is
+    among ``problems`` already (damaged: its record is not read)."""
+    damaged = any(problem.startswith(PROVENANCE_FILE + ":") for problem in problems)
+    if damaged or not any(f.path == PROVENANCE_FILE for f in files):
+        return ()
+    provenance = read_provenance(url) or {}
+    sizes, recorded = provenance.get("files"), provenance.get("sha256")
+    if not isinstance(sizes, dict) or not isinstance(recorded, dict):
+        return (f"{PROVENANCE_FILE}: records no sha256 of the release's files",)
+    listed = {f.path: f for f in files if f.path != PROVENANCE_FILE}
+    found = []
+    for path in sorted(set(listed) | set(sizes)):
+        entry = listed.get(path)
+        if entry is None or sizes.get(path) != entry.size or recorded.get(path) != entry.sha256:
+            found.append(f"{path}: the manifest and {PROVENANCE_FILE} record other bytes "
+                         f"({'not in the manifest' if entry is None else 'size or sha256 differ'})")
+    return tuple(found)
+
+
 @dataclass(frozen=True)
 class _Recorded:
     """A file as ``stepmerge.json`` records it (`merge_engine.release.checksums.RecordedFile`)."""
@@ -125,4 +152,4 @@ def raise_for(report: VerifyReport) -> None:
         raise InvalidConfig(f"cannot verify: {report.unverifiable}", report.url)
 
 
-__all__ = ["MODES", "VerifyReport", "is_release_folder", "raise_for", "verify_folder"]
+__all__ = ["MODES", "VerifyReport", "is_release_folder", "provenance_disagreement", "raise_for", "verify_folder"]

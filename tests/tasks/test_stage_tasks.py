@@ -260,3 +260,49 @@ def test_a_staging_folder_left_by_a_failed_publish_is_published_only_as_its_shar
         assert_release_of_step(release.url, template_run, 1)
         assert [b.skipped for b in builds] == ([True] if case == "as_written" else [True, False])
     assert not list(Path(staging).iterdir())  # the staging folder and its sums: published, or removed
+
+
+@pytest.mark.parametrize("case", ["resummed", "tokenizer_link", "linked_sums"])
+def test_a_staging_folder_changed_after_a_failed_publish_with_its_record_kept_consistent_publishes_nothing(
+        prefect, template_run, tmp_path, failing_publish, case):
+    """A run whose publish failed leaves its staging folder and its sums. Then, on the staging disk: a weight
+    changed and ``checksums.json`` rewritten to match (before: published); ``tokenizer.json`` replaced by a link
+    to a host file of the same size (before: the host file's bytes published); the sums folder replaced by a link
+    to another folder. The next run refuses by name (`ChecksumMismatch`: the sums disagree with the staging
+    folder's ``stepmerge.json``; `UnsafeFile`: a link) and publishes nothing."""
+    import json
+
+    from merge_engine.errors import ChecksumMismatch, UnsafeFile
+    from merge_engine.release.staging import SUMS_SUFFIX
+    from merge_engine.storage.sha256 import sha256_of
+
+    run_root, releases, staging = str(tmp_path / "run"), str(tmp_path / "releases"), str(tmp_path / "staging")
+    copy_steps(template_run, run_root, [1])
+    with pytest.raises(RuntimeError, match="store is down"):
+        chain(run_root, 1, releases, staging)
+    (staged,) = [p for p in Path(staging).iterdir() if not p.name.endswith(SUMS_SUFFIX)]
+    sums = staged.parent / (staged.name + SUMS_SUFFIX)
+    host = tmp_path / "host-secret"
+    if case == "resummed":
+        weights = staged / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 0xFF
+        weights.write_bytes(bytes(data))
+        document = json.loads((sums / "checksums.json").read_text())
+        document["checksums"] = [[name, sha256_of(str(staged / name), (staged / name).stat().st_size)]
+                                 for name, _ in document["checksums"]]
+        (sums / "checksums.json").write_text(json.dumps(document))
+    elif case == "tokenizer_link":
+        tokenizer = staged / "tokenizer.json"
+        host.write_bytes(b"S" * tokenizer.stat().st_size)
+        tokenizer.unlink()
+        tokenizer.symlink_to(host)
+    else:
+        elsewhere = tmp_path / "elsewhere"
+        sums.rename(elsewhere)
+        sums.symlink_to(elsewhere)
+    error = {"resummed": ChecksumMismatch, "tokenizer_link": UnsafeFile, "linked_sums": UnsafeFile}[case]
+    with pytest.raises(error):
+        chain(run_root, 1, releases, staging)
+    assert not storage.exists(release_url(releases, "actor", 1) + "/_COMPLETE")
+    assert not list(Path(releases).rglob("*.safetensors"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 import time
 
@@ -38,6 +39,15 @@ def stage(root: str, name: str = "staging", files: dict[str, bytes] = FILES) -> 
     url = storage.join(root, name)
     for rel, data in files.items():
         storage.write_bytes(storage.join(url, *rel.split("/")), data)
+    return url
+
+
+def stage_merged(root: str, name: str = "staging", files: dict[str, bytes] = FILES) -> str:
+    """``files`` staged as a merge writes them: with a ``stepmerge.json`` recording each one's size and sha256."""
+    url = stage(root, name, files)
+    record = {"fingerprint": "fp-1", "files": {rel: len(data) for rel, data in files.items()},
+              "sha256": {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}}
+    storage.write_bytes(storage.join(url, "stepmerge.json"), json.dumps(record).encode())
     return url
 
 
@@ -173,14 +183,14 @@ class TestWritersChecksums:
 
     def test_the_manifest_holds_the_writers_checksums_confirmed_by_the_copy(self, root_url):
         release_url = storage.join(root_url, "rel")
-        do_publish(stage(root_url), release_url, checksums=self._writers())
+        do_publish(stage_merged(root_url), release_url, checksums=self._writers())
         manifest = {f.path: f.sha256 for f in read_manifest(release_url).files}
         assert {name: manifest[name] for name in self.SHARDS} == self._writers()
         assert verify_folder(release_url).ok
 
     def test_staged_bytes_other_than_the_merge_wrote_publish_nothing(self, root_url):
         release_url = storage.join(root_url, "rel")
-        staging = stage(root_url)
+        staging = stage_merged(root_url)
         changed = bytearray(FILES["model-00002-of-00002.safetensors"])
         changed[1234] ^= 1  # one bit flipped in staging after the shard job hashed it
         storage.write_bytes(storage.join(staging, "model-00002-of-00002.safetensors"), bytes(changed))
@@ -191,7 +201,7 @@ class TestWritersChecksums:
 
     def test_a_shard_the_merge_wrote_but_staging_lost_publishes_nothing(self, root_url):
         release_url = storage.join(root_url, "rel")
-        staging = stage(root_url)
+        staging = stage_merged(root_url)
         storage.remove(storage.join(staging, "model-00001-of-00002.safetensors"))
         with pytest.raises(ChecksumMismatch, match="model-00001-of-00002"):
             do_publish(staging, release_url, checksums=self._writers())
@@ -407,3 +417,81 @@ class TestClaimHeartbeat:
 
 def _heartbeats() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("publish-heartbeat-")]
+
+
+class TestStagedBytesBoundToTheMerge:
+    """Staged bytes are published only as the merge wrote them: the copy must hash to what the staging folder's
+    ``stepmerge.json`` records, which must agree with the shard jobs' sums; staging holds regular files only."""
+
+    SHARDS = TestWritersChecksums.SHARDS
+
+    def test_a_weight_changed_with_its_sums_rewritten_to_match_publishes_nothing(self, root_url):
+        """The kept sums are on the staging disk too: a weight changed and the sums re-computed from the new bytes
+        still disagree with ``stepmerge.json`` (before: published, the manifest recording the new bytes)."""
+        release_url = storage.join(root_url, "rel")
+        staging = stage_merged(root_url)
+        changed = bytearray(FILES["model-00002-of-00002.safetensors"])
+        changed[7] ^= 1
+        storage.write_bytes(storage.join(staging, "model-00002-of-00002.safetensors"), bytes(changed))
+        resummed = {name: hashlib.sha256(FILES[name]).hexdigest() for name in self.SHARDS}
+        resummed["model-00002-of-00002.safetensors"] = hashlib.sha256(bytes(changed)).hexdigest()
+        with pytest.raises(ChecksumMismatch, match="model-00002-of-00002.safetensors"):
+            do_publish(staging, release_url, checksums=resummed)
+        assert not is_released(release_url) and paths(release_url) == set()
+        assert paths(staging) == set()  # staging dropped: the next run merges again
+
+    @pytest.mark.parametrize("change", ["config_bytes", "unrecorded_file", "no_record"])
+    def test_a_staged_file_the_merge_did_not_write_publishes_nothing(self, root_url, change):
+        """Files the sums do not name (configs, tokenizer) are bound by ``stepmerge.json`` too (before: copied as
+        found); a staging folder of a merge without its ``stepmerge.json`` publishes nothing."""
+        release_url = storage.join(root_url, "rel")
+        staging = stage_merged(root_url)
+        if change == "config_bytes":
+            storage.write_bytes(storage.join(staging, "config.json"), b'{"architectures": ["Qwen2ForCausalLX"]}')
+        elif change == "unrecorded_file":
+            storage.write_bytes(storage.join(staging, "modeling_evil.py"), b"import os\n")
+        else:
+            storage.remove(storage.join(staging, "stepmerge.json"))
+        with pytest.raises(ChecksumMismatch):
+            do_publish(staging, release_url, checksums=TestWritersChecksums()._writers())
+        assert not is_released(release_url) and paths(release_url) == set()
+
+    def test_a_staged_file_replaced_by_a_link_to_a_host_file_is_refused(self, tmp_path):
+        """A staged file replaced by a link to a host file of the same size (before: the host file's bytes were
+        published, nothing hashing them) is `UnsafeFile` naming it; nothing is published."""
+        from merge_engine.errors import UnsafeFile
+
+        files = {**FILES, "tokenizer.json": b'{"version": "1.0", "model": {}}'}
+        staging = stage_merged(str(tmp_path), files=files)
+        host = tmp_path / "host-secret"
+        host.write_bytes(b"S" * len(files["tokenizer.json"]))
+        os.remove(os.path.join(staging, "tokenizer.json"))
+        os.symlink(host, os.path.join(staging, "tokenizer.json"))
+        release_url = str(tmp_path / "rel")
+        with pytest.raises(UnsafeFile) as error:
+            do_publish(staging, release_url, checksums=TestWritersChecksums()._writers())
+        assert error.value.path.endswith("tokenizer.json")
+        assert not os.path.exists(release_url) and host.read_bytes() == b"S" * len(files["tokenizer.json"])
+
+    def test_verify_compares_the_manifest_with_the_releases_own_stepmerge_json(self, tmp_path):
+        """A published weight rewritten with the manifest and marker rewritten to match: `verify` finds the
+        manifest disagreeing with the release's ``stepmerge.json`` (before: intact)."""
+        from merge_engine.release.manifest import sha256_hex
+
+        release_url = str(tmp_path / "rel")
+        do_publish(stage_merged(str(tmp_path)), release_url, checksums=TestWritersChecksums()._writers())
+        assert verify_folder(release_url).ok
+        shard = os.path.join(release_url, "model-00002-of-00002.safetensors")
+        with open(shard, "r+b") as handle:
+            handle.write(b"\x02")
+        manifest = json.loads(storage.read_bytes(storage.join(release_url, MANIFEST)))
+        for entry in manifest["files"]:
+            if entry["path"] == "model-00002-of-00002.safetensors":
+                entry["sha256"] = hashlib.sha256(open(shard, "rb").read()).hexdigest()
+        manifest_bytes = json.dumps(manifest, indent=2, sort_keys=True).encode()
+        storage.write_bytes(storage.join(release_url, MANIFEST), manifest_bytes)
+        marker = json.loads(storage.read_bytes(storage.join(release_url, MARKER)))
+        marker["manifest_sha256"] = sha256_hex(manifest_bytes)
+        storage.write_bytes(storage.join(release_url, MARKER), json.dumps(marker, sort_keys=True).encode())
+        report = verify_folder(release_url)
+        assert not report.ok and [p.split(":")[0] for p in report.problems] == ["model-00002-of-00002.safetensors"]

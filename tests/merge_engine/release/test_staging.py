@@ -33,6 +33,29 @@ class TestStaging:
         drop_checksums(staging)
         assert not os.path.exists(staging + SUMS_SUFFIX)
 
+    def test_a_sums_folder_or_file_there_as_a_link_is_refused_never_written_through(self, tmp_path):
+        """A sums folder pre-created as a link (before: the checksums were written through it, into the folder it
+        points to) or a sums file that is a link: `UnsafeFile`, nothing written there, nothing read from it."""
+        import pytest
+
+        from merge_engine.errors import UnsafeFile
+
+        staging = str(tmp_path / ("ab" * 8 + "-" + "cd" * 8))
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        os.symlink(elsewhere, staging + SUMS_SUFFIX)
+        with pytest.raises(UnsafeFile) as error:
+            keep_checksums(staging, "fp", (("model.safetensors", "a" * 64),))
+        assert error.value.path == staging + SUMS_SUFFIX and not list(elsewhere.iterdir())
+        (elsewhere / "checksums.json").write_text('{"fingerprint": "fp", "checksums": []}')
+        with pytest.raises(UnsafeFile):
+            kept_checksums(staging, "fp")
+        os.remove(staging + SUMS_SUFFIX)
+        os.mkdir(staging + SUMS_SUFFIX)
+        os.symlink(elsewhere / "checksums.json", os.path.join(staging + SUMS_SUFFIX, "checksums.json"))
+        with pytest.raises(UnsafeFile):
+            kept_checksums(staging, "fp")
+
     def test_sweep_removes_only_stale_folders_of_ours(self, tmp_path):
         root = str(tmp_path)
         old, fresh, kept = (staging_url(root, f"s3://b/r/{n}", "ab" * 32) for n in ("old", "fresh", "kept"))

@@ -8,6 +8,7 @@ fake-GCS), like tests/merge_engine/release/test_publish.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 
@@ -132,7 +133,10 @@ class TestWhatTheStagesAsk:
         from merge_engine.validate import Check, ValidationReport
 
         staging = storage.join(root, "staging", uuid.uuid4().hex[:8])
-        for name, data in {**FILES, "stepmerge.json": b'{"layout": "fsdp", "tensors": 3, "tensor_bytes": 2048}'}.items():
+        record = {"layout": "fsdp", "tensors": 3, "tensor_bytes": 2048,
+                  "files": {name: len(data) for name, data in FILES.items()},
+                  "sha256": {name: hashlib.sha256(data).hexdigest() for name, data in FILES.items()}}
+        for name, data in {**FILES, "stepmerge.json": json.dumps(record).encode()}.items():
             storage.write_bytes(storage.join(staging, name), data)
         report = ValidationReport(staging, (Check("forward", True, "logits"),)) if validated else None
         publish(staging, release, source="s3://run/global_step_7/actor", fingerprint=fingerprint,
