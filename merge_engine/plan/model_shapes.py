@@ -26,6 +26,9 @@ Contract:
 - Both kept on disk like `merge_engine.plan.hub_config_memo` (``$STEPMERGE_CACHE_DIR/model_shapes/``), keyed by
   the config as canonical JSON, the installed transformers' version and this module's and
   `transformers_conversion`'s code: a run's next step imports neither torch's model code nor transformers.
+  An entry is read like a stored result: it names its own key, is a file only this user may write
+  (`hub_config_memo.trusted_entry`), its shapes are lists of non-negative dimensions, and every tie joins two
+  names the shapes hold with a shape in common; anything else is ignored and computed again.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from typing import Any
 
 from merge_engine.plan import hub_config_memo
 
-ENTRY_FORMAT = 3
+ENTRY_FORMAT = 4
 Shapes = dict[str, list[tuple[int, ...]]]
 Ties = dict[str, str]
 Namings = list[Ties]  # one naming's ties each: in-memory names first, then the Hub's
@@ -71,15 +74,16 @@ def resolve_ties(namings: Sequence[Mapping[str, str]], stored: Collection[str] |
 
 def _facts(config: Mapping[str, Any]) -> tuple[Shapes | None, Namings | None]:
     root = hub_config_memo.cache_root()
-    entry = root / "model_shapes" / f"{memo_key(config)}.json" if root is not None else None
+    key = memo_key(config)
+    entry = root / "model_shapes" / f"{key}.json" if root is not None else None
     if entry is not None:
-        kept = _read(entry)
+        kept = _read(entry, key)
         if kept is not None:
             return kept
     shapes, ties, reason = _compute(config)
     if entry is not None:
-        hub_config_memo.write_entry(entry, json.dumps({"format": ENTRY_FORMAT, "shapes": shapes, "ties": ties,
-                                                       "reason": reason}))
+        hub_config_memo.write_entry(entry, json.dumps({"format": ENTRY_FORMAT, "key": key, "shapes": shapes,
+                                                       "ties": ties, "reason": reason}))
     return shapes, ties
 
 
@@ -154,21 +158,31 @@ def memo_key(config: Mapping[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def _read(entry: Path) -> tuple[Shapes | None, Namings | None] | None:
+def _read(entry: Path, key: str) -> tuple[Shapes | None, Namings | None] | None:
+    """The entry's (shapes, ties) when it is one this module wrote for ``key`` (module docstring), else None."""
+    if not hub_config_memo.trusted_entry(entry):
+        return None
     try:
         data = json.loads(entry.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
-    if not isinstance(data, dict) or data.get("format") != ENTRY_FORMAT or "shapes" not in data:
+    if not isinstance(data, dict) or data.get("format") != ENTRY_FORMAT or data.get("key") != key \
+            or "shapes" not in data:
         return None
     shapes, ties = data["shapes"], data.get("ties")
     if ties is not None and not (isinstance(ties, list) and all(
             isinstance(naming, dict) and all(isinstance(v, str) for v in naming.values()) for naming in ties)):
         return None
     if shapes is None:
-        return None, ties
+        return (None, None) if ties is None else None  # no shapes, no ties: nothing to tie names to
     try:
-        return ({str(name): [tuple(int(d) for d in shape) for shape in known] for name, known in shapes.items()},
-                ties)
+        read = {str(name): [tuple(int(d) for d in shape) for shape in known] for name, known in shapes.items()}
     except (AttributeError, TypeError, ValueError):
         return None
+    if any(d < 0 for known in read.values() for shape in known for d in shape):
+        return None
+    for naming in ties or ():
+        for target, source in naming.items():
+            if target not in read or source not in read or not set(read[target]) & set(read[source]):
+                return None  # a tie the model could not make: its two tensors of one shape, both in its state dict
+    return read, ties

@@ -127,3 +127,120 @@ def test_a_refusal_is_never_kept(cache, monkeypatch):
     with pytest.raises(InvalidConfig):
         memo.hub_config_memo(config)
     assert not cache.exists() or not list(cache.glob("*.json"))
+
+
+# --- a cache entry is read like a stored result -------------------------------------------------------------
+
+
+def _planted(config: dict, edit) -> dict:
+    """The entry the memo keeps for ``config``, as the memo itself writes it, then changed by ``edit``."""
+    answer = rules.hub_config(config)
+    entry = {"format": memo.ENTRY_FORMAT, "key": memo.memo_key(config), "updates": answer.updates,
+             "unread": answer.unread, "changes": [c.to_json() for c in answer.changes]}
+    edit(entry)
+    return entry
+
+
+def _auto_map(entry: dict) -> None:
+    entry["updates"]["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    entry["changes"].append({"key": "auto_map", "value": entry["updates"]["auto_map"], "from": "x"})
+
+
+def _hidden_size(entry: dict) -> None:
+    entry["updates"]["hidden_size"] = 12
+    entry["changes"].append({"key": "hidden_size", "value": 12, "from": "x"})
+
+
+def _updates_only(entry: dict) -> None:
+    entry["updates"]["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig"}  # no change names it
+
+
+def _dotted_value(entry: dict) -> None:
+    entry["changes"][0]["value"] = "modeling_evil.EvilModel"
+    entry["updates"][entry["changes"][0]["key"]] = "modeling_evil.EvilModel"
+
+
+def _other_key(entry: dict) -> None:
+    entry.update(_planted(_v5_config("qwen2"), lambda other: None))  # another config's entry, copied over
+
+
+@pytest.mark.parametrize("edit", [_auto_map, _hidden_size, _updates_only, _dotted_value, _other_key],
+                         ids=["auto_map", "hidden_size", "updates_only", "dotted_value", "other_key"])
+def test_a_planted_entry_adding_code_or_changing_a_value_is_not_used(cache, edit):
+    """An entry at the config's very key that adds ``auto_map`` (remote code), changes ``hidden_size``, carries an
+    update no change names, writes a class reference, or is another config's entry: ignored, computed again
+    and rewritten (before: its updates were laid over the published config)."""
+    config = _v5_config("qwen3_moe")
+    computed = rules.hub_config(config)
+    cache.mkdir(parents=True)
+    entry = cache / (memo.memo_key(config) + ".json")
+    entry.write_text(json.dumps(_planted(config, edit)))
+    answer = memo.hub_config_memo(config)
+    assert answer == computed and "auto_map" not in answer.updates and "hidden_size" not in answer.updates
+    assert json.loads(entry.read_text())["updates"] == computed.updates  # rewritten as computed
+
+
+def test_an_entry_another_user_may_write_or_a_link_is_not_used(cache, tmp_path):
+    """The answer a translation may give is taken only from a file this user alone may write."""
+    config = _v5_config("qwen3_moe")
+    computed = memo.hub_config_memo(config)
+    entry = cache / (memo.memo_key(config) + ".json")
+    assert memo.trusted_entry(entry)
+    entry.chmod(0o666)
+    assert not memo.trusted_entry(entry)
+    entry.chmod(0o600)
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(entry.read_text())
+    entry.unlink()
+    entry.symlink_to(elsewhere)
+    assert not memo.trusted_entry(entry) and memo.hub_config_memo(config) == computed
+
+
+def test_a_planted_entry_puts_no_remote_code_into_a_merged_release(fsdp_runs, tmp_path, monkeypatch):
+    """End to end: ``stepmerge merge`` once (the memo keeps its answer), the kept entry edited to add ``auto_map``
+    and another ``hidden_size``, then a second merge of the same checkpoint: its ``config.json`` holds neither
+    (before: both were published)."""
+    import shutil
+
+    from merge_engine.cli import main as stepmerge
+
+    monkeypatch.setenv(memo.CACHE_ENV, str(tmp_path / "cache"))
+    checkpoint = tmp_path / "actor"
+    shutil.copytree(fsdp_runs["fsdp2_qwen2"].latest.checkpoint_dir, checkpoint)
+    assert stepmerge(["merge", "--local_dir", str(checkpoint), "--target_dir", str(tmp_path / "first")]) == 0
+    first = json.loads((tmp_path / "first" / "config.json").read_text())
+    [entry] = (tmp_path / "cache" / "hub_config").glob("*.json")
+    kept = json.loads(entry.read_text())
+    kept["updates"].update(auto_map={"AutoModelForCausalLM": "modeling_evil.EvilModel"},
+                           hidden_size=first["hidden_size"] * 2)
+    kept["changes"] += [{"key": "auto_map", "value": kept["updates"]["auto_map"], "from": "x"},
+                        {"key": "hidden_size", "value": first["hidden_size"] * 2, "from": "x"}]
+    entry.write_text(json.dumps(kept))
+
+    assert stepmerge(["merge", "--local_dir", str(checkpoint), "--target_dir", str(tmp_path / "second")]) == 0
+    second = json.loads((tmp_path / "second" / "config.json").read_text())
+    assert "auto_map" not in second and second["hidden_size"] == first["hidden_size"]
+    assert second == first
+
+
+@pytest.mark.parametrize("forge", ["tie_of_another_shape", "tie_to_no_tensor", "other_key", "negative_dim"])
+def test_a_planted_model_shapes_entry_is_not_used(tmp_path, monkeypatch, forge):
+    """The model_shapes memo is read the same way: an entry at the config's key whose tie joins tensors of other
+    shapes or a name the model does not hold (a tie drops a weight from the output), whose key is another
+    config's, or whose shapes are not dimensions, is ignored and computed again."""
+    from merge_engine.plan import model_shapes
+
+    monkeypatch.setenv(memo.CACHE_ENV, str(tmp_path / "cache"))
+    config = {**_v5_config("qwen2"), "tie_word_embeddings": False}
+    shapes, ties = model_shapes.model_shapes(config), model_shapes.model_ties(config)
+    [entry] = (tmp_path / "cache" / "model_shapes").glob("*.json")
+    kept = json.loads(entry.read_text())
+    kept["ties"] = {"tie_of_another_shape": [{"lm_head.weight": "model.norm.weight"}],
+                    "tie_to_no_tensor": [{"lm_head.weight": "model.no_such.weight"}]}.get(forge, kept["ties"])
+    if forge == "other_key":
+        kept["ties"] = [{"lm_head.weight": "model.embed_tokens.weight"}]
+        kept["key"] = "0" * 64
+    if forge == "negative_dim":
+        kept["shapes"]["lm_head.weight"] = [[-1, 8]]
+    entry.write_text(json.dumps(kept))
+    assert model_shapes.model_ties(config) == ties and model_shapes.model_shapes(config) == shapes
