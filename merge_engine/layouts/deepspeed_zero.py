@@ -406,13 +406,15 @@ def _tensors(opened: _Opened) -> dict[str, Any]:
 def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     """Every rank's model and optim file present, readable (headers) and agreeing with the world size and stage
     DeepSpeed records; every parameter rebuilt from the fp32 partitions (nothing read but the pickles)."""
+    from merge_engine.layouts.contract import holds_lora
+    from merge_engine.layouts.tensor_index import carry
+
     opened = _open(url, files)
     try:
         tensors = _tensors(opened)
     finally:
         for archive in opened.archives:
             archive.close()
-    from merge_engine.layouts.contract import holds_lora
 
     top = [f for f in files if "/" not in f.path]
     zero_entries = [*opened.zero.model.values(), *opened.zero.optim.values()]
@@ -421,12 +423,20 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     return Checkpoint(url=url, layout=NAME, files=entries,
                       parallel={"world_size": opened.world_size, "zero_stage": opened.stage}, hf_dir=hf_dir,
                       fingerprint=storage.fingerprint(entries), lora=holds_lora(tensors),
+                      index=carry(tensors, opened.archives),
                       notes=(f"DeepSpeed ZeRO stage {opened.stage}, {opened.world_size} ranks: fp32 master weights",))
 
 
 def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb
-    """The fp32 master weights (and buffers) of every parameter, read lazily from the optim files' partitions."""
+    """The fp32 master weights (and buffers) of every parameter, read lazily from the optim files' partitions: from
+    the index the check carried (nothing read), else from the files' pickles."""
     from merge_engine.formats.tensor_source import AssembledSource
+    from merge_engine.layouts.tensor_index import restore
+
+    restored = restore(checkpoint)
+    if restored is not None:
+        tensors, archives = restored
+        return AssembledSource(checkpoint.url, tensors, archives)
 
     opened = _open(checkpoint.url, list(checkpoint.files))
     try:

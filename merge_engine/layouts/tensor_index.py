@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 # the records' shape: bump it whenever what an index holds changes (an index of another shape, from Prefect's
 # result storage of an older engine, is then not read: `restore` gives None)
-INDEX_FORMAT = 3
+INDEX_FORMAT = 4
 MAX_INDEX_BYTES = 64 << 20  # the JSON, before compression: ~200k tensor pieces (hundreds of rank files)
 MAX_ITEMS = 1 << 22  # tensors, files, storages, pieces of one tensor: each list of an index at most this long
 MAX_DIMS = 64  # dimensions of one tensor
@@ -118,8 +118,10 @@ class _Writer:
                 "storages": [list(key) for key in self.storages], "tensors": table}
 
     def tensor(self, tensor: Any) -> list[Any]:
-        from merge_engine.formats.tensor_source import ConcatTensor, ReplicatedTensor, StackedTensor
+        from merge_engine.formats.tensor_source import ConcatTensor, FlatTensor, ReplicatedTensor, StackedTensor
 
+        if isinstance(tensor, FlatTensor):
+            return ["flat", list(tensor.shape), tensor.dtype_name, [self.piece(p) for p in tensor.pieces]]
         if isinstance(tensor, ConcatTensor):
             return ["concat", *self.concat(tensor)]
         if isinstance(tensor, ReplicatedTensor):
@@ -267,7 +269,7 @@ class _Reader:
         return ConcatTensor(shape, self.dtype(dtype), dim, tuple(self.piece(p) for p in self.items(pieces, "pieces")))
 
     def tensor(self, value: list[Any]) -> Any:
-        from merge_engine.formats.tensor_source import ReplicatedTensor, StackedTensor
+        from merge_engine.formats.tensor_source import FlatTensor, ReplicatedTensor, StackedTensor
 
         kind, rest = value[0], value[1:]
         if kind == "concat":
@@ -284,7 +286,11 @@ class _Reader:
             if not shape:
                 raise self.fail("a stacked tensor of no dimension")
             return StackedTensor(shape, self.dtype(dtype), tuple(self.concat(b) for b in self.items(bands, "bands")))
-        raise self.fail(f"tensor kind {kind!r} is not concat, replicated or stacked")
+        if kind == "flat":
+            shape, dtype, pieces = self.items(rest, "a flat tensor", 3)
+            return FlatTensor(self.dims(shape, "a shape"), self.dtype(dtype),
+                              tuple(self.piece(p) for p in self.items(pieces, "pieces")))
+        raise self.fail(f"tensor kind {kind!r} is not concat, replicated, stacked or flat")
 
 
 # --------------------------------------------------------------------------------------------------
