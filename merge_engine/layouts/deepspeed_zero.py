@@ -40,7 +40,9 @@ from typing import TYPE_CHECKING, Any
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout, WorldSizeMismatch
 from merge_engine.formats.hf_metadata import CONFIG_FILE
-from merge_engine.layouts.contract import ABSENT, DONE, HF_NAMES, INCOMPLETE, INVALID, Checkpoint, Verdict
+from merge_engine.layouts.contract import (
+    ABSENT, DONE, HF_NAMES, INCOMPLETE, INVALID, Checkpoint, StepLook, Verdict,
+)
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:
@@ -56,6 +58,7 @@ OTHER_PARALLEL_FILE = re.compile(r"^(?:layer_\d+|expp_rank_\d+).*\.pt$")  # pipe
 OPTIMIZER_KEY = "optimizer_state_dict"
 STAGE_1_2_GROUPS = "single_partition_of_fp32_groups"
 STAGE_3_GROUPS = "fp32_flat_groups"
+NEEDS_CONFIG = "hf_model_path"  # the merge parameter naming a config for a step saved without one
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,14 @@ def listing_verdict(files: Sequence[FileEntry]) -> Verdict:
     if status == "complete":
         return DONE
     return Verdict(INVALID if status == "unsupported" else status, reason)
+
+
+def second_look(url: str, files: Sequence[FileEntry]) -> StepLook | None:
+    """Discovery's look at a complete step of this layout (`Layout.second_look`; reads nothing): a tag folder saved
+    without ``config.json`` beside it (a bare engine, OpenRLHF) needs ``hf_model_path``; None otherwise."""
+    if any(f.path == CONFIG_FILE for f in files) or not listing_verdict(files).complete:
+        return None
+    return StepLook(NAME, Verdict(DONE.status, "no config.json saved beside the DeepSpeed tag"), (NEEDS_CONFIG,))
 
 
 def _zero_files(url: str, files: Sequence[FileEntry]) -> ZeroFiles:

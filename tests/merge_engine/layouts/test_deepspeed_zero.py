@@ -20,7 +20,7 @@ import torch
 from merge_engine.cli import main
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout
 from merge_engine.layouts import check_checkpoint, deepspeed_zero, listing_verdicts
-from merge_engine.layouts.discovery import steps_from_listing
+from merge_engine.layouts.discovery import discover, steps_from_listing
 from merge_engine.storage import FileEntry, list_files
 from tests.release_checks import assert_release_of_step
 
@@ -62,6 +62,9 @@ def test_hf_trainers_checkpoint_folder_is_discovered_as_deepspeed_not_as_its_bf1
     (bare,) = steps_from_listing(zero_runs["zero3_fp32"].root, list_files(zero_runs["zero3_fp32"].root, recursive=True))
     assert (bare.step, bare.status, bare.layout) == (1, "complete", deepspeed_zero.NAME)
     assert bare.url.endswith("/global_step1")
+    # a bare engine saves no config: discovery says which merge parameter the step needs; HF Trainer's needs none
+    assert [s.needs for s in discover(zero_runs["zero3_fp32"].root).steps] == [("hf_model_path",)]
+    assert [s.needs for s in discover(run.root).steps] == [()]
 
 
 def _copy(run, tmp_path):
