@@ -11,7 +11,9 @@ Florence-2's shared embeddings), and the plan writes only that one (`merge_engin
 Besides (and where transformers does not say, or the names are Megatron's): exactly the input embedding and
 the output head, in a model whose embeddings are tied (`merge_engine.plan.output_heads.embeddings_tied`). Any other sharing, and a shared embedding and head under an untied
 config, is `AliasedTensors` naming the file, from metadata alone, before a byte is written. A source that cannot share bytes between names (safetensors, DCP: their readers refuse
-overlapping items) has no ``alias_groups`` and passes.
+overlapping items) has no ``alias_groups`` and passes. A LoRA checkpoint's names are compared as the model's
+own (PEFT's ``base_model.model.`` prefix and ``.base_layer`` wrapping taken away): verl's LoRA of a tied model
+stores the embedding and the head once, under PEFT's names.
 """
 
 from __future__ import annotations
@@ -27,9 +29,21 @@ from merge_engine.formats.tensor_source import AliasGroup
 __all__ = ["AliasGroup", "check_aliases"]
 
 MEGATRON_HEAD = "output_layer.weight"
+PEFT_PREFIX = "base_model.model."  # a LoRA checkpoint's names: PEFT's wrapper around the model's own
+PEFT_BASE_LAYER = ".base_layer."
+
+
+def _model_name(name: str) -> str:
+    """The model's own name of a stored name: PEFT's prefix and base-layer wrapping taken away."""
+    if name.startswith(PEFT_PREFIX):
+        name = name[len(PEFT_PREFIX):]
+    while PEFT_BASE_LAYER in name:
+        name = name.replace(PEFT_BASE_LAYER, ".")
+    return name
 
 
 def _tied_pair(names: Sequence[str], config: Mapping[str, Any]) -> bool:
+    names = [_model_name(n) for n in names]
     if len(names) != 2:
         return False
     embedding = [n for n in names if n.endswith(EMBED_SUFFIXES)]
@@ -46,6 +60,7 @@ def _model_tied(names: Sequence[str], ties: Mapping[str, str] | None) -> bool:
     """Every name but one is tied by the model to that one."""
     if ties is None:
         return False
+    names = [_model_name(n) for n in names]
     kept = {ties.get(n, n) for n in names}
     return len(kept) == 1 and kept <= set(names)
 
@@ -58,7 +73,7 @@ def check_aliases(source: object, config: Mapping[str, Any]) -> None:
     groups = groups()
     if not groups:
         return
-    ties = model_ties(config, {name for group in groups for name in group.names})
+    ties = model_ties(config, {_model_name(name) for group in groups for name in group.names})
     tied = embeddings_tied(config, ties)
     for group in groups:
         if _model_tied(group.names, ties) or (tied and _tied_pair(group.names, config)):

@@ -154,3 +154,14 @@ def test_where_the_config_class_has_no_tie_attribute_the_model_ties_decide():
     metas = _metas(config, [head, embedding])
     assert set(plan_hf_merge(metas, config).by_name()) == ({embedding} if head in ties else {embedding, head})
     assert set(plan_hf_merge(metas, config, tie_flag=bool(ties)).by_name()) >= {embedding}
+
+
+def test_a_lora_checkpoints_tied_embedding_and_head_may_share_storage():
+    """verl's LoRA of a tied model stores the embedding and the head once under PEFT's names: the model's own
+    names (PEFT's prefix taken away) are what the model ties; an untied config still refuses the sharing."""
+    peft_names = ("base_model.model.model.language_model.embed_tokens.weight", "base_model.model.lm_head.weight")
+    check_aliases(_Shared(peft_names), _family_config("qwen2_5_vl", tie_word_embeddings=True))
+    check_aliases(_Shared(("base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight")),
+                  _family_config("llama", tie_word_embeddings=True))
+    with pytest.raises(AliasedTensors, match="tie_word_embeddings=false"):
+        check_aliases(_Shared(peft_names), _family_config("qwen2_5_vl"))
