@@ -3,7 +3,11 @@
     python -m benchmarks.family_sweep [--families qwen2,llava,...] [--json sweep.json] [--resume] [--workdir DIR]
                                       [--no-readers] [--markdown docs/families.md]
 
-Per family of `synthetic_runs.tiny_configs.registry_families` (a tiny config of its class, every size shrunk):
+Per family of `synthetic_runs.tiny_configs.registry_families` (a tiny config of its class, every size shrunk), once
+per value of each switch its config has that real releases of one family set differently (`SWITCHES`): a family whose
+config states ``tie_word_embeddings`` (top level or ``text_config``) is swept tied and untied (Qwen2.5-VL-3B ties its
+embeddings, the 7B does not), each a row of its own (`variants`: the class's default under the family's name, the
+other value under ``<family> [tie_word_embeddings=...]``):
 - built: the tiny config, the model with `synthetic_runs.models`' deterministic weights, and its logits on
   `INPUT_IDS` (a family that cannot be built from a config on CPU is listed with the reason, never passed);
 - merged: a real FSDP2 checkpoint (world 2, gloo; `synthetic_runs.fsdp`, as verl writes it) merged by
@@ -45,6 +49,7 @@ INPUT_IDS = [[(7919 * i + 13) % 997 + 3 for i in range(12)]]
 READER_TOLERANCE = 1e-5  # of the logits' scale (tests/merge_engine/plan/test_hub_readers.py)
 WRITE_BATCH = 8  # families swept together: one group of FSDP ranks writes them (one by one if that fails)
 COLUMNS = ("built", "merged", "exact", "5.x", "4.57")
+SWITCHES = ("tie_word_embeddings",)  # what releases of one family set differently: one row per value
 _SOFTCAP = ("reader-side: transformers 4.57 runs it with sdpa by default, which leaves out its attention logit "
             "softcapping; with attn_implementation='eager' (what transformers 5 runs) 4.57's logits equal the model's")
 _NULL_ROPE = ("the tiny config's rope is the default (no mrope_section / rope scaling), so the Hub form writes "
@@ -90,6 +95,7 @@ class FamilyResult:
     family: str
     model_type: str
     class_name: str
+    tied: bool | None = None  # the row's tie_word_embeddings (None: the config states none)
     built: bool | None = None
     merged: bool | None = None
     exact: bool | None = None
@@ -111,61 +117,106 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".replace("\n", " ")[:400]
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One row to sweep: a family with its switches set (``tied`` None: the class's default, stated or not)."""
+
+    family: Any  # RegistryFamily
+    tied: bool | None = None
+    flipped: bool = False  # the value other than the class's default
+
+    @property
+    def name(self) -> str:
+        return f"{self.family.name} [tie_word_embeddings={str(self.tied).lower()}]" if self.flipped else self.family.name
+
+
+def variants(families: list) -> list[Variant]:
+    """Each family's rows: the class's default (under the family's name), then the other value of every switch its
+    tiny config states (`SWITCHES`); a family without a tiny config has its default row only (which says why)."""
+    from synthetic_runs.tiny_configs import TinyConfigError, stated_tie, tiny_config
+
+    out = []
+    for family in families:
+        try:
+            default = stated_tie(tiny_config(family))
+        except TinyConfigError:
+            default = None
+        out.append(Variant(family, default))
+        if default is not None:
+            out.append(Variant(family, not default, flipped=True))
+    return out
+
+
 def sweep(families: list, workdir: Path, readers_python: Path | None, log=print, on_batch=None) -> list[FamilyResult]:
-    """Run every column for ``families`` (`RegistryFamily`) under ``workdir``, `WRITE_BATCH` families at a
-    time (built, written, merged, read); 4.57 only with ``readers_python``. ``on_batch(results)`` after each."""
+    """Run every column for ``families`` (`Variant`s, or `RegistryFamily`s: their default rows) under ``workdir``,
+    `WRITE_BATCH` rows at a time (built, written, merged, read); 4.57 only with ``readers_python``.
+    ``on_batch(results)`` after each."""
+    families = [f if isinstance(f, Variant) else Variant(f) for f in families]
     results: list[FamilyResult] = []
     for start in range(0, len(families), WRITE_BATCH):
         results += _sweep_batch(families[start:start + WRITE_BATCH], workdir, readers_python, log)
-        log(f"{len(results)}/{len(families)} families swept")
+        log(f"{len(results)}/{len(families)} rows swept")
         if on_batch is not None:
             on_batch(results)
     return results
 
 
 def _sweep_batch(families: list, workdir: Path, readers_python: Path | None, log) -> list[FamilyResult]:
-    from synthetic_runs.fsdp import FsdpSpec, StepJob
     from synthetic_runs.models import ModelSpec
-    from synthetic_runs.tiny_configs import TinyConfigError, tiny_config
+    from synthetic_runs.tiny_configs import TinyConfigError, stated_tie, tiny_config
 
-    results, jobs, references = [], {}, {}
-    for family in families:
-        result = FamilyResult(family.name, family.model_type, family.class_name)
+    results, models = [], {}
+    for variant in families:
+        family = variant.family
+        result = FamilyResult(variant.name, family.model_type, family.class_name, tied=variant.tied)
         results.append(result)
         try:
-            config = tiny_config(family)
-            spec = ModelSpec(hf_config=json.dumps(config, sort_keys=True))
-            result.parameters, logits = _reference(spec)
+            config = tiny_config(family, variant.tied)
         except TinyConfigError as exc:
             result.built, result.reasons["built"] = False, str(exc)
             continue
+        result.tied = stated_tie(config)
+        models[variant.name] = (result, ModelSpec(hf_config=json.dumps(config, sort_keys=True)))
+    check_models(models, workdir, readers_python, log)
+    return results
+
+
+def check_models(models: dict[str, tuple[FamilyResult, Any]], workdir: Path, readers_python: Path | None,
+                 log=print) -> None:
+    """Every column for each ``name -> (row, synthetic_runs.models.ModelSpec)``, filled into its row: the model and its
+    logits built, a real FSDP2 checkpoint (world 2) written, merged, compared, read by 5.x (and 4.57 with
+    ``readers_python``); the merged folder kept under ``workdir/<name>/merged``."""
+    from synthetic_runs.fsdp import FsdpSpec, StepJob
+
+    jobs, references = {}, {}
+    for name, (result, spec) in models.items():
+        try:
+            result.parameters, logits = _reference(spec)
         except Exception as exc:  # noqa: BLE001 - any failure to build or run the model is this family's reason
             result.built, result.reasons["built"] = False, f"the model does not run: {_why(exc)}"
             continue
-        slug = "".join(c if c.isalnum() else "_" for c in family.name)
-        root = workdir / slug
-        references[family.name] = (root, logits)
-        jobs[family.name] = StepJob(str(root / "global_step_1"), FsdpSpec(model=spec, world_size=2, strategy="fsdp2",
-                                                                          save_contents=("model",)),
-                                    seed=1, reference_dir=str(root / "reference"))
+        root = workdir / "".join(c if c.isalnum() else "_" for c in name)
+        references[result.family] = (root, logits)
+        jobs[name] = StepJob(str(root / "global_step_1"), FsdpSpec(model=spec, world_size=2, strategy="fsdp2",
+                                                                  save_contents=("model",)),
+                             seed=1, reference_dir=str(root / "reference"))
     written = _write(jobs, log)
-    by_name = {r.family: r for r in results}
     for name, job in jobs.items():
-        result = by_name[name]
+        result = models[name][0]
         result.built = written.get(name) is None
         if not result.built:
             result.reasons["built"] = f"the FSDP2 write fails: {written[name]}"
             continue
-        root, logits = references[name]
+        root, logits = references[result.family]
         _merge_and_check(result, job, root, logits, log)
         for used in (root / "global_step_1", root / "reference"):  # only the merged folder is read again (4.57)
             shutil.rmtree(used, ignore_errors=True)
         gc.collect()
+    results = [result for result, _ in models.values()]
     if readers_python is not None:
         _readers_457(results, references, readers_python, workdir, log)
     for result in results:
         log(f"  {result.family}: " + " ".join(f"{c}={'-' if v is None else v}" for c, v in zip(COLUMNS, result.cells())))
-    return results
 
 
 def _reference(spec) -> tuple[int, Any]:
@@ -381,6 +432,10 @@ def count(results: list[FamilyResult]) -> dict[str, int]:
         counts[f"{column} yes"] = sum(c is True for c in cells)
         counts[f"{column} no"] = sum(c is False for c in cells)
     counts["4.57 n/a"] = sum(r.merged is True and r.loads_457 is None for r in results)
+    flipped = sum(" [tie_word_embeddings=" in r.family for r in results)
+    if flipped:
+        counts["distinct families"] = len(results) - flipped
+        counts["tie variants"] = flipped
     return counts
 
 
@@ -388,10 +443,13 @@ def table(results: list[FamilyResult]) -> str:
     def mark(cell: Any) -> str:
         return {True: "yes", False: "NO", None: "-"}[cell]
 
+    def tie(cell: Any) -> str:
+        return {True: "yes", False: "no", None: "-"}[cell]
+
     width = max(len(r.family) for r in results) if results else 10
-    lines = [f"{'family':<{width}}  " + "  ".join(f"{c:>6}" for c in COLUMNS)]
+    lines = [f"{'family':<{width}}  " + "  ".join(f"{c:>6}" for c in ("tied",) + COLUMNS)]
     for r in results:
-        lines.append(f"{r.family:<{width}}  " + "  ".join(f"{mark(c):>6}" for c in r.cells()))
+        lines.append(f"{r.family:<{width}}  " + f"{tie(r.tied):>6}  " + "  ".join(f"{mark(c):>6}" for c in r.cells()))
     return "\n".join(lines)
 
 
@@ -399,8 +457,9 @@ def readme_summary(data: dict[str, Any]) -> str:
     """The sentence README gives of the sweep's JSON (its counts, as `count` made them)."""
     c = data["counts"]
     partial = ", an unfinished run" if data.get("partial") else ""
-    return (f"Last sweep ({data['selection']}{partial}, transformers {data['transformers']}): {c['families']} "
-            f"families, {c['built yes']} built from a tiny config on CPU, {c['merged yes']} merged, {c['exact yes']} "
+    rows = (f"{c['families']} rows ({c['distinct families']} families, {c['tie variants']} of them also swept with "
+            "the other tie_word_embeddings)" if c.get("tie variants") else f"{c['families']} families")
+    return (f"Last sweep ({data['selection'].split(':')[0]}{partial}, transformers {data['transformers']}): {rows}, {c['built yes']} built from a tiny config on CPU, {c['merged yes']} merged, {c['exact yes']} "
             f"bit-exact, {c['5.x yes']} load in 5.x with equal logits; in 4.57 {c['4.57 yes']} load with equal logits, "
             f"{c['4.57 no']} do not (the table says what blocks each) and {c['4.57 n/a']} are model types 4.57 "
             "does not have.")
@@ -417,19 +476,23 @@ def markdown(data: dict[str, Any]) -> str:
              f"Generated by `python -m benchmarks.family_sweep --json docs/family_sweep.json --markdown docs/families.md` "
              f"(transformers {data['transformers']}){'; a PARTIAL run: only the families listed were swept' if data.get('partial') else ''}. "
              "Each family is a tiny config of its class, written as a real FSDP2 checkpoint (world 2) and merged with "
-             "the default options; `-`: not reached, or (4.57) a model type transformers 4.57 does not have.",
+             "the default options; a family whose config states `tie_word_embeddings` has a row per value (tied: "
+             "yes / no; its class's default under the family's name); `-`: not reached, or (4.57) a model type "
+             "transformers 4.57 does not have.",
              *([f"Families swept: {data['selection']}."] if data.get("selection") else []),
              "",
              readme_summary(data),
              "",
              "Counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()),
              "",
-             "| family | class | built | merged | exact | 5.x | 4.57 | why not |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| family | class | tied | built | merged | exact | 5.x | 4.57 | why not |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in data["families"]:
         cells = (row["built"], row["merged"], row["exact"], row["loads_5x"], row["loads_457"])
         why = "; ".join(f"{k}: {v}" for k, v in row["reasons"].items()).replace("|", "/")[:500]
-        lines.append(f"| {row['model_type']} | {row['class_name']} | " + " | ".join(mark(c) for c in cells) + f" | {why} |")
+        tied = {True: "yes", False: "no", None: "-"}[row.get("tied")]
+        lines.append(f"| {row['model_type']} | {row['class_name']} | {tied} | " + " | ".join(mark(c) for c in cells)
+                     + f" | {why} |")
     return "\n".join(lines) + "\n"
 
 
@@ -441,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true",
                         help="keep the rows --json already holds and sweep only the registry's other families; with "
                              "--families, sweep those again and replace their rows (the rest of the table kept)")
+    parser.add_argument("--new-rows", action="store_true",
+                        help="with --resume and --families: sweep only those families' rows --json does not hold yet "
+                             "(e.g. their other tie_word_embeddings), keeping the rows it holds")
     parser.add_argument("--shard", help="K/N: sweep only every N-th of the selected families, from the K-th (0-based), "
                         "so N processes share the registry; --join puts their tables together")
     parser.add_argument("--join", help="comma-separated JSON files of shards (or earlier runs): their rows, in the "
@@ -470,30 +536,43 @@ def main(argv: list[str] | None = None) -> int:
         rows = {}
         for path in args.join.split(","):
             rows.update({row["family"]: FamilyResult(**row) for row in json.loads(Path(path).read_text())["families"]})
-        order = {f.name: i for i, f in enumerate(registry)}
+        order = _row_order(registry)
         joined = sorted(rows.values(), key=lambda r: order.get(r.family, len(order)))
         for row in joined:  # the blockers as diagnosed now
             annotate_457(row)
-        missing = [f.name for f in families if f.name not in rows]
+        missing = [v.name for v in variants(families) if v.name not in rows]
         _save(Path(args.json), joined, time.monotonic(), partial=bool(missing), selection=args.families)
         print(json.dumps(count(joined)) + (f"; {len(missing)} families missing: {missing[:8]}" if missing else ""))
         if args.markdown:
             Path(args.markdown).write_text(markdown(json.loads(Path(args.json).read_text())))
         return 0
+    rows_of = variants(families)
     if args.shard:
         index, total = (int(x) for x in args.shard.split("/"))
-        families = families[index::total]
+        rows_of = rows_of[index::total]
+    families = rows_of
     kept: dict[str, FamilyResult] = {}
     if args.resume and Path(args.json).is_file():
         kept = {row["family"]: FamilyResult(**row) for row in json.loads(Path(args.json).read_text())["families"]}
-        if not args.families:
+        default_tie = {v.name: v.tied for v in families if not v.flipped}
+        for name, row in kept.items():  # a row of a sweep before the tie variants: its class's default
+            if row.tied is None and name in default_tie:
+                row.tied = default_tie[name]
+        if not args.families or args.new_rows:
             families = [f for f in families if f.name not in kept]
         for family in families:
             kept.pop(family.name, None)
-    order = {f.name: i for i, f in enumerate(registry)}
-    whole = args.resume and not args.families or (args.resume and {f.name for f in registry} <= set(kept) | {
+    order = _row_order(registry)
+    every_variant = variants(registry) if args.resume else []
+    every_row = {v.name for v in every_variant}
+    defaults_kept = bool(every_variant) and {v.name for v in every_variant if not v.flipped} <= set(kept)
+    whole = args.resume and not args.families or (args.resume and every_row <= set(kept) | {
         f.name for f in families})
     selection = None if whole or not args.families else args.families
+    if args.resume and args.new_rows and args.families and not whole:
+        kept_rows = "the whole registry at its classes' default tie" if defaults_kept else "the rows kept"
+        selection = (f"{kept_rows}, and the other tie_word_embeddings of {len(args.families.split(','))} "
+                     f"families: {args.families.replace(',', ', ')}")
     if args.shard:
         selection = f"{args.families or 'the registry'}, shard {args.shard}"
 
@@ -528,10 +607,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _row_order(registry: list) -> dict[str, float]:
+    """Row name -> its place: the registry's order, a family's other tie value right after its default row."""
+    order: dict[str, float] = {}
+    for i, family in enumerate(registry):
+        order[family.name] = i
+        for tied in (True, False):
+            order[f"{family.name} [tie_word_embeddings={str(tied).lower()}]"] = i + 0.5
+    return order
+
+
 def _save(path: Path, results: list[FamilyResult], started: float, partial: bool, selection: str | None) -> None:
     import transformers
 
-    chosen = f"the {len(results)} named by --families ({selection})" if selection else "the whole registry"
+    chosen = (selection if "other tie_word_embeddings" in selection else f"the {len(results)} named by --families "
+              f"({selection})") if selection else "the whole registry"
     path.write_text(json.dumps({"transformers": transformers.__version__, "partial": partial, "selection": chosen,
                                 "counts": count(results),
                                 "seconds": round(time.monotonic() - started, 1),

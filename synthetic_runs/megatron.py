@@ -1090,7 +1090,8 @@ def megatron_fixture_matrix() -> dict[str, MegatronSpec]:
     Covers TP x PP in {1x1, 2x1, 1x2, 2x2}, VPP 2 (legacy, megatron_lm and dist), GQA with
     TP > KV heads (tp=2, kv=1), tied (PP=1 and PP>1) and untied, MoE with EP 2 (also with PP 2,
     with expert TP 2, and with shared experts), mixed dense / MoE layers (torch_dist and TE-named
-    legacy), DeepSeek-V3 (MLA; also at TP 2), GLM-4.5, TE-style legacy names, every family, every format.
+    legacy), DeepSeek-V3 (MLA; also at TP 2), GLM-4.5, TE-style legacy names, every family, every format; tied
+    Llama and Qwen3 as Llama-3.2-1B and Qwen3-0.6B-4B ship (dist_ckpt, TP 2 and PP 2).
     """
     s = MegatronSpec
     return {
@@ -1134,6 +1135,10 @@ def megatron_fixture_matrix() -> dict[str, MegatronSpec]:
                                          fmt="dist_v1"),
         # GLM-4.5: q/k/v bias + q/k norms, half-rotary RoPE, sigmoid router + bias, shared experts, layer 0 dense
         "glm4_moe_tp2_ep2_dist_v1": s(family="glm4_moe", tp=2, ep=2, moe_layer_freq=(0, 1, 1, 1), fmt="dist_v1"),
+        # tied as the small releases RL teams start from ship: Llama-3.2-1B, Qwen3-0.6B / 1.7B / 4B (the head on the
+        # last stage of PP 2, the embedding on the first)
+        "llama_tp2_tied_dist_v2": s(family="llama", tp=2, tie_word_embeddings=True, fmt="dist_v2"),
+        "qwen3_pp2_tied_dist_v2": s(family="qwen3", pp=2, head_dim=32, tie_word_embeddings=True, fmt="dist_v2"),
     }
 
 

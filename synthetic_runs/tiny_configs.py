@@ -8,7 +8,10 @@ Contract:
   shrunk by `SIZE_RULES` (declarative: attribute name -> tiny value), in every nested config; per-layer
   lists (``layer_types``...) cut to the layers kept, which are as few as show each layer type once (run
   lengths of layer kinds, GPT-Neo's ``attention_types``, repeated to them);
-  special token ids moved inside the tiny vocabulary; ``architectures`` the family's class.
+  special token ids moved inside the tiny vocabulary; ``architectures`` the family's class; the embeddings tied or
+  not as asked (``tie_word_embeddings``, top level and ``text_config``), else as the class's default.
+- `stated_tie(config)` -> the ``tie_word_embeddings`` a config states (top level, else ``text_config``), None if none:
+  the switch real releases of one family set differently (Qwen2.5-VL-3B ties, the 7B does not).
   `TinyConfigError` says why none could be made (the config class refuses it, the model does not build
   on the meta device, or it has more than `MAX_PARAMETERS` parameters).
 """
@@ -110,8 +113,9 @@ def registry_families() -> list[RegistryFamily]:
     return sorted(seen.values(), key=lambda f: (f.model_type, f.task))
 
 
-def tiny_config(family: RegistryFamily) -> dict[str, Any]:
-    """The family's tiny config (module docstring); `TinyConfigError` when none can be made."""
+def tiny_config(family: RegistryFamily, tie_word_embeddings: bool | None = None) -> dict[str, Any]:
+    """The family's tiny config (module docstring); `TinyConfigError` when none can be made. ``tie_word_embeddings``
+    (None: the class's default) is set at the top level and in a nested ``text_config``, as a release sets it."""
     import transformers
     from transformers import CONFIG_MAPPING
 
@@ -139,6 +143,10 @@ def tiny_config(family: RegistryFamily) -> dict[str, Any]:
     data["architectures"] = [family.class_name]
     data["model_type"] = config_class.model_type
     data["tie_word_embeddings"] = bool(data.get("tie_word_embeddings", False))
+    if tie_word_embeddings is not None:
+        for scope in (data, data.get("text_config")):
+            if isinstance(scope, dict) and (scope is data or "tie_word_embeddings" in scope):
+                scope["tie_word_embeddings"] = tie_word_embeddings
     data = json.loads(json.dumps(data, default=str))
     try:
         config = config_class(**{k: v for k, v in data.items() if k != "model_type"})
@@ -148,6 +156,14 @@ def tiny_config(family: RegistryFamily) -> dict[str, Any]:
     if count > MAX_PARAMETERS:
         raise TinyConfigError(f"{count:,} parameters after shrinking (cap {MAX_PARAMETERS:,})")
     return json.loads(config.to_json_string(use_diff=False))
+
+
+def stated_tie(config: dict[str, Any]) -> bool | None:
+    """The ``tie_word_embeddings`` ``config`` states (top level, else ``text_config``); None where it states none."""
+    for scope in (config, config.get("text_config")):
+        if isinstance(scope, dict) and isinstance(scope.get("tie_word_embeddings"), bool):
+            return scope["tie_word_embeddings"]
+    return None
 
 
 def parameter_count(config: Any, class_name: str) -> int:

@@ -12,7 +12,10 @@ gloo, merged with the default options, in one sweep per session):
   within the readers' tolerance, except those in `KNOWN_457_GAPS`, which fail as said there (a gap closed
   turns its test red: take it out of the list); a family 4.57 does not know is ``n/a`` (None), never passed,
   and its ``stepmerge.json`` says that 4.x readers cannot load it (`merge_engine.plan.legacy_readers`);
-- the table counts what it shows.
+- a family whose config states ``tie_word_embeddings`` is swept once per value (`variants`: the class's default
+  under the family's name, the other value as a row of its own), and the other value merges as the default does
+  (Mixtral tied: the tied head not written, checked against the embedding, the model's logits exactly);
+- the table counts what it shows, a column saying each row's tie.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.family_sweep import FamilyResult, count, sweep, table
+from benchmarks.family_sweep import FamilyResult, count, sweep, table, variants
 
 SAMPLE = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_k25", "gemma3", "llava", "mixtral", "olmo3")
 NEW_IN_5 = {"qwen3_5_text", "qwen3_5_moe_text", "kimi_k25"}  # model types transformers 4.57 does not have
 # family -> what 4.57 makes of the folder today
 KNOWN_457_GAPS: dict[str, str] = {}  # OLMo-3's per-layer-type rope is written as 4.57's rope_theta (hub_config)
+FLIPPED = ("mixtral",)  # families also swept with the other tie_word_embeddings than their class's default
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +39,30 @@ def sampled(tmp_path_factory, readers_python) -> dict[str, FamilyResult]:
 
     families = [f for f in registry_families() if f.model_type in SAMPLE]
     assert sorted(f.model_type for f in families) == sorted(SAMPLE)
-    results = sweep(families, tmp_path_factory.mktemp("family_sweep"), Path(readers_python), log=lambda _: None)
-    return {r.model_type: r for r in results}
+    rows = [v for v in variants(families) if not v.flipped or v.family.model_type in FLIPPED]
+    results = sweep(rows, tmp_path_factory.mktemp("family_sweep"), Path(readers_python), log=lambda _: None)
+    return {r.model_type if " [" not in r.family else r.family: r for r in results}
+
+
+def test_a_family_with_a_tie_switch_is_a_row_per_value():
+    from synthetic_runs.tiny_configs import registry_families, stated_tie, tiny_config
+
+    families = [f for f in registry_families() if f.model_type in ("mixtral", "gemma3", "qwen3_vl")]
+    rows = variants(families)
+    assert [(v.name, v.tied) for v in rows] == [
+        ("gemma3", True), ("gemma3 [tie_word_embeddings=false]", False),
+        ("mixtral", False), ("mixtral [tie_word_embeddings=true]", True),
+        ("qwen3_vl (Qwen3VLForConditionalGeneration)", False),
+        ("qwen3_vl (Qwen3VLForConditionalGeneration) [tie_word_embeddings=true]", True)]
+    for v in rows:  # the value is the config's, top level and text_config alike
+        config = tiny_config(v.family, v.tied)
+        assert stated_tie(config) is v.tied and config.get("text_config", {}).get("tie_word_embeddings", v.tied) is v.tied
+
+
+def test_the_other_tie_merges_as_the_default_does(sampled):
+    result = sampled["mixtral [tie_word_embeddings=true]"]
+    assert result.tied is True and result.built and result.merged and result.exact and result.loads_5x, result.reasons
+    assert result.loads_457 is True, result.reasons
 
 
 @pytest.mark.parametrize("model_type", SAMPLE)
@@ -64,12 +90,13 @@ def test_transformers_4_57_reads_what_it_knows(sampled, model_type):
 def test_the_counts_are_the_table(sampled):
     results = list(sampled.values())
     counts = count(results)
-    assert counts["families"] == len(SAMPLE)
+    assert counts["families"] == len(SAMPLE) + len(FLIPPED) and counts["tie variants"] == len(FLIPPED)
     assert counts["exact yes"] == sum(r.exact is True for r in results)
     assert counts["4.57 n/a"] == len(NEW_IN_5)
-    assert counts["passed"] == len(SAMPLE) - len(KNOWN_457_GAPS)
+    assert counts["passed"] == len(SAMPLE) + len(FLIPPED) - len(KNOWN_457_GAPS)
     lines = table(results).splitlines()
-    assert len(lines) == len(SAMPLE) + 1 and lines[0].split()[1:] == ["built", "merged", "exact", "5.x", "4.57"]
+    assert len(lines) == len(results) + 1
+    assert lines[0].split()[1:] == ["tied", "built", "merged", "exact", "5.x", "4.57"]
 
 
 @pytest.mark.parametrize("model_type", ["gemma3", "llava"])
