@@ -329,6 +329,16 @@ OPTIONS: tuple[Option, ...] = (
                 "none",
            flows=FLOWS, field="base_model", shapes=("extract-lora", "merge_step", "release_adapter"),
            settings={"merge": "", "adapter": ""}),
+    Option(name="base_model_id", kind="text", default=None,
+           help="the base model's Hugging Face Hub id (namespace/name), named in adapter_config.json's "
+                "base_model_name_or_path and the model card (default: the run config's _name_or_path when it is a "
+                "Hub id, else base, the clean base beside the adapter)",
+           commands={"extract-lora": "", "merge-lora": ""},
+           form="The base model's Hub id (namespace/name) the adapter names; empty: the run config's _name_or_path "
+                "when it is a Hub id, else base/ inside the release",
+           flows=FLOWS, field="base_model_id",
+           shapes=("extract-lora?", "merge-lora?", "merge_step?", "release_adapter?"),
+           settings={"adapter": ""}),
     Option(name="merge_method", kind="choice", default="concat",
            help="concat: sum of all updates; weighted: with --adapter-weights; "
                 "average: equal weights", commands={"merge-lora": ""}, field="method", shapes=("merge-lora",),

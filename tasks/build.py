@@ -92,7 +92,7 @@ def output_job(spec: BuildSpec, release: str, folders: Optional[InputFolders] = 
     else:
         from merge_engine.commands.extract import ExtractJob
 
-        job = ExtractJob(checkpoint.url, "", options, checkpoint, published_url=release)
+        job = ExtractJob(checkpoint.url, "", options, checkpoint)
     if folders is not None:
         job.inputs = folders
     return job

@@ -16,6 +16,9 @@ own state and logits, PEFT's own model of a LoRA run, or a folder transformers w
 - `assert_release_of_megatron_job(url, job)`: the same for a Megatron checkpoint of `synthetic_runs.megatron`:
   the reference Hugging Face weights converted from the Megatron state it was written from, and
   megatron-core's own logits on the job's input ids.
+- `assert_no_machine_paths(url)`: no text file of the release names a path of the machine that built it (the
+  checkout, the temp folder, the home folder, the working folder); `assert_release_of_step` and
+  `assert_adapter_logits` check it of every release they judge.
 - `flip_one_weight(url)`: the mutation that shows these checks see what stepmerge's own verdict cannot:
   one value of the release's weights changed, with its ``stepmerge.json``, manifest and marker made to agree,
   so that `stepmerge verify` still calls the release intact.
@@ -136,6 +139,30 @@ def load_model(folder: str) -> torch.nn.Module:
     return model.eval()
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+
+
+def machine_roots() -> tuple[str, ...]:
+    """The folders of this machine a release must never name: the checkout, the temp folder (pytest's runs,
+    staging), the home folder and the working folder, each as spelled and resolved."""
+    roots = {REPO, tempfile.gettempdir(), os.path.expanduser("~"), os.getcwd()}
+    roots |= {os.path.realpath(root) for root in roots}
+    return tuple(sorted(root.rstrip("/") + "/" for root in roots if root.strip("/")))
+
+
+def assert_no_machine_paths(url: str, roots: tuple[str, ...] = ()) -> None:
+    """No text file of the folder ``url`` (every file but the weights; sub-folders included) names one of
+    `machine_roots` or ``roots``."""
+    fs, _ = _filesystem(url)
+    roots = machine_roots() + tuple(r.rstrip("/") + "/" for r in roots)
+    for rel, path in _files(url).items():
+        if rel.endswith(WEIGHT_SUFFIX):
+            continue
+        text = fs.cat_file(path).decode("utf-8", errors="replace")
+        named = [root for root in roots if root in text or root.rstrip("/") in text.split('"')]
+        assert not named, f"{url}/{rel} names {named[0]!r}, a path of the machine that built it"
+
+
 def assert_model_logits(url: str, expected: torch.Tensor | torch.nn.Module, rtol: float = 0.0, atol: float = 0.0,
                         tokens: torch.Tensor = TOKENS) -> None:
     """transformers loads the release strictly and gives ``expected`` on ``tokens`` (within ``atol`` + ``rtol``
@@ -149,6 +176,7 @@ def assert_adapter_logits(url: str, expected: torch.Tensor | torch.nn.Module, rt
     """``PeftModel.from_pretrained`` loads the adapter release onto its own ``base/`` and gives ``expected``."""
     from peft import PeftModel
 
+    assert_no_machine_paths(url)
     with tempfile.TemporaryDirectory(prefix="outside-adapter-") as local:
         download(url, local)
         model = PeftModel.from_pretrained(load_model(os.path.join(local, "base")), local).eval()
@@ -161,6 +189,7 @@ def assert_release_of_step(url: str, run, step: int) -> None:
     the logits of the model the step was written from (``run``: `reference_weights`, `trained_model`); a fused
     LoRA model's logits within 1e-5 of their scale (PEFT's unfused forward adds B @ A x in another order)."""
     assert_release_weights_equal(url, run.reference_weights(step))
+    assert_no_machine_paths(url)
     trained = run.trained_model(step)
     assert_model_logits(url, trained, rtol=1e-5 if hasattr(trained, "peft_config") else 0.0)
 

@@ -16,6 +16,7 @@ from merge_engine.errors import AdapterError, InvalidOption
 from merge_engine.plan.hub_format import in_weights_format
 from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, run_job
 from merge_engine.output.shard_unit import shard_output
+from merge_engine.lora.base_name import adapter_base_name
 from merge_engine.lora.adapter_io import read_adapter, read_adapter_config, with_base, write_adapter_config
 from merge_engine.lora.combine import combination_weights, plan_combined_adapter
 from merge_engine.lora.config import number
@@ -132,6 +133,8 @@ class CombineJob:
                 plan, adapter_json, reports = plan_combined_adapter(
                     inputs, source, base_metas, base_url, dtype=dtype, rank=options.rank, energy=options.energy,
                     device=options.device)
+                adapter_json["base_model_name_or_path"] = adapter_base_name(
+                    base_model_id=options.base_model_id, config=config, base_written=False, base_model=base_url)
                 output = shard_output(plan, source, then=lambda url: [write_adapter_config(url, adapter_json)])
         except BaseException:
             for opened in sources.values():

@@ -46,6 +46,7 @@ from merge_engine.lora.extracted_config import extracted_adapter_config
 from merge_engine.lora.finetune_delta import changed_tensors, select_modules
 from merge_engine.lora.fuse import finite_or_raise
 from merge_engine.lora.hub_names import check_exported_fits, export_adapter
+from merge_engine.lora.base_name import adapter_base_name
 from merge_engine.lora.keys import BASE_DIR, LORA_A, LORA_B, adapter_file_key
 from merge_engine.lora.sources import RenamedSource
 from merge_engine.lora.svd import AUTO, Factors, ModuleReport, check_targets, svd_device
@@ -84,18 +85,14 @@ def extract_fingerprint(checkpoint: Checkpoint, options: OutputOptions, run: Run
 @dataclass
 class ExtractJob:
     """``stepmerge extract-lora --local_dir``: the checkpoint's adapter at ``target_url`` (and its clean
-    base under ``base/``).
-
-    ``published_url``: where the folder will be read from once published, when it is written elsewhere
-    first (the pipeline's staging): the adapter's config then names the base as it will be there
-    (``<published_url>/base``), not the staging copy that dies with the staging folder. Not part of the
-    fingerprint (the config's base path is metadata)."""
+    base under ``base/``). The adapter's config names its base so that the name resolves wherever the folder is
+    copied (`merge_engine.lora.base_name.adapter_base_name`: a Hub id, else ``base``), never the folder it is
+    written to (the pipeline's staging dies with the publish)."""
 
     source_url: str
     target_url: str
     options: OutputOptions
     checkpoint: Checkpoint | None = None  # already checked (the pipeline's check stage): not checked again
-    published_url: str | None = None
     command = "extract-lora"
     kind = "adapter"
 
@@ -130,7 +127,7 @@ class ExtractJob:
         checkpoint, options = self._checked(), self.options
         jobs = jobs_of(checkpoint)
         if jobs is not None:  # a layout with its own semantics (a Megatron LoRA step: the adapter as saved)
-            return jobs.prepare_extract(checkpoint, options, self.source_url, self.published_url, self.inputs)
+            return jobs.prepare_extract(checkpoint, options, self.source_url, self.inputs)
         source = open_checkpoint(checkpoint)
         opened: list[TensorSource] = [source]
         try:
@@ -172,7 +169,8 @@ class ExtractJob:
             check_base_metas = {t.name: TensorMeta(t.name, t.shape, t.dtype) for t in base_plan.tensors}
         check_exported_fits(exported, check_base_metas, checkpoint.url, check_url)
         write_base = options.write_base and base_plan is not None
-        base_out = storage.join(self.published_url or self.target_url, BASE_DIR) if write_base else options.base_model
+        base_out = adapter_base_name(base_model_id=options.base_model_id, config=config, base_written=write_base,
+                                     base_model=options.base_model)
         plan = adapter_plan(list(exported.tensors))
         adapter_json = extracted_adapter_config(lora, exported, task_type_of(config, lora.run.task_type), base_out,
                                                 config)

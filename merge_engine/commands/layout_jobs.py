@@ -32,7 +32,7 @@ class LayoutJobs(Protocol):
       base the user names), or None: the merge plans what ``merge_source`` gives, like any checkpoint's;
     - ``merge_source(checkpoint, source, options)``: what that plan reads, from what `Layout.open` gave
       (e.g. every adapter update fused into the saved base);
-    - ``prepare_extract(checkpoint, options, source_url, published_url, inputs)``: ``extract-lora``'s job.
+    - ``prepare_extract(checkpoint, options, source_url, inputs)``: ``extract-lora``'s job.
     """
 
     def step_config(self, checkpoint: Checkpoint, options: OutputOptions,
@@ -44,7 +44,7 @@ class LayoutJobs(Protocol):
     def merge_source(self, checkpoint: Checkpoint, source: TensorSource, options: OutputOptions) -> TensorSource: ...
 
     def prepare_extract(self, checkpoint: Checkpoint, options: OutputOptions, source_url: str,
-                        published_url: str | None, inputs: InputFolders) -> PreparedJob: ...
+                        inputs: InputFolders) -> PreparedJob: ...
 
 
 def jobs_of(checkpoint: Checkpoint) -> LayoutJobs | None:

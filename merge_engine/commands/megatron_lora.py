@@ -11,8 +11,8 @@ The step's adapter (`step_adapter`), under PEFT's Hugging Face names:
 
 Outputs (the layout's jobs: `merge_engine.commands.layout_jobs.LayoutJobs`):
 - `prepare_adapter_release` (`prepare_extract`) (``extract-lora``, the pipeline's adapter stage): the adapter folder,
-  ``adapter_config.json`` as the run wrote it (``base_model_name_or_path``: the ``--base-model`` given,
-  else the run's, a hint); checked against ``--base-model``'s shapes when one is given, and that base
+  ``adapter_config.json`` as the run wrote it (``base_model_name_or_path``: a name that resolves wherever the
+  release is copied, `merge_engine.lora.base_name`, else the run's, a hint); checked against ``--base-model``'s shapes when one is given, and that base
   copied under ``base/`` (``write_base``, the release's ``include_base``) so PEFT can load the release alone;
   a step holding its base (``use_dist_checkpointing: true``) puts that base under ``base/`` instead: the
   step's Megatron weights with the adapter factors hidden (`StepBaseSource`), through the Megatron planner
@@ -51,7 +51,9 @@ from merge_engine.lora.adapter_io import (
     with_base,
 )
 from merge_engine.lora.config import LoraSettings, adapter_config, rank_layout
+from merge_engine.lora.base_name import adapter_base_name
 from merge_engine.lora.keys import BASE_DIR
+from merge_engine.layouts.runs import portable_record
 from merge_engine.lora.fuse import BASE_NAMESPACE, WeightedAdapter, finite_or_raise, plan_fused_model
 from merge_engine.lora.megatron_adapter import (
     GROUPED_EXPERTS,
@@ -153,10 +155,10 @@ def _base(base_url: str, step: Mapping[str, Any], inputs: InputFolders) -> tuple
 
 
 def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, source_url: str,
-                            published_url: str | None, inputs: InputFolders) -> PreparedJob:
-    """The step's adapter folder, validated (see the module docstring). With ``published_url`` (where the
-    folder will be read from once published) and the base written under ``base/``, the adapter's config
-    names ``<published_url>/base``. ``inputs``: the job's input folders."""
+                            inputs: InputFolders) -> PreparedJob:
+    """The step's adapter folder, validated (see the module docstring); its config names the base as
+    `merge_engine.lora.base_name.adapter_base_name` says (``base`` when written under ``base/``), else the
+    run's own name made portable. ``inputs``: the job's input folders."""
     config, _ = step_config(checkpoint, options, inputs)
     adapter, source, json, origin = step_adapter(checkpoint, config, options)
     opened = [source]
@@ -165,7 +167,6 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
             base, _ = _base(options.base_model, config, inputs)
             opened.append(base)
             check_fits_base(with_base(adapter, base.metas(), options.base_model), base.metas(), options.base_model)
-            json["base_model_name_or_path"] = options.base_model
         dtype = parse_dtype(options.dtype)
         tensors = [PlannedTensor(name, tuple(meta.shape), dtype or meta.dtype, name)
                    for name, meta in source.metas().items()]
@@ -174,8 +175,10 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
         if base_output is None and options.write_base and not checkpoint.adapter_only:
             base_output, base_source = _step_base(checkpoint, options, dtype, inputs)
             opened.append(base_source)
-        if base_output is not None and published_url is not None:
-            json["base_model_name_or_path"] = storage.join(published_url, BASE_DIR)
+        # a name that resolves wherever the release is copied; the run's own when nothing better is known
+        json["base_model_name_or_path"] = adapter_base_name(
+            base_model_id=options.base_model_id, config=config, base_written=base_output is not None,
+            base_model=options.base_model) or portable_record(json.get("base_model_name_or_path"))
     except BaseException:
         for handle in opened:
             handle.close()

@@ -22,11 +22,13 @@ from merge_engine.errors import InvalidConfig, UnsafeFile
 from merge_engine.storage import FileEntry
 from merge_engine.storage.json_text import parse_json
 from merge_engine.storage.source_files import check_metadata_file, file_name_fault
+from merge_engine.storage.urls import is_machine_path
 
 logger = logging.getLogger(__name__)
 SHOWN_NAME_CHARS = 80
 
 CONFIG_FILE = "config.json"
+MODEL_CARD = "README.md"  # the source model's card: not the output's (a release writes its own)
 SINGLE_FILE = "model.safetensors"  # the weights of an unsharded model
 INDEX_FILE = "model.safetensors.index.json"  # tensor -> shard file of a sharded model
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
@@ -86,11 +88,12 @@ def copy_metadata(hf_dir: str, target_url: str, config: Mapping[str, Any],
                   updates: Mapping[str, Any] | None = None,
                   files: Sequence[FileEntry] | None = None) -> list[tuple[str, int]]:
     """Copy metadata files (top level of ``hf_dir``; ``files``: that level as already listed) and write the
-    updated config; returns (name, size). A file whose name `file_name_fault` refuses is not copied (one
-    warning naming it, cut to one bounded line)."""
+    updated config (without a ``_name_or_path`` that is a path of a machine: a Hub id is kept); returns (name,
+    size). A file whose name `file_name_fault` refuses is not copied (one warning naming it, cut to one bounded
+    line)."""
     written = []
     for entry in storage.list_files(hf_dir, recursive=False) if files is None else files:
-        if entry.path == CONFIG_FILE or is_weight_file(entry.path):
+        if entry.path in (CONFIG_FILE, MODEL_CARD) or is_weight_file(entry.path):
             continue
         fault = file_name_fault(entry.path)
         if fault is not None:
@@ -106,6 +109,8 @@ def copy_metadata(hf_dir: str, target_url: str, config: Mapping[str, Any],
     merged.update(updates or {})
     if "torch_dtype" in merged and "dtype" in (updates or {}):
         merged["torch_dtype"] = merged["dtype"]
+    if isinstance(merged.get("_name_or_path"), str) and is_machine_path(merged["_name_or_path"]):
+        del merged["_name_or_path"]  # the trainer's folder: no name that resolves where the output is copied
     data = (json.dumps(merged, indent=2, sort_keys=True) + "\n").encode()
     storage.write_bytes(storage.join(target_url, CONFIG_FILE), data)
     written.append((CONFIG_FILE, len(data)))

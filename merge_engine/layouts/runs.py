@@ -20,16 +20,21 @@ Arabic-Indic digit) and ``iter_40`` name no step, since a lookup of step 1 (or 4
 ``global_step_1`` (``iter_0000040``); listing and lookup follow this one rule, so every step a listing
 shows is one a lookup finds;
 `step_folders(step)` the folder names of a step, in registry order (the first is looked for first);
-`from_step_folder(url)` the URL from its last step folder on. Names only: no I/O, no torch.
+`from_step_folder(url)` the URL from its last step folder on; `portable_url(url)` / `portable_record(data)` how a
+release names a URL (or every local path in a record) wherever it is copied. Names only: no I/O, no torch.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from merge_engine.storage.urls import LOCAL_SCHEMES, is_machine_path, scheme_of
 
 __all__ = ["ACCELERATE", "DEEPSPEED", "HF_TRAINER", "MEGATRON_LM", "NEMO_RL", "RUN_LAYOUTS", "TORCHTITAN", "VERL",
-           "RunLayout", "from_step_folder", "run_layout_of", "step_folders",
+           "RunLayout", "from_step_folder", "portable_record", "portable_url", "run_layout_of", "step_folders",
            "step_of_folder"]
 
 
@@ -95,3 +100,27 @@ def from_step_folder(url: str) -> str:
         if step_of_folder(parts[position]) is not None:
             return "/".join(parts[position:])
     return parts[-1] if parts else url
+
+
+def portable_url(url: str) -> str:
+    """How a release names ``url`` wherever it is copied: an object store's URL as it is
+    (``s3://b/run/global_step_3/actor``); a path of this machine by its path under the run root, i.e. from its
+    last step folder on (``/data/run/global_step_3/actor/lora_train_meta.json`` ->
+    ``global_step_3/actor/lora_train_meta.json``), else by its last component (``/models/Qwen2-0.5B`` ->
+    ``Qwen2-0.5B``). A relative name is already portable and is returned as it is."""
+    if not is_machine_path(url):
+        return url
+    path = url.split(":", 1)[1] if scheme_of(url) in LOCAL_SCHEMES else url
+    return from_step_folder(path.replace("\\", "/"))
+
+
+def portable_record(data: Any) -> Any:
+    """``data`` (JSON-like: mappings, lists, strings, ...) with every string that is a path of this machine
+    (`is_machine_path`) replaced by its `portable_url`; nothing else changes."""
+    if isinstance(data, str):
+        return portable_url(data) if is_machine_path(data) else data
+    if isinstance(data, Mapping):
+        return {key: portable_record(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [portable_record(value) for value in data]
+    return data

@@ -36,6 +36,7 @@ from merge_engine import __version__, engine_identity, storage
 from merge_engine import options as declared
 from merge_engine.errors import InvalidOption
 from merge_engine.plan.hub_format import parse_weights_format
+from merge_engine.layouts.runs import portable_record
 from merge_engine.lora.svd import ModuleReport
 from merge_engine.plan.merge_plan import MergePlan
 from merge_engine.output.target import read_provenance, target_state, write_target
@@ -226,8 +227,10 @@ def run_job(job: OutputJob, *, on_bytes: Callable[[int], None] | None = None,
         tensors = prepared.tensors if prepared.tensors is not None else len(plan.tensors) if plan else 0
         tensor_bytes = prepared.tensor_bytes if prepared.tensor_bytes is not None else plan.total_size if plan else 0
         # "sha256" is filled by write() before write_target serialises the record (stepmerge.json, last)
-        provenance = {**prepared.provenance, "fingerprint": fingerprint, "engine_version": __version__,
-                      "output_revision": engine_identity()["output_revision"], "sha256": recorded}
+        # a release carries no path of this machine: its sources by URL or by their path under the run root
+        provenance = {**portable_record(prepared.provenance), "fingerprint": fingerprint,
+                      "engine_version": __version__, "output_revision": engine_identity()["output_revision"],
+                      "sha256": recorded}
         files = write_target(job.target_url, state, write, provenance)
     finally:
         prepared.close()

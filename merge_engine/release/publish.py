@@ -6,13 +6,16 @@ records (`merge_engine.release.manifest.Manifest`) and how a reader tells its st
 
 Contract:
 - `publish` copies every staged file to the release (sha256 computed while copying: each byte is
-  read once), writes ``manifest.json`` (files with size, sha256 and the store's version of each,
-  source step URL and fingerprint, engine version, options, validation, created time), then
-  ``_COMPLETE`` LAST. The marker holds the manifest's sha256, so a marker never vouches for another
-  publisher's manifest. A LOCAL release is built in a live temp sibling and swapped into place
-  whole (`merge_engine.output.local_commit`): no folder without its marker is ever visible at the
-  release path, and a kill leaves the old release or the new one. An object-store release is
+  read once), writes the model card ``README.md`` (`merge_engine.release.card`), then ``manifest.json``
+  (files with size, sha256 and the store's version of each, source step URL and fingerprint, engine version,
+  options, validation, created time), then ``_COMPLETE`` LAST. The marker holds the manifest's sha256, so a
+  marker never vouches for another publisher's manifest. A LOCAL release is built in a live temp sibling and
+  swapped into place whole (`merge_engine.output.local_commit`): no folder without its marker is ever visible
+  at the release path, and a kill leaves the old release or the new one. An object-store release is
   written in place, marker last; its readers trust only the marker.
+- What the release records names no path of this machine: the source and every path in the options and
+  validation by `merge_engine.layouts.runs.portable_url` (its URL, or its path under the run root), the folder
+  validated (a staging copy) as ``.``.
 - ``checksums`` (the shard jobs' sha256 per staged weight file and index, computed while the merge
   wrote them: `merge_engine.output.jobs.OutputResult.checksums`): every file they name must be staged, the
   staging folder's ``stepmerge.json`` (the writer's record of every file it wrote: size and sha256) must record
@@ -68,8 +71,10 @@ from merge_engine.output.clock import SYSTEM_CLOCK, Clock
 from merge_engine.errors import (
     ChecksumMismatch, CorruptShard, InvalidOption, TargetExists, UnsafeFile, ValidationFailed,
 )
+from merge_engine.layouts.runs import portable_record, portable_url
 from merge_engine.output.local_commit import LiveFolder, commit_folder, sweep_dead_siblings
 from merge_engine.output.target import PROVENANCE_FILE, read_provenance
+from merge_engine.release.card import CARD, card_facts, write_card
 from merge_engine.release.folders import CLAIMS, MANIFEST, MARKER, RESERVED
 from merge_engine.release.manifest import Manifest, ManifestFile, released_manifest, sha256_hex
 from merge_engine.release.staging import refuse_staged_links
@@ -117,8 +122,14 @@ class Release:
                    manifest.total_bytes, manifest.created, manifest.attempt, already_published, ok)
 
 
-# --------------------------------------------------------------------------------------------------
-# Verifying a release
+def portable_validation(validation: ValidationReport) -> dict[str, Any]:
+    """The validation record a manifest keeps: the report (with its Markdown ``summary``) naming the release
+    itself as ``.`` (it ran on a staging copy), every path of this machine in it by its `portable_url`."""
+    report = dataclasses.replace(validation, model_url=".", reference_url=None if validation.reference_url is None
+                                 else portable_url(validation.reference_url))
+    report = dataclasses.replace(report, checks=tuple(dataclasses.replace(c, detail=portable_record(c.detail))
+                                                      for c in report.checks))
+    return {**report.to_dict(), "summary": report.summary()}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -372,7 +383,8 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
     except ChecksumMismatch:
         _drop_staging(staging_url, remove_staging)  # bytes the merge did not write: merge again
         raise
-    options = json.loads(json.dumps(dict(options), sort_keys=True, default=str))
+    options = portable_record(json.loads(json.dumps(dict(options), sort_keys=True, default=str)))
+    files = [f for f in files if f.path != CARD]  # a staged README.md is another model's card: ours replaces it
 
     attempt = uuid.uuid4().hex
     deadline = clock.monotonic() + wait_s
@@ -402,14 +414,19 @@ def publish(staging_url: str, release_url: str, *, source: str, fingerprint: str
             return Release.from_manifest(release_url, current, already_published=True)
         if current is not None and current.fingerprint != fingerprint and not overwrite:
             raise TargetExists("released from another checkpoint meanwhile", release_url)
-        validation_record = None if validation is None else {**validation.to_dict(), "summary": validation.summary()}
+        validation_record = None if validation is None else portable_validation(validation)
         with _Heartbeat(release_url, attempt, fingerprint, claim_ttl_s, clock) as heartbeat:
 
             def write_release(dest: str) -> Manifest:
                 copied = _copy_all(staging_url, dest, files, max_workers, expected)
+                facts = card_facts(dest, release_url, source=portable_url(source), fingerprint=fingerprint,
+                                   options=options, validation=validation_record,
+                                   files=[(f.path, f.size, f.sha256) for f in copied])
+                copied = tuple(sorted(copied + (ManifestFile(*write_card(dest, facts)),), key=lambda f: f.path))
                 listed = {e.path: e.version for e in storage.list_files(dest)}  # the store's own versions
                 manifest = Manifest(
-                    source=source, fingerprint=fingerprint, engine_version=engine_version, options=options,
+                    source=portable_url(source), fingerprint=fingerprint, engine_version=engine_version,
+                    options=options,
                     validation=validation_record, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     attempt=attempt, files=tuple(dataclasses.replace(f, version=listed.get(f.path, "")) for f in copied),
                 )

@@ -36,6 +36,7 @@ from merge_engine import storage
 from merge_engine.release.checksums import MODES, RecordedFile, file_damage
 from merge_engine.errors import InvalidConfig, ReleaseDamaged, ReleaseIncomplete
 from merge_engine.output.target import PROVENANCE_FILE, read_provenance
+from merge_engine.release.card import CARD
 from merge_engine.release.folders import CLAIMS, MANIFEST, MARKER
 from merge_engine.release.manifest import released_manifest
 
@@ -121,7 +122,8 @@ def provenance_disagreement(url: str, files: Sequence[RecordedFile], problems: S
     sizes, recorded = provenance.get("files"), provenance.get("sha256")
     if not isinstance(sizes, dict) or not isinstance(recorded, dict):
         return (f"{PROVENANCE_FILE}: records no sha256 of the release's files",)
-    listed = {f.path: f for f in files if f.path != PROVENANCE_FILE}
+    # the model card is written by the publish, after the writer's record: the manifest alone vouches for it
+    listed = {f.path: f for f in files if f.path not in (PROVENANCE_FILE, CARD)}
     found = []
     for path in sorted(set(listed) | set(sizes)):
         entry = listed.get(path)

@@ -74,6 +74,12 @@ def split_scheme(url: str) -> tuple[str, str]:
     return "file", os.path.abspath(url)
 
 
+def is_machine_path(value: str) -> bool:
+    """Is ``value`` a path of this machine: absolute (``/x``, ``C:\\x``) or a local URL (``file:///x``)?"""
+    return value.startswith(("/", "\\")) or re.match(r"[A-Za-z]:[\\/]", value) is not None \
+        or scheme_of(value) in LOCAL_SCHEMES
+
+
 def is_local(url: str) -> bool:
     return split_scheme(url)[0] == "file"
 

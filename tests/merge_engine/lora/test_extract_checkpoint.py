@@ -40,32 +40,43 @@ def test_extracted_adapter_reproduces_the_trained_model(tmp_path, fsdp_lora_runs
     config = json.load(open(tmp_path / "out" / "adapter_config.json"))
     assert (config["r"], config["lora_alpha"]) == (run.spec.lora.r, run.spec.lora.alpha)
     assert config["target_modules"] == sorted(run.spec.lora.target_modules)
-    assert config["base_model_name_or_path"] == str(tmp_path / "out" / "base")
+    assert config["base_model_name_or_path"] == "base"  # relative to the adapter: no path of this machine
     adapter_keys = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
     assert all(k.startswith("base_model.model.") and ".default." not in k for k in adapter_keys)
 
 
-def test_an_adapter_staged_for_a_release_names_the_base_it_will_be_published_with(tmp_path, fsdp_lora_runs):
-    """The pipeline writes the adapter to staging and publishes it elsewhere: the job writes the config
-    naming ``<published>/base`` at once (no edit after the write), so the sha256 that ``stepmerge.json``
-    records is the file's (it was the staged config's while the pipeline edited it afterwards)."""
+def test_an_adapter_names_its_base_so_that_the_name_resolves_wherever_it_is_copied(tmp_path, fsdp_lora_runs):
+    """The config names ``base`` (the clean base beside it), written once by the job, so the sha256 that
+    ``stepmerge.json`` records is the file's; the run's config naming a Hub id (``_name_or_path``) gives that id,
+    and the operator's ``base_model_id`` wins over both. No name is a path of this machine, and the name is no
+    input of the fingerprint (the bytes of the weights are the same)."""
     import hashlib
+    import shutil
 
     from merge_engine.commands.extract import ExtractJob, extract_fingerprint
     from merge_engine.layouts import check_checkpoint
     from merge_engine.output.jobs import run_job
 
     run = fsdp_lora_runs["lora_fsdp2_qwen2_r2"]
-    published = "s3://bucket/releases/actor-adapter/global_step_3"
-    staged = run_job(ExtractJob(run.checkpoint_dir, str(tmp_path / "staged"), OutputOptions(),
-                                published_url=published))
+    staged = run_job(ExtractJob(run.checkpoint_dir, str(tmp_path / "staged"), OutputOptions()))
     config = json.load(open(tmp_path / "staged" / "adapter_config.json"))
-    assert config["base_model_name_or_path"] == f"{published}/base" and staged.kind == "adapter+base"
-    recorded = json.load(open(tmp_path / "staged" / "stepmerge.json"))["sha256"]
-    assert recorded["adapter_config.json"] == hashlib.sha256(
+    assert config["base_model_name_or_path"] == "base" and staged.kind == "adapter+base"
+    recorded = json.load(open(tmp_path / "staged" / "stepmerge.json"))
+    assert recorded["sha256"]["adapter_config.json"] == hashlib.sha256(
         (tmp_path / "staged" / "adapter_config.json").read_bytes()).hexdigest()
-    # where it is published is no input: the same fingerprint as an extraction in place
+    assert str(tmp_path) not in (tmp_path / "staged" / "stepmerge.json").read_text()
     assert staged.fingerprint == extract_fingerprint(check_checkpoint(run.checkpoint_dir), OutputOptions())
+
+    copy = tmp_path / "run" / "global_step_3" / "actor"
+    shutil.copytree(run.checkpoint_dir, copy)
+    hf_config = copy / "huggingface" / "config.json"
+    hf_config.write_text(json.dumps({**json.loads(hf_config.read_text()), "_name_or_path": "Qwen/Qwen2-0.5B"}))
+    run_job(ExtractJob(str(copy), str(tmp_path / "named"), OutputOptions()))
+    assert json.load(open(tmp_path / "named" / "adapter_config.json"))["base_model_name_or_path"] == "Qwen/Qwen2-0.5B"
+    run_job(ExtractJob(str(copy), str(tmp_path / "given"), OutputOptions(base_model_id="org/base-7b")))
+    assert json.load(open(tmp_path / "given" / "adapter_config.json"))["base_model_name_or_path"] == "org/base-7b"
+    provenance = json.load(open(tmp_path / "given" / "stepmerge.json"))
+    assert provenance["source"] == "global_step_3/actor" and provenance["options"]["base_model_id"] == "org/base-7b"
 
 
 @pytest.mark.parametrize("name", LORA_RUNS)
@@ -102,7 +113,8 @@ def test_lora_only_checkpoint_needs_the_base(tmp_path, fsdp_lora_runs, lora_only
     result = extract_lora(lora_only_checkpoint.checkpoint_dir, str(tmp_path / "adapter"),
                           OutputOptions(base_model=base_dir))
     assert result.kind == "adapter" and not os.path.exists(tmp_path / "adapter" / "base")
-    assert json.load(open(tmp_path / "adapter" / "adapter_config.json"))["base_model_name_or_path"] == base_dir
+    assert json.load(open(tmp_path / "adapter" / "adapter_config.json"))["base_model_name_or_path"] == \
+        os.path.basename(base_dir)  # --base-model by its name: no path of this machine
     torch.testing.assert_close(peft_logits(base_dir, str(tmp_path / "adapter")), logits(run.trained_model()),
                                atol=ATOL, rtol=RTOL)
 

@@ -198,22 +198,24 @@ def test_the_adapter_release_is_the_runs_export_checked_against_dist_ckpt(lora_s
     run = json.loads((export / "adapter_config.json").read_text())
     assert {k: config[k] for k in ("r", "lora_alpha", "target_modules", "rank_pattern")} == \
         {k: run[k] for k in ("r", "lora_alpha", "target_modules", "rank_pattern")}
-    assert config["base_model_name_or_path"] == str(step.base_dir)
+    assert config["base_model_name_or_path"] == "base"  # --base-model copied under base/: named relative to it
 
 
-def test_an_adapter_release_staged_with_its_base_names_the_base_where_it_is_published(lora_steps, tmp_path):
-    """The pipeline's staging: with the base written under base/, the config names ``<published>/base`` (the
-    run's or --base-model's path otherwise, as above), written once by the job."""
+def test_an_adapter_without_its_base_names_the_base_by_a_portable_name(lora_steps, tmp_path):
+    """Without base/ (``write_base`` off) the config names --base-model by its name, never this machine's path;
+    with ``base_model_id``, that Hub id."""
     from merge_engine.commands.extract import ExtractJob
     from merge_engine.output.jobs import run_job
 
     step = lora_steps["dense_tp2"]
-    published = "s3://bucket/releases/actor-adapter/global_step_1"
-    result = run_job(ExtractJob(str(step.step_dir), str(tmp_path / "adapter"), OutputOptions(base_model=str(step.base_dir)),
-                                published_url=published))
-    assert result.kind == "adapter+base" and (tmp_path / "adapter" / "base" / "config.json").exists()
+    options = OutputOptions(base_model=str(step.base_dir), write_base=False)
+    result = run_job(ExtractJob(str(step.step_dir), str(tmp_path / "adapter"), options))
+    assert result.kind == "adapter" and not (tmp_path / "adapter" / "base").exists()
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == f"{published}/base"
+    assert config["base_model_name_or_path"] == step.base_dir.name
+    run_job(ExtractJob(str(step.step_dir), str(tmp_path / "named"),
+                       OutputOptions(base_model=str(step.base_dir), base_model_id="org/base")))
+    assert json.loads((tmp_path / "named" / "adapter_config.json").read_text())["base_model_name_or_path"] == "org/base"
 
 
 def test_an_export_that_is_not_what_was_trained_is_refused(lora_steps, tmp_path):

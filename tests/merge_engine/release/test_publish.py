@@ -18,6 +18,7 @@ from merge_engine.release import publish as publish_module
 from merge_engine import storage
 from merge_engine.errors import ChecksumMismatch, InvalidOption, TargetExists, ValidationFailed
 from merge_engine.release.publish import ReleaseBusy, publish
+from merge_engine.release.card import CARD
 from merge_engine.release.folders import CLAIMS, MANIFEST, MARKER
 from merge_engine.release.manifest import is_released, read_manifest
 from merge_engine.validate import Check, ValidationReport
@@ -66,13 +67,14 @@ class TestPublish:
         release_url = storage.join(root_url, "releases", "step_7")
         release = do_publish(stage(root_url), release_url)
 
-        assert not release.already_published and release.files == len(FILES)
-        assert release.total_bytes == sum(map(len, FILES.values()))
-        assert paths(release_url) == set(FILES) | {MANIFEST, MARKER}
+        card = storage.read_bytes(storage.join(release_url, CARD))  # the model card, listed like every file
+        assert not release.already_published and release.files == len(FILES) + 1
+        assert release.total_bytes == sum(map(len, FILES.values())) + len(card)
+        assert paths(release_url) == set(FILES) | {CARD, MANIFEST, MARKER}
         for rel, data in FILES.items():
             assert storage.read_bytes(storage.join(release_url, *rel.split("/"))) == data
         manifest = read_manifest(release_url)
-        expected = {p: hashlib.sha256(d).hexdigest() for p, d in FILES.items()}
+        expected = {p: hashlib.sha256(d).hexdigest() for p, d in {**FILES, CARD: card}.items()}
         assert {f.path: f.sha256 for f in manifest.files} == expected
         assert (manifest.source, manifest.fingerprint, manifest.engine_version) == (
             "s3://run/global_step_7/actor", "fp-1", "0.1.0")
@@ -100,7 +102,7 @@ class TestPublish:
         data_writes = [u for u in order if not u.startswith(publish_module.claims_url(release_url))]
         # local releases are written beside the release and swapped in whole; remote ones in place
         assert [u.rsplit("/", 1)[-1] for u in data_writes[-2:]] == [MANIFEST, MARKER]
-        assert len(data_writes) == len(FILES) + 2
+        assert len(data_writes) == len(FILES) + 3  # the files, the card, the manifest, the marker
 
     def test_republishing_the_same_fingerprint_copies_nothing(self, root_url, monkeypatch):
         release_url = storage.join(root_url, "rel")
@@ -121,7 +123,7 @@ class TestPublish:
         replaced = do_publish(stage(root_url, "other", {"config.json": b"{}", "model.safetensors": b"abc"}),
                               release_url, fingerprint="fp-2", overwrite=True)
         assert not replaced.already_published
-        assert paths(release_url) == {"config.json", "model.safetensors", MANIFEST, MARKER}  # old files gone
+        assert paths(release_url) == {"config.json", "model.safetensors", CARD, MANIFEST, MARKER}  # old files gone
         assert read_manifest(release_url).fingerprint == "fp-2" and verify_folder(release_url).ok
 
     def test_folder_without_marker_is_junk_and_is_redone(self, root_url):
@@ -132,7 +134,7 @@ class TestPublish:
         assert not is_released(release_url)
         release = do_publish(stage(root_url), release_url)
         assert not release.already_published
-        assert paths(release_url) == set(FILES) | {MANIFEST, MARKER}
+        assert paths(release_url) == set(FILES) | {CARD, MANIFEST, MARKER}
         assert verify_folder(release_url).ok
 
     def test_marker_not_matching_the_manifest_is_not_trusted(self, root_url):
@@ -295,14 +297,14 @@ class TestConcurrency:
 
 
 def test_a_local_release_keeps_no_claims_folder(tmp_path):
-    """The claims folder is bookkeeping: a finished local release holds only the model, manifest and marker."""
+    """The claims folder is bookkeeping: a finished local release holds only the model, card, manifest and marker."""
     staging = tmp_path / "staging"
     staging.mkdir()
     (staging / "model.safetensors").write_bytes(b"x" * 10)
     release = tmp_path / "release"
     publish(str(staging), str(release), source="s", fingerprint="f", options={}, validation=None,
             engine_version="0")
-    assert sorted(p.name for p in release.iterdir()) == ["_COMPLETE", "manifest.json", "model.safetensors"]
+    assert sorted(p.name for p in release.iterdir()) == ["README.md", "_COMPLETE", "manifest.json", "model.safetensors"]
 
 
 class TestClaimHeartbeat:
