@@ -31,6 +31,18 @@ demo: $(VENV)/.runtime
 demo-s3: $(VENV)/.test
 	$(PY) -m flows.demo --s3
 
+# Not in CI: pushes the demo's releases (run `make demo` first) to a real Hub repo, one branch per release
+# (actor-step-3, actor-adapter-step-3, ...), each verified against its manifest; a second run commits nothing.
+.PHONY: hub-check
+hub-check: $(VENV)/.runtime
+	@test -n "$$HF_TOKEN" -a -n "$$HUB_REPO" || { echo "hub-check: set HF_TOKEN and HUB_REPO=namespace/name (a repo \
+	you may write; created private when missing)"; exit 2; }
+	@test -d demo/releases || { echo "hub-check: no demo/releases: run make demo first"; exit 2; }
+	@for release in demo/releases/*/global_step_*; do \
+	  name=$$(basename $$(dirname $$release)); step=$${release##*global_step_}; \
+	  $(PY) -m merge_engine push $$release --repo "$$HUB_REPO" --revision "$$name-step-$$step" --private || exit 1; \
+	done
+
 # The readers' environment (transformers 4.57 + peft 0.17, tests/readers_env.py) is built once per machine
 # and cached; the tests that load outputs there would build it too, this step only makes its cost visible.
 test: $(VENV)/.test

@@ -141,9 +141,6 @@ def _ray_started(args: argparse.Namespace):
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    if args.hf_upload_path:
-        raise InvalidOption("--hf_upload_path: stepmerge does not upload to the Hugging Face Hub; merge to a folder "
-                            "(--target_dir), then upload it with `hf upload REPO_ID FOLDER` (huggingface_hub)")
     checkpoint, executor = _ray_started(args)
     from merge_engine.commands.merge import merge_checkpoint
 
@@ -166,13 +163,14 @@ def cmd_merge(args: argparse.Namespace) -> int:
             bar.close()
     if result.skipped:
         print(f"{result.target_url} already holds this merge (fingerprint {result.fingerprint[:12]}); nothing to do")
-        return _check_trained(args, fused_model_url=result.target_url) if args.check_trained else 0
-    print(f"merged {result.layout} checkpoint {result.source_url} -> {result.target_url}: {result.tensors} tensors, "
-          f"{result.tensor_bytes / 1e6:.1f} MB in {result.seconds:.2f} s "
-          f"({rate_text(result.tensor_bytes, result.seconds)})")
-    if args.check_trained:
-        return _check_trained(args, fused_model_url=result.target_url)
-    return 0
+    else:
+        print(f"merged {result.layout} checkpoint {result.source_url} -> {result.target_url}: {result.tensors} "
+              f"tensors, {result.tensor_bytes / 1e6:.1f} MB in {result.seconds:.2f} s "
+              f"({rate_text(result.tensor_bytes, result.seconds)})")
+    code = _check_trained(args, fused_model_url=result.target_url) if args.check_trained else 0
+    if code == 0 and args.hf_upload_path:  # verl's upload, after the merge (and its check) succeeded
+        _push(result.target_url, args.hf_upload_path, None, args.private)
+    return code
 
 
 def _check_trained(args: argparse.Namespace, *, fused_model_url: str | None = None,
@@ -253,6 +251,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def _add_verify(parser: argparse.ArgumentParser) -> None:
     add_options(parser, "verify")
     parser.set_defaults(run=cmd_verify)
+
+
+def _push(url: str, repo: str, revision: str | None, private: bool) -> None:
+    """Push ``url`` to the Hub (`merge_engine.release.hub.push_folder`; ``HF_ENDPOINT``: another Hub) and say so."""
+    from merge_engine.release.hub import push_folder
+
+    pushed = push_folder(url, repo, revision=revision, private=private, endpoint=os.environ.get("HF_ENDPOINT") or None)
+    print(pushed.summary())
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    """Exit 0: pushed and verified (or already there); 2: refused (one line: token, access, repo, network) or
+    nothing to push; 3: a release without a valid marker; 6: the Hub's files differ from the manifest."""
+    _push(args.url, args.repo, args.revision, args.private)
+    return 0
+
+
+def _add_push(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, "push")
+    parser.set_defaults(run=cmd_push)
 
 
 def cmd_test(args: argparse.Namespace) -> int:
@@ -389,6 +407,8 @@ SUBCOMMANDS: Commands = {
     "check": ("check that a checkpoint is complete (exit 0) or not (non-zero)", _add_check),
     "verify": ("verify a release (or merged folder) against its manifest: sizes, sha256, marker "
                "(exit 0 intact, 6 damaged, 3 unmarked)", _add_verify),
+    "push": ("push a release (or merged folder) to the Hugging Face Hub, one revision per step, verified against "
+             "its manifest", _add_push),
     "extract-lora": ("extract a PEFT adapter (+ clean base) from a LoRA checkpoint, or by SVD from a fine-tune",
                      _add_extract_lora),
     "merge-lora": ("fuse LoRA adapters into a base model, or combine them into one adapter", _add_merge_lora),

@@ -118,6 +118,18 @@ class ReleaseDamaged(StepmergeError):
     exit_code = 6
 
 
+class HubPushRefused(StepmergeError):
+    """A push to the Hugging Face Hub was refused before anything was committed: no token, a token the Hub refuses,
+    no write access, no such repo (and none to be created), or the Hub out of reach. ``path``: the repo."""
+
+
+class HubPushUnverified(StepmergeError):
+    """After a push, the Hub's own metadata of the revision (LFS sha256, git blob ids, the file set) does not match
+    the release's manifest: the push is not done. ``path``: ``repo@revision``."""
+
+    exit_code = 6
+
+
 class AdapterError(StepmergeError):
     """A LoRA adapter is inconsistent with its base, its metadata, or the requested combination."""
 

@@ -99,8 +99,8 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
 )}
 
 # commands and flows (the names `Option.commands`, `Option.flows` and `Option.shapes` use)
-COMMANDS = ("discover", "merge", "test", "check", "verify", "extract-lora", "merge-lora", "split", "check-trained",
-            "notify")
+COMMANDS = ("discover", "merge", "test", "check", "verify", "push", "extract-lora", "merge-lora", "split",
+            "check-trained", "notify")
 FLOWS = ("merge_step", "merge_new_steps", "release_adapter")
 OUTPUTS = ("merge", "extract-lora", "extract-lora --finetuned", "merge-lora", "split", "merge_step", "release_adapter")
 # The pipeline's settings records (`tasks.records.SETTINGS_RECORDS` makes one class per name, this text its
@@ -220,8 +220,13 @@ OPTIONS: tuple[Option, ...] = (
            commands={**_each(SOURCE), "check": "checkpoint folder URL",
                      "check-trained": "the LoRA training checkpoint URL (PEFT-wrapped model)",
                      "extract-lora": Use("LoRA training checkpoint URL (PEFT-wrapped model)", required=False)}),
-    Option(name="url", kind="url", default=REQUIRED, help="release (or merged folder) URL", commands={"verify": ""},
-           positional=True),
+    Option(name="url", kind="url", default=REQUIRED, help="release (or merged folder) URL",
+           commands={"verify": "", "push": ""}, positional=True),
+    Option(name="repo", kind="text", default=REQUIRED, help="the Hugging Face Hub repo id (namespace/name)",
+           commands={"push": ""}),
+    Option(name="revision", kind="text", default=None,
+           help="the Hub branch to push to, e.g. step-300 (default: main); created from main when missing",
+           commands={"push": ""}),
     Option(name="hf_dir", kind="url", default=REQUIRED, help="Hugging Face model folder URL", commands={"split": ""}),
     Option(name="finetuned", kind="url", default=None,
            help="full fine-tune URL (Hugging Face folder or FSDP checkpoint): extract "
@@ -416,9 +421,13 @@ OPTIONS: tuple[Option, ...] = (
            help="absolute tolerance (default: the engine's weight tolerance, verl's 1e-6)", commands={"test": ""}),
     Option(name="rtol", kind="float", default=None,
            help="relative tolerance (default: the engine's weight tolerance, verl's 1e-6)", commands={"test": ""}),
-    # verl's upload flags: refused with a message (merge), never listed
-    Option(name="hf_upload_path", kind="text", default=None, help="", commands={"merge": ""}, hidden=True),
-    Option(name="private", kind="bool", default=False, help="", commands={"merge": ""}, hidden=True),
+    # verl's upload flags (token: HF_TOKEN; Hub: HF_ENDPOINT, default huggingface.co)
+    Option(name="hf_upload_path", kind="text", default=None,
+           help="after the merge, push the merged folder to this Hugging Face Hub repo (verl's flag)",
+           commands={"merge": ""}),
+    Option(name="private", kind="bool", default=False,
+           help="create the Hub repo, private, when it does not exist (never a public one)",
+           commands={"merge": "", "push": ""}),
 )
 
 BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}

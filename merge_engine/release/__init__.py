@@ -7,6 +7,8 @@
 - `staging`           staging folders: names stable per release and fingerprint, the sweep of stale ones
 - `built`             `BuiltOutput`: an output built for a release
 - `publish`           staging folder -> release prefix; manifest of checksums; commit marker last
+- `card`              the model card (README.md) every release carries, written with huggingface_hub's ModelCard
+- `hub`               push a release to the Hugging Face Hub, one revision per step, verified against its manifest
 - `verify`            is a release (or a merged folder) still exactly what was published?
 - `checksums`         each published file against the sha256 its manifest recorded
 """

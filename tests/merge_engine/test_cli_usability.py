@@ -56,15 +56,6 @@ def test_check_help_lists_its_exit_codes():
     assert codes == {"0", "1", "2", "3", "4", "6"}  # 1: storage or machine; 6: a damaged release (issue 20)
 
 
-def test_hf_upload_path_points_to_a_command_that_exists(tmp_path, capsys):
-    assert main(["merge", "--local_dir", str(tmp_path), "--target_dir", str(tmp_path / "out"),
-                 "--hf_upload_path", "me/model"]) == 2
-    err = capsys.readouterr().err
-    assert "stepmerge publish" not in err and "`hf upload REPO_ID FOLDER`" in err
-    assert (Path(sys.executable).parent / "hf").exists()  # huggingface_hub's command, installed with transformers
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.mark.parametrize("spelling", sorted(DTYPE_SPELLINGS))
 def test_every_dtype_spelling_is_read_as_its_canonical_name(spelling):
     for command in (["merge", "--target_dir", "/out", "--local_dir", "/c"], ["split", "--hf-dir", "/h",
