@@ -33,8 +33,9 @@ if TYPE_CHECKING:  # the readers import torch: imported when a folder is checked
 
 NAME = "hf"
 TENSOR_NAMING = HF_NAMES
-# where a training step keeps Hugging Face weights beside its own state (verl v2 first)
-SAVED_BESIDE = (verl_v2.MODEL_HF_DIR, "huggingface/")
+# where a training step keeps Hugging Face weights beside its own state (verl v2 first; Megatron-Bridge's ``hf/``
+# beside the native checkpoint of ``iter_N/``)
+SAVED_BESIDE = (verl_v2.MODEL_HF_DIR, "huggingface/", "hf/")
 
 
 def detect(files: Sequence[FileEntry]) -> bool:

@@ -1,6 +1,8 @@
 """Megatron runs saved through a bridge (verl's default since late 2025): the weights are already a
 Hugging Face model in ``model/huggingface/`` (verl 0.9) or ``huggingface/`` (older), next to
-Megatron state (``extra/dist_ckpt/``, ``dist_ckpt/``, ``transformer_config.json``, ...).
+Megatron state (``extra/dist_ckpt/``, ``dist_ckpt/``, ``transformer_config.json``, ...); or Megatron-Bridge's
+``iter_N/hf/`` beside the native ``torch_dist`` checkpoint at the top of ``iter_N/`` (``common.pt``,
+``metadata.json``, ``.metadata``).
 
 Completeness: the verl v2 marker ``ckpt_contents.json`` when the layout is v2; the Hugging Face
 folder complete by `merge_engine.layouts.hf`'s rules (index valid, every file it names present,
@@ -29,7 +31,7 @@ TENSOR_NAMING = HF_NAMES
 V2_MARKER = verl_v2.CONTENTS_MARKER
 HF_FOLDERS = hf.SAVED_BESIDE
 # files only a Megatron run leaves beside its Hugging Face export (an FSDP step has its own layout)
-MEGATRON_MARKERS = ("transformer_config.json", V2_MARKER)
+MEGATRON_MARKERS = ("transformer_config.json", V2_MARKER, "common.pt", "metadata.json")
 MEGATRON_FOLDERS = ("dist_ckpt/", "model/dist_ckpt/", "extra/dist_ckpt/", "optimizer/dist_ckpt/")
 
 
@@ -66,9 +68,12 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     """The export complete and holding every tensor its config implies (see module docstring)."""
     folder = _hf_folder(files)
     if folder is None:
-        raise IncompleteCheckpoint("no safetensors weights in huggingface/ or model/huggingface/", url)
+        raise IncompleteCheckpoint("no safetensors weights in huggingface/, model/huggingface/ or hf/", url)
     if folder == "model/huggingface/" and not any(f.path == V2_MARKER for f in files):
         raise IncompleteCheckpoint(f"{V2_MARKER} (written last by verl) not present yet", storage.join(url, V2_MARKER))
+    beside = megatron_dist.listing_verdict(files)
+    if beside.present and not beside.complete:  # the listing's rule: the Megatron state saved with it, whole
+        raise IncompleteCheckpoint(f"the Megatron checkpoint beside the export is not complete: {beside.reason}", url)
     hf_url = storage.join(url, folder.rstrip("/"))
     inner = hf.check_complete(hf_url, _sub_files(files, folder))
     notes = _check_tensor_set(inner)
