@@ -315,7 +315,9 @@ class SvdExtractJob:
         adapter_json = adapter_config(r=r, lora_alpha=r, rank_pattern=pattern,
                                       alpha_pattern={k: float(v) for k, v in pattern.items()},
                                       target_modules=infer_target_modules(table, set(candidates)),
-                                      task_type=task_type_of(config), base_model_name_or_path=base_url)
+                                      task_type=task_type_of(config), base_model_name_or_path=adapter_base_name(
+                                          base_model_id=options.base_model_id, config=config, base_written=False,
+                                          base_model=base_url))
         notes = [f"{len(unchanged)} target modules unchanged (left out)"] if unchanged else []
         notes += [f"{len(reshaped)} tensors change shape (not in the adapter): {', '.join(reshaped[:5])}"] \
             if reshaped else []

@@ -46,6 +46,7 @@ def test_full_rank_extraction_reproduces_the_finetune(tmp_path, tiny_base, finet
     config = json.load(open(tmp_path / "ad" / "adapter_config.json"))
     assert sorted(config["target_modules"]) == ["gate_proj", "k_proj", "o_proj", "q_proj"]
     assert config["lora_alpha"] == config["r"] == 4
+    assert config["base_model_name_or_path"] == os.path.basename(tiny_base)  # by its name: no path of this machine
     assert any("unchanged" in note for note in result.notes)
     torch.testing.assert_close(peft_logits(tiny_base, str(tmp_path / "ad")),
                                logits(load_causal_lm(finetuned["lora_only"])), atol=ATOL, rtol=RTOL)
