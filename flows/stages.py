@@ -56,6 +56,7 @@ import merge_engine
 from flows.outcomes import ReleaseOutcome, StageRun, StepOutcome
 from merge_engine.commands.input_folders import InputFolders
 from merge_engine.errors import CorruptShard, ForgedRecord, IncompleteCheckpoint, StepNotFound, UnsafeRecord
+from merge_engine.layouts.runs import portable_record
 from merge_engine.release.built import BuiltOutput
 from merge_engine.release.publish import Release
 from merge_engine.release.folders import ADAPTER, MODEL
@@ -283,7 +284,8 @@ def release_built_as_asked(state: ReleaseState, inputs: ReleaseInputs) -> List[s
               (("kind", released.kind, asked.kind),
                ("checkpoint", released.checkpoint_fingerprint, asked.checkpoint_fingerprint),
                ("engine", manifest.engine_version, merge_engine.__version__)) if a != b]
-    settings = json.loads(json.dumps(dict(asked.settings), sort_keys=True, default=str))  # as `publish` records
+    # as `publish` records them: JSON, with this machine's paths by their portable names
+    settings = portable_record(json.loads(json.dumps(dict(asked.settings), sort_keys=True, default=str)))
     differ += [f"{name}: {a!r} there, {b!r} asked" for name, a, b in differing_options(released.settings, settings)]
     return differ
 
