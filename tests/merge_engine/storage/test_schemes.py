@@ -79,7 +79,7 @@ def test_a_new_store_is_one_file(abfs_backend_file):
     assert storage.read_bytes("abfs://container/copy.bin") == b"y" * 1000
 
     assert checked_url(url) == url and checked_url("az://container/run") == "az://container/run"
-    assert "abfs" in WebhookSettings(token="t").allowed_schemes
+    assert "abfs" in WebhookSettings(token="t" * 16).allowed_schemes
     assert remote_result_storage("abfs://container/results").basepath == "abfs://container/results/"
 
 
