@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from merge_engine import storage
+from merge_engine.storage.backends.s3 import S3Backend
 from tests.fault_proxy import FaultProxy
 from tests.servers import FakeGcsServer, SeaweedS3Server
 
@@ -124,3 +126,28 @@ def gcs_fault_proxy(gcs_env: FakeGcsServer, monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.setenv("STEPMERGE_STORAGE_TIMEOUT", "1")
         yield proxy
         storage.clear_filesystems()  # clients of a proxy that is about to go
+
+
+@pytest.fixture
+def s3_gets(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """Every ranged GET sent to the S3 server from now on, as (URL, start, end): one call is one GET on the wire."""
+    log: list[tuple[str, int, int]] = []
+    original = S3Backend.read_range
+
+    async def read_range(self, fs, path, start, end, version, url):
+        log.append((url, start, end))
+        return await original(self, fs, path, start, end, version, url)
+
+    monkeypatch.setattr(S3Backend, "read_range", read_range)
+    return log
+
+
+def upload_step(step_dir: str | Path, run_root: str) -> dict[str, Path]:
+    """The step folder ``step_dir`` copied under ``run_root`` (same folder name): URL -> local file."""
+    step = Path(step_dir)
+    copied = {}
+    for path in sorted(p for p in step.rglob("*") if p.is_file()):
+        url = storage.join(run_root, step.name, path.relative_to(step).as_posix())
+        storage.copy_file(str(path), url)
+        copied[url] = path
+    return copied

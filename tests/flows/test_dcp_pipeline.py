@@ -26,35 +26,12 @@ from flows.params import MergeStepParams, WatchParams
 from merge_engine import storage
 from merge_engine.commands.merge import read_provenance
 from merge_engine.release.verify import verify_folder
-from merge_engine.storage.backends.s3 import S3Backend
+from tests.fixtures_storage import upload_step
 from tests.release_checks import assert_model_logits, assert_release_weights_equal, load_model
 
 LAYOUT = {"accelerate": "torch_dcp", "dcp_hf": "dcp_hf"}
 
 
-@pytest.fixture
-def s3_gets(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
-    """Every ranged GET sent to the S3 server from now on, as (URL, start, end)."""
-    log: list[tuple[str, int, int]] = []
-    original = S3Backend.read_range
-
-    async def read_range(self, fs, path, start, end, version, url):
-        log.append((url, start, end))
-        return await original(self, fs, path, start, end, version, url)
-
-    monkeypatch.setattr(S3Backend, "read_range", read_range)
-    return log
-
-
-def _upload(step_dir: str, run_root: str) -> dict[str, Path]:
-    """The step folder copied under ``run_root``: URL -> local file."""
-    step = Path(step_dir)
-    copied = {}
-    for path in sorted(p for p in step.rglob("*") if p.is_file()):
-        url = storage.join(run_root, step.name, path.relative_to(step).as_posix())
-        storage.copy_file(str(path), url)
-        copied[url] = path
-    return copied
 
 
 def _metadata_ranges(copied: dict[str, Path]) -> dict[str, int]:
@@ -75,7 +52,7 @@ def test_a_dcp_run_on_s3_is_discovered_merged_validated_and_published(prefect, d
                                                                       s3_gets, writer):
     step = dcp_runs[writer]
     run_root = f"{s3_bucket_url}/run"
-    copied = _upload(step.step_dir, run_root)
+    copied = upload_step(step.step_dir, run_root)
     if writer == "accelerate":  # HF Trainer saved no config: not submitted until one is named, nothing published
         bare = WatchParams(run_root=run_root, release_root=f"{s3_bucket_url}/releases",
                            staging_root=str(tmp_path / "staging"))

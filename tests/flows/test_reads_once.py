@@ -29,26 +29,12 @@ from flows.merge_step import merge_step
 from flows.params import MergeStepParams, WatchParams
 from merge_engine import storage
 from merge_engine.cli import main as stepmerge
-from merge_engine.storage.backends.s3 import S3Backend
 from merge_engine.release.verify import verify_folder
 from tests.pickle_reads import pickle_fetches, pickle_range
 from tests.release_checks import assert_release_of_megatron_job
 
 STEP = "qwen2_tp2_pp1_tied_legacy"
 
-
-@pytest.fixture
-def s3_gets(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
-    """Every ranged GET sent to the S3 server from now on, as (URL, start, end)."""
-    log: list[tuple[str, int, int]] = []
-    original = S3Backend.read_range
-
-    async def read_range(self, fs, path, start, end, version, url):
-        log.append((url, start, end))
-        return await original(self, fs, path, start, end, version, url)
-
-    monkeypatch.setattr(S3Backend, "read_range", read_range)
-    return log
 
 
 @pytest.fixture

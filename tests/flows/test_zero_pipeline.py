@@ -11,43 +11,17 @@ read, and a re-run is a cache hit that reads no byte of the step's files.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from flows.merge_new_steps import merge_new_steps
 from flows.merge_step import merge_step
 from flows.params import MergeStepParams, WatchParams
-from merge_engine import storage
 from merge_engine.commands.merge import read_provenance
 from merge_engine.release.verify import verify_folder
-from merge_engine.storage.backends.s3 import S3Backend
+from tests.fixtures_storage import upload_step
 from tests.release_checks import assert_release_of_step
 
 
-@pytest.fixture
-def s3_gets(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
-    """Every ranged GET sent to the S3 server from now on, as (URL, start, end)."""
-    log: list[tuple[str, int, int]] = []
-    original = S3Backend.read_range
-
-    async def read_range(self, fs, path, start, end, version, url):
-        log.append((url, start, end))
-        return await original(self, fs, path, start, end, version, url)
-
-    monkeypatch.setattr(S3Backend, "read_range", read_range)
-    return log
-
-
-def _upload(step_dir: str, run_root: str) -> dict[str, Path]:
-    """The step folder copied under ``run_root``: URL -> local file."""
-    step = Path(step_dir)
-    copied = {}
-    for path in sorted(p for p in step.rglob("*") if p.is_file()):
-        url = storage.join(run_root, step.name, path.relative_to(step).as_posix())
-        storage.copy_file(str(path), url)
-        copied[url] = path
-    return copied
 
 
 @pytest.mark.parametrize("name", ["zero2_bf16", "zero3_fp32"])
@@ -55,7 +29,7 @@ def test_a_zero_run_on_s3_is_discovered_merged_validated_and_published(prefect, 
                                                                        s3_gets, name):
     run = zero_runs[name]
     run_root = f"{s3_bucket_url}/run"
-    copied = _upload(run.step_dir(1), run_root)
+    copied = upload_step(run.step_dir(1), run_root)
     params = WatchParams(run_root=run_root, release_root=f"{s3_bucket_url}/releases",
                          staging_root=str(tmp_path / "staging"),
                          hf_model_path=run.hf_config_dir if run.spec.trainer == "deepspeed" else None)
