@@ -40,6 +40,7 @@ BAD = {
     "adapter_include_base": ("yes", NOT_BOOLEAN),
     "lora_alpha": (-16, "-16 is less than the minimum of 0"),
     "base_model": ("C:\\models\\base", OPTIONAL_URL),
+    "base_model_id": (5, "5 is not of type 'string'"),
     "overwrite": ("yes", NOT_BOOLEAN),
     "staging_root": ("/scratch/%2e%2e/etc", OPTIONAL_URL),
     "workers": (-2, "-2 is less than the minimum of 0"),

@@ -71,7 +71,7 @@ def test_hf_model_path_links_are_checked_too(checkpoint, tmp_path, capsys):
 def test_links_inside_the_folder_and_hub_cache_snapshots_are_followed(checkpoint, tmp_path):
     hf = checkpoint / "huggingface"
     (hf / "notes.md").write_text("inside\n")
-    (hf / "README.md").symlink_to("notes.md")
+    (hf / "special_tokens_note.txt").symlink_to("notes.md")
     repo = tmp_path / "hub" / "models--org--tiny"
     snapshot = repo / "snapshots" / "0123abc"
     (repo / "blobs").mkdir(parents=True)
@@ -86,8 +86,8 @@ def test_links_inside_the_folder_and_hub_cache_snapshots_are_followed(checkpoint
     assert (target / "notes.md").read_text() == "inside\n"  # copied from a blob, as a file
     assert not (target / "notes.md").is_symlink()
     assert _merge(checkpoint, tmp_path / "merged2") == 0
-    assert (tmp_path / "merged2" / "README.md").read_text() == "inside\n"
-    assert not (tmp_path / "merged2" / "README.md").is_symlink()
+    assert (tmp_path / "merged2" / "special_tokens_note.txt").read_text() == "inside\n"
+    assert not (tmp_path / "merged2" / "special_tokens_note.txt").is_symlink()
 
 
 @pytest.mark.parametrize("name", ["tokenizer.json", "chat_template.jinja", ".gitattributes", "README (copy).md",
