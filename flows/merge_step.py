@@ -11,6 +11,8 @@
     model:   merge           -> validate         -> publish          (`flows.stages.model_chain`)
     adapter: extract-adapter -> validate-adapter -> publish-adapter  (LoRA checkpoints only)
     each output's chain one cached task (model-release, adapter-release), its stages nested in it
+    push / push-adapter  -> with ``hub_repo``: each release to its own revision of the Hub repo
+                            (`flows.hub_stage`); a failed push fails the run there, the release stays published
 
 The merged model of a LoRA checkpoint is the trained model (adapters fused, as the engine defines
 it); with ``release_adapter`` its PEFT adapter is released beside it, validated against that model.
@@ -33,6 +35,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows.credentials import storage_credentials
+from flows.hub_stage import hub_target, push_releases, raise_failed_push
 from flows.params import MergeStepParams, takes
 from flows.run_labels import ended, label_flow_run, step_label, step_run_name
 from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_checked, release_output
@@ -97,6 +100,8 @@ def merge_step(**parameters) -> StepOutcome:
     try:
         with storage_credentials():
             outcome = run_stages(params, timer)
+            push_error = push_releases(timer, outcome, hub_target(params))  # after publish: never the release's
+            outcome.stages = timer.stages
     except Exception as exc:
         failed = StepOutcome(run_root=params.run_root, step=params.step, role=params.role, status="failed",
                              stages=timer.stages)
@@ -112,6 +117,7 @@ def merge_step(**parameters) -> StepOutcome:
                     {True: "passed", False: "FAILED", None: "not run"}[release.validation_ok])
     if outcome.status == "not_ready":
         logger.info("step %s (%s) is not ready: %s", params.step, params.role or "sft", outcome.reason)
+    raise_failed_push(push_error)  # the release stays published; this run fails at its push stage
     return ended(outcome)  # a not-ready step: the state NotReady, tag not-ready
 
 

@@ -1,7 +1,7 @@
 """What a step's run did, as records: each stage call, each output, the step as a whole.
 
 `StageRun` (a stage task call: name, final state, wall time), `ReleaseOutcome` (one output of a
-step: where it was published, cached or not, the validation verdict) and `StepOutcome` (a
+step: where it was published, cached or not, the validation verdict), `HubPushOutcome` (its push to the Hub) and `StepOutcome` (a
 ``merge_step`` / ``release_adapter`` run: status, releases, stages). Pydantic models: they are flow
 results Prefect stores and the watcher's report embeds. No task, engine or torch import here: the
 listings-only watcher (`flows.merge_new_steps`) and the summaries import them; the stage chains
@@ -44,6 +44,20 @@ class ReleaseOutcome(BaseModel):
     total_bytes: int = 0
 
 
+class HubPushOutcome(BaseModel):
+    """What the push of one release to the Hugging Face Hub did (``error``: one line, when it failed)."""
+
+    kind: str
+    repo: str
+    revision: str = ""
+    commit: str = ""
+    committed: bool = False
+    files: int = 0
+    total_bytes: int = 0
+    moved_refs: List[str] = []
+    error: str = ""
+
+
 @register_result_type
 class StepOutcome(BaseModel):
     """What a merge_step run did: status, releases, and every stage with its state and time."""
@@ -55,6 +69,7 @@ class StepOutcome(BaseModel):
     reason: str = ""
     releases: List[ReleaseOutcome] = []
     stages: List[StageRun] = []
+    pushes: List[HubPushOutcome] = []  # the releases pushed to the Hub after publish (none: no hub_repo)
     seconds: float = 0.0
 
     @property

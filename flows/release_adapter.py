@@ -1,6 +1,7 @@
 """Flow ``release-adapter``: extract a step's LoRA adapter to PEFT, validate it, publish it.
 
     discover-step -> check-checkpoint -> extract-adapter -> validate-adapter -> publish-adapter
+    -> push-adapter (with ``hub_repo``: `flows.hub_stage`; the adapter's revision ends in ``-adapter``)
 
 The adapter release (`merge_engine.release.folders.release_url` with ``kind=ADAPTER``) holds
 ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's names; r, target_modules and
@@ -26,6 +27,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from flows.credentials import storage_credentials
+from flows.hub_stage import hub_target, push_releases, raise_failed_push
 from flows.params import AdapterParams, takes
 from flows.run_labels import adapter_run_name, ended, label_flow_run, step_label
 from flows.stages import StageTimer, StepOutcome, checked_lora, ready_checkpoint, release_output
@@ -84,7 +86,9 @@ def adapter_stages(params: AdapterParams) -> StepOutcome:
                              overwrite=params.overwrite, fused_model_url=fused_url)
     outcome.releases = [adapter]
     outcome.status = "already_published" if adapter.already_published else "published"
+    push_error = push_releases(timer, outcome, hub_target(params))  # after publish: never the release's
     outcome.stages, outcome.seconds = timer.stages, time.perf_counter() - started
     create_markdown_artifact(step_summary(outcome), key=release_artifact_key("adapter", release),
                              description=f"adapter of step {params.step}: {outcome.status}")
+    raise_failed_push(push_error)  # the release stays published; this run fails at its push stage
     return outcome

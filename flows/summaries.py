@@ -43,6 +43,16 @@ def step_summary(outcome: StepOutcome, error: Optional[str] = None) -> str:
             lines.append(f"| {r.kind} | `{r.url}` | {r.tensors} | {size} | {ok} | "
                          f"{'no' if r.already_published else 'yes'} |")
         lines.append("")
+    if outcome.pushes:
+        lines += ["## Hugging Face Hub", "", "| output | repo | revision | commit | new commit |", "|---|---|---|---|---|"]
+        for p in outcome.pushes:
+            if p.error:
+                lines.append(f"| {p.kind} | `{p.repo}` | | **push failed**: {p.error} | |")
+                continue
+            refs = f" (+ {', '.join(p.moved_refs)})" if p.moved_refs else ""
+            lines.append(f"| {p.kind} | `{p.repo}` | `{p.revision}`{refs} | `{p.commit[:12]}` | "
+                         f"{'yes' if p.committed else 'no (already there)'} |")
+        lines.append("")
     if outcome.stages:
         lines += ["## Stages", ""] + stage_table(outcome.stages) + [""]
     for r in outcome.releases:

@@ -120,7 +120,10 @@ class ReleaseDamaged(StepmergeError):
 
 class HubPushRefused(StepmergeError):
     """A push to the Hugging Face Hub was refused before anything was committed: no token, a token the Hub refuses,
-    no write access, no such repo (and none to be created), or the Hub out of reach. ``path``: the repo."""
+    no write access, no such repo (and none to be created), or the Hub out of reach. ``path``: the repo.
+    ``transient``: the Hub was out of reach or answered 429 / 5xx, so the same push may succeed later."""
+
+    transient = False
 
 
 class HubPushUnverified(StepmergeError):

@@ -16,6 +16,7 @@ loopback only, written from the client's code (huggingface_hub 2.x: ``hf_api.py`
 
 Tokens: ``WRITE_TOKEN`` may write, ``READ_TOKEN`` only read (403 on any write). `HubServer.commits` counts commits;
 `HubServer.files(repo, rev)` is what a revision holds: path -> bytes. ``corrupt_lfs``: LFS uploads stored reversed.
+The ``hub`` fixture (import it into a test module) gives a test its own server, the client pointed at nothing else.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlparse
+
+import pytest
 
 WRITE_TOKEN, READ_TOKEN = "hf_test_write", "hf_test_read"
 USER = "tester"
@@ -94,6 +97,22 @@ class HubServer:
     def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
         repo = self.repos[repo_id]
         return {path: stored.data for path, stored in repo.commits[repo.branches.get(revision, revision)].items()}
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """A `HubServer` for one test, huggingface_hub set to reach it (LFS, not Xet; online; no token unless the test
+    gives one: no ``HF_TOKEN``, no stored login)."""
+    import huggingface_hub.constants
+
+    server = HubServer()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)  # the LFS protocol, as served here
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the suite is offline: this Hub is local
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-stored-token"))
+    yield server
+    server.close()
 
 
 def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:

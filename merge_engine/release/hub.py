@@ -115,7 +115,8 @@ def _local_folder(folder: str, files: Sequence[PushedFile]) -> Iterator[str]:
 
 
 def _refusal(exc: Exception, repo_id: str, endpoint: str) -> HubPushRefused:
-    """One named line for what the Hub (or the way to it) answered."""
+    """One named line for what the Hub (or the way to it) answered; ``transient`` when the Hub was out of reach or
+    answered 429 or 5xx (the same push may succeed later)."""
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
     if isinstance(exc, RepositoryNotFoundError):
@@ -126,8 +127,12 @@ def _refusal(exc: Exception, repo_id: str, endpoint: str) -> HubPushRefused:
             return HubPushRefused("the Hub refused the token (401): set a valid HF_TOKEN", repo_id)
         if status == 403:
             return HubPushRefused(f"the token has no write access to {repo_id} (403)", repo_id)
-        return HubPushRefused(f"the Hub answered {status}: {str(exc).splitlines()[0]}", repo_id)
-    return HubPushRefused(f"cannot reach the Hub at {endpoint}: {type(exc).__name__}: {exc}", repo_id)
+        refused = HubPushRefused(f"the Hub answered {status}: {str(exc).splitlines()[0]}", repo_id)
+        refused.transient = status == 429 or status >= 500
+        return refused
+    refused = HubPushRefused(f"cannot reach the Hub at {endpoint}: {type(exc).__name__}: {exc}", repo_id)
+    refused.transient = True
+    return refused
 
 
 def _verify(api: Any, repo_id: str, commit: str, local: str, files: Sequence[PushedFile]) -> list[str]:

@@ -21,24 +21,10 @@ from merge_engine.errors import HubPushRefused, HubPushUnverified, ReleaseIncomp
 from merge_engine.release.hub import push_folder
 from merge_engine.release.publish import publish
 from merge_engine.validate import Check, ValidationReport
-from tests.hub_server import READ_TOKEN, WRITE_TOKEN, HubServer
+from tests.hub_server import READ_TOKEN, WRITE_TOKEN, hub  # noqa: F401 - the fixture
 
 WEIGHTS = bytes(range(256)) * 64  # binary: stored with LFS
 REPORT = ValidationReport("x", (Check("finite", True, "ok"),))
-
-
-@pytest.fixture
-def hub(monkeypatch, tmp_path):
-    import huggingface_hub.constants
-
-    server = HubServer()
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)  # the LFS protocol, as served here
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the suite is offline: this Hub is local
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-stored-token"))
-    yield server
-    server.close()
 
 
 def release_of(tmp_path, step: int, weights: bytes = WEIGHTS, extra: dict | None = None) -> str:
