@@ -231,8 +231,19 @@ def _layers_kept(data: dict[str, Any], before: int | None) -> int | None:
     return min(before, min(kept, MAX_LAYERS))
 
 
+# The mrope sections a family's releases ship where its config class has none (the model code falls back to the
+# full-size sections, which do not fit a tiny head): Qwen2-VL-2B/7B and Qwen2.5-VL-3B/7B config.json.
+RELEASE_MROPE_SECTIONS: dict[str, list[int]] = {"qwen2_vl": [16, 24, 24], "qwen2_5_vl": [16, 24, 24]}
+
+
 def _fit_mrope(data: dict[str, Any]) -> None:
     """mrope sections sum to half the head dim: scaled to the tiny head dim, in the same proportions."""
+    release_section = RELEASE_MROPE_SECTIONS.get(str(data.get("model_type")))
+    if release_section is not None:
+        text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+        rope = text.setdefault("rope_parameters", {"rope_type": "default"})
+        if isinstance(rope, dict):
+            rope.setdefault("mrope_section", list(release_section))
     for scope in _scopes(data):
         for holder in (scope, scope.get("rope_parameters"), scope.get("rope_scaling")):
             if isinstance(holder, dict) and isinstance(holder.get("mrope_section"), list):
