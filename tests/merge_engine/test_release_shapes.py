@@ -5,7 +5,7 @@ checkpoint of world 2 over gloo, merged with the default options: `benchmarks.fa
 registry sweep's own columns):
 - every release's embeddings are tied, as the release's config.json ties them: Qwen2-VL-2B, Qwen2.5-VL-3B and
   Qwen3-VL-2B (vision-language, ``tie_word_embeddings`` at the top level), Gemma-3-4B (vision-language),
-  Llama-3.2-1B, Qwen2.5-0.5B / 1.5B / 3B (one tiny config: the switches they share), Qwen3-0.6B / 1.7B / 4B;
+  Llama-3.2-1B (with its ``llama3`` rope scaling, written as 4.57's ``rope_scaling`` for 4.x readers), Qwen2.5-0.5B / 1.5B / 3B (one tiny config: the switches they share), Qwen3-0.6B / 1.7B / 4B;
 - each merges (no refusal: a tie is resolved against the names the checkpoint stores, transformers 5's
   ``model.language_model.embed_tokens.weight`` for the Qwen VLMs), bit for bit the tensors ``save_pretrained`` of
   the model writes (the tied head not written), loads in transformers 5 with no missing / unexpected key and the
@@ -32,18 +32,30 @@ RELEASES = {
     "Qwen2.5-0.5B-1.5B-3B": "qwen2",
     "Qwen3-0.6B-1.7B-4B": "qwen3",  # the registry's tiny config, tied
 }
+# name -> the config switches the release ships beyond the tie (Llama-3.2-1B's config.json)
+RELEASE_SWITCHES = {
+    "Llama-3.2-1B": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 8192}},
+}
 
 
-def release_spec(family: str):
+def release_spec(family: str, switches: dict | None = None):
     """The tied tiny model of ``family`` (`synthetic_runs.models.ModelSpec`): a family of
-    `synthetic_runs.models.FAMILIES` with ``tie_word_embeddings``, else the registry's tiny config of its class, tied."""
-    from synthetic_runs.models import FAMILIES, ModelSpec
+    `synthetic_runs.models.FAMILIES` with ``tie_word_embeddings``, else the registry's tiny config of its class, tied;
+    ``switches`` set in its config on top."""
+    from synthetic_runs.models import FAMILIES, ModelSpec, build_config
     from synthetic_runs.tiny_configs import registry_families, tiny_config
 
     if family in FAMILIES:
-        return ModelSpec(family=family, tie_word_embeddings=True)
+        spec = ModelSpec(family=family, tie_word_embeddings=True)
+        if not switches:
+            return spec
+        config = build_config(spec).to_dict()
+        return ModelSpec(hf_config=json.dumps({**config, **switches}, sort_keys=True))
     registered = next(f for f in registry_families() if f.model_type == family)
-    return ModelSpec(hf_config=json.dumps(tiny_config(registered, tie_word_embeddings=True), sort_keys=True))
+    config = {**tiny_config(registered, tie_word_embeddings=True), **(switches or {})}
+    return ModelSpec(hf_config=json.dumps(config, sort_keys=True))
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +64,11 @@ def releases(tmp_path_factory, readers_python) -> dict[str, FamilyResult]:
 
     models = {}
     for name, family in RELEASES.items():
-        spec = release_spec(family)
+        spec = release_spec(family, RELEASE_SWITCHES.get(name))
         config = build_config(spec).to_dict()
         assert config["tie_word_embeddings"] is True
+        for key, value in RELEASE_SWITCHES.get(name, {}).items():
+            assert config[key] == value
         models[name] = (FamilyResult(name, config["model_type"], spec.architecture, tied=True), spec)
     check_models(models, tmp_path_factory.mktemp("releases"), Path(readers_python), log=lambda _: None)
     return {name: result for name, (result, _) in models.items()}
