@@ -21,6 +21,9 @@ Figures (each a ratio of two things measured in this run, on this machine, alter
   children; the SeaweedFS server is another process and is not counted) per GB of input, merging from
   ``s3://`` (SeaweedFS on loopback) to a local folder and to ``s3://``, against the local merge
   (``--workers 2`` each).
+- peers: `benchmarks.trainer_peers` (stepmerge against ``accelerate merge-weights``, torch's
+  ``consolidate_safetensors_files`` and DeepSpeed's ``zero_to_fp32.py``, each on its trainer's input; the tiny
+  model with ``--quick``), its own table after the goals'.
 Every run is a child process; this parent never imports torch (ru_maxrss of a forked child starts from
 its parent's). The table at the end puts each figure beside its goal.
 """
@@ -41,7 +44,7 @@ from benchmarks.harness import BENCH, Run, ensure_verl, measure, median
 from benchmarks.shard_jobs import _remove
 from benchmarks.start_time import ensure_checkpoint as ensure_start_checkpoint
 
-PARTS = ("verl", "workers", "startup", "ray", "s3")
+PARTS = ("verl", "workers", "startup", "ray", "s3", "peers")
 QUICK_PARTS = ("workers", "startup", "s3")
 
 
@@ -314,6 +317,10 @@ def main(argv: list[str] | None = None) -> None:
             if s3 is not None:
                 bench_s3(bench, s3)
     print_figures(figures(bench.runs, input_bytes), bench.runs, start_load, os.getloadavg())
+    if "peers" in parts:
+        from benchmarks.trainer_peers import PEERS, run_benchmark
+
+        run_benchmark("tiny" if args.quick else "0.5b", list(PEERS), repeats)
     shutil.rmtree(bench.out, ignore_errors=True)
 
 
