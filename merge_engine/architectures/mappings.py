@@ -65,7 +65,7 @@ class ModelDims:
 @cache
 def compile_pattern(pattern: str) -> re.Pattern[str]:
     """``a.*.b`` -> a regex whose groups are the numbers standing for each ``*``."""
-    return re.compile("^" + r"(\d+)".join(re.escape(part) for part in pattern.split("*")) + "$")
+    return re.compile("^" + r"([0-9]+)".join(re.escape(part) for part in pattern.split("*")) + "$")
 
 
 def fill(pattern: str, numbers: tuple[int, ...]) -> str:

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import re
 
-LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+LAYER_NAME = re.compile(r"^decoder\.layers\.([0-9]+)\.(.+)$")
 # a multi-token-prediction layer's decoder layer (DeepSeek-V3): canonical names keep Megatron's prefix
-MTP_TRANSFORMER_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer)\.(.+)$")
-EXPERT_NAME = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
-TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+MTP_TRANSFORMER_LAYER = re.compile(r"^(mtp\.layers\.[0-9]+\.transformer_layer)\.(.+)$")
+EXPERT_NAME = re.compile(r"^mlp\.experts\.local_experts\.([0-9]+)\.(.+)$")
+TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)([0-9]+)$")
 EXTRA_STATE = "._extra_state"
 LANGUAGE_MODEL_PREFIX = "language_model."
 # canonical names that belong to the language model (a vision tower's names are not prefixed)

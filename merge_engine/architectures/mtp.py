@@ -26,7 +26,7 @@ from merge_engine.errors import MappingError
 from merge_engine.formats.tensor_source import TensorMeta
 
 MTP_OPTIONS = ("export", "drop")
-MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+MTP_LAYER = re.compile(r"^mtp\.layers\.([0-9]+)\.(.+)$")
 TRANSFORMER_LAYER = "transformer_layer."
 CONFIG_KEY = "num_nextn_predict_layers"
 # MTP-only tensors, Megatron name after ``mtp.layers.{i}.`` -> Hub name after ``model.layers.{L + i}.``
@@ -106,7 +106,7 @@ def mtp_view(metas: Mapping[str, TensorMeta], dims: ModelDims, option: str | Non
                     "embed_tokens / shared_head.head copies, as --mtp-layers export asks",))
 
 
-HUB_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+HUB_LAYER = re.compile(r"^model\.layers\.([0-9]+)\.")
 
 
 def hub_mtp_names(config: object, names: Iterable[str]) -> set[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_LAYER = re.compile(r"^layers\.([0-9]+)\.(.+)$")
 
 
 @dataclass(frozen=True)

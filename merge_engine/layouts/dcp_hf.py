@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 NAME = "dcp_hf"
 TENSOR_NAMING = HF_NAMES
-SHARD_FILE = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
+SHARD_FILE = re.compile(r"^shard-([0-9]{5})-model-([0-9]{5})-of-([0-9]{5})\.safetensors$")
 SHARDED_DIR = "sharded/"  # where the writer puts the rank files when it consolidates (torch's SHARDED_DIR_NAME)
 SHARDING_INFO = "DCP_SHARDING_INFO"  # the __metadata__ key of each rank file (torch's CUSTOM_METADATA_KEY)
 SAVED_OFFSETS = "saved_offsets"

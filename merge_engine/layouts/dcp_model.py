@@ -54,7 +54,7 @@ MEGATRON_FILES = ("common.pt", "metadata.json")
 TEMPORARY_METADATA = METADATA_FILE + ".tmp"  # FileSystemWriter writes .metadata here, then renames it
 MODEL_KEY = "model"  # the top-level key Accelerate and NeMo-RL save the model's state dict under
 # torchtitan's own module names: a state dict of them is not the Hub's
-TORCHTITAN_NAME = re.compile(r"^(?:tok_embeddings\.weight|layers\.\d+\.(?:attention|feed_forward)\.w\w*\.weight)$")
+TORCHTITAN_NAME = re.compile(r"^(?:tok_embeddings\.weight|layers\.[0-9]+\.(?:attention|feed_forward)\.w\w*\.weight)$")
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 

@@ -52,9 +52,9 @@ if TYPE_CHECKING:
 
 NAME = "deepspeed_zero"
 TENSOR_NAMING = HF_NAMES
-MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
-OPTIM_FILE = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-OTHER_PARALLEL_FILE = re.compile(r"^(?:layer_\d+|expp_rank_\d+).*\.pt$")  # pipeline layers, expert-parallel state
+MODEL_FILE = re.compile(r"^(?:zero_pp_rank_([0-9]+)_)?mp_rank_([0-9]+)_model_states\.pt$")
+OPTIM_FILE = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_([0-9]+)_mp_rank_([0-9]+)_optim_states\.pt$")
+OTHER_PARALLEL_FILE = re.compile(r"^(?:layer_[0-9]+|expp_rank_[0-9]+).*\.pt$")  # pipeline layers, expert-parallel state
 OPTIMIZER_KEY = "optimizer_state_dict"
 STAGE_1_2_GROUPS = "single_partition_of_fp32_groups"
 STAGE_3_GROUPS = "fp32_flat_groups"

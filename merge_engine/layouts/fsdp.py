@@ -42,8 +42,8 @@ if TYPE_CHECKING:  # the readers import torch: imported when a checkpoint is che
 
 NAME = "fsdp"
 TENSOR_NAMING = HF_NAMES
-MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
-RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")  # every per-rank kind
+MODEL_FILE = re.compile(r"^model_world_size_([0-9]+)_rank_([0-9]+)\.pt$")
+RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_([0-9]+)_rank_([0-9]+)\.pt$")  # every per-rank kind
 CONFIG_FILE = "fsdp_config.json"
 FSDP_VERSIONS = (1, 2)
 HF_DIR = "huggingface"

@@ -90,10 +90,10 @@ TRANSFORMER_CONFIG = "transformer_config.json"
 MODEL_FOLDERS = ("model/dist_ckpt/", "dist_ckpt/", "")  # detection order
 STATE_ONLY_FOLDERS = ("extra/dist_ckpt/", "optimizer/dist_ckpt/")
 HF_FOLDERS = {"model/dist_ckpt/": "model/huggingface", "dist_ckpt/": "huggingface", "": None}
-ITER_METADATA = re.compile(r"^(iter_\d+)/\.metadata$")
+ITER_METADATA = re.compile(r"^(iter_[0-9]+)/\.metadata$")
 # keys of a dist_ckpt that are not model weights; Megatron's ChainedOptimizer (MoE: one optimizer for
 # the dense parameters, one for the experts) prefixes each optimizer's keys with ``chained_<i>.``
-NON_MODEL_KEY = re.compile(r"^(?:chained_\d+\.)?(?:optimizer|rng_state|lr_scheduler|opt_param_scheduler"
+NON_MODEL_KEY = re.compile(r"^(?:chained_[0-9]+\.)?(?:optimizer|rng_state|lr_scheduler|opt_param_scheduler"
                            r"|num_floating_point_operations)")
 STACKED = "decoder.layers."
 # Megatron-Bridge PEFT's adapter keys (``...linear_qkv.adapter.linear_in.weight``): a LoRA run's step

@@ -77,7 +77,7 @@ if TYPE_CHECKING:  # readers, lazy tensors, TP rules: they import torch
 NAME = "megatron_legacy"
 TENSOR_NAMING = MEGATRON_NAMES
 CONFIG_DIR = "hf_config_and_tokenizer"  # where `write`'s caller puts config.json + tokenizer
-RANK_FILE = re.compile(r"^(?P<prefix>(?:model/|iter_\d+/)?)mp_rank_(?P<tp>\d{2})(?P<rest>(?:_\d{3}){0,2})/"
+RANK_FILE = re.compile(r"^(?P<prefix>(?:model/|iter_[0-9]+/)?)mp_rank_(?P<tp>[0-9]{2})(?P<rest>(?:_[0-9]{3}){0,2})/"
                        r"(?P<file>model\.pt|model_optim_rng\.pt)$")
 VERL_FILE, MEGATRON_LM_FILE = "model.pt", "model_optim_rng.pt"
 HF_DIRS = ("hf_config_and_tokenizer", "huggingface")
@@ -103,7 +103,7 @@ def detect(files: Sequence[FileEntry]) -> bool:
 
 
 # every file of a rank folder (Megatron-LM also keeps e.g. distrib_optim.pt there): each must be non-empty
-ANY_RANK_FILE = re.compile(r"^(?:model/|iter_\d+/)?mp_rank_(\d{2})((?:_\d{3}){0,2})/[^/]+\.pt$")
+ANY_RANK_FILE = re.compile(r"^(?:model/|iter_[0-9]+/)?mp_rank_([0-9]{2})((?:_[0-9]{3}){0,2})/[^/]+\.pt$")
 
 
 def listing_verdict(files: Sequence[FileEntry]) -> Verdict:

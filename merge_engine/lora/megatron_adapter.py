@@ -35,7 +35,7 @@ from merge_engine.formats.chunks import flat_slices
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
 
 ADAPTER_FACTOR = re.compile(r"^(?P<module>.+)\.adapter\.linear_(?P<side>in|out)\.weight$")
-GROUPED_EXPERTS = re.compile(r"^(?P<layer>decoder\.layers\.\d+)\.mlp\.experts\.(?:experts\.)?(?P<linear>linear_fc[12])$")
+GROUPED_EXPERTS = re.compile(r"^(?P<layer>decoder\.layers\.[0-9]+)\.mlp\.experts\.(?:experts\.)?(?P<linear>linear_fc[12])$")
 
 
 def is_adapter_factor(name: str) -> bool:

@@ -35,7 +35,7 @@ from merge_engine.errors import InvalidConfig
 _INTEGER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                    "head_dim", "num_hidden_layers")
 _WIDTH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "head_dim")
-_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
+_INDEX = re.compile(r"\.([0-9]+)(?=\.|$)")
 
 
 def check_sizes(config: Mapping[str, Any], config_url: str | None = None) -> None:
