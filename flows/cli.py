@@ -12,20 +12,33 @@ command fails in one line naming what to set (the engine's `CredentialsMissing`,
 
 import argparse
 import sys
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional, Sequence
 
 from merge_engine import cli as engine_cli
 from merge_engine.errors import InvalidOption
+from merge_engine.options import flag
 
 NOTIFY_HELP = "tell the Prefect server a checkpoint was saved (event stepmerge.checkpoint.saved)"
 
 
-def cmd_notify(args: argparse.Namespace) -> int:
+@dataclass(frozen=True, kw_only=True)
+class NotifyArgs:
+    """``notify``'s flags."""
+
+    step: int = flag("the global step just saved", required=True, parse=int)
+    run_root: str = flag("the run root URL the training job writes global_step_N/ to", required=True)
+    role: Literal["actor", "critic", ""] = flag("actor (default), critic, or '' (SFT)", "actor",
+                                                choices=("actor", "critic", ""))
+
+
+def cmd_notify(parsed: argparse.Namespace) -> int:
     """Send ``stepmerge.checkpoint.saved`` to the Prefect server.
 
     Exit 0 only when the server accepted the event; 1 when it could not be reached or refused it
     (`flows.events.EventNotDelivered`: retry later); 2 for bad input or no server configured.
     """
+    args = engine_cli.read_options(parsed, NotifyArgs)
     if args.step < 0:
         raise InvalidOption(f"--step must be >= 0, got {args.step}")
     from flows.events import CHECKPOINT_SAVED, emit_checkpoint_saved, notified_run_root
@@ -37,7 +50,7 @@ def cmd_notify(args: argparse.Namespace) -> int:
 
 
 def add_notify(parser: argparse.ArgumentParser) -> None:
-    engine_cli.add_options(parser, "notify")
+    engine_cli.add_options(parser, NotifyArgs)
     parser.set_defaults(run=cmd_notify)
 
 

@@ -1,8 +1,8 @@
-"""``python -m merge_engine``: the engine's command line (``stepmerge`` is it plus the pipeline's ``notify``,
-`flows.cli`).
+"""``python -m merge_engine``: the engine's command line (``stepmerge`` is it plus the pipeline's ``notify``).
 
-Each command builds the engine's one options record (`merge_engine.output.jobs.OutputOptions`) and runs
-its job. Accepts verl's model-merger spellings (``merge --backend fsdp --local_dir X --target_dir Y``,
+Each command's flags are derived from its options record (`merge_engine.options`: `add_options`) and read
+back into it (`read_options`); the command builds the engine's one options record
+(`merge_engine.output.jobs.OutputOptions`) from it and runs its job. Accepts verl's model-merger spellings (``merge --backend fsdp --local_dir X --target_dir Y``,
 ``test --test_hf_dir Z``, ``--tie-word-embedding``, ``--trust-remote-code``, ...) with dashes or
 underscores, plus stepmerge's own commands. Every `StepmergeError` becomes one line on stderr
 (``stepmerge: error: <Kind>: message [path]``) and its exit code; nothing is printed as a traceback.
@@ -14,16 +14,21 @@ the last thing it does; exit code 130 / 143.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import os
 import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+import typing
+from typing import TypeVar
 
 from merge_engine.output import interrupts
 from merge_engine import options as declared
 from merge_engine.errors import InvalidOption, StepmergeError, StorageUnavailable
+
+Args = TypeVar("Args")
 
 class StepmergeParser(argparse.ArgumentParser):
     """argparse without prefix abbreviations, and an unknown flag named with its closest spelling.
@@ -51,61 +56,79 @@ class StepmergeParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
 
-def _argument_type(kind: declared.Kind) -> Callable[[str], object]:
-    """argparse ``type=`` of ``kind``: its parser, an `InvalidOption` turned into argparse's one-line refusal."""
+def _argument_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """argparse ``type=`` of a flag's parser: an `InvalidOption` turned into argparse's one-line refusal."""
 
-    def parse(text: str) -> object:
+    def read(text: str) -> object:
         try:
-            return kind.parse(text)
+            return parse(text)
         except InvalidOption as exc:
             raise argparse.ArgumentTypeError(exc.message) from None
 
-    parse.__name__ = kind.parse.__name__  # argparse names it in "invalid <name> value"
-    return parse
+    read.__name__ = parse.__name__  # argparse names it in "invalid <name> value"
+    return read
 
 
-def add_options(parser: argparse.ArgumentParser, command: str) -> None:
-    """Add ``command``'s flags as `merge_engine.options` declares them: spellings, help, type, default, choices."""
-    for option in declared.for_command(command):
-        use = option.use(command)
-        kind = declared.KINDS[use.kind]
-        kwargs: dict = {"help": argparse.SUPPRESS if option.hidden else use.help}
-        if kind.switch:
-            kwargs["action"] = "store_true"
-        elif kind.parse is not None:
-            kwargs["type"] = _argument_type(kind)
-        if option.choices:
-            kwargs["choices"] = option.choices
-        if use.required and not option.positional:
+def _listed(record: type) -> list[dataclasses.Field]:
+    """``record``'s fields in ``--help``'s order: the positional and required ones, then the command's own, then
+    the run flags it shares (`merge_engine.options.RunArgs`)."""
+    run = {f.name for f in dataclasses.fields(declared.RunArgs)}
+    every = dataclasses.fields(record)
+    return sorted(every, key=lambda f: (not (f.metadata[declared.FLAG].required or f.metadata[declared.FLAG].positional),
+                                        f.name in run))
+
+
+def add_options(parser: argparse.ArgumentParser, record: type) -> None:
+    """Add the flags of ``record`` (a command's options record, `merge_engine.options`): each field's spellings,
+    help, parser, default and choices from its `Flag`; a bool field is a switch; a field's hidden spellings
+    are taken but not listed in ``--help``."""
+    hints = typing.get_type_hints(record)
+    for item in _listed(record):
+        marker: declared.Flag = item.metadata[declared.FLAG]
+        kwargs: dict = {"help": marker.help}
+        if hints[item.name] in (bool, bool | None):
+            kwargs["action"] = "store_false" if item.default is True else "store_true"
+        elif marker.parse is not None:
+            kwargs["type"] = _argument_type(marker.parse)
+        if marker.choices:
+            kwargs["choices"] = marker.choices
+        if marker.positional:
+            parser.add_argument(item.name, **kwargs)
+            continue
+        if marker.required:
             kwargs["required"] = True
-        elif option.default is not False:  # store_true's own default; an option optional here: None
-            kwargs["default"] = None if option.required else option.default
-        parser.add_argument(*option.spellings, **kwargs)
+        else:
+            kwargs["default"] = item.default
+        parser.add_argument(*marker.spellings(item.name), dest=item.name, **kwargs)
+        if marker.hidden_names:
+            parser.add_argument(*marker.spellings(item.name, hidden=True), dest=item.name,
+                                **{**kwargs, "help": argparse.SUPPRESS})
 
 
-def _options(args: argparse.Namespace, command: str, **given):
-    """The engine's options record (`OutputOptions`) from ``command``'s flags (each declared option with an
-    engine field, as its kind gives it to the engine) and ``given``; ``--requests-in-flight`` is set for this
-    process and (through its environment) for the Ray workers it starts."""
+def read_options(args: argparse.Namespace, record: type[Args]) -> Args:
+    """The command's options record from its parsed flags."""
+    return record(**{f.name: getattr(args, f.name) for f in dataclasses.fields(record)})
+
+
+def _options(given: object, **settings):
+    """The engine's options record (`OutputOptions`) from a command's record (each field sets the engine option of
+    its name, or its `Flag.sets`) and ``settings``; ``--requests-in-flight`` is set for this process and (through
+    its environment) for the Ray workers it starts."""
     from merge_engine.output.jobs import OutputOptions
 
-    in_flight = getattr(args, "requests_in_flight", None)
+    in_flight = getattr(given, "requests_in_flight", None)
     if in_flight is not None:
         from merge_engine.storage import tuning
 
         tuning.REQUESTS_IN_FLIGHT = in_flight
         os.environ["STEPMERGE_REQUESTS_IN_FLIGHT"] = str(in_flight)
-    values = {option.field: _engine_value(option, command, getattr(args, option.name))
-              for option in declared.for_command(command) if option.field and option.field not in given}
-    return OutputOptions(**values, **given)
-
-
-def _engine_value(option: declared.Option, command: str, value):
-    """A flag's value as the engine takes it (`Kind.engine_value`); a bad one refused naming the flag."""
-    try:
-        return declared.KINDS[option.use(command).kind].engine_value(value)
-    except InvalidOption as exc:
-        raise InvalidOption(f"{option.spellings[-1]} {exc.message}") from None
+    engine = {f.name for f in dataclasses.fields(OutputOptions)}
+    values = {}
+    for item in dataclasses.fields(given):
+        name = item.metadata[declared.FLAG].sets or item.name
+        if name in engine and name not in settings:
+            values[name] = getattr(given, item.name)
+    return OutputOptions(**values, **settings)
 
 
 def _progress(total: int, label: str, file=None, disable: bool | None = None):
@@ -126,7 +149,7 @@ def rate_text(n_bytes: int, seconds: float) -> str:
     return f"{rate / 1e3:.0f} kB/s"
 
 
-def _ray_started(args: argparse.Namespace):
+def _ray_started(args: declared.MergeArgs):
     """With ``--ray-address``: the checkpoint checked (torch-free, so a bad one fails before any cluster is
     asked), then the Ray executor, made before the command's modules (torch) are imported, so that the
     cluster's connection and its workers' start overlap those imports (`RayExecutor.at`). (None, None) else."""
@@ -140,7 +163,8 @@ def _ray_started(args: argparse.Namespace):
     return (checkpoint if same else None), executor_at(executor_address(None, args.ray_address))
 
 
-def cmd_merge(args: argparse.Namespace) -> int:
+def cmd_merge(parsed: argparse.Namespace) -> int:
+    args = read_options(parsed, declared.MergeArgs)
     checkpoint, executor = _ray_started(args)
     from merge_engine.commands.merge import merge_checkpoint
 
@@ -155,7 +179,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
         bar = _progress(plan.total_size, "merge")
 
     try:
-        result = merge_checkpoint(args.local_dir, args.target_dir, _options(args, "merge"),
+        result = merge_checkpoint(args.local_dir, args.target_dir, _options(args),
                                   on_bytes=lambda n: bar.update(n) if bar else None, on_plan=on_plan, checkpoint=checkpoint,
                                   executor=executor)
     finally:
@@ -173,12 +197,13 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return code
 
 
-def _check_trained(args: argparse.Namespace, *, fused_model_url: str | None = None,
+def _check_trained(args: declared.MergeArgs | declared.ExtractLoraArgs | declared.CheckTrainedArgs, *, fused_model_url: str | None = None,
                    adapter_url: str | None = None) -> int:
     """Run `merge_engine.validate.trained.check_against_trained`, print its report; 0 when it passed (a skip is
     printed as SKIP), else `ValidationFailed` (exit 5) naming the first failed check."""
     from merge_engine.validate.trained import check_against_trained
 
+    assert args.local_dir is not None  # extract-lora checks a --local_dir checkpoint only
     report = check_against_trained(args.local_dir, fused_model_url=fused_model_url, adapter_url=adapter_url,
                                    lora_alpha=args.lora_alpha, config_url=args.hf_model_path,
                                    device=getattr(args, "device", None), backend=args.backend)
@@ -187,23 +212,25 @@ def _check_trained(args: argparse.Namespace, *, fused_model_url: str | None = No
     return 0
 
 
-def cmd_check_trained(args: argparse.Namespace) -> int:
+def cmd_check_trained(parsed: argparse.Namespace) -> int:
+    args = read_options(parsed, declared.CheckTrainedArgs)
     if not args.fused_model and not args.adapter:
         raise InvalidOption("give --fused-model and/or --adapter: what to compare with the trained model")
     return _check_trained(args, fused_model_url=args.fused_model, adapter_url=args.adapter)
 
 
 def _add_check_trained(parser: argparse.ArgumentParser) -> None:
-    add_options(parser, "check-trained")
+    add_options(parser, declared.CheckTrainedArgs)
     parser.set_defaults(run=cmd_check_trained)
 
 
 def _add_merge(parser: argparse.ArgumentParser) -> None:
-    add_options(parser, "merge")
+    add_options(parser, declared.MergeArgs)
     parser.set_defaults(run=cmd_merge)
 
 
-def cmd_check(args: argparse.Namespace) -> int:
+def cmd_check(parsed: argparse.Namespace) -> int:
+    args = read_options(parsed, declared.CheckArgs)
     from merge_engine.layouts import check_checkpoint
     from merge_engine.release.verify import is_release_folder, raise_for, verify_folder
 
@@ -233,15 +260,16 @@ CHECK_EXIT_CODES = """exit codes:
 def _add_check(parser: argparse.ArgumentParser) -> None:
     parser.epilog = CHECK_EXIT_CODES
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    add_options(parser, "check")
+    add_options(parser, declared.CheckArgs)
     parser.set_defaults(run=cmd_check)
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
+def cmd_verify(parsed: argparse.Namespace) -> int:
     """Exit 0: intact; 3: no valid _COMPLETE marker; 6: damaged (each bad file named); 2: nothing to
     verify against, or no checksums to verify with; 1: storage unreachable. See `merge_engine.release.verify`."""
     from merge_engine.release.verify import raise_for, verify_folder
 
+    args = read_options(parsed, declared.VerifyArgs)
     report = verify_folder(args.url, mode="quick" if args.quick else "full")
     raise_for(report)
     print(report.summary())
@@ -249,7 +277,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _add_verify(parser: argparse.ArgumentParser) -> None:
-    add_options(parser, "verify")
+    add_options(parser, declared.VerifyArgs)
     parser.set_defaults(run=cmd_verify)
 
 
@@ -261,31 +289,33 @@ def _push(url: str, repo: str, revision: str | None, private: bool) -> None:
     print(pushed.summary())
 
 
-def cmd_push(args: argparse.Namespace) -> int:
+def cmd_push(parsed: argparse.Namespace) -> int:
     """Exit 0: pushed and verified (or already there); 2: refused (one line: token, access, repo, network) or
     nothing to push; 3: a release without a valid marker; 6: the Hub's files differ from the manifest."""
+    args = read_options(parsed, declared.PushArgs)
     _push(args.url, args.repo, args.revision, args.private)
     return 0
 
 
 def _add_push(parser: argparse.ArgumentParser) -> None:
-    add_options(parser, "push")
+    add_options(parser, declared.PushArgs)
     parser.set_defaults(run=cmd_push)
 
 
-def cmd_test(args: argparse.Namespace) -> int:
+def cmd_test(parsed: argparse.Namespace) -> int:
     from merge_engine.commands.reference_check import check_against_reference
     from merge_engine.validate.compare import WEIGHT_TOLERANCE
 
+    args = read_options(parsed, declared.TestArgs)
     atol = WEIGHT_TOLERANCE.atol if args.atol is None else args.atol
     rtol = WEIGHT_TOLERANCE.rtol if args.rtol is None else args.rtol
-    report = check_against_reference(args.local_dir, args.test_hf_dir, _options(args, "test"), atol=atol, rtol=rtol)
+    report = check_against_reference(args.local_dir, args.test_hf_dir, _options(args), atol=atol, rtol=rtol)
     print(report.text())  # plain text: `summary` is the UI's Markdown
     return 0 if report.ok else 5
 
 
 def _add_test(parser: argparse.ArgumentParser) -> None:
-    add_options(parser, "test")
+    add_options(parser, declared.TestArgs)
     parser.set_defaults(run=cmd_test)
 
 
@@ -304,8 +334,11 @@ def _print_lora_result(result, verb: str) -> None:
           f"{result.tensor_bytes / 1e6:.1f} MB in {result.seconds:.2f} s")
 
 
-def cmd_extract_lora(args: argparse.Namespace) -> int:
+def cmd_extract_lora(parsed: argparse.Namespace) -> int:
     from merge_engine.commands.extract import extract_lora, extract_lora_svd
+
+    args = read_options(parsed, declared.ExtractLoraArgs)
+    only = declared.flag_name(declared.ExtractLoraArgs, "include_base")
 
     if (args.local_dir is None) == (args.finetuned is None):
         raise InvalidOption("give either --local_dir (a LoRA training checkpoint) or --finetuned with --base-model "
@@ -313,15 +346,15 @@ def cmd_extract_lora(args: argparse.Namespace) -> int:
     if args.finetuned is not None:
         if args.base_model is None:
             raise InvalidOption("--finetuned needs --base-model (the model it was fine-tuned from)")
-        if args.lora_alpha is not None or args.adapter_only or args.check_trained:
-            raise InvalidOption("--lora-alpha / --adapter-only / --check-trained apply to --local_dir checkpoints")
-        result = extract_lora_svd(args.base_model, args.finetuned, args.target_dir, _options(args, "extract-lora"))
+        if args.lora_alpha is not None or not args.include_base or args.check_trained:
+            raise InvalidOption(f"--lora-alpha / {only} / --check-trained apply to --local_dir checkpoints")
+        result = extract_lora_svd(args.base_model, args.finetuned, args.target_dir, _options(args))
         _print_lora_result(result, f"SVD-extracted {args.finetuned} - {args.base_model}")
         return 0
     if args.rank is not None or args.energy is not None or args.target_modules or args.device:
         raise InvalidOption("--rank / --energy / --target-modules / --device apply to --finetuned (SVD extraction)")
-    result = extract_lora(args.local_dir, args.target_dir,
-                          _options(args, "extract-lora", write_base=not args.adapter_only))
+    assert args.local_dir is not None  # one of the two is given: checked above
+    result = extract_lora(args.local_dir, args.target_dir, _options(args))
     _print_lora_result(result, f"extracted LoRA from {args.local_dir}")
     if args.check_trained:
         return _check_trained(args, adapter_url=result.target_url)
@@ -329,15 +362,16 @@ def cmd_extract_lora(args: argparse.Namespace) -> int:
 
 
 def _add_extract_lora(parser: argparse.ArgumentParser) -> None:
-    add_options(parser, "extract-lora")
+    add_options(parser, declared.ExtractLoraArgs)
     parser.set_defaults(run=cmd_extract_lora)
 
 
-def cmd_merge_lora(args: argparse.Namespace) -> int:
+def cmd_merge_lora(parsed: argparse.Namespace) -> int:
     from merge_engine.commands.combine import merge_lora
 
-    adapters = [u for u in args.lora_adapter.split(",") if u]
-    options = _options(args, "merge-lora")
+    args = read_options(parsed, declared.MergeLoraArgs)
+    adapters = list(args.lora_adapter or ())
+    options = _options(args)
     bar = None
 
     def on_plan(plan) -> None:
@@ -357,14 +391,15 @@ def cmd_merge_lora(args: argparse.Namespace) -> int:
 
 
 def _add_merge_lora(parser: argparse.ArgumentParser) -> None:
-    add_options(parser, "merge-lora")
+    add_options(parser, declared.MergeLoraArgs)
     parser.set_defaults(run=cmd_merge_lora)
 
 
-def cmd_split(args: argparse.Namespace) -> int:
+def cmd_split(parsed: argparse.Namespace) -> int:
     from merge_engine.commands.split import split_hf_to_megatron
 
-    result = split_hf_to_megatron(args.hf_dir, args.target_dir, _options(args, "split"))
+    args = read_options(parsed, declared.SplitArgs)
+    result = split_hf_to_megatron(args.hf_dir, args.target_dir, _options(args))
     if result.skipped:
         print(f"{result.target_url} already holds this split; nothing to do")
         return 0
@@ -377,13 +412,14 @@ def cmd_split(args: argparse.Namespace) -> int:
 
 
 def _add_split(parser: argparse.ArgumentParser) -> None:
-    add_options(parser, "split")
+    add_options(parser, declared.SplitArgs)
     parser.set_defaults(run=cmd_split)
 
 
-def cmd_discover(args: argparse.Namespace) -> int:
+def cmd_discover(parsed: argparse.Namespace) -> int:
     from merge_engine.layouts.discovery import discover
 
+    args = read_options(parsed, declared.DiscoverArgs)
     found = discover(args.run_root)
     hint = f"; tracker file says {found.tracker_hint}" if found.tracker_hint is not None else ""
     print(f"{len(found.steps)} checkpoint(s) under {found.run_root}{hint}")
@@ -394,7 +430,7 @@ def cmd_discover(args: argparse.Namespace) -> int:
 
 
 def _add_discover(parser: argparse.ArgumentParser) -> None:
-    add_options(parser, "discover")
+    add_options(parser, declared.DiscoverArgs)
     parser.set_defaults(run=cmd_discover)
 
 
@@ -452,7 +488,7 @@ def _line_buffered_stdout() -> None:
 def main(argv: Sequence[str] | None = None, commands: Commands = SUBCOMMANDS) -> int:
     """Run one command; a `StepmergeError` is one line on stderr and its exit code. ``commands`` lets a
     program built on the engine add its own (the ``stepmerge`` console entry adds the pipeline's
-    ``notify``: `flows.cli`)."""
+    ``notify``)."""
     parser = build_parser(commands)
     args = parser.parse_args(argv)
     _line_buffered_stdout()

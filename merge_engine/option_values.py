@@ -3,10 +3,11 @@
 One list per kind of value, so `stepmerge merge --dtype fp16` and the Prefect form's ``dtype:
 fp16`` accept the same words and record the same canonical name (``float16``):
 
-- `DTYPE_SPELLINGS`: every accepted spelling -> its canonical dtype name (``bfloat16``,
-  ``float16``, ``float32``); `canonical_dtype` turns one into the other or raises `InvalidOption`.
+- `Dtype`: the value type of an output dtype, one of `DTYPES` (``bfloat16``, ``float16``, ``float32``): what
+  the engine takes. `DTYPE_SPELLINGS`: every accepted spelling -> its `Dtype`; `canonical_dtype` reads a
+  spelling (the command line's parser, the form's type: the one place a spelling is read) or raises `InvalidOption`.
 - `DEFAULT_SHARD_SIZE` / `DEFAULT_MAX_SHARD_SIZE`: the output shard size when none is given (text, bytes).
-- `WEIGHTS_FORMATS`: the names a merged folder's tensors are written under (``--weights-format``,
+- `WeightsFormat` / `WEIGHTS_FORMATS`: the names a merged folder's tensors are written under (``--weights-format``,
   the flows' ``weights_format``): ``hub`` (default; `merge_engine.plan.hub_format`) or ``transformers``
   (as stored); `parse_weights_format` checks one.
 - `SIZE_PATTERN`: a size such as ``5GB``, ``500MiB``, ``1.5 GB`` or ``1024`` (bytes), as a regular
@@ -19,18 +20,23 @@ No torch import here: the listings-only watcher and the webhook import the forms
 from __future__ import annotations
 
 import re
+from typing import Literal, get_args
 
 from merge_engine.errors import InvalidOption, one_line
 
-DTYPE_SPELLINGS: dict[str, str] = {
+Dtype = Literal["bfloat16", "float16", "float32"]  # an output dtype, as the engine takes it
+DTYPES: tuple[Dtype, ...] = get_args(Dtype)
+DTYPE_SPELLINGS: dict[str, Dtype] = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16", "half": "float16",
     "float32": "float32", "fp32": "float32", "float": "float32",
 }
 
-HUB, TRANSFORMERS = "hub", "transformers"
-WEIGHTS_FORMATS: tuple[str, ...] = (HUB, TRANSFORMERS)  # the choices of `merge_engine.options`' weights_format
-DEFAULT_WEIGHTS_FORMAT = HUB
+WeightsFormat = Literal["hub", "transformers"]  # the names a merged folder's tensors are written under
+HUB: WeightsFormat = "hub"
+TRANSFORMERS: WeightsFormat = "transformers"
+WEIGHTS_FORMATS: tuple[WeightsFormat, ...] = get_args(WeightsFormat)
+DEFAULT_WEIGHTS_FORMAT: WeightsFormat = HUB
 
 SIZE_UNITS: dict[str, int] = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
                               "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
@@ -39,8 +45,12 @@ SIZE_PATTERN = r"^ *[0-9]+(\.[0-9]+)? *([kKmMgGtT]([iI])?)?[bB]? *$"
 _SIZE = re.compile(SIZE_PATTERN)
 
 
-def canonical_dtype(name: str | None) -> str | None:
-    """``"fp16"`` -> ``"float16"`` (any spelling of `DTYPE_SPELLINGS`, any case); None stays None."""
+def canonical_dtype(name: str | None) -> Dtype | None:
+    """``"fp16"`` -> ``"float16"`` (any spelling of `DTYPE_SPELLINGS`, any case); None stays None.
+
+    Raises:
+        InvalidOption: ``name`` is no spelling of a dtype.
+    """
     if name is None:
         return None
     try:
@@ -49,13 +59,13 @@ def canonical_dtype(name: str | None) -> str | None:
         raise InvalidOption(f"unknown dtype '{one_line(name)}'; choose one of {', '.join(DTYPE_SPELLINGS)}") from None
 
 
-def parse_weights_format(name: str | None) -> str:
+def parse_weights_format(name: str | None) -> WeightsFormat:
     """``"Hub"`` -> ``"hub"``; None -> the default (``hub``); `InvalidOption` for any other name."""
     value = (name or DEFAULT_WEIGHTS_FORMAT).lower()
-    if value not in WEIGHTS_FORMATS:
-        raise InvalidOption(f"unknown weights format '{one_line(name)}'; "
-                            f"choose one of {', '.join(WEIGHTS_FORMATS)}")
-    return value
+    for known in WEIGHTS_FORMATS:
+        if value == known:
+            return known
+    raise InvalidOption(f"unknown weights format '{one_line(name)}'; choose one of {', '.join(WEIGHTS_FORMATS)}")
 
 
 def parse_size(text: str | int) -> int:

@@ -26,7 +26,7 @@ from merge_engine.lora.sources import NamespacedSource
 from merge_engine.lora.svd import ModuleReport, check_targets, svd_device
 from merge_engine.commands.adapter_target import inputs_fingerprint, module_reports_json
 from merge_engine.commands.input_folders import InputFolders
-from merge_engine.plan.merge_plan import MergePlan, parse_dtype
+from merge_engine.plan.merge_plan import MergePlan, torch_dtype
 from merge_engine.formats.tensor_source import TensorMeta, TensorSource
 
 OUTPUTS = ("model", "adapter")
@@ -49,7 +49,6 @@ def check_merge_lora_options(base_url: str | None, adapter_urls: Sequence[str], 
         svd_device(options.device)  # a device this machine cannot use fails before anything is read
     if options.lora_alpha is not None and len(options.lora_alpha) != len(adapter_urls):
         raise AdapterError(f"{len(options.lora_alpha)} --lora-alpha values for {len(adapter_urls)} adapters")
-    parse_dtype(options.dtype)
     return weights
 
 
@@ -121,7 +120,7 @@ class CombineJob:
                 sources[BASE_NAMESPACE] = self.inputs.open(base_url)
                 base_metas = sources[BASE_NAMESPACE].metas()
             source = NamespacedSource(sources)
-            dtype = parse_dtype(options.dtype)
+            dtype = torch_dtype(options.dtype)
             reports: list[ModuleReport] = []
             if options.output == "model":
                 plan = in_weights_format(plan_fused_model(base_metas, config, inputs, dtype=dtype,

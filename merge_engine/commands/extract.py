@@ -52,7 +52,7 @@ from merge_engine.lora.sources import RenamedSource
 from merge_engine.lora.svd import AUTO, Factors, ModuleReport, check_targets, svd_device
 from merge_engine.lora.svd_updates import factor_updates
 from merge_engine.commands.adapter_target import inputs_fingerprint, module_reports_json
-from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, parse_dtype
+from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, torch_dtype
 from merge_engine.plan.output_heads import check_dropped_head
 from merge_engine.formats.tensor_source import TensorMeta, TensorSource
 
@@ -106,7 +106,6 @@ class ExtractJob:
             self.checkpoint = check_checkpoint(self.source_url, self.options.backend)
         elif self.checkpoint.url.rstrip("/") != self.source_url.rstrip("/"):
             raise InvalidOption(f"the checked checkpoint is {self.checkpoint.url}, not the source", self.source_url)
-        parse_dtype(self.options.dtype)
         return self.checkpoint
 
     def _run_metadata(self) -> RunLoraMetadata:
@@ -155,7 +154,7 @@ class ExtractJob:
                                "trained from) to check the adapter against", checkpoint.url)
         if base_view is not None:
             check_fits_base(lora.adapter, base_view.metas(), checkpoint.url)
-        dtype = parse_dtype(options.dtype)
+        dtype = torch_dtype(options.dtype)
         base_plan = None
         if base_view is not None:  # metadata only; written when asked
             stored = plan_hf_merge(base_view.metas(), config, dtype=dtype, max_shard_size=None,
@@ -168,7 +167,7 @@ class ExtractJob:
         if options.base_model is None:
             check_base_metas = {t.name: TensorMeta(t.name, t.shape, t.dtype) for t in base_plan.tensors}
         check_exported_fits(exported, check_base_metas, checkpoint.url, check_url)
-        write_base = options.write_base and base_plan is not None
+        write_base = options.include_base and base_plan is not None
         base_out = adapter_base_name(base_model_id=options.base_model_id, config=config, base_written=write_base,
                                      base_model=options.base_model)
         plan = adapter_plan(list(exported.tensors))
@@ -245,12 +244,11 @@ class SvdExtractJob:
     def fingerprint(self) -> str:
         check_targets(self.options.rank, self.options.energy)
         svd_device(self.options.device)  # a device this machine cannot use fails before anything is read
-        parse_dtype(self.options.dtype)
         return svd_extract_fingerprint(self.base_url, self.source_url, self.options, self.inputs)
 
     def prepare(self) -> PreparedJob:
         options, finetuned_url, base_url = self.options, self.source_url, self.base_url
-        dtype = parse_dtype(options.dtype) or torch.float32
+        dtype = torch_dtype(options.dtype) or torch.float32
         tuned_checkpoint = check_checkpoint(finetuned_url, options.backend, self.inputs.files(finetuned_url))
         if layout_named(tuned_checkpoint.layout).TENSOR_NAMING != HF_NAMES:
             raise AdapterError(f"a {tuned_checkpoint.layout} checkpoint's tensors are not Hugging Face tensors: "

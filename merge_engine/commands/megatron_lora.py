@@ -13,7 +13,7 @@ Outputs (the layout's jobs: `merge_engine.commands.layout_jobs.LayoutJobs`):
 - `prepare_adapter_release` (`prepare_extract`) (``extract-lora``, the pipeline's adapter stage): the adapter folder,
   ``adapter_config.json`` as the run wrote it (``base_model_name_or_path``: a name that resolves wherever the
   release is copied, `merge_engine.lora.base_name`, else the run's, a hint); checked against ``--base-model``'s shapes when one is given, and that base
-  copied under ``base/`` (``write_base``, the release's ``include_base``) so PEFT can load the release alone;
+  copied under ``base/`` (``include_base``) so PEFT can load the release alone;
   a step holding its base (``use_dist_checkpointing: true``) puts that base under ``base/`` instead: the
   step's Megatron weights with the adapter factors hidden (`StepBaseSource`), through the Megatron planner
   and the family table like any merge (`_step_base`), the adapter NOT applied;
@@ -62,7 +62,7 @@ from merge_engine.lora.megatron_adapter import (
     is_adapter_factor,
 )
 from merge_engine.lora.sources import NamespacedSource
-from merge_engine.plan.merge_plan import PlannedTensor, parse_dtype
+from merge_engine.plan.merge_plan import PlannedTensor, torch_dtype
 from merge_engine.formats.chunks import flat_slices
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
 
@@ -167,12 +167,12 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
             base, _ = _base(options.base_model, config, inputs)
             opened.append(base)
             check_fits_base(with_base(adapter, base.metas(), options.base_model), base.metas(), options.base_model)
-        dtype = parse_dtype(options.dtype)
+        dtype = torch_dtype(options.dtype)
         tensors = [PlannedTensor(name, tuple(meta.shape), dtype or meta.dtype, name)
                    for name, meta in source.metas().items()]
         plan = adapter_plan(tensors)
-        base_output = _base_copy(options, opened[1], dtype, inputs) if options.write_base and len(opened) > 1 else None
-        if base_output is None and options.write_base and not checkpoint.adapter_only:
+        base_output = _base_copy(options, opened[1], dtype, inputs) if options.include_base and len(opened) > 1 else None
+        if base_output is None and options.include_base and not checkpoint.adapter_only:
             base_output, base_source = _step_base(checkpoint, options, dtype, inputs)
             opened.append(base_source)
         # a name that resolves wherever the release is copied; the run's own when nothing better is known
@@ -281,7 +281,7 @@ def prepare_fused_model(checkpoint: Checkpoint, options: OutputOptions, source_u
         source = NamespacedSource(sources)
         plan = plan_fused_model(sources[BASE_NAMESPACE].metas(), base_config,
                                 [WeightedAdapter(ADAPTER_NAMESPACE, adapter, 1.0)],
-                                dtype=parse_dtype(options.dtype), max_shard_size=None, base_url=options.base_model)
+                                dtype=torch_dtype(options.dtype), max_shard_size=None, base_url=options.base_model)
         plan = in_weights_format(plan, base_config, options.weights_format, options.max_shard_size)
     except BaseException:
         for handle in sources.values():

@@ -48,7 +48,7 @@ from merge_engine.layouts import Checkpoint, check_checkpoint, layout_named, ope
 from merge_engine.output.work_unit import PlannedOutput
 from merge_engine.layouts.contract import FileJob, ParallelSizes, WritableLayout
 from merge_engine.storage.written import FileRecord
-from merge_engine.plan.merge_plan import parse_dtype
+from merge_engine.plan.merge_plan import torch_dtype
 
 
 # --format -> the layout that writes it
@@ -218,7 +218,7 @@ class SplitJob:
     def prepare(self) -> PreparedJob:
         checkpoint, config = self._check()
         options, hf_url = self.options, self.source_url
-        dtype = parse_dtype(options.dtype)
+        dtype = torch_dtype(options.dtype)
         table = table_for_config(config, options.custom_mapping)
         scope = config.get("text_config") or config
         dims = model_dims(config, table, padded_vocab_size=padded_vocab_size(

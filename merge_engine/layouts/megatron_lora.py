@@ -41,6 +41,7 @@ from merge_engine.errors import IncompleteCheckpoint, StepmergeError, Unsupporte
 from merge_engine.formats.json_file import read_json_object
 from merge_engine.layouts import megatron_dist, verl_v2
 from merge_engine.layouts.contract import ABSENT, COMPLETE, MEGATRON_NAMES, Checkpoint, StepLook, Verdict
+from merge_engine.options import MergeArgs, flag_name
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:
@@ -57,16 +58,15 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 NOTE = "verl Megatron LoRA step"  # `Checkpoint.notes`, for a person; the facts are its typed fields
 REFINES = megatron_dist.NAME  # a LoRA run's dist checkpoint lists like any other (`Layout.REFINES`)
 JOBS = "merge_engine.commands.megatron_lora"  # how its steps are merged and extracted (`Layout.JOBS`)
-ADAPTER_ONLY_REASON = ("a LoRA adapter step (base weights not saved): the adapter can be released; "
-                       "a fused model needs --base-model")
-
-
-# what a merge of the step needs that the step does not record (the flows' parameter names)
+# what a merge of the step needs that the step does not record: the merge options (`MergeArgs` fields, the
+# engine's `OutputOptions` fields of the same names) a user must give
 NEEDS_BASE_MODEL = "base_model"  # the adapter only was saved: the model the run trained from
 NEEDS_LORA_ALPHA = "lora_alpha"  # no PEFT export: nothing in the step records alpha
 NEEDS_HF_MODEL_PATH = "hf_model_path"  # base in the step but no model/huggingface/config.json
 MARKER_MAX_BYTES = 1 << 20  # the largest ckpt_contents.json discovery reads (verl's: a few KB)
-CLI_FLAGS = {NEEDS_BASE_MODEL: "--base-model", NEEDS_LORA_ALPHA: "--lora-alpha", NEEDS_HF_MODEL_PATH: "--hf_model_path"}
+CLI_FLAGS = {need: flag_name(MergeArgs, need) for need in (NEEDS_BASE_MODEL, NEEDS_LORA_ALPHA, NEEDS_HF_MODEL_PATH)}
+ADAPTER_ONLY_REASON = ("a LoRA adapter step (base weights not saved): the adapter can be released; "
+                       f"a fused model needs {CLI_FLAGS[NEEDS_BASE_MODEL]}")
 
 
 def detect(files: Sequence[FileEntry]) -> bool:
@@ -164,7 +164,7 @@ def refine(checkpoint: Checkpoint, files: Sequence[FileEntry]) -> Checkpoint | N
                                 storage.join(url, MARKER))
     if folder is None and ADAPTER_DIR + ADAPTER_CONFIG in paths:
         folder = ADAPTER_DIR
-    notes = [NOTE, "adapter only: a fused model needs --base-model (the model the run trained from)"
+    notes = [NOTE, f"adapter only: a fused model needs {CLI_FLAGS[NEEDS_BASE_MODEL]} (the model the run trained from)"
              if checkpoint.adapter_only else "base weights in model/dist_ckpt (use_dist_checkpointing)"]
     if folder is not None:
         for required in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):

@@ -29,13 +29,15 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, make_dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 from merge_engine import __version__, engine_identity, storage
-from merge_engine import options as declared
 from merge_engine.errors import InvalidOption
-from merge_engine.plan.hub_format import parse_weights_format
+from merge_engine.option_values import (
+    DEFAULT_MAX_SHARD_SIZE, DEFAULT_WEIGHTS_FORMAT, DTYPES, WEIGHTS_FORMATS, Dtype, WeightsFormat,
+)
+from merge_engine.options import OUTPUTS, recorded_by, recorded_fields, setting
 from merge_engine.layouts.runs import portable_record
 from merge_engine.lora.svd import ModuleReport
 from merge_engine.plan.merge_plan import MergePlan
@@ -49,40 +51,76 @@ __all__ = ["OutputJob", "OutputOptions", "OutputResult", "job_inputs",
            "PreparedJob", "run_job"]
 
 
-def engine_default(option: declared.Option) -> Any:
-    """``option``'s default as the engine holds it (a size in bytes)."""
-    return declared.KINDS[option.kind].engine_value(option.default)
-
-
-# one field per engine option `merge_engine.options` declares (its `Option.field`), of its kind's engine type
-DeclaredOptions = make_dataclass(
-    "DeclaredOptions", [(name, declared.KINDS[option.kind].engine, field(default=engine_default(option)))
-                        for name, option in declared.fields().items()], frozen=True)
-DeclaredOptions.__module__ = __name__  # picklable by name (Ray workers get the options)
+MERGE, EXTRACT, EXTRACT_SVD, MERGE_LORA, SPLIT = OUTPUTS  # the outputs whose records name the fields below
+ADAPTERS = (EXTRACT, EXTRACT_SVD, MERGE_LORA)
 
 
 @dataclass(frozen=True)
-class OutputOptions(DeclaredOptions):
+class OutputOptions:
     """The engine's one options record: what every command may be asked (the CLI and the tasks build it).
 
-    Its fields are the engine options `merge_engine.options` declares (`Option.field`, typed by kind, with
-    the declared default), plus ``chunk_bytes``. Each command reads the fields that concern it;
-    `output_options` picks the ones declared to shape its output (fingerprint and provenance).
+    Each command reads the fields that concern it. A field's `recorded` marker names the outputs
+    (`merge_engine.options.OUTPUTS`) whose fingerprint and provenance record it, always or only when set:
+    `output_options` reads them. Values are as the engine takes them, made canonical where they were given
+    (``dtype`` a `Dtype`, ``max_shard_size`` in bytes); a value of the wrong form is refused here.
+
+    Raises:
+        InvalidOption: ``dtype`` is not one of `DTYPES`, ``weights_format`` not one of `WEIGHTS_FORMATS`, or
+            ``max_shard_size`` is not a positive number of bytes.
     """
 
+    backend: str | None = setting(None, recorded_by(EXTRACT, EXTRACT_SVD))
+    tie_word_embedding: bool | None = None
+    dtype: Dtype | None = setting(None, recorded_by(*OUTPUTS))
+    max_shard_size: int = setting(DEFAULT_MAX_SHARD_SIZE, recorded_by(MERGE, EXTRACT, MERGE_LORA))
+    hf_model_path: str | None = setting(None, recorded_by(MERGE, EXTRACT))
+    custom_mapping: str | None = setting(None, recorded_by(SPLIT, when_set=(MERGE,)))
+    weights_format: WeightsFormat = setting(DEFAULT_WEIGHTS_FORMAT, recorded_by(MERGE, EXTRACT, MERGE_LORA))
+    mtp_layers: Literal["export", "drop"] | None = setting(None, recorded_by(when_set=(MERGE,)))
+    include_base: bool = setting(True, recorded_by(EXTRACT, key="write_base"))
+    lora_alpha: float | tuple[float, ...] | None = setting(None, recorded_by(EXTRACT, MERGE_LORA, when_set=(MERGE,)))
+    base_model: str | None = setting(None, recorded_by(EXTRACT))
+    base_model_id: str | None = setting(None, recorded_by(when_set=(EXTRACT, MERGE_LORA)))
+    method: Literal["concat", "weighted", "average"] = setting("concat", recorded_by(MERGE_LORA))
+    weights: tuple[float, ...] | None = setting(None, recorded_by(MERGE_LORA))
+    output: Literal["model", "adapter"] = setting("model", recorded_by(MERGE_LORA))
+    rank: int | None = setting(None, recorded_by(EXTRACT_SVD, MERGE_LORA))
+    energy: float | None = setting(None, recorded_by(EXTRACT_SVD, MERGE_LORA))
+    target_modules: tuple[str, ...] | None = setting(None, recorded_by(EXTRACT_SVD))
+    tp: int = setting(1, recorded_by(SPLIT))
+    pp: int = setting(1, recorded_by(SPLIT))
+    vpp: int | None = setting(None, recorded_by(SPLIT))
+    ep: int = setting(1, recorded_by(SPLIT))
+    format: Literal["legacy", "dist"] = setting("legacy", recorded_by(SPLIT))
+    make_vocab_size_divisible_by: int = setting(128, recorded_by(SPLIT))
+    # how to run: never recorded (the same bytes whatever is chosen)
+    overwrite: bool = False
+    device: str | None = None
+    workers: int | None = None
+    ray_address: str | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # how much of a tensor is read at once: never what is written
 
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InvalidOption(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)} (read a spelling with "
+                                "merge_engine.option_values.canonical_dtype)")
+        if self.weights_format not in WEIGHTS_FORMATS:
+            raise InvalidOption(f"unknown weights format {self.weights_format!r}; "
+                                f"choose one of {', '.join(WEIGHTS_FORMATS)}")
+        if isinstance(self.max_shard_size, bool) or not isinstance(self.max_shard_size, int) \
+                or self.max_shard_size <= 0:
+            raise InvalidOption(f"max_shard_size must be a positive number of bytes, got {self.max_shard_size!r} "
+                                "(read a size with merge_engine.option_values.parse_size)")
+
     def output_options(self, command: str) -> dict[str, Any]:
-        """The options that change the bytes ``command`` writes (`merge_engine.options.recorded`), under their
-        field names: those recorded only when set (``"merge?"``) are left out while unset, so the
-        fingerprints of other outputs stay as they were."""
+        """The options that change the bytes ``command`` (one of `OUTPUTS`) writes, under their recorded keys
+        (`recorded_fields`): those recorded only when set are left out while unset, so the fingerprints of other
+        outputs stay as they were. A custom mapping is recorded with its content's digest."""
         options = {}
-        for option in declared.recorded(command):
-            value = getattr(self, option.field)
-            if value is not None or option.records(command):
-                options[option.field] = value
-        if "weights_format" in options:
-            options["weights_format"] = parse_weights_format(self.weights_format)
+        for name, (key, always) in recorded_fields(type(self), command).items():
+            value = getattr(self, name)
+            if value is not None or always:
+                options[key] = value
         if options.get("custom_mapping") is not None:  # its content, not just its name, decides the output
             options["custom_mapping"] = {"url": self.custom_mapping, "sha256": _content_digest(self.custom_mapping)}
         return options
@@ -153,7 +191,7 @@ class PreparedJob:
 
 
 class OutputJob(Protocol):
-    """One command's output. ``command`` names it (`merge_engine.options.OUTPUTS`); ``source_url`` is what it reads.
+    """One command's output. ``command`` names it (`merge_engine.options.OUTPUTS`, or a flow's name); ``source_url`` is what it reads.
 
     - ``fingerprint()``: the cache key (see the module docstring); may check the input (listing,
       headers) and keep what it learnt for `prepare`;

@@ -20,21 +20,20 @@ import torch
 
 from merge_engine.errors import UnsupportedLayout
 from merge_engine.formats.hf_metadata import INDEX_FILE, SINGLE_FILE
-from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE, DTYPE_SPELLINGS, canonical_dtype, parse_size
+from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE, DTYPES as DTYPE_NAMES, Dtype, parse_size
 from merge_engine.formats.safetensors_file import CODES
 from merge_engine.formats.tensor_source import TensorSource
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPES", "INDEX_FILE", "SINGLE_FILE", "MergePlan", "PlannedTensor", "ShardFile",
-           "TensorBuilder", "assign_shards", "output_dtype", "parse_dtype", "parse_size", "stored_dtype_update"]
+           "TensorBuilder", "assign_shards", "output_dtype", "parse_size", "stored_dtype_update", "torch_dtype"]
 
 
-DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_SPELLINGS.items()}
+DTYPES: dict[Dtype, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
-def parse_dtype(name: str | None) -> torch.dtype | None:
-    """Any spelling of `merge_engine.option_values.DTYPE_SPELLINGS` -> its torch dtype; None stays None."""
-    canonical = canonical_dtype(name)
-    return None if canonical is None else getattr(torch, canonical)
+def torch_dtype(dtype: Dtype | None) -> torch.dtype | None:
+    """The torch dtype of an output dtype (``options.dtype``, read once where it was given); None stays None."""
+    return None if dtype is None else DTYPES[dtype]
 
 
 def output_dtype(stored: torch.dtype, requested: torch.dtype | None) -> torch.dtype:

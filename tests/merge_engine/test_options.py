@@ -1,16 +1,14 @@
-"""Every option is declared once (`merge_engine.options`) and every surface is made from the declarations.
+"""The engine's options are written, typed records, and every surface is made from them.
 
-- the command line: each command's parser holds exactly its declared options, each with the declared
-  spellings (``--a_b`` and ``--a-b``), help, default, choices and required-ness, and nothing undeclared;
-- the flows: each flow's Prefect schema (the form) holds exactly its declared parameters, in order (the
-  required ones first), each with the declared description and default (the blank of an unset one), and the
-  signature Prefect reads is the parameter model's;
-- the settings records: one field per declared option of the record, with its default;
-- the engine: `OutputOptions` has one field per declared engine option, with its default; what a command's
-  fingerprint and provenance record (`OutputOptions.output_options`) and what a flow's release manifest
-  records (`recorded_options`) are the options declared to shape that output;
-- the declarations themselves are consistent: known kinds, commands, flows, outputs and records, a form
-  text for every flow parameter and a help text for every listed flag.
+- the command line: each command's parser is derived from its record (`merge_engine.options.COMMAND_RECORDS`):
+  exactly its fields, each with its spellings (``--a_b`` and ``--a-b``, hidden ones taken but not listed), help,
+  default, parser, choices and required-ness; every field has help and a resolvable type;
+- the engine: `OutputOptions` is a literal dataclass whose every field is typed (``dtype`` a `Dtype`, sizes
+  ``int``); a command's field sets the engine option of its name with the same default; what each output's
+  fingerprint and provenance record (`OutputOptions.output_options`) is derived from the fields' markers and is
+  pinned here, key for key, so no marker change goes unseen;
+- a dtype spelling is read in one place (the flag's parser, the form's type); the engine names no flow or task;
+- the flows (their forms, settings records and recorded options) still read `merge_engine.options`' table.
 """
 
 from __future__ import annotations
@@ -18,24 +16,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import typing
 
 import pytest
 
-from flows.cli import COMMANDS as STEPMERGE_COMMANDS
+from flows.cli import COMMANDS as STEPMERGE_COMMANDS, NotifyArgs
 from flows.merge_new_steps import merge_new_steps
 from flows.merge_step import merge_step
 from flows.params import AdapterParams, MergeStepParams, WatchParams, blank_of, form_type
 from flows.release_adapter import release_adapter
 from merge_engine import options as declared
-from merge_engine.cli import build_parser
+from merge_engine.cli import build_parser, read_options
+from merge_engine.errors import InvalidOption
 from merge_engine.output.jobs import OutputOptions
-from merge_engine.option_values import parse_size
+from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE, Dtype, WeightsFormat, parse_size
 from tasks.records import SETTINGS_RECORDS
 
 FLOWS = {"merge_step": (merge_step, MergeStepParams), "merge_new_steps": (merge_new_steps, WatchParams),
          "release_adapter": (release_adapter, AdapterParams)}
-SAMPLES = {"text": "x", "url": "/x", "int": 1, "count": 1, "float": 0.5, "alpha": 2.0, "floats": (1.0,),
-           "names": ("q_proj",), "bool": True, "size": 1000, "dtype": "float16", "ray_address": "auto"}  # a set value
+RECORDS = {**declared.COMMAND_RECORDS, "notify": NotifyArgs}
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -47,12 +46,9 @@ def _subparsers() -> dict[str, argparse.ArgumentParser]:
 def test_the_declarations_are_consistent():
     names = [o.name for o in declared.OPTIONS]
     assert len(names) == len(set(names))
-    assert set(_subparsers()) == set(declared.COMMANDS)
     for option in declared.OPTIONS:
         assert option.kind in declared.KINDS, option.name
-        assert set(option.commands) <= set(declared.COMMANDS), option.name
         assert set(option.flows) <= set(declared.FLOWS), option.name
-        assert {s.rstrip("?") for s in option.shapes} <= set(declared.OUTPUTS), option.name
         assert set(option.settings) <= set(declared.SETTINGS), option.name
         assert bool(option.form) == bool(option.flows), option.name  # a form text exactly where there is a form
         assert option.kind not in ("choice", "choices") or option.choices, option.name
@@ -61,9 +57,6 @@ def test_the_declarations_are_consistent():
             assert (kind.form_unset if option.default is None else kind.form), option.name
             if option.default is None:
                 blank_of(form_type(option))
-        for command in option.commands:
-            use = option.use(command)
-            assert use.kind in declared.KINDS and (use.help or option.hidden), (option.name, command)
 
 
 def test_each_kind_of_value_is_declared_in_one_table():
@@ -89,31 +82,148 @@ def test_each_kind_of_value_is_declared_in_one_table():
             assert module == "flows.params" and hasattr(__import__(module, fromlist=[name]), name), entry
 
 
-@pytest.mark.parametrize("command", declared.COMMANDS)
-def test_each_command_takes_exactly_its_declared_options(command):
-    parser = _subparsers()[command]
-    actions = {a.dest: a for a in parser._actions if not isinstance(a, argparse._HelpAction)}
-    options = declared.for_command(command)
-    assert list(actions) == [o.name for o in options]  # nothing undeclared, in declaration order
-    for option in options:
-        action, use = actions[option.name], option.use(command)
-        assert tuple(action.option_strings) == (() if option.positional else option.spellings)
-        assert action.help == (argparse.SUPPRESS if option.hidden else use.help)
-        assert action.required is use.required or option.positional
-        assert tuple(action.choices or ()) == option.choices
-        assert isinstance(action, argparse._StoreTrueAction) is (use.kind == "bool")
-        if not use.required:
-            assert action.default == (None if option.required else option.default), option.name
+@pytest.mark.parametrize("command", RECORDS)
+def test_each_commands_flags_are_derived_from_its_record(command):
+    parser, record = _subparsers()[command], RECORDS[command]
+    actions: dict[str, list[argparse.Action]] = {}
+    for action in parser._actions:
+        if not isinstance(action, argparse._HelpAction):
+            actions.setdefault(action.dest, []).append(action)
+    fields = dataclasses.fields(record)
+    assert set(actions) == {f.name for f in fields}  # nothing else, nothing left out
+    hints = typing.get_type_hints(record)
+    for item in fields:
+        flag: declared.Flag = item.metadata[declared.FLAG]
+        listed, *hidden = actions[item.name]
+        assert tuple(listed.option_strings) == (() if flag.positional else flag.spellings(item.name)), item.name
+        assert listed.help == flag.help and flag.help.strip(), item.name
+        assert tuple(listed.choices or ()) == flag.choices, item.name
+        assert listed.required is flag.required or flag.positional, item.name
+        switch = hints[item.name] in (bool, bool | None)
+        assert isinstance(listed, (argparse._StoreTrueAction, argparse._StoreFalseAction)) is switch, item.name
+        if not (flag.required or flag.positional):
+            assert listed.default == item.default, item.name
+        assert [tuple(h.option_strings) for h in hidden] == ([flag.spellings(item.name, hidden=True)]
+                                                             if flag.hidden_names else [])
+        assert all(h.help == argparse.SUPPRESS for h in hidden)
 
 
-def test_verl_spellings_and_value_kinds_on_the_command_line():
+def test_every_engine_command_has_a_record_and_every_record_field_a_type():
+    assert set(_subparsers()) == set(RECORDS)
+    for record in RECORDS.values():
+        hints = typing.get_type_hints(record)  # every annotation resolves
+        assert dataclasses.is_dataclass(record) and record.__dataclass_params__.frozen
+        for item in dataclasses.fields(record):
+            assert hints[item.name] is not typing.Any and declared.FLAG in item.metadata, (record, item.name)
+
+
+def test_verl_spellings_hidden_aliases_and_value_types_on_the_command_line():
     merge = _subparsers()["merge"]
     args = merge.parse_args(["--local-dir", "/ckpt", "--target_dir", "/out", "--tie-word-embedding",
-                             "--dtype", "fp16", "--workers", "2"])
-    assert (args.local_dir, args.target_dir, args.tie_word_embedding, args.dtype, args.workers) == \
-        ("/ckpt", "/out", True, "float16", 2)
+                             "--dtype", "fp16", "--workers", "2", "--max-shard-size", "500MiB"])
+    record = read_options(args, declared.MergeArgs)
+    assert (record.local_dir, record.target_dir, record.tie_word_embedding, record.dtype, record.workers,
+            record.max_shard_size) == ("/ckpt", "/out", True, "float16", 2, 500 * 1024**2)
     with pytest.raises(SystemExit):
         merge.parse_args(["--local_dir", "/c", "--target_dir", "/o", "--workers", "0"])  # a count is >= 1
+    extract = _subparsers()["extract-lora"]
+    for spelling in ("--adapter-only", "--adapter_only", "--no-include-base"):
+        assert extract.parse_args(["--target_dir", "/o", spelling]).include_base is False
+    assert extract.parse_args(["--target_dir", "/o"]).include_base is True
+    assert "--adapter" not in extract.format_help()  # the hidden alias is taken, not listed
+    merge_lora = _subparsers()["merge-lora"]
+    record = read_options(merge_lora.parse_args(["--lora_adapter", "/a,/b", "--target_dir", "/o", "--lora-alpha",
+                                                 "8,16", "--adapter-weights", "0.5,0.5"]), declared.MergeLoraArgs)
+    assert (record.lora_adapter, record.lora_alpha, record.adapter_weights) == (("/a", "/b"), (8.0, 16.0), (0.5, 0.5))
+
+
+def test_the_engine_options_record_is_written_and_typed():
+    """Every field of `OutputOptions` is written in its class (no generated base) with a resolvable type."""
+    assert OutputOptions.__mro__[1] is object
+    source = inspect.getsource(OutputOptions)
+    hints = typing.get_type_hints(OutputOptions)
+    for item in dataclasses.fields(OutputOptions):
+        assert f"    {item.name}: " in source and hints[item.name] is not typing.Any, item.name
+    assert hints["dtype"] == (Dtype | None) and hints["max_shard_size"] is int
+    assert hints["weights_format"] == WeightsFormat
+    assert OutputOptions().max_shard_size == DEFAULT_MAX_SHARD_SIZE
+
+
+@pytest.mark.parametrize(("field", "value"), [("dtype", "fp16"), ("dtype", "float64"), ("weights_format", "Hub"),
+                                              ("max_shard_size", "5GB"), ("max_shard_size", 0)])
+def test_the_engine_refuses_a_value_not_made_canonical_where_it_was_given(field, value):
+    with pytest.raises(InvalidOption):
+        OutputOptions(**{field: value})
+
+
+@pytest.mark.parametrize("command", declared.COMMAND_RECORDS)
+def test_a_commands_fields_set_the_engine_options_of_their_names_with_the_same_defaults(command):
+    engine = {f.name: f for f in dataclasses.fields(OutputOptions)}
+    engine_hints = typing.get_type_hints(OutputOptions)
+    record = declared.COMMAND_RECORDS[command]
+    hints = typing.get_type_hints(record)
+    for item in dataclasses.fields(record):
+        flag: declared.Flag = item.metadata[declared.FLAG]
+        target = flag.sets or item.name
+        assert not flag.sets or flag.sets in engine, item.name
+        if target in engine and not (flag.required or flag.positional):
+            assert item.default == engine[target].default, (command, item.name)
+            wanted = set(typing.get_args(engine_hints[target])) or {engine_hints[target]}
+            given = set(typing.get_args(hints[item.name])) or {hints[item.name]}
+            assert given <= wanted or hints[item.name] == engine_hints[target], (command, item.name)
+
+
+# What each output records (fingerprint and provenance keys): always, and only when set. These keys are in
+# every published release's stepmerge.json; a change here changes outputs' identity.
+RECORDED = {
+    "merge": ({"dtype", "max_shard_size", "hf_model_path", "weights_format"},
+              {"custom_mapping", "mtp_layers", "lora_alpha"}),
+    "extract-lora": ({"backend", "dtype", "max_shard_size", "hf_model_path", "weights_format", "write_base",
+                      "lora_alpha", "base_model"}, {"base_model_id"}),
+    "extract-lora --finetuned": ({"backend", "dtype", "rank", "energy", "target_modules"}, set()),
+    "merge-lora": ({"dtype", "max_shard_size", "weights_format", "lora_alpha", "method", "weights", "output",
+                    "rank", "energy"}, {"base_model_id"}),
+    "split": ({"dtype", "custom_mapping", "tp", "pp", "vpp", "ep", "format", "make_vocab_size_divisible_by"}, set()),
+}
+SET = {"custom_mapping": None, "mtp_layers": "drop", "lora_alpha": 2.0, "base_model_id": "org/base"}  # a set value
+
+
+@pytest.mark.parametrize("output", declared.OUTPUTS)
+def test_an_outputs_recorded_options_are_derived_from_the_markers(output):
+    always, when_set = RECORDED[output]
+    derived = declared.recorded_fields(OutputOptions, output)
+    assert {key for key, _ in derived.values()} == always | when_set
+    assert {key for key, kept in derived.values() if kept} == always
+    assert set(OutputOptions().output_options(output)) == always
+    values = {name: SET[name] for name, (key, kept) in derived.items() if not kept and name != "custom_mapping"}
+    assert set(OutputOptions(**values).output_options(output)) == always | (when_set - {"custom_mapping"})
+
+
+def test_a_dtype_spelling_is_read_in_one_place_and_the_engine_names_no_flow_or_task():
+    """The engine's modules read a dtype spelling only in `merge_engine.option_values` (where the command line's
+    parser and the forms' type take it from); no engine module names ``flows.`` or ``tasks.`` in a string."""
+    import pathlib
+
+    root = pathlib.Path(declared.__file__).resolve().parent
+    readers, names = [], []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        relative = str(path.relative_to(root.parent))
+        if any(word in text for word in ("DTYPE_SPELLINGS", "canonical_dtype(")) and path.name != "option_values.py":
+            readers.append(relative)
+        if any(word in text for word in ('"flows.', '"tasks.', "'flows.", "'tasks.", "flows.params")):
+            names.append(relative)
+    assert readers == ["merge_engine/options.py"]  # the flags' parser
+    assert names == [] or names == ["merge_engine/options.py"]  # the flows' table, until the flows hold their own
+
+
+def test_layout_messages_name_the_flags_the_merge_command_takes():
+    from merge_engine.layouts import megatron_lora
+
+    merge = _subparsers()["merge"]
+    for need, spelling in megatron_lora.CLI_FLAGS.items():
+        assert merge._option_string_actions[spelling].dest == need
+    assert megatron_lora.CLI_FLAGS[megatron_lora.NEEDS_BASE_MODEL] in megatron_lora.ADAPTER_ONLY_REASON
 
 
 @pytest.mark.parametrize("flow", declared.FLOWS)
@@ -165,29 +275,6 @@ def test_one_settings_record_per_declared_name_pickled_by_its_name():
     changed = SETTINGS_RECORDS["merge"](dtype="bfloat16", max_shard_size=1000)
     again = pickle.loads(pickle.dumps(changed))
     assert again == changed and again.model_fields_set == {"dtype", "max_shard_size"}
-
-
-def test_the_engine_options_record_has_one_field_per_declared_engine_option():
-    fields = {f.name: f for f in dataclasses.fields(OutputOptions)}
-    engine = declared.fields()
-    assert set(fields) - {"chunk_bytes"} == set(engine)  # chunk_bytes: how to read, no one's option
-    for name, option in engine.items():
-        default = parse_size(option.default) if option.kind == "size" else option.default
-        assert fields[name].default == default, name
-
-
-@pytest.mark.parametrize("output", [o for o in declared.OUTPUTS if o not in declared.FLOWS])
-def test_a_commands_recorded_options_are_the_declared_ones(output):
-    """Every engine option set (to a non-default value): the fingerprint/provenance keys are exactly the options
-    declared to shape ``output`` (those recorded only when set included)."""
-    when_set = [o for o in declared.recorded(output) if o.records(output) is None
-                and o.field != "custom_mapping"]  # merge reads a mapping file to record its digest
-    everything_set = OutputOptions(**{o.field: o.choices[0] if o.choices else SAMPLES[o.kind] for o in when_set})
-    recorded = set(everything_set.output_options(output))
-    assert recorded == {o.field for o in declared.recorded(output)} - (
-        {"custom_mapping"} if output == "merge" else set())
-    assert set(OutputOptions().output_options(output)) == {o.field for o in declared.recorded(output)
-                                                          if o.records(output) and o.field}
 
 
 @pytest.mark.parametrize("flow", ["merge_step", "release_adapter"])

@@ -55,7 +55,7 @@ def test_a_job_lists_its_base_once_and_reads_its_config_once(lora_steps, base_re
     step = lora_steps["dense_tp2"]  # adapter only: the merge fuses into --base-model, the release copies it
     base = str(tmp_path / "base")
     shutil.copytree(step.base_dir, base)
-    options = OutputOptions(base_model=base, write_base=True)
+    options = OutputOptions(base_model=base, include_base=True)
     kind = MergeJob if job == "merge" else ExtractJob
     result = run_job(kind(str(step.step_dir), str(tmp_path / "out"), options))
     assert result.tensors > 0

@@ -202,13 +202,13 @@ def test_the_adapter_release_is_the_runs_export_checked_against_dist_ckpt(lora_s
 
 
 def test_an_adapter_without_its_base_names_the_base_by_a_portable_name(lora_steps, tmp_path):
-    """Without base/ (``write_base`` off) the config names --base-model by its name, never this machine's path;
+    """Without base/ (``include_base`` off) the config names --base-model by its name, never this machine's path;
     with ``base_model_id``, that Hub id."""
     from merge_engine.commands.extract import ExtractJob
     from merge_engine.output.jobs import run_job
 
     step = lora_steps["dense_tp2"]
-    options = OutputOptions(base_model=str(step.base_dir), write_base=False)
+    options = OutputOptions(base_model=str(step.base_dir), include_base=False)
     result = run_job(ExtractJob(str(step.step_dir), str(tmp_path / "adapter"), options))
     assert result.kind == "adapter" and not (tmp_path / "adapter" / "base").exists()
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
@@ -266,7 +266,7 @@ def test_peft_on_the_base_gives_the_fused_release_and_the_trained_models_logits(
     step = lora_steps[name]
     merge_checkpoint(str(step.step_dir), str(tmp_path / "model"), OutputOptions(base_model=str(step.base_dir)))
     extract_lora(str(step.step_dir), str(tmp_path / "adapter"),
-                 OutputOptions(base_model=str(step.base_dir), write_base=False))
+                 OutputOptions(base_model=str(step.base_dir), include_base=False))
     fused = logits(load_causal_lm(str(tmp_path / "model")))
     peft = logits(PeftModel.from_pretrained(load_causal_lm(str(step.base_dir)), str(tmp_path / "adapter")).eval())
     trained = logits(_trained_model(step, tmp_path / "trained"))
@@ -277,13 +277,13 @@ def test_peft_on_the_base_gives_the_fused_release_and_the_trained_models_logits(
 
 
 def test_the_adapter_release_carries_the_named_base_and_peft_loads_it_alone(lora_steps, tmp_path):
-    """With write_base (the pipeline's include_base) the base named by --base-model is copied under base/, so
+    """With include_base the base named by --base-model is copied under base/, so
     the release is self-contained: PEFT on <release>/base gives the trained model's logits."""
     from peft import PeftModel
 
     step = lora_steps["dense_tp2"]
     release = tmp_path / "adapter"
-    extract_lora(str(step.step_dir), str(release), OutputOptions(base_model=str(step.base_dir), write_base=True))
+    extract_lora(str(step.step_dir), str(release), OutputOptions(base_model=str(step.base_dir), include_base=True))
     assert _tensors(release / "base").keys() == _tensors(step.base_dir).keys()
     peft = logits(PeftModel.from_pretrained(load_causal_lm(str(release / "base")), str(release)).eval())
     torch.testing.assert_close(peft, logits(_trained_model(step, tmp_path / "trained")), rtol=1e-5, atol=1e-5)
@@ -298,7 +298,7 @@ def test_the_adapter_release_of_a_step_holding_its_base_carries_that_base_clean(
     step = lora_steps[name]
     options = OutputOptions(hf_model_path=str(step.base_dir), lora_alpha=ALPHA)
     release = tmp_path / "adapter"
-    extract_lora(str(step.step_dir), str(release), dataclasses.replace(options, write_base=True))
+    extract_lora(str(step.step_dir), str(release), dataclasses.replace(options, include_base=True))
     got, want = _tensors(release / "base"), _tensors(step.base_dir)
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     merge_checkpoint(str(step.step_dir), str(tmp_path / "model"), options)
