@@ -13,7 +13,8 @@
 5. once it has Completed, runs the deployment for step 2 (not ready), then for a step that is not there;
 6. screenshots each run's page, the summary artifact and the run list.
 
-Screenshots go to ``ui-check/`` (`SCREENSHOTS`: what each must show). Before each, the page is
+Screenshots go to ``ui-check/`` (`SCREENSHOTS`: what each must show); the two README shows (the run form and
+the run's summary) are also written, scaled down, to ``docs/images/`` (`README_IMAGES`), so a run refreshes them. Before each, the page is
 checked for the text that proves it (the state name, the tag, the error, the dropdown's choices),
 so a screenshot that exists shows what it should. Not part of ``make test``: it needs chromium and
 takes a few minutes. Exit status 0 only when every run ended as expected and every screenshot was
@@ -53,6 +54,10 @@ SCREENSHOTS = {
     "failed.png": f"step {MISSING_STEP} (not there): Failed, StepNotFound in the log without a traceback",
     "runs.png": "the run list: Completed, NotReady and Failed side by side",
 }
+
+README_IMAGES = {"form.png": "docs/images/run-form.png", "summary.png": "docs/images/run-summary.png"}
+README_IMAGE_WIDTH, README_IMAGE_HEIGHT = 1000, 1100  # the top of each page, scaled down
+README_IMAGE_BYTES = 300_000  # small enough to keep in git
 
 
 class UiCheckFailed(Exception):
@@ -327,6 +332,33 @@ def kept_logs(work: Path, logs: Path, out: Path) -> Path:
     return kept
 
 
+def readme_images(out: Path, repo: Path = REPO) -> list[Path]:
+    """Write the screenshots README shows (`README_IMAGES`) from ``out`` under ``repo``: each page's top, at most
+    `README_IMAGE_HEIGHT` pixels once scaled to `README_IMAGE_WIDTH` wide, in 256 colours, scaled down further
+    until the file is under `README_IMAGE_BYTES`.
+
+    Returns:
+        The images written.
+    """
+    from PIL import Image
+
+    written = []
+    for name, target in README_IMAGES.items():
+        with Image.open(out / name) as shot:
+            scale = README_IMAGE_WIDTH / shot.width
+            top = shot.crop((0, 0, shot.width, min(shot.height, round(README_IMAGE_HEIGHT / scale)))).convert("RGB")
+        path = repo / target
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            size = (max(1, round(top.width * scale)), max(1, round(top.height * scale)))
+            top.resize(size, Image.LANCZOS).quantize(colors=256).save(path, optimize=True)
+            if path.stat().st_size < README_IMAGE_BYTES:
+                break
+            scale *= 0.8
+        written.append(path)
+    return written
+
+
 def run_ui_check() -> int:
     out = Path("ui-check").resolve()
     out.mkdir(exist_ok=True)
@@ -344,6 +376,7 @@ def run_ui_check() -> int:
     print(f"== screenshots in {out}:")
     for name, shows in SCREENSHOTS.items():
         print(f"   {name:14} {shows}")
+    print(f"== README's images: {', '.join(str(path.relative_to(REPO)) for path in readme_images(out))}")
     return 0
 
 
