@@ -18,7 +18,7 @@ Whether a finished run is followed by another (`decide`):
   is given up (a run that completes without publishing would otherwise repeat every tick). Unless the
   run ended after the watcher listed the releases (``listed_at``, less `CLOCK_MARGIN_S` for the server's
   clock): that listing cannot show its release, so it is the step's run, and the next tick looks again
-  (before: a run that published while the tick ran was followed by a second, needless run). For the
+  (a run that published while the tick ran is never followed by a second, needless run). For the
   webhook (``rebuild_completed=False``) a completed run is the answer to a redelivered call;
 - Failed or Crashed (outage longer than the task retries, a bug since fixed, a worker killed):
   resubmitted after a pause of ``RESUBMIT_BASE_DELAY_S * 2**(n-1)`` from the end of the n-th failed

@@ -411,7 +411,7 @@ def family_matrix() -> dict[str, FsdpSpec]:
     return specs
 
 
-# verl's default LoRA (trainer config `lora_rank` 4 as tried in issue 16, `lora_alpha` 16, `target_modules`
+# verl's default LoRA (trainer config `lora_rank` 4, `lora_alpha` 16, `target_modules`
 # all-linear): on a transformers-5 MoE model PEFT adapts the fused experts and the router as parameters and gives
 # the fused gate/up rank 2r AND alpha 2 * alpha (scale alpha / r unchanged)
 VERL_DEFAULT_LORA = LoraSpec(r=4, alpha=16, target_modules="all-linear")

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # torch is imported by the reads; building an assembly (a che
 
 # A chunk: under glibc's mmap threshold, so its buffers are reused, not re-faulted. 4 MiB, not 16: a shard job
 # holds ~8 chunks (read ahead, being written, waiting for the hasher) and glibc's heap keeps about twice its
-# working set; measured on the 2 GB FSDP benchmark at --workers 1 (issue 19): peak RSS 411-434 MB against
+# working set; measured on the 2 GB FSDP benchmark at --workers 1: peak RSS 411-434 MB against
 # 610-676 MB at 16 MiB, the same CPU seconds (7.1-8.2 s against 7.6-7.8 s).
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 MATERIALISE_BYTES = 64 * 1024 * 1024  # a non-contiguous stored piece up to this is read whole, once

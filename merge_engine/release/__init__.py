@@ -1,7 +1,7 @@
 """Releases: their layout and state, atomic publishing with a manifest, and verifying what was published.
 
 - `folders`           where releases live and the names inside a release folder
-- `manifest`          a release's manifest and the marker that vouches for it (`is_released`)
+- `manifest`          a release's manifest and the marker holding its sha256 (`is_released`)
 - `provenance`        `ReleaseProvenance`: where a release came from, as its manifest records it
 - `state`             what state a release is in, and what the pipeline asks it
 - `staging`           staging folders: names stable per release and fingerprint, the sweep of stale ones

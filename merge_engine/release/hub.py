@@ -5,7 +5,7 @@ Contract of `push_folder`:
 - What is pushed: every file the release's ``manifest.json`` lists (the model card among them) and the manifest
   itself; never ``_COMPLETE`` or the publishers' claims (``_PUBLISHING/``). A merged folder without a manifest
   (``stepmerge merge``'s output) pushes the files its ``stepmerge.json`` lists, and that record. A folder that is
-  neither (or a release whose marker does not vouch for its manifest) is refused: `ReleaseIncomplete`.
+  neither (or a release whose marker does not hold its manifest's sha256) is refused: `ReleaseIncomplete`.
 - Where: ``repo_id`` at ``revision`` (a branch; default ``main``), created from ``main`` when missing; the revision
   holds exactly the release afterwards (files of an earlier push that the release lacks are deleted in the same
   commit). ``moving_refs`` (e.g. ``latest``) are pointed at the commit afterwards.
@@ -79,7 +79,7 @@ def git_blob_id(data: bytes) -> str:
 
 def files_to_push(folder: str) -> tuple[list[PushedFile], str]:
     """(the files to push, the record listing them: ``manifest.json`` or ``stepmerge.json``) of ``folder``; the
-    record is the last of the files. `ReleaseIncomplete` when the folder has neither a vouched manifest nor a
+    record is the last of the files. `ReleaseIncomplete` when the folder has neither a manifest its marker matches nor a
     merged folder's record with every sha256."""
     listing = {e.path for e in storage.list_files(folder)}
     if MANIFEST in listing or MARKER in listing:

@@ -1,6 +1,6 @@
 """A release's manifest (``manifest.json``: every file with size, sha256 and the store's version; the options
 it was built with) and its marker (``_COMPLETE``, written last, holding the manifest's sha256): `read_manifest`,
-and `released_manifest` / `is_released`, which say whether a marker vouches for the manifest (readers trust
+and `released_manifest` / `is_released`, which say whether a marker holds the manifest's sha256 (readers trust
 only such folders)."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Contract:
   read once), writes the model card ``README.md`` (`merge_engine.release.card`), then ``manifest.json``
   (files with size, sha256 and the store's version of each, source step URL and fingerprint, engine version,
   options, validation, created time), then ``_COMPLETE`` LAST. The marker holds the manifest's sha256, so a
-  marker never vouches for another publisher's manifest. A LOCAL release is built in a live temp sibling and
+  marker never matches another publisher's manifest. A LOCAL release is built in a live temp sibling and
   swapped into place whole (`merge_engine.output.local_commit`): no folder without its marker is ever visible
   at the release path, and a kill leaves the old release or the new one. An object-store release is
   written in place, marker last; its readers trust only the marker.

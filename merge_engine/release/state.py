@@ -48,7 +48,7 @@ ABSENT, IN_PROGRESS, PUBLISHED, DAMAGED = "absent", "in_progress", "published", 
 @dataclass(frozen=True)
 class ReleaseState:
     """What is at a release URL (see the module docstring for ``status``): ``manifest`` when a valid
-    marker vouches for one; ``reason`` says what is wrong when not PUBLISHED."""
+    marker holds its sha256; ``reason`` says what is wrong when not PUBLISHED."""
 
     url: str
     status: str

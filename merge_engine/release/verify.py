@@ -1,8 +1,8 @@
 """Is a release (or a merged folder) still exactly what was published? `stepmerge verify URL`.
 
 What is checked, against what:
-- A release (a folder with ``manifest.json``): the ``_COMPLETE`` marker is present and vouches for
-  this manifest (its sha256); every file the manifest lists is there with its size and sha256; no
+- A release (a folder with ``manifest.json``): the ``_COMPLETE`` marker is present and holds
+  this manifest's sha256; every file the manifest lists is there with its size and sha256; no
   file is there that the manifest does not list (claims under ``_PUBLISHING/`` excepted); and the release's own
   ``stepmerge.json``, when the manifest lists one, records every other file with the size and sha256 the
   manifest does (`provenance_disagreement`): rewriting a weight needs the manifest, the marker and the writer's
@@ -10,7 +10,7 @@ What is checked, against what:
 - A merged folder without a manifest (``stepmerge merge`` output): every file its ``stepmerge.json``
   lists is there with its size and the sha256 it records (``"sha256"``: the writer's, computed while
   writing), and nothing else is there. A ``stepmerge.json`` without a sha256 for every file it lists
-  (written before they were recorded, or edited) cannot vouch for the bytes: the folder is
+  (written before they were recorded, or edited) cannot prove the bytes: the folder is
   UNVERIFIABLE (``unverifiable`` says why; not ok, exit 2), never "intact" on sizes alone.
 - Only regular files are ever opened (`merge_engine.release.checksums`): a FIFO or device listed by a forged
   manifest is damage, not a hang.
@@ -112,7 +112,7 @@ def verify_folder(url: str, mode: str = "full") -> VerifyReport:
 
 def provenance_disagreement(url: str, files: Sequence[RecordedFile], problems: Sequence[str]) -> tuple[str, ...]:
     """One line per file whose size or sha256 in the release's manifest differs from what the release's own
-    ``stepmerge.json`` (the writer's record, which the manifest vouches for) records, or that only one of them
+    ``stepmerge.json`` (the writer's record, whose sha256 the manifest lists) records, or that only one of them
     lists; nothing when the manifest lists no ``stepmerge.json`` (a folder published without one) or when it is
     among ``problems`` already (damaged: its record is not read)."""
     damaged = any(problem.startswith(PROVENANCE_FILE + ":") for problem in problems)
@@ -122,7 +122,7 @@ def provenance_disagreement(url: str, files: Sequence[RecordedFile], problems: S
     sizes, recorded = provenance.get("files"), provenance.get("sha256")
     if not isinstance(sizes, dict) or not isinstance(recorded, dict):
         return (f"{PROVENANCE_FILE}: records no sha256 of the release's files",)
-    # the model card is written by the publish, after the writer's record: the manifest alone vouches for it
+    # the model card is written by the publish, after the writer's record: only the manifest records its sha256
     listed = {f.path: f for f in files if f.path not in (PROVENANCE_FILE, CARD)}
     found = []
     for path in sorted(set(listed) | set(sizes)):
