@@ -45,11 +45,16 @@ from pydantic import BaseModel
 
 from flows.outcomes import StepOutcome
 from flows.credentials import storage_credentials
-from flows.params import WatchParams, takes
+from flows.params import (
+    AS_STORED, DEFAULT_ROLES, Alpha, BaseModelId, BaseModelUrl, Dtype, HfModelPath, IncludeBase, MaxShardSize, MaxSteps,
+    MergeDeployment, Overwrite, RayCluster, ReferenceUrl, ReleaseAdapter, ReleaseRoot, Roles, RunRoot, StagingRoot,
+    ValidateForward, WatchParams, WeightsFormat, Workers,
+)
 from flows.run_labels import label_flow_run, run_tags, watch_run_name
 from flows.step_keys import step_key
 from flows.submission import SubmittedRun, submit_step_run
 from flows.summaries import watch_summary
+from merge_engine.option_values import DEFAULT_SHARD_SIZE, DEFAULT_WEIGHTS_FORMAT
 from merge_engine.release.folders import ADAPTER, MODEL, release_folder_name
 from tasks.discover import PublishedRelease, discover_steps, find_published
 from tasks.progress import artifact_key
@@ -161,10 +166,17 @@ def published_step_count(published: List[PublishedRelease]) -> int:
 
 
 @flow(name="merge-new-steps", flow_run_name=watch_run_name, log_prints=True)
-@takes(WatchParams)
-def merge_new_steps(**parameters) -> WatchOutcome:
-    """Merge every complete, unpublished step of ``run_root`` (see the module docstring)."""
-    params = WatchParams(**parameters)
+def merge_new_steps(run_root: RunRoot, release_root: ReleaseRoot = "", roles: Roles = DEFAULT_ROLES,
+                    merge_deployment: MergeDeployment = "merge-step/gpu", max_steps: MaxSteps = 0,
+                    dtype: Dtype = AS_STORED, max_shard_size: MaxShardSize = DEFAULT_SHARD_SIZE,
+                    hf_model_path: HfModelPath = "", weights_format: WeightsFormat = DEFAULT_WEIGHTS_FORMAT,
+                    validate_forward: ValidateForward = True, reference_url: ReferenceUrl = "",
+                    release_adapter: ReleaseAdapter = True, include_base: IncludeBase = True, lora_alpha: Alpha = 0,
+                    base_model: BaseModelUrl = "", base_model_id: BaseModelId = "", overwrite: Overwrite = False,
+                    staging_root: StagingRoot = "", workers: Workers = 0, ray_address: RayCluster = "") -> WatchOutcome:
+    """Merge every complete, unpublished step of ``run_root`` (see the module docstring; each parameter's text: its
+    type in `flows.params`)."""
+    params = WatchParams(**locals())
     label_flow_run(params.run_root)
     with storage_credentials():
         return watch(params)

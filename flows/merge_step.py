@@ -36,11 +36,16 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.credentials import storage_credentials
 from flows.hub_stage import hub_target, push_releases, raise_failed_push
-from flows.params import MergeStepParams, takes
+from flows.params import (
+    AS_STORED, Alpha, BaseModelId, BaseModelUrl, Dtype, HfModelPath, IncludeBase, MaxShardSize, MergeStepParams,
+    Overwrite, RayCluster, ReferenceUrl, ReleaseAdapter, ReleaseRoot, Role, RunRoot, StagingRoot, Step,
+    ValidateForward, WeightsFormat, Workers,
+)
 from flows.run_labels import ended, label_flow_run, step_label, step_run_name
 from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_checked, release_output
 from flows.summaries import step_summary
 from flows.watchers import not_ready_error, retrying_watcher
+from merge_engine.option_values import DEFAULT_SHARD_SIZE, DEFAULT_WEIGHTS_FORMAT
 from merge_engine.release.folders import ADAPTER, MODEL, release_url
 from tasks.progress import artifact_key
 from tasks.result_records import RECORD_SERIALIZER
@@ -90,10 +95,16 @@ def run_stages(params: MergeStepParams, timer: StageTimer) -> StepOutcome:
 
 @flow(name="merge-step", flow_run_name=step_run_name, log_prints=True, persist_result=True,
       result_serializer=RECORD_SERIALIZER)
-@takes(MergeStepParams)
-def merge_step(**parameters) -> StepOutcome:
-    """Merge, validate and publish one step of a training run (see the module docstring)."""
-    params = MergeStepParams(**parameters)
+def merge_step(step: Step, run_root: RunRoot, role: Role = "actor", release_root: ReleaseRoot = "",
+               dtype: Dtype = AS_STORED, max_shard_size: MaxShardSize = DEFAULT_SHARD_SIZE,
+               hf_model_path: HfModelPath = "", weights_format: WeightsFormat = DEFAULT_WEIGHTS_FORMAT,
+               validate_forward: ValidateForward = True, reference_url: ReferenceUrl = "",
+               release_adapter: ReleaseAdapter = True, include_base: IncludeBase = True, lora_alpha: Alpha = 0,
+               base_model: BaseModelUrl = "", base_model_id: BaseModelId = "", overwrite: Overwrite = False,
+               staging_root: StagingRoot = "", workers: Workers = 0, ray_address: RayCluster = "") -> StepOutcome:
+    """Merge, validate and publish one step of a training run (see the module docstring; each parameter's text:
+    its type in `flows.params`)."""
+    params = MergeStepParams(**locals())
     logger = get_run_logger()
     label_flow_run(params.run_root, params.role, params.step)
     timer = StageTimer(label=step_label(params.step, params.role))

@@ -18,33 +18,34 @@ anything is scheduled, never sent to a worker:
 - a choice (``weights_format``, ``role``): one of the declared choices, the command line's too;
 - `StepNumber` (>= 0), positive ``lora_alpha``, ``workers``, ``max_steps`` (`Count`; 0: unset).
 
-Which parameters a flow takes, their defaults, texts and order are declared once, in `merge_engine.options`
-(each kind of value names its form type there, one of the types below: `form_type`): `parameters_of` makes a
-flow's model (`MergeStepParams`, `WatchParams`, `AdapterParams`, each a `RunLocation`), and `takes` gives the flow function the same fields as its signature,
-which Prefect builds the form and the deployment's schema from. The settings records the stages get
-(`FlowParams.settings`) and the options a release records (`FlowParams.recorded_options`) come from the
-same declarations.
+Each flow's parameters are written twice, held together by tests/flows/test_params.py: in the flow's ``def``,
+from which Prefect builds the form and the deployment's schema, and in its parameter model here
+(`MergeStepParams`, `WatchParams`, `AdapterParams`, each a `RunLocation`), which the flow builds from them and
+hands its stages. A parameter's type and form text are declared once, on its parameter type below (``Step``,
+``RunRoot``, ``Dtype``, ...: a form type with its `FormText`). The settings records the stages get
+(`FlowParams.settings`, `tasks.records`) take the parameters of their fields' names; what a release records
+(`FlowParams.recorded_options`) is the parameters that fill a recorded settings record.
 
 No ``from __future__ import annotations`` here or in any flow module: Prefect builds the parameter
 schema from real annotations, and string annotations break pydantic parameters in deployment runs.
 No torch import either: the listings-only watcher imports this module.
 """
 
-import importlib
-import inspect
 import re
-from typing import Annotated, Any, Callable, ClassVar, Dict, List, Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Dict, List, Literal, Optional, Sequence
 
-from pydantic import (
-    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema, create_model,
-)
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
+from pydantic.json_schema import JsonSchemaValue
 
 from flows.step_keys import normalized_run_root, step_key
 from flows.url_checks import checked_url
 from merge_engine.errors import one_line
-from merge_engine.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, canonical_dtype
-from merge_engine.options import KINDS, Option, for_flow, for_settings, recorded, setting_name
+from merge_engine.option_values import (
+    DEFAULT_SHARD_SIZE, DEFAULT_WEIGHTS_FORMAT, DTYPE_SPELLINGS, SIZE_PATTERN, WeightsFormat as WeightsFormatName,
+    canonical_dtype,
+)
 from merge_engine.storage.schemes import backend_for_scheme, url_schemes
+from tasks.records import SETTINGS_RECORDS, Settings, recorded_parameters
 
 MAX_URL_LENGTH = 1024
 
@@ -148,14 +149,7 @@ def blank_of(form: Any) -> Any:
     return blank
 
 
-class SomeOf:
-    """``SomeOf[choices]``: a list of some of ``choices`` (``OneOf[choices]``: one of them)."""
-
-    def __class_getitem__(cls, choices: tuple) -> Any:
-        return List[Literal[choices]]  # type: ignore[valid-type]
-
-
-# The form types the kinds of value name (`merge_engine.options.KINDS`: ``Kind.form`` / ``Kind.form_unset``).
+# The form types: a kind of value as the form shows it and the server checks it.
 AS_STORED = "as stored"
 DtypeSpelling = Literal[tuple(DTYPE_SPELLINGS)]  # type: ignore[valid-type]
 # The patterns go to the JSON schema only, behind words (`refused_in_words`; the server's validator reads
@@ -169,67 +163,100 @@ DtypeName = Annotated[unset_as(DtypeSpelling, AS_STORED, {"type": "string", "enu
                       AfterValidator(_dtype)]
 LoraAlpha = unset_as(Annotated[float, Field(gt=0)], 0, {"type": "number", "minimum": 0})
 Count = unset_as(Annotated[int, Field(ge=1)], 0, {"type": "integer", "minimum": 0})
-Text = str
 OptionalText = unset_as(Annotated[str, Field(max_length=MAX_URL_LENGTH)], "", {"type": "string", "maxLength": MAX_URL_LENGTH})
 RayAddress = unset_as(Annotated[str, Field(max_length=MAX_URL_LENGTH), _matching(RAY_ADDRESS_PATTERN, RAY_ADDRESS_WORDS)],
                       "", refused_in_words(RAY_ADDRESS_PATTERN, f"empty, or {RAY_ADDRESS_WORDS}", blank=""))
-Switch = bool
-OneOf = Literal
+RoleName = Literal["actor", "critic", ""]  # "": an SFT run (weights in the step folder)
 
 
-def form_type(option: Option) -> Any:
-    """The pydantic type of ``option`` in a flow's signature and parameter model: the one its kind names
-    (`Kind.form_unset` when it may be unset, else `Kind.form`), given the option's choices where it has some."""
-    kind = KINDS[option.kind]
-    module, _, name = (kind.form_unset if option.default is None and kind.form_unset else kind.form).partition(":")
-    form = getattr(importlib.import_module(module), name)
-    return form[option.choices] if option.choices else form
+class FormText:
+    """The text the form shows under a parameter: its JSON schema's ``description``.
+
+    Written on the parameter's type (``Annotated[<form type>, FormText(...)]``), so a flow's ``def`` and its
+    parameter model carry the same text. (A pydantic ``Field(description=...)`` there would not reach the form:
+    Prefect gives each parameter of a ``def`` a field of its own, whose empty description replaces it.)
+    """
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> JsonSchemaValue:
+        return {**handler(core_schema), "description": self.text}
 
 
-def pydantic_field(option: Option) -> Any:
-    """``option``'s default as the form shows it (the blank of an unset one; ``...``: required), with its text."""
-    if option.required:
-        default: Any = ...
-    elif option.default is None:
-        default = blank_of(form_type(option))
-    else:
-        default = list(option.default) if isinstance(option.default, tuple) else option.default
-    return Field(default, description=option.form)
+# The parameter types: each parameter's form type and text, declared once for every flow that takes it.
+Step = Annotated[StepNumber, FormText("The global step to merge (its folder is global_step_N)")]
+RunRoot = Annotated[StorageUrl, FormText(
+    "The training run's checkpoint folder: a path, file://, s3://bucket/... or gs://bucket/...")]
+Role = Annotated[RoleName, FormText("actor, critic, or empty for SFT runs (weights in the step folder)")]
+ReleaseRoot = Annotated[OptionalUrl, FormText("Where releases are published; empty: the run root's releases/ folder")]
+Roles = Annotated[List[RoleName], FormText("Roles to merge (actor, critic, empty for SFT)")]
+MergeDeployment = Annotated[str, FormText(
+    "Deployment that merges one step, used when this flow runs from a deployment")]
+MaxSteps = Annotated[Count, FormText(
+    "Merge at most this many new steps per run (oldest first); 0: every new step")]
+Dtype = Annotated[DtypeName, FormText(
+    "Output dtype: as stored (the checkpoint's own), bfloat16/bf16, float16/fp16/half, float32/fp32/float")]
+MaxShardSize = Annotated[ShardSize, FormText("Largest safetensors file, e.g. 5GB or 500MiB")]
+HfModelPath = Annotated[OptionalUrl, FormText(
+    "Folder with config.json + tokenizer replacing the checkpoint's huggingface/; empty: the checkpoint's own")]
+WeightsFormat = Annotated[WeightsFormatName, FormText(
+    "Tensor names written: hub (the model's Hub checkpoint: per-expert MoE tensors, what vLLM, SGLang and PEFT read) "
+    "or transformers (as the training job stored them)")]
+ValidateForward = Annotated[bool, FormText("Load the model and run a forward pass (GPU if present)")]
+CompareWithModelRelease = Annotated[bool, FormText(
+    "Compare PEFT's logits with the step's released merged model, when it was built from this checkpoint")]
+ReferenceUrl = Annotated[OptionalUrl, FormText("A Hugging Face folder to compare values and logits with; empty: none")]
+ReleaseAdapter = Annotated[bool, FormText("For LoRA checkpoints, also release the PEFT adapter")]
+IncludeBase = Annotated[bool, FormText("Put the clean base model in the adapter release (base/)")]
+Alpha = Annotated[LoraAlpha, FormText(
+    "LoRA alpha when the run did not record it (lora_train_meta.json); 0: as the run recorded it")]
+BaseModelUrl = Annotated[OptionalUrl, FormText(
+    "The base model of a LoRA-only checkpoint (a verl Megatron LoRA step saves no base weights: its fused model is "
+    "this model plus the adapter; the run's adapter_config.json name is never used alone); empty: none")]
+BaseModelId = Annotated[OptionalText, FormText(
+    "The base model's Hub id (namespace/name) the adapter names; empty: the run config's _name_or_path when it is a "
+    "Hub id, else base/ inside the release")]
+Overwrite = Annotated[bool, FormText("Replace a release that was built from a different checkpoint")]
+StagingRoot = Annotated[OptionalUrl, FormText(
+    "Local folder for staging merges; empty: $STEPMERGE_STAGING_DIR or the temp dir")]
+Workers = Annotated[Count, FormText(
+    "Shard jobs at once in the merge (or extraction) task's process; 0: one per core")]
+RayCluster = Annotated[RayAddress, FormText(
+    "Run the shard jobs as task runs on this Ray cluster (auto, host:port, ray://host:port); empty: the worker's "
+    "$STEPMERGE_RAY_ADDRESS, else the task's own process")]
+DEFAULT_ROLES = ("actor", "")
 
 
 class FlowParams(BaseModel):
-    """Base of the flows' parameter models: unknown names refused; ``flow`` names the flow (`merge_engine.options`)."""
+    """Base of the flows' parameter models: unknown names refused, the blanks' defaults read as unset."""
 
     model_config = ConfigDict(extra="forbid", validate_default=True)
-    flow: ClassVar[str]
 
     def flow_parameters(self) -> Dict[str, Any]:
         """The flow's keyword arguments (JSON-ready): what a deployment run, a trigger or a test passes."""
         return self.model_dump(mode="json")
 
-    def recorded_options(self) -> dict:
-        """The options that decide a release's content: recorded in its manifest (`Option.shapes`)."""
-        return self.model_dump(include={option.name for option in recorded(self.flow)})
+    def recorded_options(self) -> Dict[str, Any]:
+        """The parameters that decide a release's content, recorded in its manifest: those that fill a field of a
+        recorded settings record (`tasks.records.recorded_parameters`: every record but the execution record)."""
+        return self.model_dump(include=recorded_parameters() & set(type(self).model_fields))
 
-    def settings(self) -> Dict[str, Any]:
+    def settings(self) -> Dict[str, Settings]:
         """Every settings record (`tasks.records.SETTINGS_RECORDS`, record name -> record) from this flow's
-        parameters: the stages take the ones they read; a record's fields the flow does not take keep their
-        defaults. (The execution record, where the shard jobs run, is never recorded in a manifest.)"""
-        from tasks.records import SETTINGS_RECORDS
-
-        return {name: self._settings_record(record) for name, record in SETTINGS_RECORDS.items()}
-
-    def _settings_record(self, record: Any) -> Any:
-        values = {}
-        for option in for_settings(record.record):
-            if option.name in type(self).model_fields:
-                value = getattr(self, option.name)
-                values[setting_name(option, record.record)] = KINDS[option.kind].engine_value(value)
-        return record(**values)
+        parameters, each field from the parameter of its name (`Settings.from_parameters`): the stages take the
+        ones they read; a record's fields the flow does not take keep their defaults."""
+        parameters = dict(self)
+        return {name: record.from_parameters(parameters) for name, record in SETTINGS_RECORDS.items()}
 
 
 class RunLocation(FlowParams):
     """Where a training run is (``run_root``), where its releases go and where merges are staged."""
+
+    if TYPE_CHECKING:  # every flow's fields, declared in each flow's model in its form's order
+        run_root: str
+        release_root: Optional[str]
+        staging_root: Optional[str]
 
     @property
     def release_root_url(self) -> str:
@@ -238,26 +265,57 @@ class RunLocation(FlowParams):
         return self.release_root or default_release_root(self.run_root)
 
 
-def parameters_of(flow: str) -> Any:
-    """A parameter model with one field per option ``flow`` takes (`merge_engine.options.for_flow`), in order."""
-    fields = {option.name: (form_type(option), pydantic_field(option)) for option in for_flow(flow)}
-    return create_model(f"{flow}_parameters", __base__=RunLocation, __module__=__name__, **fields)
-
-
-class MergeStepParams(parameters_of("merge_step")):
+class MergeStepParams(RunLocation):
     """Merge, validate and publish one step of a run (and its LoRA adapter, if it has one)."""
 
-    flow = "merge_step"
+    step: Step
+    run_root: RunRoot
+    role: Role = "actor"
+    release_root: ReleaseRoot = ""
+    dtype: Dtype = AS_STORED
+    max_shard_size: MaxShardSize = DEFAULT_SHARD_SIZE
+    hf_model_path: HfModelPath = ""
+    weights_format: WeightsFormat = DEFAULT_WEIGHTS_FORMAT
+    validate_forward: ValidateForward = True
+    reference_url: ReferenceUrl = ""
+    release_adapter: ReleaseAdapter = True
+    include_base: IncludeBase = True
+    lora_alpha: Alpha = 0
+    base_model: BaseModelUrl = ""
+    base_model_id: BaseModelId = ""
+    overwrite: Overwrite = False
+    staging_root: StagingRoot = ""
+    workers: Workers = 0
+    ray_address: RayCluster = ""
 
     @property
     def key(self) -> str:
         return step_key(self.run_root, self.role, self.step)
 
 
-class WatchParams(parameters_of("merge_new_steps")):
+class WatchParams(RunLocation):
     """Merge every complete step of a run that is not published yet (scheduled)."""
 
-    flow = "merge_new_steps"
+    run_root: RunRoot
+    release_root: ReleaseRoot = ""
+    roles: Roles = DEFAULT_ROLES
+    merge_deployment: MergeDeployment = "merge-step/gpu"
+    max_steps: MaxSteps = 0
+    dtype: Dtype = AS_STORED
+    max_shard_size: MaxShardSize = DEFAULT_SHARD_SIZE
+    hf_model_path: HfModelPath = ""
+    weights_format: WeightsFormat = DEFAULT_WEIGHTS_FORMAT
+    validate_forward: ValidateForward = True
+    reference_url: ReferenceUrl = ""
+    release_adapter: ReleaseAdapter = True
+    include_base: IncludeBase = True
+    lora_alpha: Alpha = 0
+    base_model: BaseModelUrl = ""
+    base_model_id: BaseModelId = ""
+    overwrite: Overwrite = False
+    staging_root: StagingRoot = ""
+    workers: Workers = 0
+    ray_address: RayCluster = ""
 
     def step_params(self, step: Any) -> MergeStepParams:
         """The parameters of the merge of ``step`` (a `tasks.records.StepRecord`): this watcher's options."""
@@ -266,22 +324,21 @@ class WatchParams(parameters_of("merge_new_steps")):
                                run_root=self.run_root, step=step.step, role=step.role)
 
 
-class AdapterParams(parameters_of("release_adapter")):
+class AdapterParams(RunLocation):
     """Extract and publish the LoRA adapter of one step."""
 
-    flow = "release_adapter"
-
-
-def takes(model: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Give a ``def f(**parameters)`` flow function ``model``'s fields as its signature, the one Prefect builds the
-    form and the deployment's schema from (and binds a run's parameters to): flat, each with its type, default
-    and description, in the model's order."""
-
-    def give(fn: Callable[..., Any]) -> Callable[..., Any]:
-        fn.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-            [inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=pydantic_field(option),
-                               annotation=form_type(option)) for option in for_flow(model.flow)],
-            return_annotation=inspect.signature(fn).return_annotation)
-        return fn
-
-    return give
+    step: Step
+    run_root: RunRoot
+    role: Role = "actor"
+    release_root: ReleaseRoot = ""
+    include_base: IncludeBase = True
+    dtype: Dtype = AS_STORED
+    validate_forward: ValidateForward = True
+    compare_with_model_release: CompareWithModelRelease = True
+    lora_alpha: Alpha = 0
+    base_model: BaseModelUrl = ""
+    base_model_id: BaseModelId = ""
+    overwrite: Overwrite = False
+    staging_root: StagingRoot = ""
+    workers: Workers = 0
+    ray_address: RayCluster = ""

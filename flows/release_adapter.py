@@ -28,7 +28,10 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.credentials import storage_credentials
 from flows.hub_stage import hub_target, push_releases, raise_failed_push
-from flows.params import AdapterParams, takes
+from flows.params import (
+    AS_STORED, AdapterParams, Alpha, BaseModelId, BaseModelUrl, CompareWithModelRelease, Dtype, IncludeBase,
+    Overwrite, RayCluster, ReleaseRoot, Role, RunRoot, StagingRoot, Step, ValidateForward, Workers,
+)
 from flows.run_labels import adapter_run_name, ended, label_flow_run, step_label
 from flows.stages import StageTimer, StepOutcome, checked_lora, ready_checkpoint, release_output
 from flows.summaries import step_summary
@@ -50,10 +53,14 @@ def model_release_of(url: str, checkpoint: CheckpointRecord, params: AdapterPara
 
 @flow(name="release-adapter", flow_run_name=adapter_run_name, log_prints=True, persist_result=True,
       result_serializer=RECORD_SERIALIZER)
-@takes(AdapterParams)
-def release_adapter(**parameters) -> StepOutcome:
-    """Extract, validate and publish the LoRA adapter of one step (see the module docstring)."""
-    params = AdapterParams(**parameters)
+def release_adapter(step: Step, run_root: RunRoot, role: Role = "actor", release_root: ReleaseRoot = "",
+                    include_base: IncludeBase = True, dtype: Dtype = AS_STORED, validate_forward: ValidateForward = True,
+                    compare_with_model_release: CompareWithModelRelease = True, lora_alpha: Alpha = 0,
+                    base_model: BaseModelUrl = "", base_model_id: BaseModelId = "", overwrite: Overwrite = False,
+                    staging_root: StagingRoot = "", workers: Workers = 0, ray_address: RayCluster = "") -> StepOutcome:
+    """Extract, validate and publish the LoRA adapter of one step (see the module docstring; each parameter's text:
+    its type in `flows.params`)."""
+    params = AdapterParams(**locals())
     label_flow_run(params.run_root, params.role, params.step)
     with storage_credentials():
         return ended(adapter_stages(params))  # a not-ready step: the state NotReady, tag not-ready

@@ -43,6 +43,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from merge_engine.commands.input_folders import InputFolders
+from merge_engine.layouts.runs import portable_record
 from merge_engine.output.executors import executor_at
 from merge_engine import storage
 from merge_engine.output.jobs import OutputJob, OutputResult, run_job
@@ -53,12 +54,9 @@ from merge_engine.release.state import ReleaseState, state_of
 from merge_engine.release.staging import keep_checksums, kept_checksums, staging_url, sweep_stale_staging
 from tasks.checked import checked_checkpoint
 from tasks.progress import ProgressArtifact, release_artifact_key
-from tasks.records import SETTINGS_RECORDS, CheckpointRecord, Settings, StepRecord
+from tasks.records import BuildSettings, CheckpointRecord, ExecutionSettings, StepRecord
 from tasks.retry import RETRY_OPTIONS
 from tasks.shard_runs import task_executor_address
-
-# the settings a release records that a build of other options would differ in (`ReleaseState.refuse_other`)
-RECORDED_SETTINGS = {"dtype", "max_shard_size", "hf_model_path", "lora_alpha", "weights_format"}
 
 
 @dataclass(frozen=True)
@@ -69,7 +67,7 @@ class BuildSpec:
     kind: str
     step: StepRecord
     checkpoint: CheckpointRecord
-    settings: Settings  # the merge record (a model) or the adapter record (`tasks.records.SETTINGS_RECORDS`)
+    settings: BuildSettings  # the merge record (a model) or the adapter record (`tasks.records.SETTINGS_RECORDS`)
 
     @property
     def source_listing(self) -> str:
@@ -106,21 +104,21 @@ def progress_title(spec: BuildSpec, release: str) -> str:
 
 @task(name="build-output", cache_policy=NO_CACHE, persist_result=False, **RETRY_OPTIONS)
 def build_output(spec: BuildSpec, release: str, staging_root: Optional[str] = None, overwrite: bool = False,
-                 execution: Optional[Settings] = None, state: Optional[ReleaseState] = None,
+                 execution: Optional[ExecutionSettings] = None, state: Optional[ReleaseState] = None,
                  folders: Optional[InputFolders] = None) -> BuiltOutput:
     """Build ``spec`` into a staging folder for ``release`` (or find it already released there)."""
     job = output_job(spec, release, folders)
     fingerprint = job.fingerprint()  # metadata only (listings and small JSON files); once per build
     found = state_of(release, state).released_output(spec.kind, spec.checkpoint.url, fingerprint, overwrite=overwrite,
                                   checkpoint_fingerprint=spec.checkpoint.fingerprint,
-                                  settings=spec.settings.model_dump(include=RECORDED_SETTINGS))
+                                  settings=portable_record(spec.settings.recorded_values()))
     if found is not None:
         return found
     require_tested_versions()  # a worker with an untested transformers / peft fails here, in one line, not retried
     job.target_url = target = staging_url(staging_root, release, fingerprint)
     sweep_stale_staging(staging_root, keep=target)
     progress = ProgressArtifact(release_artifact_key("progress", release), progress_title(spec, release))
-    execution = execution or SETTINGS_RECORDS["execution"]()
+    execution = execution or ExecutionSettings()
     executor = executor_at(task_executor_address(execution.workers, execution.ray_address))
 
     def build() -> OutputResult:

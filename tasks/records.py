@@ -6,19 +6,22 @@ the engine's dataclasses into records, `to_*` turn them back where an engine cal
 What the build, validate and publish tasks RETURN is the engine's own frozen dataclasses
 (`merge_engine.release.built.BuiltOutput`, `merge_engine.validate.ValidationReport`,
 `merge_engine.release.publish.Release`): no twin here.
-The settings records are generated, one class per name of `merge_engine.options.SETTINGS`
-(`SETTINGS_RECORDS`), and pickled by that name.
+The settings records (`Settings`: `MergeSettings`, `AdapterSettings`, `ValidationSettings`, `ExecutionSettings`,
+by name in `SETTINGS_RECORDS`) carry the options each stage reads, filled from a flow's parameters of the same names.
 This module imports no torch (the engine classes are imported inside the `to_*` methods): the
 listings-only watcher reads `StepRecord` s.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from typing_extensions import Self
 
-from merge_engine.options import KINDS, SETTINGS, for_settings, setting_name
+from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE, DEFAULT_WEIGHTS_FORMAT, Dtype, WeightsFormat
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:  # the engine's classes: imported where a record is turned into one (they import torch)
@@ -163,49 +166,110 @@ class CheckpointRecord(Record):
                           adapter_dir=self.adapter_dir, index=self.index)
 
 
+def size_in_bytes(value: Any) -> Any:
+    """A shard size as the engine holds it: ``5GB``, ``500MiB``, ... in bytes (a number as it is)."""
+    from merge_engine.option_values import parse_size
+
+    return parse_size(value) if isinstance(value, str) else value
+
+
+Bytes = Annotated[int, BeforeValidator(size_in_bytes)]
+
+
 class Settings(Record):
-    """A settings record: the options of one stage (``record``, `merge_engine.options.SETTINGS`), one field per
-    declared option (`merge_engine.options.for_settings`), of its kind's engine type, with its default."""
+    """A settings record: the options one stage reads, each field a flow parameter of the same name
+    (``PARAMETERS`` names those spelled otherwise in the flows), with the engine's value (sizes in bytes).
 
-    record: ClassVar[str]
+    ``recorded``: a release's manifest records the parameters that fill this record, and its fields are in the
+    cache key of the chain that reads it."""
 
-    def __reduce__(self) -> tuple:
-        # pickled by record name, not by class (the classes are generated: `SETTINGS_RECORDS`); the state is
-        # pydantic's own, restored by its ``__setstate__``
-        return _blank_settings, (self.record,), self.__getstate__()
+    PARAMETERS: ClassVar[dict[str, str]] = {}  # field -> the flow parameter that fills it, where the names differ
+    recorded: ClassVar[bool] = True
+
+    @classmethod
+    def parameter(cls, field: str) -> str:
+        """The flow parameter that fills ``field``."""
+        return cls.PARAMETERS.get(field, field)
+
+    @classmethod
+    def from_parameters(cls, parameters: Mapping[str, Any]) -> Self:
+        """This record from a flow's parameters (name -> value): each field the flow takes from its parameter; the
+        others keep their defaults."""
+        return cls(**{field: parameters[cls.parameter(field)] for field in cls.model_fields
+                      if cls.parameter(field) in parameters})
+
+    def recorded_values(self) -> dict[str, Any]:
+        """This record's fields under the flow parameters' names: how a release's manifest records them."""
+        return {self.parameter(field): value for field, value in self}
+
+
+class BuildSettings(Settings):
+    """The options of a build that a flow exposes (the engine's `OutputOptions` minus target handling), the ones
+    a model and an adapter build share."""
+
+    backend: Optional[str] = None
+    dtype: Optional[Dtype] = None
+    max_shard_size: Bytes = DEFAULT_MAX_SHARD_SIZE
+    hf_model_path: Optional[str] = None
+    weights_format: WeightsFormat = DEFAULT_WEIGHTS_FORMAT
+    lora_alpha: Optional[float] = None
+    base_model: Optional[str] = None
 
     def to_options(self, overwrite: bool = False) -> OutputOptions:
-        """The engine's options record: each field to the engine option it declares (``include_base`` ->
-        ``write_base``, ...)."""
+        """The engine's options record of this build."""
         from merge_engine.output.jobs import OutputOptions
 
-        values = {option.field: getattr(self, setting_name(option, self.record))
-                  for option in for_settings(self.record) if option.field}
-        return OutputOptions(**values, overwrite=overwrite)
+        return OutputOptions(backend=self.backend, dtype=self.dtype, max_shard_size=self.max_shard_size,
+                             hf_model_path=self.hf_model_path, weights_format=self.weights_format,
+                             lora_alpha=self.lora_alpha, base_model=self.base_model, overwrite=overwrite)
 
 
-def settings_fields(record: str) -> dict[str, Any]:
-    """The fields of settings record ``record`` (options that fill one field declare it once here)."""
-    fields: dict[str, Any] = {}
-    for option in for_settings(record):
-        kind = KINDS[option.kind]
-        fields.setdefault(setting_name(option, record), (kind.engine, kind.engine_value(option.default)))
-    return fields
+class MergeSettings(BuildSettings):
+    """The merge options a flow exposes (the engine's `OutputOptions` minus target handling). ``lora_alpha`` matters to
+    LoRA checkpoints whose run recorded no alpha: their merged model is the trained one (every update fused with its
+    alpha), so the merge needs it as much as the adapter."""
 
 
-def _blank_settings(record: str) -> Settings:
-    """An empty instance of settings record ``record``, for pickle to fill with its state (`Settings.__reduce__`)."""
-    cls = SETTINGS_RECORDS[record]
-    return cls.__new__(cls)
+class AdapterSettings(BuildSettings):
+    """The adapter-extraction options a flow exposes. ``include_base`` also writes the clean base model under ``base/``
+    of the adapter release, so ``PeftModel.from_pretrained(<release>/base, <release>)`` needs nothing else (and
+    validation can load it); ``base_model`` names the base of a LoRA-only checkpoint; ``base_model_id`` the Hub id
+    the adapter names."""
+
+    base_model_id: Optional[str] = None
+    include_base: bool = True
+
+    def to_options(self, overwrite: bool = False) -> OutputOptions:
+        return replace(super().to_options(overwrite), base_model_id=self.base_model_id, include_base=self.include_base)
 
 
-def settings_record(record: str) -> type[Settings]:
-    """The settings class of ``record`` (a name of `merge_engine.options.SETTINGS`): its fields are the options
-    declaring it (`settings_fields`), its docstring the declaration's text."""
-    name = f"{record.capitalize()}Settings"
-    return create_model(name, __base__=Settings, __module__=__name__, __doc__=SETTINGS[record],
-                        __namespace__={"record": record}, **settings_fields(record))
+class ValidationSettings(Settings):
+    """What to validate: the forward pass (GPU when present), and a reference to compare with."""
+
+    PARAMETERS: ClassVar[dict[str, str]] = {"forward": "validate_forward"}
+
+    forward: bool = True
+    reference_url: Optional[str] = None
+    device: Optional[str] = None
 
 
-# One settings class per declared record: a new name in `merge_engine.options.SETTINGS` is a new record here.
-SETTINGS_RECORDS: dict[str, type[Settings]] = {record: settings_record(record) for record in SETTINGS}
+class ExecutionSettings(Settings):
+    """Where a merge's shard jobs run; never part of a cache key or a manifest (the bytes are the same).
+    ``ray_address``: Prefect task runs on that Ray cluster (`tasks.shard_runs`; None: the worker's
+    ``STEPMERGE_RAY_ADDRESS``, else none); otherwise ``workers`` threads here (None: one per core)."""
+
+    recorded: ClassVar[bool] = False
+
+    workers: Optional[int] = None
+    ray_address: Optional[str] = None
+
+
+# The settings records a flow's stages get, by name (`flows.params.FlowParams.settings`).
+SETTINGS_RECORDS: dict[str, type[Settings]] = {"merge": MergeSettings, "adapter": AdapterSettings,
+                                               "validation": ValidationSettings, "execution": ExecutionSettings}
+
+
+def recorded_parameters() -> set[str]:
+    """The flow parameters a release's manifest records: those filling a field of a recorded settings record."""
+    return {record.parameter(field) for record in SETTINGS_RECORDS.values() if record.recorded
+            for field in record.model_fields}

@@ -37,7 +37,6 @@ BAD = {
     "validate_forward": ("yes", NOT_BOOLEAN),
     "reference_url": ("s3://", OPTIONAL_URL),
     "release_adapter": ("yes", NOT_BOOLEAN),
-    "adapter_include_base": ("yes", NOT_BOOLEAN),
     "lora_alpha": (-16, "-16 is less than the minimum of 0"),
     "base_model": ("C:\\models\\base", OPTIONAL_URL),
     "base_model_id": (5, "5 is not of type 'string'"),

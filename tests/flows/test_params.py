@@ -1,20 +1,23 @@
 """Flow parameters: flat, typed, the required ones first; the UI's form is made from them, the server
 checks them before a run exists (tests/deployments/test_prefect_yaml.py), the flow again before a task.
 
-Each flow's signature lists exactly its parameter model's fields with the same defaults (one list,
-two spellings held together here); the JSON schema carries the URL pattern, the size pattern, the
+Each flow's ``def`` lists exactly its parameter model's fields, in order, with the same types and defaults (one
+list, two spellings held together here), and every engine option a flow offers has the engine's name, type and
+default (`OutputOptions`); the JSON schema carries the URL pattern, the size pattern, the
 dtype spellings (the command line's) after "as stored", ``step >= 0``, and a description for every field. Every
 choice is a visible control (no None toggle), and a refusal is worded, not a pattern (issue 20).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import re
+import typing
 
 import pytest
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from flows.merge_new_steps import merge_new_steps
 from flows.merge_step import merge_step
@@ -26,6 +29,8 @@ from flows.release_adapter import release_adapter
 from flows.verify_releases import verify_releases
 from flows.url_checks import checked_url
 from merge_engine.option_values import DTYPE_SPELLINGS, SIZE_PATTERN, WEIGHTS_FORMATS, parse_size
+from merge_engine.output.jobs import OutputOptions
+from tasks.records import SETTINGS_RECORDS
 from tests.fixtures_pipeline import flow_run_id, no_task_runs
 
 FLOWS = [(merge_step, MergeStepParams), (merge_new_steps, WatchParams), (release_adapter, AdapterParams)]
@@ -55,12 +60,61 @@ def test_the_ui_form_has_every_option_with_its_default_and_constraints():
 
 @pytest.mark.parametrize("flow, model", FLOWS, ids=lambda x: getattr(x, "__name__", ""))
 def test_each_flow_signature_is_its_parameter_model(flow, model):
+    """The ``def`` Prefect reads and the model the stages get: the same names in the same order, each with the
+    same type (its form type and text) and the same default."""
     signature = inspect.signature(flow.fn).parameters
-    assert set(signature) == set(model.model_fields)
+    assert list(signature) == list(model.model_fields)
+    written = typing.get_type_hints(flow.fn, include_extras=True)
+    declared = typing.get_type_hints(model, include_extras=True)
     for name, field in model.model_fields.items():
-        declared = signature[name].default  # a pydantic Field carrying the form's description
-        assert declared.is_required() == field.is_required(), name
-        assert field.is_required() or declared.default == field.default, name
+        parameter = signature[name]
+        assert parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, name
+        assert written[name] == declared[name], name
+        assert (parameter.default is inspect.Parameter.empty) == field.is_required(), name
+        assert field.is_required() or parameter.default == field.default, name
+    schema = flow.parameters.model_dump()
+    assert list(schema["properties"]) == list(model.model_fields)
+    assert schema["required"] == [name for name, field in model.model_fields.items() if field.is_required()]
+
+
+# every engine option a flow offers, with a value the form admits other than its default
+ENGINE_OPTIONS = {"dtype": "bf16", "max_shard_size": "500MiB", "weights_format": "transformers",
+                  "hf_model_path": "s3://bucket/config", "lora_alpha": 16, "base_model": "s3://bucket/base",
+                  "base_model_id": "org/base", "include_base": False, "overwrite": True, "workers": 3,
+                  "ray_address": "auto"}
+
+
+def engine_value(name: str, value: typing.Any) -> typing.Any:
+    """A flow parameter's value as the settings record that carries it hands it to the engine (sizes in bytes)."""
+    for record in SETTINGS_RECORDS.values():
+        for field in record.model_fields:
+            if record.parameter(field) == name:
+                return getattr(record.from_parameters({name: value}), field)
+    return value  # overwrite: passed to the engine as it is
+
+
+@pytest.mark.parametrize("flow, model", FLOWS, ids=lambda x: getattr(x, "__name__", ""))
+def test_every_engine_option_a_flow_offers_is_the_engines(flow, model):
+    """Name, type and default: the flow's default is the engine's default and a value the form admits is one of
+    the engine's type, once the flow's value is the engine's (`engine_value`); the ``def`` agrees with the model
+    (`test_each_flow_signature_is_its_parameter_model`)."""
+    engine = {f.name: f for f in dataclasses.fields(OutputOptions)}
+    hints = typing.get_type_hints(OutputOptions)
+    offered = [name for name in model.model_fields if name in ENGINE_OPTIONS]
+    assert offered and set(model.model_fields) & set(engine) <= set(offered)
+    required = {"run_root": "s3://bucket/run", "step": 1}
+    defaults = model(**{k: v for k, v in required.items() if k in model.model_fields})
+    given = model(**{k: v for k, v in required.items() if k in model.model_fields},
+                  **{name: ENGINE_OPTIONS[name] for name in offered})
+    for name in offered:
+        field = engine[name]
+        default = engine_value(name, getattr(defaults, name))
+        assert default == field.default, name
+        value = engine_value(name, getattr(given, name))
+        assert value != default, name
+        kind = TypeAdapter(hints[field.name])
+        assert kind.validate_python(default, strict=True) == default, name
+        assert kind.validate_python(value, strict=True) == value, name
 
 
 def test_the_form_and_the_command_line_accept_the_same_dtype_spellings_and_record_one():

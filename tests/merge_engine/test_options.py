@@ -8,7 +8,8 @@
   fingerprint and provenance record (`OutputOptions.output_options`) is derived from the fields' markers and is
   pinned here, key for key, so no marker change goes unseen;
 - a dtype spelling is read in one place (the flag's parser, the form's type); the engine names no flow or task;
-- the flows (their forms, settings records and recorded options) still read `merge_engine.options`' table.
+- the flows' parameters and the settings records are written in flows/params.py and tasks/records.py
+  (tests/flows/test_params.py checks them against `OutputOptions`).
 """
 
 from __future__ import annotations
@@ -21,19 +22,12 @@ import typing
 import pytest
 
 from flows.cli import COMMANDS as STEPMERGE_COMMANDS, NotifyArgs
-from flows.merge_new_steps import merge_new_steps
-from flows.merge_step import merge_step
-from flows.params import AdapterParams, MergeStepParams, WatchParams, blank_of, form_type
-from flows.release_adapter import release_adapter
 from merge_engine import options as declared
 from merge_engine.cli import build_parser, read_options
 from merge_engine.errors import InvalidOption
 from merge_engine.output.jobs import OutputOptions
 from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE, Dtype, WeightsFormat, parse_size
-from tasks.records import SETTINGS_RECORDS
 
-FLOWS = {"merge_step": (merge_step, MergeStepParams), "merge_new_steps": (merge_new_steps, WatchParams),
-         "release_adapter": (release_adapter, AdapterParams)}
 RECORDS = {**declared.COMMAND_RECORDS, "notify": NotifyArgs}
 
 
@@ -52,17 +46,11 @@ def test_the_declarations_are_consistent():
         assert set(option.settings) <= set(declared.SETTINGS), option.name
         assert bool(option.form) == bool(option.flows), option.name  # a form text exactly where there is a form
         assert option.kind not in ("choice", "choices") or option.choices, option.name
-        if option.flows:  # its kind names a form type, one with a blank for "unset" where it may be unset
-            kind = declared.KINDS[option.kind]
-            assert (kind.form_unset if option.default is None else kind.form), option.name
-            if option.default is None:
-                blank_of(form_type(option))
 
 
 def test_each_kind_of_value_is_declared_in_one_table():
     """`merge_engine.options.KINDS` is the only table keyed by kinds of value in the product: no surface (the
-    command line, the forms, the settings records, the engine) keeps its own per-kind mapping; and every form
-    type a kind names is there."""
+    command line, the forms, the settings records, the engine) keeps its own per-kind mapping."""
     import ast
     import pathlib
 
@@ -76,10 +64,6 @@ def test_each_kind_of_value_is_declared_in_one_table():
                     if len(keys & kinds) >= 3:
                         tables.append(f"{path.relative_to(root)}:{node.lineno}")
     assert tables == []
-    for kind in declared.KINDS.values():
-        for entry in filter(None, (kind.form, kind.form_unset)):
-            module, _, name = entry.partition(":")
-            assert module == "flows.params" and hasattr(__import__(module, fromlist=[name]), name), entry
 
 
 @pytest.mark.parametrize("command", RECORDS)
@@ -225,60 +209,3 @@ def test_layout_messages_name_the_flags_the_merge_command_takes():
         assert merge._option_string_actions[spelling].dest == need
     assert megatron_lora.CLI_FLAGS[megatron_lora.NEEDS_BASE_MODEL] in megatron_lora.ADAPTER_ONLY_REASON
 
-
-@pytest.mark.parametrize("flow", declared.FLOWS)
-def test_each_flow_form_holds_exactly_its_declared_parameters(flow):
-    function, model = FLOWS[flow]
-    schema = function.parameters.model_dump()
-    options = declared.for_flow(flow)
-    assert list(schema["properties"]) == [o.name for o in options]
-    assert sorted(schema["properties"], key=lambda n: schema["properties"][n]["position"]) == [o.name for o in options]
-    assert schema["required"] == [o.name for o in options if o.required]
-    for option in options:
-        prop = schema["properties"][option.name]
-        assert prop["description"] == option.form, option.name
-        if not option.required:
-            expected = blank_of(form_type(option)) if option.default is None else (
-                list(option.default) if option.kind == "choices" else option.default)
-            assert prop["default"] == expected, option.name
-        if option.choices:
-            enum = prop["items"]["enum"] if option.kind == "choices" else prop["enum"]
-            assert enum == list(option.choices), option.name
-    signature = inspect.signature(function.fn)
-    assert list(signature.parameters) == list(model.model_fields) == [o.name for o in options]
-
-
-@pytest.mark.parametrize("record", declared.SETTINGS)
-def test_each_settings_record_has_one_field_per_declared_option(record):
-    fields = SETTINGS_RECORDS[record].model_fields
-    expected = {declared.setting_name(o, record): o for o in reversed(declared.for_settings(record))}
-    assert set(fields) == set(expected)
-    for name, option in expected.items():
-        default = parse_size(option.default) if option.kind == "size" else option.default
-        assert fields[name].default == default, name
-
-
-def test_one_settings_record_per_declared_name_pickled_by_its_name():
-    """Each name of `SETTINGS` is a settings class (its record, its text); a record survives pickle and
-    cloudpickle (Prefect's results, Ray's task arguments) as an equal record of the same class."""
-    import pickle
-
-    import cloudpickle
-
-    assert list(SETTINGS_RECORDS) == list(declared.SETTINGS)
-    for name, record in SETTINGS_RECORDS.items():
-        assert record.record == name and record.__doc__ == declared.SETTINGS[name]
-        value = record()
-        for dumps in (pickle.dumps, cloudpickle.dumps):
-            again = pickle.loads(dumps(value))
-            assert type(again) is record and again == value and again.model_fields_set == value.model_fields_set
-    changed = SETTINGS_RECORDS["merge"](dtype="bfloat16", max_shard_size=1000)
-    again = pickle.loads(pickle.dumps(changed))
-    assert again == changed and again.model_fields_set == {"dtype", "max_shard_size"}
-
-
-@pytest.mark.parametrize("flow", ["merge_step", "release_adapter"])
-def test_a_flows_recorded_options_are_the_declared_ones(flow):
-    _, model = FLOWS[flow]
-    params = model(run_root="s3://bucket/run", step=1)
-    assert set(params.recorded_options()) == {o.name for o in declared.recorded(flow)}
