@@ -25,6 +25,7 @@ from typing import Optional
 from merge_engine import storage
 from merge_engine.errors import StepmergeError, UnsafeFile
 from merge_engine.formats.json_file import read_json_object
+from merge_engine.storage.source_files import walk_entries
 
 logger = logging.getLogger(__name__)
 
@@ -61,19 +62,10 @@ def refuse_staged_links(url: str) -> None:
     root = storage.local_path(url).rstrip(os.sep) or os.sep
     if os.path.islink(root):
         raise UnsafeFile("the staging folder is a link: staging must be a folder of regular files", url)
-    pending = [root]
-    while pending:
-        folder = pending.pop()
-        try:
-            with os.scandir(folder) as entries:
-                for entry in entries:
-                    if entry.is_dir(follow_symlinks=False):
-                        pending.append(entry.path)
-                    elif entry.is_symlink() or not entry.is_file(follow_symlinks=False):
-                        raise UnsafeFile("staging holds a link or special file where the merge wrote a regular "
-                                         "file: never copied", entry.path)
-        except FileNotFoundError:
-            continue  # removed while we looked
+    for entry in walk_entries(root):
+        if entry.is_symlink() or not (entry.is_dir(follow_symlinks=False) or entry.is_file(follow_symlinks=False)):
+            raise UnsafeFile("staging holds a link or special file where the merge wrote a regular file: never "
+                             "copied", entry.path)
 
 
 def _refuse_linked_sums(staging: str) -> None:

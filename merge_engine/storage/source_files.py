@@ -27,6 +27,7 @@ import os
 import re
 import stat
 import unicodedata
+from collections.abc import Iterator
 
 from merge_engine import storage
 from merge_engine.errors import UnsafeFile
@@ -74,6 +75,22 @@ def check_local_entry(path: str, roots: tuple[str, ...], *, want_file: bool = Tr
     raise UnsafeFile(f"{kind}, not a regular file: refused", path)
 
 
+def walk_entries(root: str) -> Iterator[os.DirEntry]:
+    """Every entry under the local folder ``root``, at any depth, without following links: a folder that is a link
+    is yielded, never descended. A folder removed while it is walked is skipped."""
+    pending = [root]
+    while pending:
+        folder = pending.pop()
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(entry.path)
+                    yield entry
+        except FileNotFoundError:
+            continue
+
+
 def check_local_tree(url: str) -> None:
     """Refuse (`UnsafeFile`) a local folder holding a link out of it or a special file, at any depth.
 
@@ -86,20 +103,11 @@ def check_local_tree(url: str) -> None:
     if not os.path.isdir(root):
         return
     roots = allowed_roots(root)
-    pending = [root]
-    while pending:
-        folder = pending.pop()
-        try:
-            with os.scandir(folder) as entries:
-                for entry in entries:
-                    if entry.is_symlink():
-                        check_local_entry(entry.path, roots, want_file=False)
-                    elif entry.is_dir(follow_symlinks=False):
-                        pending.append(entry.path)
-                    elif not entry.is_file(follow_symlinks=False):
-                        check_local_entry(entry.path, roots)  # raises: FIFO, socket, device
-        except FileNotFoundError:
-            continue  # removed while we looked
+    for entry in walk_entries(root):
+        if entry.is_symlink():
+            check_local_entry(entry.path, roots, want_file=False)
+        elif not entry.is_dir(follow_symlinks=False) and not entry.is_file(follow_symlinks=False):
+            check_local_entry(entry.path, roots)  # raises: FIFO, socket, device
 
 
 MAX_FILE_NAME_BYTES = 255  # the usual file system limit (ext4, xfs, APFS)
