@@ -1,7 +1,7 @@
 """The planner: a checkpoint's tensors + its config -> the `MergePlan` of the model it holds.
 
 Decided once, here, from metadata alone:
-- the layout names its tensors the Megatron way (`Layout.TENSOR_NAMING` is ``MEGATRON_NAMES``):
+- the layout names its tensors the Megatron way (`Layout.tensor_naming` is ``MEGATRON_NAMES``):
   the model family's table plans it (`merge_engine.architectures.megatron_to_hf`);
 - Hugging Face names holding LoRA factors: the TRAINED model, every update fused into its base
   (`merge_engine.lora.checkpoint.plan_trained_model`; never the base alone);
@@ -48,7 +48,7 @@ def plan_checkpoint(checkpoint: Checkpoint, source: TensorSource, config: dict[s
     a LoRA checkpoint's stored tied head, compared with its embedding before it is dropped. Names that
     share stored bytes other than the tied embedding and head are refused first (`check_aliases`)."""
     check_aliases(source, config)
-    if layout_named(checkpoint.layout).TENSOR_NAMING == MEGATRON_NAMES:
+    if layout_named(checkpoint.layout).tensor_naming == MEGATRON_NAMES:
         extra = {"custom_mapping": custom_mapping} if custom_mapping is not None else {}
         return plan_megatron_merge(source, config, dtype=dtype, max_shard_size=max_shard_size, tie_flag=tie_flag,
                                    mtp_layers=mtp_layers, **extra)

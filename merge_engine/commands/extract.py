@@ -250,7 +250,7 @@ class SvdExtractJob:
         options, finetuned_url, base_url = self.options, self.source_url, self.base_url
         dtype = torch_dtype(options.dtype) or torch.float32
         tuned_checkpoint = check_checkpoint(finetuned_url, options.backend, self.inputs.files(finetuned_url))
-        if layout_named(tuned_checkpoint.layout).TENSOR_NAMING != HF_NAMES:
+        if layout_named(tuned_checkpoint.layout).tensor_naming != HF_NAMES:
             raise AdapterError(f"a {tuned_checkpoint.layout} checkpoint's tensors are not Hugging Face tensors: "
                                "merge it first (`stepmerge merge`), then extract from the merged folder", finetuned_url)
         base = self.inputs.open(base_url)

@@ -1,27 +1,24 @@
 """The jobs of a layout with its own semantics: how its checkpoints are merged and extracted.
 
 A layout whose checkpoints are not merged by planning what its `open` gives (a Megatron-Bridge LoRA step:
-an adapter to fuse into a base the user names, or into the base saved beside it) names, in its contract,
-the module of this package that answers for it (`merge_engine.layouts.contract.Layout`'s ``JOBS``);
+an adapter to fuse into a base the user names, or into the base saved beside it; a torchtitan step, renamed to the
+Hub's names) has a module of this package that answers for it, listed once in `JOBS` by the layout's name;
 `jobs_of` finds it, so that `merge_engine.commands.merge` and `merge_engine.commands.extract` name no layout.
-The module is imported only for such a checkpoint (its library is not free to import), and only from this
-package: the name comes from the layout registry, never from a record's bytes.
+The layouts name no command (the commands sit above them). A jobs module is imported only for such a checkpoint
+(its library is not free to import).
 """
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from merge_engine.layouts import Checkpoint, layout_named
+from merge_engine.layouts import Checkpoint, megatron_lora, torchtitan
 
 if TYPE_CHECKING:
     from merge_engine.commands.input_folders import InputFolders
     from merge_engine.formats.tensor_source import TensorSource
     from merge_engine.output.jobs import OutputOptions, PreparedJob
-
-PACKAGE = __name__.rpartition(".")[0] + "."  # the only modules a layout's ``JOBS`` may name
-
 
 class LayoutJobs(Protocol):
     """What a layout's jobs module answers (each from the checked checkpoint, the job's options and, where it reads
@@ -47,11 +44,26 @@ class LayoutJobs(Protocol):
                         inputs: InputFolders) -> PreparedJob: ...
 
 
+def _megatron_lora_jobs() -> LayoutJobs:
+    from merge_engine.commands import megatron_lora as jobs
+
+    return jobs  # type: ignore[return-value]  # a module answering the protocol
+
+
+def _torchtitan_jobs() -> LayoutJobs:
+    from merge_engine.commands import torchtitan_jobs as jobs
+
+    return jobs  # type: ignore[return-value]  # a module answering the protocol
+
+
+JOBS: dict[str, Callable[[], LayoutJobs]] = {
+    megatron_lora.NAME: _megatron_lora_jobs,
+    torchtitan.NAME: _torchtitan_jobs,
+}
+"""Layout name -> the function that imports its jobs module (the layouts not listed are merged by their plan)."""
+
+
 def jobs_of(checkpoint: Checkpoint) -> LayoutJobs | None:
-    """The jobs module of ``checkpoint``'s layout (its ``JOBS``), imported now; None for a layout without one."""
-    name = getattr(layout_named(checkpoint.layout), "JOBS", None)
-    if name is None:
-        return None
-    if not name.startswith(PACKAGE) or "." in name[len(PACKAGE):]:
-        raise TypeError(f"layout {checkpoint.layout!r} names its jobs {name!r}, not a module of {PACKAGE.rstrip('.')}")
-    return importlib.import_module(name)  # type: ignore[return-value]
+    """The jobs module of ``checkpoint``'s layout (`JOBS`), imported now; None for a layout without one."""
+    load = JOBS.get(checkpoint.layout)
+    return None if load is None else load()

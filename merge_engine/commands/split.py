@@ -3,7 +3,7 @@
 The same family tables drive both directions: `MegatronViewOfHf` gives the canonical Megatron
 tensors (QKV merged per query group, gate/up fused, vocabulary padded with zero rows to a
 multiple of ``make_vocab_size_divisible_by * tp``), then the layout of ``--format`` writes them
-(`merge_engine.layouts.contract.WritableLayout`):
+(`merge_engine.layouts.contract.Writer`):
 
 - ``legacy`` (verl's older layout; `merge_engine.layouts.megatron_legacy` reads and writes it):
   ``model/mp_rank_TT[_PPP][_EEE]/model.pt`` = a list of local-spec state dicts, one per VPP chunk,
@@ -46,7 +46,7 @@ from merge_engine.formats.hf_metadata import copy_metadata, read_config
 from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, run_job
 from merge_engine.layouts import Checkpoint, check_checkpoint, layout_named, open_checkpoint
 from merge_engine.output.work_unit import PlannedOutput
-from merge_engine.layouts.contract import FileJob, ParallelSizes, WritableLayout
+from merge_engine.layouts.contract import FileJob, ParallelSizes, Writer
 from merge_engine.storage.written import FileRecord
 from merge_engine.plan.merge_plan import torch_dtype
 
@@ -56,9 +56,11 @@ FORMATS = {"legacy": "megatron_legacy", "dist": "megatron_dist"}
 TRANSFORMER_CONFIG = "transformer_config.json"
 
 
-def writable_layout(fmt: str) -> WritableLayout:
-    """The layout that writes ``--format fmt``."""
-    return layout_named(FORMATS[fmt])  # type: ignore[return-value]
+def writable_layout(fmt: str) -> Writer:
+    """How the layout of ``--format fmt`` is written."""
+    writer = layout_named(FORMATS[fmt]).writer
+    assert writer is not None, f"{FORMATS[fmt]} has no writer"  # FORMATS names writable layouts only
+    return writer
 
 
 def _check_options(options: OutputOptions, view: MegatronViewOfHf) -> None:
@@ -169,10 +171,10 @@ def split_fingerprint(checkpoint: Checkpoint, options: OutputOptions) -> str:
 
 @dataclass(frozen=True, eq=False)
 class LayoutFileUnit:
-    """One file a `WritableLayout` writes whole (a rank file, a DCP data file), a work unit
+    """One file a layout's `Writer` writes whole (a rank file, a DCP data file), a work unit
     (`WorkUnit`): its size is known once written (planned as -1), and it uses one thread."""
 
-    layout: WritableLayout
+    writer: Writer
     view: MegatronViewOfHf
     job: FileJob
     sizes: ParallelSizes
@@ -184,7 +186,7 @@ class LayoutFileUnit:
 
     def run(self, folder_url: str, cancel: threading.Event | None = None, *, chunk_bytes: int, threads: int = 1,
             on_bytes: Callable[[int], None] | None = None) -> FileRecord:
-        record = self.layout.write_file(self.view, self.job, folder_url, self.sizes, self.dtype, cancel)
+        record = self.writer.write_file(self.view, self.job, folder_url, self.sizes, self.dtype, cancel)
         if on_bytes is not None:
             on_bytes(record.size)
         return record
@@ -232,17 +234,17 @@ class SplitJob:
             view.close()
             raise
         sizes = ParallelSizes(tp=options.tp, pp=options.pp, vpp=options.vpp, ep=options.ep)
-        layout = writable_layout(options.format)
+        writer = writable_layout(options.format)
 
         def write_config(url: str) -> list[tuple[str, int]]:
-            files = [(f"{layout.CONFIG_DIR}/{n}", s) for n, s in copy_metadata(
-                hf_url, storage.join(url, layout.CONFIG_DIR), config)]
+            files = [(f"{writer.config_dir}/{n}", s) for n, s in copy_metadata(
+                hf_url, storage.join(url, writer.config_dir), config)]
             data = (json.dumps(megatron_config, indent=2, sort_keys=True) + "\n").encode()
             storage.write_bytes(storage.join(url, TRANSFORMER_CONFIG), data)
             return files + [(TRANSFORMER_CONFIG, len(data))]
 
-        units = [LayoutFileUnit(layout, view, file_job, sizes, dtype) for file_job in layout.file_jobs(view, sizes)]
-        rank_files = PlannedOutput(units, finish=layout.finish, then=write_config)
+        units = [LayoutFileUnit(writer, view, file_job, sizes, dtype) for file_job in writer.file_jobs(view, sizes)]
+        rank_files = PlannedOutput(units, finish=writer.finish, then=write_config)
         provenance = {"source": hf_url, "kind": "megatron split", "options": options.output_options(self.command),
                       "tensors": len(view.metas())}
         return PreparedJob([rank_files], provenance, kind=self.kind, layout=FORMATS[options.format],

@@ -1,5 +1,6 @@
-"""On-disk checkpoint formats, each a module satisfying `merge_engine.layouts.contract.Layout`,
-all listed once in `LAYOUTS` (in priority order: the first that detects a listing reads it).
+"""On-disk checkpoint formats, each a module that builds its `merge_engine.layouts.contract.Layout` record
+(``LAYOUT``), all listed once in `merge_engine.layouts.registry.LAYOUTS` (in priority order: the first that detects a
+listing reads it).
 
 - ``fsdp``: verl FSDP rank files;
 - ``megatron_legacy``: Megatron per-rank ``mp_rank_*`` files (verl's ``model.pt``, Megatron-LM's
@@ -25,13 +26,14 @@ all listed once in `LAYOUTS` (in priority order: the first that detects a listin
 Run layouts, one per trainer, listed once in `runs.RUN_LAYOUTS`: how a run root names its step folders
 (verl's ``global_step_<N>/``, Megatron-LM's ``iter_<NNNNNNN>/``); discovery and the release layout ask it.
 
-Helpers with no format of their own: `contract` (the protocol and its records), `megatron_lm_root`
-(a Megatron-LM run root -> one iteration), `tracker` (``latest_checkpointed_iteration.txt``),
-`verl_v2` (verl's ``ckpt_contents.json`` marker).
+Helpers with no format of their own: `contract` (the `Layout` record and the records it returns), `registry`
+(the list of layouts), `megatron_lm_root` (a Megatron-LM run root -> one iteration), `tracker`
+(``latest_checkpointed_iteration.txt``), `verl_v2` (verl's ``ckpt_contents.json`` marker).
 
 Entry points: `layout_named`, `find_layout`, `listing_verdicts` (discovery), `check_checkpoint`,
-`open_checkpoint`, `open_hf_folder`. Adding a format is one module plus one line in `LAYOUTS`; a format with its
-own semantics answers through the contract's optional hooks (``REFINES``/``refine``, ``second_look``, ``JOBS``).
+`open_checkpoint`, `open_hf_folder`. Adding a format is one module plus one line in `registry.LAYOUTS`; a format
+with its own semantics answers through its record's optional fields (``refines``/``refine``, ``second_look``,
+``writer``); how the commands merge it otherwise is theirs to say (`merge_engine.commands.layout_jobs`).
 
 Importing the registry imports no torch (nor transformers): a layout module holds its names,
 detection and listing verdict at module level and imports its readers (torch archives, safetensors,
@@ -46,34 +48,24 @@ from typing import TYPE_CHECKING
 
 from merge_engine import storage
 from merge_engine.errors import IncompleteCheckpoint, SourceChanged, UnsupportedLayout
-from merge_engine.layouts import (dcp_hf, dcp_model, deepspeed_zero, fsdp, hf, megatron_bridge, megatron_dist,
-                                   megatron_legacy, megatron_lora, torchtitan)
+from merge_engine.layouts import hf
 from merge_engine.layouts.contract import (
     HF_NAMES,
     MEGATRON_NAMES,
     Checkpoint,
     Layout,
     Verdict,
-    WritableLayout,
+    Writer,
 )
+from merge_engine.layouts.registry import ALIASES, BY_NAME, LAYOUTS
 from merge_engine.storage.source_files import check_local_tree
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:
     from merge_engine.formats.tensor_source import TensorSource
 
-# THE registry, in priority order (detection and discovery's primary layout)
-LAYOUTS: tuple[Layout, ...] = (fsdp, megatron_legacy, megatron_lora, megatron_bridge, dcp_model, torchtitan,
-                                 megatron_dist, dcp_hf, deepspeed_zero, hf)
-BY_NAME: dict[str, Layout] = {layout.NAME: layout for layout in LAYOUTS}
-# backend names that stand for several layouts (verl's ``--backend megatron``), tried in this order
-ALIASES: dict[str, tuple[str, ...]] = {
-    "megatron": ("megatron_legacy", "megatron_lora", "megatron_bridge", "megatron_dist"),
-    "megatron_lm": ("megatron_legacy", "megatron_dist"),  # an accepted spelling: Megatron-LM's own files
-}
-
 __all__ = ["ALIASES", "BY_NAME", "HF_NAMES", "LAYOUTS", "MEGATRON_NAMES", "Checkpoint", "Layout", "Verdict",
-           "WritableLayout", "check_checkpoint", "check_unchanged", "find_layout", "layout_named",
+           "Writer", "check_checkpoint", "check_unchanged", "find_layout", "layout_named",
            "listing_verdicts", "open_checkpoint", "open_hf_folder", "refined"]
 
 
@@ -137,7 +129,7 @@ def listing_verdicts(files: Sequence[FileEntry]) -> list[tuple[str, Verdict]]:
     for layout in LAYOUTS:
         verdict = layout.listing_verdict(files)
         if verdict.present:
-            found.append((layout.NAME, verdict))
+            found.append((layout.name, verdict))
     return found
 
 
@@ -157,10 +149,10 @@ def check_checkpoint(url: str, backend: str | None = None, files: Sequence[FileE
 
 
 def refined(checkpoint: Checkpoint, files: Sequence[FileEntry]) -> Checkpoint:
-    """``checkpoint`` as the first layout that refines its layout claims it (`Layout.REFINES`: a LoRA run's
+    """``checkpoint`` as the first layout that refines its layout claims it (`Layout.refines`: a LoRA run's
     dist checkpoint), from what its check carried; else as it is. ``files``: the listing, relative to its URL."""
     for layout in LAYOUTS:
-        if getattr(layout, "REFINES", None) == checkpoint.layout:
+        if layout.refine is not None and layout.refines == checkpoint.layout:
             found = layout.refine(checkpoint, files)
             if found is not None:
                 return found

@@ -1,7 +1,7 @@
 """What every on-disk checkpoint format provides: the `Layout` contract and the records it returns.
 
-A layout is a module under ``merge_engine/layouts/`` (a module satisfies a `Protocol` by its
-attributes) listed once in `merge_engine.layouts.LAYOUTS`. It owns everything about its format:
+A layout is a module under ``merge_engine/layouts/`` that builds its `Layout` record (``LAYOUT``), listed
+once in `merge_engine.layouts.registry.LAYOUTS`. It owns everything about its format:
 file-name constants, detection, the completeness verdict from a listing, the deep check, the lazy
 reader, the naming of the tensors it reads and, for formats ``stepmerge split`` writes, the writer.
 A layout imports nothing of the wings above its own (`merge_engine.WINGS`), nor `discovery`, which asks the
@@ -10,9 +10,9 @@ registry. What a writer hands back (`FileRecord`) is storage's record of a writt
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from merge_engine.storage import FileEntry
 from merge_engine.storage.written import FileRecord
@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # `Layout.open`'s result; the contract itself imports no torc
 COMPLETE, INCOMPLETE, INVALID = "complete", "incomplete", "invalid"
 NOT_A_CHECKPOINT = "not_a_checkpoint"
 
-# how the tensors of `Layout.open` are named (`Layout.TENSOR_NAMING`); the planner picks its plan by it
+# how the tensors of `Layout.open` are named (`Layout.tensor_naming`); the planner picks its plan by it
 HF_NAMES = "hf"  # Hugging Face parameter names (FSDP state dicts, safetensors folders), maybe PEFT-wrapped
 MEGATRON_NAMES = "megatron"  # canonical Megatron names (`merge_engine.architectures.megatron_names`)
 
@@ -111,52 +111,9 @@ class ParallelSizes:
 Files = list[tuple[str, int]]  # written file names (relative to the target) with their sizes
 
 
-class Layout(Protocol):
-    """One on-disk checkpoint format. Contract (all paths in ``files`` are relative to ``url``):
-
-    - ``NAME``: its one name: ``--backend``, `Checkpoint.layout`, `merge_engine.layouts.discovery.Step.layout`.
-    - ``TENSOR_NAMING``: `HF_NAMES` or `MEGATRON_NAMES`, the names `open` gives its tensors.
-    - ``detect(files)``: does this listing hold this format (the reader to use)? Names only, no I/O.
-    - ``listing_verdict(files)``: complete / incomplete / invalid / not a checkpoint, from names and
-      sizes alone, no I/O: what a watcher may decide before reading a byte (discovery's verdict).
-      Stricter than `check_complete` where the format writes a marker last.
-    - ``check_complete(url, files)``: every required file present, non-empty and readable (headers
-      only) -> `Checkpoint`; raises `IncompleteCheckpoint` / `WorldSizeMismatch` / `CorruptShard` /
-      `UnsupportedLayout` naming the path at fault. Never reads a weight.
-    - ``open(checkpoint)``: the lazy full-tensor `TensorSource` (headers read, bytes on demand).
-
-    A layout with its own semantics (its steps are merged or extracted otherwise than by planning what
-    `open` gives; the one now: a Megatron-Bridge LoRA step) answers through optional attributes, so that
-    no code elsewhere names it:
-
-    - ``REFINES``: the name of a layout whose checkpoints may turn out to be this one's once read (a LoRA
-      run's dist checkpoint lists like any other); with ``refine(checkpoint, files)``: the check's
-      `Checkpoint` of that layout -> this layout's, from what that check carried (no read), or None when
-      it is not one (`merge_engine.layouts.check_checkpoint` asks after every check of ``REFINES``);
-    - ``second_look(url, files)``: discovery's look at a complete step of its own or of ``REFINES``:
-      a `StepLook` (this layout, its verdict, the merge parameters the step does not record) or None;
-      a small read at most, never failing (`merge_engine.layouts.discovery`);
-    - ``JOBS``: the module of ``merge_engine.commands`` that merges and extracts its checkpoints
-      (`merge_engine.commands.layout_jobs.LayoutJobs`); a name, not an import: the commands sit above.
-
-    A layout that ``stepmerge split`` writes is also a `WritableLayout`.
-    """
-
-    NAME: str
-    TENSOR_NAMING: str
-
-    def detect(self, files: Sequence[FileEntry]) -> bool: ...
-
-    def listing_verdict(self, files: Sequence[FileEntry]) -> Verdict: ...
-
-    def check_complete(self, url: str, files: list[FileEntry]) -> Checkpoint: ...
-
-    def open(self, checkpoint: Checkpoint) -> TensorSource: ...  # noqa: A003 - the contract's verb
-
-
 @dataclass(frozen=True)
 class FileJob:
-    """One file a `WritableLayout` writes whole, planned from metadata alone: ``file`` (relative to the
+    """One file a layout's `Writer` writes whole, planned from metadata alone: ``file`` (relative to the
     target), ``part`` (the layout's coordinates of it, e.g. (pp, ep, tp) of a rank file) and the
     canonical tensors it is built from. Jobs are independent: any order, any process, same bytes."""
 
@@ -165,10 +122,11 @@ class FileJob:
     tensors: tuple[str, ...]
 
 
-class WritableLayout(Layout, Protocol):
-    """A layout ``stepmerge split`` writes, as independent file jobs (each one work unit of the executors).
+@dataclass(frozen=True)
+class Writer:
+    """How ``stepmerge split`` writes a layout, as independent file jobs (each one work unit of the executors).
 
-    - ``CONFIG_DIR``: the folder (relative to the target) that receives config.json and tokenizer.
+    - ``config_dir``: the folder (relative to the target) that receives config.json and tokenizer.
     - ``file_jobs(view, sizes)``: the files that hold the canonical Megatron tensors of ``view`` (a
       `merge_engine.architectures.hf_to_megatron.MegatronViewOfHf`) laid out in ``sizes``, from
       metadata alone, in a fixed order.
@@ -181,14 +139,62 @@ class WritableLayout(Layout, Protocol):
       folder's ``.metadata``, last); its records. The caller owns the target (`merge_engine.output.target`).
     """
 
-    CONFIG_DIR: str
+    config_dir: str
+    file_jobs: Callable[[Any, ParallelSizes], list[FileJob]]
+    write_file: Callable[[Any, FileJob, str, ParallelSizes, Any, Any], FileRecord]
+    finish: Callable[[Sequence[FileRecord], str], list[FileRecord]]
 
-    def file_jobs(self, view: Any, sizes: ParallelSizes) -> list[FileJob]: ...
 
-    def write_file(self, view: Any, job: FileJob, target_url: str, sizes: ParallelSizes, dtype: Any,
-                   cancel: Any = None) -> FileRecord: ...
+@dataclass(frozen=True)
+class Layout:
+    """One on-disk checkpoint format, as a record of its name and its functions (each layout module builds its
+    own, ``LAYOUT``; `merge_engine.layouts.registry.LAYOUTS` lists them all). Contract (all paths in ``files``
+    are relative to ``url``):
 
-    def finish(self, records: Sequence[FileRecord], target_url: str) -> list[FileRecord]: ...
+    - ``name``: its one name: ``--backend``, `Checkpoint.layout`, `merge_engine.layouts.discovery.Step.layout`.
+    - ``tensor_naming``: `HF_NAMES` or `MEGATRON_NAMES`, the names `open` gives its tensors.
+    - ``detect(files)``: does this listing hold this format (the reader to use)? Names only, no I/O.
+    - ``listing_verdict(files)``: complete / incomplete / invalid / not a checkpoint, from names and
+      sizes alone, no I/O: what a watcher may decide before reading a byte (discovery's verdict).
+      Stricter than `check_complete` where the format writes a marker last.
+    - ``check_complete(url, files)``: every required file present, non-empty and readable (headers
+      only) -> `Checkpoint`; raises `IncompleteCheckpoint` / `WorldSizeMismatch` / `CorruptShard` /
+      `UnsupportedLayout` naming the path at fault. Never reads a weight.
+    - ``open(checkpoint)``: the lazy full-tensor `TensorSource` (headers read, bytes on demand).
+
+    A layout with its own semantics answers through these fields (None: it has none), so that no code
+    elsewhere names it:
+
+    - ``refines``: the name of a layout whose checkpoints may turn out to be this one's once read (a LoRA
+      run's dist checkpoint lists like any other); with ``refine(checkpoint, files)``: the check's
+      `Checkpoint` of that layout -> this layout's, from what that check carried (no read), or None when
+      it is not one (`merge_engine.layouts.check_checkpoint` asks after every check of ``refines``);
+    - ``second_look(url, files)``: discovery's look at a complete step of its own or of ``refines``:
+      a `StepLook` (this layout, its verdict, the merge parameters the step does not record) or None;
+      a small read at most, never failing (`merge_engine.layouts.discovery`);
+    - ``writer``: how ``stepmerge split`` writes it (`Writer`); None: split does not write it.
+
+    How a layout's checkpoints are merged otherwise than by planning what `open` gives is the commands' to
+    say, by layout name (`merge_engine.commands.layout_jobs`): the commands sit above.
+    """
+
+    name: str
+    tensor_naming: str
+    detect: Callable[[Sequence[FileEntry]], bool]
+    listing_verdict: Callable[[Sequence[FileEntry]], Verdict]
+    check_complete: Callable[[str, list[FileEntry]], Checkpoint]
+    open: Callable[[Checkpoint], TensorSource]  # noqa: A003 - the contract's verb
+    refines: str | None = None
+    refine: Callable[[Checkpoint, Sequence[FileEntry]], Checkpoint | None] | None = None
+    second_look: Callable[[str, Sequence[FileEntry]], StepLook | None] | None = None
+    writer: Writer | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_naming not in (HF_NAMES, MEGATRON_NAMES):
+            raise ValueError(f"layout {self.name!r}: tensor_naming {self.tensor_naming!r} is not "
+                             f"{HF_NAMES!r} or {MEGATRON_NAMES!r}")
+        if (self.refines is None) != (self.refine is None):
+            raise ValueError(f"layout {self.name!r}: refines and refine come together")
 
 
 LORA_MARKERS = (".lora_A.", ".lora_embedding_A.")  # PEFT's names of a LoRA's first factor

@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint
 from merge_engine.formats.hf_metadata import CONFIG_FILE
-from merge_engine.layouts.contract import ABSENT, DONE, HF_NAMES, INCOMPLETE, INVALID, Checkpoint, Verdict, holds_lora
+from merge_engine.layouts.contract import (
+    ABSENT, DONE, HF_NAMES, INCOMPLETE, INVALID, Checkpoint, Layout, Verdict, holds_lora,
+)
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:
@@ -237,3 +239,13 @@ def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout con
     files = _RankFiles(folder_url, {name: entry for name, (*_, entry) in shards.items()})
     tensors = {name: DcpTensor(name, info, files) for name, info in index.tensors.items()}  # type: ignore[arg-type]
     return AssembledSource(checkpoint.url, tensors, [files])
+
+
+LAYOUT = Layout(
+    name=NAME,
+    tensor_naming=TENSOR_NAMING,
+    detect=detect,
+    listing_verdict=listing_verdict,
+    check_complete=check_complete,
+    open=open,
+)

@@ -32,7 +32,7 @@ from merge_engine.errors import UnsupportedLayout
 from merge_engine.formats.dcp_file_names import DATA_SUFFIX, METADATA_FILE
 from merge_engine.formats.hf_metadata import CONFIG_FILE
 from merge_engine.layouts.contract import (
-    ABSENT, DONE, HF_NAMES, INCOMPLETE, Checkpoint, StepLook, Verdict, holds_lora,
+    ABSENT, DONE, HF_NAMES, INCOMPLETE, Checkpoint, Layout, StepLook, Verdict, holds_lora,
 )
 from merge_engine.storage import FileEntry
 
@@ -204,3 +204,14 @@ def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout con
                      {f.path[len(folder):]: f.version for f in listed})
     tensors = {name: DcpTensor(name, info, files) for name, info in index.tensors.items()}
     return AssembledSource(checkpoint.url, tensors, [files])
+
+
+LAYOUT = Layout(
+    name=NAME,
+    tensor_naming=TENSOR_NAMING,
+    detect=detect,
+    listing_verdict=listing_verdict,
+    check_complete=check_complete,
+    open=open,
+    second_look=second_look,
+)

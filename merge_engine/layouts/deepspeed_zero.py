@@ -41,7 +41,7 @@ from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout, WorldSizeMismatch
 from merge_engine.formats.hf_metadata import CONFIG_FILE
 from merge_engine.layouts.contract import (
-    ABSENT, DONE, HF_NAMES, INCOMPLETE, INVALID, Checkpoint, StepLook, Verdict,
+    ABSENT, DONE, HF_NAMES, INCOMPLETE, INVALID, Checkpoint, Layout, StepLook, Verdict,
 )
 from merge_engine.storage import FileEntry
 
@@ -457,3 +457,14 @@ def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout con
             archive.close()
         raise
     return AssembledSource(checkpoint.url, tensors, opened.archives)
+
+
+LAYOUT = Layout(
+    name=NAME,
+    tensor_naming=TENSOR_NAMING,
+    detect=detect,
+    listing_verdict=listing_verdict,
+    check_complete=check_complete,
+    open=open,
+    second_look=second_look,
+)

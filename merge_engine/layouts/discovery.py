@@ -10,7 +10,7 @@ Contract:
   Megatron-LM's ``iter_<N>/``). Inside a step, the run layout's role folders are roles (verl RL:
   ``actor/`` and ``critic/``); weights straight in the step folder are role ``""`` (verl SFT trainers,
   Megatron-LM).
-- A (step, role) is a checkpoint when some layout of the registry (`merge_engine.layouts.LAYOUTS`)
+- A (step, role) is a checkpoint when some layout of the registry (`merge_engine.layouts.registry.LAYOUTS`)
   finds its files in the listing (`Layout.listing_verdict`). A step holding only ``data.pt`` (verl
   retention deletes ``actor/`` and keeps ``data.pt``) or nothing at all is not one.
 - Each checkpoint's status is its primary layout's verdict (the first present, in registry order),
@@ -145,13 +145,13 @@ def second_looks(steps: Iterable[Step], look_at: Callable[[Step], bool] | None =
     read one small file to say what a step is (`Layout.second_look`, asked for steps of their own layout or of
     the one they refine): a step one of them claims takes its layout, verdict and `Step.needs`; the others are
     unchanged."""
-    lookers = [layout for layout in LAYOUTS if hasattr(layout, "second_look")]
+    lookers = [(layout, layout.second_look) for layout in LAYOUTS if layout.second_look is not None]
     out = []
     for step in steps:
-        for layout in lookers if step.complete and (look_at is None or look_at(step)) else ():
-            if step.layout not in (layout.NAME, getattr(layout, "REFINES", None)):
+        for layout, second_look in lookers if step.complete and (look_at is None or look_at(step)) else ():
+            if step.layout not in (layout.name, layout.refines):
                 continue
-            look = layout.second_look(step.url, step.files)
+            look = second_look(step.url, step.files)
             if look is not None:
                 layouts = (look.layout, *(n for n in step.layouts if n != look.layout))
                 step = replace(step, status=look.verdict.status, reason=look.verdict.reason, layout=look.layout,

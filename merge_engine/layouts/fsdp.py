@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from merge_engine import storage
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, WorldSizeMismatch
 from merge_engine.layouts.contract import (
-    ABSENT, DONE, HF_NAMES, INCOMPLETE, INVALID, Checkpoint, Verdict, holds_lora,
+    ABSENT, DONE, HF_NAMES, INCOMPLETE, INVALID, Checkpoint, Layout, Verdict, holds_lora,
 )
 from merge_engine.formats.json_file import read_json_object
 from merge_engine.storage import FileEntry
@@ -263,3 +263,13 @@ def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout con
             archive.close()
         raise
     return AssembledSource(checkpoint.url, tensors, archives)
+
+
+LAYOUT = Layout(
+    name=NAME,
+    tensor_naming=TENSOR_NAMING,
+    detect=detect,
+    listing_verdict=listing_verdict,
+    check_complete=check_complete,
+    open=open,
+)

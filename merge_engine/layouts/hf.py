@@ -23,7 +23,9 @@ from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsafeRecord
 from merge_engine.formats.hf_metadata import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from merge_engine.formats.json_file import read_json_object
 from merge_engine.layouts import verl_v2
-from merge_engine.layouts.contract import ABSENT, DONE, HF_NAMES, INCOMPLETE, Checkpoint, Verdict, by_path, holds_lora
+from merge_engine.layouts.contract import (
+    ABSENT, DONE, HF_NAMES, INCOMPLETE, Checkpoint, Layout, Verdict, by_path, holds_lora,
+)
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:  # the readers import torch: imported when a folder is checked or opened, not with the registry
@@ -245,3 +247,13 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
 def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb
     opened, tensors, _ = _open_files(checkpoint.url, list(checkpoint.files), checkpoint)
     return source_of(checkpoint.url, opened, tensors)
+
+
+LAYOUT = Layout(
+    name=NAME,
+    tensor_naming=TENSOR_NAMING,
+    detect=detect,
+    listing_verdict=listing_verdict,
+    check_complete=check_complete,
+    open=open,
+)

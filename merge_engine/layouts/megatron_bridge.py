@@ -20,7 +20,7 @@ from merge_engine import storage
 from merge_engine.errors import IncompleteCheckpoint, UnknownArchitecture
 from merge_engine.formats.hf_metadata import read_config
 from merge_engine.layouts import hf, megatron_dist, verl_v2
-from merge_engine.layouts.contract import ABSENT, HF_NAMES, Checkpoint, Verdict
+from merge_engine.layouts.contract import ABSENT, HF_NAMES, Checkpoint, Layout, Verdict
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:
@@ -111,3 +111,13 @@ def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout con
     inner = Checkpoint(url=checkpoint.hf_dir, layout=hf.NAME, files=tuple(_sub_files(list(checkpoint.files), folder)),
                        hf_dir=checkpoint.hf_dir, index=checkpoint.index)
     return hf.open(inner)
+
+
+LAYOUT = Layout(
+    name=NAME,
+    tensor_naming=TENSOR_NAMING,
+    detect=detect,
+    listing_verdict=listing_verdict,
+    check_complete=check_complete,
+    open=open,
+)

@@ -65,8 +65,10 @@ from merge_engine.layouts.contract import (
     MEGATRON_NAMES,
     Checkpoint,
     FileJob,
+    Layout,
     ParallelSizes,
     Verdict,
+    Writer,
     by_path,
 )
 from merge_engine.storage.written import FileRecord, WriteCancelled
@@ -232,7 +234,7 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     entries = tuple(sorted(keep, key=lambda f: f.path))
     notes = ({"model/dist_ckpt/": "verl v2 dist_ckpt", "dist_ckpt/": "verl v1 dist_ckpt",
               "": "Megatron-LM torch_dist"}[folder],)
-    adapter = [k for k in index.tensors if ADAPTER_KEY in k]  # Megatron-Bridge PEFT: a layout REFINES this one
+    adapter = [k for k in index.tensors if ADAPTER_KEY in k]  # Megatron-Bridge PEFT: a layout refines this one
     base = any(is_model_key(k) and ADAPTER_KEY not in k for k in index.tensors)
     return Checkpoint(url=root, layout=NAME, files=entries, parallel=parallel_sizes(root, files), hf_dir=hf_dir,
                       fingerprint=storage.fingerprint(entries), notes=notes,
@@ -364,7 +366,7 @@ def _data_file(group: int) -> str:
 
 def file_jobs(view: MegatronViewOfHf, sizes: ParallelSizes) -> list[FileJob]:
     """One data file per decoder layer (``dist_ckpt/__<layer>_0.distcp``, its experts included), then one
-    for the tensors outside the layers (``__<num_layers>_0.distcp``), from metadata alone (`WritableLayout`).
+    for the tensors outside the layers (``__<num_layers>_0.distcp``), from metadata alone (`Writer`).
     ``sizes`` do not shape the files: megatron-core reshards a dist checkpoint on load."""
     groups: dict[int, list[str]] = {}
     outside = view.dims.num_layers
@@ -377,7 +379,7 @@ def file_jobs(view: MegatronViewOfHf, sizes: ParallelSizes) -> list[FileJob]:
 
 def write_file(view: MegatronViewOfHf, job: FileJob, target_url: str, sizes: ParallelSizes,
                dtype: torch.dtype | None, cancel: Any = None) -> FileRecord:
-    """One data file (`WritableLayout`): torch_dist keys, one DCP chunk per layer (and expert), extra states
+    """One data file (`Writer`): torch_dist keys, one DCP chunk per layer (and expert), extra states
     as bytes entries; its record carries the items' locations for `finish`. Memory: one tensor at a time."""
     from merge_engine.formats.torch_dcp_writer import DcpDataFile
 
@@ -424,7 +426,7 @@ def _none_object() -> bytes:
 
 def finish(records: Sequence[FileRecord], target_url: str) -> list[FileRecord]:
     """``dist_ckpt/.metadata`` from every data file's items (last of the DCP files), then megatron-core's
-    ``metadata.json`` and ``common.pt`` (`WritableLayout`)."""
+    ``metadata.json`` and ``common.pt`` (`Writer`)."""
     from merge_engine.formats.torch_dcp_writer import dcp_metadata_bytes
 
     folder = storage.join(target_url, DIST_DIR)
@@ -435,3 +437,14 @@ def finish(records: Sequence[FileRecord], target_url: str) -> list[FileRecord]:
         storage.write_bytes(storage.join(folder, name), data)
         out.append(FileRecord(f"{DIST_DIR}/{name}", len(data), hashlib.sha256(data).hexdigest()))
     return out
+
+
+LAYOUT = Layout(
+    name=NAME,
+    tensor_naming=TENSOR_NAMING,
+    detect=detect,
+    listing_verdict=listing_verdict,
+    check_complete=check_complete,
+    open=open,
+    writer=Writer(config_dir=CONFIG_DIR, file_jobs=file_jobs, write_file=write_file, finish=finish),
+)

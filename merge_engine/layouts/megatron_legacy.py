@@ -56,8 +56,10 @@ from merge_engine.layouts.contract import (
     MEGATRON_NAMES,
     Checkpoint,
     FileJob,
+    Layout,
     ParallelSizes,
     Verdict,
+    Writer,
     holds_lora,
 )
 from merge_engine.storage.written import FileRecord, WriteCancelled
@@ -589,7 +591,7 @@ def _rank_folder(t: int, p: int, e: int, sizes: ParallelSizes) -> str:
 
 def file_jobs(view: MegatronViewOfHf, sizes: ParallelSizes) -> list[FileJob]:
     """One job per rank file ``model/mp_rank_*/model.pt`` ((pp, ep, tp) order), from metadata alone
-    (`WritableLayout`)."""
+    (`Writer`)."""
     jobs = []
     for p in range(sizes.pp):
         for e in range(sizes.ep):
@@ -601,7 +603,7 @@ def file_jobs(view: MegatronViewOfHf, sizes: ParallelSizes) -> list[FileJob]:
 
 def write_file(view: MegatronViewOfHf, job: FileJob, target_url: str, sizes: ParallelSizes,
                dtype: torch.dtype | None, cancel: Any = None) -> FileRecord:
-    """One rank file (`WritableLayout`): TP rank t's pieces of stage p on EP rank e, one ``torch.save``.
+    """One rank file (`Writer`): TP rank t's pieces of stage p on EP rank e, one ``torch.save``.
 
     A rank file is one ``torch.save``, so its tensors are held while it is built: one TP rank's
     share of one pipeline stage, plus the full tensor being cut. Each tensor is read (and cut)
@@ -624,7 +626,7 @@ def write_file(view: MegatronViewOfHf, job: FileJob, target_url: str, sizes: Par
 
 
 def finish(records: Sequence[FileRecord], target_url: str) -> list[FileRecord]:
-    """Nothing to add: each rank file stands alone (`WritableLayout`)."""
+    """Nothing to add: each rank file stands alone (`Writer`)."""
     return []
 
 
@@ -638,3 +640,14 @@ def _rank_piece(view: MegatronViewOfHf, name: str, rank: int, tp: int, dtype: to
         tensor = tensor.to(dtype)
     piece = split_tp(tensor, tp_kind(name, view.gated(name)), tp)[rank]
     return piece.clone() if tp > 1 else piece
+
+
+LAYOUT = Layout(
+    name=NAME,
+    tensor_naming=TENSOR_NAMING,
+    detect=detect,
+    listing_verdict=listing_verdict,
+    check_complete=check_complete,
+    open=open,
+    writer=Writer(config_dir=CONFIG_DIR, file_jobs=file_jobs, write_file=write_file, finish=finish),
+)

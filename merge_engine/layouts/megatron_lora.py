@@ -14,7 +14,7 @@ What such a step holds (verl's ``MegatronCheckpointManager``; ``ckpt_contents.js
 Detection (names only): the PEFT folder's ``adapter_config.json``. A step without one (``use_dist_checkpointing:
 true``, or a run whose bridge export is missing) lists like any dist checkpoint (a non-LoRA verl v2 step
 also has ``model/huggingface/config.json`` without weights: names cannot tell them apart); the registry
-hands it here (`REFINES`, `refine`) once `merge_engine.layouts.megatron_dist.check_complete` has seen adapter
+hands it here (`Layout.refines`, `refine`) once `merge_engine.layouts.megatron_dist.check_complete` has seen adapter
 keys in its ``.metadata`` (`Checkpoint.lora`), from what that check carried: nothing is read again.
 
 Listing verdict: the v2 marker; complete with the reason "adapter only" (an adapter release can be
@@ -26,7 +26,7 @@ reads ``ckpt_contents.json`` and the dist index once (no weight): adapter keys p
 complete when the marker names one; the checkpoint's typed facts say what else the step gives
 (``adapter_only``; ``adapter_dir``, the PEFT folder: `adapter_folder`). `open` gives the canonical Megatron
 tensors (`merge_engine.layouts.megatron_dist`), the adapter's among them
-(``decoder.layers.N.<module>.adapter.linear_in.weight``). Its jobs (`JOBS`): `merge_engine.commands.megatron_lora`.
+(``decoder.layers.N.<module>.adapter.linear_in.weight``). Its jobs: `merge_engine.commands.megatron_lora`.
 Importing this module imports no torch.
 """
 
@@ -40,7 +40,7 @@ from merge_engine import storage
 from merge_engine.errors import IncompleteCheckpoint, StepmergeError, UnsupportedLayout
 from merge_engine.formats.json_file import read_json_object
 from merge_engine.layouts import megatron_dist, verl_v2
-from merge_engine.layouts.contract import ABSENT, COMPLETE, MEGATRON_NAMES, Checkpoint, StepLook, Verdict
+from merge_engine.layouts.contract import ABSENT, COMPLETE, MEGATRON_NAMES, Checkpoint, Layout, StepLook, Verdict
 from merge_engine.options import MergeArgs, flag_name
 from merge_engine.storage import FileEntry
 
@@ -56,8 +56,6 @@ ADAPTER_DIR = HF_DIR + "adapter/"  # save_hf_adapter's folder (verl: ``<hf path>
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 NOTE = "verl Megatron LoRA step"  # `Checkpoint.notes`, for a person; the facts are its typed fields
-REFINES = megatron_dist.NAME  # a LoRA run's dist checkpoint lists like any other (`Layout.REFINES`)
-JOBS = "merge_engine.commands.megatron_lora"  # how its steps are merged and extracted (`Layout.JOBS`)
 # what a merge of the step needs that the step does not record: the merge options (`MergeArgs` fields, the
 # engine's `OutputOptions` fields of the same names) a user must give
 NEEDS_BASE_MODEL = "base_model"  # the adapter only was saved: the model the run trained from
@@ -189,3 +187,16 @@ def adapter_folder(checkpoint: Checkpoint) -> str | None:
 def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb
     """The canonical Megatron tensors of ``model/dist_ckpt`` (adapter, and base when saved), lazily."""
     return megatron_dist.open(replace(checkpoint, layout=megatron_dist.NAME))
+
+
+LAYOUT = Layout(
+    name=NAME,
+    tensor_naming=TENSOR_NAMING,
+    detect=detect,
+    listing_verdict=listing_verdict,
+    check_complete=check_complete,
+    open=open,
+    refines=megatron_dist.NAME,
+    refine=refine,
+    second_look=second_look,
+)

@@ -1,7 +1,7 @@
 """torchtitan's ``step-N/`` DCP checkpoints: the model state flattened at the top under torchtitan's own module
 names (``tok_embeddings``, ``layers.N.attention.qkv_linear.wq``), optimizer, schedulers and dataloader nested under
 their own keys. The files are `merge_engine.layouts.dcp_model`'s (``torch_dcp``: its listing verdict, its check);
-a checked ``torch_dcp`` checkpoint whose model names are torchtitan's is this layout's (``REFINES``), from the index
+a checked ``torch_dcp`` checkpoint whose model names are torchtitan's is this layout's (`Layout.refines`), from the index
 its check carried (no read).
 
 `open` gives torchtitan's names; the Hub's come from the family table of `merge_engine.architectures.torchtitan`
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from merge_engine.errors import UnsupportedLayout
 from merge_engine.layouts import dcp_model
-from merge_engine.layouts.contract import ABSENT, HF_NAMES, Checkpoint, Verdict
+from merge_engine.layouts.contract import ABSENT, HF_NAMES, Checkpoint, Layout, Verdict
 from merge_engine.storage import FileEntry
 
 if TYPE_CHECKING:
@@ -25,8 +25,6 @@ if TYPE_CHECKING:
 
 NAME = "torchtitan"
 TENSOR_NAMING = HF_NAMES  # once its jobs have renamed them (`merge_engine.commands.torchtitan_jobs.merge_source`)
-REFINES = dcp_model.NAME
-JOBS = "merge_engine.commands.torchtitan_jobs"
 
 
 def detect(files: Sequence[FileEntry]) -> bool:
@@ -58,3 +56,15 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
 def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout contract's verb
     """torchtitan's tensors under its own names (renamed by the jobs, which know the config)."""
     return dcp_model.open(replace(checkpoint, layout=dcp_model.NAME))
+
+
+LAYOUT = Layout(
+    name=NAME,
+    tensor_naming=TENSOR_NAMING,
+    detect=detect,
+    listing_verdict=listing_verdict,
+    check_complete=check_complete,
+    open=open,
+    refines=dcp_model.NAME,
+    refine=refine,
+)

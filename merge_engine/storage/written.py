@@ -15,7 +15,7 @@ class FileRecord:
     """One written file, the record of every work unit (a merge's shard, a layout's file) and of the files
     written after them (an index, a DCP ``.metadata``): name relative to the output folder, size, sha256
     computed while writing, the tensors it holds (empty for an index) and ``items``: what the layout's
-    `WritableLayout.finish` needs to know of it (a DCP data file's item locations); small and picklable,
+    writer's `finish` needs to know of it (a DCP data file's item locations); small and picklable,
     what a worker process hands back."""
 
     file: str

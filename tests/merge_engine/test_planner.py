@@ -17,7 +17,7 @@ from tests.merge_engine.output.test_jobs import TENSORS, _hf_folder
 
 
 def test_every_layout_says_how_it_names_its_tensors():
-    assert {layout.NAME: layout.TENSOR_NAMING for layout in LAYOUTS} == {
+    assert {layout.name: layout.tensor_naming for layout in LAYOUTS} == {
         "fsdp": HF_NAMES, "megatron_legacy": MEGATRON_NAMES, "megatron_bridge": HF_NAMES,
         "megatron_dist": MEGATRON_NAMES, "megatron_lora": MEGATRON_NAMES, "torch_dcp": HF_NAMES, "torchtitan": HF_NAMES,
         "dcp_hf": HF_NAMES,

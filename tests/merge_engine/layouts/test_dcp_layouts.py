@@ -148,8 +148,8 @@ def test_a_megatron_torch_dist_folder_is_not_taken_for_a_plain_dcp_save():
     """megatron-core writes common.pt before the DCP save and metadata.json after it."""
     names = ["common.pt", "__0_0.distcp", "__1_0.distcp", ".metadata"]
     files = [FileEntry(name, 10, "") for name in names]
-    assert find_layout("x", files).NAME == "megatron_dist"
-    assert find_layout("x", files[1:]).NAME == "torch_dcp"
+    assert find_layout("x", files).name == "megatron_dist"
+    assert find_layout("x", files[1:]).name == "torch_dcp"
     with_config = [*files, FileEntry("metadata.json", 10, "")]
     assert [name for name, _ in listing_verdicts(with_config)] == ["megatron_dist"]
 

@@ -33,7 +33,7 @@ listing = [FileEntry(p, 10, "v") for p in (
     "global_step5/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
     "global_step5/bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")]
 verdicts = {name: verdict.status for name, verdict in layouts.listing_verdicts(listing)}
-print(json.dumps({"verdicts": verdicts, "modules": [m.NAME for m in layouts.LAYOUTS],
+print(json.dumps({"verdicts": verdicts, "modules": [m.name for m in layouts.LAYOUTS],
                   "imported": [m for m in ("torch", "transformers") if m in sys.modules]}))
 """
 
