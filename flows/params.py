@@ -120,18 +120,11 @@ def _matching(pattern: str, expected: str) -> Any:
     return AfterValidator(check)
 
 
-class Blank:
-    """The form's blank of an optional type (`unset_as`): what it shows for "unset", read back as None."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
 def unset_as(inner: Any, blank: Any, schema: Dict[str, Any]) -> Any:
     """An optional value the form shows as a plain control (no "str | None" toggle): ``blank`` (the
     empty text, 0, "as stored") stands for "not set" and is read as None; None is written back as
     ``blank`` in JSON (what a deployment run, the watcher or a trigger sends), so the server's
-    schema, which has no null, admits it. The type carries its blank (`blank_of`)."""
+    schema, which has no null, admits it. A parameter of this type has ``blank`` as its default."""
 
     def to_none(value: Any) -> Any:
         if value is None or value == blank or (isinstance(value, str) and blank == "" and not value.strip()):
@@ -140,13 +133,7 @@ def unset_as(inner: Any, blank: Any, schema: Dict[str, Any]) -> Any:
 
     return Annotated[Optional[inner], BeforeValidator(to_none),
                      PlainSerializer(lambda value: blank if value is None else value, when_used="json"),
-                     WithJsonSchema(schema), Blank(blank)]
-
-
-def blank_of(form: Any) -> Any:
-    """The blank an optional form type shows for "unset" (`unset_as`)."""
-    (blank,) = [m.value for m in getattr(form, "__metadata__", ()) if isinstance(m, Blank)]
-    return blank
+                     WithJsonSchema(schema)]
 
 
 # The form types: a kind of value as the form shows it and the server checks it.
