@@ -2,10 +2,11 @@
 
 Each command's flags are derived from its options record (`merge_engine.options`: `add_options`) and read
 back into it (`read_options`); the command builds the engine's one options record
-(`merge_engine.output.jobs.OutputOptions`) from it and runs its job. Accepts verl's model-merger spellings (``merge --backend fsdp --local_dir X --target_dir Y``,
-``test --test_hf_dir Z``, ``--tie-word-embedding``, ``--trust-remote-code``, ...) with dashes or
-underscores, plus stepmerge's own commands. Every `StepmergeError` becomes one line on stderr
-(``stepmerge: error: <Kind>: message [path]``) and its exit code; nothing is printed as a traceback.
+(`merge_engine.output.jobs.OutputOptions`) from it and runs its job. Accepts verl's model-merger spellings
+(``merge --backend fsdp --local_dir X --target_dir Y``, ``test --test_hf_dir Z``, ``--tie-word-embedding``,
+``--trust-remote-code``, ...) with dashes or underscores, plus stepmerge's own commands. Every
+`StepmergeError` becomes one line on stderr (``stepmerge: error: <Kind>: message [path]``) and its exit code;
+nothing is printed as a traceback.
 SIGINT and SIGTERM stop a command cleanly (`merge_engine.output.interrupts`: the shard jobs stop, their
 uploads are aborted, the target is cleaned up), then ``stepmerge: interrupted (SIGINT) after N s`` is
 the last thing it does; exit code 130 / 143.
@@ -73,9 +74,12 @@ def _listed(record: type) -> list[dataclasses.Field]:
     """``record``'s fields in ``--help``'s order: the positional and required ones, then the command's own, then
     the run flags it shares (`merge_engine.options.RunArgs`)."""
     run = {f.name for f in dataclasses.fields(declared.RunArgs)}
-    every = dataclasses.fields(record)
-    return sorted(every, key=lambda f: (not (f.metadata[declared.FLAG].required or f.metadata[declared.FLAG].positional),
-                                        f.name in run))
+
+    def place(item: dataclasses.Field) -> tuple[bool, bool]:
+        marker: declared.Flag = item.metadata[declared.FLAG]
+        return not (marker.required or marker.positional), item.name in run
+
+    return sorted(dataclasses.fields(record), key=place)
 
 
 def add_options(parser: argparse.ArgumentParser, record: type) -> None:
@@ -180,8 +184,8 @@ def cmd_merge(parsed: argparse.Namespace) -> int:
 
     try:
         result = merge_checkpoint(args.local_dir, args.target_dir, _options(args),
-                                  on_bytes=lambda n: bar.update(n) if bar else None, on_plan=on_plan, checkpoint=checkpoint,
-                                  executor=executor)
+                                  on_bytes=lambda n: bar.update(n) if bar else None, on_plan=on_plan,
+                                  checkpoint=checkpoint, executor=executor)
     finally:
         if bar is not None:
             bar.close()
@@ -197,8 +201,8 @@ def cmd_merge(parsed: argparse.Namespace) -> int:
     return code
 
 
-def _check_trained(args: declared.MergeArgs | declared.ExtractLoraArgs | declared.CheckTrainedArgs, *, fused_model_url: str | None = None,
-                   adapter_url: str | None = None) -> int:
+def _check_trained(args: declared.MergeArgs | declared.ExtractLoraArgs | declared.CheckTrainedArgs, *,
+                   fused_model_url: str | None = None, adapter_url: str | None = None) -> int:
     """Run `merge_engine.validate.trained.check_against_trained`, print its report; 0 when it passed (a skip is
     printed as SKIP), else `ValidationFailed` (exit 5) naming the first failed check."""
     from merge_engine.validate.trained import check_against_trained

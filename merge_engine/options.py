@@ -132,16 +132,10 @@ CUSTOM_MAPPING_HELP = "JSON file extending the model family's name table"
 
 
 def _dtype(text: str) -> Dtype:
+    """A flag's dtype spelling -> its `Dtype` (`canonical_dtype`; a text is never None)."""
     value = canonical_dtype(text)
-    assert value is not None  # a text is never None
+    assert value is not None
     return value
-
-
-def _names(text: str) -> tuple[str, ...] | None:
-    return name_list(text)
-
-
-_dtype.__name__ = "canonical_dtype"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,7 +253,7 @@ class ExtractLoraArgs(RunArgs):
     energy: float | None = flag("SVD: keep this fraction of each update's squared singular values (capped by --rank)",
                                 parse=float)
     target_modules: tuple[str, ...] | None = flag("SVD: modules to factor, e.g. q_proj,v_proj (default: all linear "
-                                                  "weights but embeddings and heads)", parse=_names)
+                                                  "weights but embeddings and heads)", parse=name_list)
     check_trained: bool = flag(CHECK_TRAINED_HELP, False)
     device: str | None = flag("SVD: torch device, cpu, cuda, cuda:N or auto (default auto: cuda when this torch sees a "
                               "GPU, else cpu)")
@@ -267,7 +261,7 @@ class ExtractLoraArgs(RunArgs):
 
 @dataclass(frozen=True, kw_only=True)
 class MergeLoraArgs(RunArgs):
-    lora_adapter: tuple[str, ...] = flag("PEFT adapter folder URL(s), comma-separated", required=True, parse=_names)
+    lora_adapter: tuple[str, ...] = flag("PEFT adapter folder URL(s), comma-separated", required=True, parse=name_list)
     target_dir: str = flag("output URL", required=True)
     dtype: Dtype | None = flag(f"output dtype ({DTYPE_WORDS}; default: as stored)", parse=_dtype)
     max_shard_size: int = flag(f"largest safetensors file, e.g. {DEFAULT_SHARD_SIZE} (default)",
