@@ -1,14 +1,16 @@
 """What a run's log shows when a run fails on input a user can fix: one line naming the error, no traceback.
 
-Prefect logs an exception that ends a flow run twice: ``Encountered exception during execution: X(...)``
-with its traceback, then ``Finished in state Failed('Flow run encountered an exception: X: ...')``. A
+Prefect logs an exception that ends a flow run two or three times: ``Encountered exception during execution:
+X(...)`` with its traceback, then ``Finished in state Failed('Flow run encountered an exception: X: ...')``, and
+where the engine raises it on (a worker's run, a flow called without ``return_state``) ``Engine execution
+exited with unexpected exception`` with the traceback again. A
 task run that fails without retries is logged with its traceback too. For the errors users cause
 (`merge_engine.errors.StepmergeError`: bad input, named, with the path at fault) and a missing
 credential (`CredentialsMissing`, which names what to set) the message is the whole story, so
 `UserErrorsWithoutTraceback`, on Prefect's run loggers (``prefect.flow_runs``, ``prefect.task_runs``):
 
-- drops the flow's ``Encountered exception during execution`` record, leaving the ``Finished in state
-  Failed(...)`` line as the one line that names the error;
+- drops the flow's ``Encountered exception ...`` and ``Engine execution exited ...`` records (`FLOW_EXCEPTION`),
+  leaving the ``Finished in state Failed(...)`` line as the one line that names the error;
 - strips the traceback from every other record that carries such an error (its level and message stay).
 
 Anything else (a bug, an outage) keeps both records and its traceback. `install` is called when the
@@ -20,7 +22,8 @@ import logging
 from merge_engine.errors import CredentialsMissing, StepmergeError
 
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
-FLOW_EXCEPTION = "Encountered exception during execution"  # the start of Prefect's record of a flow's exception
+# the starts of Prefect's records of an exception that ended a flow run, each a line besides the final state's
+FLOW_EXCEPTION = ("Encountered exception during execution", "Engine execution exited with unexpected exception")
 USER_ERRORS = (StepmergeError, CredentialsMissing)
 
 
