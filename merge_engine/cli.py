@@ -306,6 +306,24 @@ def _add_push(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=cmd_push)
 
 
+def cmd_register(parsed: argparse.Namespace) -> int:
+    """Exit 0: a model version of the release (new, or the one already registered); 2: refused (one line: no MLflow
+    client, a local release, the server out of reach or refusing, no tracking URI); 3: not a published release."""
+    from merge_engine.release.registry import register_release
+
+    args = read_options(parsed, declared.RegisterArgs)
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise InvalidOption("--tracking-uri: no MLflow tracking server given (nor MLFLOW_TRACKING_URI)")
+    print(register_release(args.url, uri, args.name, run_root=args.run_root, step=args.step).summary())
+    return 0
+
+
+def _add_register(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, declared.RegisterArgs)
+    parser.set_defaults(run=cmd_register)
+
+
 def cmd_test(parsed: argparse.Namespace) -> int:
     from merge_engine.commands.reference_check import check_against_reference
     from merge_engine.validate.compare import WEIGHT_TOLERANCE
@@ -449,6 +467,8 @@ SUBCOMMANDS: Commands = {
                "(exit 0 intact, 6 damaged, 3 unmarked)", _add_verify),
     "push": ("push a release (or merged folder) to the Hugging Face Hub, one revision per step, verified against "
              "its manifest", _add_push),
+    "register": ("register a published release as a model version in MLflow's Model Registry, by reference (its "
+                 "URL is the version's source; tags: run root, step, fingerprint, manifest sha256)", _add_register),
     "extract-lora": ("extract a PEFT adapter (+ clean base) from a LoRA checkpoint, or by SVD from a fine-tune",
                      _add_extract_lora),
     "merge-lora": ("fuse LoRA adapters into a base model, or combine them into one adapter", _add_merge_lora),

@@ -225,6 +225,17 @@ class PushArgs:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RegisterArgs:
+    url: str = flag("release URL (an object store's: MLflow takes it as the version's source)", positional=True)
+    name: str = flag("the registered model's name in MLflow's Model Registry (created when missing)", required=True)
+    tracking_uri: str | None = flag("the MLflow tracking server, e.g. http://mlflow:5000 (default: "
+                                    "MLFLOW_TRACKING_URI)")
+    run_root: str | None = flag("the run root the version's tag names (default: the folder above releases/)")
+    step: int | None = flag("the step the version's tag names (default: from the release folder's name)",
+                            parse=int)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ExtractLoraArgs(RunArgs):
     local_dir: str | None = flag("LoRA training checkpoint URL (PEFT-wrapped model)")
     finetuned: str | None = flag("full fine-tune URL (Hugging Face folder or FSDP checkpoint): extract "
@@ -320,6 +331,7 @@ class CheckTrainedArgs:
 # each engine command's record (the order of ``stepmerge --help``)
 COMMAND_RECORDS: dict[str, type] = {
     "discover": DiscoverArgs, "merge": MergeArgs, "test": TestArgs, "check": CheckArgs, "verify": VerifyArgs,
-    "push": PushArgs, "extract-lora": ExtractLoraArgs, "merge-lora": MergeLoraArgs, "split": SplitArgs,
+    "push": PushArgs, "register": RegisterArgs, "extract-lora": ExtractLoraArgs, "merge-lora": MergeLoraArgs,
+    "split": SplitArgs,
     "check-trained": CheckTrainedArgs,
 }
