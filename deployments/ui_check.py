@@ -51,7 +51,7 @@ SCREENSHOTS = {
     "run.png": f"the form's run (step {STEP}) Completed",
     "summary.png": "its summary artifact",
     "not-ready.png": f"step {NOT_READY_STEP} (still being written): the state NotReady, the tag not-ready",
-    "failed.png": f"step {MISSING_STEP} (not there): Failed, StepNotFound in the log without a traceback",
+    "failed.png": f"step {MISSING_STEP} (not there): Failed, StepNotFound in one log line, no traceback",
     "runs.png": "the run list: Completed, NotReady and Failed side by side",
 }
 
@@ -201,8 +201,9 @@ def browse(base: str, deployment_id: str, out: Path, api_env: Dict[str, str]) ->
         not_ready, missing = runs[NOT_READY_STEP], runs[MISSING_STEP]
         show_run(page, base, not_ready, out, "not-ready.png", "NotReady", "not-ready", "is not ready")
         show_run(page, base, missing, out, "failed.png", "Failed", "StepNotFound")
-        if page.get_by_text("Traceback").count():
-            raise UiCheckFailed(f"flow run {missing}'s log shows a traceback for StepNotFound (see ui-check/failed.png)")
+        for shown in ("Traceback", "unexpected exception"):  # StepNotFound is the one line that says what failed
+            if page.get_by_text(shown).count():
+                raise UiCheckFailed(f"flow run {missing}'s log shows {shown!r} for StepNotFound (see ui-check/failed.png)")
         page.goto(f"{base}/runs", wait_until="networkidle", timeout=120_000)
         for text in ("Completed", "NotReady", "Failed"):
             page.get_by_text(text).first.wait_for(timeout=60_000)

@@ -120,52 +120,54 @@ def _matching(pattern: str, expected: str) -> Any:
     return AfterValidator(check)
 
 
-class Blank:
-    """The form's blank of an optional type (`unset_as`): what it shows for "unset", read back as None."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
+# An optional value the form shows as a plain control (no "str | None" toggle) is written
+# ``Annotated[Optional[T], read_blank(blank), write_blank(blank), WithJsonSchema(<schema without null>)]``:
+# ``blank`` (the empty text, 0, "as stored") stands for "not set"; a parameter of that type has it as its default.
 
 
-def unset_as(inner: Any, blank: Any, schema: Dict[str, Any]) -> Any:
-    """An optional value the form shows as a plain control (no "str | None" toggle): ``blank`` (the
-    empty text, 0, "as stored") stands for "not set" and is read as None; None is written back as
-    ``blank`` in JSON (what a deployment run, the watcher or a trigger sends), so the server's
-    schema, which has no null, admits it. The type carries its blank (`blank_of`)."""
+def read_blank(blank: Any) -> Any:
+    """The form's ``blank`` (and, for an empty text, blank space) read as None: "not set"."""
 
     def to_none(value: Any) -> Any:
         if value is None or value == blank or (isinstance(value, str) and blank == "" and not value.strip()):
             return None
         return value
 
-    return Annotated[Optional[inner], BeforeValidator(to_none),
-                     PlainSerializer(lambda value: blank if value is None else value, when_used="json"),
-                     WithJsonSchema(schema), Blank(blank)]
+    return BeforeValidator(to_none)
 
 
-def blank_of(form: Any) -> Any:
-    """The blank an optional form type shows for "unset" (`unset_as`)."""
-    (blank,) = [m.value for m in getattr(form, "__metadata__", ()) if isinstance(m, Blank)]
-    return blank
+def write_blank(blank: Any) -> Any:
+    """None written back as ``blank`` in JSON (what a deployment run, the watcher or a trigger sends), so the
+    server's schema, which has no null, admits it."""
+    return PlainSerializer(lambda value: blank if value is None else value, when_used="json")
 
 
 # The form types: a kind of value as the form shows it and the server checks it.
 AS_STORED = "as stored"
-DtypeSpelling = Literal[tuple(DTYPE_SPELLINGS)]  # type: ignore[valid-type]
+if TYPE_CHECKING:
+    DtypeSpelling = str  # one of DTYPE_SPELLINGS
+else:
+    DtypeSpelling = Literal[tuple(DTYPE_SPELLINGS)]
 # The patterns go to the JSON schema only, behind words (`refused_in_words`; the server's validator reads
 # lookarounds, pydantic's regex engine does not): in Python, `checked_url` applies the same rule, in words.
 _URL_SCHEMA = refused_in_words(URL_PATTERN, URL_WORDS)
 StorageUrl = Annotated[str, Field(max_length=MAX_URL_LENGTH), AfterValidator(_url), WithJsonSchema(_URL_SCHEMA)]
-OptionalUrl = unset_as(StorageUrl, "", refused_in_words(URL_PATTERN, f"empty, or {URL_WORDS}", blank=""))
+OptionalUrl = Annotated[Optional[StorageUrl], read_blank(""), write_blank(""),
+                        WithJsonSchema(refused_in_words(URL_PATTERN, f"empty, or {URL_WORDS}", blank=""))]
 StepNumber = Annotated[int, Field(ge=0)]
 ShardSize = Annotated[str, _matching(SIZE_PATTERN, SIZE_WORDS), WithJsonSchema(refused_in_words(SIZE_PATTERN, SIZE_WORDS))]
-DtypeName = Annotated[unset_as(DtypeSpelling, AS_STORED, {"type": "string", "enum": [AS_STORED, *DTYPE_SPELLINGS]}),
-                      AfterValidator(_dtype)]
-LoraAlpha = unset_as(Annotated[float, Field(gt=0)], 0, {"type": "number", "minimum": 0})
-Count = unset_as(Annotated[int, Field(ge=1)], 0, {"type": "integer", "minimum": 0})
-OptionalText = unset_as(Annotated[str, Field(max_length=MAX_URL_LENGTH)], "", {"type": "string", "maxLength": MAX_URL_LENGTH})
-RayAddress = unset_as(Annotated[str, Field(max_length=MAX_URL_LENGTH), _matching(RAY_ADDRESS_PATTERN, RAY_ADDRESS_WORDS)],
-                      "", refused_in_words(RAY_ADDRESS_PATTERN, f"empty, or {RAY_ADDRESS_WORDS}", blank=""))
+DtypeName = Annotated[Optional[DtypeSpelling], read_blank(AS_STORED), write_blank(AS_STORED),
+                      WithJsonSchema({"type": "string", "enum": [AS_STORED, *DTYPE_SPELLINGS]}), AfterValidator(_dtype)]
+LoraAlpha = Annotated[Optional[Annotated[float, Field(gt=0)]], read_blank(0), write_blank(0),
+                      WithJsonSchema({"type": "number", "minimum": 0})]
+Count = Annotated[Optional[Annotated[int, Field(ge=1)]], read_blank(0), write_blank(0),
+                  WithJsonSchema({"type": "integer", "minimum": 0})]
+OptionalText = Annotated[Optional[Annotated[str, Field(max_length=MAX_URL_LENGTH)]], read_blank(""), write_blank(""),
+                         WithJsonSchema({"type": "string", "maxLength": MAX_URL_LENGTH})]
+RayAddress = Annotated[
+    Optional[Annotated[str, Field(max_length=MAX_URL_LENGTH), _matching(RAY_ADDRESS_PATTERN, RAY_ADDRESS_WORDS)]],
+    read_blank(""), write_blank(""),
+    WithJsonSchema(refused_in_words(RAY_ADDRESS_PATTERN, f"empty, or {RAY_ADDRESS_WORDS}", blank=""))]
 RoleName = Literal["actor", "critic", ""]  # "": an SFT run (weights in the step folder)
 
 

@@ -37,7 +37,7 @@ below them all and imports none of them."""
 
 OUTPUT_REVISION = 2
 """The revision of the bytes the engine writes, bumped whenever the output for the same input and options
-changes while ``__version__`` stays (2: Qwen3-VL-MoE's fused experts in the Hub's layout, issue 16). Every
+changes while ``__version__`` stays (2: Qwen3-VL-MoE's fused experts in the Hub's layout). Every
 output fingerprint and pipeline cache key holds it (`engine_identity`) and ``stepmerge.json`` records it, so
 an output or release of an older revision is never taken for the current one (it is rebuilt, or refused as
 other input without ``overwrite``)."""

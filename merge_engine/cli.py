@@ -2,10 +2,11 @@
 
 Each command's flags are derived from its options record (`merge_engine.options`: `add_options`) and read
 back into it (`read_options`); the command builds the engine's one options record
-(`merge_engine.output.jobs.OutputOptions`) from it and runs its job. Accepts verl's model-merger spellings (``merge --backend fsdp --local_dir X --target_dir Y``,
-``test --test_hf_dir Z``, ``--tie-word-embedding``, ``--trust-remote-code``, ...) with dashes or
-underscores, plus stepmerge's own commands. Every `StepmergeError` becomes one line on stderr
-(``stepmerge: error: <Kind>: message [path]``) and its exit code; nothing is printed as a traceback.
+(`merge_engine.output.jobs.OutputOptions`) from it and runs its job. Accepts verl's model-merger spellings
+(``merge --backend fsdp --local_dir X --target_dir Y``, ``test --test_hf_dir Z``, ``--tie-word-embedding``,
+``--trust-remote-code``, ...) with dashes or underscores, plus stepmerge's own commands. Every
+`StepmergeError` becomes one line on stderr (``stepmerge: error: <Kind>: message [path]``) and its exit code;
+nothing is printed as a traceback.
 SIGINT and SIGTERM stop a command cleanly (`merge_engine.output.interrupts`: the shard jobs stop, their
 uploads are aborted, the target is cleaned up), then ``stepmerge: interrupted (SIGINT) after N s`` is
 the last thing it does; exit code 130 / 143.
@@ -73,9 +74,12 @@ def _listed(record: type) -> list[dataclasses.Field]:
     """``record``'s fields in ``--help``'s order: the positional and required ones, then the command's own, then
     the run flags it shares (`merge_engine.options.RunArgs`)."""
     run = {f.name for f in dataclasses.fields(declared.RunArgs)}
-    every = dataclasses.fields(record)
-    return sorted(every, key=lambda f: (not (f.metadata[declared.FLAG].required or f.metadata[declared.FLAG].positional),
-                                        f.name in run))
+
+    def place(item: dataclasses.Field) -> tuple[bool, bool]:
+        marker: declared.Flag = item.metadata[declared.FLAG]
+        return not (marker.required or marker.positional), item.name in run
+
+    return sorted(dataclasses.fields(record), key=place)
 
 
 def add_options(parser: argparse.ArgumentParser, record: type) -> None:
@@ -180,8 +184,8 @@ def cmd_merge(parsed: argparse.Namespace) -> int:
 
     try:
         result = merge_checkpoint(args.local_dir, args.target_dir, _options(args),
-                                  on_bytes=lambda n: bar.update(n) if bar else None, on_plan=on_plan, checkpoint=checkpoint,
-                                  executor=executor)
+                                  on_bytes=lambda n: bar.update(n) if bar else None, on_plan=on_plan,
+                                  checkpoint=checkpoint, executor=executor)
     finally:
         if bar is not None:
             bar.close()
@@ -197,8 +201,8 @@ def cmd_merge(parsed: argparse.Namespace) -> int:
     return code
 
 
-def _check_trained(args: declared.MergeArgs | declared.ExtractLoraArgs | declared.CheckTrainedArgs, *, fused_model_url: str | None = None,
-                   adapter_url: str | None = None) -> int:
+def _check_trained(args: declared.MergeArgs | declared.ExtractLoraArgs | declared.CheckTrainedArgs, *,
+                   fused_model_url: str | None = None, adapter_url: str | None = None) -> int:
     """Run `merge_engine.validate.trained.check_against_trained`, print its report; 0 when it passed (a skip is
     printed as SKIP), else `ValidationFailed` (exit 5) naming the first failed check."""
     from merge_engine.validate.trained import check_against_trained
@@ -300,6 +304,24 @@ def cmd_push(parsed: argparse.Namespace) -> int:
 def _add_push(parser: argparse.ArgumentParser) -> None:
     add_options(parser, declared.PushArgs)
     parser.set_defaults(run=cmd_push)
+
+
+def cmd_register(parsed: argparse.Namespace) -> int:
+    """Exit 0: a model version of the release (new, or the one already registered); 2: refused (one line: no MLflow
+    client, a local release, the server out of reach or refusing, no tracking URI); 3: not a published release."""
+    from merge_engine.release.registry import register_release
+
+    args = read_options(parsed, declared.RegisterArgs)
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise InvalidOption("--tracking-uri: no MLflow tracking server given (nor MLFLOW_TRACKING_URI)")
+    print(register_release(args.url, uri, args.name, run_root=args.run_root, step=args.step).summary())
+    return 0
+
+
+def _add_register(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, declared.RegisterArgs)
+    parser.set_defaults(run=cmd_register)
 
 
 def cmd_test(parsed: argparse.Namespace) -> int:
@@ -445,6 +467,8 @@ SUBCOMMANDS: Commands = {
                "(exit 0 intact, 6 damaged, 3 unmarked)", _add_verify),
     "push": ("push a release (or merged folder) to the Hugging Face Hub, one revision per step, verified against "
              "its manifest", _add_push),
+    "register": ("register a published release as a model version in MLflow's Model Registry, by reference (its "
+                 "URL is the version's source; tags: run root, step, fingerprint, manifest sha256)", _add_register),
     "extract-lora": ("extract a PEFT adapter (+ clean base) from a LoRA checkpoint, or by SVD from a fine-tune",
                      _add_extract_lora),
     "merge-lora": ("fuse LoRA adapters into a base model, or combine them into one adapter", _add_merge_lora),

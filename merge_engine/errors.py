@@ -126,6 +126,11 @@ class HubPushRefused(StepmergeError):
     transient = False
 
 
+class RegistryRefused(StepmergeError):
+    """Registering a release in MLflow's Model Registry was refused: no MLflow client, a release on local disk (no
+    reference MLflow takes), or the tracking server out of reach or refusing. ``path``: the release or the server."""
+
+
 class HubPushUnverified(StepmergeError):
     """After a push, the Hub's own metadata of the revision (LFS sha256, git blob ids, the file set) does not match
     the release's manifest: the push is not done. ``path``: ``repo@revision``."""

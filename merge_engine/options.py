@@ -18,7 +18,7 @@ Data only: no argparse, pydantic or torch here.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field as _default
 from typing import Any, Literal
@@ -132,16 +132,10 @@ CUSTOM_MAPPING_HELP = "JSON file extending the model family's name table"
 
 
 def _dtype(text: str) -> Dtype:
+    """A flag's dtype spelling -> its `Dtype` (`canonical_dtype`; a text is never None)."""
     value = canonical_dtype(text)
-    assert value is not None  # a text is never None
+    assert value is not None
     return value
-
-
-def _names(text: str) -> tuple[str, ...] | None:
-    return name_list(text)
-
-
-_dtype.__name__ = "canonical_dtype"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,6 +225,17 @@ class PushArgs:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RegisterArgs:
+    url: str = flag("release URL (an object store's: MLflow takes it as the version's source)", positional=True)
+    name: str = flag("the registered model's name in MLflow's Model Registry (created when missing)", required=True)
+    tracking_uri: str | None = flag("the MLflow tracking server, e.g. http://mlflow:5000 (default: "
+                                    "MLFLOW_TRACKING_URI)")
+    run_root: str | None = flag("the run root the version's tag names (default: the folder above releases/)")
+    step: int | None = flag("the step the version's tag names (default: from the release folder's name)",
+                            parse=int)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ExtractLoraArgs(RunArgs):
     local_dir: str | None = flag("LoRA training checkpoint URL (PEFT-wrapped model)")
     finetuned: str | None = flag("full fine-tune URL (Hugging Face folder or FSDP checkpoint): extract "
@@ -259,7 +264,7 @@ class ExtractLoraArgs(RunArgs):
     energy: float | None = flag("SVD: keep this fraction of each update's squared singular values (capped by --rank)",
                                 parse=float)
     target_modules: tuple[str, ...] | None = flag("SVD: modules to factor, e.g. q_proj,v_proj (default: all linear "
-                                                  "weights but embeddings and heads)", parse=_names)
+                                                  "weights but embeddings and heads)", parse=name_list)
     check_trained: bool = flag(CHECK_TRAINED_HELP, False)
     device: str | None = flag("SVD: torch device, cpu, cuda, cuda:N or auto (default auto: cuda when this torch sees a "
                               "GPU, else cpu)")
@@ -267,7 +272,7 @@ class ExtractLoraArgs(RunArgs):
 
 @dataclass(frozen=True, kw_only=True)
 class MergeLoraArgs(RunArgs):
-    lora_adapter: tuple[str, ...] = flag("PEFT adapter folder URL(s), comma-separated", required=True, parse=_names)
+    lora_adapter: tuple[str, ...] = flag("PEFT adapter folder URL(s), comma-separated", required=True, parse=name_list)
     target_dir: str = flag("output URL", required=True)
     dtype: Dtype | None = flag(f"output dtype ({DTYPE_WORDS}; default: as stored)", parse=_dtype)
     max_shard_size: int = flag(f"largest safetensors file, e.g. {DEFAULT_SHARD_SIZE} (default)",
@@ -326,196 +331,7 @@ class CheckTrainedArgs:
 # each engine command's record (the order of ``stepmerge --help``)
 COMMAND_RECORDS: dict[str, type] = {
     "discover": DiscoverArgs, "merge": MergeArgs, "test": TestArgs, "check": CheckArgs, "verify": VerifyArgs,
-    "push": PushArgs, "extract-lora": ExtractLoraArgs, "merge-lora": MergeLoraArgs, "split": SplitArgs,
+    "push": PushArgs, "register": RegisterArgs, "extract-lora": ExtractLoraArgs, "merge-lora": MergeLoraArgs,
+    "split": SplitArgs,
     "check-trained": CheckTrainedArgs,
 }
-
-
-# ---- the flows' parameters, settings records and recorded options, read by `flows.params` and `tasks.records`
-# until they hold their own (the command line's options are the records above) ----
-
-REQUIRED = "<required>"  # `Option.default` of an option that must be given
-
-
-@dataclass(frozen=True)
-class Kind:
-    """A kind of flow parameter: its engine type, its conversion to the engine's value (None: as it is) and
-    its form types (``module:name``; ``form_unset``: the one of a parameter that may be unset)."""
-
-    name: str
-    words: str
-    engine: Any
-    to_engine: Callable[[Any], Any] | None = None
-    form: str = ""
-    form_unset: str = ""
-
-    def engine_value(self, value: Any) -> Any:
-        """``value`` (a form's or a declared default) as the engine holds it; None stays None."""
-        return value if value is None or self.to_engine is None else self.to_engine(value)
-
-
-KINDS: dict[str, Kind] = {kind.name: kind for kind in (
-    Kind(name="text", words="a string", engine=str | None,
-         form="flows.params:Text", form_unset="flows.params:OptionalText"),
-    Kind(name="url", words="a storage URL or a path", engine=str | None,
-         form="flows.params:StorageUrl", form_unset="flows.params:OptionalUrl"),
-    Kind(name="count", words="a whole number >= 1 (the form's 0: unset)", engine=int | None,
-         form_unset="flows.params:Count"),
-    Kind(name="step", words="a global step number >= 0", engine=int, form="flows.params:StepNumber"),
-    Kind(name="alpha", words="a LoRA alpha > 0 (the form's 0: unset)", engine=float | None,
-         form_unset="flows.params:LoraAlpha"),
-    Kind(name="bool", words="a switch", engine=bool | None, form="flows.params:Switch"),
-    Kind(name="size", words="a size such as 5GB or 500MiB (the engine's value: bytes)", engine=int,
-         to_engine=parse_size, form="flows.params:ShardSize"),
-    Kind(name="dtype", words="a dtype spelling (`DTYPE_SPELLINGS`) -> its canonical name", engine=Dtype | None,
-         form_unset="flows.params:DtypeName"),
-    Kind(name="choice", words="one of ``choices``", engine=str | None, form="flows.params:OneOf"),
-    Kind(name="choices", words="a list of ``choices``", engine=tuple[str, ...] | None, form="flows.params:SomeOf"),
-    Kind(name="ray_address", words="auto, local, host:port or ray://host:port", engine=str | None,
-         form_unset="flows.params:RayAddress"),
-)}
-
-FLOWS = ("merge_step", "merge_new_steps", "release_adapter")
-# The pipeline's settings records (`tasks.records.SETTINGS_RECORDS` makes one class per name, this text its
-# docstring; a flow's stages get them all at once: `flows.params.FlowParams.settings`)
-SETTINGS: dict[str, str] = {
-    "merge": ("The merge options a flow exposes (the engine's `OutputOptions` minus target handling). "
-              "``lora_alpha`` matters to LoRA checkpoints whose run recorded no alpha: their merged model is the "
-              "trained one (every update fused with its alpha), so the merge needs it as much as the adapter."),
-    "adapter": ("The adapter-extraction options a flow exposes. ``include_base`` also writes the clean base model "
-                "under ``base/`` of the adapter release, so ``PeftModel.from_pretrained(<release>/base, <release>)`` "
-                "needs nothing else (and validation can load it); ``base_model`` names the base of a LoRA-only "
-                "checkpoint."),
-    "validation": "What to validate: the forward pass (GPU when present), and a reference to compare with.",
-    "execution": ("Where a merge's shard jobs run; never part of a cache key or a manifest (the bytes are the same). "
-                  "``ray_address``: Prefect task runs on that Ray cluster (`tasks.shard_runs`; None: the worker's "
-                  "``STEPMERGE_RAY_ADDRESS``, else none); otherwise ``workers`` threads here (None: one per core)."),
-}
-
-
-@dataclass(frozen=True)
-class Option:
-    """One flow parameter: ``name``, ``kind`` (a row of `KINDS`), ``default`` (None: unset; `REQUIRED`),
-    ``form`` (the form's description), ``flows`` (the flows that take it), ``field`` (the engine option it
-    sets), ``shapes`` (the flows whose release records it; ``"flow?"``: only when set), ``settings`` (the
-    settings records carrying it: record -> field name there, "": ``name``), ``choices``."""
-
-    name: str
-    kind: str
-    default: Any = None
-    form: str = ""
-    flows: tuple[str, ...] = ()
-    field: str = ""
-    shapes: tuple[str, ...] = ()
-    settings: Mapping[str, str] = _default(default_factory=dict)
-    choices: tuple[Any, ...] = ()
-
-    @property
-    def required(self) -> bool:
-        return self.default == REQUIRED
-
-    def records(self, output: str) -> bool | None:
-        """True: ``output`` records this option; None: only when it is set; False: it does not."""
-        return True if output in self.shapes else (None if f"{output}?" in self.shapes else False)
-
-
-OPTIONS: tuple[Option, ...] = (
-    Option(name='step', kind='step', default=REQUIRED, form='The global step to merge (its folder is global_step_N)',
-           flows=('merge_step', 'release_adapter')),
-    Option(name='run_root', kind='url', default=REQUIRED,
-           form="The training run's checkpoint folder: a path, file://, s3://bucket/... or gs://bucket/...",
-           flows=FLOWS),
-    Option(name='role', kind='choice', default='actor',
-           form='actor, critic, or empty for SFT runs (weights in the step folder)',
-           flows=('merge_step', 'release_adapter'), choices=('actor', 'critic', '')),
-    Option(name='release_root', kind='url',
-           form="Where releases are published; empty: the run root's releases/ folder", flows=FLOWS),
-    Option(name='roles', kind='choices', default=('actor', ''), form='Roles to merge (actor, critic, empty for SFT)',
-           flows=('merge_new_steps',), choices=('actor', 'critic', '')),
-    Option(name='merge_deployment', kind='text', default='merge-step/gpu',
-           form='Deployment that merges one step, used when this flow runs from a deployment',
-           flows=('merge_new_steps',)),
-    Option(name='max_steps', kind='count',
-           form='Merge at most this many new steps per run (oldest first); 0: every new step',
-           flows=('merge_new_steps',)),
-    Option(name='include_base', kind='bool', default=True, form='Also release the clean base model under base/',
-           flows=('release_adapter',), field='include_base', shapes=('release_adapter',), settings={'adapter': ''}),
-    Option(name='backend', kind='text', field='backend', settings={'merge': '', 'adapter': ''}),
-    Option(name='dtype', kind='dtype',
-           form="Output dtype: as stored (the checkpoint's own), bfloat16/bf16, float16/fp16/half, float32/fp32/float",
-           flows=FLOWS, field='dtype', shapes=('merge_step', 'release_adapter'),
-           settings={'merge': '', 'adapter': ''}),
-    Option(name='max_shard_size', kind='size', default='5GB', form='Largest safetensors file, e.g. 5GB or 500MiB',
-           flows=('merge_step', 'merge_new_steps'), field='max_shard_size', shapes=('merge_step',),
-           settings={'merge': '', 'adapter': ''}),
-    Option(name='hf_model_path', kind='url',
-           form="Folder with config.json + tokenizer replacing the checkpoint's huggingface/; empty: the checkpoint's "
-                "own",
-           flows=('merge_step', 'merge_new_steps'), field='hf_model_path', shapes=('merge_step',),
-           settings={'merge': '', 'adapter': ''}),
-    Option(name='weights_format', kind='choice', default='hub',
-           form="Tensor names written: hub (the model's Hub checkpoint: per-expert MoE tensors, what vLLM, SGLang and "
-                "PEFT read) or transformers (as the training job stored them)",
-           flows=('merge_step', 'merge_new_steps'), field='weights_format', shapes=('merge_step',),
-           settings={'merge': '', 'adapter': ''}, choices=('hub', 'transformers')),
-    Option(name='validate_forward', kind='bool', default=True,
-           form='Load the model and run a forward pass (GPU if present)', flows=FLOWS,
-           shapes=('merge_step', 'release_adapter'), settings={'validation': 'forward'}),
-    Option(name='compare_with_model_release', kind='bool', default=True,
-           form="Compare PEFT's logits with the step's released merged model, when it was built from this checkpoint",
-           flows=('release_adapter',)),
-    Option(name='reference_url', kind='url',
-           form='A Hugging Face folder to compare values and logits with; empty: none',
-           flows=('merge_step', 'merge_new_steps'), shapes=('merge_step',), settings={'validation': ''}),
-    Option(name='release_adapter', kind='bool', default=True,
-           form='For LoRA checkpoints, also release the PEFT adapter', flows=('merge_step', 'merge_new_steps')),
-    Option(name='adapter_include_base', kind='bool', default=True,
-           form='Put the clean base model in the adapter release (base/)', flows=('merge_step', 'merge_new_steps'),
-           field='include_base', shapes=('merge_step',), settings={'adapter': 'include_base'}),
-    Option(name='lora_alpha', kind='alpha',
-           form='LoRA alpha when the run did not record it (lora_train_meta.json); 0: as the run recorded it',
-           flows=FLOWS, field='lora_alpha', shapes=('merge_step', 'release_adapter'),
-           settings={'merge': '', 'adapter': ''}),
-    Option(name='base_model', kind='url',
-           form="The base model of a LoRA-only checkpoint (a verl Megatron LoRA step saves no base weights: its fused "
-                "model is this model plus the adapter; the run's adapter_config.json name is never used alone); empty: "
-                "none",
-           flows=FLOWS, field='base_model', shapes=('merge_step', 'release_adapter'),
-           settings={'merge': '', 'adapter': ''}),
-    Option(name='base_model_id', kind='text',
-           form="The base model's Hub id (namespace/name) the adapter names; empty: the run config's _name_or_path "
-                "when it is a Hub id, else base/ inside the release",
-           flows=FLOWS, field='base_model_id', shapes=('merge_step?', 'release_adapter?'), settings={'adapter': ''}),
-    Option(name='overwrite', kind='bool', default=False,
-           form='Replace a release that was built from a different checkpoint', flows=FLOWS, field='overwrite'),
-    Option(name='staging_root', kind='url',
-           form='Local folder for staging merges; empty: $STEPMERGE_STAGING_DIR or the temp dir', flows=FLOWS),
-    Option(name='device', kind='text', field='device', settings={'validation': ''}),
-    Option(name='workers', kind='count',
-           form="Shard jobs at once in the merge (or extraction) task's process; 0: one per core", flows=FLOWS,
-           field='workers', settings={'execution': ''}),
-    Option(name='ray_address', kind='ray_address',
-           form="Run the shard jobs as task runs on this Ray cluster (auto, host:port, ray://host:port); empty: the "
-                "worker's $STEPMERGE_RAY_ADDRESS, else the task's own process",
-           flows=FLOWS, field='ray_address', settings={'execution': ''}),
-)
-
-
-def for_flow(flow: str) -> tuple[Option, ...]:
-    """The parameters of ``flow``: its required ones first, then the rest in declaration order (the form's order)."""
-    taken = [o for o in OPTIONS if flow in o.flows]
-    return tuple([o for o in taken if o.required] + [o for o in taken if not o.required])
-
-
-def for_settings(record: str) -> tuple[Option, ...]:
-    """The options a settings record carries (several may fill one field: `setting_name`)."""
-    return tuple(o for o in OPTIONS if record in o.settings)
-
-
-def setting_name(option: Option, record: str) -> str:
-    return option.settings[record] or option.name
-
-
-def recorded(output: str) -> tuple[Option, ...]:
-    """The options recorded for ``output`` (a flow), always or when set."""
-    return tuple(o for o in OPTIONS if o.records(output) is not False)

@@ -172,6 +172,32 @@ def _spawn(run: ZeroRun, scratch: str, timeout_s: float) -> None:
             if process.poll() is None:
                 process.kill()
             process.wait()
+        remove_shm_buffers(store.port)
+        PORTS_USED.append(store.port)
+
+
+SHM_FOLDER = "/dev/shm"
+PORTS_USED: list[int] = []  # the master ports of the groups this process spawned (their buffers removed)
+
+
+def remove_shm_buffers(port: int) -> list[str]:
+    """Remove the shared-memory all-reduce buffers DeepSpeed's CPU accelerator leaves in ``/dev/shm`` for the group
+    whose master port is ``port`` (``deepspeed_allreduce_buffer_<n>_127.0.0.1_<port>_<rank>``, 69 MB a rank, never
+    removed by DeepSpeed): a machine writing fixtures all day would otherwise fill its RAM. Returns the names removed."""
+    suffix = f"_127.0.0.1_{port}_"
+    removed = []
+    try:
+        names = os.listdir(SHM_FOLDER)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if name.startswith("deepspeed_allreduce_buffer_") and suffix in name:
+            try:
+                os.unlink(os.path.join(SHM_FOLDER, name))
+                removed.append(name)
+            except FileNotFoundError:
+                continue
+    return removed
 
 
 def _rank_main(job_path: str, rank: int, world: int, port: int) -> None:

@@ -132,6 +132,9 @@ class FsdpSpec:
     # SHARDED_STATE_DICT, as HF Trainer / TRL call them), "torch_dcp" (torch.distributed.checkpoint.save of the
     # model's state dict), "dcp_hf" (the same through torch's HuggingFaceStorageWriter, one file per rank)
     writer: str = "stepmerge"
+    # writer "accelerate" with LoRA: HF Trainer's save, ``save_fsdp_model(..., adapter_only=True)`` (its
+    # ``get_fsdp_ckpt_kwargs``): the DCP folder holds PEFT's adapter state dict only (``lora_A.weight``, no base)
+    adapter_only: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -142,8 +145,12 @@ class FsdpSpec:
             raise ValueError(f"writer must be one of {WRITERS}, got {self.writer!r}")
         if self.writer == "verl" and (self.role != "actor" or self.key_renames):
             raise ValueError("verl's own writer saves an actor's files as they are")
-        if self.writer in DCP_WRITERS and (self.strategy != "fsdp2" or self.role or self.key_renames or self.lora):
+        if self.writer in DCP_WRITERS and (self.strategy != "fsdp2" or self.role or self.key_renames):
             raise ValueError("the DCP writers save an FSDP2 model straight into the step folder")
+        if self.writer in DCP_WRITERS and self.lora is not None and self.writer != "accelerate":
+            raise ValueError("LoRA steps of the DCP writers are Accelerate's (HF Trainer / TRL with PEFT)")
+        if self.adapter_only and (self.writer != "accelerate" or self.lora is None):
+            raise ValueError("adapter_only is HF Trainer's save of a PEFT model through Accelerate")
         if (self.strategy == "single") != (self.world_size == 1):
             raise ValueError("strategy 'single' is the one (and only) strategy for world_size 1")
         if self.strategy in ("hsdp", "fsdp2_hsdp") and (
@@ -987,7 +994,8 @@ def _save_with_dcp(job: StepJob, model: torch.nn.Module, optimizer, expected_key
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
         if sorted(get_model_state_dict(model)) != sorted(expected_keys):
             raise AssertionError("the sharded model's keys differ from the unsharded model's")
-        save_fsdp_model(plugin, None, model, directory)  # the accelerator is read only by the FULL/LOCAL paths
+        # the accelerator is read only by the FULL/LOCAL paths
+        save_fsdp_model(plugin, None, model, directory, adapter_only=spec.adapter_only)
         save_fsdp_optimizer(plugin, None, optimizer, model, directory)
         dist.barrier()
         if dist.get_rank() == 0:

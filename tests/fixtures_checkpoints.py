@@ -133,3 +133,23 @@ def zero_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("zero_fixtures")
     return {name: write_zero_run(root / name, ZeroSpec(**spec), steps=(1,), reference_root=root / f"{name}_ref")
             for name, spec in ZERO_SPECS.items()}
+
+
+@pytest.fixture(scope="session")
+def dcp_lora_runs(tmp_path_factory) -> dict[str, synthetic_runs.StepFiles]:
+    """A tiny Qwen2 PEFT-wrapped (LoRA r=4, alpha=8 on q/v), sharded by FSDP2 over 2 gloo ranks and saved by
+    Accelerate's own save_fsdp_model into ``checkpoint-1/pytorch_model_fsdp_0/``: ``full``, the whole PEFT model
+    (Accelerate's default); ``adapter``, the adapter only (HF Trainer's ``adapter_only=True``). No config saved:
+    the model's is in ``<root>/hf``."""
+    from synthetic_runs.fsdp import FsdpSpec, LoraSpec, StepJob, write_fsdp_steps
+    from synthetic_runs.models import write_hf_metadata
+
+    root = tmp_path_factory.mktemp("synthetic_dcp_lora")
+    jobs = [StepJob(str(root / name / "run" / "checkpoint-1"),
+                    FsdpSpec(world_size=2, role="", writer="accelerate", lora=LoraSpec(), adapter_only=adapter_only),
+                    seed=3, reference_dir=str(root / name / "reference"))
+            for name, adapter_only in (("full", False), ("adapter", True))]
+    steps = dict(zip(("full", "adapter"), write_fsdp_steps(jobs)))
+    write_hf_metadata(root / "hf", jobs[0].spec.model)
+    return steps
+

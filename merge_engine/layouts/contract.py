@@ -27,6 +27,9 @@ NOT_A_CHECKPOINT = "not_a_checkpoint"
 # how the tensors of `Layout.open` are named (`Layout.tensor_naming`); the planner picks its plan by it
 HF_NAMES = "hf"  # Hugging Face parameter names (FSDP state dicts, safetensors folders), maybe PEFT-wrapped
 MEGATRON_NAMES = "megatron"  # canonical Megatron names (`merge_engine.architectures.megatron_names`)
+# what a run records of its LoRA beside a checkpoint (verl's ``lora_train_meta.json``, PEFT's own adapter config as
+# HF Trainer saves a PEFT model): a layout keeps them in `Checkpoint.files`, `merge_engine.lora.checkpoint` reads them
+RUN_LORA_FILES = ("lora_train_meta.json", "adapter_config.json")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,13 @@ Where the model's DCP folder is, relative to the checkpoint folder (`MODEL_FOLDE
 - the folder itself: a plain ``dcp.save(model.state_dict())`` (bare names), torchtitan's ``step-N/`` (its model
   state flattened to the top, its optimizer, schedulers and dataloader nested under their own keys: ignored).
 
+A PEFT-wrapped model (HF Trainer / TRL with PEFT) is saved under PEFT's names: the whole model
+(``base_model.model.<name>.base_layer.weight``, ``lora_A.default.weight``...) by Accelerate's own save, its adapter
+only (``lora_A.weight``, no base) by HF Trainer's (``save_fsdp_model(..., adapter_only=True)``). Such a checkpoint is
+a LoRA one (`Checkpoint.lora`): ``merge`` fuses it, ``extract-lora`` writes its adapter; ``lora_alpha`` comes from
+``adapter_config.json`` beside the DCP folder when the run saved one (PEFT's own ``save_pretrained``), else from
+``--lora-alpha``, never guessed.
+
 Names: DCP's default planner records how it flattened the nested state dict (`DcpIndex.paths`); a tensor of the
 model is one whose path is ``("model", name)`` or a top-level ``(name,)``; nested optimizer or scheduler state is
 not the model's. torchtitan's own module names (``tok_embeddings``, ``layers.N.attention.wq``) are not the
@@ -32,7 +39,7 @@ from merge_engine.errors import UnsupportedLayout
 from merge_engine.formats.dcp_file_names import DATA_SUFFIX, METADATA_FILE
 from merge_engine.formats.hf_metadata import CONFIG_FILE
 from merge_engine.layouts.contract import (
-    ABSENT, DONE, HF_NAMES, INCOMPLETE, Checkpoint, Layout, StepLook, Verdict, holds_lora,
+    ABSENT, DONE, HF_NAMES, INCOMPLETE, RUN_LORA_FILES, Checkpoint, Layout, StepLook, Verdict, holds_lora,
 )
 from merge_engine.storage import FileEntry
 
@@ -172,6 +179,7 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     keep = [f for name, f in inside.items() if _is_dcp_file(name)]
     if hf_dir is not None:
         keep += [f for name, f in _top(files, metadata_folder).items() if not _is_dcp_file(name)]
+    keep += [f for name, f in _top(files, "").items() if name in RUN_LORA_FILES]  # the run's LoRA settings
     entries = tuple(sorted({f.path: f for f in keep}.values(), key=lambda f: f.path))
     ranks = {name.split("_")[2] for name in index.files() if name.count("_") >= 3}
     return Checkpoint(url=url, layout=NAME, files=entries, parallel={"world_size": len(ranks)} if ranks else {},

@@ -26,7 +26,7 @@ from merge_engine import storage
 from merge_engine.errors import AdapterError, CorruptShard, InvalidOption
 from merge_engine.formats.json_file import read_json_object
 from merge_engine.layouts import Checkpoint
-from merge_engine.layouts.contract import holds_lora
+from merge_engine.layouts.contract import RUN_LORA_FILES, holds_lora
 from merge_engine.lora.adapter_io import Adapter, lora_modules
 from merge_engine.lora.config import LoraSettings, checked_alpha, checked_rank
 from merge_engine.lora.fuse import WeightedAdapter, plan_fused_model
@@ -40,8 +40,8 @@ from merge_engine.plan.merge_plan import MergePlan
 from merge_engine.plan.output_heads import check_dropped_head
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
 
-LORA_TRAIN_META = "lora_train_meta.json"
-RUN_ADAPTER_CONFIGS = ("adapter_config.json", "lora_adapter/adapter_config.json")
+LORA_TRAIN_META, _ADAPTER_CONFIG = RUN_LORA_FILES
+RUN_ADAPTER_CONFIGS = (_ADAPTER_CONFIG, "lora_adapter/" + _ADAPTER_CONFIG)
 TASK_TYPES = {"ForCausalLM": "CAUSAL_LM", "ForTokenClassification": "TOKEN_CLS",
               "ForSequenceClassification": "SEQ_CLS", "ForQuestionAnswering": "QUESTION_ANS"}
 

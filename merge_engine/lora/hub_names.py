@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from merge_engine.errors import AdapterError, UnsupportedLayout
-from merge_engine.plan.hub_format import HUB, hub_naming, parse_weights_format
+from merge_engine.plan.hub_format import HUB, WeightsFormat, hub_naming
 from merge_engine.lora.adapter_io import LoraModule
 from merge_engine.lora.fuse import CheckedCopy, finite_or_raise
 from merge_engine.lora.fused_experts import ExpertLora
@@ -209,14 +209,15 @@ class _Builder:
 
 def export_adapter(modules: Mapping[str, LoraModule], experts: Mapping[str, ExpertLora],
                    trained_copies: Mapping[str, str], metas: Mapping[str, TensorMeta],
-                   base_shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, object], weights_format: str | None,
+                   base_shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, object],
+                   weights_format: WeightsFormat,
                    dtype: torch.dtype | None, where: str | None) -> ExportedAdapter:
     """The adapter under the names of the base written in ``weights_format`` (see the module docstring).
 
     ``modules`` / ``experts`` / ``trained_copies``: the checkpoint's LoRA under its stored names;
     ``metas``: the factors' source; ``base_shapes``: the base model's tensors under the stored names.
     """
-    naming = hub_naming(base_shapes, config) if parse_weights_format(weights_format) == HUB else None
+    naming = hub_naming(base_shapes, config) if weights_format == HUB else None
     pieces: dict[str, list[tuple[str, TensorView]]] = {}
     computed: dict[str, str] = {}  # a stored weight -> the Hub tensor computed from it and others
     if naming is not None:

@@ -191,7 +191,7 @@ class PreparedJob:
 
 
 class OutputJob(Protocol):
-    """One command's output. ``command`` names it (`merge_engine.options.OUTPUTS`, or a flow's name); ``source_url`` is what it reads.
+    """One command's output. ``command`` names it (`merge_engine.options.OUTPUTS`); ``source_url`` is what it reads.
 
     - ``fingerprint()``: the cache key (see the module docstring); may check the input (listing,
       headers) and keep what it learnt for `prepare`;

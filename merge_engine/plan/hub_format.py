@@ -38,7 +38,7 @@ import torch
 from merge_engine.errors import UnsupportedLayout
 from merge_engine.plan.hub_config_memo import hub_config_memo
 from merge_engine.option_values import (  # noqa: F401 - the format names live with the other option values
-    DEFAULT_WEIGHTS_FORMAT, HUB, TRANSFORMERS, WEIGHTS_FORMATS, parse_weights_format,
+    DEFAULT_WEIGHTS_FORMAT, HUB, TRANSFORMERS, WEIGHTS_FORMATS, WeightsFormat, parse_weights_format,
 )
 from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, assign_shards
 from merge_engine.formats.tensor_source import TensorSource, iter_flat_range
@@ -63,7 +63,7 @@ def in_memory_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]] | 
     return None if model is None else {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def in_weights_format(plan: MergePlan, config: Mapping[str, Any], weights_format: str | None,
+def in_weights_format(plan: MergePlan, config: Mapping[str, Any], weights_format: WeightsFormat,
                       max_shard_size: int) -> MergePlan:
     """``hub`` (default): ``plan`` under the Hub checkpoint's names (`to_hub_format`) and its config in
     the Hub's form (`with_hub_config`); ``transformers``: as it is, the stored config kept. Then sharded,
@@ -71,7 +71,7 @@ def in_weights_format(plan: MergePlan, config: Mapping[str, Any], weights_format
     writes a model (merge, extract-lora's base, merge-lora) asks this."""
     if plan.shards:
         raise ValueError("in_weights_format shards the plan: plan it with max_shard_size=None")
-    if parse_weights_format(weights_format) == HUB:
+    if weights_format == HUB:
         plan = with_hub_config(to_hub_format(plan, config), config)
     return replace(plan, shards=assign_shards(plan.tensors, max_shard_size))
 

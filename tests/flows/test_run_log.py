@@ -1,0 +1,56 @@
+"""An expected user error in a flow run is one line in the run's log: the named error, with no traceback and no
+"unexpected exception" (Prefect's words for a crash), read from the suite's real Prefect server."""
+
+import pytest
+
+from flows.merge_step import merge_step
+from tests.fixtures_pipeline import copy_steps, flow_run_id, rank_file
+
+
+def run_log(state) -> list[str]:
+    """Every log line of the flow run and its task runs, as the server holds them (what the UI shows)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id(state)])))
+    return [log.message for log in logs]
+
+
+def latest_merge_step_run():
+    """The newest merge-step flow run on the server (a test's own: the suite's tests run one at a time)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        (run,) = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["merge-step"])),
+                                       sort=FlowRunSort.START_TIME_DESC, limit=1)
+    return run.state
+
+
+@pytest.mark.parametrize("case", ["step_not_found", "not_ready", "raised"])
+def test_an_expected_error_is_one_line_in_the_run_log(prefect, template_run, tmp_path, case):
+    """``raised``: called without return_state, as a worker runs it, the engine raises the error on and logs
+    "Engine execution exited with unexpected exception" unless it is dropped."""
+    from merge_engine.errors import StepNotFound
+
+    run_root = str(tmp_path / "run")
+    if case == "step_not_found":
+        copy_steps(template_run, run_root, [1])
+        state, error = merge_step(run_root=run_root, step=40, return_state=True), "StepNotFound"
+    elif case == "raised":
+        copy_steps(template_run, run_root, [1])
+        with pytest.raises(StepNotFound):
+            merge_step(run_root=run_root, step=40)
+        state, error = latest_merge_step_run(), "StepNotFound"
+    else:  # step 1 still being written, and no watcher deployed to come back for it
+        copy_steps(template_run, run_root, [1], omit=[rank_file(1, 1)])
+        state, error = merge_step(run_root=run_root, step=1, return_state=True), "IncompleteCheckpoint"
+    assert state.is_failed()
+    log = run_log(state)
+    print("\n".join(log))
+    assert [line for line in log if error in line] and len([line for line in log if error in line]) == 1, log
+    assert not any("Traceback" in line or "unexpected exception" in line.lower() for line in log), log
