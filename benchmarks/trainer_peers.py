@@ -1,28 +1,31 @@
 """Benchmark: stepmerge against each trainer's own consolidator, side by side in one run, on the same inputs.
 
-    python -m benchmarks.trainer_peers                  # the 2.5 GB benchmark model (ZeRO: a 0.95 GB one)
+    python -m benchmarks.trainer_peers                  # the 2.5 GB benchmark model (ZeRO: the 236m one)
+    python -m benchmarks.trainer_peers --size 236m      # 0.95 GB of fp32 weights for every peer
     python -m benchmarks.trainer_peers --size tiny      # the suite's tiny Qwen2 (seconds)
     python -m benchmarks.trainer_peers --peers dcp_hf,zero --repeats 3
 
 Pairs (each input written once by the trainer's own library, cached under ./.bench/peers/<size>/):
-- ``accelerate``: Accelerate's FSDP2 ``SHARDED_STATE_DICT`` save (``checkpoint-1/pytorch_model_fsdp_0/``, written by
-  Accelerate's ``save_fsdp_model`` over 4 gloo ranks, `synthetic_runs.fsdp`) -> ``accelerate merge-weights``
-  against ``stepmerge merge --hf_model_path`` (HF Trainer saves no config with that state dict type);
-- ``dcp_hf``: torch's ``HuggingFaceStorageWriter(save_distributed=True)`` rank files (4 ranks, 2 output files) ->
+- ``accelerate``: Accelerate's FSDP2 ``SHARDED_STATE_DICT`` save (``checkpoint-1/pytorch_model_fsdp_0/``, written
+  by Accelerate's ``save_fsdp_model`` over gloo ranks (`DCP_WORLD`), `synthetic_runs.fsdp`) ->
+  ``accelerate merge-weights`` against ``stepmerge merge --hf_model_path`` (HF Trainer saves no config with that
+  state dict type);
+- ``dcp_hf``: torch's ``HuggingFaceStorageWriter(save_distributed=True)`` rank files (2 output files) ->
   torch's ``consolidate_safetensors_files`` (the writer's ``fqn_to_index_mapping``, read back from the rank
   files' headers; ``num_threads`` = this machine's cores) against ``stepmerge merge``;
 - ``zero``: DeepSpeed ZeRO-2 bf16 (2 ranks on DeepSpeed's CPU accelerator, one AdamW step, a bare engine's
   ``global_step1/``, `synthetic_runs.deepspeed`) -> DeepSpeed's own ``zero_to_fp32.py`` (the copy DeepSpeed
-  saved beside the tag, ``--safe_serialization``) against ``stepmerge merge --hf_model_path``. At the benchmark
-  size its model is `ZERO_SIZES` (0.95 GB of fp32 weights): the 2.5 GB model's ranks would hold ~25 GB while
-  DeepSpeed writes it (bf16 weights, fp32 masters, Adam's two moments, gradients), more than this machine has.
+  saved beside the tag, ``--safe_serialization``) against ``stepmerge merge --hf_model_path``. At the 0.5b size
+  its model is the 236m one (`ZERO_SIZES`): DeepSpeed's two ranks would hold ~25 GB writing the 2.5 GB model
+  (bf16 weights, fp32 masters, Adam's two moments, gradients).
 
 Each tool runs in a child process of its own from a warm page cache (the input's files read once before each
 run), alternating within a repeat; wall time, peak RSS (ru_maxrss from wait4) and CPU seconds are recorded
-(`benchmarks.harness.measure`); stepmerge runs as a run's first step (no memo of the config's Hub form). After the first repeat the two outputs are compared tensor for tensor (names,
-dtypes, shapes, values bit for bit: every tool keeps the stored fp32), in a child, one tensor at a time. The
-table gives medians, stepmerge / peer ratios against the goal (<= 0.5 wall and RSS), the time to read the
-input once (``cat``, warm: the floor of any tool) and the load average at the start and the end.
+(`benchmarks.harness.measure`); stepmerge runs as a run's first step (no memo of the config's Hub form). After
+the first repeat the two outputs are compared tensor for tensor (names, dtypes, shapes, values bit for bit: every
+tool keeps the stored fp32), in a child, one tensor at a time. The table gives medians, stepmerge / peer ratios
+against the goal (<= 0.5 wall and RSS), the time to read the input once (``cat``, warm: the floor of any tool)
+and the load average at the start and the end.
 This parent never imports torch (a forked child's ru_maxrss starts from its parent's).
 """
 
@@ -44,9 +47,11 @@ GOAL = 0.5
 PEERS = ("accelerate", "dcp_hf", "zero")
 QWEN2_05B = dict(family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
                  num_heads=14, num_kv_heads=2, tie_word_embeddings=False)
-SIZES = {"tiny": {}, "0.5b": QWEN2_05B}  # ModelSpec fields ({}: the suite's tiny Qwen2)
-ZERO_SIZES = {"tiny": {}, "0.5b": {**QWEN2_05B, "vocab_size": 32000, "num_layers": 12}}
-DCP_WORLD = {"tiny": 2, "0.5b": 4}
+# ModelSpec fields ({}: the suite's tiny Qwen2). 236m: the 0.5b shape with a 32000-word vocabulary and 12 layers,
+# 0.95 GB of fp32 weights (what this 24 GB machine, shared, can write with every trainer's library)
+SIZES = {"tiny": {}, "236m": {**QWEN2_05B, "vocab_size": 32000, "num_layers": 12}, "0.5b": QWEN2_05B}
+ZERO_SIZES = {**SIZES, "0.5b": SIZES["236m"]}
+DCP_WORLD = {"tiny": 2, "236m": 2, "0.5b": 4}
 STEP_FOLDERS = {"accelerate": "checkpoint-1", "dcp_hf": "step-1"}
 
 
