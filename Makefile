@@ -45,7 +45,10 @@ hub-check: $(VENV)/.runtime
 
 # The readers' environment (transformers 4.57 + peft 0.17, tests/readers_env.py) is built once per machine
 # and cached; the tests that load outputs there would build it too, this step only makes its cost visible.
+# mypy first ([tool.mypy] in pyproject.toml: merge_engine, tasks, flows); its cache (.mypy_cache) makes
+# tests/test_types.py's planted-error check take seconds.
 test: $(VENV)/.test
+	$(PY) -m mypy
 	$(PY) -m tests.readers_env
 	$(PY) -m pytest $(PYTEST_ARGS)
 

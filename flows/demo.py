@@ -178,7 +178,7 @@ def run_demo(run_root: str, release_root: str) -> None:
           f"its listing)")
 
 
-def main(argv: List[str] = None) -> int:
+def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--s3", action="store_true", help="run against a local SeaweedFS server")
     args = parser.parse_args(argv)

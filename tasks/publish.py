@@ -55,7 +55,7 @@ def publish_release(output: BuiltOutput, validation: ValidationReport, release: 
                     state: Optional[ReleaseState] = None) -> Release:
     """Publish ``output`` (validated by ``validation``) at ``release``; see the module docstring."""
     state = state_of(release, state)
-    if state.holds(output.fingerprint):
+    if state.holds(output.fingerprint) and state.manifest is not None:  # holds: it has one
         return Release.from_manifest(release, state.manifest, already_published=True)
     withdraw_damaged(state)  # readers must stop trusting a damaged release; it is published again
     if output.released:  # the record says released, the release says otherwise (deleted meanwhile)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Final, Literal
 
 from prefect.serializers import Serializer
 from pydantic import Field, TypeAdapter, ValidationError
@@ -30,7 +30,7 @@ from merge_engine import errors
 from merge_engine.errors import StepmergeError, UnsafeRecord
 from merge_engine.storage.json_text import parse_json
 
-SERIALIZER_TYPE = "stepmerge-records"
+SERIALIZER_TYPE: Final = "stepmerge-records"
 RESULT_FORMAT = 1
 logger = logging.getLogger(__name__)
 MAX_RESULT_BYTES = 64 << 20  # a record is URLs, counts and listings
@@ -65,7 +65,7 @@ def _adapted(cls_of: Callable[[], type]) -> Callable[[], tuple[type, Callable[[A
     """A record class (frozen dataclass or pydantic model) dumped and validated by pydantic from its fields."""
     def entry() -> tuple[type, Callable[[Any], Any], Callable[[Any], Any]]:
         cls = cls_of()
-        adapter = TypeAdapter(cls)
+        adapter: TypeAdapter[Any] = TypeAdapter(cls)
         return cls, lambda value: adapter.dump_python(value, mode="json"), adapter.validate_python
     return entry
 
@@ -184,7 +184,7 @@ def checked_record(data: bytes, path: str) -> bytes:
     metadata = record.get("metadata") if isinstance(record, dict) else None
     serializer = metadata.get("serializer") if isinstance(metadata, dict) else None
     kind = serializer.get("type") if isinstance(serializer, dict) else None
-    if kind != SERIALIZER_TYPE or set(serializer) != {"type"}:
+    if kind != SERIALIZER_TYPE or not isinstance(serializer, dict) or set(serializer) != {"type"}:
         error = UnsafeRecord(f"a result record names the serializer {str(kind)[:100]!r}: only {SERIALIZER_TYPE!r} "
                              "records are read (a pickle from a result store could run any code)", path)
         logger.warning("%s", error)  # Prefect's existence check swallows it: the operator still hears of it

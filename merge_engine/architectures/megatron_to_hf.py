@@ -123,18 +123,19 @@ class LeadingRows:
         if remaining <= 0:
             return
         stream = source.iter_chunks(self.source_name, max_bytes)
-        if self.same_as is None:
+        same_as = self.same_as
+        if same_as is None:
             pieces: Iterator[tuple[torch.Tensor, ...]] = ((chunk,) for chunk in stream)
         else:
             def size_error(message: str) -> Exception:
-                return tied_copy_error(self.same_as, self.source_name, source.url, f"sizes differ: {message}")
+                return tied_copy_error(same_as, self.source_name, source.url, f"sizes differ: {message}")
 
-            pieces = aligned_chunks(stream, source.iter_chunks(self.same_as, max_bytes), error=size_error)
+            pieces = aligned_chunks(stream, source.iter_chunks(same_as, max_bytes), error=size_error)
         for chunk, *copy in pieces:
             chunk = chunk[:remaining]
             remaining -= chunk.numel()
-            if copy and not torch.equal(copy[0][:chunk.numel()], chunk):
-                raise tied_copy_error(self.same_as, self.source_name, source.url)
+            if copy and same_as is not None and not torch.equal(copy[0][:chunk.numel()], chunk):
+                raise tied_copy_error(same_as, self.source_name, source.url)
             yield chunk
             if remaining <= 0:
                 return  # the padding rows after vocab_size are never read
@@ -202,8 +203,8 @@ def plan_megatron_to_hf(source: TensorSource, config: Mapping[str, Any], *, tabl
         tensors.append(PlannedTensor(hf_name, meta.shape, output_dtype(meta.dtype, dtype), source_name))
     for hf_name, source_name in view.copies:  # the MTP layer's own embedding / head copies
         meta = metas_all[source_name]
-        rows = (dims.vocab_size, *meta.shape[1:])
-        tensors.append(PlannedTensor(hf_name, rows, output_dtype(meta.dtype, dtype), source_name,
+        leading = (dims.vocab_size, *meta.shape[1:])
+        tensors.append(PlannedTensor(hf_name, leading, output_dtype(meta.dtype, dtype), source_name,
                                      LeadingRows(source_name, dims.vocab_size, int(torch.Size(meta.shape[1:]).numel()))))
     if tied_copy is not None:
         notes.append(f"tied embeddings: {tied_copy} checked equal to the embedding, not written")

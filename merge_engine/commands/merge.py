@@ -45,7 +45,7 @@ def merge_fingerprint(checkpoint: Checkpoint, options: OutputOptions, inputs: In
     listing of ``hf_model_path`` when one replaces the checkpoint's config (its content decides the output), as
     the job's ``inputs`` list them."""
     inputs = inputs or InputFolders()
-    extra = {}
+    extra: dict[str, object] = {}
     if options.base_model is not None:  # a LoRA step's base: its listing decides the output
         extra["base_model"] = {"url": options.base_model, "listing": inputs.digest(options.base_model)}
     if options.hf_model_path is not None:
@@ -79,23 +79,29 @@ class MergeJob:
 
     def __post_init__(self) -> None:
         self._config: dict | None = None
+        self._checked_as: tuple[Checkpoint, str, dict] | None = None
         self._fingerprint: str | None = None
         self.inputs = InputFolders()  # --hf_model_path, --base-model: listed once, read from that listing
 
-    def _checked(self) -> tuple[Checkpoint, str | None, dict]:
-        if self._config is None:
+    def _checked(self) -> tuple[Checkpoint, str, dict]:
+        """The checked checkpoint, the folder its config comes from and that config (once)."""
+        if self._checked_as is None:
             if self.checkpoint is None:
                 self.checkpoint = check_checkpoint(self.source_url, self.options.backend)
             elif self.checkpoint.url.rstrip("/") != self.source_url.rstrip("/"):
                 raise InvalidOption(f"the checked checkpoint is {self.checkpoint.url}, not the source", self.source_url)
-            jobs = jobs_of(self.checkpoint)  # a layout with its own semantics (imported only then: not free)
+            checkpoint = self.checkpoint
+            jobs = jobs_of(checkpoint)  # a layout with its own semantics (imported only then: not free)
             if jobs is not None:
-                self._config, hf_dir = jobs.step_config(self.checkpoint, self.options, self.inputs)
-                return self.checkpoint, hf_dir, self._config
-            hf_model_path = self.options.hf_model_path
-            self._config = (self.inputs.config(hf_model_path, "checkpoint") if hf_model_path
-                            else read_config(self.checkpoint.hf_dir))
-        return self.checkpoint, self.options.hf_model_path or self.checkpoint.hf_dir, self._config
+                config, hf_dir = jobs.step_config(checkpoint, self.options, self.inputs)
+            else:
+                hf_model_path = self.options.hf_model_path
+                config = (self.inputs.config(hf_model_path, "checkpoint") if hf_model_path
+                          else read_config(checkpoint.hf_dir))  # InvalidConfig when it has none
+                hf_dir = hf_model_path or checkpoint.hf_dir or ""
+            self._config = config
+            self._checked_as = (checkpoint, hf_dir, config)
+        return self._checked_as
 
     def fingerprint(self) -> str:
         """`merge_fingerprint`, computed once per job (the pipeline's build asks first, then `run_job`)."""

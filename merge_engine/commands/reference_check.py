@@ -40,7 +40,9 @@ def check_against_reference(source_url: str, reference_url: str, options: Output
         (source,) = prepared.sources  # a merge plans one safetensors folder over one source
         reference = open_hf_folder(reference_url)
         try:
-            checks = compare_plan_to_reference(prepared.plan(), source, reference, atol=atol, rtol=rtol,
+            plan = prepared.plan()
+            assert plan is not None  # a merge plans one safetensors folder
+            checks = compare_plan_to_reference(plan, source, reference, atol=atol, rtol=rtol,
                                                chunk_bytes=options.chunk_bytes)
         finally:
             reference.close()

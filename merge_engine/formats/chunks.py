@@ -35,7 +35,7 @@ def aligned_chunks(*streams: Iterable[torch.Tensor], error: Callable[[str], Exce
     current: list[torch.Tensor | None] = [None] * len(iterators)
     while True:
         for i, iterator in enumerate(iterators):
-            while current[i] is None or not current[i].numel():
+            while (chunk := current[i]) is None or not chunk.numel():
                 current[i] = next(iterator, None)
                 if current[i] is None:
                     break
@@ -44,9 +44,10 @@ def aligned_chunks(*streams: Iterable[torch.Tensor], error: Callable[[str], Exce
             if len(ended) < len(current):
                 raise error(f"chunk streams differ in length: stream {ended[0]} ended before the others")
             return
-        n = min(c.numel() for c in current)
-        yield tuple(c[:n] for c in current)
-        current = [c[n:] for c in current]
+        pieces = [c for c in current if c is not None]  # all of them: none ended
+        n = min(c.numel() for c in pieces)
+        yield tuple(c[:n] for c in pieces)
+        current = [c[n:] for c in pieces]
 
 
 __all__ = ["aligned_chunks", "flat_slices"]

@@ -134,7 +134,7 @@ def read_index(url: str) -> DcpIndex:
 
 
 def _parse_index(url: str, fields: dict, meta_url: str) -> DcpIndex:
-    locations: dict[tuple[str, tuple[int, ...] | None], ItemLocation] = {}
+    locations: dict[tuple[str | None, tuple[int, ...] | None], ItemLocation] = {}
     for index, info in (fields.get("storage_data") or {}).items():
         idx, loc = _fields(index), _fields(info)
         if loc.get("transform_descriptors"):
@@ -160,9 +160,10 @@ def _parse_index(url: str, fields: dict, meta_url: str) -> DcpIndex:
         for chunk in entry_fields["chunks"]:
             c = _fields(chunk)
             offsets, sizes = tuple(_count(x) for x in c["offsets"]), tuple(_count(x) for x in c["sizes"])
-            location = locations.get((key, offsets))
-            if location is None:
+            found = locations.get((key, offsets))
+            if found is None:
                 raise CorruptShard(f"{key!r}: chunk at {offsets} has no storage entry", meta_url)
+            location = found
             if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
                     o + s > d for o, s, d in zip(offsets, sizes, shape)):
                 raise CorruptShard(f"{key!r}: chunk {offsets}+{sizes} lies outside {shape}", meta_url)
@@ -261,7 +262,7 @@ def _first_index(mask: numpy.ndarray, cuts: Sequence[Sequence[int]]) -> tuple[in
     return tuple(c[i] for c, i in zip(cuts, cell))
 
 
-def _overlapping_pair(boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[int, int] | None:
+def _overlapping_pair(boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[int, int] | None:
     """Two boxes sharing an element, by a sweep over dim 0 (only boxes open together are compared)."""
     order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][0])
     active: list[int] = []

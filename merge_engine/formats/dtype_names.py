@@ -106,6 +106,7 @@ class DTypeByName:
     ``itemsize`` (bytes per element: no torch)."""
 
     __slots__ = ()
+    dtype_name: str  # the subclass's field
 
     @property
     def dtype(self) -> Any:
@@ -120,6 +121,7 @@ class PickledDType:
     """A ``torch.<dtype>`` global read from a pickle without torch: its canonical ``name``."""
 
     __slots__ = ("name",)
+    name: str
 
     def __init__(self, name: str) -> None:
         object.__setattr__(self, "name", canonical(name))

@@ -21,7 +21,7 @@ import pickle
 import pickletools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from merge_engine.errors import CorruptShard, UnsafePickle
 from merge_engine.formats.dtype_names import ALIASES, ITEMSIZES, STORAGE_CLASSES, DTypeByName, PickledDType, name_of
@@ -68,6 +68,8 @@ class Record(metaclass=_FrozenClass):
 
     module = ""
     qualname = ""
+    args: tuple[Any, ...]
+    state: Any
 
     def __new__(cls, *args: Any) -> Record:  # NEWOBJ calls __new__ only; REDUCE calls the class
         self = super().__new__(cls)
@@ -104,7 +106,8 @@ _record_classes: dict[tuple[str, str], type[Record]] = {}
 def record_class(module: str, qualname: str) -> type[Record]:
     key = (module, qualname)
     if key not in _record_classes:
-        _record_classes[key] = _FrozenClass(qualname, (Record,), {"module": module, "qualname": qualname})
+        made = _FrozenClass(qualname, (Record,), {"module": module, "qualname": qualname})
+        _record_classes[key] = cast("type[Record]", made)  # a subclass of Record, made by its metaclass
     return _record_classes[key]
 
 
@@ -113,6 +116,7 @@ class _Allowed:
     no pickle can alter a function or class the next load will use (BUILD on it raises)."""
 
     __slots__ = ("_target",)
+    _target: Any
 
     def __init__(self, target: Any) -> None:
         object.__setattr__(self, "_target", target)
@@ -326,7 +330,7 @@ def check_nesting(data: bytes, url: str | None) -> None:
                 before = op.stack_before
                 if pickletools.markobject in before:  # pop to the mark, then the items below it
                     while stack and stack[-1] is not None:
-                        deepest = max(deepest, stack.pop())
+                        deepest = max(deepest, stack.pop() or 0)  # not None: the mark stops the loop
                     if stack:
                         stack.pop()
                     below = before.index(pickletools.markobject)

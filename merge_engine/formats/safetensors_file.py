@@ -164,7 +164,7 @@ class SafetensorsFile:
 
         start = self._entries[storage.key].start + element_offset * storage.itemsize
         if out.numel():
-            self.reader.read_into(start, memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+            self.reader.read_into(start, out.reshape(-1).view(torch.uint8).numpy().data)
 
     def close(self) -> None:
         self.reader.close()

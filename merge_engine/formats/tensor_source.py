@@ -345,7 +345,17 @@ class FlatTensor(DTypeByName):
         return self._flat().read().reshape(self.shape)
 
 
-Assembly = ConcatTensor | ReplicatedTensor | StackedTensor | FlatTensor
+class Assembly(Protocol):
+    """A tensor assembled lazily from stored pieces (`ConcatTensor`, `ReplicatedTensor`, `StackedTensor`,
+    `FlatTensor`, a layout's own): its shape and dtype, read whole or as flat chunks. One that can start
+    inside also has ``iter_range(start, count, max_bytes)``."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    def iter_chunks(self, max_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[torch.Tensor]: ...
+    def read(self) -> torch.Tensor: ...
 
 
 def _pieces(tensor: object) -> tuple[StoredTensor, ...]:
@@ -360,14 +370,19 @@ def _pieces(tensor: object) -> tuple[StoredTensor, ...]:
     return ()
 
 
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
 class AssembledSource:
     """A `TensorSource` over a name -> assembly table (what sharded layouts build)."""
 
-    def __init__(self, url: str, tensors: Mapping[str, Assembly], archives: Sequence[object] = ()) -> None:
+    def __init__(self, url: str, tensors: Mapping[str, Assembly], archives: Sequence[_Closable] = ()) -> None:
         self.url = url
         self._tensors = dict(tensors)
         self._metas = {n: TensorMeta(n, tuple(t.shape), t.dtype) for n, t in self._tensors.items()}
         self._archives = archives
+        self.parallel: dict[str, int] = {}  # the parallel sizes it was saved with, where a layout records them
 
     def metas(self) -> Mapping[str, TensorMeta]:
         return self._metas

@@ -94,7 +94,7 @@ class TorchArchive:
         if self.reader.size == 0:
             raise IncompleteCheckpoint("file is empty (0 bytes)", url)
         try:
-            self._zip = zipfile.ZipFile(_ReaderFile(self.reader))
+            self._zip: zipfile.ZipFile | None = zipfile.ZipFile(_ReaderFile(self.reader))
             names = self._zip.namelist()
         except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
             raise CorruptShard(f"not a readable torch zip archive ({exc}); truncated, still being written, or not a torch file", url) from exc
@@ -102,7 +102,8 @@ class TorchArchive:
         if len(pkl) != 1:
             raise CorruptShard("zip archive without a single data.pkl: not a torch.save file", url)
         self._prefix = pkl[0][: -len("data.pkl")]
-        self._infos = {info.filename: info for info in self._zip.infolist()}
+        self._infos: dict[str, zipfile.ZipInfo | StorageRecordInfo] = {
+            info.filename: info for info in self._zip.infolist()}
         if len({info.header_offset for info in self._infos.values()}) != len(self._zip.infolist()):
             raise CorruptShard("zip entries share bytes (two names for one record): not a torch.save file", url)
         # where each record's bytes must end: the next local header, or the central directory
@@ -148,7 +149,7 @@ class TorchArchive:
         if info is None:
             return
         try:
-            order = self._zip.read(info.filename) if info.file_size <= 16 else b""
+            order = self._zip.read(info.filename) if self._zip is not None and info.file_size <= 16 else b""
         except (zipfile.BadZipFile, OSError, EOFError) as exc:
             raise CorruptShard(f"byteorder record unreadable ({exc})", self.url) from exc
         if order != b"little":
@@ -200,7 +201,7 @@ class TorchArchive:
             span = 1 + sum((s - 1) * st for s, st in zip(view.shape, view.stride))
             start = view.offset * size
             dense = span == view.numel
-            key = () if dense else (view.shape, view.stride, size)  # dense: the byte interval is the identity
+            key: tuple[Any, ...] = () if dense else (view.shape, view.stride, size)  # dense: the byte interval is the identity
             by_record.setdefault(view.storage.key, set()).add((start, start + span * size, dense, key))
         for record, views in by_record.items():
             claimed = 0
@@ -246,7 +247,7 @@ class TorchArchive:
             raise CorruptShard(f"tensor view runs past its storage {storage.key}", self.url)
         record_offset = element_offset * storage.itemsize
         start = self._data_offset(storage) + record_offset
-        data = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        data = out.reshape(-1).view(torch.uint8).numpy().data if out.numel() else memoryview(b"")
         self.reader.read_into(start, data)
         info = self._infos[f"{self._prefix}data/{storage.key}"]
         self._crc.add(info.filename, info.file_size, info.CRC, record_offset, data)

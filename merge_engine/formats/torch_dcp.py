@@ -69,7 +69,9 @@ class DcpFiles:
             reader = self._readers.get(location.file)
             if reader is None:
                 reader = self._readers[location.file] = self._open(file_url, location.file)
-            archive = TorchArchive(f"{file_url}@{location.offset}", _Window(reader, location.offset, location.length))
+            window = _Window(reader, location.offset, location.length)
+            # a window serves the reads an archive makes (size, read, read_into, close); it is never carried
+            archive = TorchArchive(f"{file_url}@{location.offset}", window)  # type: ignore[arg-type]
             stored = archive.load()
             if not isinstance(stored, StoredTensor) or stored.shape != info.sizes or stored.dtype_name != dtype:
                 raise CorruptShard(f"{key!r}: item at {location.offset} is not the {info.sizes} {describe(dtype)} chunk the "

@@ -108,6 +108,7 @@ def dcp_metadata_bytes(items: Iterable[DcpItem]) -> bytes:
         if item.offsets is None:
             state[item.key] = BytesStorageMetadata()
             continue
+        assert item.shape is not None and item.dtype is not None  # a tensor's chunk has both
         entry = tensors.setdefault(item.key, (item.shape, item.dtype, []))
         if entry[0] != item.shape or entry[1] != item.dtype:
             raise ValueError(f"{item.key}: chunks disagree on global shape or dtype")
@@ -115,5 +116,5 @@ def dcp_metadata_bytes(items: Iterable[DcpItem]) -> bytes:
     for key, (shape, dtype, chunks) in tensors.items():
         state[key] = TensorStorageMetadata(
             properties=TensorProperties(dtype=dtype), size=torch.Size(shape),
-            chunks=[ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in chunks])
+            chunks=[ChunkStorageMetadata(offsets=torch.Size(c.offsets or ()), sizes=torch.Size(c.sizes or ())) for c in chunks])
     return pickle.dumps(Metadata(state_dict_metadata=state, storage_data=storage_data))

@@ -205,7 +205,7 @@ class _RankFiles:
 
         if out.numel():
             self._readers[file].read_into(self._starts[record] + element_offset * itemsize,
-                                          memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+                                          out.reshape(-1).view(torch.uint8).numpy().data)
 
     def close(self) -> None:
         for reader in self._readers.values():

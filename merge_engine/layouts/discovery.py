@@ -105,6 +105,8 @@ def _group_by_checkpoint(entries: Iterable[FileEntry]) -> dict[tuple[int, str, s
         if run_layout is None:
             continue
         number = run_layout.step_of(parts[0])
+        if number is None:  # never: the run layout was found by this name
+            continue
         if len(parts) > 2 and parts[1] in run_layout.roles:
             role, folder, rest = parts[1], f"{parts[0]}/{parts[1]}", parts[2:]
         else:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 SHARD, STRIDED_SHARD, REPLICATE = "Shard", "_StridedShard", "Replicate"
 
@@ -64,7 +64,7 @@ def placement_of(record: Any) -> Placement | None:
     return Placement(STRIDED_SHARD, dim, split) if _is_count(split, 1) else None
 
 
-def _is_count(value: Any, least: int) -> bool:
+def _is_count(value: Any, least: int) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 

@@ -52,7 +52,7 @@ LORA_ADAPTER_DIR = "lora_adapter"  # older verl LoRA runs: adapter_config.json (
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-def model_files(files: list[FileEntry]) -> dict[int, dict[int, FileEntry]]:
+def model_files(files: Sequence[FileEntry]) -> dict[int, dict[int, FileEntry]]:
     """Top-level rank files grouped as world size -> rank -> entry."""
     found: dict[int, dict[int, FileEntry]] = defaultdict(dict)
     for entry in files:

@@ -141,7 +141,8 @@ def _in_order(key: str, pieces: list, dim: int, url: str) -> tuple[StoredTensor,
 
 def _assemble_sharded_tensor(key: str, values: list[WrapperTensor], archives: list[TorchArchive]):
     pieces: list[tuple[list[int], StoredTensor]] = []
-    shape = dtype = None
+    shape: tuple[int, ...] | None = None
+    dtype: Any = None
     for value, archive in zip(values, archives):
         state = value.state.get("__state__")
         if not isinstance(state, tuple) or len(state) < 2:
@@ -168,7 +169,11 @@ def _assemble_sharded_tensor(key: str, values: list[WrapperTensor], archives: li
             raise CorruptShard(f"ShardedTensor {key!r}: shard at offset {offsets[dim]}, expected {at}",
                                tensor.archive.url)
         at += tensor.shape[dim] if tensor.shape else 1
-    if not pieces and not isinstance(dtype, PickledDType):
+    if pieces:
+        stored_dtype = pieces[0][1].dtype_name
+    elif isinstance(dtype, PickledDType):
+        stored_dtype = dtype.name
+    else:
         raise CorruptShard(f"ShardedTensor {key!r} has no shards and no recorded dtype", archives[0].url)
-    stored_dtype = pieces[0][1].dtype_name if pieces else dtype.name
+    assert shape is not None  # read from the first rank's value: a key comes from at least one rank
     return ConcatTensor(shape, stored_dtype, dim, tuple(t for _, t in pieces))

@@ -104,10 +104,10 @@ STACKED_EXPERTS = "mlp.experts.experts."
 
 
 def _in_folder(path: str, folder: str) -> bool:
-    return path.startswith(folder) and (folder or "/" not in path)
+    return path.startswith(folder) and (bool(folder) or "/" not in path)
 
 
-def _has_shards(files: list[FileEntry], folder: str) -> bool:
+def _has_shards(files: Sequence[FileEntry], folder: str) -> bool:
     return any(_in_folder(f.path, folder) and (f.path.endswith(DATA_SUFFIX) or f.path.endswith(METADATA_FILE))
                for f in files)
 
@@ -274,7 +274,7 @@ def canonical_tensors(index: DcpIndex, files: DcpFiles) -> dict[str, DcpTensor]:
         if rest is not None and not per_layer and not all(info.shape):
             # one entry per layer (and expert) is made below: only bytes on disk may decide how many
             raise CorruptShard(f"{key!r}: a stacked tensor of shape {info.shape} holds no weights", index.url)
-        if per_layer and rest.split(".", 1)[1].startswith(STACKED_EXPERTS):  # one layer's experts, stacked
+        if per_layer and rest is not None and rest.split(".", 1)[1].startswith(STACKED_EXPERTS):  # one layer's experts, stacked
             number, local = rest.split(".", 1)
             part = local[len(STACKED_EXPERTS):]
             if len(info.shape) < 1:

@@ -174,7 +174,7 @@ def chunk_states(tree: Any, archive: TorchArchive) -> tuple[list[dict[str, Any]]
 
     if isinstance(tree, list):
         states = tree
-        args = {}
+        args: dict[str, Any] = {}
     elif isinstance(tree, dict) and ("model" in tree or "model0" in tree):
         if "model" in tree:
             states = [tree["model"]]
@@ -252,13 +252,13 @@ def _grid(url: str, files: list[FileEntry], opened: Opened) -> RankGrid:
         for p in range(pp):
             for e in range(ep):
                 coords = (t,) + ((p, e) if ndim == 3 else (p,) if pp > 1 else (e,) if ndim == 2 else ())
-                entry = cells.get(coords)
-                if entry is None:
+                cell = cells.get(coords)
+                if cell is None:
                     raise IncompleteCheckpoint(f"rank folder missing (TP={tp}, PP={pp}, EP={ep})",
                                                storage.join(url, prefix + _folder(coords)))
-                if entry.size == 0:
-                    raise IncompleteCheckpoint("rank file is empty (0 bytes)", storage.join(url, entry.path))
-                grid[(t, p, e)] = entry
+                if cell.size == 0:
+                    raise IncompleteCheckpoint("rank file is empty (0 bytes)", storage.join(url, cell.path))
+                grid[(t, p, e)] = cell
     return RankGrid(tp, pp, ep, vpp, grid, kind)
 
 
@@ -311,7 +311,9 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
         tensors = canonical_tensors(grid, archives)
     finally:
         _close_all(opened)
-    prefix = RANK_FILE.match(next(iter(grid.files.values())).path).group("prefix")
+    rank_file = RANK_FILE.match(next(iter(grid.files.values())).path)
+    assert rank_file is not None  # the grid holds rank files only
+    prefix = rank_file.group("prefix")
     hf_dir = _hf_dir(root, files, prefix)
     hf_folder = hf_dir.rstrip("/").rsplit("/", 1)[-1] + "/" if hf_dir else None
     entries = tuple(sorted([*grid.files.values(), *(f for f in files if hf_folder and f.path.startswith(hf_folder)
@@ -463,7 +465,7 @@ def _mla_down_kind(key: str, tp_states: list[dict[str, Any]], url: str) -> TPKin
     prefix = key[: -len(MLA_KV_DOWN if key.endswith(MLA_KV_DOWN) else MLA_Q_DOWN)]
     q_pieces = [state.get(prefix + MLA_Q_DOWN) for state in tp_states]
     q_up = tp_states[0].get(prefix + MLA_Q_UP)
-    q_rows = [p.shape[0] for p in q_pieces] if all(isinstance(p, StoredTensor) and p.shape for p in q_pieces) else None
+    q_rows = [p.shape[0] for p in q_pieces if isinstance(p, StoredTensor)] if all(isinstance(p, StoredTensor) and p.shape for p in q_pieces) else None
     q_rank = q_up.shape[1] if isinstance(q_up, StoredTensor) and len(q_up.shape) == 2 else None
     try:
         return mla_down_projection_kind(q_rows, q_rank, any(prefix + n in tp_states[0] for n in MLA_TE_NORMS))

@@ -176,12 +176,12 @@ class _Reader:
             raise self.fail(f"{what} is not a list of the expected length")
         return value
 
-    def int(self, value: Any, what: str) -> int:
+    def integer(self, value: Any, what: str) -> int:
         if type(value) is not int or not 0 <= value <= MAX_INT:
             raise self.fail(f"{what} is {value!r}, not a non-negative integer")
         return value
 
-    def str(self, value: Any, what: str) -> str:
+    def string(self, value: Any, what: str) -> str:
         if not isinstance(value, str) or len(value) > 4096:
             raise self.fail(f"{what} is not a string")
         return value
@@ -189,7 +189,7 @@ class _Reader:
     def dims(self, value: Any, what: str) -> tuple[int, ...]:
         if not isinstance(value, list) or len(value) > MAX_DIMS:
             raise self.fail(f"{what} is not a list of at most {MAX_DIMS} sizes")
-        return tuple(self.int(v, what) for v in value)
+        return tuple(self.integer(v, what) for v in value)
 
     def dtype(self, value: Any) -> str:
         from merge_engine.formats.dtype_names import ITEMSIZES
@@ -205,28 +205,28 @@ class _Reader:
         fields = {"url", "size", "version", "prefix", "records", "starts"}
         if not isinstance(value, dict) or set(value) != fields:
             raise self.fail("a file entry is not {url, size, version, prefix, records, starts}")
-        url = self.str(value["url"], "a file's URL")
+        url = self.string(value["url"], "a file's URL")
         entry = self.listed.get(url)
         if entry is None:
             raise self.fail(f"names the file {url!r}, which is not one of the checkpoint's listed files")
-        size = self.int(value["size"], "a file's size")
+        size = self.integer(value["size"], "a file's size")
         version = value["version"]
         if version is not None and not isinstance(version, str) or size != entry.size \
                 or (version or None) != (entry.version or None):
             raise self.fail(f"pins {url} to size {size} version {version!r}; the listing says {entry.size} "
                             f"{entry.version!r}")
-        prefix = self.str(value["prefix"], "an archive prefix")
-        starts = [self.int(s, "a record start") for s in self.items(value["starts"], "record starts")]
+        prefix = self.string(value["prefix"], "an archive prefix")
+        starts = [self.integer(s, "a record start") for s in self.items(value["starts"], "record starts")]
         if starts != sorted(set(starts)) or any(s > size for s in starts):
             raise self.fail(f"record starts of {url} are not increasing offsets inside the file")
         records = []
         for record in self.items(value["records"], "storage records"):
             name, offset, length, crc = self.items(record, "a storage record", 4)
-            name = self.str(name, "a storage record's name")
+            name = self.string(name, "a storage record's name")
             if not name.startswith(f"{prefix}data/"):
                 raise self.fail(f"storage record {name!r} of {url} lies outside {prefix}data/")
-            info = StorageRecordInfo(name, self.int(offset, "a record offset"), self.int(length, "a record size"),
-                                     self.int(crc, "a record CRC"))
+            info = StorageRecordInfo(name, self.integer(offset, "a record offset"), self.integer(length, "a record size"),
+                                     self.integer(crc, "a record CRC"))
             if info.header_offset not in starts or info.header_offset + info.file_size > size or info.CRC >> 32:
                 raise self.fail(f"storage record {name!r} of {url} is not a zip record inside the file")
             records.append(info)
@@ -236,11 +236,11 @@ class _Reader:
         from merge_engine.formats.stored_tensor import StorageRef
 
         file, key, dtype, numel = self.items(value, "a storage", 4)
-        file = self.int(file, "a storage's file")
+        file = self.integer(file, "a storage's file")
         if file >= len(self.handles):
             raise self.fail(f"a storage names file {file} of {len(self.handles)}")
         archive = self.handles[file]
-        ref = StorageRef(self.str(key, "a storage key"), self.dtype(dtype), self.int(numel, "an element count"))
+        ref = StorageRef(self.string(key, "a storage key"), self.dtype(dtype), self.integer(numel, "an element count"))
         archive.check_record(ref)  # one zip record of the file holding exactly these bytes (no read)
         return archive, ref
 
@@ -248,11 +248,11 @@ class _Reader:
         from merge_engine.formats.stored_tensor import StoredTensor, view_problem
 
         storage, offset, shape, stride = self.items(value, "a piece", 4)
-        storage = self.int(storage, "a piece's storage")
+        storage = self.integer(storage, "a piece's storage")
         if storage >= len(self.storages):
             raise self.fail(f"a piece names storage {storage} of {len(self.storages)}")
         archive, ref = self.storages[storage]
-        offset, shape, stride = self.int(offset, "an offset"), self.dims(shape, "a shape"), self.dims(stride, "strides")
+        offset, shape, stride = self.integer(offset, "an offset"), self.dims(shape, "a shape"), self.dims(stride, "strides")
         problem = view_problem(ref.numel, offset, shape, stride)
         if problem:
             raise self.fail(f"a piece of storage {ref.key} of {archive.url}: {problem}")
@@ -263,7 +263,7 @@ class _Reader:
 
         shape, dtype, dim, pieces = self.items(value, "a concatenation", 4)
         shape = self.dims(shape, "a shape")
-        dim = self.int(dim, "a dimension")
+        dim = self.integer(dim, "a dimension")
         if shape and dim >= len(shape):
             raise self.fail(f"cut on dimension {dim} of a {len(shape)}-d tensor")
         return ConcatTensor(shape, self.dtype(dtype), dim, tuple(self.piece(p) for p in self.items(pieces, "pieces")))
@@ -359,8 +359,8 @@ class _DcpReader(_PlainReader):
     def location(self, file: Any, offset: Any, length: Any) -> Any:
         from merge_engine.formats.dcp_index import ItemLocation
 
-        file = self.str(file, "a data file")
-        offset, length = self.int(offset, "an item offset"), self.int(length, "an item length")
+        file = self.string(file, "a data file")
+        offset, length = self.integer(offset, "an item offset"), self.integer(length, "an item length")
         size = self.sizes.get(file)
         if size is None or "/" in file or file.startswith("."):
             raise self.fail(f"names the data file {file!r}, which is not one the checkpoint lists beside its index")
@@ -380,13 +380,13 @@ class _DcpReader(_PlainReader):
         tensors, objects, items = {}, {}, []
         for entry in self.items(document["tensors"], "tensors"):
             key, shape, dtype, chunks = self.items(entry, "a tensor", 4)
-            key, shape, dtype = self.str(key, "a key"), self.dims(shape, "a shape"), self.dtype(dtype)
+            key, shape, dtype = self.string(key, "a key"), self.dims(shape, "a shape"), self.dtype(dtype)
             if key in tensors:
                 raise self.fail(f"tensor {key!r} listed twice")
             infos = []
             for chunk in self.items(chunks, "chunks"):
-                offsets, sizes, *where = self.items(chunk, "a chunk", 5)
-                offsets, sizes = self.dims(offsets, "chunk offsets"), self.dims(sizes, "chunk sizes")
+                raw_offsets, raw_sizes, *where = self.items(chunk, "a chunk", 5)
+                offsets, sizes = self.dims(raw_offsets, "chunk offsets"), self.dims(raw_sizes, "chunk sizes")
                 location = self.location(*where)
                 if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
                         o + s > d for o, s, d in zip(offsets, sizes, shape)):
@@ -401,7 +401,7 @@ class _DcpReader(_PlainReader):
             tensors[key] = TensorInfo(shape, dtype, tuple(infos))
         for entry in self.items(document["objects"], "objects"):
             key, *where = self.items(entry, "an object", 4)
-            key = self.str(key, "a key")
+            key = self.string(key, "a key")
             if key in objects:
                 raise self.fail(f"object {key!r} listed twice")
             objects[key] = self.location(*where)
@@ -454,13 +454,13 @@ def restore_headers(checkpoint: Checkpoint) -> list[tuple[str, list[str] | None,
     out, seen = [], set()
     for entry in reader.items(document["files"], "files"):
         name, names, header = reader.items(entry, "a file", 3)
-        name = reader.str(name, "a file name")
+        name = reader.string(name, "a file name")
         if name not in listed or name in seen:
             raise UnsafeRecord(f"carried safetensors headers name the file {name!r}, which is not one the checkpoint "
                                "lists in its folder (or twice)", checkpoint.url)
         seen.add(name)
         if names is not None:
-            names = [reader.str(n, "a tensor name") for n in reader.items(names, "tensor names")]
+            names = [reader.string(n, "a tensor name") for n in reader.items(names, "tensor names")]
         if not isinstance(header, str):
             raise UnsafeRecord(f"carried safetensors headers: the header of {name} is not text", checkpoint.url)
         out.append((name, names, header.encode("utf-8")))

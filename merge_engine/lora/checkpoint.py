@@ -152,7 +152,7 @@ def resolve_alpha(run: RunLoraMetadata, flag: float | None, where: str | None) -
         raise AdapterError(f"lora_alpha is unknown: the checkpoint has no {LORA_TRAIN_META} and no adapter_config.json "
                            "(or lora_adapter/adapter_config.json) with a non-zero lora_alpha; stepmerge never "
                            "guesses it: pass --lora-alpha", where)
-    return run.lora_alpha, run.alpha_from
+    return run.lora_alpha, run.alpha_from or "the checkpoint"
 
 
 def checkpoint_settings(run: RunLoraMetadata, alpha: float, ranks: Mapping[str, int], where: str | None

@@ -45,7 +45,7 @@ from merge_engine.lora.svd import (
     factor_product,
     svd_device,
 )
-from merge_engine.plan.merge_plan import MergePlan, PlannedTensor
+from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, TensorBuilder
 from merge_engine.formats.tensor_source import TensorMeta, TensorSource
 
 METHODS = ("concat", "weighted", "average")
@@ -128,11 +128,12 @@ class ModuleGroup:
         return tuple((qualified(item.namespace, m.b), 1.0) for item, m in self.parts)
 
     def dtype(self) -> torch.dtype:
-        dtype = None
+        dtype: torch.dtype | None = None
         for item, m in self.parts:
             for key in (m.a, m.b):
                 d = item.adapter.metas[key].dtype
                 dtype = d if dtype is None else torch.promote_types(dtype, d)
+        assert dtype is not None  # a factor has at least one part
         return dtype
 
     def stacked_dtype(self) -> torch.dtype:
@@ -185,6 +186,7 @@ def replacement_tensors(inputs: Sequence[WeightedAdapter], groups: Mapping[str, 
                                    "(--output model)", item.adapter.url)
             saved += [e for e in entries if e not in saved]
             file_key = f"{PEFT_PREFIX}{name}"
+        build: TensorBuilder
         if len(parts) == 1 and parts[0][1] == 1.0:
             build = CheckedCopy(parts[0][0])
         elif base_metas is None:

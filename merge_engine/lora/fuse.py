@@ -85,7 +85,7 @@ class UpdatedTensor:
             names += [term.a, term.b]
         return tuple(names)
 
-    def _factors(self, source: TensorSource) -> list[tuple[float, torch.Tensor, torch.Tensor, bool]]:
+    def _factors(self, source: TensorSource) -> list[tuple[float, torch.Tensor, torch.Tensor, bool, int]]:
         factors = []
         for term in self.terms:
             a = source.read(term.a).to(torch.float32)

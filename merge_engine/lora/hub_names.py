@@ -36,7 +36,7 @@ from merge_engine.lora.adapter_io import LoraModule
 from merge_engine.lora.fuse import CheckedCopy, finite_or_raise
 from merge_engine.lora.fused_experts import ExpertLora
 from merge_engine.lora.keys import LORA_A, LORA_B, PEFT_PREFIX, adapter_file_key, parse_key
-from merge_engine.plan.merge_plan import PlannedTensor
+from merge_engine.plan.merge_plan import PlannedTensor, TensorBuilder
 from merge_engine.formats.tensor_source import TensorMeta, TensorSource, iter_flat_range
 from merge_engine.plan.transformers_conversion import ComputedTensor, TensorView
 
@@ -76,13 +76,15 @@ class _LastFactor:
                 value = source.read(name)
                 finite_or_raise(value, name, source.url)
                 self._key, self._value = (id(source), name), value
+                return value
+            assert self._value is not None  # read with the key
             return self._value
 
     def __getstate__(self) -> dict:  # travels to a worker process empty
         return {}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__()
+        self.__init__()  # type: ignore[misc]  # arrives empty: the state of a fresh one
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,7 @@ class _Builder:
         self.sources: dict[str, str] = {}
 
     def add(self, module: str, rank: int, weight_shape: tuple[int, ...], embedding: bool,
-            a: tuple[tuple[int, ...], str, object], b: tuple[tuple[int, ...], str, object], *,
+            a: tuple[tuple[int, ...], str, TensorBuilder], b: tuple[tuple[int, ...], str, TensorBuilder], *,
             alpha: float | None, source: str) -> None:
         if module in self.ranks:
             raise AdapterError(f"two LoRA factors would be written as {module}")
@@ -258,37 +260,37 @@ def export_adapter(modules: Mapping[str, LoraModule], experts: Mapping[str, Expe
                     ((rows, lora.rank), lora.b, FactorRange(lora.b, first * lora.rank, rows * lora.rank)),
                     alpha=lora.alpha, source=lora.module)
     fused: dict[str, tuple[int, tuple[int, ...]]] = {}
-    for lora in experts.values():
-        views = pieces.get(lora.parameter)
-        wrapper = parse_key(lora.a, where).name
-        relaid = _relaid_whole(views, lora.parameter, lora.num_experts * lora.out_features * lora.in_features)
+    for moe in experts.values():
+        views = pieces.get(moe.parameter)
+        wrapper = parse_key(moe.a, where).name
+        relaid = _relaid_whole(views, moe.parameter, moe.num_experts * moe.out_features * moe.in_features)
         if not views or relaid:  # the base keeps the fused tensor: PEFT's own target_parameters form, as trained
             # (a base holding it transposed, the Hub's layout of Qwen3-VL-MoE, takes the same factors: PEFT
             # 0.17 reads (E, in, out), 0.21 the in-memory (E, out, in), both as delta[e] = B_e @ A_e)
-            fused[lora.parameter] = (lora.rank, relaid.shape if relaid else lora.weight_shape)
-            out.sources[lora.parameter] = wrapper
-            if lora.alpha is not None:
-                out.alphas[lora.parameter] = lora.alpha
-            for factor, key in ((LORA_A, lora.a), (LORA_B, lora.b)):
+            fused[moe.parameter] = (moe.rank, relaid.shape if relaid else moe.weight_shape)
+            out.sources[moe.parameter] = wrapper
+            if moe.alpha is not None:
+                out.alphas[moe.parameter] = moe.alpha
+            for factor, key in ((LORA_A, moe.a), (LORA_B, moe.b)):
                 out.tensors.append(PlannedTensor(adapter_file_key(parse_key(key, where).name, factor, False),
                                                  tuple(metas[key].shape), dtype or metas[key].dtype, key,
                                                  CheckedCopy(key)))
             continue
-        _check_covered(views, lora.num_experts * lora.out_features * lora.in_features, lora.parameter, where)
-        b_cache = ExpertColumns(lora.b, 0, 1, 0, 0).cache  # one fused B read for all its experts
+        _check_covered(views, moe.num_experts * moe.out_features * moe.in_features, moe.parameter, where)
+        b_cache = ExpertColumns(moe.b, 0, 1, 0, 0).cache  # one fused B read for all its experts
         for hub_name, view in sorted(views, key=lambda item: (item[1].offset, item[0])):
-            band = _row_band(view, lora.out_features, lora.in_features)
+            band = _row_band(view, moe.out_features, moe.in_features)
             if band is None:
-                raise AdapterError(f"{lora.parameter}: the Hub tensor {hub_name} is not whole rows of one expert; "
+                raise AdapterError(f"{moe.parameter}: the Hub tensor {hub_name} is not whole rows of one expert; "
                                    "pass --weights-format transformers", where)
             expert, first, rows = band
-            span = lora.rank * lora.in_features
+            span = moe.rank * moe.in_features
             renamed += 1
-            out.add(_module(hub_name), lora.rank, (rows, lora.in_features), False,
-                    ((lora.rank, lora.in_features), lora.a, FactorRange(lora.a, expert * span, span)),
-                    ((rows, lora.rank), lora.b,
-                     ExpertColumns(lora.b, expert, lora.num_experts, first, first + rows, b_cache)),
-                    alpha=lora.alpha, source=wrapper)
+            out.add(_module(hub_name), moe.rank, (rows, moe.in_features), False,
+                    ((moe.rank, moe.in_features), moe.a, FactorRange(moe.a, expert * span, span)),
+                    ((rows, moe.rank), moe.b,
+                     ExpertColumns(moe.b, expert, moe.num_experts, first, first + rows, b_cache)),
+                    alpha=moe.alpha, source=wrapper)
     copies: dict[str, str] = {}
     for name, key in sorted(trained_copies.items()):
         views = pieces.get(name)
@@ -300,7 +302,7 @@ def export_adapter(modules: Mapping[str, LoraModule], experts: Mapping[str, Expe
         copies[target] = key
         out.tensors.append(PlannedTensor(f"{PEFT_PREFIX}{target}", tuple(metas[key].shape), dtype or metas[key].dtype,
                                          key, CheckedCopy(key)))
-    notes = (f"adapter under the Hub names: {renamed} modules renamed or split "
+    notes: tuple[str, ...] = (f"adapter under the Hub names: {renamed} modules renamed or split "
              f"({len(experts) - len(fused)} fused expert tensors as per-expert modules)",) if renamed else ()
     if fused:
         notes += (f"{len(fused)} fused expert tensors kept in PEFT's target_parameters form",)

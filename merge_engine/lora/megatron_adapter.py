@@ -86,7 +86,7 @@ def megatron_loras(metas: Mapping[str, TensorMeta], table: FamilyTable, dims: Mo
             if len(a_shape) != 3 or len(b_shape) != 3 or a_shape[0] != b_shape[0]:
                 raise AdapterError(f"{module}: grouped-expert factors {a_shape} / {b_shape} need a common leading "
                                    "expert axis", where)
-            targets = [(f"{grouped.group('layer')}.mlp.experts.local_experts.{e}.{grouped.group('linear')}", e)
+            targets: list[tuple[str, int | None]] = [(f"{grouped.group('layer')}.mlp.experts.local_experts.{e}.{grouped.group('linear')}", e)
                        for e in range(a_shape[0])]
             a_shape, b_shape = a_shape[1:], b_shape[1:]
         else:

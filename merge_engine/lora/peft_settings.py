@@ -26,7 +26,7 @@ import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from merge_engine.errors import AdapterError, LoraRankMismatch
 from merge_engine.lora.fused_experts import wrapper_owner
@@ -104,7 +104,7 @@ def _peft_layers(config_json: str, lora_json: str) -> tuple[tuple[tuple[str, Mod
     config = peft.LoraConfig(**kwargs)
     with torch.device("meta"):
         wrapped = peft.get_peft_model(model, config, low_cpu_mem_usage=True)
-    resolved = wrapped.peft_config["default"]
+    resolved = cast(peft.LoraConfig, wrapped.peft_config["default"])  # the LoraConfig given, resolved on the model
     patterns = {"rank_pattern": dict(resolved.rank_pattern or {}), "alpha_pattern": dict(resolved.alpha_pattern or {}),
                 "target_parameters": _jsonable(getattr(resolved, "target_parameters", None) or [])}
     layers = []
@@ -114,6 +114,8 @@ def _peft_layers(config_json: str, lora_json: str) -> tuple[tuple[tuple[str, Mod
         if not isinstance(module, LoraLayer) or "default" not in getattr(module, "r", {}):
             continue
         stored = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
+        a: Any  # a parameter (torch types a submodule's attribute as Tensor | Module)
+        b: Any
         if "default" in module.lora_A:
             a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
         else:

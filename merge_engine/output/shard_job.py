@@ -155,7 +155,7 @@ def write_shard(plan: MergePlan, shard: ShardFile, source: TensorSource, folder_
             for chunk in prefetched:
                 if cancel is not None and cancel.is_set():
                     raise WriteCancelled(shard.filename)
-                data = memoryview(chunk.view(torch.uint8).numpy()) if chunk.numel() else memoryview(b"")
+                data = chunk.view(torch.uint8).numpy().data if chunk.numel() else memoryview(b"")
                 if len(data) > remaining:
                     raise CorruptShard(f"{shard.filename}: tensor data overran the planned size", source.url)
                 out.write(data)

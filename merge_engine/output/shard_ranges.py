@@ -39,13 +39,13 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from merge_engine import storage
 from merge_engine.errors import CorruptShard
-from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, ShardFile
+from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, RangedTensorBuilder, ShardFile
 from merge_engine.storage.written import FileRecord, WriteCancelled
 from merge_engine.output.shard_job import shard_header, write_shard
 from merge_engine.formats.tensor_source import TensorSource, iter_flat_range
@@ -287,6 +287,7 @@ class _RangeWriter:
         """Copy a flat uint8 tensor into the parts (torch's copy leaves the GIL)."""
         while data.numel():
             n = min(data.numel(), self._room())
+            assert self.bytes_view is not None  # a part was acquired by _room
             self.bytes_view[self.fill:self.fill + n].copy_(data[:n])
             self.fill += n
             data = data[n:]
@@ -299,6 +300,7 @@ class _RangeWriter:
         while values.numel():
             room = self._room()
             n = min(values.numel(), room // size)
+            assert self.bytes_view is not None  # a part was acquired by _room
             self.bytes_view[self.fill:self.fill + n * size].view(dtype).copy_(values[:n])
             self.fill += n * size
             values = values[n:]
@@ -324,8 +326,8 @@ class _RangeWriter:
         if first == 0 and last * size == tensor.nbytes:
             chunks = tensor.build.chunks(s.source, s.chunk_bytes) if tensor.build is not None else \
                 s.source.iter_chunks(tensor.source_name, s.chunk_bytes)
-        elif tensor.build is not None:
-            chunks = tensor.build.chunks_range(s.source, first, count, s.chunk_bytes)
+        elif tensor.build is not None:  # one with chunks_range: `_can_start_inside`
+            chunks = cast(RangedTensorBuilder, tensor.build).chunks_range(s.source, first, count, s.chunk_bytes)
         else:
             chunks = iter_flat_range(s.source, tensor.source_name, first, count, s.chunk_bytes)
         # aligned: the piece starts on an element and the buffers' place for it is on one too
@@ -402,7 +404,7 @@ def write_shard_ranges(plan: MergePlan, shard: ShardFile, source: TensorSource, 
             verify()
         if upload is not None:
             upload.commit()
-        else:
+        elif ordered is not None:
             ordered.close()
         committed = True
     finally:
@@ -412,7 +414,7 @@ def write_shard_ranges(plan: MergePlan, shard: ShardFile, source: TensorSource, 
             try:
                 if upload is not None:
                     upload.discard()
-                else:
+                elif ordered is not None:
                     ordered.abort()
             except Exception:  # noqa: BLE001 - the error that stopped the shard is the one reported
                 pass

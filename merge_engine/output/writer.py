@@ -48,7 +48,7 @@ def run_units(units: Sequence[WorkUnit], folder_url: str, *, workers: int | None
     workers = (os.cpu_count() or 1) if workers is None else max(1, workers)
     running = max(1, min(workers, len(units)))
     threads = workers // running
-    progress = _serialised(on_bytes) if workers > 1 else on_bytes
+    progress = _serialised(on_bytes) if workers > 1 and on_bytes is not None else on_bytes
     cancel = interrupts.cancel_event()
 
     def run(position: int) -> FileRecord:

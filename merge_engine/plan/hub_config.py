@@ -99,7 +99,7 @@ def _build(config: Mapping[str, Any]):
         return f"transformers {transformers.__version__} cannot build a {model_type!r} config: {exc}"[:300]
 
 
-def _fields(cls: type) -> set[str]:
+def _fields(cls: type[Any]) -> set[str]:
     if dataclasses.is_dataclass(cls):
         return {f.name for f in dataclasses.fields(cls)}
     return set(inspect.signature(cls.__init__).parameters)

@@ -164,8 +164,8 @@ class ComputedBuilder:
             numel = 1
             for size in base.shape:
                 numel *= size
-            flat = [c.reshape(-1) for c in _planned_range(base, source, 0, numel, max_bytes)]
-            tensors[base.name] = (torch.cat(flat) if flat else torch.empty(0, dtype=base.dtype)).reshape(base.shape)
+            pieces = [c.reshape(-1) for c in _planned_range(base, source, 0, numel, max_bytes)]
+            tensors[base.name] = (torch.cat(pieces) if pieces else torch.empty(0, dtype=base.dtype)).reshape(base.shape)
         value = compute_reverse(meta_model(json.loads(self.config_json)), self.computed, tensors, self.out_name)
         flat = value.reshape(-1)
         step = max(1, max_bytes // max(1, flat.element_size()))

@@ -24,8 +24,9 @@ from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE, DTYPES as DTYPE_N
 from merge_engine.formats.safetensors_file import CODES
 from merge_engine.formats.tensor_source import TensorSource
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPES", "INDEX_FILE", "SINGLE_FILE", "MergePlan", "PlannedTensor", "ShardFile",
-           "TensorBuilder", "assign_shards", "output_dtype", "parse_size", "stored_dtype_update", "torch_dtype"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPES", "INDEX_FILE", "SINGLE_FILE", "MergePlan", "PlannedTensor",
+           "RangedTensorBuilder", "ShardFile", "TensorBuilder", "assign_shards", "output_dtype", "parse_size",
+           "stored_dtype_update", "torch_dtype"]
 
 
 DTYPES: dict[Dtype, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -45,9 +46,18 @@ def output_dtype(stored: torch.dtype, requested: torch.dtype | None) -> torch.dt
 class TensorBuilder(Protocol):
     """Computes one output tensor from source tensors; yields flat chunks in row-major order."""
 
-    inputs: tuple[str, ...]
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The source tensors it reads."""
 
     def chunks(self, source: TensorSource, max_bytes: int) -> Iterator[torch.Tensor]: ...
+
+
+class RangedTensorBuilder(TensorBuilder, Protocol):
+    """A builder that can also start inside its output (a byte range of a file cut through the tensor)."""
+
+    def chunks_range(self, source: TensorSource, start: int, count: int, max_bytes: int) -> Iterator[torch.Tensor]:
+        ...
 
 
 @dataclass(frozen=True)

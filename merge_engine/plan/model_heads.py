@@ -44,7 +44,7 @@ def _module_weight_name(model: Any, module: Any) -> str | None:
 
 @functools.lru_cache(maxsize=8)
 def _head_names(config_json: str) -> ModelHeadNames | None:
-    from merge_engine.plan.transformers_conversion import meta_model, trace_reverse_conversion
+    from merge_engine.plan.transformers_conversion import TensorView, meta_model, trace_reverse_conversion
 
     config = json.loads(config_json)
     try:
@@ -58,12 +58,12 @@ def _head_names(config_json: str) -> ModelHeadNames | None:
         head = _module_weight_name(model, model.get_output_embeddings())
     except (AttributeError, NotImplementedError):
         head = None
-    shapes = {n: tuple(model.state_dict()[n].shape) for n in (embedding, head) if n in model.state_dict()}
+    shapes = {n: tuple(model.state_dict()[n].shape) for n in (embedding, head) if n is not None and n in model.state_dict()}
     try:
         views = trace_reverse_conversion(model, shapes) if shapes else {}
     except Exception:  # noqa: BLE001 - no Hub rename known: the in-memory names alone
         views = {}
-    hub = {view.source: name for name, view in views.items()}
+    hub = {view.source: name for name, view in views.items() if isinstance(view, TensorView)}
 
     def forms(name: str | None) -> tuple[str, ...]:
         return tuple(dict.fromkeys(n for n in (name, hub.get(name)) if n)) if name else ()

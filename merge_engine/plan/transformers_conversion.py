@@ -152,7 +152,7 @@ def conversion_known(config: Mapping[str, Any]) -> bool:
     keys = list(config.get("architectures") or [])
     scopes = [config] + [v for v in config.values() if isinstance(v, Mapping) and "model_type" in v]
     keys += [s.get("model_type") for s in scopes if s.get("model_type")]
-    nested = [s.get("model_type") for s in scopes[1:] if isinstance(s.get("model_type"), str)]
+    nested = [kind for s in scopes[1:] if isinstance(kind := s.get("model_type"), str)]
     if nested:  # a sub-model's own class may have a conversion (a VLM's SiglipVisionModel tower): its name too
         from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
@@ -207,16 +207,16 @@ def _str_keys(node: ast.AST | None) -> set[str] | None:
     if not isinstance(node, ast.Dict) or not all(isinstance(k, ast.Constant) and isinstance(k.value, str)
                                                  for k in node.keys):
         return None
-    return {k.value for k in node.keys}
+    return {k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
 
 
 def _table_keys(module: ast.Module) -> frozenset[str] | None:
     aliases = build = None
-    for node in module.body:
-        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == [_ALIASES]:
-            aliases = _str_keys(node.value)
-        elif isinstance(node, ast.FunctionDef) and node.name == _TABLE_FUNCTION:
-            build = node
+    for statement in module.body:
+        if isinstance(statement, ast.Assign) and [ast.unparse(t) for t in statement.targets] == [_ALIASES]:
+            aliases = _str_keys(statement.value)
+        elif isinstance(statement, ast.FunctionDef) and statement.name == _TABLE_FUNCTION:
+            build = statement
     if aliases is None or build is None or not build.body:
         return None
     first = build.body[0]
@@ -288,7 +288,8 @@ def _hub_transpose_class():
         the transposed one; when both shapes are the same, transformers 5's layout by the config's
         ``transformers_version`` (`UnsupportedLayout` when it names none)."""
 
-        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        def convert(self, input_dict: dict[str, Any], source_patterns: list[str],  # type: ignore[override]
+                    target_patterns: list[str], **kwargs: Any) -> dict[str, Any]:  # transformers' own names
             target = self.get_target_pattern(input_dict, source_patterns, target_patterns)
             tensor = next(iter(input_dict.values()))
             tensor = tensor[0] if isinstance(tensor, list) else tensor
@@ -392,7 +393,7 @@ def apply_converters(name: str, converters) -> tuple[str, str | None]:
 
 
 def trace_reverse_conversion(model, shapes: Mapping[str, tuple[int, ...]], conversions=None,
-                             computed: bool = False) -> dict[str, TensorView]:
+                             computed: bool = False) -> dict[str, TensorView | ComputedTensor]:
     """Run transformers' save-time conversion of ``model`` on meta tensors of ``shapes`` and return,
     for every output name, the view of the source tensor it is. An output that is not a view of a single
     source (its values have to be computed): a `ComputedTensor` with ``computed=True``, else `UnsupportedLayout`."""
@@ -417,7 +418,7 @@ def trace_reverse_conversion(model, shapes: Mapping[str, tuple[int, ...]], conve
             pattern = name
         group.add_tensor(renamed, name, pattern, bases[name])
         members.setdefault(renamed, []).append((name, pattern))
-    views: dict[str, TensorView] = {}
+    views: dict[str, TensorView | ComputedTensor] = {}
     for first, group in groups.items():
         for out_name, value in group.convert(first, model=model, config=model.config).items():
             value = value[0] if isinstance(value, list) else value

@@ -37,10 +37,16 @@ MODES = ("full", "quick")
 
 
 class RecordedFile(Protocol):
-    path: str
-    size: int
-    sha256: str
-    version: str
+    """A file as a record lists it (read-only: frozen records qualify)."""
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def sha256(self) -> str: ...
+    @property
+    def version(self) -> str: ...
 
 
 def _change_time(url: str, path: str, remote: bool) -> int:
@@ -108,8 +114,9 @@ def file_damage(url: str, files: Iterable[RecordedFile], listing: Mapping[str, s
             problems.append(f"{f.path}: sha256 differs from the manifest")
         hashed += f.size
     known = {f.path for f in files}
+    skipped = ignored if ignored is not None else frozenset()
     for path in sorted(listing) if ignored is not None else ():
-        if path not in known and path not in ignored and path.split("/")[0] not in ignored:
+        if path not in known and path not in skipped and path.split("/")[0] not in skipped:
             problems.append(f"{path}: not in the manifest")
     method = " + ".join(sorted(methods, reverse=True)) or "sizes"
     with _MEMO_LOCK:

@@ -190,7 +190,7 @@ def push_folder(folder: str, repo_id: str, *, revision: str | None = None, priva
         if branch not in branches:
             api.create_branch(repo_id, branch=branch, exist_ok=True)
         with _local_folder(folder, files) as local:
-            head = api.repo_info(repo_id, revision=branch).sha
+            head = api.repo_info(repo_id, revision=branch).sha or branch  # no sha given: the branch's head
             committed = bool(_verify(api, repo_id, head, local, files))
             if committed:
                 held = set(api.list_repo_files(repo_id, revision=branch)) - {".gitattributes"}

@@ -222,7 +222,7 @@ def published_releases(release_root: str) -> dict[tuple[str, int], str]:
     for entry in storage.list_files(release_root):
         match = _RELEASE_MARKER.match(entry.path)
         step = STEPS.step_of(match["folder"]) if match else None
-        if step is None:
+        if match is None or step is None:
             continue
         url = storage.join(release_root, match["name"], STEPS.folder(step))
         if is_released(url):

@@ -97,12 +97,12 @@ def verify_folder(url: str, mode: str = "full") -> VerifyReport:
     sha256s = sha256s if isinstance(sha256s, dict) else {}
     unrecorded = sorted(name for name in sizes if not isinstance(sha256s.get(name), str))
     if unrecorded or not all(isinstance(size, int) and not isinstance(size, bool) for size in sizes.values()):
-        problems = [f"{name}: missing" for name in sorted(sizes) if name not in listing]
-        problems += [f"{name}: {listing[name].size} bytes, {PROVENANCE_FILE} says {size}"
-                     for name, size in sorted(sizes.items()) if name in listing and listing[name].size != size]
+        mismatches = [f"{name}: missing" for name in sorted(sizes) if name not in listing]
+        mismatches += [f"{name}: {listing[name].size} bytes, {PROVENANCE_FILE} says {size}"
+                       for name, size in sorted(sizes.items()) if name in listing and listing[name].size != size]
         why = (f"{PROVENANCE_FILE} records no sha256 for {len(unrecorded)} of its {len(sizes)} files "
                f"({', '.join(unrecorded[:3])}{', ...' if len(unrecorded) > 3 else ''}): sizes alone do not prove the bytes")
-        return VerifyReport(url, "merged folder", "none", len(sizes), 0, tuple(problems),
+        return VerifyReport(url, "merged folder", "none", len(sizes), 0, tuple(mismatches),
                             seconds=time.perf_counter() - started, unverifiable=why)
     files = [_Recorded(name, size, sha256s[name]) for name, size in sorted(sizes.items())]
     problems, hashed, method = file_damage(url, files, listing, mode, ignored=(PROVENANCE_FILE,))

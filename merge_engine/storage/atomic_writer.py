@@ -4,7 +4,7 @@ the same promise for a file written in numbered parts, in any order, where the s
 from __future__ import annotations
 
 import io
-from typing import IO, Any
+from typing import TYPE_CHECKING, Any
 
 from merge_engine.storage.backend import PartsUpload
 from merge_engine.storage.schemes import backend_for
@@ -16,6 +16,13 @@ class CommitOnExit:
 
     def __enter__(self):
         return self
+
+    if TYPE_CHECKING:  # each writer defines both (declared here for the type checker, never in the MRO)
+        def close(self) -> None:
+            """Commit what was written (all or nothing)."""
+
+        def abort(self) -> None:
+            """Throw what was written away."""
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if exc_type is None:
@@ -89,13 +96,13 @@ class AtomicWriter(CommitOnExit, io.RawIOBase):
             pass
 
 
-def open_write(url: str, block_size: int | None = None, size_hint: int | None = None) -> IO[bytes]:
+def open_write(url: str, block_size: int | None = None, size_hint: int | None = None) -> AtomicWriter:
     """A streaming binary writer (`AtomicWriter`); parent folders are created for local paths.
 
     ``block_size`` is the remote part size (S3 parts must be >= 5 MiB; default 50 MiB on S3);
     ``size_hint``, the final size when known, preallocates a local file.
     """
-    return AtomicWriter(url, block_size=block_size, size_hint=size_hint)  # type: ignore[return-value]
+    return AtomicWriter(url, block_size=block_size, size_hint=size_hint)
 
 
 def open_parts(url: str, size: int, part_bytes: int) -> PartsUpload | None:

@@ -54,7 +54,7 @@ class HashingWriter(CommitOnExit):
 
     def _stop_hashing(self) -> None:
         """Wait until every buffer handed over is hashed, then stop the thread (idempotent)."""
-        if self._thread is not None and self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive() and self._queue is not None:
             self._queue.put(self._DONE)  # the thread never stops early: the put always completes
             self._thread.join()
 

@@ -53,7 +53,7 @@ def json_depth(data: bytes) -> int:
     position, size = 0, len(data)
     while position < size:
         window = min(size, position + _WINDOW)
-        end = _TEXT_AND_STRINGS.match(data, position, window).end()  # after the last whole string in the window
+        end = _TEXT_AND_STRINGS.match(data, position, window).end()  # type: ignore[union-attr]  # the pattern matches the empty string  # after the last whole string in the window
         if end > position:
             text, after = _STRING.sub(b"", data[position:end]), end
         else:  # no whole string in the window: the text up to a quote (or the window's end), then one long string
@@ -119,7 +119,10 @@ def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()
-        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
     return out
 
 

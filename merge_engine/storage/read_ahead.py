@@ -124,7 +124,7 @@ class ReadAhead:
     `body.Body`); ``fetch_again(start, end)`` reads a range at once, with retries, raising the storage layer's errors."""
 
     def __init__(self, size: int, fetch: Callable[[int, int], Future],
-                 fetch_again: Callable[[int, int], bytes]) -> None:
+                 fetch_again: Callable[[int, int], bytes | Body]) -> None:
         self.size = size
         self._fetch = fetch
         self._fetch_again = fetch_again

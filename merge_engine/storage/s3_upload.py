@@ -79,6 +79,7 @@ class S3PartsUpload:
             self._pool = ThreadPoolExecutor(self._in_flight, thread_name_prefix="stepmerge-upload")
         self._slots.acquire()  # at most UPLOAD_PARTS_IN_FLIGHT parts held
         number = len(self._sent) + 1
+        assert self._pool is not None  # started with the upload
         try:
             future = self._pool.submit(self._put_part, number, body)
         except BaseException:
@@ -93,8 +94,8 @@ class S3PartsUpload:
 
     def _raise_failed(self) -> None:
         for future in self._sent:
-            if future.done() and future.exception() is not None:
-                raise future.exception()
+            if future.done() and (failure := future.exception()) is not None:
+                raise failure
 
     def commit(self) -> None:
         if self._upload_id is None:  # smaller than a part: one PUT

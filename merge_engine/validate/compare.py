@@ -72,7 +72,7 @@ def _compare_values(ours: Iterator[Any], theirs: Iterator[Any], floating: bool,
         else:
             close = m_chunk == r_chunk
         if not bool(close.all()):
-            bad = (~close).nonzero()[0].item()
+            bad = int((~close).nonzero()[0].item())
             count = int((~close).sum())
             return max_diff, (f"element {done + bad}: {m_chunk[bad].item()!r} vs reference {r_chunk[bad].item()!r}"
                               f" ({count} elements of this chunk outside atol={atol}, rtol={rtol})")

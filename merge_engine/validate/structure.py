@@ -74,7 +74,8 @@ def _in_hub_layout(model: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, 
     tensor transformers transposes on load only when its shape asks: Qwen3-VL-MoE's fused experts),
     as stepmerge writes them (`merge_engine.plan.transformers_conversion`)."""
     from merge_engine.errors import UnsupportedLayout
-    from merge_engine.plan.transformers_conversion import has_conversion_mapping, trace_reverse_conversion
+    from merge_engine.plan.transformers_conversion import (TensorView, has_conversion_mapping,
+                                                            trace_reverse_conversion)
 
     if not has_conversion_mapping():
         return shapes  # transformers 4.x: the model holds the Hub's names and layout
@@ -83,7 +84,7 @@ def _in_hub_layout(model: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, 
         views = trace_reverse_conversion(model, memory)
     except UnsupportedLayout:  # a layout stepmerge refuses to write as the Hub's: transformers' shapes
         return shapes
-    return {key: views[key].shape if key in views and not views[key].is_contiguous() else shape
+    return {key: view.shape if isinstance(view := views.get(key), TensorView) and not view.is_contiguous() else shape
             for key, shape in shapes.items()}
 
 

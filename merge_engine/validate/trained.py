@@ -340,7 +340,7 @@ def localise(checkpoint: Checkpoint, fused_path: str, *, lora_alpha: float | Non
     source = open_checkpoint(checkpoint)
     try:
         key = split_checkpoint(source.metas(), checkpoint.url).base.get(worst)
-        if key is not None:
+        if key is not None and ours is not None and trained is not None:  # set with worst
             base = source.read(key).float()
             delta = trained - base
             if float(delta.pow(2).sum()) > 0:

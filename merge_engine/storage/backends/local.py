@@ -151,7 +151,7 @@ class LocalUpload:
         self._tmp = temp_name(target)
         large = size_hint is not None and size_hint >= tuning.DIRECT_IO_MIN_BYTES
         self._file: Any = DirectFile(self._tmp) if large else open(self._tmp, "wb")
-        if large and hasattr(os, "posix_fallocate"):
+        if large and size_hint is not None and hasattr(os, "posix_fallocate"):
             try:  # reserve the blocks up front: no mid-write ENOSPC, less fragmentation
                 os.posix_fallocate(self._file.fileno(), 0, size_hint)
             except OSError as exc:
@@ -229,7 +229,7 @@ class LocalRangedFile:
     def __init__(self, url: str, size: int | None = None, version: str | None = None) -> None:
         self.url = url
         try:
-            self._fd: int | None = os.open(local_path(url), os.O_RDONLY)
+            self._fd = os.open(local_path(url), os.O_RDONLY)
         except FileNotFoundError as exc:
             raise IncompleteCheckpoint("file is missing", url) from exc
         stat = os.fstat(self._fd)
@@ -271,9 +271,9 @@ class LocalRangedFile:
             pass
 
     def close(self) -> None:
-        if self._fd is not None:
+        if self._fd >= 0:
             os.close(self._fd)
-            self._fd = None
+            self._fd = -1  # closed
 
 
 BACKEND = LocalBackend()

@@ -124,7 +124,7 @@ class S3Backend(FsspecBackend):
     def path_in(self, fs: Any, url: str, rest: str) -> str:
         return rest
 
-    async def read_range(self, fs: Any, path: str, start: int, end: int, version: str | None, url: str) -> Body:
+    async def read_range(self, fs: Any, path: str, start: int, end: int, version: str | None, url: str) -> bytes | Body:
         if end <= start:
             return b""
         bucket, key, version_id = fs.split_path(path)
@@ -168,7 +168,7 @@ async def _read_body(body: Any) -> Body:
     """A GET's body in the pieces aiohttp received (`body.Body`: never joined, the reader copies it once),
     with aiobotocore's own translation of a stall or a dropped connection (botocore's `ReadTimeoutError`,
     `ResponseStreamingError`: transient). Another HTTP client's body is read whole."""
-    content = getattr(getattr(body, "raw_stream", None), "content", None)
+    content: Any = getattr(getattr(body, "raw_stream", None), "content", None)
     if not hasattr(content, "readchunk"):
         return Body([await body.read()])
     import asyncio
@@ -177,7 +177,7 @@ async def _read_body(body: Any) -> Body:
     from aiobotocore.response import AioReadTimeoutError
     from botocore.exceptions import ResponseStreamingError
 
-    pieces = []
+    pieces: list[bytes] = []
     try:
         while True:
             piece, _ = await content.readchunk()  # one piece as received (readany/read join what is buffered)

@@ -1,0 +1,53 @@
+"""The type checker `make test` runs (mypy, ``[tool.mypy]`` in pyproject.toml) fails on a wrong option field and on a
+wrong type given to a flow parameter: a module using the real records is checked clean, then with both planted.
+
+It runs on the repository's mypy cache (``make test`` fills it just before pytest): seconds, not the minute of a
+cold run.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+CLEAN = '''\
+from flows.merge_step import merge_step
+from merge_engine.output.jobs import OutputOptions
+
+
+def dtype_of(options: OutputOptions) -> str | None:
+    return options.dtype
+
+
+def run() -> None:
+    merge_step(step=3, run_root="/runs/a")
+'''
+
+
+def mypy(module: pathlib.Path) -> subprocess.CompletedProcess[str]:
+    """mypy with the project's configuration on ``module`` alone (the project's modules it imports come from
+    the cache when they are unchanged)."""
+    return subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
+         "--cache-dir", str(ROOT / ".mypy_cache"), str(module)],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "MYPYPATH": str(ROOT)}, timeout=900)
+
+
+def test_planted_type_errors_fail_the_check(tmp_path):
+    module = tmp_path / "uses_the_records.py"
+    module.write_text(CLEAN)
+    clean = mypy(module)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    module.write_text(CLEAN.replace("options.dtype", "options.dtyp").replace('run_root="/runs/a"', "run_root=7"))
+    planted = mypy(module)
+    assert planted.returncode == 1, planted.stdout + planted.stderr
+    errors = [line for line in planted.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 2, planted.stdout
+    assert '"OutputOptions" has no attribute "dtyp"' in errors[0] and "[attr-defined]" in errors[0]
+    # Prefect's Flow.__call__ is overloaded (return_state=True): the call matches none, whose signature is the def's
+    assert 'No overload variant of "__call__" of "Flow" matches argument types "int", "int"' in errors[1]
+    assert "def __call__(self, step: int, run_root: str," in planted.stdout
