@@ -5,6 +5,9 @@ written order, bottom to top: a module imports only from its own wing and the wi
 one above, and no imports form a cycle (``tests/test_layers.py`` reads `WINGS` and checks every import).
 A record two wings need lives in the lower one; a dispatcher lives above what it dispatches to. The
 README's layout section maps the modules of each wing.
+
+The package exports the Python API (`merge_engine.api`, docs/python.md): `merge`, `extract_lora`, `merge_lora`,
+`check`, `verify`, `publish`. Importing it imports no torch: each function imports what it runs.
 """
 
 __version__ = "0.1.0"
@@ -26,6 +29,7 @@ WINGS = (
     "merge_engine.validate",        # structure, compare, forward, the trained model
     "merge_engine.release",         # release state, publish, verify, checksums
     "merge_engine.commands",        # the jobs: merge, extract, combine, split, reference_check
+    "merge_engine.api",             # the Python API the package exports (thin calls into commands and release)
     "merge_engine.cli",             # `python -m merge_engine ...`
     "merge_engine.__main__",
     "tasks",                        # Prefect tasks (above the engine)
@@ -33,7 +37,8 @@ WINGS = (
     "deployments",                  # what runs them
 )
 """The wings of the house, bottom to top (see the module docstring). The package itself (this module) is
-below them all and imports none of them."""
+below them all and imports none of them but the API it exports (`merge_engine.api`, whose functions import
+the wings they call when they run)."""
 
 OUTPUT_REVISION = 2
 """The revision of the bytes the engine writes, bumped whenever the output for the same input and options
@@ -47,3 +52,9 @@ def engine_identity() -> dict[str, object]:
     """What of the engine decides the bytes it writes: its version and `OUTPUT_REVISION` (read at call
     time), for fingerprints and cache keys."""
     return {"engine": __version__, "output_revision": OUTPUT_REVISION}
+
+
+from merge_engine.api import check, extract_lora, merge, merge_lora, publish, verify  # noqa: E402 - after __version__
+
+__all__ = ["OUTPUT_REVISION", "WINGS", "__version__", "check", "engine_identity", "extract_lora", "merge", "merge_lora",
+           "publish", "verify"]
