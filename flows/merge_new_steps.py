@@ -49,6 +49,7 @@ from flows.params import (
     AS_STORED, DEFAULT_ROLES, Alpha, BaseModelId, BaseModelUrl, Dtype, HfModelPath, IncludeBase, MaxShardSize, MaxSteps,
     MergeDeployment, Overwrite, RayCluster, ReferenceUrl, ReleaseAdapter, ReleaseRoot, Roles, RunRoot, StagingRoot,
     ValidateForward, WatchParams, WeightsFormat, Workers,
+    DEFAULT_HUB_REVISION, HubMovingRef, HubPrivate, HubRepo, HubRevision, HubTokenSecret,
 )
 from flows.run_labels import label_flow_run, run_tags, watch_run_name
 from flows.step_keys import step_key
@@ -173,7 +174,9 @@ def merge_new_steps(run_root: RunRoot, release_root: ReleaseRoot = "", roles: Ro
                     validate_forward: ValidateForward = True, reference_url: ReferenceUrl = "",
                     release_adapter: ReleaseAdapter = True, include_base: IncludeBase = True, lora_alpha: Alpha = 0,
                     base_model: BaseModelUrl = "", base_model_id: BaseModelId = "", overwrite: Overwrite = False,
-                    staging_root: StagingRoot = "", workers: Workers = 0, ray_address: RayCluster = "") -> WatchOutcome:
+                    staging_root: StagingRoot = "", workers: Workers = 0, ray_address: RayCluster = "", hub_repo: HubRepo = "",
+               hub_revision: HubRevision = DEFAULT_HUB_REVISION, hub_moving_ref: HubMovingRef = "",
+               hub_private: HubPrivate = False, hub_token_secret: HubTokenSecret = "") -> WatchOutcome:
     """Merge every complete, unpublished step of ``run_root`` (see the module docstring; each parameter's text: its
     type in `flows.params`)."""
     params = WatchParams(**locals())

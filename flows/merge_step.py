@@ -40,6 +40,7 @@ from flows.params import (
     AS_STORED, Alpha, BaseModelId, BaseModelUrl, Dtype, HfModelPath, IncludeBase, MaxShardSize, MergeStepParams,
     Overwrite, RayCluster, ReferenceUrl, ReleaseAdapter, ReleaseRoot, Role, RunRoot, StagingRoot, Step,
     ValidateForward, WeightsFormat, Workers,
+    DEFAULT_HUB_REVISION, HubMovingRef, HubPrivate, HubRepo, HubRevision, HubTokenSecret,
 )
 from flows.run_labels import ended, label_flow_run, step_label, step_run_name
 from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_checked, release_output
@@ -101,7 +102,9 @@ def merge_step(step: Step, run_root: RunRoot, role: Role = "actor", release_root
                validate_forward: ValidateForward = True, reference_url: ReferenceUrl = "",
                release_adapter: ReleaseAdapter = True, include_base: IncludeBase = True, lora_alpha: Alpha = 0,
                base_model: BaseModelUrl = "", base_model_id: BaseModelId = "", overwrite: Overwrite = False,
-               staging_root: StagingRoot = "", workers: Workers = 0, ray_address: RayCluster = "") -> StepOutcome:
+               staging_root: StagingRoot = "", workers: Workers = 0, ray_address: RayCluster = "", hub_repo: HubRepo = "",
+               hub_revision: HubRevision = DEFAULT_HUB_REVISION, hub_moving_ref: HubMovingRef = "",
+               hub_private: HubPrivate = False, hub_token_secret: HubTokenSecret = "") -> StepOutcome:
     """Merge, validate and publish one step of a training run (see the module docstring; each parameter's text:
     its type in `flows.params`)."""
     params = MergeStepParams(**locals())

@@ -227,6 +227,52 @@ Workers = Annotated[Count, FormText(
 RayCluster = Annotated[RayAddress, FormText(
     "Run the shard jobs as task runs on this Ray cluster (auto, host:port, ray://host:port); empty: the worker's "
     "$STEPMERGE_RAY_ADDRESS, else the task's own process")]
+HUB_REPO_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
+HUB_REF_PATTERN = r"^[A-Za-z0-9._/-]+$"
+HUB_TEMPLATE_PATTERN = r"^([A-Za-z0-9._/-]|\{step(:[^{}]*)?\}|\{role\})+$"
+HUB_TEMPLATE_WORDS = ("a branch name with the placeholders {step} and {role} only, e.g. step-{step} or "
+                      "{role}/iter_{step:07d}")
+
+
+def _hub_template(value: str) -> str:
+    from merge_engine.release.hub_refs import template_problem
+
+    problem = template_problem(value)
+    if problem:
+        raise ValueError(f"must be {HUB_TEMPLATE_WORDS}; got '{one_line(value)}': {problem}")
+    return value
+
+
+def _hub_ref(value: Optional[str]) -> Optional[str]:
+    from merge_engine.release.hub_refs import ref_problem
+
+    problem = ref_problem(value) if value else None
+    if problem:
+        raise ValueError(f"must be a branch name such as latest; got '{one_line(value)}': {problem}")
+    return value
+
+
+HubRepoId = Annotated[
+    Optional[Annotated[str, Field(max_length=200), _matching(HUB_REPO_PATTERN, "a Hub repo id namespace/name")]],
+    read_blank(""), write_blank(""),
+    WithJsonSchema(refused_in_words(HUB_REPO_PATTERN, "empty, or a Hub repo id namespace/name", blank="",
+                                    max_length=200))]
+HubTemplate = Annotated[str, Field(max_length=200), AfterValidator(_hub_template),
+                        WithJsonSchema(refused_in_words(HUB_TEMPLATE_PATTERN, HUB_TEMPLATE_WORDS, max_length=200))]
+HubRefName = Annotated[Optional[Annotated[str, Field(max_length=200)]], read_blank(""), write_blank(""),
+                       WithJsonSchema(refused_in_words(HUB_REF_PATTERN, "empty, or a branch name such as latest",
+                                                       blank="", max_length=200)),
+                       AfterValidator(_hub_ref)]
+HubRepo = Annotated[HubRepoId, FormText(
+    "Push each release to this Hugging Face Hub repo (namespace/name), one revision per step; empty: no push")]
+HubRevision = Annotated[HubTemplate, FormText(
+    "The Hub revision (a branch) of a step: {step} and {role} are filled in; an adapter's ends in -adapter")]
+HubMovingRef = Annotated[HubRefName, FormText(
+    "A branch moved to each new push's commit, e.g. latest; empty: none")]
+HubPrivate = Annotated[bool, FormText("Create the Hub repo, private, when it does not exist (never a public one)")]
+HubTokenSecret = Annotated[OptionalText, FormText(
+    "The Prefect Secret block holding the Hub token; empty: HF_TOKEN in the worker's environment")]
+DEFAULT_HUB_REVISION = "step-{step}"
 DEFAULT_ROLES = ("actor", "")
 
 
@@ -289,6 +335,11 @@ class MergeStepParams(RunLocation):
     staging_root: StagingRoot = ""
     workers: Workers = 0
     ray_address: RayCluster = ""
+    hub_repo: HubRepo = ""
+    hub_revision: HubRevision = DEFAULT_HUB_REVISION
+    hub_moving_ref: HubMovingRef = ""
+    hub_private: HubPrivate = False
+    hub_token_secret: HubTokenSecret = ""
 
     @property
     def key(self) -> str:
@@ -318,6 +369,11 @@ class WatchParams(RunLocation):
     staging_root: StagingRoot = ""
     workers: Workers = 0
     ray_address: RayCluster = ""
+    hub_repo: HubRepo = ""
+    hub_revision: HubRevision = DEFAULT_HUB_REVISION
+    hub_moving_ref: HubMovingRef = ""
+    hub_private: HubPrivate = False
+    hub_token_secret: HubTokenSecret = ""
 
     def step_params(self, step: Any) -> MergeStepParams:
         """The parameters of the merge of ``step`` (a `tasks.records.StepRecord`): this watcher's options."""
@@ -344,3 +400,8 @@ class AdapterParams(RunLocation):
     staging_root: StagingRoot = ""
     workers: Workers = 0
     ray_address: RayCluster = ""
+    hub_repo: HubRepo = ""
+    hub_revision: HubRevision = DEFAULT_HUB_REVISION
+    hub_moving_ref: HubMovingRef = ""
+    hub_private: HubPrivate = False
+    hub_token_secret: HubTokenSecret = ""

@@ -31,6 +31,7 @@ from flows.hub_stage import hub_target, push_releases, raise_failed_push
 from flows.params import (
     AS_STORED, AdapterParams, Alpha, BaseModelId, BaseModelUrl, CompareWithModelRelease, Dtype, IncludeBase,
     Overwrite, RayCluster, ReleaseRoot, Role, RunRoot, StagingRoot, Step, ValidateForward, Workers,
+    DEFAULT_HUB_REVISION, HubMovingRef, HubPrivate, HubRepo, HubRevision, HubTokenSecret,
 )
 from flows.run_labels import adapter_run_name, ended, label_flow_run, step_label
 from flows.stages import StageTimer, StepOutcome, checked_lora, ready_checkpoint, release_output
@@ -57,7 +58,9 @@ def release_adapter(step: Step, run_root: RunRoot, role: Role = "actor", release
                     include_base: IncludeBase = True, dtype: Dtype = AS_STORED, validate_forward: ValidateForward = True,
                     compare_with_model_release: CompareWithModelRelease = True, lora_alpha: Alpha = 0,
                     base_model: BaseModelUrl = "", base_model_id: BaseModelId = "", overwrite: Overwrite = False,
-                    staging_root: StagingRoot = "", workers: Workers = 0, ray_address: RayCluster = "") -> StepOutcome:
+                    staging_root: StagingRoot = "", workers: Workers = 0, ray_address: RayCluster = "", hub_repo: HubRepo = "",
+               hub_revision: HubRevision = DEFAULT_HUB_REVISION, hub_moving_ref: HubMovingRef = "",
+               hub_private: HubPrivate = False, hub_token_secret: HubTokenSecret = "") -> StepOutcome:
     """Extract, validate and publish the LoRA adapter of one step (see the module docstring; each parameter's text:
     its type in `flows.params`)."""
     params = AdapterParams(**locals())
