@@ -224,7 +224,7 @@ class UnsupportedScheme(InvalidOption, ValueError):
 class UnguardedResultStorage(InvalidOption):
     """The result storage Prefect would cache the stage tasks' results in (``STEPMERGE_RESULT_STORAGE``, or
     ``PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK``) is a block of a type stepmerge cannot make read only its own
-    JSON records (`tasks.results`): a record planted there could name a pickle. Raised when a flow run starts,
+    JSON records: a record planted there could name a pickle. Raised when a flow run starts,
     before any task runs; ``path``: the block's slug."""
 
 

@@ -11,7 +11,7 @@ handle holds its zip directory and opens its reader pinned to the size and versi
 naming it at its first read, never bytes of another version.
 
 The index is never a pickle: no name read from it is imported, looked up or called. It is never kept in
-Prefect's result store (a forged one could give a name another tensor's bytes: `tasks.result_records`); still,
+Prefect's result store (a forged one could give a name another tensor's bytes); still,
 `restore` trusts nothing in its bytes. It refuses with `UnsafeRecord`
 (naming the checkpoint) an index that
 - inflates past `MAX_INDEX_BYTES`, nests past the JSON bound or holds more than `MAX_ITEMS` tensors, files

@@ -100,7 +100,7 @@ class ReleaseState:
                            f"replace the release with the new checkpoint's {what}", self.url)
 
 
-    # -- what the pipeline's stages ask (the state is read once per flow run and chain: `flows.stages`)
+    # -- what the pipeline's stages ask (the state is read once per flow run and chain)
 
     def released_output(self, kind: str, source_url: str, fingerprint: str, *, overwrite: bool = False,
                         checkpoint_fingerprint: Optional[str] = None,

@@ -2,7 +2,7 @@
 
 It is the one list every URL check asks: the engine (`backend_for`, which raises
 `UnsupportedScheme` naming the schemes served), the CLI through the engine, flow parameters
-(`flows.url_checks`), Prefect result storage (`tasks.results`) and the webhook
+(the flows' URL check), Prefect result storage and the webhook
 (`deployments.webhook`). The backends are the modules of `merge_engine.storage.backends`, each
 defining ``BACKEND``; they are found by listing that package, so a new store is one new file.
 Importing this module imports no storage client.
@@ -64,7 +64,7 @@ def backend_for(url: str) -> Backend:
 def url_schemes(shared_only: bool = True) -> tuple[str, ...]:
     """Every scheme spelling accepted in URLs; ``shared_only``: only stores another process can reach.
 
-    What a URL from a user, a form or a flow parameter may use (`flows.url_checks.checked_url`).
+    What a URL from a user, a form or a flow parameter may use.
     """
     return tuple(scheme for scheme, backend in _registry().items() if backend.shared or not shared_only)
 
