@@ -19,22 +19,25 @@ def run_log(state) -> list[str]:
     return [log.message for log in logs]
 
 
-def latest_merge_step_run():
-    """The newest merge-step flow run on the server (a test's own: the suite's tests run one at a time)."""
+def as_a_worker_runs(parameters: dict):
+    """Run merge_step as Prefect's engine does in a worker's process: a flow run made first, then run with the
+    run's logger as the engine's error logger (which logs an exception the run raises on). Returns its state."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-    from prefect.client.schemas.sorting import FlowRunSort
+    from prefect.flow_engine import run_flow
+    from prefect.logging.loggers import flow_run_logger
 
     with get_client(sync_client=True) as client:
-        (run,) = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["merge-step"])),
-                                       sort=FlowRunSort.START_TIME_DESC, limit=1)
-    return run.state
+        flow_run = client.create_flow_run(merge_step, parameters=parameters)
+    with pytest.raises(Exception) as raised:
+        run_flow(merge_step, flow_run=flow_run, parameters=parameters, error_logger=flow_run_logger(flow_run=flow_run))
+    with get_client(sync_client=True) as client:
+        return raised.value, client.read_flow_run(flow_run.id).state
 
 
 @pytest.mark.parametrize("case", ["step_not_found", "not_ready", "raised"])
 def test_an_expected_error_is_one_line_in_the_run_log(prefect, template_run, tmp_path, case):
-    """``raised``: called without return_state, as a worker runs it, the engine raises the error on and logs
-    "Engine execution exited with unexpected exception" unless it is dropped."""
+    """``raised``: run as a worker runs it, the engine raises the error on and logs "Engine execution exited with
+    unexpected exception" unless it is dropped."""
     from merge_engine.errors import StepNotFound
 
     run_root = str(tmp_path / "run")
@@ -43,9 +46,9 @@ def test_an_expected_error_is_one_line_in_the_run_log(prefect, template_run, tmp
         state, error = merge_step(run_root=run_root, step=40, return_state=True), "StepNotFound"
     elif case == "raised":
         copy_steps(template_run, run_root, [1])
-        with pytest.raises(StepNotFound):
-            merge_step(run_root=run_root, step=40)
-        state, error = latest_merge_step_run(), "StepNotFound"
+        exc, state = as_a_worker_runs({"run_root": run_root, "step": 40})
+        assert isinstance(exc, StepNotFound), exc
+        error = "StepNotFound"
     else:  # step 1 still being written, and no watcher deployed to come back for it
         copy_steps(template_run, run_root, [1], omit=[rank_file(1, 1)])
         state, error = merge_step(run_root=run_root, step=1, return_state=True), "IncompleteCheckpoint"
