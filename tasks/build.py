@@ -24,8 +24,8 @@ the checked checkpoint and its settings.
   is written again (`merge_engine.release.staging`).
 - ``state``: the release's state as the flow read it at the chain's start (`flows.stages`): the build asks it
   instead of reading the release again (None: read here, once). ``folders``: the listings of the input
-  folders the chain's cache key took (`tasks.cache.handed_folders`): the job reads by them, so the release's
-  fingerprint and its cache key are of the same files (None: the job lists them itself).
+  folders the chain's cache key took (the chain task's ``folders``, `tasks.cache`): the job reads by them, so the
+  release's fingerprint and its cache key are of the same files (None: the job lists them itself).
 - Where the shard jobs run (``execution``, never part of a cache key: it changes no byte): Prefect
   task runs on a Ray cluster when a Ray address is configured (the flow's ``ray_address``, else
   ``STEPMERGE_RAY_ADDRESS`` in the worker's environment; `tasks.shard_runs.task_executor_address`), else
@@ -44,7 +44,6 @@ from prefect.cache_policies import NO_CACHE
 
 from merge_engine.commands.input_folders import InputFolders
 from merge_engine.layouts.runs import portable_record
-from merge_engine.output.executors import executor_at
 from merge_engine import storage
 from merge_engine.output.jobs import OutputJob, OutputResult, run_job
 from merge_engine.release.built import BuiltOutput
@@ -56,7 +55,7 @@ from tasks.checked import checked_checkpoint
 from tasks.progress import ProgressArtifact, release_artifact_key
 from tasks.records import BuildSettings, CheckpointRecord, ExecutionSettings, StepRecord
 from tasks.retry import RETRY_OPTIONS
-from tasks.shard_runs import task_executor_address
+from tasks.shard_runs import task_executor
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,7 @@ def build_output(spec: BuildSpec, release: str, staging_root: Optional[str] = No
     sweep_stale_staging(staging_root, keep=target)
     progress = ProgressArtifact(release_artifact_key("progress", release), progress_title(spec, release))
     execution = execution or ExecutionSettings()
-    executor = executor_at(task_executor_address(execution.workers, execution.ray_address))
+    executor = task_executor(execution.workers, execution.ray_address)
 
     def build() -> OutputResult:
         return run_job(job, on_bytes=progress.on_bytes, on_plan=progress.on_plan, executor=executor)

@@ -1,5 +1,6 @@
 """A job's work units as Prefect task runs on a Ray cluster (`prefect-ray`'s ``RayTaskRunner``): the executor
-``prefect-ray:<ray address>`` of the engine's registry (`merge_engine.output.executors`), registered here.
+``prefect-ray:<ray address>`` of the tasks' registry, `TASK_EXECUTORS`: the engine's (`merge_engine.output.executors`)
+plus this one, a literal table that a task passes to `merge_engine.output.executors.executor_at`.
 
 `PrefectRayExecutor` is the engine's `merge_engine.output.executors.remote.RemoteExecutor` with Prefect in
 charge: its `run_all` runs a small subflow, ``write-shards``, with a ``RayTaskRunner(address)``, that
@@ -22,13 +23,15 @@ driver, never a tensor. The engine itself never imports Prefect: this module plu
 
 Ray and prefect-ray are the optional extra ``stepmerge[ray]``: imported only when a merge asks for Ray.
 `task_executor_address` is the address of a task's executor: this one when a Ray address is configured
-(the flow parameter, else ``STEPMERGE_RAY_ADDRESS`` in the worker's environment), else this machine's threads.
+(the flow parameter, else ``STEPMERGE_RAY_ADDRESS`` in the worker's environment), else this machine's threads;
+`task_executor` is that executor, made from `TASK_EXECUTORS`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, Optional
 
 from prefect import flow, task
@@ -37,15 +40,15 @@ from prefect.cache_policies import NO_CACHE
 from merge_engine.errors import InvalidOption
 from merge_engine.storage.written import FileRecord
 from merge_engine.layouts.runs import from_step_folder
-from merge_engine.output.executors import executor_address, register_executor
+from merge_engine.output.executors import EXECUTORS, Executor, ExecutorFactory, executor_address, executor_at
 from merge_engine.output.executors.ray_address import check_ray_address
 from merge_engine.output.executors.remote import RemoteExecutor, UnitTask, run_unit_task, storage_env
 from tasks.retry import RETRY_OPTIONS
 
-__all__ = ["PREFECT_RAY", "RAY_ADDRESS_ENV", "PrefectRayExecutor", "configured_ray_address", "ray_task_runner",
-           "task_executor_address", "unit_run_name", "write_unit_run"]
+__all__ = ["PREFECT_RAY", "RAY_ADDRESS_ENV", "TASK_EXECUTORS", "PrefectRayExecutor", "configured_ray_address",
+           "ray_task_runner", "task_executor", "task_executor_address", "unit_run_name", "write_unit_run"]
 
-PREFECT_RAY = "prefect-ray"  # its scheme in the executor registry
+PREFECT_RAY = "prefect-ray"  # its scheme in `TASK_EXECUTORS`
 RAY_ADDRESS_ENV = "STEPMERGE_RAY_ADDRESS"
 RAY_MAX_RETRIES = 3  # runs of a shard whose Ray worker died (node lost, OOM-killed)
 
@@ -100,7 +103,8 @@ class PrefectRayExecutor(RemoteExecutor):
         return write_shards(label, self.address, [t.file for t in tasks])
 
 
-register_executor(PREFECT_RAY, PrefectRayExecutor)
+TASK_EXECUTORS: Mapping[str, ExecutorFactory] = MappingProxyType({**EXECUTORS, PREFECT_RAY: PrefectRayExecutor})
+"""The executors a task's units may run on: the engine's, and Prefect task runs on Ray (read-only)."""
 
 
 def _run_unit_tasks(tasks: list[UnitTask], label: str, max_retries: int,
@@ -146,3 +150,9 @@ def task_executor_address(workers: Optional[int], ray_address: Optional[str]) ->
     ``workers`` threads of this process (None: one per core)."""
     address = configured_ray_address(ray_address)
     return f"{PREFECT_RAY}:{address}" if address else executor_address(workers)
+
+
+def task_executor(workers: Optional[int], ray_address: Optional[str]) -> Executor:
+    """The executor of a task's units, at `task_executor_address` in `TASK_EXECUTORS`; `InvalidOption` (or
+    `RayClusterUnreachable`) as `merge_engine.output.executors.executor_at` refuses an address."""
+    return executor_at(task_executor_address(workers, ray_address), TASK_EXECUTORS)

@@ -13,7 +13,7 @@ from typing import Any
 
 from merge_engine import storage
 from merge_engine.errors import InvalidOption
-from merge_engine.output.executors import WrittenFiles, finish_output
+from merge_engine.output.executors.contract import WrittenFiles, finish_output
 from merge_engine.output.work_unit import PlannedOutput
 from merge_engine.output.writer import run_units
 

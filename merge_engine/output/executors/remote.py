@@ -22,7 +22,7 @@ from merge_engine import storage
 from merge_engine.storage import tuning
 from merge_engine.errors import CorruptShard, UnsafeRecord
 from merge_engine.storage.written import FileRecord
-from merge_engine.output.executors import WrittenFiles, finish_output
+from merge_engine.output.executors.contract import WrittenFiles, finish_output
 from merge_engine.output.work_unit import PlannedOutput
 from merge_engine.storage.backend import TIMEOUT_ENV
 from merge_engine.storage.schemes import registered_backends

@@ -7,8 +7,10 @@ Specification:
   scheme nobody registered, is `InvalidOption` naming the address (and the known schemes);
 - ``ray:host:port`` naming no live cluster is `RayClusterUnreachable` from the address check, before Ray is
   asked to connect and before any work (an address that accepts but never answers: after the connect timeout);
-- a module registers its own scheme (`register_executor`): the factory gets what follows ``<scheme>:``,
-  or the whole address when it is a URL of the scheme; ``run_job`` writes through whatever it makes.
+- a layer above adds its own scheme in a table it passes (`executor_at`'s ``executors``): the factory gets what
+  follows ``<scheme>:``, or the whole address when it is a URL of the scheme; ``run_job`` writes through whatever
+  it makes. The engine's table is a literal, read-only: no import adds to it (importing ``tasks.shard_runs``,
+  which has its own, included), so the executors an address can name never depend on import order.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 
 from merge_engine.errors import InvalidOption, RayClusterUnreachable
 from merge_engine.output import executors
-from merge_engine.output.executors import executor_address, executor_at, register_executor
+from merge_engine.output.executors import EXECUTORS, executor_address, executor_at
 from merge_engine.output.executors.local import LocalExecutor
 from tests.servers import free_ports
 
@@ -76,7 +78,7 @@ def test_an_address_that_never_answers_is_refused_after_the_connect_timeout():
     assert info.value.path == address
 
 
-def test_a_module_registers_its_own_executor(monkeypatch, tmp_path):
+def test_a_layer_above_passes_its_own_executors(tmp_path):
     """What a new executor needs: a factory under a scheme. Its units give the threads' bytes."""
     from merge_engine.commands.merge import MergeJob
     from merge_engine.output.jobs import OutputOptions, run_job
@@ -89,14 +91,22 @@ def test_a_module_registers_its_own_executor(monkeypatch, tmp_path):
             made.append(rest)
             super().__init__(2)
 
-    monkeypatch.setitem(executors.EXECUTORS, "recording", None)  # removed again after the test
-    register_executor("recording", Recording)
-    assert isinstance(executor_at("recording:pool-a"), Recording)
-    assert isinstance(executor_at("recording://host:1"), Recording)
+    table = {**EXECUTORS, "recording": Recording}
+    assert isinstance(executor_at("recording:pool-a", table), Recording)
+    assert isinstance(executor_at("recording://host:1", table), Recording)
     assert made == ["pool-a", "recording://host:1"]
 
     source = _hf_folder(tmp_path)
     ours = run_job(MergeJob(source, str(tmp_path / "a"), OutputOptions(max_shard_size=100)),
-                   executor=executor_at("recording:x"))
+                   executor=executor_at("recording:x", table))
     threads = run_job(MergeJob(source, str(tmp_path / "b"), OutputOptions(max_shard_size=100)))
     assert _contents(tmp_path / "a") == _contents(tmp_path / "b") and ours.checksums == threads.checksums
+
+
+def test_the_engine_table_is_literal_and_read_only():
+    """The engine's schemes are the ones written in its table, and the table refuses additions."""
+    assert set(executors.EXECUTORS) == {"threads", "ray"}
+    with pytest.raises(TypeError):
+        executors.EXECUTORS["other"] = LocalExecutor  # type: ignore[index]
+    with pytest.raises(InvalidOption, match="no executor is registered for 'prefect-ray'"):
+        executor_at("prefect-ray:auto")
