@@ -204,7 +204,7 @@ def main(argv: List[str] | None = None) -> int:
         return 0
 
     from merge_engine import storage
-    from tests.servers import SeaweedS3Server, applied_env
+    from synthetic_runs.servers import SeaweedS3Server, applied_env
 
     with SeaweedS3Server() as server, applied_env(server.env(), server.unset_env()):
         bucket = server.make_bucket(S3_BUCKET)

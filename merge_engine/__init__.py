@@ -32,6 +32,7 @@ WINGS = (
     "merge_engine.api",             # the Python API the package exports (thin calls into commands and release)
     "merge_engine.cli",             # `python -m merge_engine ...`
     "merge_engine.__main__",
+    "synthetic_runs",               # checkpoints written by the real trainers' code; the storage servers (demo, tests)
     "tasks",                        # Prefect tasks (above the engine)
     "flows",                        # Prefect flows
     "deployments",                  # what runs them

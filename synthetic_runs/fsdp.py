@@ -543,7 +543,7 @@ class _RankGroup:
             self.logs.append(log_path)
             with open(log_path, "w") as log:
                 command = [
-                    sys.executable, "-m", "synthetic_runs.worker",
+                    sys.executable, "-m", "synthetic_runs.fsdp",
                     jobs_path, str(rank), str(self.world_size), str(self.store.port),
                 ]  # fmt: skip
                 self.processes.append(
@@ -580,7 +580,7 @@ class _RankGroup:
 
 
 # --------------------------------------------------------------------------------------------------
-# Rank side (runs inside the spawned processes: synthetic_runs.worker)
+# Rank side (runs inside the spawned processes: `python -m synthetic_runs.fsdp`, `rank_main`)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -1044,3 +1044,18 @@ def _save_with_verl(job: StepJob, model: torch.nn.Module, optimizer, scheduler, 
     shutil.rmtree(tokenizer_dir)
     if dist.get_rank() == 0:
         torch.save(_dataloader_state(_step_number(job.step_dir)), os.path.join(files.step_dir, "data.pt"))
+
+
+def rank_main(argv: list[str]) -> int:
+    """One spawned rank: ``python -m synthetic_runs.fsdp JOBS.json RANK WORLD PORT``. Reads the jobs (JSON written by
+    `write_fsdp_steps`), joins the gloo process group through the parent's TCPStore on 127.0.0.1:PORT and writes
+    this rank's files. Returns 0 on success."""
+    jobs_path, rank, world_size, port = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    with open(jobs_path) as handle:
+        jobs = [StepJob.from_dict(item) for item in json.load(handle)]
+    run_rank_jobs(jobs, rank, world_size, port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main(sys.argv[1:]))

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from merge_engine.architectures import families as _families_package
+from merge_engine.architectures.lookup import find_table
 from merge_engine.errors import InvalidConfig, UnknownArchitecture
 from merge_engine.formats.hf_metadata import tie_word_embeddings
 
@@ -41,19 +42,6 @@ def family_tables() -> dict[str, FamilyTable]:
         table = importlib.import_module(f"{_families_package.__name__}.{name}").TABLE
         tables[table.name] = table
     return tables
-
-
-def find_table(config: Mapping[str, Any], tables: Mapping[str, FamilyTable]) -> FamilyTable | None:
-    """The table serving ``config``: by ``model_type``, else by the first of ``architectures``."""
-    model_type = config.get("model_type")
-    for table in tables.values():
-        if model_type in table.model_types:
-            return table
-    for architecture in config.get("architectures") or ():
-        for table in tables.values():
-            if architecture in table.architectures:
-                return table
-    return None
 
 
 def table_for_config(config: Mapping[str, Any], custom_mapping: str | None = None) -> FamilyTable:

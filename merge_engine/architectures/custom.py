@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from merge_engine.architectures.lookup import find_table
 from merge_engine.architectures.mappings import (
     DirectMapping,
     MOE_LAYER_RULES,
@@ -93,8 +94,6 @@ def load_custom_mapping(url: str, tables: Mapping[str, FamilyTable], config: Map
 
 def _base_table(spec: Mapping[str, Any], tables: Mapping[str, FamilyTable], config: Mapping[str, Any],
                 url: str) -> FamilyTable:
-    from merge_engine.architectures import find_table
-
     name = spec.get("extends")
     if name is not None:
         if name not in tables:

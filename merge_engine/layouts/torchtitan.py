@@ -1,8 +1,8 @@
 """torchtitan's ``step-N/`` DCP checkpoints: the model state flattened at the top under torchtitan's own module
 names (``tok_embeddings``, ``layers.N.attention.qkv_linear.wq``), optimizer, schedulers and dataloader nested under
 their own keys. The files are `merge_engine.layouts.dcp_model`'s (``torch_dcp``: its listing verdict, its check);
-a checked ``torch_dcp`` checkpoint whose model names are torchtitan's is this layout's (`Layout.refines`), from the index
-its check carried (no read).
+a checked ``torch_dcp`` checkpoint whose model names are torchtitan's is this layout's (`Layout.refines`), from the
+index its check carried (no read).
 
 `open` gives torchtitan's names; the Hub's come from the family table of `merge_engine.architectures.torchtitan`
 once the config is known (torchtitan saves none: ``--hf_model_path``), in this layout's jobs
