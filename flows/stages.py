@@ -64,7 +64,7 @@ from merge_engine.release.provenance import ReleaseProvenance
 from merge_engine.release.state import ReleaseState, differing_options, release_state, state_of
 from merge_engine.validate import ValidationReport
 from tasks.build import BuildSpec, extract_adapter, merge_model
-from tasks.cache import handed_folders, stage_cache_policy
+from tasks.cache import stage_cache_policy
 from tasks.check import check_step
 from tasks.discover import discover_step, discover_steps
 from tasks.publish import publish_release, release_current
@@ -293,10 +293,12 @@ def release_built_as_asked(state: ReleaseState, inputs: ReleaseInputs) -> List[s
 @task(name="release-output",
       cache_policy=stage_cache_policy("release", CHAIN_KEY, still_valid=chain_current, listed=CHAIN_LISTED),
       persist_result=True, result_serializer=RECORD_SERIALIZER)
-def release_chain(inputs: ReleaseInputs, timer: StageTimer, state: ReleaseState) -> ReleasedOutput:
+def release_chain(inputs: ReleaseInputs, timer: StageTimer, state: ReleaseState,
+                  folders: InputFolders) -> ReleasedOutput:
     """The chain of ``inputs.kind`` (`CHAINS`), its stages run as nested task runs recorded by ``timer``; the build
-    reads the input folders by the listings its key took (`tasks.cache.handed_folders`)."""
-    return CHAINS[inputs.kind](timer, inputs, state, handed_folders())
+    reads the input folders by ``folders``, the listings its cache key took of them (`tasks.cache`: a fresh
+    `InputFolders` from the caller, filled by the key, read here)."""
+    return CHAINS[inputs.kind](timer, inputs, state, folders)
 
 
 CHAIN_TASKS = {MODEL: release_chain.with_options(name="model-release"),
@@ -332,7 +334,7 @@ def release_checked(timer: StageTimer, kind: str, step: StepRecord, checkpoint: 
         inputs = ReleaseInputs(kind=kind, step=step, checkpoint=checked, release=release, settings=settings,
                                staging_root=staging_root, options=options, overwrite=overwrite,
                                fused_model_url=fused_model_url)
-        return timer.call(task.name, task, inputs, timer, release_state(release))
+        return timer.call(task.name, task, inputs, timer, release_state(release), InputFolders())
 
     try:
         chain, run = chain_of(checkpoint)

@@ -11,9 +11,10 @@ Contract:
   canonical JSON, so keys are stable across processes and machines (no pickles, no object ids).
 - Inputs named in ``listed`` are URLs of folders whose CONTENT decides the output (a replacement
   config folder, a reference model, a base model): the key holds their listing's fingerprint
-  (names, sizes, versions), so the same URL with new files is a new key. One listing per folder, by an
-  `InputFolders` the task's body then takes (`handed_folders`): the build reads by the very listing its key
-  holds, and lists nothing again.
+  (names, sizes, versions), so the same URL with new files is a new key. One listing per folder, by the
+  `InputFolders` the caller passes the task as its parameter named ``folders_parameter`` (``folders``): the key
+  lists each folder into it, and the body, given the same object, reads by the very listing its key holds and
+  lists nothing again. Nothing is handed over outside the task's own parameters.
 - A cached result whose OUTPUT no longer exists is not trusted (``still_valid(result, inputs)``: e.g. the
   release it describes was deleted; it is given the task's inputs, so it can ask the release state the
   flow passed the task instead of reading the release once per generation). The key then moves on to the next GENERATION, ``<key>-g1``, ``-g2``...:
@@ -34,7 +35,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -55,9 +55,7 @@ PIPELINE_VERSION = "1"  # bump when a task's output changes for the same inputs
 MAX_GENERATIONS = 1000
 
 LOCKS = CrashSafeFileLockManager()
-HANDED_RUNS = 8  # task runs whose key's folder listings are kept for their body (`handed_folders`)
-_HANDED: dict[Any, InputFolders] = {}
-_HANDED_LOCK = threading.Lock()
+FOLDERS_PARAMETER = "folders"  # the parameter of a task with ``listed`` folders that holds their `InputFolders`
 
 
 def _canonical(value: Any) -> Any:
@@ -100,20 +98,6 @@ def stage_key(stage: str, inputs: dict[str, Any], fields: Sequence[str], listed:
                                for name, url in urls.items()}
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
     return f"stepmerge-{stage}-{digest[:48]}"
-
-
-def handed_folders() -> Optional[InputFolders]:
-    """In a task body: the `InputFolders` whose listings this task run's cache key took (None: its key listed
-    nothing, or it was taken in another process). The key's folders are kept for the body that follows, so the
-    body reads the very listing its key holds and lists nothing again (`HANDED_RUNS` per process, the latest
-    ones; written only by `_key_fn`, never from storage)."""
-    from prefect.context import TaskRunContext
-
-    context = TaskRunContext.get()
-    if context is None:
-        return None
-    with _HANDED_LOCK:
-        return _HANDED.pop(context.task_run.id, None)
 
 
 def generation_key(key: str, generation: int) -> str:
@@ -165,21 +149,18 @@ class StageCachePolicy(CacheKeyFnPolicy):
         return live_generation(store, key, self.still_valid, inputs)
 
 
-def _key_fn(stage: str, fields: Sequence[str], listed: Sequence[str]) -> Callable[[Any, dict[str, Any]], str]:
+def _key_fn(stage: str, fields: Sequence[str], listed: Sequence[str],
+            folders_parameter: str) -> Callable[[Any, dict[str, Any]], str]:
     def cache_key(context: Any, inputs: dict[str, Any]) -> str:
         if not listed:
             return stage_key(stage, inputs, fields)
         from merge_engine.commands.input_folders import InputFolders
 
-        folders = InputFolders()
-        key = stage_key(stage, inputs, fields, listed, folders)
-        run_id = getattr(getattr(context, "task_run", None), "id", None)
-        if run_id is not None:
-            with _HANDED_LOCK:
-                _HANDED[run_id] = folders  # for `handed_folders` in this run's body
-                while len(_HANDED) > HANDED_RUNS:  # runs served from the cache never take theirs
-                    _HANDED.pop(next(iter(_HANDED)))
-        return key
+        folders = inputs.get(folders_parameter)
+        if folders is not None and not isinstance(folders, InputFolders):
+            raise TypeError(f"{stage}: the task's {folders_parameter!r} is a {type(folders).__name__}, "
+                            "not the InputFolders its key lists into")
+        return stage_key(stage, inputs, fields, listed, folders)  # the listings land in the task's own parameter
 
     cache_key.__name__ = f"{stage}_cache_key"
     return cache_key
@@ -187,8 +168,9 @@ def _key_fn(stage: str, fields: Sequence[str], listed: Sequence[str]) -> Callabl
 
 def stage_cache_policy(stage: str, fields: Sequence[str],
                        still_valid: Optional[Callable[[Any, dict[str, Any]], bool]] = None,
-                       listed: Sequence[str] = ()) -> StageCachePolicy:
-    """The policy of one stage task: key from ``fields`` (and the listings of ``listed`` URLs),
-    generations by ``still_valid``, serialised per key."""
-    return StageCachePolicy(cache_key_fn=_key_fn(stage, tuple(fields), tuple(listed)), still_valid=still_valid,
-                            isolation_level="SERIALIZABLE", lock_manager=LOCKS)
+                       listed: Sequence[str] = (), folders_parameter: str = FOLDERS_PARAMETER) -> StageCachePolicy:
+    """The policy of one stage task: key from ``fields`` (and the listings of ``listed`` URLs, taken into the task's
+    `InputFolders` parameter ``folders_parameter``, which no key reads otherwise; a fresh one when the task was given
+    None), generations by ``still_valid``, serialised per key."""
+    return StageCachePolicy(cache_key_fn=_key_fn(stage, tuple(fields), tuple(listed), folders_parameter),
+                            still_valid=still_valid, isolation_level="SERIALIZABLE", lock_manager=LOCKS)

@@ -319,9 +319,9 @@ def test_a_merge_step_run_lists_an_input_folder_once_per_build_and_reads_its_con
         prefect, request, file_reads, tmp_path, monkeypatch, case):
     """The folder a LoRA step's builds read besides the step (``base_model``; ``hf_model_path`` for a step saving no
     config) is listed once per build, by the output chain's cache key (its content is part of the key), whose
-    listing the job then reads by (`tasks.cache.handed_folders`); its config.json is read once per build (before:
-    listed twice per build, by the key and by the job; before issue 27's input folders a step's two builds listed
-    it 7 times, or 6, and read its config 3 times)."""
+    listing the job then reads by (the chain task's ``folders``, `tasks.cache`); its config.json is read once per
+    build (before: listed twice per build, by the key and by the job; before issue 27's input folders a step's two
+    builds listed it 7 times, or 6, and read its config 3 times)."""
     from merge_engine.storage.backends.local import LocalBackend
 
     fixture, name, extra = EVERY_LAYOUT[case]

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import pytest
+
 import merge_engine
 from tasks.cache import stage_cache_policy, stage_key
 from merge_engine.release.built import BuiltOutput
@@ -107,12 +109,15 @@ def test_folders_named_by_url_count_by_their_content(tmp_path):
 
 
 def test_a_task_body_reads_its_folders_by_the_listing_its_key_took(prefect, tmp_path, monkeypatch):
-    """The folder is listed once per task run: by its key, whose listing the body takes (`handed_folders`);
-    outside a task run there is none."""
+    """The folder is listed once per task run: by its key, into the `InputFolders` the caller passes the task as its
+    ``folders`` parameter, which the body then reads; each run gets its own (nothing is kept between runs), and a
+    ``folders`` that is no `InputFolders` (a listing made up by the caller) is refused, not hashed."""
     from prefect import flow, task
 
+    from merge_engine.commands.input_folders import InputFolders
     from merge_engine.storage.backends.local import LocalBackend
-    from tasks.cache import handed_folders, stage_cache_policy
+    from tasks import cache
+    from tasks.cache import stage_cache_policy
     from tasks.result_records import RECORD_SERIALIZER
 
     folder = tmp_path / "base"
@@ -125,16 +130,25 @@ def test_a_task_body_reads_its_folders_by_the_listing_its_key_took(prefect, tmp_
 
     @task(cache_policy=stage_cache_policy("handed", ("folder",), listed=("folder",)), persist_result=True,
           result_serializer=RECORD_SERIALIZER)
-    def body(folder: str) -> str:
-        folders = handed_folders()
-        return ",".join(entry.path for entry in folders.files(folder)) if folders is not None else "none"
+    def body(folder: str, folders: InputFolders) -> str:
+        return ",".join(entry.path for entry in folders.files(folder))
+
+    given = [InputFolders(), InputFolders()]
 
     @flow
     def run(folder: str) -> list:
         from tasks.results import configured_result_storage
 
         # a stage task gets a key only with guarded result storage (the flows' StageTimer applies it)
-        return [body.with_options(result_storage=configured_result_storage())(folder), handed_folders() is None]
+        cached = body.with_options(result_storage=configured_result_storage())
+        return [cached(folder, given[0]), cached.with_options(refresh_cache=True)(folder, given[1])]
 
-    assert run(str(folder)) == ["config.json", True]
-    assert listings == [str(folder)]
+    assert run(str(folder)) == ["config.json", "config.json"]
+    assert listings == [str(folder), str(folder)]  # one listing per run, by its key; none by the body
+    assert [[e.path for e in folders.files(str(folder))] for folders in given] == [["config.json"]] * 2
+    assert listings == [str(folder), str(folder)]  # each run's own object holds its listing
+    assert not [name for name, value in vars(cache).items() if isinstance(value, dict) and not name.startswith("__")]
+    forged = {str(folder): [("config.json", 2, "v")]}
+    with pytest.raises(TypeError, match="not the InputFolders"):
+        stage_cache_policy("handed", ("folder",), listed=("folder",)).cache_key_fn(
+            None, {"folder": str(folder), "folders": forged})

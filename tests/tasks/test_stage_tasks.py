@@ -19,6 +19,7 @@ from prefect import flow, task
 from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
 
 from flows.stages import CHAIN_TASKS, ReleaseInputs, StageTimer
+from merge_engine.commands.input_folders import InputFolders
 from merge_engine import storage
 from merge_engine.release.folders import MODEL, release_url
 from merge_engine.release.manifest import read_manifest
@@ -44,7 +45,7 @@ def chain(run_root: str, step: int, release_root: str, staging_root: str) -> dic
                            settings={name: SETTINGS_RECORDS[name]() for name in ("merge", "validation", "execution")},
                            staging_root=staging_root, options={"dtype": None})
     states["release"] = CHAIN_TASKS[MODEL].with_options(**guarded)(inputs, timer, release_state(release),
-                                                                    return_state=True)
+                                                                    InputFolders(), return_state=True)
     return {name: (state.name, state.result()) for name, state in states.items()}
 
 
