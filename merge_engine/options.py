@@ -1,6 +1,6 @@
 """The engine's options, written as typed records: one frozen dataclass per command, every field in the source.
 
-- A command's record (`MergeArgs`, `ExtractLoraArgs`, ...; `COMMAND_RECORDS`) lists its flags as typed fields,
+- A command's record (`MergeArgs`, `ExtractLoraArgs`, ...) lists its flags as typed fields,
   each with its `Flag` (``flag(...)``: help, spellings, parser, choices) in the field's metadata. Groups that
   several commands share are written once as base records (`SourceArgs`: merge and test, verl's source flags;
   `RunArgs`: the commands whose shard jobs run here or on Ray). `merge_engine.cli` derives each command's
@@ -326,12 +326,3 @@ class CheckTrainedArgs:
     lora_alpha: float | None = flag("lora_alpha when the run recorded none", parse=float)
     device: str | None = flag("torch device of the forward passes: cpu, cuda, cuda:N or auto (default: cuda when "
                               "available)")
-
-
-# each engine command's record (the order of ``stepmerge --help``)
-COMMAND_RECORDS: dict[str, type] = {
-    "discover": DiscoverArgs, "merge": MergeArgs, "test": TestArgs, "check": CheckArgs, "verify": VerifyArgs,
-    "push": PushArgs, "register": RegisterArgs, "extract-lora": ExtractLoraArgs, "merge-lora": MergeLoraArgs,
-    "split": SplitArgs,
-    "check-trained": CheckTrainedArgs,
-}

@@ -52,7 +52,6 @@ __all__ = ["OutputJob", "OutputOptions", "OutputResult", "job_inputs",
 
 
 MERGE, EXTRACT, EXTRACT_SVD, MERGE_LORA, SPLIT = OUTPUTS  # the outputs whose records name the fields below
-ADAPTERS = (EXTRACT, EXTRACT_SVD, MERGE_LORA)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The engine's options are written, typed records, and every surface is made from them.
 
-- the command line: each command's parser is derived from its record (`merge_engine.options.COMMAND_RECORDS`):
+- the command line: each command's parser is derived from its record (`COMMAND_RECORDS` below):
   exactly its fields, each with its spellings (``--a_b`` and ``--a-b``, hidden ones taken but not listed), help,
   default, parser, choices and required-ness; every field has help and a resolvable type;
 - the engine: `OutputOptions` is a literal dataclass whose every field is typed (``dtype`` a `Dtype`, sizes
@@ -28,7 +28,14 @@ from merge_engine.errors import InvalidOption
 from merge_engine.output.jobs import OutputOptions
 from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE, Dtype, WeightsFormat
 
-RECORDS = {**declared.COMMAND_RECORDS, "notify": NotifyArgs}
+# each engine command's record (the order of ``stepmerge --help``)
+COMMAND_RECORDS: dict[str, type] = {  # each engine command's record, in the order of ``stepmerge --help``
+    "discover": declared.DiscoverArgs, "merge": declared.MergeArgs, "test": declared.TestArgs,
+    "check": declared.CheckArgs, "verify": declared.VerifyArgs, "push": declared.PushArgs,
+    "register": declared.RegisterArgs, "extract-lora": declared.ExtractLoraArgs, "merge-lora": declared.MergeLoraArgs,
+    "split": declared.SplitArgs, "check-trained": declared.CheckTrainedArgs,
+}
+RECORDS = {**COMMAND_RECORDS, "notify": NotifyArgs}
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -111,11 +118,11 @@ def test_the_engine_refuses_a_value_not_made_canonical_where_it_was_given(field,
         OutputOptions(**{field: value})
 
 
-@pytest.mark.parametrize("command", declared.COMMAND_RECORDS)
+@pytest.mark.parametrize("command", COMMAND_RECORDS)
 def test_a_commands_fields_set_the_engine_options_of_their_names_with_the_same_defaults(command):
     engine = {f.name: f for f in dataclasses.fields(OutputOptions)}
     engine_hints = typing.get_type_hints(OutputOptions)
-    record = declared.COMMAND_RECORDS[command]
+    record = COMMAND_RECORDS[command]
     hints = typing.get_type_hints(record)
     for item in dataclasses.fields(record):
         flag: declared.Flag = item.metadata[declared.FLAG]
