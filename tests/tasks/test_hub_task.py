@@ -15,12 +15,20 @@ from prefect.client.orchestration import get_client
 
 from merge_engine.errors import HubPushRefused
 from tasks.hub import HubTarget, push_release
+from tests.clock import until
 from tests.hub_server import WRITE_TOKEN, hub  # noqa: F401 - the fixture
 from tests.merge_engine.release.test_hub_push import release_of
 
 
 def _run_count(state) -> int:
+    """The task run's attempts as the server records them, once it has the run's final state (the client sends
+    task run states as events: the server's record follows, it does not lead)."""
     with get_client(sync_client=True) as client:
+        def final():
+            run = client.read_task_run(state.state_details.task_run_id)
+            return run.state is not None and run.state.type == state.type
+
+        until(final, f"recorded by the server as {state.type.value}")
         return client.read_task_run(state.state_details.task_run_id).run_count
 
 
