@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import SeaweedS3Server, _http_status, _ServerProcess, free_ports
+from synthetic_runs.servers import SeaweedS3Server, _http_status, _ServerProcess, free_ports
 
 
 class MlflowServer(_ServerProcess):
