@@ -49,7 +49,8 @@ def failed_push(release: ReleaseOutcome, target: HubTarget, exc: BaseException) 
 
 
 def raise_failed_push(error: Optional[BaseException]) -> None:
-    """Fail the flow run with the push's error (the release stays published), after the summary was written."""
+    """Fail the flow run with the push's (or the registration's) error (the release stays published), after the
+    summary was written."""
     if error is not None:
         raise error
 

@@ -50,6 +50,7 @@ from flows.params import (
     MergeDeployment, Overwrite, RayCluster, ReferenceUrl, ReleaseAdapter, ReleaseRoot, Roles, RunRoot, StagingRoot,
     ValidateForward, WatchParams, WeightsFormat, Workers,
     DEFAULT_HUB_REVISION, HubMovingRef, HubPrivate, HubRepo, HubRevision, HubTokenSecret,
+    MlflowModel, MlflowTrackingUri,
 )
 from flows.run_labels import label_flow_run, run_tags, watch_run_name
 from flows.step_keys import step_key
@@ -176,7 +177,8 @@ def merge_new_steps(run_root: RunRoot, release_root: ReleaseRoot = "", roles: Ro
                     base_model: BaseModelUrl = "", base_model_id: BaseModelId = "", overwrite: Overwrite = False,
                     staging_root: StagingRoot = "", workers: Workers = 0, ray_address: RayCluster = "", hub_repo: HubRepo = "",
                hub_revision: HubRevision = DEFAULT_HUB_REVISION, hub_moving_ref: HubMovingRef = "",
-               hub_private: HubPrivate = False, hub_token_secret: HubTokenSecret = "") -> WatchOutcome:
+               hub_private: HubPrivate = False, hub_token_secret: HubTokenSecret = "",
+               mlflow_model: MlflowModel = "", mlflow_tracking_uri: MlflowTrackingUri = "") -> WatchOutcome:
     """Merge every complete, unpublished step of ``run_root`` (see the module docstring; each parameter's text: its
     type in `flows.params`)."""
     params = WatchParams(**locals())

@@ -13,6 +13,8 @@
     each output's chain one cached task (model-release, adapter-release), its stages nested in it
     push / push-adapter  -> with ``hub_repo``: each release to its own revision of the Hub repo
                             (`flows.hub_stage`); a failed push fails the run there, the release stays published
+    register / register-adapter -> with ``mlflow_model``: each release becomes a version in MLflow's Model
+                            Registry, by reference (`flows.registry_stage`); a failure is recorded the same way
 
 The merged model of a LoRA checkpoint is the trained model (adapters fused, as the engine defines
 it); with ``release_adapter`` its PEFT adapter is released beside it, validated against that model.
@@ -41,7 +43,9 @@ from flows.params import (
     Overwrite, RayCluster, ReferenceUrl, ReleaseAdapter, ReleaseRoot, Role, RunRoot, StagingRoot, Step,
     ValidateForward, WeightsFormat, Workers,
     DEFAULT_HUB_REVISION, HubMovingRef, HubPrivate, HubRepo, HubRevision, HubTokenSecret,
+    MlflowModel, MlflowTrackingUri,
 )
+from flows.registry_stage import register_releases, registry_target
 from flows.run_labels import ended, label_flow_run, step_label, step_run_name
 from flows.stages import StageTimer, StepOutcome, ready_checkpoint, release_checked, release_output
 from flows.summaries import step_summary
@@ -104,7 +108,8 @@ def merge_step(step: Step, run_root: RunRoot, role: Role = "actor", release_root
                base_model: BaseModelUrl = "", base_model_id: BaseModelId = "", overwrite: Overwrite = False,
                staging_root: StagingRoot = "", workers: Workers = 0, ray_address: RayCluster = "", hub_repo: HubRepo = "",
                hub_revision: HubRevision = DEFAULT_HUB_REVISION, hub_moving_ref: HubMovingRef = "",
-               hub_private: HubPrivate = False, hub_token_secret: HubTokenSecret = "") -> StepOutcome:
+               hub_private: HubPrivate = False, hub_token_secret: HubTokenSecret = "",
+               mlflow_model: MlflowModel = "", mlflow_tracking_uri: MlflowTrackingUri = "") -> StepOutcome:
     """Merge, validate and publish one step of a training run (see the module docstring; each parameter's text:
     its type in `flows.params`)."""
     params = MergeStepParams(**locals())
@@ -115,6 +120,7 @@ def merge_step(step: Step, run_root: RunRoot, role: Role = "actor", release_root
         with storage_credentials():
             outcome = run_stages(params, timer)
             push_error = push_releases(timer, outcome, hub_target(params))  # after publish: never the release's
+            registry_error = register_releases(timer, outcome, registry_target(params))  # after publish, too
             outcome.stages = timer.stages
     except Exception as exc:
         failed = StepOutcome(run_root=params.run_root, step=params.step, role=params.role, status="failed",
@@ -131,7 +137,7 @@ def merge_step(step: Step, run_root: RunRoot, role: Role = "actor", release_root
                     {True: "passed", False: "FAILED", None: "not run"}[release.validation_ok])
     if outcome.status == "not_ready":
         logger.info("step %s (%s) is not ready: %s", params.step, params.role or "sft", outcome.reason)
-    raise_failed_push(push_error)  # the release stays published; this run fails at its push stage
+    raise_failed_push(push_error or registry_error)  # the release stays published; the run fails at that stage
     return ended(outcome)  # a not-ready step: the state NotReady, tag not-ready
 
 

@@ -58,6 +58,17 @@ class HubPushOutcome(BaseModel):
     error: str = ""
 
 
+class RegistryOutcome(BaseModel):
+    """What the registration of one release in MLflow's Model Registry did (``error``: one line, when it failed)."""
+
+    kind: str
+    name: str
+    version: str = ""
+    source: str = ""
+    created: bool = False
+    error: str = ""
+
+
 @register_result_type
 class StepOutcome(BaseModel):
     """What a merge_step run did: status, releases, and every stage with its state and time."""
@@ -70,6 +81,7 @@ class StepOutcome(BaseModel):
     releases: List[ReleaseOutcome] = []
     stages: List[StageRun] = []
     pushes: List[HubPushOutcome] = []  # the releases pushed to the Hub after publish (none: no hub_repo)
+    registrations: List[RegistryOutcome] = []  # the releases registered in MLflow after publish (none: no mlflow_model)
     seconds: float = 0.0
 
     @property

@@ -273,6 +273,11 @@ HubPrivate = Annotated[bool, FormText("Create the Hub repo, private, when it doe
 HubTokenSecret = Annotated[OptionalText, FormText(
     "The Prefect Secret block holding the Hub token; empty: HF_TOKEN in the worker's environment")]
 DEFAULT_HUB_REVISION = "step-{step}"
+MlflowModel = Annotated[OptionalText, FormText(
+    "Register each release as a version of this model in MLflow's Model Registry (an adapter: <name>-adapter), "
+    "by reference: the weights stay where they are; empty: no registration")]
+MlflowTrackingUri = Annotated[OptionalText, FormText(
+    "The MLflow tracking server (e.g. http://mlflow:5000); empty: MLFLOW_TRACKING_URI in the worker's environment")]
 DEFAULT_ROLES = ("actor", "")
 
 
@@ -340,6 +345,8 @@ class MergeStepParams(RunLocation):
     hub_moving_ref: HubMovingRef = ""
     hub_private: HubPrivate = False
     hub_token_secret: HubTokenSecret = ""
+    mlflow_model: MlflowModel = ""
+    mlflow_tracking_uri: MlflowTrackingUri = ""
 
     @property
     def key(self) -> str:
@@ -374,6 +381,8 @@ class WatchParams(RunLocation):
     hub_moving_ref: HubMovingRef = ""
     hub_private: HubPrivate = False
     hub_token_secret: HubTokenSecret = ""
+    mlflow_model: MlflowModel = ""
+    mlflow_tracking_uri: MlflowTrackingUri = ""
 
     def step_params(self, step: Any) -> MergeStepParams:
         """The parameters of the merge of ``step`` (a `tasks.records.StepRecord`): this watcher's options."""
@@ -405,3 +414,5 @@ class AdapterParams(RunLocation):
     hub_moving_ref: HubMovingRef = ""
     hub_private: HubPrivate = False
     hub_token_secret: HubTokenSecret = ""
+    mlflow_model: MlflowModel = ""
+    mlflow_tracking_uri: MlflowTrackingUri = ""

@@ -2,6 +2,7 @@
 
     discover-step -> check-checkpoint -> extract-adapter -> validate-adapter -> publish-adapter
     -> push-adapter (with ``hub_repo``: `flows.hub_stage`; the adapter's revision ends in ``-adapter``)
+    -> register-adapter (with ``mlflow_model``: `flows.registry_stage`; a version of ``<mlflow_model>-adapter``)
 
 The adapter release (`merge_engine.release.folders.release_url` with ``kind=ADAPTER``) holds
 ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's names; r, target_modules and
@@ -32,7 +33,9 @@ from flows.params import (
     AS_STORED, AdapterParams, Alpha, BaseModelId, BaseModelUrl, CompareWithModelRelease, Dtype, IncludeBase,
     Overwrite, RayCluster, ReleaseRoot, Role, RunRoot, StagingRoot, Step, ValidateForward, Workers,
     DEFAULT_HUB_REVISION, HubMovingRef, HubPrivate, HubRepo, HubRevision, HubTokenSecret,
+    MlflowModel, MlflowTrackingUri,
 )
+from flows.registry_stage import register_releases, registry_target
 from flows.run_labels import adapter_run_name, ended, label_flow_run, step_label
 from flows.stages import StageTimer, StepOutcome, checked_lora, ready_checkpoint, release_output
 from flows.summaries import step_summary
@@ -60,7 +63,8 @@ def release_adapter(step: Step, run_root: RunRoot, role: Role = "actor", release
                     base_model: BaseModelUrl = "", base_model_id: BaseModelId = "", overwrite: Overwrite = False,
                     staging_root: StagingRoot = "", workers: Workers = 0, ray_address: RayCluster = "", hub_repo: HubRepo = "",
                hub_revision: HubRevision = DEFAULT_HUB_REVISION, hub_moving_ref: HubMovingRef = "",
-               hub_private: HubPrivate = False, hub_token_secret: HubTokenSecret = "") -> StepOutcome:
+               hub_private: HubPrivate = False, hub_token_secret: HubTokenSecret = "",
+               mlflow_model: MlflowModel = "", mlflow_tracking_uri: MlflowTrackingUri = "") -> StepOutcome:
     """Extract, validate and publish the LoRA adapter of one step (see the module docstring; each parameter's text:
     its type in `flows.params`)."""
     params = AdapterParams(**locals())
@@ -97,8 +101,9 @@ def adapter_stages(params: AdapterParams) -> StepOutcome:
     outcome.releases = [adapter]
     outcome.status = "already_published" if adapter.already_published else "published"
     push_error = push_releases(timer, outcome, hub_target(params))  # after publish: never the release's
+    registry_error = register_releases(timer, outcome, registry_target(params))  # after publish, too
     outcome.stages, outcome.seconds = timer.stages, time.perf_counter() - started
     create_markdown_artifact(step_summary(outcome), key=release_artifact_key("adapter", release),
                              description=f"adapter of step {params.step}: {outcome.status}")
-    raise_failed_push(push_error)  # the release stays published; this run fails at its push stage
+    raise_failed_push(push_error or registry_error)  # the release stays published; the run fails at that stage
     return outcome

@@ -53,6 +53,14 @@ def step_summary(outcome: StepOutcome, error: Optional[str] = None) -> str:
             lines.append(f"| {p.kind} | `{p.repo}` | `{p.revision}`{refs} | `{p.commit[:12]}` | "
                          f"{'yes' if p.committed else 'no (already there)'} |")
         lines.append("")
+    if outcome.registrations:
+        lines += ["## MLflow Model Registry", "", "| output | model | version | new version |", "|---|---|---|---|"]
+        for g in outcome.registrations:
+            if g.error:
+                lines.append(f"| {g.kind} | `{g.name}` | **registration failed**: {g.error} | |")
+                continue
+            lines.append(f"| {g.kind} | `{g.name}` | {g.version} | {'yes' if g.created else 'no (already there)'} |")
+        lines.append("")
     if outcome.stages:
         lines += ["## Stages", ""] + stage_table(outcome.stages) + [""]
     for r in outcome.releases:

@@ -128,7 +128,11 @@ class HubPushRefused(StepmergeError):
 
 class RegistryRefused(StepmergeError):
     """Registering a release in MLflow's Model Registry was refused: no MLflow client, a release on local disk (no
-    reference MLflow takes), or the tracking server out of reach or refusing. ``path``: the release or the server."""
+    reference MLflow takes), or the tracking server out of reach or refusing. ``path``: the release or the server.
+    ``transient``: the server was out of reach (connection, timeout) or answered 429 / 5xx, so the same request may
+    succeed later."""
+
+    transient = False
 
 
 class HubPushUnverified(StepmergeError):

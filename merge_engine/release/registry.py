@@ -11,7 +11,8 @@ Contract of `register_release`:
 - Idempotent: a version of ``name`` already tagged with this manifest's sha256 and release URL is returned as it is
   (``created`` False); no second version.
 - Refusals, one named line each (`RegistryRefused`): the MLflow client not installed (the ``mlflow`` extra), the
-  tracking server out of reach or refusing the request.
+  tracking server out of reach or refusing the request. ``transient`` is True exactly when the server was out of
+  reach (a connection fault or timeout) or answered 429 / 5xx (`unreachable`): the same call may succeed later.
 - mlflow is imported only when a release is registered: the engine runs without it.
 """
 
@@ -85,6 +86,26 @@ def _existing(client, name: str, tags: dict[str, str]):
     return next((v for v in found if v.tags.get(TAG_PREFIX + "release_url") == url), None)
 
 
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` (an MLflow client error) means the server was out of reach or busy: a ``requests`` transport
+    error (connection, timeout, retries exhausted) anywhere in its chain, or an answer with HTTP status 429 or 5xx."""
+    import requests
+
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, requests.exceptions.RequestException):
+            return True
+        status = getattr(link, "get_http_status_code", None)
+        if callable(status):
+            code = status()
+            if isinstance(code, int) and (code == 429 or code >= 500):
+                return True
+        link = link.__cause__ or link.__context__
+    return False
+
+
 def register_release(release: str, tracking_uri: str, name: str, *, run_root: str | None = None,
                      step: int | None = None) -> RegisteredVersion:
     """Register ``release`` as a version of ``name`` at the MLflow server ``tracking_uri`` (see the module
@@ -114,9 +135,11 @@ def register_release(release: str, tracking_uri: str, name: str, *, run_root: st
         raise
     except Exception as exc:  # noqa: BLE001 - MlflowException, or the transport's errors: one line
         first = (str(exc).strip().splitlines() or [""])[0]
-        raise RegistryRefused(f"the MLflow server at {tracking_uri} refused or could not be reached: "
-                              f"{type(exc).__name__}: {first}", release) from exc
+        refused = RegistryRefused(f"the MLflow server at {tracking_uri} refused or could not be reached: "
+                                  f"{type(exc).__name__}: {first}", release)
+        refused.transient = unreachable(exc)
+        raise refused from exc
     return RegisteredVersion(name, str(version.version), version.source, True, dict(tags))
 
 
-__all__ = ["RegisteredVersion", "TAGS", "register_release", "release_tags", "run_root_of"]
+__all__ = ["RegisteredVersion", "TAGS", "register_release", "release_tags", "run_root_of", "unreachable"]

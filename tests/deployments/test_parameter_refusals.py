@@ -18,12 +18,13 @@ import httpx
 import pytest
 from prefect.client.orchestration import get_client
 
-from flows.params import RAY_ADDRESS_WORDS, SIZE_WORDS, URL_WORDS
+from flows.params import HUB_TEMPLATE_WORDS, RAY_ADDRESS_WORDS, SIZE_WORDS, URL_WORDS
 
 DEPLOYMENTS = ["merge-step/gpu", "merge-new-steps/watch", "release-adapter/gpu", "verify-releases/sweep"]
 URL = f"{URL_WORDS!r} was expected"
 OPTIONAL_URL = f"{'empty, or ' + URL_WORDS!r} was expected"
 NOT_BOOLEAN = "'yes' is not of type 'boolean'"
+HUB_TEMPLATE = f"{HUB_TEMPLATE_WORDS!r} was expected"
 # name -> (a bad value, the server's reason in words)
 BAD = {
     "step": (-1, "-1 is less than the minimum of 0"),
@@ -51,6 +52,13 @@ BAD = {
     "compare_with_model_release": ("yes", NOT_BOOLEAN),
     "mode": ("thorough", "'thorough' is not one of ['full', 'quick']"),
     "unmark_damaged": ("yes", NOT_BOOLEAN),
+    "hub_repo": ("no-namespace", "'empty, or a Hub repo id namespace/name' was expected"),
+    "hub_revision": ("step {step}", HUB_TEMPLATE),
+    "hub_moving_ref": ("two words", "'empty, or a branch name such as latest' was expected"),
+    "hub_private": ("yes", NOT_BOOLEAN),
+    "hub_token_secret": (5, "5 is not of type 'string'"),
+    "mlflow_model": (5, "5 is not of type 'string'"),
+    "mlflow_tracking_uri": (5, "5 is not of type 'string'"),
 }
 REQUIRED_HERE = {("verify-releases/sweep", "release_root"): ("s3://bucket/run/../other", URL)}  # not optional there
 FIELD = {"roles": "roles[0]"}  # an item of a list is named with its index

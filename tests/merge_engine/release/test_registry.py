@@ -5,8 +5,8 @@ artifacts in the suite's SeaweedFS: `tests.mlflow_server`):
   release URL; no byte of the release lands in MLflow's artifact store (the weights stay where they are);
 - registering the same release again gives the same version; a release published again (another manifest) gets a
   new one;
-- refusals are one named line: a local release (MLflow takes no local source), the server out of reach, a folder
-  that is no release.
+- refusals are one named line: a local release (MLflow takes no local source), the server out of reach (the only
+  one marked transient), a folder that is no release.
 """
 
 from __future__ import annotations
@@ -87,3 +87,4 @@ def test_each_refusal_is_one_named_line(mlflow_server, s3_bucket_url, tmp_path, 
     with pytest.raises(error, match=words) as err:
         register_release(release, uri, "exp-refused")
     assert "\n" not in str(err.value)
+    assert getattr(err.value, "transient", False) == (case == "server down")  # only an unreachable server is retried
