@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -25,8 +25,7 @@ from prefect.cache_policies import NO_CACHE
 from merge_engine.errors import HubPushRefused
 from merge_engine.release.hub import HubPush, push_folder
 from merge_engine.release.hub_refs import DEFAULT_REVISION_TEMPLATE, moving_refs_for, revision_for
-from merge_engine.storage import is_transient
-from tasks.retry import RETRY_OPTIONS, failure_exception
+from tasks.retry import RETRY_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -62,19 +61,8 @@ def hub_token(secret: Optional[str]) -> Optional[str]:
     return value
 
 
-def hub_fault(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect ``retry_condition_fn``: retry only the Hub out of reach (or busy), or a transient storage fault."""
-    exc = failure_exception(state)
-    verdict = exc is not None and (bool(getattr(exc, "transient", False)) if isinstance(exc, HubPushRefused)
-                                   else is_transient(exc))
-    if exc is not None:
-        logger.info("push-to-hub failed with %s: %s -> %s", type(exc).__name__, exc,
-                    "transient, retrying" if verdict else "permanent, not retried")
-    return verdict
-
-
 @task(name="push-to-hub", cache_policy=NO_CACHE, persist_result=False,
-      **{**RETRY_OPTIONS, "retry_condition_fn": hub_fault})
+      **RETRY_OPTIONS)
 def push_release(release: str, target: HubTarget, step: int, role: str, adapter: bool = False) -> HubPush:
     """Push the release at ``release`` (step ``step`` of ``role``; ``adapter``: an adapter release) to ``target``
     (see the module docstring). Raises `HubPushRefused`, `HubPushUnverified`, `ReleaseIncomplete`,
@@ -88,4 +76,4 @@ def push_release(release: str, target: HubTarget, step: int, role: str, adapter:
     return pushed
 
 
-__all__ = ["HubTarget", "hub_fault", "hub_token", "push_release"]
+__all__ = ["HubTarget", "hub_token", "push_release"]

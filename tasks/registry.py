@@ -17,15 +17,14 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from merge_engine.errors import RegistryRefused
 from merge_engine.release.registry import RegisteredVersion, register_release
-from merge_engine.storage import is_transient
-from tasks.retry import RETRY_OPTIONS, failure_exception
+from tasks.retry import RETRY_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -54,19 +53,8 @@ def tracking_uri(target: RegistryTarget) -> str:
     return uri
 
 
-def registry_fault(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect ``retry_condition_fn``: retry only the server out of reach (or busy), or a transient storage fault."""
-    exc = failure_exception(state)
-    verdict = exc is not None and (bool(getattr(exc, "transient", False)) if isinstance(exc, RegistryRefused)
-                                   else is_transient(exc))
-    if exc is not None:
-        logger.info("register-in-mlflow failed with %s: %s -> %s", type(exc).__name__, exc,
-                    "transient, retrying" if verdict else "permanent, not retried")
-    return verdict
-
-
 @task(name="register-in-mlflow", cache_policy=NO_CACHE, persist_result=False,
-      **{**RETRY_OPTIONS, "retry_condition_fn": registry_fault})
+      **RETRY_OPTIONS)
 def register_release_version(release: str, target: RegistryTarget, run_root: str, step: int,
                              adapter: bool = False) -> RegisteredVersion:
     """Register the release at ``release`` (step ``step`` of the run at ``run_root``; ``adapter``: an adapter
@@ -78,4 +66,4 @@ def register_release_version(release: str, target: RegistryTarget, run_root: str
     return registered
 
 
-__all__ = ["RegistryTarget", "register_release_version", "registry_fault", "tracking_uri"]
+__all__ = ["RegistryTarget", "register_release_version", "tracking_uri"]

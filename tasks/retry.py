@@ -22,6 +22,7 @@ from typing import Any
 
 from prefect.tasks import exponential_backoff
 
+from merge_engine.errors import StepmergeError
 from merge_engine.storage import is_transient
 
 logger = logging.getLogger(__name__)
@@ -44,9 +45,11 @@ def failure_exception(state: Any) -> BaseException | None:
 
 
 def transient_fault(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect ``retry_condition_fn``: retry only a transient storage fault."""
+    """Prefect ``retry_condition_fn``: retry only a transient fault: a `StepmergeError` that says whether it is
+    (``transient``: the Hub or MLflow out of reach or busy), else a transient storage fault."""
     exc = failure_exception(state)
-    verdict = exc is not None and is_transient(exc)
+    said = getattr(exc, "transient", None) if isinstance(exc, StepmergeError) else None
+    verdict = exc is not None and (said if isinstance(said, bool) else is_transient(exc))
     name = getattr(task, "name", "task")
     if exc is not None:
         logger.info("%s failed with %s: %s -> %s", name, type(exc).__name__, exc,
