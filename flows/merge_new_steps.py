@@ -176,9 +176,9 @@ def merge_new_steps(run_root: RunRoot, release_root: ReleaseRoot = "", roles: Ro
                     release_adapter: ReleaseAdapter = True, include_base: IncludeBase = True, lora_alpha: Alpha = 0,
                     base_model: BaseModelUrl = "", base_model_id: BaseModelId = "", overwrite: Overwrite = False,
                     staging_root: StagingRoot = "", workers: Workers = 0, ray_address: RayCluster = "", hub_repo: HubRepo = "",
-               hub_revision: HubRevision = DEFAULT_HUB_REVISION, hub_moving_ref: HubMovingRef = "",
-               hub_private: HubPrivate = False, hub_token_secret: HubTokenSecret = "",
-               mlflow_model: MlflowModel = "", mlflow_tracking_uri: MlflowTrackingUri = "") -> WatchOutcome:
+                    hub_revision: HubRevision = DEFAULT_HUB_REVISION, hub_moving_ref: HubMovingRef = "",
+                    hub_private: HubPrivate = False, hub_token_secret: HubTokenSecret = "",
+                    mlflow_model: MlflowModel = "", mlflow_tracking_uri: MlflowTrackingUri = "") -> WatchOutcome:
     """Merge every complete, unpublished step of ``run_root`` (see the module docstring; each parameter's text: its
     type in `flows.params`)."""
     params = WatchParams(**locals())

@@ -62,9 +62,9 @@ def release_adapter(step: Step, run_root: RunRoot, role: Role = "actor", release
                     compare_with_model_release: CompareWithModelRelease = True, lora_alpha: Alpha = 0,
                     base_model: BaseModelUrl = "", base_model_id: BaseModelId = "", overwrite: Overwrite = False,
                     staging_root: StagingRoot = "", workers: Workers = 0, ray_address: RayCluster = "", hub_repo: HubRepo = "",
-               hub_revision: HubRevision = DEFAULT_HUB_REVISION, hub_moving_ref: HubMovingRef = "",
-               hub_private: HubPrivate = False, hub_token_secret: HubTokenSecret = "",
-               mlflow_model: MlflowModel = "", mlflow_tracking_uri: MlflowTrackingUri = "") -> StepOutcome:
+                    hub_revision: HubRevision = DEFAULT_HUB_REVISION, hub_moving_ref: HubMovingRef = "",
+                    hub_private: HubPrivate = False, hub_token_secret: HubTokenSecret = "",
+                    mlflow_model: MlflowModel = "", mlflow_tracking_uri: MlflowTrackingUri = "") -> StepOutcome:
     """Extract, validate and publish the LoRA adapter of one step (see the module docstring; each parameter's text:
     its type in `flows.params`)."""
     params = AdapterParams(**locals())
