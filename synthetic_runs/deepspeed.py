@@ -10,6 +10,12 @@ Contract:
                   global_stepN/*_model_states.pt, *_optim_states.pt, trainer_state.json}, and at stages 1/2 the
                   model in its training dtype (``model.safetensors``), as HF Trainer / TRL save it;
       deepspeed:  root/latest, root/zero_to_fp32.py, root/global_stepN/ (OpenRLHF, a bare engine).
+- ``spec.lora``: the model is PEFT-wrapped first (``peft.get_peft_model``, the LoRA factors filled with known non-zero
+  values; the base frozen, as PEFT leaves it). A bare engine saves the frozen base in its model states file
+  (``engine.save_checkpoint``); HF Trainer saves a PEFT model as its ``_save_checkpoint`` does:
+  ``save_checkpoint(..., exclude_frozen_parameters=True)`` (the adapter's fp32 masters only) and, before it,
+  ``save_model``'s ``PeftModel.save_pretrained`` (``adapter_config.json``, ``adapter_model.safetensors``) and the
+  tokenizer; no ``config.json``.
 - ``spec.dtype`` is the training precision: ``bfloat16`` (DeepSpeed's bf16 section: ``bf16_*_optim_states.pt``;
   the weights are built in bf16, so their fp32 masters are exact) or ``float32``.
 - reference_root/checkpoint-N/ (or global_stepN/) receives ``state_dict.safetensors``: the fp32 weights the
@@ -34,8 +40,9 @@ from collections.abc import Sequence
 
 import torch
 
-from synthetic_runs.fsdp import REFERENCE_STATE_DICT, SyntheticRunError
+from synthetic_runs.fsdp import REFERENCE_STATE_DICT, LoraSpec, SyntheticRunError, _apply_lora, _fill_lora_
 from synthetic_runs.models import ModelSpec, build_model, torch_dtype, write_hf_metadata
+from synthetic_runs.tokenizer import save_tokenizer
 
 TRAINERS = ("hf_trainer", "deepspeed")
 DTYPES = ("bfloat16", "float32")
@@ -50,10 +57,13 @@ class ZeroSpec:
     stage: int = 2
     dtype: str = "bfloat16"
     trainer: str = "hf_trainer"
+    lora: LoraSpec | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3) or self.dtype not in DTYPES or self.trainer not in TRAINERS:
             raise ValueError(f"stage 1-3, dtype in {DTYPES}, trainer in {TRAINERS}: got {self}")
+        if self.lora is not None and self.trainer == "hf_trainer" and self.stage == 3:
+            raise ValueError("HF Trainer's PEFT save at stage 3 gathers 16-bit weights: not written here")
 
     def step_folder(self, step: int) -> str:
         """The step's folder under the run root (the folder a merge is given)."""
@@ -97,17 +107,32 @@ class ZeroRun:
         return load_file(os.path.join(self.reference_root, self.spec.step_folder(step), REFERENCE_STATE_DICT))
 
     def trained_model(self, step: int) -> torch.nn.Module:
-        """The fp32 model whose weights are ``reference_weights(step)``."""
+        """The fp32 model whose weights are ``reference_weights(step)`` (a PEFT model for a LoRA run)."""
         return _known_model(self.spec, self.seed + step)
+
+    def base_model(self, step: int) -> torch.nn.Module:
+        """The fp32 model the LoRA run of ``step`` was trained from (no LoRA)."""
+        return _known_model(ZeroSpec(self.spec.model, self.spec.world_size, self.spec.stage, self.spec.dtype,
+                                     self.spec.trainer), self.seed + step)
 
 
 def _known_model(spec: ZeroSpec, seed: int) -> torch.nn.Module:
     """The model of (spec, seed) in fp32, its weights exactly representable in the training precision (the
-    weights built in that dtype; the rest, rotary frequencies included, built in fp32)."""
+    weights built in that dtype; the rest, rotary frequencies included, built in fp32); PEFT-wrapped for a LoRA
+    run, its factors known values rounded to that precision too."""
     model = build_model(spec.model, seed, torch.float32)
     if spec.dtype != "float32":
         rounded = build_model(spec.model, seed, torch_dtype(spec.dtype)).state_dict()
         model.load_state_dict({name: value.float() for name, value in rounded.items()})
+    if spec.lora is None:
+        return model
+    model = _apply_lora(model, spec.lora)
+    _fill_lora_(model, seed)
+    if spec.dtype != "float32":
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".lora_" in name:
+                    param.copy_(param.to(torch_dtype(spec.dtype)).float())
     return model
 
 
@@ -144,12 +169,15 @@ def _spawn(run: ZeroRun, scratch: str, timeout_s: float) -> None:
     env.setdefault("PYTHONWARNINGS", "ignore")
     if sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # the interpreter by its real folder: DeepSpeed's JIT-built ops record the site-packages path they were built
+    # from, and one venv reached through two links (worktrees) would rebuild them, one writer at a time
+    python = os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
     processes, logs = [], []
     try:
         for rank in range(world):
             logs.append(os.path.join(scratch, f"rank_{rank}.log"))
             with open(logs[-1], "w") as log:
-                command = [sys.executable, "-m", "synthetic_runs.deepspeed", job_path, str(rank), str(world),
+                command = [python, "-m", "synthetic_runs.deepspeed", job_path, str(rank), str(world),
                            str(store.port)]
                 processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                   stdin=subprocess.DEVNULL))
@@ -208,6 +236,12 @@ def _rank_main(job_path: str, rank: int, world: int, port: int) -> None:
         job = json.load(handle)
     data = dict(job["spec"])
     data["model"] = ModelSpec(**data["model"])
+    if data.get("lora") is not None:
+        lora = dict(data["lora"])
+        lora["target_modules"] = lora["target_modules"] if isinstance(lora["target_modules"], str) else \
+            tuple(lora["target_modules"])
+        lora["target_parameters"] = tuple(lora.get("target_parameters", ()))
+        data["lora"] = LoraSpec(**lora)
     spec = ZeroSpec(**data)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -241,10 +275,15 @@ def _train_and_save(spec: ZeroSpec, root: str, seed: int, step: int, rank: int) 
     if spec.trainer == "hf_trainer" and rank == 0:  # HF Trainer saves the model first, then DeepSpeed's state
         os.makedirs(step_dir, exist_ok=True)
         if spec.stage < 3:
-            engine.module.save_pretrained(step_dir)
-        write_hf_metadata(step_dir, spec.model, spec.dtype)
+            engine.module.save_pretrained(step_dir)  # a PEFT model: its adapter files
+        if spec.lora is None:
+            write_hf_metadata(step_dir, spec.model, spec.dtype)
+        else:
+            save_tokenizer(step_dir, spec.model.text_vocab_size)
     dist.barrier()
-    engine.save_checkpoint(save_dir, tag=f"global_step{step}")
+    # HF Trainer's _save_optimizer_and_scheduler: a PEFT model's frozen base is not saved
+    exclude = spec.trainer == "hf_trainer" and spec.lora is not None
+    engine.save_checkpoint(save_dir, tag=f"global_step{step}", exclude_frozen_parameters=exclude)
     if spec.trainer == "hf_trainer" and rank == 0:
         with open(os.path.join(step_dir, "trainer_state.json"), "w") as handle:
             json.dump({"global_step": step}, handle)

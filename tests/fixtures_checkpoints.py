@@ -153,3 +153,20 @@ def dcp_lora_runs(tmp_path_factory) -> dict[str, synthetic_runs.StepFiles]:
     write_hf_metadata(root / "hf", jobs[0].spec.model)
     return steps
 
+
+ZERO_LORA_SPECS = {"lora_zero2_fp32": dict(stage=2, dtype="float32", trainer="deepspeed"),
+                   "lora_zero2_hf_trainer": dict(stage=2, dtype="bfloat16", trainer="hf_trainer")}
+
+
+@pytest.fixture(scope="session")
+def zero_lora_runs(tmp_path_factory):
+    """name -> `synthetic_runs.deepspeed.ZeroRun` of a PEFT-wrapped tiny Qwen2 (LoRA r=4, alpha=8 on q/v) saved by
+    real DeepSpeed over 2 gloo ranks (`ZERO_LORA_SPECS`): a bare engine at stage 2 in fp32 (the frozen base in the model
+    states file), HF Trainer's save at stage 2 in bf16 (adapter masters only, PEFT's adapter files beside)."""
+    from synthetic_runs.deepspeed import ZeroSpec, write_zero_run
+    from synthetic_runs.fsdp import LoraSpec
+
+    root = tmp_path_factory.mktemp("zero_lora_fixtures")
+    return {name: write_zero_run(root / name, ZeroSpec(**spec, lora=LoraSpec()), steps=(1,),
+                                 reference_root=root / f"{name}_ref")
+            for name, spec in ZERO_LORA_SPECS.items()}

@@ -87,7 +87,9 @@ class ExtractJob:
     """``stepmerge extract-lora --local_dir``: the checkpoint's adapter at ``target_url`` (and its clean
     base under ``base/``). The adapter's config names its base so that the name resolves wherever the folder is
     copied (`merge_engine.lora.base_name.adapter_base_name`: a Hub id, else ``base``), never the folder it is
-    written to (the pipeline's staging dies with the publish)."""
+    written to (the pipeline's staging dies with the publish). The model's config is ``hf_model_path``'s, else the
+    one saved with the checkpoint, else (an adapter-only step saved without one: HF Trainer's save of a PEFT model)
+    ``base_model``'s."""
 
     source_url: str
     target_url: str
@@ -138,8 +140,12 @@ class ExtractJob:
 
     def _prepare(self, checkpoint: Checkpoint, options: OutputOptions, source: TensorSource,
                  opened: list[TensorSource]) -> PreparedJob:
-        hf_dir = options.hf_model_path or checkpoint.hf_dir
-        config = self.inputs.config(hf_dir, "checkpoint") if options.hf_model_path else read_config(hf_dir)
+        if options.hf_model_path:
+            hf_dir, config = options.hf_model_path, self.inputs.config(options.hf_model_path, "checkpoint")
+        elif checkpoint.hf_dir is None and options.base_model is not None:  # saved without a config: the base's
+            hf_dir, config = options.base_model, self.inputs.config(options.base_model, "base model")
+        else:
+            hf_dir, config = checkpoint.hf_dir, read_config(checkpoint.hf_dir)
         lora = resolve_checkpoint_lora(checkpoint.url, checkpoint.files, source.metas(), options.lora_alpha,
                                       config, run=self._run_metadata())
         base_view = RenamedSource(source, lora.keys.base) if lora.keys.base else None

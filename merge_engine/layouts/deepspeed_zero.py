@@ -19,8 +19,15 @@ slices concatenated and cut to its size), as lazy views on byte ranges of the op
 (`merge_engine.formats.tensor_source.FlatTensor`): a merge reads each master byte once, tensor at a time.
 Buffers come from rank 0's model file as stored; tied parameters (``shared_params``) are the same tensor.
 
-Refused by name (`UnsupportedLayout`): tensor or pipeline parallelism (``mp_rank_01``, ``layer_*`` files),
-frozen parameters (not saved as fp32 masters), per-group partition counts that differ (expert parallelism),
+Frozen parameters (a PEFT model's base under LoRA) have no fp32 master: they are read from the model states files
+in the precision they were trained in, as ``zero_to_fp32.py`` reads them (stage 2: rank 0's
+``frozen_param_fragments``); stage 3's per-rank fragments and stage 1's (recorded nowhere but the module) are
+refused by name (`UnsupportedLayout`), not read yet.
+A PEFT-wrapped model's names (``base_model.model.``, ``lora_A``/``lora_B``) make the checkpoint a LoRA one
+(`Checkpoint.lora`): ``merge`` fuses it, ``extract-lora`` writes its adapter; one saved with
+``exclude_frozen_parameters`` (HF Trainer's save of a PEFT model) holds the adapter only.
+
+Refused by name (`UnsupportedLayout`): tensor or pipeline parallelism (``mp_rank_01``, ``layer_*`` files), per-group partition counts that differ (expert parallelism),
 an optim file without a ZeRO stage (DeepSpeed's bf16 optimizer without ZeRO).
 
 Completeness from a listing (`listing_verdict`): the model file(s), and for ranks 0..K every optim file (and at
@@ -323,11 +330,68 @@ def _shapes(opened: _Opened) -> list[dict[str, tuple[int, ...]]]:
                 raise CorruptShard(f"param_shapes entry {name!r}: {shape!r} is not a shape", url)
             shapes[name] = tuple(shape)
         groups.append(shapes)
-    frozen = opened.model.get("frozen_param_shapes")
-    if frozen:
-        raise UnsupportedLayout(f"{len(frozen)} frozen parameter(s) (e.g. {next(iter(frozen))!r}) are not saved as "
-                                "fp32 masters; DeepSpeed checkpoints with frozen parameters are not supported", url)
     return groups
+
+
+def _frozen_shapes(opened: _Opened) -> dict[str, tuple[int, ...]]:
+    """``frozen_param_shapes`` of rank 0's model states file (parameters outside the optimizer: a PEFT model's
+    base), checked; empty when DeepSpeed recorded none (stage 1, or saved with ``exclude_frozen_parameters``)."""
+    url = opened.archives[opened.world_size].url
+    frozen = opened.model.get("frozen_param_shapes") or {}
+    if not isinstance(frozen, dict):
+        raise CorruptShard("frozen_param_shapes is not a dict of names to shapes", url)
+    shapes = {}
+    for name, shape in frozen.items():
+        if not isinstance(name, str) or not isinstance(shape, (tuple, list)) or \
+                not all(type(d) is int and d >= 0 for d in shape):
+            raise CorruptShard(f"frozen_param_shapes entry {name!r}: {shape!r} is not a shape", url)
+        shapes[name] = tuple(shape)
+    return shapes
+
+
+def _fragments(opened: _Opened, archive: TorchArchive) -> dict[str, Any]:
+    tree = archive.load()
+    fragments = tree.get("frozen_param_fragments") if isinstance(tree, dict) else None
+    if not isinstance(fragments, dict):
+        raise CorruptShard("frozen_param_shapes without a frozen_param_fragments dict", archive.url)
+    return fragments
+
+
+def _frozen(opened: _Opened, trainable: dict[str, Any]) -> dict[str, Any]:
+    """Every frozen parameter in the precision it was trained in (it has no fp32 master), as zero_to_fp32.py
+    rebuilds it at stage 2: rank 0's whole ``frozen_param_fragments``. Refused by name (`UnsupportedLayout`):
+    stage 3's (each rank's flat fragment), and stage 1's, which records none (parameters of rank 0's ``module``
+    neither optimized, buffers nor tied names), not read yet."""
+    from merge_engine.formats.stored_tensor import StoredTensor
+    from merge_engine.formats.tensor_source import ConcatTensor
+
+    model_archive = opened.archives[opened.world_size]
+    url = model_archive.url
+    shapes = _frozen_shapes(opened)
+    tensors: dict[str, Any] = {}
+    if not shapes and opened.stage < 3:
+        module = opened.model.get("module")
+        skip = set(trainable) | set(opened.model.get("buffer_names") or ()) | set(opened.model.get("shared_params")
+                                                                                  or {})
+        shapes = {name: tuple(value.shape) for name, value in (module.items() if isinstance(module, dict) else ())
+                  if name not in skip and isinstance(name, str) and isinstance(value, StoredTensor)}
+        if shapes:
+            raise UnsupportedLayout(f"deepspeed_zero: {len(shapes)} parameter(s) of the module outside the optimizer "
+                                    f"(e.g. {next(iter(shapes))!r}) and no frozen_param_shapes (stage 1): frozen "
+                                    "parameters are read at stage 2 only", url)
+        return tensors
+    if not shapes:
+        return tensors
+    if opened.stage == 3:
+        raise UnsupportedLayout(f"deepspeed_zero: {len(shapes)} frozen parameter(s) at stage 3 (e.g. "
+                                f"{next(iter(shapes))!r}): their per-rank fragments are not read yet", url)
+    fragments = _fragments(opened, model_archive)
+    for name, shape in shapes.items():
+        value = fragments.get(name)
+        if not isinstance(value, StoredTensor) or tuple(value.shape) != shape:
+            raise CorruptShard(f"frozen parameter {name!r}: its fragment is not a {shape} tensor", url)
+        tensors[name] = ConcatTensor(value.shape, value.dtype_name, 0, (value,))
+    return tensors
 
 
 def _stage_1_2(opened: _Opened) -> dict[str, Any]:
@@ -397,6 +461,10 @@ def _tensors(opened: _Opened) -> dict[str, Any]:
 
     tensors = _stage_3(opened) if opened.stage == 3 else _stage_1_2(opened)
     url = opened.archives[opened.world_size].url
+    for name, tensor in _frozen(opened, tensors).items():
+        if name in tensors:
+            raise CorruptShard(f"parameter {name!r} is both frozen and in the optimizer's partitions", url)
+        tensors[name] = tensor
     module = opened.model.get("module")
     buffers = opened.model.get("buffer_names") or []
     for name in buffers:

@@ -2,8 +2,8 @@
 ``zero_lora_runs``: a tiny Qwen2 wrapped by ``peft.get_peft_model``, LoRA r=4, alpha=8 on q/v, factors non-zero).
 
 - Accelerate's DCP save of the whole PEFT model (``checkpoint-1/pytorch_model_fsdp_0/``) and a bare DeepSpeed
-  engine's ZeRO-2 and ZeRO-3 saves (the frozen base in the model states files, the factors' fp32 masters in the
-  optim partitions) ``merge`` into exactly the weights PEFT's own ``merge_and_unload`` gives in fp32, and
+  engine's ZeRO-2 save (the frozen base in the model states file, the factors' fp32 masters in the optim
+  partitions) ``merge`` into exactly the weights PEFT's own ``merge_and_unload`` gives in fp32, and
   ``extract-lora`` into an adapter that ``PeftModel.from_pretrained`` loads onto the clean base (the base model bit
   for bit) with the trained model's logits;
 - ``lora_alpha`` comes from PEFT's ``adapter_config.json`` saved beside the checkpoint, else ``--lora-alpha``: it is
@@ -30,8 +30,8 @@ from merge_engine.layouts import check_checkpoint
 from tests.merge_engine.lora.conftest import logits, peft_logits
 from tests.merge_engine.lora.test_fuse import ATOL, RTOL
 
-FUSED = ("dcp_full",)
-ZERO: dict[str, str] = {}
+FUSED = ("dcp_full", "zero2_fp32")
+ZERO = {"zero2_fp32": "lora_zero2_fp32"}
 
 
 class Run:
@@ -64,10 +64,11 @@ def _zero_run(zero_lora_runs, name: str) -> Run:
 
 
 @pytest.fixture
-def runs(request, dcp_lora_runs):
+def runs(request):
+    """name -> Run, building only the fixture that name needs (the DCP and the DeepSpeed runs are separate)."""
     def get(name: str) -> Run:
         if name.startswith("dcp_"):
-            return _dcp_run(dcp_lora_runs, name[len("dcp_"):])
+            return _dcp_run(request.getfixturevalue("dcp_lora_runs"), name[len("dcp_"):])
         return _zero_run(request.getfixturevalue("zero_lora_runs"), ZERO.get(name, name))
     return get
 
@@ -99,7 +100,7 @@ def test_merge_is_pefts_merge_and_unload_bit_for_bit(runs, tmp_path, name):
     assert json.load(open(out / "stepmerge.json"))["lora"]["lora_alpha_from"] == "--lora-alpha"
 
 
-@pytest.mark.parametrize("name", ("dcp_full",))
+@pytest.mark.parametrize("name", ("dcp_full", "zero2_fp32"))
 def test_lora_alpha_is_never_guessed(runs, tmp_path, name):
     run = runs(name)
     out = tmp_path / "fused"
@@ -155,3 +156,27 @@ def test_hf_trainers_adapter_only_dcp_save_extracts_against_the_base(runs, tmp_p
     assert not (out / "base").exists()
     torch.testing.assert_close(peft_logits(base_dir, str(out)), logits(run.trained), atol=ATOL, rtol=RTOL)
 
+
+def test_hf_trainers_deepspeed_save_of_a_peft_model(runs, zero_lora_runs, tmp_path):
+    """ZeRO-2 in bf16 inside HF Trainer's ``checkpoint-1/``: the adapter's fp32 masters only
+    (``exclude_frozen_parameters``), PEFT's adapter_config.json and adapter_model.safetensors beside. The adapter is
+    extracted with alpha from that config (no --lora-alpha), equal to HF Trainer's own adapter file, and loads in
+    PEFT onto the base with the trained logits; a plain merge is refused (no base), nothing written."""
+    run = runs("lora_zero2_hf_trainer")
+    folder = Path(run.folder)
+    assert (folder / "adapter_config.json").exists() and not (folder / "config.json").exists()
+    assert check_checkpoint(run.folder).lora is True
+    base_dir = _save_base(run, tmp_path / "base")
+    merged = tmp_path / "fused"
+    assert main(["merge", "--local_dir", run.folder, "--target_dir", str(merged), "--hf_model_path", base_dir]) != 0
+    assert not merged.exists()
+    out = tmp_path / "adapter"
+    assert main(["extract-lora", "--local_dir", run.folder, "--target-dir", str(out), "--base-model", base_dir]) == 0
+    recorded = json.load(open(out / "stepmerge.json"))
+    assert json.load(open(out / "adapter_config.json"))["lora_alpha"] == 8
+    assert "adapter_config.json" in json.dumps(recorded)  # where alpha came from
+    ours, theirs = load_file(str(out / "adapter_model.safetensors")), load_file(str(folder / "adapter_model.safetensors"))
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k].to(theirs[k].dtype), theirs[k]) for k in ours)
+    torch.testing.assert_close(peft_logits(base_dir, str(out)), logits(run.trained), atol=ATOL, rtol=RTOL)
+    assert os.path.basename(base_dir) == json.load(open(out / "adapter_config.json"))["base_model_name_or_path"]
