@@ -27,8 +27,9 @@ A PEFT-wrapped model's names (``base_model.model.``, ``lora_A``/``lora_B``) make
 (`Checkpoint.lora`): ``merge`` fuses it, ``extract-lora`` writes its adapter; one saved with
 ``exclude_frozen_parameters`` (HF Trainer's save of a PEFT model) holds the adapter only.
 
-Refused by name (`UnsupportedLayout`): tensor or pipeline parallelism (``mp_rank_01``, ``layer_*`` files), per-group partition counts that differ (expert parallelism),
-an optim file without a ZeRO stage (DeepSpeed's bf16 optimizer without ZeRO).
+Refused by name (`UnsupportedLayout`): tensor or pipeline parallelism (``mp_rank_01``, ``layer_*`` files),
+per-group partition counts that differ (expert parallelism), an optim file without a ZeRO stage (DeepSpeed's bf16
+optimizer without ZeRO).
 
 Completeness from a listing (`listing_verdict`): the model file(s), and for ranks 0..K every optim file (and at
 stage 3 every model file) present and non-empty; a rank whose files are missing at the end of the range is only
@@ -66,6 +67,11 @@ OPTIMIZER_KEY = "optimizer_state_dict"
 STAGE_1_2_GROUPS = "single_partition_of_fp32_groups"
 STAGE_3_GROUPS = "fp32_flat_groups"
 NEEDS_CONFIG = "hf_model_path"  # the merge parameter naming a config for a step saved without one
+NEEDS_BASE = "base_model"  # the merge parameter naming the base of a step holding a LoRA adapter only
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's, beside the tag when HF Trainer saves a PEFT model
+ADAPTER_ONLY_REASON = ("a LoRA adapter only (HF Trainer's save of a PEFT model: base weights not saved, no "
+                       f"config.json): a fused model needs {NEEDS_BASE} (--base-model), the model the run trained "
+                       "from")
 
 
 @dataclass(frozen=True)
@@ -131,7 +137,7 @@ def _problem(files: Sequence[FileEntry]) -> tuple[str, str, str, ZeroFiles | Non
     zero = _files_in(files, folders[0])
     if zero.mp_ranks - {0} or zero.other_parallel:
         what = zero.other_parallel[0] if zero.other_parallel else f"mp_rank_{max(zero.mp_ranks):02d}"
-        return "unsupported", (f"DeepSpeed ZeRO with tensor, pipeline or expert parallelism ({what}) is not "
+        return "unsupported", (f"{NAME}: DeepSpeed ZeRO with tensor, pipeline or expert parallelism ({what}) is not "
                                "supported: only data-parallel ZeRO (mp_rank_00) is read"), zero.folder, None
     if len(zero.prefixes) > 1:
         precisions = sorted(zero.prefixes)
@@ -166,10 +172,15 @@ def listing_verdict(files: Sequence[FileEntry]) -> Verdict:
 
 
 def second_look(url: str, files: Sequence[FileEntry]) -> StepLook | None:
-    """Discovery's look at a complete step of this layout (`Layout.second_look`; reads nothing): a tag folder saved
-    without ``config.json`` beside it (a bare engine, OpenRLHF) needs ``hf_model_path``; None otherwise."""
-    if any(f.path == CONFIG_FILE for f in files) or not listing_verdict(files).complete:
+    """Discovery's look at a complete step of this layout (`Layout.second_look`; reads nothing) saved without
+    ``config.json`` beside its tag folder: with PEFT's ``adapter_config.json`` there (HF Trainer's save of a PEFT
+    model, ``exclude_frozen_parameters``: the adapter's masters only) it needs ``base_model``, the model the run
+    trained from; else (a bare engine, OpenRLHF) ``hf_model_path``. None for a step with its config."""
+    names = {f.path for f in files}
+    if CONFIG_FILE in names or not listing_verdict(files).complete:
         return None
+    if ADAPTER_CONFIG in names:
+        return StepLook(NAME, Verdict(DONE.status, ADAPTER_ONLY_REASON), (NEEDS_BASE,))
     return StepLook(NAME, Verdict(DONE.status, "no config.json saved beside the DeepSpeed tag"), (NEEDS_CONFIG,))
 
 
@@ -238,16 +249,16 @@ def _open(url: str, files: Sequence[FileEntry]) -> _Opened:
         archives.append(first)
         optimizer0 = _tree(first, OPTIMIZER_KEY)
         if "zero_stage" not in optimizer0:
-            raise UnsupportedLayout("an optim file without a ZeRO stage (DeepSpeed's bf16 optimizer without ZeRO, "
-                                    "stage 0) is not supported", first.url)
+            raise UnsupportedLayout(f"{NAME}: an optim file without a ZeRO stage (DeepSpeed's bf16 optimizer "
+                                    "without ZeRO, stage 0) is not supported", first.url)
         stage = _stage(optimizer0["zero_stage"], first.url)
         counts = optimizer0.get("partition_count")
         counts = counts if isinstance(counts, list) else [counts]
         if not counts or any(type(c) is not int or c < 1 for c in counts):
             raise CorruptShard(f"partition_count is {optimizer0.get('partition_count')!r}", first.url)
         if len(set(counts)) > 1:
-            raise UnsupportedLayout(f"parameter groups partitioned over different rank counts {sorted(set(counts))} "
-                                    "(expert parallelism) are not supported", first.url)
+            raise UnsupportedLayout(f"{NAME}: parameter groups partitioned over different rank counts "
+                                    f"{sorted(set(counts))} (expert parallelism) are not supported", first.url)
         world_size = counts[0]
         extra = sorted(r for r in zero.optim if r >= world_size)
         if extra:
@@ -376,14 +387,14 @@ def _frozen(opened: _Opened, trainable: dict[str, Any]) -> dict[str, Any]:
         shapes = {name: tuple(value.shape) for name, value in (module.items() if isinstance(module, dict) else ())
                   if name not in skip and isinstance(name, str) and isinstance(value, StoredTensor)}
         if shapes:
-            raise UnsupportedLayout(f"deepspeed_zero: {len(shapes)} parameter(s) of the module outside the optimizer "
+            raise UnsupportedLayout(f"{NAME}: {len(shapes)} parameter(s) of the module outside the optimizer "
                                     f"(e.g. {next(iter(shapes))!r}) and no frozen_param_shapes (stage 1): frozen "
                                     "parameters are read at stage 2 only", url)
         return tensors
     if not shapes:
         return tensors
     if opened.stage == 3:
-        raise UnsupportedLayout(f"deepspeed_zero: {len(shapes)} frozen parameter(s) at stage 3 (e.g. "
+        raise UnsupportedLayout(f"{NAME}: {len(shapes)} frozen parameter(s) at stage 3 (e.g. "
                                 f"{next(iter(shapes))!r}): their per-rank fragments are not read yet", url)
     fragments = _fragments(opened, model_archive)
     for name, shape in shapes.items():

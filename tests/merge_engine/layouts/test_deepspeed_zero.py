@@ -5,8 +5,11 @@ Trainer's ``checkpoint-1/``, ZeRO-3 in fp32 as a bare engine's ``global_step1/``
   own logits from it; ZeRO-2's bf16 ``model.safetensors`` beside HF Trainer's tag folder is not what is read;
 - the listing tells a step still being written (a rank's optim file missing or empty) from a complete one, and
   the check finds a missing last rank from the world size DeepSpeed records;
-- what cannot be read is refused by name: tensor/pipeline parallel ranks, an optim file without a ZeRO stage,
-  frozen parameters; a truncated file is `CorruptShard`; DeepSpeed's pickles read with the allow-list only.
+- what cannot be read is refused by name (the layout's, in one line): tensor/pipeline parallel ranks, an optim file
+  without a ZeRO stage, frozen parameters at stage 3; a truncated file is `CorruptShard`; DeepSpeed's pickles read
+  with the allow-list only;
+- discovery names what a step saved without a config needs: ``hf_model_path`` (a bare engine), ``base_model`` (HF
+  Trainer's adapter-only save of a PEFT model).
 """
 
 from __future__ import annotations
@@ -103,6 +106,23 @@ def test_a_missing_middle_rank_is_incomplete_from_the_listing():
                                           ).complete
 
 
+def test_what_a_step_saved_without_a_config_needs_is_named_by_what_it_holds():
+    """A bare engine's step holds the whole model: its merge needs a config (``hf_model_path``). HF Trainer's save of
+    a PEFT model (PEFT's adapter files beside the tag, no config.json) holds the adapter only: it needs the base the
+    run trained from (``base_model``), whose config serves too; naming hf_model_path would send the user the wrong
+    way."""
+    tag = [FileEntry("global_step1/mp_rank_00_model_states.pt", 10, "v"),
+           FileEntry("global_step1/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", 10, "v"),
+           FileEntry("global_step1/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", 10, "v")]
+    bare = deepspeed_zero.second_look("/run/checkpoint-1", tag)
+    assert bare is not None and bare.needs == ("hf_model_path",)
+    peft = deepspeed_zero.second_look("/run/checkpoint-1", tag + [FileEntry("adapter_config.json", 5, "v"),
+                                                                  FileEntry("adapter_model.safetensors", 9, "v")])
+    assert peft is not None and peft.verdict.complete and peft.needs == ("base_model",)
+    assert "--base-model" in peft.verdict.reason and "hf_model_path" not in peft.verdict.reason
+    assert deepspeed_zero.second_look("/run/checkpoint-1", tag + [FileEntry("config.json", 5, "v")]) is None
+
+
 def test_tensor_or_pipeline_parallel_zero_is_refused_by_name(zero_runs, tmp_path):
     run = zero_runs["zero2_bf16"]
     folder = _copy(run, tmp_path)
@@ -110,7 +130,7 @@ def test_tensor_or_pipeline_parallel_zero_is_refused_by_name(zero_runs, tmp_path
     shutil.copyfile(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
     (verdict,) = [v for n, v in listing_verdicts(list_files(str(folder), recursive=True)) if n == deepspeed_zero.NAME]
     assert verdict.status == "invalid" and "mp_rank_01" in verdict.reason
-    with pytest.raises(UnsupportedLayout, match="tensor, pipeline or expert parallelism"):
+    with pytest.raises(UnsupportedLayout, match="^deepspeed_zero: .*tensor, pipeline or expert parallelism"):
         check_checkpoint(str(folder))
 
 
@@ -146,7 +166,7 @@ def test_an_optim_file_without_a_zero_stage_is_refused_by_name(zero_runs, tmp_pa
     run = zero_runs["zero3_fp32"]
     folder = _copy(run, tmp_path)
     _rewrite_optim(folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt", lambda state: state.pop("zero_stage"))
-    with pytest.raises(UnsupportedLayout, match="without a ZeRO stage"):
+    with pytest.raises(UnsupportedLayout, match="^deepspeed_zero: .*without a ZeRO stage"):
         check_checkpoint(str(folder))
 
 
@@ -157,7 +177,7 @@ def test_frozen_parameters_are_refused_by_name(zero_runs, tmp_path, deepspeed_gl
     tree = torch.load(model_file, weights_only=True)
     tree["frozen_param_shapes"] = {"model.embed_tokens.weight": torch.Size([3, 4])}
     torch.save(tree, model_file)
-    with pytest.raises(UnsupportedLayout, match="frozen parameter"):
+    with pytest.raises(UnsupportedLayout, match="^deepspeed_zero: .*frozen parameter"):
         check_checkpoint(str(folder))
 
 

@@ -10,7 +10,8 @@
   never guessed (refused, nothing written);
 - HF Trainer's adapter-only saves (Accelerate's ``adapter_only=True``; DeepSpeed's ``exclude_frozen_parameters``
   beside PEFT's own adapter files) extract against ``--base-model`` (alpha from the adapter config HF Trainer
-  saved); a plain ``merge`` of one is refused by name (it holds no base), nothing written.
+  saved); a plain ``merge`` of one is refused by name (it holds no base), nothing written; discovery says such a
+  DeepSpeed step needs ``base_model`` (the model the run trained from), not ``hf_model_path``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from safetensors.torch import load_file
 
 from merge_engine.cli import main
 from merge_engine.layouts import check_checkpoint
+from merge_engine.layouts.discovery import discover
 from tests.merge_engine.lora.conftest import logits, peft_logits
 from tests.merge_engine.lora.test_fuse import ATOL, RTOL
 
@@ -166,6 +168,9 @@ def test_hf_trainers_deepspeed_save_of_a_peft_model(runs, zero_lora_runs, tmp_pa
     folder = Path(run.folder)
     assert (folder / "adapter_config.json").exists() and not (folder / "config.json").exists()
     assert check_checkpoint(run.folder).lora is True
+    (step,) = discover(str(folder.parent)).steps  # what the watcher is told the merge needs: the base
+    assert (step.status, step.needs) == ("complete", ("base_model",))
+    assert "base_model (--base-model)" in step.reason and "hf_model_path" not in step.reason
     base_dir = _save_base(run, tmp_path / "base")
     merged = tmp_path / "fused"
     assert main(["merge", "--local_dir", run.folder, "--target_dir", str(merged), "--hf_model_path", base_dir]) != 0
