@@ -155,6 +155,19 @@ def write_zero_run(root: str | os.PathLike[str], spec: ZeroSpec, steps: Sequence
     return run
 
 
+def extensions_dir(python: str) -> str:
+    """Where the ranks of ``python`` (an interpreter by its real path) build DeepSpeed's JIT ops: a folder of that
+    interpreter's own under torch's default build root. DeepSpeed rebuilds its CPU shm op whenever the site-packages
+    path in the build record differs, so two checkouts of one project (each with its venv) sharing torch's default
+    folder rebuild it in turn, each build ~150 s of two compilers on a loaded 2-core machine."""
+    import hashlib
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    digest = hashlib.sha256(os.path.dirname(python).encode()).hexdigest()[:12]
+    return os.path.join(get_default_build_root(), f"py{sys.version_info[0]}{sys.version_info[1]}_{digest}")
+
+
 def _spawn(run: ZeroRun, scratch: str, timeout_s: float) -> None:
     import torch.distributed as dist
 
@@ -172,6 +185,7 @@ def _spawn(run: ZeroRun, scratch: str, timeout_s: float) -> None:
     # the interpreter by its real folder: DeepSpeed's JIT-built ops record the site-packages path they were built
     # from, and one venv reached through two links (worktrees) would rebuild them, one writer at a time
     python = os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
+    env.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir(python))
     processes, logs = [], []
     try:
         for rank in range(world):
