@@ -3,8 +3,9 @@
 Contract:
 - `write_zero_run(root, spec, steps, seed, reference_root)` spawns ``spec.world_size`` ranks (gloo on 127.0.0.1,
   the store's port picked by the OS), each runs ``deepspeed.initialize`` on the model of ``spec.model`` with the
-  weights of ``seed + step`` (DeepSpeed picks its CPU accelerator by itself), takes one AdamW step at learning
-  rate 0 (``torch_adam``: the fp32 master weights stay exactly the weights built) and saves with
+  weights of ``seed + step`` (DeepSpeed picks its CPU accelerator by itself), takes one step at learning rate 0
+  (``spec.optimizer``: DeepSpeed's AdamW with ``torch_adam``, or torch's plain SGD as the client optimizer; the fp32
+  master weights stay exactly the weights built) and saves with
   ``engine.save_checkpoint``, as the trainer of ``spec.trainer`` lays it out:
       hf_trainer: root/checkpoint-N/{config.json, tokenizer, generation_config.json, latest, zero_to_fp32.py,
                   global_stepN/*_model_states.pt, *_optim_states.pt, trainer_state.json}, and at stages 1/2 the
@@ -46,6 +47,8 @@ from synthetic_runs.tokenizer import save_tokenizer
 
 TRAINERS = ("hf_trainer", "deepspeed")
 DTYPES = ("bfloat16", "float32")
+OPTIMIZERS = ("AdamW", "SGD")
+BUCKET_ELEMENTS = 50_000_000  # ZeRO's reduce / all-gather buckets (DeepSpeed's default 5e8 is 1 GB of bf16 a rank)
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,15 @@ class ZeroSpec:
     dtype: str = "bfloat16"
     trainer: str = "hf_trainer"
     lora: LoraSpec | None = None
+    # "AdamW": DeepSpeed's own (optim files hold its two moments); "SGD": torch's plain SGD without momentum given
+    # as the client optimizer, whose state is only the fp32 master partitions (a large model written in less RAM)
+    optimizer: str = "AdamW"
 
     def __post_init__(self) -> None:
-        if self.stage not in (1, 2, 3) or self.dtype not in DTYPES or self.trainer not in TRAINERS:
-            raise ValueError(f"stage 1-3, dtype in {DTYPES}, trainer in {TRAINERS}: got {self}")
+        if (self.stage not in (1, 2, 3) or self.dtype not in DTYPES or self.trainer not in TRAINERS
+                or self.optimizer not in OPTIMIZERS):
+            raise ValueError(f"stage 1-3, dtype in {DTYPES}, trainer in {TRAINERS}, optimizer in {OPTIMIZERS}: "
+                             f"got {self}")
         if self.lora is not None and self.trainer == "hf_trainer" and self.stage == 3:
             raise ValueError("HF Trainer's PEFT save at stage 3 gathers 16-bit weights: not written here")
 
@@ -70,9 +78,12 @@ class ZeroSpec:
         return f"checkpoint-{step}" if self.trainer == "hf_trainer" else f"global_step{step}"
 
     def ds_config(self) -> dict:
-        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "weight_decay": 0.01, "torch_adam": True}},
-                  "zero_optimization": {"stage": self.stage}}
+        zero = {"stage": self.stage, "reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS}
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": zero}
+        if self.optimizer == "AdamW":
+            config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0, "weight_decay": 0.01, "torch_adam": True}}
+        else:
+            config["zero_allow_untested_optimizer"] = True  # a client optimizer under ZeRO
         if self.dtype == "bfloat16":
             config["bf16"] = {"enabled": True}
         return config
@@ -149,6 +160,7 @@ def write_zero_run(root: str | os.PathLike[str], spec: ZeroSpec, steps: Sequence
         os.makedirs(folder, exist_ok=True)
         state = {k: v.contiguous() for k, v in _known_model(spec, seed + step).state_dict().items()}
         save_file(state, os.path.join(folder, REFERENCE_STATE_DICT))
+        del state  # the ranks below build their own copies
     write_hf_metadata(run.hf_config_dir, spec.model, "float32")
     with tempfile.TemporaryDirectory(prefix="synthetic_zero_") as scratch:
         _spawn(run, scratch, timeout_s)
@@ -277,9 +289,12 @@ def _train_and_save(spec: ZeroSpec, root: str, seed: int, step: int, rank: int) 
     import deepspeed
     import torch.distributed as dist
 
-    model = _known_model(spec, seed).train()
+    # without LoRA, built in the training dtype: the parameters DeepSpeed would cast `_known_model`'s to, no fp32 copy
+    model = (_known_model(spec, seed) if spec.lora is not None else
+             build_model(spec.model, seed, torch_dtype(spec.dtype))).train()
+    client = torch.optim.SGD(model.parameters(), lr=0.0) if spec.optimizer == "SGD" else None
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
-                                           config=spec.ds_config())
+                                           optimizer=client, config=spec.ds_config())
     tokens = (torch.arange(8) * 7 + rank) % spec.model.vocab_size
     loss = engine(input_ids=tokens.unsqueeze(0), labels=tokens.unsqueeze(0)).loss
     engine.backward(loss)
