@@ -1,6 +1,7 @@
 """The floors a local merge is measured against, each one child process (run by `benchmarks.shard_jobs`).
 
     python -m benchmarks.data_path_floor loop OUT_FILE RANK_FILE...   # read + cast + sha256 + write
+    python -m benchmarks.data_path_floor loop --copy OUT_FILE FILE... # read + sha256 + write, no cast
     python -m benchmarks.data_path_floor imports                     # what a merge imports, nothing else
 
 ``cp`` does no cast and no sha256, so a merge cannot reach it. These two say what can be reached:
@@ -9,7 +10,8 @@
   (``Tensor.copy_``), written with the merge's own direct-I/O writer (`merge_engine.storage.direct_io`,
   fsynced at the end, as a merge commits), and hashed with sha256 in a second thread overlapped
   with the read, cast and write (``--serial``: in the same thread). No pickle, no plan, no Hub
-  names: the merge's per-byte work in the tightest loop Python allows.
+  names: the merge's per-byte work in the tightest loop Python allows. ``--copy``: the bytes copied
+  as they are (fp32 kept, as every trainer's own consolidator keeps them: `benchmarks.trainer_peers`).
 - ``imports``: the interpreter with the modules a FSDP merge imports (torch, stepmerge's engine,
   torch's DTensor placement code, transformers' conversion table for Hub names) and nothing run.
 A merge costs about ``imports`` + ``loop`` - one torch import + its planning; the figures say
@@ -27,8 +29,9 @@ CHUNK_BYTES = 16 * 1024 * 1024
 RING = 4  # bf16 buffers: one being filled, the rest written or waiting for / in the hasher
 
 
-def loop(out_path: str, rank_files: list[str], serial: bool = False) -> str:
-    """Read, cast, write and hash ``rank_files`` into ``out_path``; the sha256 (hex) of what was written."""
+def loop(out_path: str, rank_files: list[str], serial: bool = False, cast: bool = True) -> str:
+    """Read, cast (``cast``: fp32 -> bf16, else a copy of the fp32 values), write and hash ``rank_files`` into
+    ``out_path``; the sha256 (hex) of what was written."""
     import torch
 
     from merge_engine.storage.direct_io import DirectFile
@@ -36,7 +39,7 @@ def loop(out_path: str, rank_files: list[str], serial: bool = False) -> str:
     torch.set_num_threads(1)
     src = torch.empty(CHUNK_BYTES // 4, dtype=torch.float32)
     src_bytes = memoryview(src.view(torch.uint8).numpy())
-    ring = [torch.empty(CHUNK_BYTES // 4, dtype=torch.bfloat16) for _ in range(RING)]
+    ring = [torch.empty(CHUNK_BYTES // 4, dtype=torch.bfloat16 if cast else torch.float32) for _ in range(RING)]
     free: queue.Queue = queue.Queue()
     for buffer in ring:
         free.put(buffer)
@@ -88,9 +91,8 @@ def main() -> None:
     if what == "imports":
         imports()
     elif what == "loop":
-        serial = "--serial" in rest
-        paths = [p for p in rest if p != "--serial"]
-        print(loop(paths[0], paths[1:], serial))
+        paths = [p for p in rest if p not in ("--serial", "--copy")]
+        print(loop(paths[0], paths[1:], "--serial" in rest, "--copy" not in rest))
     else:
         raise SystemExit(__doc__)
 

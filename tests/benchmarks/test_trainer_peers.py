@@ -5,12 +5,16 @@ Specification:
   whatever the files they are spread over; otherwise the verdict names what differs;
 - the table puts each pair's medians side by side, the stepmerge / peer ratios on stepmerge's line, met only when
   both ratios are at or under the goal and the outputs are identical;
-- each pair's commands run the peer's own tool on the input stepmerge merges.
+- each pair's commands run the peer's own tool on the input stepmerge merges;
+- a run's next step (the config's memo read) gets a line and ratios of its own against the same peer;
+- the floor's copy writes exactly the input's bytes, and its sha256 is theirs.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import hashlib
 
 import pytest
 import torch
@@ -70,3 +74,27 @@ def test_each_pair_runs_the_peers_tool_on_the_input_stepmerge_merges(tmp_path, m
         assert str(pair.input_dir) in pair.tool
     assert tool in pair.tool and "{out}" in pair.tool and "{out}" in pair.stepmerge
     assert str(pair.input_dir).startswith(str(tmp_path))
+
+
+def test_a_runs_next_step_gets_its_own_ratios_against_the_same_peer():
+    row = _row("dcp_hf", (6.0, 400), (10.0, 1000))
+    row["runs"]["stepmerge_next"] = {"wall_s": 4.0, "peak_rss_mb": 300, "cpu_s": 1.0}
+    lines = table([row]).splitlines()
+    (first,) = [line for line in lines if "first step" in line]
+    (following,) = [line for line in lines if "next step" in line]
+    assert first.split()[-3:] == ["0.60", "0.40", "NO"]
+    assert following.split()[-3:] == ["0.40", "0.30", "yes"]
+
+
+def test_the_floors_copy_writes_the_input_bytes_and_hashes_them(tmp_path):
+    from benchmarks.data_path_floor import loop
+
+    parts = [torch.arange(n, dtype=torch.float32).numpy().tobytes() for n in (5, 3 * 1024 * 1024 + 7)]
+    files = []
+    for i, data in enumerate(parts):
+        files.append(tmp_path / f"in{i}")
+        files[-1].write_bytes(data)
+    out = tmp_path / "out.bin"
+    digest = loop(str(out), [str(f) for f in files], cast=False)
+    assert out.read_bytes() == b"".join(parts)
+    assert digest == hashlib.sha256(b"".join(parts)).hexdigest()
