@@ -19,6 +19,7 @@ from typing import Any
 
 from merge_engine import storage
 from merge_engine.errors import InvalidConfig, UnsafeFile
+from merge_engine.formats.dcp_file_names import DATA_SUFFIX, METADATA_FILE
 from merge_engine.storage import FileEntry
 from merge_engine.storage.json_text import parse_json
 from merge_engine.storage.source_files import check_metadata_file, file_name_fault
@@ -37,6 +38,12 @@ WEIGHT_INDEXES = (".safetensors.index.json", ".bin.index.json")
 
 def is_weight_file(name: str) -> bool:
     return name.endswith(WEIGHT_SUFFIXES) or name.endswith(WEIGHT_INDEXES)
+
+
+def is_dcp_file(name: str) -> bool:
+    """torch DCP's index (``.metadata``) or a rank's data file (``*.distcp``): the checkpoint itself, never metadata
+    to copy, when a DCP save has its config beside it in one folder."""
+    return name == METADATA_FILE or name.endswith(DATA_SUFFIX)
 
 
 def read_config(hf_dir: str | None, *, what: str = "checkpoint") -> dict[str, Any]:
@@ -87,13 +94,13 @@ def shown_name(name: str) -> str:
 def copy_metadata(hf_dir: str, target_url: str, config: Mapping[str, Any],
                   updates: Mapping[str, Any] | None = None,
                   files: Sequence[FileEntry] | None = None) -> list[tuple[str, int]]:
-    """Copy metadata files (top level of ``hf_dir``; ``files``: that level as already listed) and write the
-    updated config (without a ``_name_or_path`` that is a path of a machine: a Hub id is kept); returns (name,
-    size). A file whose name `file_name_fault` refuses is not copied (one warning naming it, cut to one bounded
-    line)."""
+    """Copy metadata files (top level of ``hf_dir``, weights and DCP files not; ``files``: that level as already
+    listed) and write the updated config (without a ``_name_or_path`` that is a path of a machine: a Hub id is
+    kept); returns (name, size). A file whose name `file_name_fault` refuses is not copied (one warning naming it,
+    cut to one bounded line)."""
     written = []
     for entry in storage.list_files(hf_dir, recursive=False) if files is None else files:
-        if entry.path in (CONFIG_FILE, MODEL_CARD) or is_weight_file(entry.path):
+        if entry.path in (CONFIG_FILE, MODEL_CARD) or is_weight_file(entry.path) or is_dcp_file(entry.path):
             continue
         fault = file_name_fault(entry.path)
         if fault is not None:

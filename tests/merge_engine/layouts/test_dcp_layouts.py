@@ -63,6 +63,8 @@ def test_a_dcp_step_is_checked_complete_and_merged_bit_for_bit(dcp_runs, tmp_pat
         assert stepmerge(args) != 0 and not out.exists()  # no config: refused, nothing written
         args += ["--hf_model_path", step.reference_hf_dir]
     assert stepmerge(args) == 0
+    copied = sorted(p.name for p in out.iterdir() if p.name == ".metadata" or p.suffix == ".distcp")
+    assert not copied, copied  # a DCP save with its config beside it: the checkpoint is not metadata to copy
     reference, merged = _reference(step), _merged(out)
     assert sorted(merged) == sorted(reference)
     for name, tensor in reference.items():
