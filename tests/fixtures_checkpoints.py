@@ -121,7 +121,8 @@ def dcp_runs(tmp_path_factory) -> dict[str, synthetic_runs.StepFiles]:
     return dict(zip(DCP_STEP_FOLDERS, write_fsdp_steps(jobs)))
 
 
-ZERO_SPECS = {"zero2_bf16": dict(stage=2, dtype="bfloat16", trainer="hf_trainer"),
+ZERO_SPECS = {"zero1_bf16": dict(stage=1, dtype="bfloat16", trainer="hf_trainer"),
+              "zero2_bf16": dict(stage=2, dtype="bfloat16", trainer="hf_trainer"),
               "zero3_fp32": dict(stage=3, dtype="float32", trainer="deepspeed")}
 
 

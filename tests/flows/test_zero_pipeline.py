@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO runs go through the same pipeline as verl's.
 
-The session's ``zero_runs`` (saved by DeepSpeed 0.19.8 itself over 2 gloo ranks: ZeRO-2 in bf16 inside HF
-Trainer's ``checkpoint-1/``, its config beside the tag folder; ZeRO-3 in fp32 as a bare engine's ``global_step1/``,
+The session's ``zero_runs`` (saved by DeepSpeed 0.19.8 itself over 2 gloo ranks: ZeRO-1 and ZeRO-2 in bf16 inside
+HF Trainer's ``checkpoint-1/``, its config beside the tag folder; ZeRO-3 in fp32 as a bare engine's ``global_step1/``,
 merged with the model's ``hf_model_path``) are copied to a bucket of the session's SeaweedFS server; merge_new_steps
 discovers, checks, merges, validates and publishes each to s3://. Each release is judged from outside stepmerge
 (`tests.release_checks`): the fp32 weights the run was built from, bit for bit, and transformers' logits of that
@@ -24,7 +24,7 @@ from tests.release_checks import assert_release_of_step
 
 
 
-@pytest.mark.parametrize("name", ["zero2_bf16", "zero3_fp32"])
+@pytest.mark.parametrize("name", ["zero1_bf16", "zero2_bf16", "zero3_fp32"])
 def test_a_zero_run_on_s3_is_discovered_merged_validated_and_published(prefect, zero_runs, s3_bucket_url, tmp_path,
                                                                        s3_gets, name):
     run = zero_runs[name]

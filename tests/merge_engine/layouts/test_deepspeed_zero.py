@@ -1,5 +1,5 @@
-"""DeepSpeed ZeRO checkpoints saved by DeepSpeed itself (the session's ``zero_runs``: ZeRO-2 in bf16 inside HF
-Trainer's ``checkpoint-1/``, ZeRO-3 in fp32 as a bare engine's ``global_step1/``, 2 ranks over gloo).
+"""DeepSpeed ZeRO checkpoints saved by DeepSpeed itself (the session's ``zero_runs``: ZeRO-1 and ZeRO-2 in bf16
+inside HF Trainer's ``checkpoint-1/``, ZeRO-3 in fp32 as a bare engine's ``global_step1/``, 2 ranks over gloo).
 
 - the merge is the fp32 master weights the run was built from, bit for bit, and transformers gives the model's
   own logits from it; ZeRO-2's bf16 ``model.safetensors`` beside HF Trainer's tag folder is not what is read;
@@ -27,7 +27,7 @@ from merge_engine.layouts.discovery import discover, steps_from_listing
 from merge_engine.storage import FileEntry, list_files
 from tests.release_checks import assert_release_of_step
 
-RUNS = ("zero2_bf16", "zero3_fp32")
+RUNS = ("zero1_bf16", "zero2_bf16", "zero3_fp32")
 
 
 def _merge_args(run, target) -> list[str]:
