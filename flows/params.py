@@ -168,7 +168,7 @@ RayAddress = Annotated[
     Optional[Annotated[str, Field(max_length=MAX_URL_LENGTH), _matching(RAY_ADDRESS_PATTERN, RAY_ADDRESS_WORDS)]],
     read_blank(""), write_blank(""),
     WithJsonSchema(refused_in_words(RAY_ADDRESS_PATTERN, f"empty, or {RAY_ADDRESS_WORDS}", blank=""))]
-RoleName = Literal["actor", "critic", ""]  # "": an SFT run (weights in the step folder)
+RoleName = Literal["actor", "critic", "policy", ""]  # policy: NeMo-RL's; "": an SFT run (weights in the step folder)
 
 
 class FormText:
@@ -190,9 +190,10 @@ class FormText:
 Step = Annotated[StepNumber, FormText("The global step to merge (its folder is global_step_N)")]
 RunRoot = Annotated[StorageUrl, FormText(
     "The training run's checkpoint folder: a path, file://, s3://bucket/... or gs://bucket/...")]
-Role = Annotated[RoleName, FormText("actor, critic, or empty for SFT runs (weights in the step folder)")]
+Role = Annotated[RoleName, FormText("actor, critic, policy (NeMo-RL), or empty for SFT runs (weights in the step "
+                                    "folder)")]
 ReleaseRoot = Annotated[OptionalUrl, FormText("Where releases are published; empty: the run root's releases/ folder")]
-Roles = Annotated[List[RoleName], FormText("Roles to merge (actor, critic, empty for SFT)")]
+Roles = Annotated[List[RoleName], FormText("Roles to merge (actor, critic, policy for NeMo-RL, empty for SFT)")]
 MergeDeployment = Annotated[str, FormText(
     "Deployment that merges one step, used when this flow runs from a deployment")]
 MaxSteps = Annotated[Count, FormText(

@@ -29,7 +29,7 @@ HUB_TEMPLATE = f"{HUB_TEMPLATE_WORDS!r} was expected"
 BAD = {
     "step": (-1, "-1 is less than the minimum of 0"),
     "run_root": ("ftp://host/run", URL),
-    "role": ("ref", "'ref' is not one of ['actor', 'critic', '']"),
+    "role": ("ref", "'ref' is not one of ['actor', 'critic', 'policy', '']"),
     "release_root": ("s3://bucket/run/../other", OPTIONAL_URL),
     "dtype": ("fp17", "'fp17' is not one of ['as stored', 'bfloat16', "),
     "max_shard_size": ("lots", f"{SIZE_WORDS!r} was expected"),
@@ -45,7 +45,7 @@ BAD = {
     "staging_root": ("/scratch/%2e%2e/etc", OPTIONAL_URL),
     "workers": (-2, "-2 is less than the minimum of 0"),
     "ray_address": ("head node", f"{'empty, or ' + RAY_ADDRESS_WORDS!r} was expected"),
-    "roles": (["ref"], "'ref' is not one of ['actor', 'critic', '']"),
+    "roles": (["ref"], "'ref' is not one of ['actor', 'critic', 'policy', '']"),
     "merge_deployment": (5, "5 is not of type 'string'"),
     "max_steps": (-1, "-1 is less than the minimum of 0"),
     "include_base": ("yes", NOT_BOOLEAN),

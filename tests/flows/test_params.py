@@ -44,7 +44,7 @@ def test_the_ui_form_has_every_option_with_its_default_and_constraints():
     assert props["step"]["minimum"] == 0
     assert props["run_root"]["allOf"][0]["if"]["not"]["pattern"] == URL_PATTERN  # behind words: see below
     assert props["max_shard_size"]["allOf"][0]["if"]["not"]["pattern"] == SIZE_PATTERN
-    assert props["role"]["default"] == "actor" and set(props["role"]["enum"]) == {"actor", "critic", ""}
+    assert props["role"]["default"] == "actor" and set(props["role"]["enum"]) == {"actor", "critic", "policy", ""}
     assert props["max_shard_size"]["default"] == "5GB"
     assert props["validate_forward"]["default"] is True and props["overwrite"]["default"] is False
     assert all(p.get("description") for p in props.values())
