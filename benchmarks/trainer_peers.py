@@ -16,17 +16,19 @@ Pairs (each input written once by the trainer's own library, cached under ./.ben
 - ``zero``: DeepSpeed ZeRO-2 bf16 (2 ranks on DeepSpeed's CPU accelerator, one step of plain SGD as the client
   optimizer, a bare engine's ``global_step1/``, `synthetic_runs.deepspeed`) -> DeepSpeed's own ``zero_to_fp32.py``
   (the copy DeepSpeed saved beside the tag, ``--safe_serialization``) against ``stepmerge merge --hf_model_path``.
-  SGD without momentum keeps no state beyond the fp32 master partitions, so the ranks write the 2.5 GB model in
-  ~2 x 4 GB (with AdamW's two moments they held ~25 GB); the optim files hold what any optimizer's hold, the fp32
-  partitions the tools read.
+  SGD without momentum keeps no state beyond the fp32 master partitions, so the 2.5 GB model is written with
+  7.1 GB at most in any one process (with AdamW's two moments the ranks held ~25 GB); the optim files hold what
+  any optimizer's hold, the fp32 partitions the tools read.
 
 Each tool runs in a child process of its own from a warm page cache (the input's files read once before each
 run), alternating within a repeat; wall time, peak RSS (ru_maxrss from wait4) and CPU seconds are recorded
-(`benchmarks.harness.measure`); stepmerge runs as a run's first step (no memo of the config's Hub form). After
-the first repeat the two outputs are compared tensor for tensor (names, dtypes, shapes, values bit for bit: every
-tool keeps the stored fp32), in a child, one tensor at a time. The table gives medians, stepmerge / peer ratios
-against the goal (<= 0.5 wall and RSS), the time to read the input once (``cat``, warm: the floor of any tool)
-and the load average at the start and the end.
+(`benchmarks.harness.measure`); stepmerge runs as a run's first step (no memo of the config's Hub form: it asks
+transformers for the model's ties) and as its next step (the memo one unmeasured merge wrote: what a watcher
+merging a run's steps pays). After the first repeat both of stepmerge's outputs are compared with the peer's tensor
+for tensor (names, dtypes, shapes, values bit for bit: every tool keeps the stored fp32), in a child, one tensor at
+a time. The table gives medians, stepmerge / peer ratios against the goal (<= 0.5 wall and RSS), the time to read
+the input once (``cat``, warm), the floor (`floor`: ``import torch``, and the input's value bytes read, written and
+hashed once) and the load average at the start and the end.
 This parent never imports torch (a forked child's ru_maxrss starts from its parent's).
 """
 
