@@ -23,13 +23,18 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 import typing
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from merge_engine.output import interrupts
 from merge_engine import options as declared
 from merge_engine.errors import InvalidOption, StepmergeError, StorageUnavailable
 
-Args = TypeVar("Args")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    from merge_engine.output.jobs import OutputOptions
+
+Args = TypeVar("Args", bound="DataclassInstance")  # a command's options record (`merge_engine.options`)
 
 class StepmergeParser(argparse.ArgumentParser):
     """argparse without prefix abbreviations, and an unknown flag named with its closest spelling.
@@ -42,6 +47,7 @@ class StepmergeParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self._commands: tuple[str, ...] | None = None  # the top parser's: the command names (`build_parser`)
 
     def parse_known_args(self, args=None, namespace=None):
         for token in sys.argv[1:] if args is None else args:
@@ -52,7 +58,7 @@ class StepmergeParser(argparse.ArgumentParser):
                 known = [o for o in self._option_string_actions if o.startswith("--")]
                 close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
                 self.error(f"unrecognized flag {flag}" + (f" (did you mean {close[0]}?)" if close else ""))
-            if not token.startswith("-") and hasattr(self, "_commands"):
+            if not token.startswith("-") and self._commands is not None:
                 break  # the command's name (known or not): the rest belongs to its parser
         return super().parse_known_args(args, namespace)
 
@@ -114,7 +120,7 @@ def read_options(args: argparse.Namespace, record: type[Args]) -> Args:
     return record(**{f.name: getattr(args, f.name) for f in dataclasses.fields(record)})
 
 
-def _options(given: object, **settings):
+def _options(given: DataclassInstance, **settings: Any) -> OutputOptions:
     """The engine's options record (`OutputOptions`) from a command's record (each field sets the engine option of
     its name, or its `Flag.sets`) and ``settings``; ``--requests-in-flight`` is set for this process and (through
     its environment) for the Ray workers it starts."""

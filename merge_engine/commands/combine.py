@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from merge_engine.errors import AdapterError, InvalidOption
+from merge_engine.errors import InvalidOption
 from merge_engine.plan.hub_format import in_weights_format
 from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, run_job
 from merge_engine.output.shard_unit import shard_output
@@ -26,6 +26,7 @@ from merge_engine.lora.sources import NamespacedSource
 from merge_engine.lora.svd import ModuleReport, check_targets, svd_device
 from merge_engine.commands.adapter_target import inputs_fingerprint, module_reports_json
 from merge_engine.commands.input_folders import InputFolders
+from merge_engine.commands.lora_alpha import lora_alpha_per_adapter
 from merge_engine.plan.merge_plan import MergePlan, torch_dtype
 from merge_engine.formats.tensor_source import TensorMeta, TensorSource
 
@@ -47,8 +48,7 @@ def check_merge_lora_options(base_url: str | None, adapter_urls: Sequence[str], 
         check_targets(options.rank, options.energy)
     if options.device is not None:
         svd_device(options.device)  # a device this machine cannot use fails before anything is read
-    if options.lora_alpha is not None and len(options.lora_alpha) != len(adapter_urls):
-        raise AdapterError(f"{len(options.lora_alpha)} --lora-alpha values for {len(adapter_urls)} adapters")
+    lora_alpha_per_adapter(options, len(adapter_urls))
     return weights
 
 
@@ -96,7 +96,7 @@ class CombineJob:
 
     def __post_init__(self) -> None:
         self.source_url = ",".join(self.adapter_urls)
-        self.kind = self.options.output
+        self.kind: str = self.options.output
         self._weights: list[float] | None = None
         self.inputs = InputFolders()  # the base and the adapters: listed once, read from that listing
 
@@ -110,8 +110,8 @@ class CombineJob:
         sources: dict[str, TensorSource] = {}
         try:
             inputs = []
-            for i, url in enumerate(self.adapter_urls):
-                alpha = options.lora_alpha[i] if options.lora_alpha is not None else None
+            alphas = lora_alpha_per_adapter(options, len(self.adapter_urls))
+            for i, (url, alpha) in enumerate(zip(self.adapter_urls, alphas)):
                 adapter, sources[f"adapter{i}"] = read_adapter(url, lora_alpha=alpha, files=self.inputs.files(url))
                 inputs.append(WeightedAdapter(f"adapter{i}", adapter, weights[i]))
             base_metas = config = None
@@ -123,6 +123,8 @@ class CombineJob:
             dtype = torch_dtype(options.dtype)
             reports: list[ModuleReport] = []
             if options.output == "model":
+                if base_url is None or base_metas is None or config is None:
+                    raise InvalidOption("a fused model needs --base-model")
                 plan = in_weights_format(plan_fused_model(base_metas, config, inputs, dtype=dtype,
                                                           max_shard_size=None, base_url=base_url),
                                          config, options.weights_format, options.max_shard_size)

@@ -41,6 +41,7 @@ from merge_engine.lora.checkpoint import RunLoraMetadata, base_shapes, is_lora_c
 from merge_engine.lora.combine import TableFactor
 from merge_engine.commands.input_folders import InputFolders
 from merge_engine.commands.layout_jobs import jobs_of
+from merge_engine.commands.lora_alpha import one_lora_alpha
 from merge_engine.lora.config import adapter_config, infer_target_modules, rank_layout
 from merge_engine.lora.extracted_config import extracted_adapter_config
 from merge_engine.lora.finetune_delta import changed_tensors, select_modules
@@ -145,8 +146,9 @@ class ExtractJob:
         elif checkpoint.hf_dir is None and options.base_model is not None:  # saved without a config: the base's
             hf_dir, config = options.base_model, self.inputs.config(options.base_model, "base model")
         else:
-            hf_dir, config = checkpoint.hf_dir, read_config(checkpoint.hf_dir)
-        lora = resolve_checkpoint_lora(checkpoint.url, checkpoint.files, source.metas(), options.lora_alpha,
+            config = read_config(checkpoint.hf_dir)  # InvalidConfig when it has none
+            hf_dir = checkpoint.hf_dir or ""
+        lora = resolve_checkpoint_lora(checkpoint.url, checkpoint.files, source.metas(), one_lora_alpha(options),
                                       config, run=self._run_metadata())
         base_view = RenamedSource(source, lora.keys.base) if lora.keys.base else None
         if options.base_model is not None:
@@ -170,29 +172,31 @@ class ExtractJob:
         exported = export_adapter(lora.adapter.modules, lora.adapter.experts, lora.keys.trained_copies,
                                   lora.adapter.metas, base_shapes(lora.keys, lora.adapter.metas, config), config,
                                   options.weights_format, dtype, checkpoint.url)
-        if options.base_model is None:
+        if base_plan is not None and options.base_model is None:
             check_base_metas = {t.name: TensorMeta(t.name, t.shape, t.dtype) for t in base_plan.tensors}
         check_exported_fits(exported, check_base_metas, checkpoint.url, check_url)
-        write_base = options.include_base and base_plan is not None
-        base_out = adapter_base_name(base_model_id=options.base_model_id, config=config, base_written=write_base,
-                                     base_model=options.base_model)
+        base_written = base_plan if options.include_base else None  # the clean base, when it is written
+        base_out = adapter_base_name(base_model_id=options.base_model_id, config=config,
+                                     base_written=base_written is not None, base_model=options.base_model)
         plan = adapter_plan(list(exported.tensors))
         adapter_json = extracted_adapter_config(lora, exported, task_type_of(config, lora.run.task_type), base_out,
                                                 config)
         outputs = [shard_output(plan, source, then=lambda url: [write_adapter_config(url, adapter_json)])]
-        if write_base:
-            outputs.append(shard_output(base_plan, base_view, BASE_DIR, then=lambda url: self.inputs.copy_metadata(
-                hf_dir, url, config, base_plan.config_updates)))
-        count = sum(len(o.plan.tensors) for o in outputs)
-        total = sum(o.plan.total_size for o in outputs)
+        plans = [plan]
+        if base_written is not None and base_view is not None:
+            outputs.append(shard_output(base_written, base_view, BASE_DIR,
+                                        then=lambda url: self.inputs.copy_metadata(hf_dir, url, config,
+                                                                                   base_written.config_updates)))
+            plans.append(base_written)
         provenance = {"command": "extract-lora", "source": self.source_url, "layout": checkpoint.layout,
                       "options": options.output_options("extract-lora"), "lora_alpha_from": lora.alpha_from,
-                      "tensors": count, "tensor_bytes": total, **lora_records(lora)}
-        if write_base:  # base/config.json in the Hub's form: the keys added for transformers 4.x readers
-            provenance["base_config_translation"] = [change.to_json() for change in base_plan.config_changes]
+                      "tensors": sum(len(p.tensors) for p in plans), "tensor_bytes": sum(p.total_size for p in plans),
+                      **lora_records(lora)}
+        if base_written is not None:  # base/config.json in the Hub's form: the keys added for transformers 4.x readers
+            provenance["base_config_translation"] = [change.to_json() for change in base_written.config_changes]
         notes = (f"lora_alpha={lora.adapter.settings.lora_alpha:g} from {lora.alpha_from}",
                  f"{len(exported.ranks)} LoRA modules, ranks {sorted(set(exported.ranks.values()))}") + exported.notes
-        return PreparedJob(outputs, provenance, kind="adapter+base" if write_base else "adapter",
+        return PreparedJob(outputs, provenance, kind="adapter+base" if base_written is not None else "adapter",
                            layout=checkpoint.layout, notes=notes, sources=opened)
 
 

@@ -36,6 +36,7 @@ from merge_engine.architectures import model_dims, table_for_config
 from merge_engine.errors import AdapterError, BaseModelRequired, InvalidOption
 from merge_engine.plan.hub_format import in_weights_format
 from merge_engine.commands.input_folders import InputFolders
+from merge_engine.commands.lora_alpha import one_lora_alpha
 from merge_engine.output.jobs import OutputOptions, PreparedJob
 from merge_engine.output.shard_unit import shard_output
 from merge_engine.output.work_unit import PlannedOutput
@@ -111,27 +112,28 @@ def _check_export(folder: str, exported: TensorSource, built: MegatronAdapterSou
 def step_adapter(checkpoint: Checkpoint, config: Mapping[str, Any], options: OutputOptions
                  ) -> tuple[Adapter, TensorSource, dict[str, Any], str]:
     """(adapter, its source, its adapter_config.json, where it came from); see the module docstring."""
+    lora_alpha = one_lora_alpha(options)
     built = _megatron_adapter(checkpoint, config)
     folder = adapter_folder(checkpoint)
     try:
         if folder is not None:
             json = dict(read_adapter_config(folder))  # read once: the adapter's settings and the release's config
-            adapter, exported = read_adapter(folder, lora_alpha=options.lora_alpha, config=json)
+            adapter, exported = read_adapter(folder, lora_alpha=lora_alpha, config=json)
             try:
                 _check_export(folder, exported, built, options.chunk_bytes)
             except BaseException:
                 exported.close()
                 raise
             built.close()
-            if options.lora_alpha is not None:
-                json["lora_alpha"] = options.lora_alpha
+            if lora_alpha is not None:
+                json["lora_alpha"] = lora_alpha
             return adapter, exported, json, "the run's PEFT export (checked against model/dist_ckpt)"
-        if options.lora_alpha is None:
+        if lora_alpha is None:
             raise AdapterError("this step records no lora_alpha (no PEFT export beside model/dist_ckpt): pass "
                                "--lora-alpha (the run's lora alpha; never guessed)", checkpoint.url)
         r, pattern = rank_layout(adapter_ranks(built.loras))
         targets = sorted({m.rsplit(".", 1)[-1] for m in adapter_ranks(built.loras)})
-        json = adapter_config(r=r, lora_alpha=options.lora_alpha, target_modules=targets, rank_pattern=pattern,
+        json = adapter_config(r=r, lora_alpha=lora_alpha, target_modules=targets, rank_pattern=pattern,
                               task_type="CAUSAL_LM", base_model_name_or_path=options.base_model)
         adapter = describe_adapter(checkpoint.url, LoraSettings.from_config(json, checkpoint.url), built.metas())
         return adapter, built, json, "model/dist_ckpt (no PEFT export in the step)"
@@ -163,15 +165,17 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
     adapter, source, json, origin = step_adapter(checkpoint, config, options)
     opened = [source]
     try:
+        given: tuple[str, TensorSource] | None = None  # --base-model: its URL and its tensors
         if options.base_model is not None:
             base, _ = _base(options.base_model, config, inputs)
             opened.append(base)
             check_fits_base(with_base(adapter, base.metas(), options.base_model), base.metas(), options.base_model)
+            given = (options.base_model, base)
         dtype = torch_dtype(options.dtype)
         tensors = [PlannedTensor(name, tuple(meta.shape), dtype or meta.dtype, name)
                    for name, meta in source.metas().items()]
         plan = adapter_plan(tensors)
-        base_output = _base_copy(options, opened[1], dtype, inputs) if options.include_base and len(opened) > 1 else None
+        base_output = _base_copy(options, *given, dtype, inputs) if options.include_base and given is not None else None
         if base_output is None and options.include_base and not checkpoint.adapter_only:
             base_output, base_source = _step_base(checkpoint, options, dtype, inputs)
             opened.append(base_source)
@@ -200,15 +204,16 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
                        layout=checkpoint.layout, notes=notes, sources=opened)
 
 
-def _base_copy(options: OutputOptions, base: TensorSource, dtype: Any, inputs: InputFolders) -> PlannedOutput:
-    """``--base-model`` under ``base/`` of the adapter release (its tensors as the Hub names them)."""
+def _base_copy(options: OutputOptions, base_url: str, base: TensorSource, dtype: Any,
+               inputs: InputFolders) -> PlannedOutput:
+    """``--base-model`` (``base_url``, its tensors ``base``) under ``base/`` of the adapter release (its tensors as the
+    Hub names them)."""
     from merge_engine.plan.hf_plan import plan_hf_merge
 
-    config = inputs.config(options.base_model, "base model")
-    stored = plan_hf_merge(base.metas(), config, dtype=dtype, max_shard_size=None,
-                           config_url=options.base_model)
+    config = inputs.config(base_url, "base model")
+    stored = plan_hf_merge(base.metas(), config, dtype=dtype, max_shard_size=None, config_url=base_url)
     plan = in_weights_format(stored, config, options.weights_format, options.max_shard_size)
-    return shard_output(plan, base, BASE_DIR, then=lambda url: inputs.copy_metadata(options.base_model, url, config,
+    return shard_output(plan, base, BASE_DIR, then=lambda url: inputs.copy_metadata(base_url, url, config,
                                                                                     plan.config_updates))
 
 
@@ -363,10 +368,11 @@ class TrainedMegatronSource:
 def merge_source(checkpoint: Checkpoint, source: TensorSource, options: OutputOptions) -> TensorSource:
     """What the merge of a step holding its base plans from (`merge_engine.commands.layout_jobs.LayoutJobs`):
     ``source`` (the step's canonical tensors) with the adapter fused; `AdapterError` without ``--lora-alpha``."""
-    if options.lora_alpha is None:
+    lora_alpha = one_lora_alpha(options)
+    if lora_alpha is None:
         raise AdapterError("this step (use_dist_checkpointing: base and adapter in model/dist_ckpt) records no "
                            "lora_alpha: pass --lora-alpha (the run's lora alpha; never guessed)", checkpoint.url)
-    return TrainedMegatronSource(source, options.lora_alpha, checkpoint.url)
+    return TrainedMegatronSource(source, lora_alpha, checkpoint.url)
 
 
 def prepare_merge(checkpoint: Checkpoint, options: OutputOptions, source_url: str,

@@ -33,6 +33,7 @@ from merge_engine.plan.output_heads import check_dropped_head
 from merge_engine.output.target import PROVENANCE_FILE, read_provenance
 from merge_engine.planner import plan_checkpoint
 from merge_engine.commands.input_folders import InputFolders
+from merge_engine.commands.lora_alpha import one_lora_alpha
 from merge_engine.commands.layout_jobs import jobs_of
 from merge_engine.formats.tensor_source import TensorSource
 
@@ -58,7 +59,7 @@ def plan_stored_names(checkpoint: Checkpoint, source: TensorSource, config: dict
     """`merge_engine.planner.plan_checkpoint` with these options: the tensors under their stored names."""
     return plan_checkpoint(checkpoint, source, config, dtype=torch_dtype(options.dtype),
                            max_shard_size=None, tie_flag=options.tie_word_embedding,
-                           lora_alpha=options.lora_alpha, custom_mapping=options.custom_mapping,
+                           lora_alpha=one_lora_alpha(options), custom_mapping=options.custom_mapping,
                            chunk_bytes=options.chunk_bytes, mtp_layers=options.mtp_layers)
 
 

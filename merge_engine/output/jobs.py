@@ -120,8 +120,9 @@ class OutputOptions:
             value = getattr(self, name)
             if value is not None or always:
                 options[key] = value
-        if options.get("custom_mapping") is not None:  # its content, not just its name, decides the output
-            options["custom_mapping"] = {"url": self.custom_mapping, "sha256": _content_digest(self.custom_mapping)}
+        mapping = options.get("custom_mapping")
+        if isinstance(mapping, str):  # its content, not just its name, decides the output
+            options["custom_mapping"] = {"url": mapping, "sha256": _content_digest(mapping)}
         return options
 
 
