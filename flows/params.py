@@ -42,7 +42,7 @@ from flows.url_checks import checked_url
 from merge_engine.errors import one_line
 from merge_engine.option_values import (
     DEFAULT_SHARD_SIZE, DEFAULT_WEIGHTS_FORMAT, DTYPE_SPELLINGS, SIZE_PATTERN, WeightsFormat as WeightsFormatName,
-    canonical_dtype,
+    Dtype as OutputDtype, parse_dtype,
 )
 from merge_engine.storage.schemes import backend_for_scheme, url_schemes
 from tasks.records import SETTINGS_RECORDS, Settings, recorded_parameters
@@ -85,8 +85,9 @@ def _url(value: str) -> str:
     return normalized_run_root(checked_url(value))
 
 
-def _dtype(value: Optional[str]) -> Optional[str]:
-    return None if value in (None, AS_STORED) else canonical_dtype(value)
+def _dtype(value: Optional[str]) -> Optional[OutputDtype]:
+    """The form's dtype -> the engine's `Dtype` (`parse_dtype`, as the command line's ``--dtype``); as stored: None."""
+    return None if value in (None, AS_STORED) else parse_dtype(value)
 
 
 def refused_in_words(pattern: str, expected: str, blank: Optional[str] = None,

@@ -4,7 +4,7 @@ One list per kind of value, so `stepmerge merge --dtype fp16` and the Prefect fo
 fp16`` accept the same words and record the same canonical name (``float16``):
 
 - `Dtype`: the value type of an output dtype, one of `DTYPES` (``bfloat16``, ``float16``, ``float32``): what
-  the engine takes. `DTYPE_SPELLINGS`: every accepted spelling -> its `Dtype`; `canonical_dtype` reads a
+  the engine takes. `DTYPE_SPELLINGS`: every accepted spelling -> its `Dtype`; `parse_dtype` reads a
   spelling (the command line's parser, the form's type: the one place a spelling is read) or raises `InvalidOption`.
 - `DEFAULT_SHARD_SIZE` / `DEFAULT_MAX_SHARD_SIZE`: the output shard size when none is given (text, bytes).
 - `WeightsFormat` / `WEIGHTS_FORMATS`: the names a merged folder's tensors are written under (``--weights-format``,
@@ -45,18 +45,17 @@ SIZE_PATTERN = r"^ *[0-9]+(\.[0-9]+)? *([kKmMgGtT]([iI])?)?[bB]? *$"
 _SIZE = re.compile(SIZE_PATTERN)
 
 
-def canonical_dtype(name: str | None) -> Dtype | None:
-    """``"fp16"`` -> ``"float16"`` (any spelling of `DTYPE_SPELLINGS`, any case); None stays None.
+def parse_dtype(text: str) -> Dtype:
+    """``"fp16"`` -> ``"float16"``: any spelling of `DTYPE_SPELLINGS`, in any case, to its `Dtype`. The one reader
+    of a dtype spelling: the command line's ``--dtype`` parser and the flows' form type both call it.
 
     Raises:
-        InvalidOption: ``name`` is no spelling of a dtype.
+        InvalidOption: ``text`` is no spelling of a dtype.
     """
-    if name is None:
-        return None
     try:
-        return DTYPE_SPELLINGS[str(name).strip().lower()]
+        return DTYPE_SPELLINGS[str(text).strip().lower()]
     except KeyError:
-        raise InvalidOption(f"unknown dtype '{one_line(name)}'; choose one of {', '.join(DTYPE_SPELLINGS)}") from None
+        raise InvalidOption(f"unknown dtype '{one_line(text)}'; choose one of {', '.join(DTYPE_SPELLINGS)}") from None
 
 
 def parse_weights_format(name: str | None) -> WeightsFormat:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from merge_engine.option_values import (
     DEFAULT_MAX_SHARD_SIZE, DEFAULT_SHARD_SIZE, DEFAULT_WEIGHTS_FORMAT, WEIGHTS_FORMATS, Dtype, WeightsFormat,
-    canonical_dtype, float_list, name_list, parse_size, whole_number,
+    float_list, name_list, parse_dtype, parse_size, whole_number,
 )
 
 # the outputs whose fingerprint and provenance record options (`OutputJob.command`)
@@ -131,13 +131,6 @@ CHECK_TRAINED_HELP = ("LoRA checkpoints: after writing, compare the output with 
 CUSTOM_MAPPING_HELP = "JSON file extending the model family's name table"
 
 
-def _dtype(text: str) -> Dtype:
-    """A flag's dtype spelling -> its `Dtype` (`canonical_dtype`; a text is never None)."""
-    value = canonical_dtype(text)
-    assert value is not None
-    return value
-
-
 @dataclass(frozen=True, kw_only=True)
 class RunArgs:
     """Where the shard jobs of a command that writes run: threads here, or tasks of a Ray cluster."""
@@ -163,7 +156,7 @@ class SourceArgs:
     is_value_model: bool = flag("verl compatibility: critics are detected anyway", False)
     use_cpu_initialization: bool = flag("verl compatibility: no effect (always CPU)", False)
     trust_remote_code: bool = flag("allow custom model code when validating", False)
-    dtype: Dtype | None = flag(f"output dtype ({DTYPE_WORDS}); default: as stored", parse=_dtype)
+    dtype: Dtype | None = flag(f"output dtype ({DTYPE_WORDS}); default: as stored", parse=parse_dtype)
     hf_model_path: str | None = flag("folder with config.json + tokenizer to use instead of the checkpoint's "
                                      "huggingface/")
     custom_mapping: str | None = flag(f"Megatron: {CUSTOM_MAPPING_HELP} (see merge_engine/architectures/custom.py)")
@@ -244,7 +237,7 @@ class ExtractLoraArgs(RunArgs):
                            required=True)
     backend: str | None = flag("layout of --local_dir / --finetuned (fsdp, hf); detected when omitted")
     dtype: Dtype | None = flag(f"output dtype ({DTYPE_WORDS}; default: as stored; float32 for SVD factors)",
-                               parse=_dtype)
+                               parse=parse_dtype)
     max_shard_size: int = flag(f"largest safetensors file of the base, e.g. {DEFAULT_SHARD_SIZE}",
                                DEFAULT_MAX_SHARD_SIZE, parse=parse_size)
     hf_model_path: str | None = flag("folder with config.json + tokenizer overriding huggingface/")
@@ -274,7 +267,7 @@ class ExtractLoraArgs(RunArgs):
 class MergeLoraArgs(RunArgs):
     lora_adapter: tuple[str, ...] = flag("PEFT adapter folder URL(s), comma-separated", required=True, parse=name_list)
     target_dir: str = flag("output URL", required=True)
-    dtype: Dtype | None = flag(f"output dtype ({DTYPE_WORDS}; default: as stored)", parse=_dtype)
+    dtype: Dtype | None = flag(f"output dtype ({DTYPE_WORDS}; default: as stored)", parse=parse_dtype)
     max_shard_size: int = flag(f"largest safetensors file, e.g. {DEFAULT_SHARD_SIZE} (default)",
                                DEFAULT_MAX_SHARD_SIZE, parse=parse_size)
     weights_format: WeightsFormat = flag(WEIGHTS_HELP.format("the fused model in "), DEFAULT_WEIGHTS_FORMAT,
@@ -304,7 +297,7 @@ class SplitArgs(RunArgs):
     hf_dir: str = flag("Hugging Face model folder URL", required=True)
     target_dir: str = flag("output folder URL", required=True)
     to: Literal["megatron"] = flag("target framework (megatron)", "megatron", choices=("megatron",))
-    dtype: Dtype | None = flag(f"dtype of the shards ({DTYPE_WORDS}; default: as stored)", parse=_dtype)
+    dtype: Dtype | None = flag(f"dtype of the shards ({DTYPE_WORDS}; default: as stored)", parse=parse_dtype)
     custom_mapping: str | None = flag(CUSTOM_MAPPING_HELP)
     tp: int = flag("tensor-parallel size", 1, parse=int)
     pp: int = flag("pipeline-parallel size", 1, parse=int)

@@ -15,12 +15,25 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 CLEAN = '''\
+from typing import assert_type
+
+import torch
+
 from flows.merge_step import merge_step
+from merge_engine.option_values import Dtype
 from merge_engine.output.jobs import OutputOptions
+from merge_engine.plan.merge_plan import PlannedTensor
 
 
 def dtype_of(options: OutputOptions) -> str | None:
     return options.dtype
+
+
+def cast_of(given: OutputOptions, tensor: PlannedTensor) -> None:
+    # the dtype path's types, exactly (an Any fails assert_type): the option, the torch dtype, the planned cast
+    assert_type(given.dtype, Dtype | None)
+    assert_type(given.torch_dtype, torch.dtype | None)
+    assert_type(tensor.dtype, torch.dtype)
 
 
 def run() -> None:

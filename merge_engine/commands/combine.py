@@ -27,7 +27,7 @@ from merge_engine.lora.svd import ModuleReport, check_targets, svd_device
 from merge_engine.commands.adapter_target import inputs_fingerprint, module_reports_json
 from merge_engine.commands.input_folders import InputFolders
 from merge_engine.commands.lora_alpha import lora_alpha_per_adapter
-from merge_engine.plan.merge_plan import MergePlan, torch_dtype
+from merge_engine.plan.merge_plan import MergePlan
 from merge_engine.formats.tensor_source import TensorMeta, TensorSource
 
 OUTPUTS = ("model", "adapter")
@@ -120,7 +120,7 @@ class CombineJob:
                 sources[BASE_NAMESPACE] = self.inputs.open(base_url)
                 base_metas = sources[BASE_NAMESPACE].metas()
             source = NamespacedSource(sources)
-            dtype = torch_dtype(options.dtype)
+            dtype = options.torch_dtype
             reports: list[ModuleReport] = []
             if options.output == "model":
                 if base_url is None or base_metas is None or config is None:

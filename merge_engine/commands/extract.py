@@ -53,7 +53,7 @@ from merge_engine.lora.sources import RenamedSource
 from merge_engine.lora.svd import AUTO, Factors, ModuleReport, check_targets, svd_device
 from merge_engine.lora.svd_updates import factor_updates
 from merge_engine.commands.adapter_target import inputs_fingerprint, module_reports_json
-from merge_engine.plan.merge_plan import MergePlan, PlannedTensor, torch_dtype
+from merge_engine.plan.merge_plan import MergePlan, PlannedTensor
 from merge_engine.plan.output_heads import check_dropped_head
 from merge_engine.formats.tensor_source import TensorMeta, TensorSource
 
@@ -162,7 +162,7 @@ class ExtractJob:
                                "trained from) to check the adapter against", checkpoint.url)
         if base_view is not None:
             check_fits_base(lora.adapter, base_view.metas(), checkpoint.url)
-        dtype = torch_dtype(options.dtype)
+        dtype = options.torch_dtype
         base_plan = None
         if base_view is not None:  # metadata only; written when asked
             stored = plan_hf_merge(base_view.metas(), config, dtype=dtype, max_shard_size=None,
@@ -258,7 +258,7 @@ class SvdExtractJob:
 
     def prepare(self) -> PreparedJob:
         options, finetuned_url, base_url = self.options, self.source_url, self.base_url
-        dtype = torch_dtype(options.dtype) or torch.float32
+        dtype = options.torch_dtype or torch.float32
         tuned_checkpoint = check_checkpoint(finetuned_url, options.backend, self.inputs.files(finetuned_url))
         if layout_named(tuned_checkpoint.layout).tensor_naming != HF_NAMES:
             raise AdapterError(f"a {tuned_checkpoint.layout} checkpoint's tensors are not Hugging Face tensors: "

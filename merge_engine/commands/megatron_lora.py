@@ -63,7 +63,7 @@ from merge_engine.lora.megatron_adapter import (
     is_adapter_factor,
 )
 from merge_engine.lora.sources import NamespacedSource
-from merge_engine.plan.merge_plan import PlannedTensor, torch_dtype
+from merge_engine.plan.merge_plan import PlannedTensor
 from merge_engine.formats.chunks import flat_slices
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
 
@@ -171,7 +171,7 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
             opened.append(base)
             check_fits_base(with_base(adapter, base.metas(), options.base_model), base.metas(), options.base_model)
             given = (options.base_model, base)
-        dtype = torch_dtype(options.dtype)
+        dtype = options.torch_dtype
         tensors = [PlannedTensor(name, tuple(meta.shape), dtype or meta.dtype, name)
                    for name, meta in source.metas().items()]
         plan = adapter_plan(tensors)
@@ -204,7 +204,7 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
                        layout=checkpoint.layout, notes=notes, sources=opened)
 
 
-def _base_copy(options: OutputOptions, base_url: str, base: TensorSource, dtype: Any,
+def _base_copy(options: OutputOptions, base_url: str, base: TensorSource, dtype: torch.dtype | None,
                inputs: InputFolders) -> PlannedOutput:
     """``--base-model`` (``base_url``, its tensors ``base``) under ``base/`` of the adapter release (its tensors as the
     Hub names them)."""
@@ -243,7 +243,7 @@ class StepBaseSource:
         self._source.close()
 
 
-def _step_base(checkpoint: Checkpoint, options: OutputOptions, dtype: Any,
+def _step_base(checkpoint: Checkpoint, options: OutputOptions, dtype: torch.dtype | None,
                inputs: InputFolders) -> tuple[PlannedOutput, TensorSource]:
     """``base/`` of the adapter release of a step holding its base: the step's base weights (adapter hidden)
     planned by the Megatron planner as a merge would, in the requested weights format, config beside them; and
@@ -286,7 +286,7 @@ def prepare_fused_model(checkpoint: Checkpoint, options: OutputOptions, source_u
         source = NamespacedSource(sources)
         plan = plan_fused_model(sources[BASE_NAMESPACE].metas(), base_config,
                                 [WeightedAdapter(ADAPTER_NAMESPACE, adapter, 1.0)],
-                                dtype=torch_dtype(options.dtype), max_shard_size=None, base_url=options.base_model)
+                                dtype=options.torch_dtype, max_shard_size=None, base_url=options.base_model)
         plan = in_weights_format(plan, base_config, options.weights_format, options.max_shard_size)
     except BaseException:
         for handle in sources.values():

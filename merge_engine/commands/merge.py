@@ -28,7 +28,7 @@ from merge_engine.output.jobs import OutputOptions, OutputResult, PreparedJob, r
 from merge_engine.output.executors import Executor
 from merge_engine.output.shard_unit import shard_output
 from merge_engine.layouts import Checkpoint, check_checkpoint, check_unchanged, open_checkpoint
-from merge_engine.plan.merge_plan import MergePlan, torch_dtype
+from merge_engine.plan.merge_plan import MergePlan
 from merge_engine.plan.output_heads import check_dropped_head
 from merge_engine.output.target import PROVENANCE_FILE, read_provenance
 from merge_engine.planner import plan_checkpoint
@@ -57,7 +57,7 @@ def merge_fingerprint(checkpoint: Checkpoint, options: OutputOptions, inputs: In
 def plan_stored_names(checkpoint: Checkpoint, source: TensorSource, config: dict,
                       options: OutputOptions) -> MergePlan:
     """`merge_engine.planner.plan_checkpoint` with these options: the tensors under their stored names."""
-    return plan_checkpoint(checkpoint, source, config, dtype=torch_dtype(options.dtype),
+    return plan_checkpoint(checkpoint, source, config, dtype=options.torch_dtype,
                            max_shard_size=None, tie_flag=options.tie_word_embedding,
                            lora_alpha=one_lora_alpha(options), custom_mapping=options.custom_mapping,
                            chunk_bytes=options.chunk_bytes, mtp_layers=options.mtp_layers)

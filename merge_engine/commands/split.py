@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 
 from merge_engine import engine_identity, storage
 from merge_engine.architectures import model_dims, table_for_config
@@ -48,7 +49,6 @@ from merge_engine.layouts import Checkpoint, check_checkpoint, layout_named, ope
 from merge_engine.output.work_unit import PlannedOutput
 from merge_engine.layouts.contract import FileJob, ParallelSizes, Writer
 from merge_engine.storage.written import FileRecord
-from merge_engine.plan.merge_plan import torch_dtype
 
 
 # --format -> the layout that writes it
@@ -178,7 +178,7 @@ class LayoutFileUnit:
     view: MegatronViewOfHf
     job: FileJob
     sizes: ParallelSizes
-    dtype: Any
+    dtype: torch.dtype | None
 
     @property
     def planned(self) -> tuple[str, int, tuple[str, ...]]:
@@ -220,7 +220,7 @@ class SplitJob:
     def prepare(self) -> PreparedJob:
         checkpoint, config = self._check()
         options, hf_url = self.options, self.source_url
-        dtype = torch_dtype(options.dtype)
+        dtype = options.torch_dtype
         table = table_for_config(config, options.custom_mapping)
         scope = config.get("text_config") or config
         dims = model_dims(config, table, padded_vocab_size=padded_vocab_size(

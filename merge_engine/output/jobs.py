@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import torch
+
 from merge_engine import __version__, engine_identity, storage
 from merge_engine.errors import InvalidOption
 from merge_engine.option_values import (
@@ -52,6 +54,7 @@ __all__ = ["OutputJob", "OutputOptions", "OutputResult", "job_inputs",
 
 
 MERGE, EXTRACT, EXTRACT_SVD, MERGE_LORA, SPLIT = OUTPUTS  # the outputs whose records name the fields below
+TORCH_DTYPES: dict[Dtype, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}  # `Dtype` -> torch's
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,8 @@ class OutputOptions:
     Each command reads the fields that concern it. A field's `recorded` marker names the outputs
     (`merge_engine.options.OUTPUTS`) whose fingerprint and provenance record it, always or only when set:
     `output_options` reads them. Values are as the engine takes them, made canonical where they were given
-    (``dtype`` a `Dtype`, ``max_shard_size`` in bytes); a value of the wrong form is refused here.
+    (``dtype`` a `Dtype`, ``max_shard_size`` in bytes); a value of the wrong form is refused here. A command
+    casts to ``torch_dtype``, the torch dtype of ``dtype`` (recorded by its name).
 
     Raises:
         InvalidOption: ``dtype`` is not one of `DTYPES`, ``weights_format`` not one of `WEIGHTS_FORMATS`, or
@@ -102,7 +106,7 @@ class OutputOptions:
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InvalidOption(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)} (read a spelling with "
-                                "merge_engine.option_values.canonical_dtype)")
+                                "merge_engine.option_values.parse_dtype)")
         if self.weights_format not in WEIGHTS_FORMATS:
             raise InvalidOption(f"unknown weights format {self.weights_format!r}; "
                                 f"choose one of {', '.join(WEIGHTS_FORMATS)}")
@@ -110,6 +114,11 @@ class OutputOptions:
                 or self.max_shard_size <= 0:
             raise InvalidOption(f"max_shard_size must be a positive number of bytes, got {self.max_shard_size!r} "
                                 "(read a size with merge_engine.option_values.parse_size)")
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """The torch dtype the output's floating-point tensors are cast to (``dtype``'s); None: as stored."""
+        return None if self.dtype is None else TORCH_DTYPES[self.dtype]
 
     def output_options(self, command: str) -> dict[str, Any]:
         """The options that change the bytes ``command`` (one of `OUTPUTS`) writes, under their recorded keys

@@ -5,8 +5,8 @@ A `PlannedTensor` either copies one source tensor (``build is None``: streamed c
 cast to the output dtype) or names a `TensorBuilder` — a small object that computes the output
 from one or more source tensors (Megatron QKV splits, LoRA fusion, ...). Shards are filled
 greedily in plan order up to ``max_shard_size`` bytes, like ``save_pretrained``. The planners
-(`merge_engine.planner` picks one) build it; writers and jobs consume it. Also here: the output
-dtype and size options every planner parses.
+(`merge_engine.planner` picks one) build it; writers and jobs consume it. Also here: the rule of the
+output dtype (`output_dtype`) and the size option every planner reads.
 """
 
 from __future__ import annotations
@@ -20,21 +20,13 @@ import torch
 
 from merge_engine.errors import UnsupportedLayout
 from merge_engine.formats.hf_metadata import INDEX_FILE, SINGLE_FILE
-from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE, DTYPES as DTYPE_NAMES, Dtype, parse_size
+from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE, parse_size
 from merge_engine.formats.safetensors_file import CODES
 from merge_engine.formats.tensor_source import TensorSource
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPES", "INDEX_FILE", "SINGLE_FILE", "MergePlan", "PlannedTensor",
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "INDEX_FILE", "SINGLE_FILE", "MergePlan", "PlannedTensor",
            "RangedTensorBuilder", "ShardFile", "TensorBuilder", "assign_shards", "output_dtype", "parse_size",
-           "stored_dtype_update", "torch_dtype"]
-
-
-DTYPES: dict[Dtype, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
-
-
-def torch_dtype(dtype: Dtype | None) -> torch.dtype | None:
-    """The torch dtype of an output dtype (``options.dtype``, read once where it was given); None stays None."""
-    return None if dtype is None else DTYPES[dtype]
+           "stored_dtype_update"]
 
 
 def output_dtype(stored: torch.dtype, requested: torch.dtype | None) -> torch.dtype:

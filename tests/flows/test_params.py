@@ -124,6 +124,23 @@ def test_the_form_and_the_command_line_accept_the_same_dtype_spellings_and_recor
         assert MergeStepParams(run_root="s3://b/run", step=1, dtype=spelling).recorded_options()["dtype"] == canonical
 
 
+@pytest.mark.parametrize("spelling", list(DTYPE_SPELLINGS))
+def test_the_form_and_the_command_line_give_the_engine_the_same_dtype_value(spelling):
+    """Every spelling reaches the engine's options as one value: the same `Dtype` whether the form or ``--dtype``
+    read it, cast to the same torch dtype (the flag's parser and the form's type both call `parse_dtype`)."""
+    import torch
+
+    from merge_engine import cli, options as declared
+
+    canonical = DTYPE_SPELLINGS[spelling]
+    form = MergeStepParams(run_root="s3://b/run", step=1, dtype=spelling).settings()["merge"].to_options()
+    flags = cli.build_parser().parse_args(["merge", "--local_dir", "/c", "--target_dir", "/o", "--dtype", spelling])
+    command_line = cli._options(cli.read_options(flags, declared.MergeArgs))
+    assert form.dtype == command_line.dtype == canonical and type(form.dtype) is type(command_line.dtype) is str
+    assert form.torch_dtype is command_line.torch_dtype is getattr(torch, canonical)
+    assert form.output_options("merge")["dtype"] == command_line.output_options("merge")["dtype"] == canonical
+
+
 @pytest.mark.parametrize("url, ok", [
     ("s3://bucket/run", True), ("gs://bucket/run", True), ("/data/run", True), ("file:///data/run", True),
     ("gs://b/a..b", True), ("ftp://host/run", False), ("s3://bucket/run/../x", False), ("s3://b/%2e%2e/x", False),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from merge_engine.errors import CorruptShard, InvalidOption, one_line
-from merge_engine.option_values import canonical_dtype, parse_size, whole_number
+from merge_engine.option_values import parse_dtype, parse_size, whole_number
 
 
 def test_one_line_escapes_and_cuts():
@@ -19,7 +19,7 @@ def test_an_error_path_is_one_bounded_line():
     assert "\n" not in shown and len(shown) < 1300
 
 
-@pytest.mark.parametrize("parse", [canonical_dtype, parse_size, whole_number])
+@pytest.mark.parametrize("parse", [parse_dtype, parse_size, whole_number])
 def test_an_option_value_is_echoed_on_one_bounded_line(parse):
     with pytest.raises(InvalidOption) as caught:
         parse("5" * 3000 + "\nQQ")

@@ -20,13 +20,14 @@ import inspect
 import typing
 
 import pytest
+import torch
 
 from flows.cli import COMMANDS as STEPMERGE_COMMANDS, NotifyArgs
 from merge_engine import options as declared
 from merge_engine.cli import build_parser, read_options
 from merge_engine.errors import InvalidOption
 from merge_engine.output.jobs import OutputOptions
-from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE, Dtype, WeightsFormat
+from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE, Dtype, WeightsFormat, parse_dtype
 
 # each engine command's record (the order of ``stepmerge --help``)
 COMMAND_RECORDS: dict[str, type] = {  # each engine command's record, in the order of ``stepmerge --help``
@@ -162,20 +163,36 @@ def test_an_outputs_recorded_options_are_derived_from_the_markers(output):
 
 
 def test_a_dtype_spelling_is_read_in_one_place_and_the_engine_names_no_flow_or_task():
-    """The engine's modules read a dtype spelling only in `merge_engine.option_values` (where the command line's
-    parser and the forms' type take it from); no engine module names ``flows.`` or ``tasks.`` in a string."""
+    """A dtype spelling is read by `merge_engine.option_values.parse_dtype` alone, which the command line's flag
+    parser and the flows' form type name (no module of the product reads `DTYPE_SPELLINGS` or wraps the parse);
+    the name becomes a torch dtype in one place, `OutputOptions.torch_dtype` (no command converts it); no engine
+    module names ``flows.`` or ``tasks.`` in a string."""
+    import ast
     import pathlib
 
-    root = pathlib.Path(declared.__file__).resolve().parent
-    readers, names = [], []
-    for path in sorted(root.rglob("*.py")):
-        text = path.read_text()
-        relative = str(path.relative_to(root.parent))
-        if any(word in text for word in ("DTYPE_SPELLINGS", "canonical_dtype(")) and path.name != "option_values.py":
-            readers.append(relative)
-        if any(word in text for word in ('"flows.', '"tasks.', "'flows.", "'tasks.", "flows.params")):
-            names.append(relative)
-    assert readers == ["merge_engine/options.py"]  # the flags' parser
+    from merge_engine.plan import merge_plan
+
+    root = pathlib.Path(declared.__file__).resolve().parent.parent
+    readers, converters, names = [], [], []
+    for package in ("merge_engine", "flows", "tasks"):
+        for path in sorted((root / package).rglob("*.py")):
+            text = path.read_text()
+            relative = str(path.relative_to(root))
+            imported = {alias.name for node in ast.walk(ast.parse(text)) if isinstance(node, ast.ImportFrom)
+                        for alias in node.names}
+            if imported & {"DTYPE_SPELLINGS", "parse_dtype"} or "option_values.parse_dtype(" in text:
+                readers.append(relative)
+            if "TORCH_DTYPES" in text:
+                converters.append(relative)
+            if package == "merge_engine" and any(
+                    word in text for word in ('"flows.', '"tasks.', "'flows.", "'tasks.", "flows.params")):
+                names.append(relative)
+    assert readers == ["merge_engine/options.py", "flows/params.py"]  # the flag's parser, the form's type
+    assert converters == ["merge_engine/output/jobs.py"]
+    assert not hasattr(merge_plan, "torch_dtype") and not hasattr(merge_plan, "DTYPES")
+    assert all(item.metadata[declared.FLAG].parse is parse_dtype for record in COMMAND_RECORDS.values()
+               for item in dataclasses.fields(record) if item.name == "dtype")
+    assert typing.get_type_hints(OutputOptions.torch_dtype.fget)["return"] == (torch.dtype | None)
     assert names == []
 
 
