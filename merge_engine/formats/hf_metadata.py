@@ -3,11 +3,13 @@
 `read_config` parses ``config.json`` (a `InvalidConfig` naming the file if it cannot);
 `tie_word_embeddings` reads its tie flag (the model class default when the key is absent;
 `stated_tie_word_embeddings`: only what the file states);
-`copy_metadata` copies every metadata file of a folder (tokenizer files, chat templates,
-generation config, custom code...) to a target, writing ``config.json`` with the merge's updates;
-only regular files inside the folder, of bounded size, are copied (`merge_engine.storage.source_files`:
-anything else raises `UnsafeFile`).
-Weight files are never copied from here: the writer produces those.
+`copy_metadata` copies the metadata files of a folder (tokenizer files, chat templates,
+generation config, processor configs, the custom code ``auto_map`` names) to a target, writing ``config.json`` with
+the merge's updates; only regular files inside the folder, of bounded size, are copied
+(`merge_engine.storage.source_files`: anything else raises `UnsafeFile`).
+Never copied from here: weight files (the writer produces those), a DCP save's own files, the trainers' bookkeeping
+(`merge_engine.formats.trainer_files`: each skip logged in one line) and any ``.py`` the model's custom code does
+not name (`merge_engine.formats.custom_code`: a script beside a checkpoint is a trainer's, not the model's).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from typing import Any
 
 from merge_engine import storage
 from merge_engine.errors import InvalidConfig, UnsafeFile
+from merge_engine.formats.custom_code import custom_code_files
 from merge_engine.formats.dcp_file_names import DATA_SUFFIX, METADATA_FILE
+from merge_engine.formats.trainer_files import trainer_file
 from merge_engine.storage import FileEntry
 from merge_engine.storage.json_text import parse_json
 from merge_engine.storage.source_files import check_metadata_file, file_name_fault
@@ -94,13 +98,32 @@ def shown_name(name: str) -> str:
 def copy_metadata(hf_dir: str, target_url: str, config: Mapping[str, Any],
                   updates: Mapping[str, Any] | None = None,
                   files: Sequence[FileEntry] | None = None) -> list[tuple[str, int]]:
-    """Copy metadata files (top level of ``hf_dir``, weights and DCP files not; ``files``: that level as already
-    listed) and write the updated config (without a ``_name_or_path`` that is a path of a machine: a Hub id is
-    kept); returns (name, size). A file whose name `file_name_fault` refuses is not copied (one warning naming it,
-    cut to one bounded line)."""
-    written = []
+    """Copy metadata files (top level of ``hf_dir``; ``files``: that level as already listed) and write the updated
+    config (without a ``_name_or_path`` that is a path of a machine: a Hub id is kept); returns (name, size).
+
+    Not copied: weights, DCP files, a trainer's bookkeeping (`trainer_files.TRAINER_FILES`; one log line each,
+    naming the trainer), a ``.py`` that the model's ``auto_map`` does not name (`custom_code.custom_code_files`; one
+    log line each), a file whose name `file_name_fault` refuses (one warning naming it, cut to one bounded line).
+
+    Raises:
+        UnsafeFile: a file to copy (or a config read to find the custom code) is a link out, a device, larger
+            than the bound, or changed while copied.
+    """
+    entries = []
     for entry in storage.list_files(hf_dir, recursive=False) if files is None else files:
-        if entry.path in (CONFIG_FILE, MODEL_CARD) or is_weight_file(entry.path) or is_dcp_file(entry.path):
+        row = trainer_file(entry.path)
+        if row is not None:  # before the weights: training_args.bin, optimizer.pt... are named, not taken for weights
+            logger.warning("not copied: %s, %s's bookkeeping: %s", shown_name(entry.path), row.trainer, row.what)
+        elif entry.path not in (CONFIG_FILE, MODEL_CARD) and not is_weight_file(entry.path) \
+                and not is_dcp_file(entry.path):
+            entries.append(entry)
+    sizes = {e.path: e.size for e in entries}
+    code = _custom_code(hf_dir, config, sizes) if any(n.endswith(".py") for n in sizes) else set()
+    written = []
+    for entry in entries:
+        if entry.path.endswith(".py") and entry.path not in code:
+            logger.warning("not copied: %s, Python code the model's auto_map does not name (a script beside the "
+                           "checkpoint, not the model's custom code)", shown_name(entry.path))
             continue
         fault = file_name_fault(entry.path)
         if fault is not None:
@@ -122,3 +145,22 @@ def copy_metadata(hf_dir: str, target_url: str, config: Mapping[str, Any],
     storage.write_bytes(storage.join(target_url, CONFIG_FILE), data)
     written.append((CONFIG_FILE, len(data)))
     return written
+
+
+def _custom_code(hf_dir: str, config: Mapping[str, Any], sizes: Mapping[str, int]) -> set[str]:
+    """The ``.py`` files of ``hf_dir`` (listed with ``sizes``) that the model's custom code is
+    (`custom_code.custom_code_files`), each file it reads bounded and kept inside the folder first."""
+
+    def read(name: str) -> bytes:
+        url = storage.join(hf_dir, name)
+        check_metadata_file(url, hf_dir, sizes[name])
+        return storage.read_bytes(url)
+
+    def read_json(name: str) -> Mapping[str, Any] | None:
+        try:
+            parsed = parse_json(read(name), storage.join(hf_dir, name), error=InvalidConfig)
+        except InvalidConfig:  # not JSON: it names no module (and is copied as it is)
+            return None
+        return parsed if isinstance(parsed, dict) else None
+
+    return custom_code_files(config, set(sizes), read_json, lambda name: read(name).decode("utf-8", "replace"))

@@ -46,6 +46,22 @@ def test_merge_is_the_fp32_masters_bit_for_bit_with_the_models_logits(zero_runs,
     assert_release_of_step(str(target), run, 1)  # names, dtypes (fp32) and values; transformers' logits, exactly
 
 
+@pytest.mark.parametrize("name", ["zero1_bf16", "zero2_bf16"])
+def test_a_release_of_hf_trainers_step_carries_the_models_files_and_none_of_the_trainers(zero_runs, tmp_path, name):
+    """HF Trainer's ``checkpoint-N/`` is the folder of the model's config and of the trainers' bookkeeping:
+    DeepSpeed's ``latest`` and the ``zero_to_fp32.py`` / ``zero_to_torch.py`` it drops there (Python code), HF
+    Trainer's ``trainer_state.json``. The release carries the tokenizer, chat template and generation config, and
+    none of those."""
+    run = zero_runs[name]
+    step = set(os.listdir(run.step_dir(1)))
+    trainers = {"latest", "zero_to_fp32.py", "zero_to_torch.py", "trainer_state.json"}
+    models = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"}
+    assert trainers | models <= step  # what DeepSpeed and HF Trainer wrote there
+    target = tmp_path / "out"
+    assert main(_merge_args(run, target)) == 0
+    assert set(os.listdir(target)) == models | {"config.json", "model.safetensors", "stepmerge.json"}
+
+
 @pytest.mark.parametrize("name", RUNS)
 def test_check_reports_stage_and_ranks(zero_runs, name):
     run = zero_runs[name]
