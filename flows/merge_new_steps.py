@@ -115,10 +115,13 @@ def settled_steps(published: List[PublishedRelease], params: WatchParams) -> tup
     return tuple(settled)
 
 
-def plan_steps(steps: List[StepRecord], published: List[PublishedRelease], params: WatchParams):
+def plan_steps(steps: List[StepRecord], published: List[PublishedRelease], params: WatchParams
+               ) -> tuple[List[StepRecord], List[StepRecord], List[str]]:
     """(to merge, changed since released, not ready) — complete minus published, oldest first."""
     released = {(p.name, p.step): p for p in published}
-    todo, changed, waiting = [], [], []
+    todo: List[StepRecord] = []
+    changed: List[StepRecord] = []
+    waiting: List[str] = []
     for step in sorted(steps, key=lambda s: (s.step, s.role)):
         if step.role not in params.roles:
             continue
@@ -129,7 +132,7 @@ def plan_steps(steps: List[StepRecord], published: List[PublishedRelease], param
         have = [released.get((name, step.step)) for name in expected_releases(step.role, model, params)]
         if any(h is None for h in have):
             todo.append(step)
-        elif any(h.source_listing and h.source_listing != step.fingerprint for h in have):
+        elif any(h is not None and h.source_listing and h.source_listing != step.fingerprint for h in have):
             (todo if params.overwrite else changed).append(step)
     if params.max_steps is not None:
         todo = todo[: params.max_steps]

@@ -73,23 +73,25 @@ def run_stages(params: MergeStepParams, timer: StageTimer) -> StepOutcome:
         watcher = retrying_watcher(params.run_root)
         if watcher is None:
             raise not_ready_error(params.run_root, params.step, params.role, ready.reason,
-                                  ready.step.url if ready.step else None)
+                                  ready.step.url)
         outcome.reason = f"{ready.reason}; {watcher} merges it once it is complete"
         outcome.stages = timer.stages
         outcome.seconds = time.perf_counter() - started
         return outcome
     step, checkpoint = ready.step, ready.checkpoint
-    common = dict(settings=settings, staging_root=params.staging_root, options=params.recorded_options(),
-                  overwrite=params.overwrite, backend=settings["merge"].backend)
+    options, backend = params.recorded_options(), settings["merge"].backend
     root = params.release_root_url
     # the model's build may have found a cached check forged: the adapter is decided by, and built from, its check
     model, checkpoint = release_checked(timer, MODEL, step, checkpoint,
-                                        release_url(root, params.role, params.step, MODEL), **common)
+                                        release_url(root, params.role, params.step, MODEL), settings=settings,
+                                        staging_root=params.staging_root, options=options,
+                                        overwrite=params.overwrite, backend=backend)
     releases = [model]
     if checkpoint.lora and params.release_adapter:
         adapter_release = release_url(root, params.role, params.step, ADAPTER)
         adapter = release_output(timer, ADAPTER, step, checkpoint, adapter_release, fused_model_url=model.url,
-                                 **common)
+                                 settings=settings, staging_root=params.staging_root, options=options,
+                                 overwrite=params.overwrite, backend=backend)
         releases.append(adapter)
     outcome.releases = releases
     outcome.status = "already_published" if all(r.already_published for r in releases) else "published"

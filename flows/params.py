@@ -32,7 +32,7 @@ No torch import either: the listings-only watcher imports this module.
 """
 
 import re
-from typing import TYPE_CHECKING, Annotated, Any, Dict, List, Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Dict, Literal, Optional, Sequence, Tuple
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
 from pydantic.json_schema import JsonSchemaValue
@@ -45,7 +45,9 @@ from merge_engine.option_values import (
     Dtype as OutputDtype, parse_dtype,
 )
 from merge_engine.storage.schemes import backend_for_scheme, url_schemes
-from tasks.records import SETTINGS_RECORDS, Settings, recorded_parameters
+from tasks.records import (
+    AdapterSettings, ExecutionSettings, MergeSettings, StageSettings, ValidationSettings, recorded_parameters,
+)
 
 MAX_URL_LENGTH = 1024
 
@@ -194,7 +196,7 @@ RunRoot = Annotated[StorageUrl, FormText(
 Role = Annotated[RoleName, FormText("actor, critic, policy (NeMo-RL), or empty for SFT runs (weights in the step "
                                     "folder)")]
 ReleaseRoot = Annotated[OptionalUrl, FormText("Where releases are published; empty: the run root's releases/ folder")]
-Roles = Annotated[List[RoleName], FormText("Roles to merge (actor, critic, policy for NeMo-RL, empty for SFT)")]
+Roles = Annotated[Tuple[RoleName, ...], FormText("Roles to merge (actor, critic, policy for NeMo-RL, empty for SFT)")]
 MergeDeployment = Annotated[str, FormText(
     "Deployment that merges one step, used when this flow runs from a deployment")]
 MaxSteps = Annotated[Count, FormText(
@@ -280,7 +282,7 @@ MlflowModel = Annotated[OptionalText, FormText(
     "by reference: the weights stay where they are; empty: no registration")]
 MlflowTrackingUri = Annotated[OptionalText, FormText(
     "The MLflow tracking server (e.g. http://mlflow:5000); empty: MLFLOW_TRACKING_URI in the worker's environment")]
-DEFAULT_ROLES = ("actor", "")
+DEFAULT_ROLES: Tuple[RoleName, ...] = ("actor", "")
 
 
 class FlowParams(BaseModel):
@@ -297,12 +299,15 @@ class FlowParams(BaseModel):
         recorded settings record (`tasks.records.recorded_parameters`: every record but the execution record)."""
         return self.model_dump(include=recorded_parameters() & set(type(self).model_fields))
 
-    def settings(self) -> Dict[str, Settings]:
-        """Every settings record (`tasks.records.SETTINGS_RECORDS`, record name -> record) from this flow's
+    def settings(self) -> StageSettings:
+        """Every settings record (`tasks.records.StageSettings`, record name -> record) from this flow's
         parameters, each field from the parameter of its name (`Settings.from_parameters`): the stages take the
         ones they read; a record's fields the flow does not take keep their defaults."""
         parameters = dict(self)
-        return {name: record.from_parameters(parameters) for name, record in SETTINGS_RECORDS.items()}
+        return StageSettings(merge=MergeSettings.from_parameters(parameters),
+                             adapter=AdapterSettings.from_parameters(parameters),
+                             validation=ValidationSettings.from_parameters(parameters),
+                             execution=ExecutionSettings.from_parameters(parameters))
 
 
 class RunLocation(FlowParams):

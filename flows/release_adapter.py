@@ -52,7 +52,9 @@ def model_release_of(url: str, checkpoint: CheckpointRecord, params: AdapterPara
     """Is the model release at ``url`` whole and the trained model of this very checkpoint, fused with
     the alpha this adapter gets and the checkpoint's own config (so PEFT's logits must reproduce it)?"""
     state = release_state(url)
-    return state.intact and state.provenance.is_trained_model_of(checkpoint.fingerprint, params.lora_alpha)
+    provenance = state.provenance
+    return state.intact and provenance is not None and provenance.is_trained_model_of(checkpoint.fingerprint,
+                                                                                      params.lora_alpha)
 
 
 @flow(name="release-adapter", flow_run_name=adapter_run_name, log_prints=True, persist_result=True,
@@ -83,7 +85,7 @@ def adapter_stages(params: AdapterParams) -> StepOutcome:
         watcher = retrying_watcher(params.run_root)
         if watcher is None:
             raise not_ready_error(params.run_root, params.step, params.role, ready.reason,
-                                  ready.step.url if ready.step else None)
+                                  ready.step.url)
         outcome.reason = f"{ready.reason}; {watcher} releases its adapter once it is complete"
         outcome.stages, outcome.seconds = timer.stages, time.perf_counter() - started
         return outcome

@@ -68,12 +68,13 @@ from tasks.cache import stage_cache_policy
 from tasks.check import check_step
 from tasks.discover import discover_step, discover_steps
 from tasks.publish import publish_release, release_current
-from tasks.records import CheckpointRecord, Settings, StepRecord, of_type
+from tasks.records import (
+    BuildSettings, CheckpointRecord, ExecutionSettings, StageSettings, StepRecord, ValidationSettings, of_type,
+)
 from tasks.result_records import RECORD_SERIALIZER, register_result_type
 from tasks.results import configured_result_storage
 from tasks.validate import validate_adapter, validate_output
 
-BUILD_SETTINGS = {MODEL: "merge", ADAPTER: "adapter"}  # the settings record each kind's build reads
 SETTLE_S = float(os.environ.get("STEPMERGE_SETTLE_S", "3"))  # pause before listing a failed step again
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class StageTimer:
 class ReadyCheckpoint:
     """A step found and checked (``checkpoint`` set), or why it is not ready yet (``reason``)."""
 
-    step: Optional[StepRecord]
+    step: StepRecord
     checkpoint: Optional[CheckpointRecord]
     reason: str = ""
 
@@ -158,37 +159,37 @@ class ReleaseInputs:
     """What one output's chain starts from: the checked step, where it is released and how.
 
     ``settings`` holds every settings record of the flow (`flows.params.FlowParams.settings`: record name ->
-    record); each stage takes the ones it reads (the build the record of its kind, `BUILD_SETTINGS`), so a
+    record); each stage takes the ones it reads (the build the record of its kind: `build`), so a
     stage reading a new record needs no new field here nor in the flows."""
 
     kind: str  # MODEL | ADAPTER
     step: StepRecord
     checkpoint: CheckpointRecord
     release: str
-    settings: Dict[str, Settings]
+    settings: StageSettings
     staging_root: Optional[str]
     options: dict  # the options the flow records in the manifest
     overwrite: bool = False
     fused_model_url: Optional[str] = None  # adapters: the model release PEFT's logits must reproduce
 
     @property
-    def build(self) -> Settings:
+    def build(self) -> BuildSettings:
         """The build's settings: the merge record for a model, the adapter record for an adapter."""
-        return self.settings[BUILD_SETTINGS[self.kind]]
+        return self.settings["merge"] if self.kind == MODEL else self.settings["adapter"]
 
     @property
-    def validation(self) -> Settings:
+    def validation(self) -> ValidationSettings:
         return self.settings["validation"]
 
     @property
-    def execution(self) -> Settings:
+    def execution(self) -> ExecutionSettings:
         """Where the shard jobs run (threads here, or Ray)."""
         return self.settings["execution"]
 
-    def trained_model_arguments(self) -> tuple:
+    def trained_model_arguments(self) -> Tuple[CheckpointRecord, Optional[float], Optional[str]]:
         """(checkpoint, lora_alpha, config_url) of the trained-model check: the checkpoint PEFT's model is
         rebuilt from, with the alpha and the config the build got (`merge_engine.validate.trained`)."""
-        return (self.checkpoint, getattr(self.build, "lora_alpha", None), getattr(self.build, "hf_model_path", None))
+        return (self.checkpoint, self.build.lora_alpha, self.build.hf_model_path)
 
     def provenance(self) -> ReleaseProvenance:
         return ReleaseProvenance(kind=self.kind, source_listing=self.step.fingerprint,
@@ -306,7 +307,7 @@ CHAIN_TASKS = {MODEL: release_chain.with_options(name="model-release"),
 
 
 def release_output(timer: StageTimer, kind: str, step: StepRecord, checkpoint: CheckpointRecord, release: str, *,
-                   settings: Dict[str, Settings], staging_root: Optional[str], options: dict,
+                   settings: StageSettings, staging_root: Optional[str], options: dict,
                    overwrite: bool = False, fused_model_url: Optional[str] = None,
                    backend: Optional[str] = None) -> ReleaseOutcome:
     """Build, validate and publish one output of ``checkpoint`` at ``release`` (the chain of ``kind``), with
@@ -317,7 +318,7 @@ def release_output(timer: StageTimer, kind: str, step: StepRecord, checkpoint: C
 
 
 def release_checked(timer: StageTimer, kind: str, step: StepRecord, checkpoint: CheckpointRecord, release: str, *,
-                    settings: Dict[str, Settings], staging_root: Optional[str], options: dict,
+                    settings: StageSettings, staging_root: Optional[str], options: dict,
                     overwrite: bool = False, fused_model_url: Optional[str] = None,
                     backend: Optional[str] = None) -> Tuple[ReleaseOutcome, CheckpointRecord]:
     """`release_output`, and the check of ``step`` it was built from: ``checkpoint``, or this run's check when a

@@ -154,23 +154,29 @@ def submit_chain(create: Callable[[str], Any], key: str, listing: Optional[str] 
         created = getattr(run, "id", None)
         decision = decide(chain, listing, now, rebuild_completed, listed_at)
         name = run.state.name if getattr(run, "state", None) is not None else "Scheduled"
-        common = dict(flow_run_id=str(created), flow_run_name=str(getattr(run, "name", "") or ""),
-                      idempotency_key=current, state=name, resubmitted=len(chain) > 1)
         if decision.action == "resubmit":
             current = resubmission_key(key, created)
             continue
+        run_id, run_name = str(created), str(getattr(run, "name", "") or "")
+        resubmitted = len(chain) > 1
         if decision.action == "use":
             final = _state_type(run) == "COMPLETED"
             action = "completed" if final else ("submitted" if name == "Scheduled" and len(chain) == 1 else
                                                  "resubmitted" if name == "Scheduled" else "running")
-            return SubmittedRun(action=action, detail=f"flow run {created} ({name})", **common)
+            return SubmittedRun(action=action, detail=f"flow run {created} ({name})", flow_run_id=run_id,
+                                flow_run_name=run_name, idempotency_key=current, state=name, resubmitted=resubmitted)
         if decision.action == "wait":
-            return SubmittedRun(action="waiting", failed_earlier=True, retry_at=decision.retry_at,
+            retry_at = decision.retry_at
+            if retry_at is None:
+                raise ValueError(f"a decision to wait names no time to resubmit {key} at")
+            return SubmittedRun(action="waiting", failed_earlier=True, retry_at=retry_at,
                                 detail=f"flow run {created} {decision.reason}; resubmitted after "
-                                       f"{decision.retry_at.isoformat(timespec='seconds')}", **common)
+                                       f"{retry_at.isoformat(timespec='seconds')}", flow_run_id=run_id,
+                                flow_run_name=run_name, idempotency_key=current, state=name, resubmitted=resubmitted)
         return SubmittedRun(action="gave up", failed_earlier=_state_type(run) in STATES_FAILED,
                             detail=f"flow run {created}: {decision.reason}; given up: rerun it from the UI, "
-                                   "or rewrite the step", **common)
+                                   "or rewrite the step", flow_run_id=run_id, flow_run_name=run_name,
+                            idempotency_key=current, state=name, resubmitted=resubmitted)
     raise RuntimeError(f"more than {MAX_KEY_CHAIN} runs for {key}; refusing to submit another")
 
 
@@ -181,10 +187,10 @@ def submit_step_run(deployment: str, parameters: dict, key: str, listing: Option
     ``listed_at``: when the watcher listed the releases, `decide`)."""
     from prefect.deployments import run_deployment
 
-    tags = [*tags, *([listing_tag(listing)] if listing else [])] or None
+    run_tags = [*tags, *([listing_tag(listing)] if listing else [])] or None
 
     def create(current: str) -> Any:
         return run_deployment(deployment, parameters=parameters, idempotency_key=current, timeout=0,
-                              as_subflow=as_subflow, tags=tags)
+                              as_subflow=as_subflow, tags=run_tags)
 
     return submit_chain(create, key, listing=listing, rebuild_completed=True, listed_at=listed_at)

@@ -85,14 +85,16 @@ def output_job(spec: BuildSpec, release: str, folders: Optional[InputFolders] = 
     if spec.kind == MODEL:
         from merge_engine.commands.merge import MergeJob
 
-        job: OutputJob = MergeJob(checkpoint.url, "", options, checkpoint)
-    else:
-        from merge_engine.commands.extract import ExtractJob
+        model = MergeJob(checkpoint.url, "", options, checkpoint)
+        if folders is not None:
+            model.inputs = folders
+        return model
+    from merge_engine.commands.extract import ExtractJob
 
-        job = ExtractJob(checkpoint.url, "", options, checkpoint)
+    adapter = ExtractJob(checkpoint.url, "", options, checkpoint)
     if folders is not None:
-        job.inputs = folders
-    return job
+        adapter.inputs = folders
+    return adapter
 
 
 def progress_title(spec: BuildSpec, release: str) -> str:

@@ -52,7 +52,8 @@ def hub_token(secret: Optional[str]) -> Optional[str]:
     from prefect.blocks.system import Secret
 
     try:
-        value = Secret.load(secret).get()
+        block = Secret.load(secret)
+        value = block.get() if isinstance(block, Secret) else None  # a sync caller's block (never a coroutine here)
     except Exception as exc:  # noqa: BLE001 - a missing block, or one of another type: one line
         raise HubPushRefused(f"no Prefect Secret block named {secret!r} to read the Hub token from "
                              f"({type(exc).__name__})", secret) from None

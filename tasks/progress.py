@@ -60,7 +60,9 @@ class ProgressArtifact:
         try:
             from prefect.artifacts import create_progress_artifact
 
-            self.artifact_id = create_progress_artifact(0.0, key=self.key, description=self.description)
+            created = create_progress_artifact(0.0, key=self.key, description=self.description)
+            if isinstance(created, UUID):  # a sync caller's id (an async one would get a coroutine: none here)
+                self.artifact_id = created
             self._last = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - progress is best effort
             logger.warning("could not create the progress artifact %s: %s", self.key, exc)

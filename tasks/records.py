@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Optional, get_type_hints
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
-from typing_extensions import Self
+from typing_extensions import Self, TypedDict
 
 from merge_engine.option_values import DEFAULT_MAX_SHARD_SIZE, DEFAULT_WEIGHTS_FORMAT, Dtype, WeightsFormat
 from merge_engine.storage import FileEntry
@@ -264,9 +264,18 @@ class ExecutionSettings(Settings):
     ray_address: Optional[str] = None
 
 
-# The settings records a flow's stages get, by name (`flows.params.FlowParams.settings`).
-SETTINGS_RECORDS: dict[str, type[Settings]] = {"merge": MergeSettings, "adapter": AdapterSettings,
-                                               "validation": ValidationSettings, "execution": ExecutionSettings}
+class StageSettings(TypedDict):
+    """The settings records a flow's stages get (`flows.params.FlowParams.settings`), by name: each stage reads the
+    ones it needs, typed (the build the record of its output's kind)."""
+
+    merge: MergeSettings
+    adapter: AdapterSettings
+    validation: ValidationSettings
+    execution: ExecutionSettings
+
+
+# The settings records by name, as `StageSettings` declares them.
+SETTINGS_RECORDS: dict[str, type[Settings]] = dict(get_type_hints(StageSettings))
 
 
 def recorded_parameters() -> set[str]:

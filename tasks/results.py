@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from prefect._internal.compatibility.async_dispatch import async_dispatch
 from prefect.filesystems import LocalFileSystem, NullFileSystem, RemoteFileSystem, WritableFileSystem
@@ -43,12 +43,17 @@ class GuardedReads(WritableFileSystem):
     """A result storage block's reads through `checked_record` (put first among a block class's bases: its
     methods override the storage's own ``read_path``, which Prefect calls)."""
 
+    # Prefect declares ``read_path`` async on WritableFileSystem, yet each concrete block (the class after this one in
+    # the MRO) dispatches it sync or async (``async_dispatch``, whose ``_sync`` keyword its signature omits) and
+    # declares ``aread_path`` itself: the ignores below are for those declarations.
     async def aread_path(self, path: str) -> bytes:
-        return checked_record(await super().aread_path(path), path)  # type: ignore[misc]
+        return checked_record(await super().aread_path(path), path)  # type: ignore[misc]  # declared by the block
 
     @async_dispatch(aread_path)
-    def read_path(self, path: str) -> bytes:
-        return checked_record(super().read_path(path, _sync=True), path)  # type: ignore[misc]
+    def read_path(self, path: str) -> bytes:  # type: ignore[override]  # as the concrete blocks' own read_path
+        # the concrete block's read_path run sync, which returns bytes (Prefect types it as the abstract coroutine)
+        stored: bytes = super().read_path(path, _sync=True)  # type: ignore[safe-super, call-arg, assignment]
+        return checked_record(stored, path)
 
 
 class GuardedLocalFileSystem(GuardedReads, LocalFileSystem):
@@ -91,12 +96,12 @@ except ImportError:  # pragma: no cover
     pass
 
 
-def is_guarded(storage: Any) -> bool:
+def is_guarded(storage: object) -> TypeGuard[GuardedReads]:
     """Whether a result store's storage block reads only stepmerge's records (a `GuardedReads` block)."""
     return isinstance(storage, GuardedReads)
 
 
-def guarded_block(block: WritableFileSystem, slug: str) -> WritableFileSystem:
+def guarded_block(block: object, slug: str) -> WritableFileSystem:
     """An (unsaved) guarded block of ``block``'s place and settings (``block`` itself when already guarded).
 
     Raises:
@@ -106,7 +111,7 @@ def guarded_block(block: WritableFileSystem, slug: str) -> WritableFileSystem:
     if is_guarded(block):
         return block
     guarded = GUARDED_BLOCKS.get(type(block))
-    if guarded is None:
+    if guarded is None or not isinstance(block, WritableFileSystem):
         raise UnguardedResultStorage(
             f"result storage {slug[:200]!r} is a {type(block).__name__[:100]} block: stepmerge reads results only "
             f"through blocks it can guard ({', '.join(sorted(t.__name__ for t in GUARDED_BLOCKS))})", slug[:200])
@@ -134,7 +139,8 @@ def _unsaved_guarded(name: str) -> WritableFileSystem:
         return GuardedLocalFileSystem(basepath=name)
     from prefect.blocks.core import Block
 
-    return guarded_block(Block.load(name, _sync=True), name)
+    loaded = Block.load(name, _sync=True)  # type: ignore[call-arg]  # async_dispatch's _sync, omitted by its signature
+    return guarded_block(loaded, name)
 
 
 def saved_result_storage(name: str) -> WritableFileSystem:

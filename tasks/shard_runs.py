@@ -112,6 +112,7 @@ def _run_unit_tasks(tasks: list[UnitTask], label: str, max_retries: int,
     import ray
     from prefect.futures import as_completed
     from prefect_ray.context import remote_options
+    from prefect_ray.task_runners import PrefectRayFuture
 
     env = storage_env()
     options: dict[str, Any] = {"max_retries": max_retries, "num_cpus": 1}
@@ -127,12 +128,14 @@ def _run_unit_tasks(tasks: list[UnitTask], label: str, max_retries: int,
             records[future.task_run_id] = record
             on_record(record)
     except BaseException:
-        pending = [f for f in futures if f.task_run_id not in records]
-        for future in pending:
-            ray.cancel(future.wrapped_future)
-        for future in pending:  # wait until they have stopped: nothing writes after the merge fails
+        # the Ray task runner's futures: each wraps the Ray object of its task run
+        pending = [f.wrapped_future for f in futures
+                   if f.task_run_id not in records and isinstance(f, PrefectRayFuture)]
+        for ref in pending:
+            ray.cancel(ref)
+        for ref in pending:  # wait until they have stopped: nothing writes after the merge fails
             try:
-                ray.get(future.wrapped_future)
+                ray.get(ref)
             except Exception:  # noqa: BLE001 - cancelled or failed: either way it has stopped
                 pass
         raise

@@ -35,7 +35,7 @@ from merge_engine.validate import Check, ValidationReport, validate_model
 from merge_engine.validate import adapter as adapter_validation
 from merge_engine.validate.trained import TRAINED, VS_ADAPTER, VS_FUSED, check_against_trained
 from tasks.checked import checked_checkpoint
-from tasks.records import CheckpointRecord, Settings, StepRecord
+from tasks.records import CheckpointRecord, StepRecord, ValidationSettings
 from tasks.retry import RETRY_OPTIONS
 
 
@@ -54,7 +54,7 @@ def released_validation(output: BuiltOutput, release: Optional[str],
 
 
 @task(name="validate-model", cache_policy=NO_CACHE, persist_result=False, **RETRY_OPTIONS)
-def validate_output(output: BuiltOutput, settings: Settings, release: Optional[str] = None,
+def validate_output(output: BuiltOutput, settings: ValidationSettings, release: Optional[str] = None,
                     checkpoint: Optional[CheckpointRecord] = None, lora_alpha: Optional[float] = None,
                     config_url: Optional[str] = None, state: Optional[ReleaseState] = None,
                     step: Optional[StepRecord] = None) -> ValidationReport:
@@ -70,7 +70,7 @@ def validate_output(output: BuiltOutput, settings: Settings, release: Optional[s
 
 
 @task(name="validate-adapter", cache_policy=NO_CACHE, persist_result=False, **RETRY_OPTIONS)
-def validate_adapter(output: BuiltOutput, settings: Settings, fused_model_url: Optional[str] = None,
+def validate_adapter(output: BuiltOutput, settings: ValidationSettings, fused_model_url: Optional[str] = None,
                      release: Optional[str] = None, checkpoint: Optional[CheckpointRecord] = None,
                      lora_alpha: Optional[float] = None, config_url: Optional[str] = None,
                      state: Optional[ReleaseState] = None, step: Optional[StepRecord] = None) -> ValidationReport:
@@ -85,7 +85,8 @@ def validate_adapter(output: BuiltOutput, settings: Settings, fused_model_url: O
                                          lora_alpha=lora_alpha, config_url=config_url))
 
 
-def trained_check(checkpoint: Optional[CheckpointRecord], settings: Settings, step: Optional[StepRecord] = None, *,
+def trained_check(checkpoint: Optional[CheckpointRecord], settings: ValidationSettings,
+                  step: Optional[StepRecord] = None, *,
                   fused_model_url: Optional[str] = None, adapter_url: Optional[str] = None,
                   lora_alpha: Optional[float] = None, config_url: Optional[str] = None) -> ValidationReport:
     """The trained-model check of a LoRA checkpoint's output (an empty report for other checkpoints); a cached

@@ -64,3 +64,37 @@ def test_planted_type_errors_fail_the_check(tmp_path):
     # Prefect's Flow.__call__ is overloaded (return_state=True): the call matches none, whose signature is the def's
     assert 'No overload variant of "__call__" of "Flow" matches argument types "int", "int"' in errors[1]
     assert "def __call__(self, step: int, run_root: str," in planted.stdout
+
+
+# Errors planted inside the product's own modules (each a one-line edit of the real source, checked through mypy's
+# --shadow-file, the files on disk untouched): a settings record's field read from the wrong record in a flow, and a
+# LoRA command handing the options' lora_alpha (one value, or one per adapter) where one value is expected.
+PLANTED_IN_PRODUCT = {
+    "flows/merge_step.py": ('settings["merge"].backend)\n', 'settings["validation"].backend)\n',
+                            '"ValidationSettings" has no attribute "backend"  [attr-defined]'),
+    "merge_engine/commands/extract.py": ("one_lora_alpha(options),\n", "options.lora_alpha,\n",
+                                         'Argument 4 to "resolve_checkpoint_lora" has incompatible type '
+                                         '"float | tuple[float, ...] | None"; expected "float | None"  [arg-type]'),
+}
+
+
+def test_planted_errors_in_flows_and_commands_fail_the_check(tmp_path):
+    """The flows' settings and the LoRA commands' options are checked at the project's level: no module of theirs
+    is exempted (a module whose errors were not reported would let both plants pass)."""
+    shadows, expected = [], []
+    for path, (right, wrong, error) in PLANTED_IN_PRODUCT.items():
+        source = (ROOT / path).read_text()
+        assert source.count(right) == 1, f"{path} no longer holds the line planted in: update the plant"
+        shadow = tmp_path / pathlib.Path(path).name
+        shadow.write_text(source.replace(right, wrong))
+        shadows += ["--shadow-file", path, str(shadow)]
+        expected.append(error)
+    planted = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
+         "--cache-dir", str(ROOT / ".mypy_cache"), *shadows, *PLANTED_IN_PRODUCT],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "MYPYPATH": str(ROOT)}, timeout=900)
+    assert planted.returncode == 1, planted.stdout + planted.stderr
+    errors = [line for line in planted.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 2, planted.stdout
+    for error in expected:
+        assert any(error in line for line in errors), planted.stdout
