@@ -1,5 +1,7 @@
 """An expected user error in a flow run is one line in the run's log: the named error, with no traceback and no
-"unexpected exception" (Prefect's words for a crash), read from the suite's real Prefect server."""
+"unexpected exception" (Prefect's words for a crash), read from the suite's real Prefect server. That holds for an
+error raised in the flow's own code and for one raised inside a task (``task_raised``: the merge task's
+InvalidConfig, which its task runs logged three more times before, each naming it)."""
 
 import pytest
 
@@ -34,7 +36,7 @@ def as_a_worker_runs(parameters: dict):
         return raised.value, client.read_flow_run(flow_run.id).state
 
 
-@pytest.mark.parametrize("case", ["step_not_found", "not_ready", "raised"])
+@pytest.mark.parametrize("case", ["step_not_found", "not_ready", "raised", "task_raised"])
 def test_an_expected_error_is_one_line_in_the_run_log(prefect, template_run, tmp_path, case):
     """``raised``: run as a worker runs it, the engine raises the error on and logs "Engine execution exited with
     unexpected exception" unless it is dropped."""
@@ -49,6 +51,10 @@ def test_an_expected_error_is_one_line_in_the_run_log(prefect, template_run, tmp
         exc, state = as_a_worker_runs({"run_root": run_root, "step": 40})
         assert isinstance(exc, StepNotFound), exc
         error = "StepNotFound"
+    elif case == "task_raised":  # the merge task finds no config.json where hf_model_path points
+        copy_steps(template_run, run_root, [1])
+        state = merge_step(run_root=run_root, step=1, hf_model_path=str(tmp_path / "no-config"), return_state=True)
+        error = "InvalidConfig"
     else:  # step 1 still being written, and no watcher deployed to come back for it
         copy_steps(template_run, run_root, [1], omit=[rank_file(1, 1)])
         state, error = merge_step(run_root=run_root, step=1, return_state=True), "IncompleteCheckpoint"
