@@ -35,6 +35,7 @@ from merge_engine.planner import plan_checkpoint
 from merge_engine.commands.input_folders import InputFolders
 from merge_engine.commands.lora_alpha import one_lora_alpha
 from merge_engine.commands.layout_jobs import jobs_of
+from merge_engine.commands.adapter_fuse import prepare_fused_step
 from merge_engine.formats.tensor_source import TensorSource
 
 __all__ = ["PROVENANCE_FILE", "MergeJob", "merge_checkpoint",
@@ -96,10 +97,14 @@ class MergeJob:
             if jobs is not None:
                 config, hf_dir = jobs.step_config(checkpoint, self.options, self.inputs)
             else:
-                hf_model_path = self.options.hf_model_path
-                config = (self.inputs.config(hf_model_path, "checkpoint") if hf_model_path
-                          else read_config(checkpoint.hf_dir))  # InvalidConfig when it has none
-                hf_dir = hf_model_path or checkpoint.hf_dir or ""
+                hf_model_path, base_model = self.options.hf_model_path, self.options.base_model
+                if hf_model_path:
+                    config, hf_dir = self.inputs.config(hf_model_path, "checkpoint"), hf_model_path
+                elif checkpoint.hf_dir is None and checkpoint.lora and base_model:  # an adapter saved alone: the base's
+                    config, hf_dir = self.inputs.config(base_model, "base model"), base_model
+                else:
+                    config = read_config(checkpoint.hf_dir)  # InvalidConfig when it has none
+                    hf_dir = checkpoint.hf_dir or ""
             self._config = config
             self._checked_as = (checkpoint, hf_dir, config)
         return self._checked_as
@@ -118,6 +123,15 @@ class MergeJob:
         if prepared is not None:
             return prepared
         source = open_checkpoint(checkpoint)
+        if jobs is None and checkpoint.lora and self.options.base_model:  # an adapter-only step: fused into the base
+            try:
+                fused = prepare_fused_step(checkpoint, source, config, hf_dir, self.options, self.source_url,
+                                           self.inputs)
+            except BaseException:
+                source.close()
+                raise
+            if fused is not None:
+                return fused
         if jobs is not None:
             try:
                 source = jobs.merge_source(checkpoint, source, self.options)

@@ -322,9 +322,9 @@ def plan_trained_model(checkpoint: Checkpoint, source: TensorSource, config: Map
     """
     lora = resolve_checkpoint_lora(checkpoint.url, checkpoint.files, source.metas(), lora_alpha, config)
     if not lora.keys.base:
-        raise AdapterError("this checkpoint holds only LoRA adapter weights, no base model: run `stepmerge "
-                           "extract-lora --local_dir CKPT --base-model BASE --target-dir ADAPTER`, then `stepmerge "
-                           "merge-lora --base-model BASE --lora-adapter ADAPTER --target-dir OUT`", checkpoint.url)
+        raise AdapterError("this checkpoint holds only LoRA adapter weights, no base model: pass --base-model BASE "
+                           "(the Hugging Face model the run trained from) to fuse the adapter into it, or release the "
+                           "adapter alone with extract-lora --base-model BASE", checkpoint.url)
     base = RenamedSource(source, lora.keys.base)
     plan = plan_fused_model(base.metas(), config, [WeightedAdapter(None, lora.adapter)], dtype=dtype,
                             max_shard_size=max_shard_size, base_url=config_url or checkpoint.hf_dir,
