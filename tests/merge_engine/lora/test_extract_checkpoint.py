@@ -100,14 +100,15 @@ def test_plain_merge_in_bf16(tmp_path, fsdp_lora_runs):
 
 def test_lora_only_checkpoint_needs_the_base(tmp_path, fsdp_lora_runs, lora_only_checkpoint):
     """Only adapter keys saved: the adapter is extracted and checked against --base-model; a plain
-    merge explains what to run instead; nothing is written on failure."""
+    merge without --base-model says to pass it (it then fuses: test_adapter_step_fuse); nothing is written on
+    failure."""
     run = fsdp_lora_runs["lora_fsdp2_qwen2_r2"]
     base_dir = str(tmp_path / "base")
     run.base_model().save_pretrained(base_dir)
     with pytest.raises(AdapterError, match="--base-model"):
         extract_lora(lora_only_checkpoint.checkpoint_dir, str(tmp_path / "no_base"))
     assert not os.path.exists(tmp_path / "no_base")
-    with pytest.raises(AdapterError, match="merge-lora"):
+    with pytest.raises(AdapterError, match="no base model: pass --base-model"):
         merge_checkpoint(lora_only_checkpoint.checkpoint_dir, str(tmp_path / "merged"))
     assert not os.path.exists(tmp_path / "merged")
     result = extract_lora(lora_only_checkpoint.checkpoint_dir, str(tmp_path / "adapter"),
