@@ -12,6 +12,7 @@ import logging
 import pytest
 from prefect.blocks.system import Secret
 from prefect.client.orchestration import get_client
+from prefect.exceptions import ObjectNotFound
 
 from merge_engine.errors import HubPushRefused
 from tasks.hub import HubTarget, push_release
@@ -22,10 +23,14 @@ from tests.merge_engine.release.test_hub_push import release_of
 
 def _run_count(state) -> int:
     """The task run's attempts as the server records them, once it has the run's final state (the client sends
-    task run states as events: the server's record follows, it does not lead)."""
+    task run states as events: the server's record follows, it does not lead; on a loaded machine the run may not
+    be recorded at all yet, a 404)."""
     with get_client(sync_client=True) as client:
         def final():
-            run = client.read_task_run(state.state_details.task_run_id)
+            try:
+                run = client.read_task_run(state.state_details.task_run_id)
+            except ObjectNotFound:  # the server has not taken the run's first event yet
+                return False
             return run.state is not None and run.state.type == state.type
 
         until(final, f"recorded by the server as {state.type.value}")
