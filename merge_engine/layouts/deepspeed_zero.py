@@ -334,13 +334,7 @@ def _shapes(opened: _Opened) -> list[dict[str, tuple[int, ...]]]:
     for group in opened.model["param_shapes"]:
         if not isinstance(group, dict):
             raise CorruptShard("a param_shapes entry is not a dict of names to shapes", url)
-        shapes = {}
-        for name, shape in group.items():
-            if not isinstance(name, str) or not isinstance(shape, (tuple, list)) or \
-                    not all(type(d) is int and d >= 0 for d in shape):
-                raise CorruptShard(f"param_shapes entry {name!r}: {shape!r} is not a shape", url)
-            shapes[name] = tuple(shape)
-        groups.append(shapes)
+        groups.append(_checked_shapes(group, "param_shapes", url))
     return groups
 
 
@@ -351,11 +345,17 @@ def _frozen_shapes(opened: _Opened) -> dict[str, tuple[int, ...]]:
     frozen = opened.model.get("frozen_param_shapes") or {}
     if not isinstance(frozen, dict):
         raise CorruptShard("frozen_param_shapes is not a dict of names to shapes", url)
+    return _checked_shapes(frozen, "frozen_param_shapes", url)
+
+
+def _checked_shapes(recorded: dict[Any, Any], field: str, url: str) -> dict[str, tuple[int, ...]]:
+    """``recorded`` (a names-to-shapes dict of the model states file's ``field``) with every name a string and
+    every shape a tuple of non-negative ints; else `CorruptShard` naming the entry."""
     shapes = {}
-    for name, shape in frozen.items():
+    for name, shape in recorded.items():
         if not isinstance(name, str) or not isinstance(shape, (tuple, list)) or \
                 not all(type(d) is int and d >= 0 for d in shape):
-            raise CorruptShard(f"frozen_param_shapes entry {name!r}: {shape!r} is not a shape", url)
+            raise CorruptShard(f"{field} entry {name!r}: {shape!r} is not a shape", url)
         shapes[name] = tuple(shape)
     return shapes
 

@@ -25,6 +25,7 @@ from merge_engine import storage
 from merge_engine.commands.merge import read_provenance
 from merge_engine.release.verify import verify_folder
 from tests.fixtures_storage import upload_step
+from tests.merge_engine.layouts.test_bridge_hf_folder import write_bridge_step
 from tests.release_checks import assert_model_logits, assert_release_of_megatron_job, assert_release_weights_equal
 
 VERL_BRIDGE = "qwen2_tp2_pp2_bridge_v2"
@@ -58,14 +59,8 @@ def test_a_verl_mbridge_run_on_s3_is_published_as_the_trainer_wrote_it(prefect, 
 
 def test_a_megatron_bridge_run_on_s3_is_published_once_its_native_checkpoint_is_whole(prefect, s3_bucket_url,
                                                                                        tmp_path):
-    from synthetic_runs.models import ModelSpec, build_model, write_hf_metadata
-
     step = tmp_path / "local" / "iter_0000005"
-    model = build_model(ModelSpec(), seed=5)
-    model.save_pretrained(step / "hf")
-    write_hf_metadata(step / "hf", ModelSpec())
-    for name in ("common.pt", "__0_0.distcp"):
-        (step / name).write_bytes(b"x" * 64)
+    model = write_bridge_step(step)
     run_root = f"{s3_bucket_url}/bridge_run"
     upload_step(step, run_root)
     params = _watch(s3_bucket_url, run_root, tmp_path)

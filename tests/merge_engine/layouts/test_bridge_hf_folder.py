@@ -22,15 +22,21 @@ from merge_engine.storage import list_files
 from synthetic_runs.models import ModelSpec, build_model, write_hf_metadata
 
 
-@pytest.fixture
-def bridge_run(tmp_path):
-    step = tmp_path / "run" / "iter_0000005"
+def write_bridge_step(step):
+    """A Megatron-Bridge ``iter_N/`` folder: ``hf/`` saved by transformers beside native checkpoint files without
+    their ``.metadata`` (not yet whole); returns the model ``hf/`` holds."""
     model = build_model(ModelSpec(), seed=5)
     model.save_pretrained(step / "hf")
     write_hf_metadata(step / "hf", ModelSpec())
     for name in ("common.pt", "__0_0.distcp"):
         (step / name).write_bytes(b"x" * 64)
-    return step, model
+    return model
+
+
+@pytest.fixture
+def bridge_run(tmp_path):
+    step = tmp_path / "run" / "iter_0000005"
+    return step, write_bridge_step(step)
 
 
 def test_a_bridge_hf_folder_is_verified_and_passed_through(bridge_run, tmp_path):
