@@ -89,6 +89,6 @@ class HashingWriter(CommitOnExit):
     def abort(self) -> None:
         """Throw away what was written (idempotent)."""
         try:
-            self._out.abort()  # type: ignore[attr-defined]
+            self._out.abort()
         finally:
             self._stop_hashing()
