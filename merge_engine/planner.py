@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from merge_engine.architectures.megatron_to_hf import plan_megatron_merge
 from merge_engine.errors import InvalidOption
@@ -41,7 +40,7 @@ __all__ = ["check_dropped_head", "check_tie_flag", "check_tied_copy", "critic_co
 
 
 def plan_checkpoint(checkpoint: Checkpoint, source: TensorSource, config: dict[str, Any], *,
-                    dtype: torch.dtype | None, max_shard_size: int | None, tie_flag: bool | None = None,
+                    max_shard_size: int | None, tie_flag: bool | None = None,
                     lora_alpha: float | None = None, custom_mapping: str | None = None,
                     chunk_bytes: int = DEFAULT_CHUNK_BYTES, mtp_layers: str | None = None) -> MergePlan:
     """The plan of the model ``checkpoint`` holds (see the module docstring). Reads no weight, except
@@ -50,7 +49,7 @@ def plan_checkpoint(checkpoint: Checkpoint, source: TensorSource, config: dict[s
     check_aliases(source, config)
     if layout_named(checkpoint.layout).tensor_naming == MEGATRON_NAMES:
         extra = {"custom_mapping": custom_mapping} if custom_mapping is not None else {}
-        return plan_megatron_merge(source, config, dtype=dtype, max_shard_size=max_shard_size, tie_flag=tie_flag,
+        return plan_megatron_merge(source, config, max_shard_size=max_shard_size, tie_flag=tie_flag,
                                    mtp_layers=mtp_layers, **extra)
     if mtp_layers is not None:
         raise InvalidOption(f"--mtp-layers applies to Megatron checkpoints, not to a {checkpoint.layout} one")
@@ -59,7 +58,7 @@ def plan_checkpoint(checkpoint: Checkpoint, source: TensorSource, config: dict[s
                             custom_mapping)
     metas = source.metas()
     if is_lora_checkpoint(metas):
-        return plan_trained_model(checkpoint, source, config, dtype=dtype, max_shard_size=max_shard_size,
+        return plan_trained_model(checkpoint, source, config, max_shard_size=max_shard_size,
                                   tie_flag=tie_flag, lora_alpha=lora_alpha, chunk_bytes=chunk_bytes)
-    return plan_hf_merge(metas, config, dtype=dtype, max_shard_size=max_shard_size, tie_flag=tie_flag,
+    return plan_hf_merge(metas, config, max_shard_size=max_shard_size, tie_flag=tie_flag,
                          config_url=checkpoint.hf_dir)

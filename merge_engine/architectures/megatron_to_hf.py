@@ -45,7 +45,6 @@ from merge_engine.plan.merge_plan import (
     MergePlan,
     PlannedTensor,
     assign_shards,
-    output_dtype,
     stored_dtype_update,
 )
 from merge_engine.plan.output_heads import CRITIC_HEAD, check_tie_flag, critic_config, is_critic, tied_copy_error
@@ -142,7 +141,7 @@ class LeadingRows:
 
 
 def plan_megatron_to_hf(source: TensorSource, config: Mapping[str, Any], *, table: FamilyTable, dims: ModelDims,
-                        dtype: torch.dtype | None = None, max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE,
+                        max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE,
                         tie_flag: bool | None = None, config_url: str | None = None,
                         mtp_layers: str | None = None) -> MergePlan:
     """The merge plan of a canonical Megatron source (see module docstring); metadata only.
@@ -182,39 +181,38 @@ def plan_megatron_to_hf(source: TensorSource, config: Mapping[str, Any], *, tabl
             shapes = mapping.hf_shapes(meta.shape, dims)
         except ValueError as exc:
             raise MappingError(f"{binding.megatron} {meta.shape}: {exc}") from None
-        out_dtype = output_dtype(meta.dtype, dtype)
         if isinstance(mapping, DirectMapping):
-            tensors.append(PlannedTensor(binding.hf[0], shapes[0], out_dtype, binding.megatron))
+            tensors.append(PlannedTensor(binding.hf[0], shapes[0], meta.dtype, binding.megatron))
         elif isinstance(mapping, VocabMapping):
             same_as = tied_copy if not mapping.head else None
             rows = shapes[0][0]
             build = LeadingRows(binding.megatron, rows, int(torch.Size(shapes[0][1:]).numel()), same_as)
-            tensors.append(PlannedTensor(binding.hf[0], shapes[0], out_dtype, binding.megatron, build))
+            tensors.append(PlannedTensor(binding.hf[0], shapes[0], meta.dtype, binding.megatron, build))
             if meta.shape[0] != rows:
                 notes.append(f"{binding.megatron}: {meta.shape[0] - rows} padding rows dropped "
                              f"({meta.shape[0]} -> vocab_size {rows})")
         else:
             cache = FusedCache()
             for part, (name, shape) in enumerate(zip(binding.hf, shapes)):
-                tensors.append(PlannedTensor(name, shape, out_dtype, binding.megatron,
+                tensors.append(PlannedTensor(name, shape, meta.dtype, binding.megatron,
                                              FusedPart(binding.megatron, mapping, dims, part, cache)))
     for hf_name, source_name in view.own:  # MTP-only tensors, as they are
         meta = metas_all[source_name]
-        tensors.append(PlannedTensor(hf_name, meta.shape, output_dtype(meta.dtype, dtype), source_name))
+        tensors.append(PlannedTensor(hf_name, meta.shape, meta.dtype, source_name))
     for hf_name, source_name in view.copies:  # the MTP layer's own embedding / head copies
         meta = metas_all[source_name]
         leading = (dims.vocab_size, *meta.shape[1:])
-        tensors.append(PlannedTensor(hf_name, leading, output_dtype(meta.dtype, dtype), source_name,
+        tensors.append(PlannedTensor(hf_name, leading, meta.dtype, source_name,
                                      LeadingRows(source_name, dims.vocab_size, int(torch.Size(meta.shape[1:]).numel()))))
     if tied_copy is not None:
         notes.append(f"tied embeddings: {tied_copy} checked equal to the embedding, not written")
     if CRITIC_HEAD in {t.name for t in tensors}:
         notes.append(f"critic: {OUTPUT_LAYER} (one row) -> {CRITIC_HEAD}, a token-classification model")
-    updates.update(stored_dtype_update(tensors, dtype))
+    updates.update(stored_dtype_update(tensors, None))
     return MergePlan(tuple(tensors), assign_shards(tensors, max_shard_size), updates, tuple(notes))
 
 
-def plan_megatron_merge(source: TensorSource, config: Mapping[str, Any], *, dtype: torch.dtype | None = None,
+def plan_megatron_merge(source: TensorSource, config: Mapping[str, Any], *,
                         max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE, tie_flag: bool | None = None,
                         custom_mapping: str | None = None, config_url: str | None = None,
                         mtp_layers: str | None = None) -> MergePlan:
@@ -229,7 +227,7 @@ def plan_megatron_merge(source: TensorSource, config: Mapping[str, Any], *, dtyp
     table = table_for_config(config, custom_mapping)
     dims = model_dims(config, table)
     _check_tensor_parallel(source, dims)
-    return plan_megatron_to_hf(source, config, table=table, dims=dims, dtype=dtype, max_shard_size=max_shard_size,
+    return plan_megatron_to_hf(source, config, table=table, dims=dims, max_shard_size=max_shard_size,
                                tie_flag=tie_flag, config_url=config_url, mtp_layers=mtp_layers)
 
 

@@ -46,9 +46,10 @@ def prepare_fused_step(checkpoint: Checkpoint, source: TensorSource, config: dic
     fused = NamespacedSource({BASE_NAMESPACE: base, ADAPTER_NAMESPACE: source})
     try:
         stored = plan_fused_model(base.metas(), base_config, [WeightedAdapter(ADAPTER_NAMESPACE, lora.adapter, 1.0)],
-                                  dtype=options.torch_dtype, max_shard_size=None, base_url=options.base_model,
+                                  max_shard_size=None, base_url=options.base_model,
                                   tie_flag=options.tie_word_embedding)
-        plan = in_weights_format(stored, base_config, options.weights_format, options.max_shard_size)
+        plan = in_weights_format(stored.with_dtype(options.torch_dtype), base_config, options.weights_format,
+                                 options.max_shard_size)
     except BaseException:
         base.close()
         raise

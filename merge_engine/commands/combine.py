@@ -125,9 +125,9 @@ class CombineJob:
             if options.output == "model":
                 if base_url is None or base_metas is None or config is None:
                     raise InvalidOption("a fused model needs --base-model")
-                plan = in_weights_format(plan_fused_model(base_metas, config, inputs, dtype=dtype,
-                                                          max_shard_size=None, base_url=base_url),
-                                         config, options.weights_format, options.max_shard_size)
+                fused = plan_fused_model(base_metas, config, inputs, max_shard_size=None, base_url=base_url)
+                plan = in_weights_format(fused.with_dtype(dtype), config, options.weights_format,
+                                         options.max_shard_size)
                 output = shard_output(plan, source, then=lambda url: self.inputs.copy_metadata(
                     base_url, url, config, plan.config_updates))
             else:

@@ -165,10 +165,10 @@ class ExtractJob:
         dtype = options.torch_dtype
         base_plan = None
         if base_view is not None:  # metadata only; written when asked
-            stored = plan_hf_merge(base_view.metas(), config, dtype=dtype, max_shard_size=None,
-                                   config_url=hf_dir)
+            stored = plan_hf_merge(base_view.metas(), config, max_shard_size=None, config_url=hf_dir)
             check_dropped_head(base_view, stored, options.chunk_bytes, config)
-            base_plan = in_weights_format(stored, config, options.weights_format, options.max_shard_size)
+            base_plan = in_weights_format(stored.with_dtype(dtype), config, options.weights_format,
+                                          options.max_shard_size)
         exported = export_adapter(lora.adapter.modules, lora.adapter.experts, lora.keys.trained_copies,
                                   lora.adapter.metas, base_shapes(lora.keys, lora.adapter.metas, config), config,
                                   options.weights_format, dtype, checkpoint.url)

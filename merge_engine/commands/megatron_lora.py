@@ -211,8 +211,8 @@ def _base_copy(options: OutputOptions, base_url: str, base: TensorSource, dtype:
     from merge_engine.plan.hf_plan import plan_hf_merge
 
     config = inputs.config(base_url, "base model")
-    stored = plan_hf_merge(base.metas(), config, dtype=dtype, max_shard_size=None, config_url=base_url)
-    plan = in_weights_format(stored, config, options.weights_format, options.max_shard_size)
+    stored = plan_hf_merge(base.metas(), config, max_shard_size=None, config_url=base_url)
+    plan = in_weights_format(stored.with_dtype(dtype), config, options.weights_format, options.max_shard_size)
     return shard_output(plan, base, BASE_DIR, then=lambda url: inputs.copy_metadata(base_url, url, config,
                                                                                     plan.config_updates))
 
@@ -253,10 +253,10 @@ def _step_base(checkpoint: Checkpoint, options: OutputOptions, dtype: torch.dtyp
     config, folder = step_config(checkpoint, options, inputs)
     source = StepBaseSource(open_checkpoint(checkpoint))
     try:
-        stored = plan_checkpoint(checkpoint, source, config, dtype=dtype, max_shard_size=None,
+        stored = plan_checkpoint(checkpoint, source, config, max_shard_size=None,
                                  tie_flag=options.tie_word_embedding, custom_mapping=options.custom_mapping,
                                  chunk_bytes=options.chunk_bytes, mtp_layers=options.mtp_layers)
-        plan = in_weights_format(stored, config, options.weights_format, options.max_shard_size)
+        plan = in_weights_format(stored.with_dtype(dtype), config, options.weights_format, options.max_shard_size)
     except BaseException:
         source.close()
         raise
@@ -286,8 +286,9 @@ def prepare_fused_model(checkpoint: Checkpoint, options: OutputOptions, source_u
         source = NamespacedSource(sources)
         plan = plan_fused_model(sources[BASE_NAMESPACE].metas(), base_config,
                                 [WeightedAdapter(ADAPTER_NAMESPACE, adapter, 1.0)],
-                                dtype=options.torch_dtype, max_shard_size=None, base_url=options.base_model)
-        plan = in_weights_format(plan, base_config, options.weights_format, options.max_shard_size)
+                                max_shard_size=None, base_url=options.base_model)
+        plan = in_weights_format(plan.with_dtype(options.torch_dtype), base_config, options.weights_format,
+                                 options.max_shard_size)
     except BaseException:
         for handle in sources.values():
             handle.close()

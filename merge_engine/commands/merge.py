@@ -57,9 +57,9 @@ def merge_fingerprint(checkpoint: Checkpoint, options: OutputOptions, inputs: In
 
 def plan_stored_names(checkpoint: Checkpoint, source: TensorSource, config: dict,
                       options: OutputOptions) -> MergePlan:
-    """`merge_engine.planner.plan_checkpoint` with these options: the tensors under their stored names."""
-    return plan_checkpoint(checkpoint, source, config, dtype=options.torch_dtype,
-                           max_shard_size=None, tie_flag=options.tie_word_embedding,
+    """`merge_engine.planner.plan_checkpoint` with these options: the tensors under their stored names, in their
+    stored dtypes, unsharded."""
+    return plan_checkpoint(checkpoint, source, config, max_shard_size=None, tie_flag=options.tie_word_embedding,
                            lora_alpha=one_lora_alpha(options), custom_mapping=options.custom_mapping,
                            chunk_bytes=options.chunk_bytes, mtp_layers=options.mtp_layers)
 
@@ -150,7 +150,8 @@ class MergeJob:
                     raise
                 raise InvalidConfig(f"config.json: {refused.message}", storage.join(hf_dir, CONFIG_FILE)) from None
             options = self.options
-            plan = hub_format.in_weights_format(stored, config, options.weights_format, options.max_shard_size)
+            plan = hub_format.in_weights_format(stored.with_dtype(options.torch_dtype), config,
+                                                options.weights_format, options.max_shard_size)
         except BaseException:
             source.close()
             raise

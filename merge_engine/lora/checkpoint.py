@@ -312,7 +312,7 @@ def _with_fan_in_fan_out(settings: LoraSettings, modules: set[str], model_config
 
 
 def plan_trained_model(checkpoint: Checkpoint, source: TensorSource, config: Mapping[str, Any], *,
-                       dtype: torch.dtype | None, max_shard_size: int | None, tie_flag: bool | None = None,
+                       max_shard_size: int | None, tie_flag: bool | None = None,
                        lora_alpha: float | None = None, config_url: str | None = None,
                        chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> MergePlan:
     """The trained model's plan: LoRA fused (W + scale * B @ A), trained copies in place.
@@ -326,7 +326,7 @@ def plan_trained_model(checkpoint: Checkpoint, source: TensorSource, config: Map
                            "(the Hugging Face model the run trained from) to fuse the adapter into it, or release the "
                            "adapter alone with extract-lora --base-model BASE", checkpoint.url)
     base = RenamedSource(source, lora.keys.base)
-    plan = plan_fused_model(base.metas(), config, [WeightedAdapter(None, lora.adapter)], dtype=dtype,
+    plan = plan_fused_model(base.metas(), config, [WeightedAdapter(None, lora.adapter)],
                             max_shard_size=max_shard_size, base_url=config_url or checkpoint.hf_dir,
                             base_names=lora.keys.base, tie_flag=tie_flag)
     check_dropped_head(base, plan, chunk_bytes, config)

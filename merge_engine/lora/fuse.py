@@ -228,7 +228,7 @@ def check_untied_targets(touched: Sequence[str], config: Mapping[str, Any], wher
 
 
 def plan_fused_model(base_metas: Mapping[str, TensorMeta], config: Mapping[str, Any],
-                     inputs: Sequence[WeightedAdapter], *, dtype: torch.dtype | None, max_shard_size: int | None,
+                     inputs: Sequence[WeightedAdapter], *, max_shard_size: int | None,
                      base_url: str | None = None, base_names: Mapping[str, str] | None = None,
                      tie_flag: bool | None = None) -> MergePlan:
     """The base model's plan with every updated tensor built by `UpdatedTensor`.
@@ -243,7 +243,7 @@ def plan_fused_model(base_metas: Mapping[str, TensorMeta], config: Mapping[str, 
     terms, replacements = tensor_updates(inputs)
     touched = sorted(set(terms) | set(replacements))
     check_untied_targets(touched, config, inputs[0].adapter.url if inputs else None)
-    plan = plan_hf_merge(base_metas, config, dtype=dtype, max_shard_size=max_shard_size, tie_flag=tie_flag,
+    plan = plan_hf_merge(base_metas, config, max_shard_size=max_shard_size, tie_flag=tie_flag,
                          config_url=base_url)
 
     def source_name(name: str) -> str:

@@ -8,14 +8,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 
 from merge_engine.plan.merge_plan import (
     DEFAULT_MAX_SHARD_SIZE,
     MergePlan,
     PlannedTensor,
     assign_shards,
-    output_dtype,
     stored_dtype_update,
 )
 from merge_engine.errors import InvalidConfig
@@ -33,12 +31,12 @@ from merge_engine.plan.output_heads import (
 from merge_engine.formats.tensor_source import TensorMeta
 
 
-def plan_hf_merge(metas: Mapping[str, TensorMeta], config: Mapping[str, Any], *, dtype: torch.dtype | None = None,
+def plan_hf_merge(metas: Mapping[str, TensorMeta], config: Mapping[str, Any], *,
                   max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE, tie_flag: bool | None = None,
                   config_url: str | None = None) -> MergePlan:
     """Plan a merge whose source names already are Hugging Face names (FSDP, HF folders).
 
-    - Output dtype: ``dtype`` for floating-point tensors if given, else each tensor's stored dtype.
+    - Each tensor in its stored dtype (``--dtype`` is applied to the plan: `MergePlan.with_dtype`).
     - Tied weights come from the model (`merge_engine.plan.model_shapes.model_ties`, transformers 5, each tie
       resolved against the names ``metas`` holds): every tied name is dropped, its copy checked by the caller
       (`merge_engine.plan.output_heads.check_dropped_head`); else from the config: the output head (``lm_head.weight``, or the model's own
@@ -78,6 +76,6 @@ def plan_hf_merge(metas: Mapping[str, TensorMeta], config: Mapping[str, Any], *,
             notes.append(f"tied embeddings: {heads.head} not written (it equals {heads.embedding})")
     elif heads.embedding is not None and heads.head is None:
         raise untied_without_head(config_url)
-    tensors = [PlannedTensor(n, metas[n].shape, output_dtype(metas[n].dtype, dtype), n) for n in names]
-    updates.update(stored_dtype_update(tensors, dtype))
+    tensors = [PlannedTensor(n, metas[n].shape, metas[n].dtype, n) for n in names]
+    updates.update(stored_dtype_update(tensors, None))
     return MergePlan(tuple(tensors), assign_shards(tensors, max_shard_size), updates, tuple(notes))

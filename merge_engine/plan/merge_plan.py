@@ -5,15 +5,15 @@ A `PlannedTensor` either copies one source tensor (``build is None``: streamed c
 cast to the output dtype) or names a `TensorBuilder` — a small object that computes the output
 from one or more source tensors (Megatron QKV splits, LoRA fusion, ...). Shards are filled
 greedily in plan order up to ``max_shard_size`` bytes, like ``save_pretrained``. The planners
-(`merge_engine.planner` picks one) build it; writers and jobs consume it. Also here: the rule of the
-output dtype (`output_dtype`) and the size option every planner reads.
+(`merge_engine.planner` picks one) build it, each tensor in its stored dtype; `MergePlan.with_dtype` applies ``--dtype`` (`output_dtype`: floating
+point only); writers and jobs consume it. Also here: the size option every planner reads.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -89,21 +89,45 @@ class MergePlan:
     def by_name(self) -> dict[str, PlannedTensor]:
         return {t.name: t for t in self.tensors}
 
+    def with_dtype(self, dtype: torch.dtype | None) -> MergePlan:
+        """This plan written in ``dtype`` (``--dtype``, the one place an output dtype is applied).
+
+        Args:
+            dtype: the output dtype of floating-point tensors (`output_dtype`); None keeps every tensor's
+                stored dtype.
+
+        Returns:
+            The plan with each floating-point `PlannedTensor.dtype` cast and ``config.json``'s ``dtype`` key set
+            to ``dtype`` (`stored_dtype_update`); the plan itself when ``dtype`` is None.
+
+        Raises:
+            ValueError: the plan is already sharded (a cast changes tensor sizes: every command casts the
+                planner's unsharded plan, then `merge_engine.plan.hub_format.in_weights_format` shards it).
+        """
+        if dtype is None:
+            return self
+        if self.shards:
+            raise ValueError("with_dtype changes tensor sizes: cast a plan before it is sharded")
+        tensors = tuple(replace(t, dtype=output_dtype(t.dtype, dtype)) for t in self.tensors)
+        return replace(self, tensors=tensors,
+                       config_updates={**self.config_updates, **stored_dtype_update(tensors, dtype)})
+
 
 def assign_shards(tensors: Sequence[PlannedTensor], max_shard_size: int | None) -> tuple[ShardFile, ...]:
     """Greedy, in order: a shard closes when the next tensor would push it past the limit.
 
-    Every planner ends here, before any byte is written: a dtype safetensors cannot store (complex,
-    quantized) is refused now with `UnsupportedLayout` naming the tensor, not halfway through a write.
-    ``max_shard_size`` None: checked, not sharded (the caller shards once, after the Hub's naming:
+    Every plan ends here, in its output dtypes, before any byte is written: a dtype safetensors cannot store
+    (complex, some float8 kinds) is refused then with `UnsupportedLayout` naming the tensor, not halfway through a
+    write. ``max_shard_size`` None: neither sharded nor checked (a planner's plan, in its stored dtypes: the caller
+    casts it, `MergePlan.with_dtype`, then shards it once after the Hub's naming,
     `merge_engine.plan.hub_format.in_weights_format`).
     """
+    if max_shard_size is None:
+        return ()
     for tensor in tensors:
         if tensor.dtype not in CODES:
             raise UnsupportedLayout(f"{tensor.name}: dtype {tensor.dtype} cannot be stored in safetensors "
                                     "(cast it with --dtype if it is floating point, or drop it)")
-    if max_shard_size is None:
-        return ()
     groups: list[list[PlannedTensor]] = []
     size = 0
     for tensor in tensors:

@@ -196,6 +196,35 @@ def test_a_dtype_spelling_is_read_in_one_place_and_the_engine_names_no_flow_or_t
     assert names == []
 
 
+def test_the_output_dtype_is_applied_to_the_plan_in_one_place():
+    """No planner takes a dtype: each plans every tensor in its stored dtype. Every command that writes a model
+    hands `in_weights_format` (which shards, and so fixes every size) a plan cast by `MergePlan.with_dtype`, the
+    one place ``options.torch_dtype`` becomes the planned tensors' dtype."""
+    import ast
+    import pathlib
+
+    from merge_engine.architectures.megatron_to_hf import plan_megatron_merge, plan_megatron_to_hf
+    from merge_engine.lora.checkpoint import plan_trained_model
+    from merge_engine.lora.fuse import plan_fused_model
+    from merge_engine.plan.hf_plan import plan_hf_merge
+    from merge_engine.planner import plan_checkpoint
+
+    planners = (plan_checkpoint, plan_hf_merge, plan_megatron_merge, plan_megatron_to_hf, plan_trained_model,
+                plan_fused_model)
+    assert [p.__name__ for p in planners if "dtype" in inspect.signature(p).parameters] == []
+    root = pathlib.Path(declared.__file__).resolve().parent
+    calls, uncast = 0, []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("in_weights_format"):
+                calls += 1
+                plan = node.args[0]
+                if not (isinstance(plan, ast.Call) and isinstance(plan.func, ast.Attribute)
+                        and plan.func.attr == "with_dtype"):
+                    uncast.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert calls >= 6 and uncast == []
+
+
 def test_layout_messages_name_the_flags_the_merge_command_takes():
     from merge_engine.layouts import megatron_lora
 

@@ -29,11 +29,11 @@ def test_hf_names_are_planned_as_they_are_and_custom_mappings_refused(tmp_path):
     source = open_checkpoint(checkpoint)
     try:
         config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "tie_word_embeddings": False}
-        plan = plan_checkpoint(checkpoint, source, config, dtype=torch.bfloat16, max_shard_size=10**9)
+        plan = plan_checkpoint(checkpoint, source, config, max_shard_size=10**9)
         assert [t.name for t in plan.tensors] == list(source.metas())
-        assert all(t.dtype == torch.bfloat16 for t in plan.tensors)
+        assert [t.dtype for t in plan.tensors] == [meta.dtype for meta in source.metas().values()]
         with pytest.raises(InvalidOption, match="custom-mapping"):
-            plan_checkpoint(checkpoint, source, config, dtype=None, max_shard_size=10**9, custom_mapping="x.json")
+            plan_checkpoint(checkpoint, source, config, max_shard_size=10**9, custom_mapping="x.json")
     finally:
         source.close()
 

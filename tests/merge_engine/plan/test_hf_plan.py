@@ -9,8 +9,9 @@ token-classification architecture; sizes parse like save_pretrained's.
 import pytest
 import torch
 
-from merge_engine.errors import InvalidConfig, InvalidOption
+from merge_engine.errors import InvalidConfig, InvalidOption, UnsupportedLayout
 from merge_engine.plan.hf_plan import plan_hf_merge
+from merge_engine.plan.hub_format import in_weights_format
 from merge_engine.plan.merge_plan import parse_size
 from merge_engine.formats.tensor_source import TensorMeta
 
@@ -25,11 +26,37 @@ METAS = _metas(model__embed_tokens__weight=((10, 4), torch.float32), lm_head__we
 
 
 def test_dtype_casts_floating_point_tensors_only():
-    plan = plan_hf_merge(METAS, {"model_type": "llama", "tie_word_embeddings": False}, dtype=torch.bfloat16)
+    stored = plan_hf_merge(METAS, {"model_type": "llama", "tie_word_embeddings": False}, max_shard_size=None)
+    assert {t.name: t.dtype for t in stored.tensors} == {name: meta.dtype for name, meta in METAS.items()}
+    assert stored.config_updates["dtype"] == "float32"  # the one floating-point dtype stored
+    plan = stored.with_dtype(torch.bfloat16)
     dtypes = {t.name: t.dtype for t in plan.tensors}
     assert dtypes == {"model.embed_tokens.weight": torch.bfloat16, "lm_head.weight": torch.bfloat16,
                       "model.position_ids": torch.int64, "model.mask": torch.bool}
     assert plan.config_updates["dtype"] == "bfloat16"
+    assert plan.total_size < stored.total_size and stored.with_dtype(None) is stored
+
+
+@pytest.mark.parametrize("stored, cast, refused", [
+    (torch.float8_e4m3fnuz, torch.bfloat16, False),  # floating point: --dtype makes it storable
+    (torch.float8_e4m3fnuz, None, True),
+    (torch.complex64, torch.float32, True),  # not floating point: --dtype leaves it as it is
+])
+def test_what_safetensors_cannot_store_is_refused_after_the_cast(stored, cast, refused):
+    metas = {**METAS, "model.rotary": TensorMeta("model.rotary", (4,), stored)}
+    config = {"model_type": "llama", "tie_word_embeddings": False}
+    plan = plan_hf_merge(metas, config, max_shard_size=None).with_dtype(cast)
+    if refused:
+        with pytest.raises(UnsupportedLayout, match=f"model.rotary: dtype {stored}"):
+            in_weights_format(plan, config, "transformers", 10**9)
+    else:
+        assert in_weights_format(plan, config, "transformers", 10**9).by_name()["model.rotary"].dtype == cast
+
+
+def test_a_sharded_plan_is_not_cast():
+    sharded = plan_hf_merge(METAS, {"model_type": "llama", "tie_word_embeddings": False}, max_shard_size=10**9)
+    with pytest.raises(ValueError, match="before it is sharded"):
+        sharded.with_dtype(torch.bfloat16)
 
 
 def test_tied_lm_head_dropped_only_when_config_ties():
