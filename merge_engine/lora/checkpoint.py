@@ -20,8 +20,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from merge_engine import storage
 from merge_engine.errors import AdapterError, CorruptShard, InvalidOption
 from merge_engine.formats.json_file import read_json_object
