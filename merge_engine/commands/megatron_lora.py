@@ -55,6 +55,7 @@ from merge_engine.lora.config import LoraSettings, adapter_config, rank_layout
 from merge_engine.lora.base_name import adapter_base_name
 from merge_engine.lora.keys import BASE_DIR
 from merge_engine.layouts.runs import portable_record
+from merge_engine.lora.same_model import check_same_model
 from merge_engine.lora.fuse import BASE_NAMESPACE, WeightedAdapter, finite_or_raise, plan_fused_model
 from merge_engine.lora.megatron_adapter import (
     GROUPED_EXPERTS,
@@ -68,10 +69,6 @@ from merge_engine.formats.chunks import flat_slices
 from merge_engine.formats.tensor_source import DEFAULT_CHUNK_BYTES, TensorMeta, TensorSource
 
 ADAPTER_NAMESPACE = "adapter0"
-# config.json keys a base must share with the step's config to be the base the run trained from
-SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "intermediate_size", "moe_intermediate_size", "vocab_size", "num_experts",
-              "num_local_experts", "tie_word_embeddings")
 
 
 def step_config(checkpoint: Checkpoint, options: OutputOptions, inputs: InputFolders) -> tuple[dict[str, Any], str]:
@@ -142,17 +139,11 @@ def step_adapter(checkpoint: Checkpoint, config: Mapping[str, Any], options: Out
         raise
 
 
-def _check_same_model(step: Mapping[str, Any], base: Mapping[str, Any], base_url: str) -> None:
-    step_scope, base_scope = step.get("text_config") or step, base.get("text_config") or base
-    differ = [k for k in SHAPE_KEYS if k in step_scope and k in base_scope and step_scope[k] != base_scope[k]]
-    if differ:
-        raise InvalidOption(f"--base-model is not the model this run trained: its config differs from the step's on "
-                            + ", ".join(f"{k} ({base_scope[k]!r} vs {step_scope[k]!r})" for k in differ), base_url)
-
-
-def _base(base_url: str, step: Mapping[str, Any], inputs: InputFolders) -> tuple[TensorSource, dict[str, Any]]:
+def _base(base_url: str, step: Mapping[str, Any], step_dir: str,
+          inputs: InputFolders) -> tuple[TensorSource, dict[str, Any]]:
+    """``--base-model``'s tensors and config, once its config is the step's model (`check_same_model`)."""
     config = inputs.config(base_url, "base model")
-    _check_same_model(step, config, base_url)
+    check_same_model(step, step_dir, config, base_url)
     return inputs.open(base_url), config
 
 
@@ -161,13 +152,13 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
     """The step's adapter folder, validated (see the module docstring); its config names the base as
     `merge_engine.lora.base_name.adapter_base_name` says (``base`` when written under ``base/``), else the
     run's own name made portable. ``inputs``: the job's input folders."""
-    config, _ = step_config(checkpoint, options, inputs)
+    config, config_dir = step_config(checkpoint, options, inputs)
     adapter, source, json, origin = step_adapter(checkpoint, config, options)
     opened = [source]
     try:
         given: tuple[str, TensorSource] | None = None  # --base-model: its URL and its tensors
         if options.base_model is not None:
-            base, _ = _base(options.base_model, config, inputs)
+            base, _ = _base(options.base_model, config, config_dir, inputs)
             opened.append(base)
             check_fits_base(with_base(adapter, base.metas(), options.base_model), base.metas(), options.base_model)
             given = (options.base_model, base)
@@ -282,7 +273,7 @@ def prepare_fused_model(checkpoint: Checkpoint, options: OutputOptions, source_u
     adapter, adapter_source, _, origin = step_adapter(checkpoint, config, options)
     sources: dict[str, TensorSource] = {ADAPTER_NAMESPACE: adapter_source}
     try:
-        sources[BASE_NAMESPACE], base_config = _base(options.base_model, config, inputs)
+        sources[BASE_NAMESPACE], base_config = _base(options.base_model, config, hf_dir, inputs)
         source = NamespacedSource(sources)
         plan = plan_fused_model(sources[BASE_NAMESPACE].metas(), base_config,
                                 [WeightedAdapter(ADAPTER_NAMESPACE, adapter, 1.0)],

@@ -16,7 +16,7 @@ Contract (`merge_engine.output.jobs.run_job` owns the order):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from merge_engine import engine_identity, storage
 from merge_engine.plan.config_shapes import check_config_against_tensors
@@ -35,7 +35,7 @@ from merge_engine.planner import plan_checkpoint
 from merge_engine.commands.input_folders import InputFolders
 from merge_engine.commands.lora_alpha import one_lora_alpha
 from merge_engine.commands.layout_jobs import jobs_of
-from merge_engine.commands.adapter_fuse import prepare_fused_step
+from merge_engine.commands.adapter_fuse import prepare_fused_step, unused_base_note
 from merge_engine.formats.tensor_source import TensorSource
 
 __all__ = ["PROVENANCE_FILE", "MergeJob", "merge_checkpoint",
@@ -152,6 +152,9 @@ class MergeJob:
             options = self.options
             plan = hub_format.in_weights_format(stored.with_dtype(options.torch_dtype), config,
                                                 options.weights_format, options.max_shard_size)
+            if options.base_model is not None:  # a step holding its own base: said, not refused (the flows give
+                # one base to every step of a run; extract-lora's base/ still uses it)
+                plan = replace(plan, notes=plan.notes + (unused_base_note(options.base_model, hf_dir),))
         except BaseException:
             source.close()
             raise

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from merge_engine.cli import main
 from merge_engine.layouts.discovery import discover, discover_step
-from merge_engine.errors import AdapterError, BaseModelRequired, InvalidOption
+from merge_engine.errors import AdapterError, BaseModelRequired, InvalidConfig
 from merge_engine.output.jobs import OutputOptions
 from merge_engine.layouts import check_checkpoint
 from merge_engine.commands.extract import extract_lora
@@ -152,8 +153,10 @@ def test_merge_with_the_base_writes_the_trained_model(lora_steps, tmp_path, name
 def test_a_base_of_another_model_is_refused(lora_steps, tmp_path):
     step = lora_steps["dense_tp2"]
     other = lora_steps["moe_tp2_ep2"].base_dir
-    with pytest.raises(InvalidOption, match="not the model this run trained"):
+    with pytest.raises(InvalidConfig, match="not the model this run trained") as error:
         merge_checkpoint(str(step.step_dir), str(tmp_path / "out"), OutputOptions(base_model=str(other)))
+    step_config = os.path.join(check_checkpoint(str(step.step_dir)).hf_dir, "config.json")
+    assert str(other / "config.json") in error.value.message and step_config in error.value.message
     assert not (tmp_path / "out").exists()
 
 
