@@ -143,14 +143,19 @@ NEEDS = "needs "  # the action's prefix: "needs base_model", "needs lora_alpha, 
 NEED_TEXT = {
     "base_model": "base weights not saved: pass base_model, the Hugging Face model the run trained from",
     "lora_alpha": "no PEFT export records lora_alpha: pass lora_alpha, the run's LoRA alpha (never guessed)",
-    "hf_model_path": "no config.json saved with the weights: pass hf_model_path, a folder with the model's config",
+    "hf_model_path": "no config.json saved with the weights: pass hf_model_path, a folder with the model's config "
+                     "(or base_model, for a step holding only a LoRA adapter)",
 }
+# a need another parameter also meets: the merge of an adapter-only step saved without a config reads its base
+# model's (`merge --base-model`); a full-weights step still needs hf_model_path, and its merge says so
+ALSO_MET_BY = {"hf_model_path": ("base_model",)}
 
 
 def missing_params(step: StepRecord, params: WatchParams) -> List[str]:
-    """The parameters ``step`` needs (`StepRecord.needs`) that ``params`` does not give. Such a step is not
-    submitted."""
-    return [name for name in step.needs if getattr(params, name, None) is None]
+    """The parameters ``step`` needs (`StepRecord.needs`) that ``params`` gives neither itself nor through a
+    parameter that also meets it (`ALSO_MET_BY`). Such a step is not submitted."""
+    return [name for name in step.needs
+            if all(getattr(params, given, None) is None for given in (name, *ALSO_MET_BY.get(name, ())))]
 
 
 def missing_action(step: StepRecord, missing: List[str]) -> StepAction:

@@ -218,8 +218,9 @@ IncludeBase = Annotated[bool, FormText("Put the clean base model in the adapter 
 Alpha = Annotated[LoraAlpha, FormText(
     "LoRA alpha when the run did not record it (lora_train_meta.json); 0: as the run recorded it")]
 BaseModelUrl = Annotated[OptionalUrl, FormText(
-    "The base model of a LoRA-only checkpoint (a verl Megatron LoRA step saves no base weights: its fused model is "
-    "this model plus the adapter; the run's adapter_config.json name is never used alone); empty: none")]
+    "The base model of a LoRA-only checkpoint (verl's Megatron LoRA or lora-only saves, an HF Trainer adapter-only "
+    "save: its fused model is this model plus the adapter, and its config this model's when the step saved none; "
+    "the run's adapter_config.json name is never used alone); empty: none")]
 BaseModelId = Annotated[OptionalText, FormText(
     "The base model's Hub id (namespace/name) the adapter names; empty: the run config's _name_or_path when it is a "
     "Hub id, else base/ inside the release")]

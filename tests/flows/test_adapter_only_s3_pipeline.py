@@ -177,3 +177,22 @@ def test_hf_trainers_dcp_adapter_only_step_on_s3_is_released_fused_into_the_base
     recorded = read_provenance(url)
     assert recorded["base_model"] == base_url and recorded["lora"]["lora_alpha"] == 8
     assert recorded["layout"] == "torch_dcp"
+
+
+def test_the_watcher_given_base_model_releases_hf_trainers_dcp_adapter_only_step(prefect, dcp_lora_runs,
+                                                                                   dcp_adapter_base, s3_bucket_url,
+                                                                                   tmp_path):
+    """merge_new_steps with ``base_model`` (and ``lora_alpha``) on HF Trainer's adapter-only DCP step saved without a
+    config: the merge takes the base's config, as ``merge --base-model`` and merge_step do, so the step is merged and
+    released, not refused as needing ``hf_model_path``."""
+    from synthetic_runs.fsdp import build_reference_model
+
+    step = dcp_lora_runs["adapter"]
+    run_root = f"{s3_bucket_url}/trainer_run"
+    upload_step(step.step_dir, run_root)
+    base_url = _upload_folder(dcp_adapter_base, f"{s3_bucket_url}/base")
+    watch = merge_new_steps(**_watch(s3_bucket_url, run_root, tmp_path, lora_alpha=8,
+                                     base_model=base_url).flow_parameters())
+    (outcome,) = watch.outcomes
+    assert outcome.step == 1
+    _assert_fused_release(outcome, build_reference_model(step.spec, step.seed), dcp_adapter_base, base_url)
