@@ -16,7 +16,8 @@ other value under ``<family> [tie_word_embeddings=...]``):
   the same names, but for a sub-model prefix the Hub's checkpoints hold and transformers 5 leaves out (a VLM's
   ``vision_tower.vision_model.*``: counted in ``details.hub_prefix_restored``) and for the layout the Hub holds
   where transformers 5 transposes on load only when the shape asks (Qwen3-VL-MoE's fused experts, the last two
-  dims swapped: ``details.hub_layout_transposed``);
+  dims swapped: ``details.hub_layout_transposed``), and for a masked-LM head's ``bias`` written as its decoder's
+  (``stepmerge.json``'s ``tensor_translation``, what transformers 4.x reads: ``details.hub_legacy_bias``);
 - 5.x: the class ``config.json`` names loads the folder with no missing, unexpected or mismatched key, and
   its logits equal the model's (``torch.equal``), or, where transformers' load itself changes the model (ZAYA's
   ``_init_weights`` resets a router buffer loaded from the file), equal those it reads from ``save_pretrained``'s
@@ -303,11 +304,17 @@ def _merge_and_check(result: FamilyResult, job, root: Path, logits, log) -> None
         result.merged, result.reasons["merged"] = False, _why(exc)
         log(f"  {result.family}: merge refused: {result.reasons['merged']}")
         return
-    recorded = json.loads((target / "stepmerge.json").read_text()).get("transformers_4")
+    provenance = json.loads((target / "stepmerge.json").read_text())
+    recorded = provenance.get("transformers_4")
     if recorded is not None:
         result.details["stepmerge.json transformers_4"] = recorded["reason"]
     merged, expected = _tensors(target), _tensors(root / "reference" / "hf")
     pairs = {n: n for n in set(merged) & set(expected)}
+    written_as = {r["key"]: r["tensor"] for r in provenance.get("tensor_translation", [])
+                  if r.get("tensor") in expected}
+    pairs.update(written_as)
+    if written_as:  # a masked-LM head's bias written as its decoder's (transformers 4.x holds the two as one)
+        result.details["hub_legacy_bias"] = sorted(written_as)
     restored = _restored_prefixes(set(merged) - set(expected), set(expected) - set(merged))
     pairs.update(restored)
     if restored:

@@ -22,6 +22,9 @@ Contract:
 - `to_hub_format(plan, config)` -> the plan with the Hub names; every output is planned as ranged
   reads of its source (a per-expert slice of a tensor fused on dim 0 is one contiguous byte range),
   so no fused tensor is ever held whole.
+- A masked-LM head's ``bias`` that transformers 4.x ties to its decoder's in the head itself (one parameter)
+  is written as the decoder's bias, the one transformers 5 adds, when the embeddings are untied
+  (`merge_engine.plan.hub_biases`; recorded in ``records["tensor_translation"]``).
 - ``config.json`` in the Hub's form too (`with_hub_config`, `merge_engine.plan.hub_config`): the keys
   transformers 4.x reads added beside transformers 5's, recorded in the plan's ``config_changes``.
 - ``--weights-format transformers`` keeps the stored names and config (`WEIGHTS_FORMATS`).
@@ -36,6 +39,7 @@ from typing import Any
 import torch
 
 from merge_engine.errors import UnsupportedLayout
+from merge_engine.plan.hub_biases import with_legacy_biases
 from merge_engine.plan.hub_config_memo import hub_config_memo
 from merge_engine.option_values import (  # noqa: F401 - the format names live with the other option values
     DEFAULT_WEIGHTS_FORMAT, HUB, TRANSFORMERS, WEIGHTS_FORMATS, WeightsFormat, parse_weights_format,
@@ -232,7 +236,13 @@ MIN_RUN_BYTES = 512  # a view cut finer than this (a transpose) is read a block 
 
 def to_hub_format(plan: MergePlan, config: Mapping[str, Any]) -> MergePlan:
     """``plan`` (unsharded) with its tensors under their Hub names (per-expert tensors cut from fused ones),
-    unsharded. The plan is returned unchanged when its names already are the Hub names."""
+    unsharded, and a masked-LM head's bias that transformers 4.x holds as one parameter written as the one
+    transformers 5 uses (`merge_engine.plan.hub_biases`). The plan is returned unchanged when its names already
+    are the Hub names and no such bias is untied."""
+    return with_legacy_biases(_hub_named(plan, config), config)
+
+
+def _hub_named(plan: MergePlan, config: Mapping[str, Any]) -> MergePlan:
     merged_config = {**dict(config), **plan.config_updates}
     by_name = plan.by_name()
     naming = hub_naming({t.name: t.shape for t in plan.tensors}, merged_config)
