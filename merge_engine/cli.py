@@ -179,6 +179,7 @@ def cmd_merge(parsed: argparse.Namespace) -> int:
     from merge_engine.commands.merge import merge_checkpoint
 
     bar = None
+    printed: list[str] = []  # the plan's notes, shown before the bar; the job's others after it
 
     def on_plan(plan) -> None:
         nonlocal bar
@@ -186,6 +187,7 @@ def cmd_merge(parsed: argparse.Namespace) -> int:
               file=sys.stderr)
         for note in plan.notes:
             print(f"  note: {note}", file=sys.stderr)
+        printed.extend(plan.notes)
         bar = _progress(plan.total_size, "merge")
 
     try:
@@ -198,6 +200,9 @@ def cmd_merge(parsed: argparse.Namespace) -> int:
     if result.skipped:
         print(f"{result.target_url} already holds this merge (fingerprint {result.fingerprint[:12]}); nothing to do")
     else:
+        for note in result.notes:  # the metadata files left out among them
+            if note not in printed:
+                print(f"  note: {note}", file=sys.stderr)
         print(f"merged {result.layout} checkpoint {result.source_url} -> {result.target_url}: {result.tensors} "
               f"tensors, {result.tensor_bytes / 1e6:.1f} MB in {result.seconds:.2f} s "
               f"({rate_text(result.tensor_bytes, result.seconds)})")
@@ -434,6 +439,8 @@ def cmd_split(parsed: argparse.Namespace) -> int:
     sizes = f"TP={args.tp} PP={args.pp}" + (f" VPP={args.vpp}" if args.vpp else "") + (f" EP={args.ep}" if args.ep > 1
                                                                                       else "")
     total = sum(size for _, size in result.files)
+    for note in result.notes:
+        print(f"  note: {note}")
     print(f"split {result.source_url} -> {result.target_url} ({result.fmt}, {sizes}): {result.tensors} Megatron "
           f"tensors, {len(result.files)} files, {total / 1e6:.1f} MB in {result.seconds:.2f} s")
     return 0

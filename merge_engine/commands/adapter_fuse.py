@@ -76,7 +76,7 @@ def prepare_fused_step(checkpoint: Checkpoint, source: TensorSource, config: dic
                   **lora_records(lora)}
     plan = replace(plan, notes=plan.notes + (note,))  # the plan's notes: the CLI prints them with the plan
     return PreparedJob([shard_output(plan, fused, then=metadata)], provenance, kind="model",
-                       layout=checkpoint.layout, notes=plan.notes, sources=[fused])
+                       layout=checkpoint.layout, notes=plan.notes, sources=[fused], written_notes=inputs.left_out)
 
 
 def unused_base_note(base_model: str, config_dir: str) -> str:

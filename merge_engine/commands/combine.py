@@ -149,7 +149,7 @@ class CombineJob:
         if options.output == "model":  # config.json in the Hub's form: the keys added for 4.x readers
             provenance["config_translation"] = [change.to_json() for change in plan.config_changes]
         return PreparedJob([output], provenance, kind=options.output, notes=plan.notes, modules=tuple(reports),
-                           sources=list(sources.values()))
+                           sources=list(sources.values()), written_notes=self.inputs.left_out)
 
 
 def merge_lora(base_url: str | None, adapter_urls: Sequence[str], target_url: str,

@@ -197,7 +197,7 @@ class ExtractJob:
         notes = (f"lora_alpha={lora.adapter.settings.lora_alpha:g} from {lora.alpha_from}",
                  f"{len(exported.ranks)} LoRA modules, ranks {sorted(set(exported.ranks.values()))}") + exported.notes
         return PreparedJob(outputs, provenance, kind="adapter+base" if base_written is not None else "adapter",
-                           layout=checkpoint.layout, notes=notes, sources=opened)
+                           layout=checkpoint.layout, notes=notes, sources=opened, written_notes=self.inputs.left_out)
 
 
 def extract_lora(checkpoint_url: str, target_url: str, options: OutputOptions = OutputOptions(), *,

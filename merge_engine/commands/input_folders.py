@@ -27,6 +27,7 @@ class InputFolders:
     def __init__(self) -> None:
         self._files: dict[str, list[FileEntry]] = {}
         self._configs: dict[str, dict[str, Any]] = {}
+        self.left_out: list[str] = []  # each metadata file a copy left out, one line (which, why): the job's notes
 
     def files(self, url: str) -> list[FileEntry]:
         """Every file under ``url`` (paths relative to it), as the job's one listing of it saw them."""
@@ -59,5 +60,6 @@ class InputFolders:
 
     def copy_metadata(self, url: str, target_url: str, config: Mapping[str, Any],
                       updates: Mapping[str, Any] | None = None) -> list[tuple[str, int]]:
-        """`copy_metadata` of the folder's listed top-level files."""
-        return copy_metadata(url, target_url, config, updates, files=self.top_level(url))
+        """`copy_metadata` of the folder's listed top-level files; each file it leaves out is told in `left_out`."""
+        return copy_metadata(url, target_url, config, updates, files=self.top_level(url),
+                             on_left_out=self.left_out.append)

@@ -192,7 +192,7 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
              f"lora_alpha={adapter.settings.lora_alpha:g}")
     outputs = [shard_output(plan, source, then=config_file)] + ([base_output] if base_output else [])
     return PreparedJob(outputs, provenance, kind="adapter+base" if base_output else "adapter",
-                       layout=checkpoint.layout, notes=notes, sources=opened)
+                       layout=checkpoint.layout, notes=notes, sources=opened, written_notes=inputs.left_out)
 
 
 def _base_copy(options: OutputOptions, base_url: str, base: TensorSource, dtype: torch.dtype | None,
@@ -294,7 +294,7 @@ def prepare_fused_model(checkpoint: Checkpoint, options: OutputOptions, source_u
                   "parallel": checkpoint.parallel, "tensors": len(plan.tensors), "tensor_bytes": plan.total_size}
     notes = plan.notes + (f"adapter from {origin}", f"base: {options.base_model}")
     return PreparedJob([shard_output(plan, source, then=metadata)], provenance, kind="model",
-                       layout=checkpoint.layout, notes=notes, sources=[source])
+                       layout=checkpoint.layout, notes=notes, sources=[source], written_notes=inputs.left_out)
 
 
 class TrainedMegatronSource:

@@ -173,7 +173,8 @@ class MergeJob:
         if legacy is not None:  # a family new in transformers 5: no 4.x reader builds it
             provenance["transformers_4"] = legacy
         return PreparedJob([shard_output(plan, source, then=metadata)], provenance, kind=self.kind,
-                           layout=checkpoint.layout, notes=plan.notes, sources=[source])
+                           layout=checkpoint.layout, notes=plan.notes, sources=[source],
+                           written_notes=self.inputs.left_out)
 
 
 def merge_checkpoint(source_url: str, target_url: str, options: OutputOptions = OutputOptions(), *,

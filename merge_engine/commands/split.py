@@ -236,9 +236,11 @@ class SplitJob:
         sizes = ParallelSizes(tp=options.tp, pp=options.pp, vpp=options.vpp, ep=options.ep)
         writer = writable_layout(options.format)
 
+        left_out: list[str] = []
+
         def write_config(url: str) -> list[tuple[str, int]]:
             files = [(f"{writer.config_dir}/{n}", s) for n, s in copy_metadata(
-                hf_url, storage.join(url, writer.config_dir), config)]
+                hf_url, storage.join(url, writer.config_dir), config, on_left_out=left_out.append)]
             data = (json.dumps(megatron_config, indent=2, sort_keys=True) + "\n").encode()
             storage.write_bytes(storage.join(url, TRANSFORMER_CONFIG), data)
             return files + [(TRANSFORMER_CONFIG, len(data))]
@@ -248,7 +250,7 @@ class SplitJob:
         provenance = {"source": hf_url, "kind": "megatron split", "options": options.output_options(self.command),
                       "tensors": len(view.metas())}
         return PreparedJob([rank_files], provenance, kind=self.kind, layout=FORMATS[options.format],
-                           tensors=len(view.metas()), tensor_bytes=0, sources=[view])
+                           tensors=len(view.metas()), tensor_bytes=0, sources=[view], written_notes=left_out)
 
 
 def split_hf_to_megatron(hf_url: str, target_url: str, options: OutputOptions = OutputOptions()) -> OutputResult:

@@ -8,15 +8,17 @@ generation config, processor configs, the custom code ``auto_map`` names) to a t
 the merge's updates; only regular files inside the folder, of bounded size, are copied
 (`merge_engine.storage.source_files`: anything else raises `UnsafeFile`).
 Never copied from here: weight files (the writer produces those), a DCP save's own files, the trainers' bookkeeping
-(`merge_engine.formats.trainer_files`: each skip logged in one line) and any ``.py`` the model's custom code does
-not name (`merge_engine.formats.custom_code`: a script beside a checkpoint is a trainer's, not the model's).
+(`merge_engine.formats.trainer_files`) and any ``.py`` the model's custom code does not name
+(`merge_engine.formats.custom_code`: a script beside a checkpoint is a trainer's, not the model's). Each of
+those, and a file whose name is refused, is told to the caller in one line (``not copied: <file>, <why>``): a note
+of the job, not a fault.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from merge_engine import storage
@@ -97,23 +99,26 @@ def shown_name(name: str) -> str:
 
 def copy_metadata(hf_dir: str, target_url: str, config: Mapping[str, Any],
                   updates: Mapping[str, Any] | None = None,
-                  files: Sequence[FileEntry] | None = None) -> list[tuple[str, int]]:
+                  files: Sequence[FileEntry] | None = None, *,
+                  on_left_out: Callable[[str], None] | None = None) -> list[tuple[str, int]]:
     """Copy metadata files (top level of ``hf_dir``; ``files``: that level as already listed) and write the updated
     config (without a ``_name_or_path`` that is a path of a machine: a Hub id is kept); returns (name, size).
 
-    Not copied: weights, DCP files, a trainer's bookkeeping (`trainer_files.TRAINER_FILES`; one log line each,
-    naming the trainer), a ``.py`` that the model's ``auto_map`` does not name (`custom_code.custom_code_files`; one
-    log line each), a file whose name `file_name_fault` refuses (one warning naming it, cut to one bounded line).
+    Not copied: weights, DCP files, a trainer's bookkeeping (`trainer_files.TRAINER_FILES`: its line names the
+    trainer), a ``.py`` that the model's ``auto_map`` does not name (`custom_code.custom_code_files`), a file whose
+    name `file_name_fault` refuses. Each of the last three is told in one line, ``not copied: <file>, <why>`` (the
+    name cut to one bounded line), to ``on_left_out`` (the job's notes); without it, logged at INFO.
 
     Raises:
         UnsafeFile: a file to copy (or a config read to find the custom code) is a link out, a device, larger
             than the bound, or changed while copied.
     """
+    left_out = on_left_out if on_left_out is not None else logger.info
     entries = []
     for entry in storage.list_files(hf_dir, recursive=False) if files is None else files:
         row = trainer_file(entry.path)
         if row is not None:  # before the weights: training_args.bin, optimizer.pt... are named, not taken for weights
-            logger.warning("not copied: %s, %s's bookkeeping: %s", shown_name(entry.path), row.trainer, row.what)
+            left_out(f"not copied: {shown_name(entry.path)}, {row.trainer}'s bookkeeping: {row.what}")
         elif entry.path not in (CONFIG_FILE, MODEL_CARD) and not is_weight_file(entry.path) \
                 and not is_dcp_file(entry.path):
             entries.append(entry)
@@ -122,12 +127,12 @@ def copy_metadata(hf_dir: str, target_url: str, config: Mapping[str, Any],
     written = []
     for entry in entries:
         if entry.path.endswith(".py") and entry.path not in code:
-            logger.warning("not copied: %s, Python code the model's auto_map does not name (a script beside the "
-                           "checkpoint, not the model's custom code)", shown_name(entry.path))
+            left_out(f"not copied: {shown_name(entry.path)}, Python code the model's auto_map does not name (a script "
+                     "beside the checkpoint, not the model's custom code)")
             continue
         fault = file_name_fault(entry.path)
         if fault is not None:
-            logger.warning("not copied: the file name %s %s", shown_name(entry.path), fault)
+            left_out(f"not copied: the file name {shown_name(entry.path)} {fault}")
             continue
         source, dest = storage.join(hf_dir, entry.path), storage.join(target_url, entry.path)
         check_metadata_file(source, hf_dir, entry.size)  # no link out, no device, bounded (source_files)

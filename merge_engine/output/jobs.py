@@ -172,7 +172,8 @@ class PreparedJob:
     """A job ready to write: its plans, its own files, its provenance and what to close afterwards.
 
     ``write_files(url)`` writes what is not a plan's shard (after every output); ``provenance`` is the
-    command's record (the fingerprint, engine version and file list are added by `run_job`).
+    command's record (the fingerprint, engine version and file list are added by `run_job`). ``written_notes``:
+    notes the writing adds, read once it is done (the metadata files a copy left out), after ``notes``.
     """
 
     outputs: list[PlannedOutput]
@@ -185,6 +186,7 @@ class PreparedJob:
     notes: tuple[str, ...] = ()
     modules: tuple[ModuleReport, ...] = ()
     sources: list[TensorSource] = field(default_factory=list)
+    written_notes: list[str] = field(default_factory=list)
 
     def plan(self) -> MergePlan | None:
         """Every safetensors output's tensors and shards as one plan (for progress: ``on_plan``); None
@@ -193,6 +195,10 @@ class PreparedJob:
         if len(plans) <= 1:
             return plans[0] if plans else None
         return MergePlan(tuple(t for p in plans for t in p.tensors), tuple(s for p in plans for s in p.shards))
+
+    def all_notes(self) -> tuple[str, ...]:
+        """``notes``, then each of ``written_notes`` not among them, once."""
+        return self.notes + tuple(n for n in dict.fromkeys(self.written_notes) if n not in self.notes)
 
     def close(self) -> None:
         for source in self.sources:
@@ -285,4 +291,4 @@ def run_job(job: OutputJob, *, on_bytes: Callable[[int], None] | None = None,
                         layout=prepared.layout, fmt=job.options.format if job.command == "split" else "",
                         tensors=tensors, tensor_bytes=tensor_bytes, files=tuple(files),
                         checksums=tuple(sorted(written.checksums.items())),
-                        seconds=time.perf_counter() - started, notes=prepared.notes, modules=prepared.modules)
+                        seconds=time.perf_counter() - started, notes=prepared.all_notes(), modules=prepared.modules)

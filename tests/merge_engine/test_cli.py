@@ -333,21 +333,22 @@ def test_persistent_storage_faults_are_one_named_line(fault, s3_bucket_url, s3_f
     assert storage.is_transient(StorageUnavailable("x", url))
 
 
-def test_hostile_metadata_file_names_are_never_copied(checkpoint, tmp_path, caplog):
+def test_hostile_metadata_file_names_are_never_copied(checkpoint, tmp_path, capsys):
     """Extra files of ``huggingface/`` are copied beside the merged weights; a name holding a newline or the
     right-to-left override (U+202E, which shows ``evil\\u202ejson.exe`` as ``evilexe.json``) was copied into the
-    output too. Now each is skipped with one bounded warning line; the plain ones are still copied."""
-    import logging
-
+    output too. Now each is skipped with one bounded note line (the merge's notes); the plain ones are still
+    copied."""
     hostile = ["notes\nconfig.json", "evil\u202enosj.exe", "x" * 200 + "\u202e" + "y" * 50]
     for name in [*hostile, "chat_template.jinja"]:
         (checkpoint / "huggingface" / name).write_text("{}")
     target = tmp_path / "target"
-    with caplog.at_level(logging.WARNING, logger="merge_engine.formats.hf_metadata"):
-        assert _merge(checkpoint, target) == 0
+    assert _merge(checkpoint, target) == 0
     written = set(os.listdir(target))
     assert "chat_template.jinja" in written and not written & set(hostile)
     assert all(name.isprintable() for name in written)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "merge_engine.formats.hf_metadata"]
-    assert len(warnings) == len(hostile)
-    assert all("\n" not in w and "\u202e" not in w and len(w) < 200 for w in warnings)
+    err = capsys.readouterr().err
+    assert "\u202e" not in err
+    notes = [line for line in err.splitlines() if line.startswith("  note: not copied: the file name ")]
+    assert len(notes) == len(hostile)
+    assert all(len(note) < 200 for note in notes)
+    assert "'notes\\nconfig.json'" in err  # the newline shown escaped, in the one line

@@ -3,10 +3,10 @@
 - the model's own files are carried: tokenizer files, chat templates, generation / processor configs, and the custom
   code its ``auto_map`` names (config.json's, tokenizer_config.json's, preprocessor_config.json's), with the modules
   those import relatively;
-- a ``.py`` nothing names is a script beside the checkpoint: not carried, one log line; so is a module named by a
-  ``repo--module.Class`` entry (another repository's code);
-- a trainer's bookkeeping (`merge_engine.formats.trainer_files.TRAINER_FILES`) is never carried, one log line each
-  naming the trainer, weight-like names (``training_args.bin``, ``rng_state_0.pth``) included.
+- a ``.py`` nothing names is a script beside the checkpoint: not carried, one line told to the caller (the job's
+  note); so is a module named by a ``repo--module.Class`` entry (another repository's code);
+- a trainer's bookkeeping (`merge_engine.formats.trainer_files.TRAINER_FILES`) is never carried, one line each
+  naming the trainer, weight-like names (``training_args.bin``, ``rng_state_0.pth``) included; none is a warning.
 """
 
 from __future__ import annotations
@@ -53,13 +53,14 @@ def folder(tmp_path):
 
 def test_the_model_files_and_its_custom_code_are_carried_nothing_else(folder, tmp_path, caplog):
     target = tmp_path / "release"
+    lines: list[str] = []
     with caplog.at_level(logging.INFO, logger="merge_engine.formats.hf_metadata"):
-        written = copy_metadata(str(folder), str(target), CONFIG)
+        written = copy_metadata(str(folder), str(target), CONFIG, on_left_out=lines.append)
     assert set(os.listdir(target)) == set(MODELS) | {"config.json"}
     assert {name for name, _ in written} == set(MODELS) | {"config.json"}
     for name in MODELS:
         assert (target / name).read_text() == MODELS[name]
-    lines = [r.getMessage() for r in caplog.records if r.name == "merge_engine.formats.hf_metadata"]
+    assert not caplog.records  # told to the caller, not logged
     assert len(lines) == len(SCRIPTS) + len(TRAINERS)  # one line per file not carried
     for name in TRAINERS:
         (line,) = [line for line in lines if line.startswith(f"not copied: {name!r}")]
@@ -67,6 +68,14 @@ def test_the_model_files_and_its_custom_code_are_carried_nothing_else(folder, tm
     for name in SCRIPTS:
         (line,) = [line for line in lines if line.startswith(f"not copied: {name!r}")]
         assert "auto_map" in line
+
+
+def test_without_a_caller_to_tell_each_file_left_out_is_logged_at_info(folder, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="merge_engine.formats.hf_metadata"):
+        copy_metadata(str(folder), str(tmp_path / "release"), CONFIG)
+    lines = [r.getMessage() for r in caplog.records if r.name == "merge_engine.formats.hf_metadata"]
+    assert len(lines) == len(SCRIPTS) + len(TRAINERS)
+    assert {r.levelno for r in caplog.records} == {logging.INFO}
 
 
 def test_a_py_is_carried_only_when_auto_map_names_it(folder, tmp_path):

@@ -14,6 +14,7 @@ inside HF Trainer's ``checkpoint-1/``, ZeRO-3 in fp32 as a bare engine's ``globa
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from merge_engine.cli import main
+from merge_engine.commands.merge import merge_checkpoint
 from merge_engine.errors import CorruptShard, IncompleteCheckpoint, UnsupportedLayout
 from merge_engine.layouts import check_checkpoint, deepspeed_zero, listing_verdicts
 from merge_engine.layouts.discovery import discover, steps_from_listing
@@ -46,20 +48,47 @@ def test_merge_is_the_fp32_masters_bit_for_bit_with_the_models_logits(zero_runs,
     assert_release_of_step(str(target), run, 1)  # names, dtypes (fp32) and values; transformers' logits, exactly
 
 
+HF_TRAINERS_FILES = {"latest": "DeepSpeed", "zero_to_fp32.py": "DeepSpeed", "zero_to_torch.py": "DeepSpeed",
+                     "trainer_state.json": "HF Trainer"}  # what DeepSpeed and HF Trainer leave in checkpoint-N/
+
+
 @pytest.mark.parametrize("name", ["zero1_bf16", "zero2_bf16"])
-def test_a_release_of_hf_trainers_step_carries_the_models_files_and_none_of_the_trainers(zero_runs, tmp_path, name):
+def test_a_release_of_hf_trainers_step_carries_the_models_files_and_none_of_the_trainers(zero_runs, tmp_path, name,
+                                                                                         capsys, caplog):
     """HF Trainer's ``checkpoint-N/`` is the folder of the model's config and of the trainers' bookkeeping:
     DeepSpeed's ``latest`` and the ``zero_to_fp32.py`` / ``zero_to_torch.py`` it drops there (Python code), HF
     Trainer's ``trainer_state.json``. The release carries the tokenizer, chat template and generation config, and
-    none of those."""
+    none of those; each left out is a note of the merge (which file, whose), printed as the merge's other notes
+    are, not a warning."""
     run = zero_runs[name]
     step = set(os.listdir(run.step_dir(1)))
-    trainers = {"latest", "zero_to_fp32.py", "zero_to_torch.py", "trainer_state.json"}
     models = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"}
-    assert trainers | models <= step  # what DeepSpeed and HF Trainer wrote there
+    assert set(HF_TRAINERS_FILES) | models <= step  # what DeepSpeed and HF Trainer wrote there
     target = tmp_path / "out"
-    assert main(_merge_args(run, target)) == 0
+    with caplog.at_level(logging.INFO):
+        assert main(_merge_args(run, target)) == 0
     assert set(os.listdir(target)) == models | {"config.json", "model.safetensors", "stepmerge.json"}
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("  note: not copied: ")]
+    for file, trainer in HF_TRAINERS_FILES.items():
+        (note,) = [n for n in notes if n.startswith(f"  note: not copied: {file!r}, ")]
+        assert trainer in note
+    assert len(notes) == len(HF_TRAINERS_FILES)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "not copied" in r.getMessage()]
+
+
+def test_the_trainers_files_left_out_are_the_merges_notes_not_warnings(zero_runs, tmp_path, caplog):
+    """`merge_checkpoint`'s result (what the flows record of a release) holds one note per file of HF Trainer's
+    step folder it left out, naming it and whose it is; nothing is logged at WARNING for them."""
+    run = zero_runs["zero2_bf16"]
+    with caplog.at_level(logging.INFO):
+        result = merge_checkpoint(run.step_dir(1), str(tmp_path / "out"))
+    left_out = [note for note in result.notes if note.startswith("not copied: ")]
+    assert len(left_out) == len(HF_TRAINERS_FILES), result.notes
+    for file, trainer in HF_TRAINERS_FILES.items():
+        (note,) = [n for n in left_out if n.startswith(f"not copied: {file!r}, ")]
+        assert f"{trainer}'s bookkeeping" in note
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [m for m in warned if any(file in m for file in HF_TRAINERS_FILES)], warned
 
 
 @pytest.mark.parametrize("name", RUNS)
