@@ -102,8 +102,10 @@ def _dtype_of(properties: Any, url: str, key: str) -> str:
     return dtype.name
 
 
-def read_index(url: str) -> DcpIndex:
-    """Parse ``<url>/.metadata`` safely; `IncompleteCheckpoint` if absent, `CorruptShard` if malformed.
+def read_index(url: str, *, layout: str | None = None) -> DcpIndex:
+    """Parse ``<url>/.metadata`` safely; `IncompleteCheckpoint` if absent, `CorruptShard` if malformed,
+    `UnsupportedLayout` for items saved through a stream transform (compressed), its message starting with
+    ``layout`` (the name of the layout reading it) where given, as that layout's own refusals do.
 
     Besides the tiling, the index is refused when it lies about bytes: negative or non-integer
     offsets and sizes, two items sharing bytes of a data file (one saved chunk standing for many),
@@ -128,18 +130,18 @@ def read_index(url: str) -> DcpIndex:
     if getattr(root, "qualname", "") != "Metadata" or "state_dict_metadata" not in fields:
         raise CorruptShard("not a torch.distributed.checkpoint metadata file", meta_url)
     try:
-        return _parse_index(url, fields, meta_url)
+        return _parse_index(url, fields, meta_url, f"{layout}: " if layout else "")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a field missing or of the wrong kind
         raise CorruptShard(f"metadata entry malformed ({type(exc).__name__}: {exc})", meta_url) from None
 
 
-def _parse_index(url: str, fields: dict, meta_url: str) -> DcpIndex:
+def _parse_index(url: str, fields: dict, meta_url: str, prefix: str) -> DcpIndex:
     locations: dict[tuple[str | None, tuple[int, ...] | None], ItemLocation] = {}
     for index, info in (fields.get("storage_data") or {}).items():
         idx, loc = _fields(index), _fields(info)
         if loc.get("transform_descriptors"):
-            raise UnsupportedLayout(f"{idx.get('fqn')!r} is stored with transforms {loc['transform_descriptors']} "
-                                    "(compression?); not supported", meta_url)
+            raise UnsupportedLayout(f"{prefix}{idx.get('fqn')!r} is stored with transforms "
+                                    f"{loc['transform_descriptors']} (compression?); not supported", meta_url)
         offset = idx.get("offset")
         location = ItemLocation(_file_name(loc["relative_path"]), _count(loc["offset"]), _count(loc["length"]))
         locations[(idx.get("fqn"), tuple(_count(o) for o in offset) if offset is not None else None)] = location

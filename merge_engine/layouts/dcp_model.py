@@ -171,7 +171,7 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     folder, writer = found
     folder_url = storage.join(url, folder.rstrip("/")) if folder else url
     inside = _top(files, folder)
-    index = read_index(folder_url)
+    index = read_index(folder_url, layout=NAME)
     check_files(index, folder_url, inside)
     names = model_names(index, folder_url)
     hf_dir = _config_dir(url, files, folder)
@@ -205,7 +205,7 @@ def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout con
     folder_url = storage.join(checkpoint.url, folder.rstrip("/")) if folder else checkpoint.url
     index = restore_dcp(checkpoint, folder)
     if index is None:
-        full = read_index(folder_url)
+        full = read_index(folder_url, layout=NAME)
         index = _hub_index(full, model_names(full, folder_url))
     listed = [f for f in checkpoint.files if f.path.startswith(folder) and "/" not in f.path[len(folder):]]
     files = DcpFiles(folder_url, {f.path[len(folder):]: f.size for f in listed},

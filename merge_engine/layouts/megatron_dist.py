@@ -220,7 +220,7 @@ def check_complete(url: str, files: list[FileEntry]) -> Checkpoint:
     if backend != "torch_dist":
         raise UnsupportedLayout(f"sharded_backend {backend!r}: only torch_dist checkpoints are read; re-save with "
                                 "--ckpt-format torch_dist", storage.join(folder_url, MEGATRON_METADATA))
-    index = read_index(folder_url)
+    index = read_index(folder_url, layout=NAME)
     check_files(index, folder_url, {f.path[len(folder):]: f for f in files if _in_folder(f.path, folder)})
     if not any(is_model_key(k) for k in index.tensors):
         kinds = sorted({k.split("/")[0].split(".")[0] for k in list(index.tensors) + list(index.objects)})
@@ -316,7 +316,7 @@ def open(checkpoint: Checkpoint) -> TensorSource:  # noqa: A001 - the layout con
     from merge_engine.layouts.tensor_index import restore_dcp
 
     folder, folder_url = _folder_url(checkpoint)
-    index = restore_dcp(checkpoint, folder) or read_index(folder_url)
+    index = restore_dcp(checkpoint, folder) or read_index(folder_url, layout=NAME)
     listed = [f for f in checkpoint.files if _in_folder(f.path, folder)]
     files = DcpFiles(folder_url, {f.path[len(folder):]: f.size for f in listed},
                      {f.path[len(folder):]: f.version for f in listed})

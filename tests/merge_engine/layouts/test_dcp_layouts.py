@@ -146,6 +146,27 @@ def test_torchtitan_names_are_torchtitan_s_layout(tmp_path):
     assert check_checkpoint(str(tmp_path / "step-10")).layout == "torchtitan"
 
 
+def test_items_saved_through_a_stream_transform_are_refused_by_the_layouts_name(tmp_path):
+    """torch's DCP writer records a compressed item (its ``_extensions``, e.g. ZStandard) by the transforms in the
+    item's storage record: refused in one line that starts with the layout's name, as its other refusals do."""
+    import dataclasses
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    step = tmp_path / "checkpoint-1"
+    dcp.save({"model.embed_tokens.weight": torch.ones(8, 4), "lm_head.weight": torch.ones(8, 4)},
+             checkpoint_id=str(step))
+    with open(step / ".metadata", "rb") as f:  # torch's own record of the save, read here by the test only
+        metadata = pickle.load(f)
+    metadata.storage_data = {index: dataclasses.replace(info, transform_descriptors=["zstd"])
+                             for index, info in metadata.storage_data.items()}
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UnsupportedLayout, match=r"^torch_dcp: '(model\.embed_tokens|lm_head)\.weight' is stored "
+                                                r"with transforms \['zstd'\] \(compression\?\); not supported \["):
+        check_checkpoint(str(step))
+
+
 def test_a_megatron_torch_dist_folder_is_not_taken_for_a_plain_dcp_save():
     """megatron-core writes common.pt before the DCP save and metadata.json after it."""
     names = ["common.pt", "__0_0.distcp", "__1_0.distcp", ".metadata"]
