@@ -5,8 +5,9 @@ From a checkpoint (`extract_lora`): a checkpoint of a PEFT-wrapped model (verl F
 - at the target: a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``
   with PEFT's names), r and target_modules inferred from the tensors (per-module ranks ->
   ``rank_pattern``);
-- at ``<target>/base/``: the clean base model (a Hugging Face folder), unless the checkpoint is
-  LoRA-only (then ``base_model`` names the base the adapter is checked against) or not asked for.
+- at ``<target>/base/``: the clean base model (a Hugging Face folder) when asked for (``include_base``): the
+  checkpoint's own base weights, else (a LoRA-only checkpoint) ``base_model``, the base the adapter is checked
+  against (`merge_engine.commands.base_copy`).
 
 ``lora_alpha`` is never guessed (`merge_engine.lora.checkpoint` resolves it from the run, or the
 caller's ``--lora-alpha``). What a plain ``stepmerge merge`` of such a checkpoint writes (the trained
@@ -39,6 +40,7 @@ from merge_engine.plan.hub_format import in_weights_format
 from merge_engine.lora.adapter_io import adapter_plan, check_fits_base, write_adapter_config
 from merge_engine.lora.checkpoint import RunLoraMetadata, base_shapes, is_lora_checkpoint, lora_records, plan_trained_model, read_run_metadata, resolve_checkpoint_lora, task_type_of
 from merge_engine.lora.combine import TableFactor
+from merge_engine.commands.base_copy import base_copy
 from merge_engine.commands.input_folders import InputFolders
 from merge_engine.commands.layout_jobs import jobs_of
 from merge_engine.commands.lora_alpha import one_lora_alpha
@@ -151,6 +153,7 @@ class ExtractJob:
         lora = resolve_checkpoint_lora(checkpoint.url, checkpoint.files, source.metas(), one_lora_alpha(options),
                                       config, run=self._run_metadata())
         base_view = RenamedSource(source, lora.keys.base) if lora.keys.base else None
+        given: TensorSource | None = None  # --base-model's tensors
         if options.base_model is not None:
             given = self.inputs.open(options.base_model)
             opened.append(given)
@@ -175,18 +178,23 @@ class ExtractJob:
         if base_plan is not None and options.base_model is None:
             check_base_metas = {t.name: TensorMeta(t.name, t.shape, t.dtype) for t in base_plan.tensors}
         check_exported_fits(exported, check_base_metas, checkpoint.url, check_url)
-        base_written = base_plan if options.include_base else None  # the clean base, when it is written
+        base_output = None  # the clean base under base/, when it is written: the step's own, else the one given
+        if options.include_base and base_plan is not None and base_view is not None:
+            base_output = shard_output(base_plan, base_view, BASE_DIR,
+                                       then=lambda url: self.inputs.copy_metadata(hf_dir, url, config,
+                                                                                  base_plan.config_updates))
+        elif options.include_base and options.base_model is not None and given is not None:
+            base_output = base_copy(options, options.base_model, given, dtype, self.inputs)
+        base_written = base_output.plan if base_output is not None else None
         base_out = adapter_base_name(base_model_id=options.base_model_id, config=config,
-                                     base_written=base_written is not None, base_model=options.base_model)
+                                     base_written=base_output is not None, base_model=options.base_model)
         plan = adapter_plan(list(exported.tensors))
         adapter_json = extracted_adapter_config(lora, exported, task_type_of(config, lora.run.task_type), base_out,
                                                 config)
         outputs = [shard_output(plan, source, then=lambda url: [write_adapter_config(url, adapter_json)])]
         plans = [plan]
-        if base_written is not None and base_view is not None:
-            outputs.append(shard_output(base_written, base_view, BASE_DIR,
-                                        then=lambda url: self.inputs.copy_metadata(hf_dir, url, config,
-                                                                                   base_written.config_updates)))
+        if base_output is not None and base_written is not None:
+            outputs.append(base_output)
             plans.append(base_written)
         provenance = {"command": "extract-lora", "source": self.source_url, "layout": checkpoint.layout,
                       "options": options.output_options("extract-lora"), "lora_alpha_from": lora.alpha_from,

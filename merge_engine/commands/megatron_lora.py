@@ -35,6 +35,7 @@ from merge_engine import storage
 from merge_engine.architectures import model_dims, table_for_config
 from merge_engine.errors import AdapterError, BaseModelRequired, InvalidOption
 from merge_engine.plan.hub_format import in_weights_format
+from merge_engine.commands.base_copy import base_copy
 from merge_engine.commands.input_folders import InputFolders
 from merge_engine.commands.lora_alpha import one_lora_alpha
 from merge_engine.output.jobs import OutputOptions, PreparedJob
@@ -166,7 +167,7 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
         tensors = [PlannedTensor(name, tuple(meta.shape), dtype or meta.dtype, name)
                    for name, meta in source.metas().items()]
         plan = adapter_plan(tensors)
-        base_output = _base_copy(options, *given, dtype, inputs) if options.include_base and given is not None else None
+        base_output = base_copy(options, *given, dtype, inputs) if options.include_base and given is not None else None
         if base_output is None and options.include_base and not checkpoint.adapter_only:
             base_output, base_source = _step_base(checkpoint, options, dtype, inputs)
             opened.append(base_source)
@@ -193,19 +194,6 @@ def prepare_adapter_release(checkpoint: Checkpoint, options: OutputOptions, sour
     outputs = [shard_output(plan, source, then=config_file)] + ([base_output] if base_output else [])
     return PreparedJob(outputs, provenance, kind="adapter+base" if base_output else "adapter",
                        layout=checkpoint.layout, notes=notes, sources=opened, written_notes=inputs.left_out)
-
-
-def _base_copy(options: OutputOptions, base_url: str, base: TensorSource, dtype: torch.dtype | None,
-               inputs: InputFolders) -> PlannedOutput:
-    """``--base-model`` (``base_url``, its tensors ``base``) under ``base/`` of the adapter release (its tensors as the
-    Hub names them)."""
-    from merge_engine.plan.hf_plan import plan_hf_merge
-
-    config = inputs.config(base_url, "base model")
-    stored = plan_hf_merge(base.metas(), config, max_shard_size=None, config_url=base_url)
-    plan = in_weights_format(stored.with_dtype(dtype), config, options.weights_format, options.max_shard_size)
-    return shard_output(plan, base, BASE_DIR, then=lambda url: inputs.copy_metadata(base_url, url, config,
-                                                                                    plan.config_updates))
 
 
 class StepBaseSource:

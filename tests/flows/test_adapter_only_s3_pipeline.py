@@ -12,8 +12,8 @@ Each step is copied to a bucket of the session's SeaweedFS server and its base m
 merges, validates and publishes to s3:// the fused model and the adapter. Judged from outside stepmerge
 (`tests.release_checks`): the model release holds PEFT's own ``merge_and_unload`` of the trained model in fp32, bit
 for bit, transformers loads it strictly with the trained model's logits; the adapter release holds PEFT's own adapter
-state bit for bit, names the base it was given (no ``base/`` is written for a step that holds no base) and, loaded by
-PEFT onto that base, gives the same logits. Without ``base_model`` the step's merge fails with the named error that
+state bit for bit and, under ``base/``, the base it was given bit for bit (named ``base`` in its config); PEFT loads
+the release alone (``release/base``, then ``release``) with the same logits. Without ``base_model`` the step's merge fails with the named error that
 says to pass it (`AdapterError`), and nothing is published.
 """
 
@@ -38,6 +38,7 @@ from tests.fixtures_pipeline import LORA_STEP, TemplateRun
 from tests.fixtures_storage import upload_step
 from tests.release_checks import (
     TOKENS, assert_model_logits, assert_no_machine_paths, assert_release_weights_equal, download, load_model, read_file,
+    release_tensors,
 )
 
 FUSED_RTOL = 1e-5  # PEFT's unfused forward adds B @ A x in another order than the fused weight's matmul
@@ -105,9 +106,10 @@ def _fused(trained: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _assert_fused_release(outcome, trained: torch.nn.Module, base: Path, base_url: str) -> str:
     """The step's model release is PEFT's merge of ``trained`` bit for bit and transformers loads it strictly with
-    ``trained``'s logits; its adapter release holds PEFT's own adapter state of ``trained`` bit for bit, names the
-    base it was given (``base_url``) and, loaded by PEFT onto that base (``base``, a local copy), gives the same
-    logits. Returns the model release's URL."""
+    ``trained``'s logits; its adapter release holds PEFT's own adapter state of ``trained`` bit for bit and, under
+    ``base/``, the base it was given (``base``, a local copy of ``base_url``) bit for bit; its config names that base
+    ``base``, and PEFT loading the release alone (``release/base``, then ``release``) gives the same logits. Returns
+    the model release's URL."""
     import peft
 
     releases = {release.kind: release for release in outcome.releases}
@@ -122,9 +124,11 @@ def _assert_fused_release(outcome, trained: torch.nn.Module, base: Path, base_ur
     assert_model_logits(model, trained, rtol=FUSED_RTOL)
 
     assert_release_weights_equal(adapter, peft.get_peft_model_state_dict(trained))
-    assert json.loads(read_file(adapter, "adapter_config.json"))["base_model_name_or_path"] == base_url
+    assert_release_weights_equal(f"{adapter}/base", release_tensors(str(base)))  # the base given, bit for bit
+    assert json.loads(read_file(adapter, "adapter_config.json"))["base_model_name_or_path"] == "base"
     with tempfile.TemporaryDirectory(prefix="outside-adapter-") as local:
-        loaded = peft.PeftModel.from_pretrained(load_model(str(base)), download(adapter, local))
+        release = download(adapter, local)
+        loaded = peft.PeftModel.from_pretrained(load_model(f"{release}/base"), release)  # the release alone
         _assert_close_logits(adapter, loaded, trained)
     return model
 

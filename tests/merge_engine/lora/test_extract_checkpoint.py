@@ -101,7 +101,7 @@ def test_plain_merge_in_bf16(tmp_path, fsdp_lora_runs):
 def test_lora_only_checkpoint_needs_the_base(tmp_path, fsdp_lora_runs, lora_only_checkpoint):
     """Only adapter keys saved: the adapter is extracted and checked against --base-model; a plain
     merge without --base-model says to pass it (it then fuses: test_adapter_step_fuse); nothing is written on
-    failure."""
+    failure. Without include_base, the adapter alone, naming --base-model by its name."""
     run = fsdp_lora_runs["lora_fsdp2_qwen2_r2"]
     base_dir = str(tmp_path / "base")
     run.base_model().save_pretrained(base_dir)
@@ -112,12 +112,37 @@ def test_lora_only_checkpoint_needs_the_base(tmp_path, fsdp_lora_runs, lora_only
         merge_checkpoint(lora_only_checkpoint.checkpoint_dir, str(tmp_path / "merged"))
     assert not os.path.exists(tmp_path / "merged")
     result = extract_lora(lora_only_checkpoint.checkpoint_dir, str(tmp_path / "adapter"),
-                          OutputOptions(base_model=base_dir))
+                          OutputOptions(base_model=base_dir, include_base=False))
     assert result.kind == "adapter" and not os.path.exists(tmp_path / "adapter" / "base")
     assert json.load(open(tmp_path / "adapter" / "adapter_config.json"))["base_model_name_or_path"] == \
         os.path.basename(base_dir)  # --base-model by its name: no path of this machine
     torch.testing.assert_close(peft_logits(base_dir, str(tmp_path / "adapter")), logits(run.trained_model()),
                                atol=ATOL, rtol=RTOL)
+
+
+def test_a_lora_only_checkpoints_release_carries_the_base_given(tmp_path, fsdp_lora_runs, lora_only_checkpoint):
+    """include_base (the default) for a step holding only the adapter: --base-model is written under base/ (its
+    tensors bit for bit, in the requested dtype; its config beside them) and the adapter names it ``base``, so
+    PEFT loads the release alone with the trained model's logits; --base-model-id still names the base."""
+    run = fsdp_lora_runs["lora_fsdp2_qwen2_r2"]
+    base_dir = str(tmp_path / "given_base")
+    run.base_model().save_pretrained(base_dir)
+    out = str(tmp_path / "adapter")
+    result = extract_lora(lora_only_checkpoint.checkpoint_dir, out, OutputOptions(base_model=base_dir))
+    assert result.kind == "adapter+base"
+    assert json.load(open(os.path.join(out, "adapter_config.json")))["base_model_name_or_path"] == "base"
+    written, given = load_file(os.path.join(out, "base", "model.safetensors")), load_file(
+        os.path.join(base_dir, "model.safetensors"))
+    assert written.keys() == given.keys() and all(torch.equal(written[k], given[k]) for k in given)
+    assert json.load(open(os.path.join(out, "base", "config.json")))["model_type"] == "qwen2"
+    torch.testing.assert_close(peft_logits(os.path.join(out, "base"), out), logits(run.trained_model()),
+                               atol=ATOL, rtol=RTOL)
+
+    bf16 = str(tmp_path / "bf16")
+    extract_lora(lora_only_checkpoint.checkpoint_dir, bf16,
+                 OutputOptions(base_model=base_dir, dtype="bfloat16", base_model_id="org/base-7b"))
+    assert {t.dtype for t in load_file(os.path.join(bf16, "base", "model.safetensors")).values()} == {torch.bfloat16}
+    assert json.load(open(os.path.join(bf16, "adapter_config.json")))["base_model_name_or_path"] == "org/base-7b"
 
 
 def test_alpha_is_never_guessed(tmp_path, fsdp_lora_runs):

@@ -146,7 +146,8 @@ def test_a_peft_adapter_config_beside_a_dcp_checkpoint_is_the_runs_lora_config(r
 
 
 def test_hf_trainers_adapter_only_dcp_save_extracts_against_the_base(runs, tmp_path):
-    """HF Trainer saves a PEFT model's adapter only (``lora_A.weight``, no base, no alpha anywhere)."""
+    """HF Trainer saves a PEFT model's adapter only (``lora_A.weight``, no base, no alpha anywhere): extract-lora
+    writes the adapter and, under base/, the --base-model it was checked against, so PEFT loads the release alone."""
     run = runs("dcp_adapter")
     checkpoint = check_checkpoint(run.folder)
     assert checkpoint.lora is True
@@ -155,8 +156,10 @@ def test_hf_trainers_adapter_only_dcp_save_extracts_against_the_base(runs, tmp_p
     assert main(run.args("merge", merged, "--lora-alpha", "8")) != 0 and not merged.exists()  # no base in it
     out = tmp_path / "adapter"
     assert main(run.args("extract-lora", out, "--base-model", base_dir, "--lora-alpha", "8")) == 0
-    assert not (out / "base").exists()
-    torch.testing.assert_close(peft_logits(base_dir, str(out)), logits(run.trained), atol=ATOL, rtol=RTOL)
+    assert json.load(open(out / "adapter_config.json"))["base_model_name_or_path"] == "base"  # written beside it
+    written, given = load_file(str(out / "base" / "model.safetensors")), load_file(f"{base_dir}/model.safetensors")
+    assert written.keys() == given.keys() and all(torch.equal(written[k], given[k]) for k in given)
+    torch.testing.assert_close(peft_logits(str(out / "base"), str(out)), logits(run.trained), atol=ATOL, rtol=RTOL)
 
 
 def test_hf_trainers_deepspeed_save_of_a_peft_model(runs, zero_lora_runs, tmp_path):
@@ -184,4 +187,5 @@ def test_hf_trainers_deepspeed_save_of_a_peft_model(runs, zero_lora_runs, tmp_pa
     assert sorted(ours) == sorted(theirs)
     assert all(torch.equal(ours[k].to(theirs[k].dtype), theirs[k]) for k in ours)
     torch.testing.assert_close(peft_logits(base_dir, str(out)), logits(run.trained), atol=ATOL, rtol=RTOL)
-    assert os.path.basename(base_dir) == json.load(open(out / "adapter_config.json"))["base_model_name_or_path"]
+    assert json.load(open(out / "adapter_config.json"))["base_model_name_or_path"] == "base"  # --base-model under base/
+    torch.testing.assert_close(peft_logits(str(out / "base"), str(out)), logits(run.trained), atol=ATOL, rtol=RTOL)
