@@ -41,9 +41,11 @@ WINGS = (
 below them all and imports none of them but the API it exports (`merge_engine.api`, whose functions import
 the wings they call when they run)."""
 
-OUTPUT_REVISION = 2
+OUTPUT_REVISION = 3
 """The revision of the bytes the engine writes, bumped whenever the output for the same input and options
-changes while ``__version__`` stays (2: Qwen3-VL-MoE's fused experts in the Hub's layout). Every
+changes while ``__version__`` stays (2: Qwen3-VL-MoE's fused experts in the Hub's layout; 3: an untied masked-LM
+head's bias written as transformers 4.x reads it, and the adapter release of an adapter-only step given a base
+model carries that base in ``base/``). Every
 output fingerprint and pipeline cache key holds it (`engine_identity`) and ``stepmerge.json`` records it, so
 an output or release of an older revision is never taken for the current one (it is rebuilt, or refused as
 other input without ``overwrite``)."""
