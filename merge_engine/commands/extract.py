@@ -47,6 +47,7 @@ from merge_engine.commands.lora_alpha import one_lora_alpha
 from merge_engine.lora.config import adapter_config, infer_target_modules, rank_layout
 from merge_engine.lora.extracted_config import extracted_adapter_config
 from merge_engine.lora.finetune_delta import changed_tensors, select_modules
+from merge_engine.lora.same_model import check_same_model
 from merge_engine.lora.fuse import finite_or_raise
 from merge_engine.lora.hub_names import check_exported_fits, export_adapter
 from merge_engine.lora.base_name import adapter_base_name
@@ -92,7 +93,8 @@ class ExtractJob:
     copied (`merge_engine.lora.base_name.adapter_base_name`: a Hub id, else ``base``), never the folder it is
     written to (the pipeline's staging dies with the publish). The model's config is ``hf_model_path``'s, else the
     one saved with the checkpoint, else (an adapter-only step saved without one: HF Trainer's save of a PEFT model)
-    ``base_model``'s."""
+    ``base_model``'s. A ``base_model`` whose config is not that model is refused before anything is read
+    (`merge_engine.lora.same_model.check_same_model`: InvalidConfig naming both config files)."""
 
     source_url: str
     target_url: str
@@ -155,6 +157,7 @@ class ExtractJob:
         base_view = RenamedSource(source, lora.keys.base) if lora.keys.base else None
         given: TensorSource | None = None  # --base-model's tensors
         if options.base_model is not None:
+            check_same_model(config, hf_dir, self.inputs.config(options.base_model, "base model"), options.base_model)
             given = self.inputs.open(options.base_model)
             opened.append(given)
             check_base_metas, check_url = given.metas(), options.base_model

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from merge_engine.cli import main
-from merge_engine.errors import AdapterError, InvalidOption
+from merge_engine.errors import AdapterError, InvalidConfig, InvalidOption
 from merge_engine.commands.extract import extract_lora
 from merge_engine.output.jobs import OutputOptions
 from merge_engine.commands.merge import merge_checkpoint
@@ -143,6 +143,24 @@ def test_a_lora_only_checkpoints_release_carries_the_base_given(tmp_path, fsdp_l
                  OutputOptions(base_model=base_dir, dtype="bfloat16", base_model_id="org/base-7b"))
     assert {t.dtype for t in load_file(os.path.join(bf16, "base", "model.safetensors")).values()} == {torch.bfloat16}
     assert json.load(open(os.path.join(bf16, "adapter_config.json")))["base_model_name_or_path"] == "org/base-7b"
+
+
+def test_a_base_of_another_model_is_refused_before_anything_is_written(tmp_path, fsdp_lora_runs,
+                                                                      lora_only_checkpoint):
+    """--base-model whose config is not the step's model (one more layer here) is an InvalidConfig naming both
+    config files and the key, for an adapter-only step as for one holding its base; nothing is written."""
+    run = fsdp_lora_runs["lora_fsdp2_qwen2_r2"]
+    base_dir = str(tmp_path / "other_base")
+    run.base_model().save_pretrained(base_dir)
+    config_path = os.path.join(base_dir, "config.json")
+    config = json.load(open(config_path))
+    config["num_hidden_layers"] += 1
+    json.dump(config, open(config_path, "w"))
+    for step in (lora_only_checkpoint.checkpoint_dir, run.checkpoint_dir):
+        out = tmp_path / "adapter"
+        with pytest.raises(InvalidConfig, match=r"differs from the step's .*config.json on num_hidden_layers") as refused:
+            extract_lora(step, str(out), OutputOptions(base_model=base_dir))
+        assert refused.value.path == os.path.join(base_dir, "config.json") and not out.exists()
 
 
 def test_alpha_is_never_guessed(tmp_path, fsdp_lora_runs):
