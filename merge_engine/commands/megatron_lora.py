@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from merge_engine import storage
 from merge_engine.architectures import model_dims, table_for_config
 from merge_engine.errors import AdapterError, BaseModelRequired, InvalidOption
 from merge_engine.plan.hub_format import in_weights_format
